@@ -1,0 +1,1 @@
+//! Examples crate; programs live in examples/*.rs.

@@ -1,0 +1,195 @@
+//! Elementwise kernels: maps over one or two contiguous slices, and a strided binary map used
+//! for broadcasting.
+//!
+//! The closures are generic and inlined, so each op becomes a plain loop the compiler
+//! vectorizes; large inputs are split across the shared pool in fixed chunks (the split never
+//! changes results, since every element is computed independently).
+
+use crate::threading::{chunk_len, should_parallelize};
+use rayon::prelude::*;
+
+/// `dst[i] = f(src[i])`.
+pub fn map<A: Copy + Send + Sync, B: Copy + Send + Sync>(src: &[A], dst: &mut [B], f: impl Fn(A) -> B + Sync + Send) {
+    assert_eq!(src.len(), dst.len(), "map length mismatch");
+    let run = |s: &[A], d: &mut [B]| {
+        for (o, i) in d.iter_mut().zip(s) {
+            *o = f(*i);
+        }
+    };
+    if should_parallelize(src.len()) {
+        let c = chunk_len(src.len());
+        src.par_chunks(c).zip(dst.par_chunks_mut(c)).for_each(|(s, d)| run(s, d));
+    } else {
+        run(src, dst);
+    }
+}
+
+/// `dst[i] = f(dst[i])` in place.
+pub fn map_inplace<T: Copy + Send + Sync>(dst: &mut [T], f: impl Fn(T) -> T + Sync + Send) {
+    let run = |d: &mut [T]| {
+        for o in d.iter_mut() {
+            *o = f(*o);
+        }
+    };
+    if should_parallelize(dst.len()) {
+        let c = chunk_len(dst.len());
+        dst.par_chunks_mut(c).for_each(run);
+    } else {
+        run(dst);
+    }
+}
+
+/// `dst[i] = f(a[i], b[i])`.
+pub fn zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync>(a: &[T], b: &[T], dst: &mut [U], f: impl Fn(T, T) -> U + Sync + Send) {
+    assert_eq!(a.len(), dst.len(), "zip_map length mismatch");
+    assert_eq!(b.len(), dst.len(), "zip_map length mismatch");
+    let run = |a: &[T], b: &[T], d: &mut [U]| {
+        for ((o, x), y) in d.iter_mut().zip(a).zip(b) {
+            *o = f(*x, *y);
+        }
+    };
+    if should_parallelize(dst.len()) {
+        let c = chunk_len(dst.len());
+        a.par_chunks(c).zip(b.par_chunks(c)).zip(dst.par_chunks_mut(c)).for_each(|((a, b), d)| run(a, b, d));
+    } else {
+        run(a, b, dst);
+    }
+}
+
+/// `dst[i] = f(dst[i], src[i])` in place.
+pub fn zip_map_inplace<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T + Sync + Send) {
+    assert_eq!(src.len(), dst.len(), "zip_map_inplace length mismatch");
+    let run = |d: &mut [T], s: &[T]| {
+        for (o, x) in d.iter_mut().zip(s) {
+            *o = f(*o, *x);
+        }
+    };
+    if should_parallelize(dst.len()) {
+        let c = chunk_len(dst.len());
+        dst.par_chunks_mut(c).zip(src.par_chunks(c)).for_each(|(d, s)| run(d, s));
+    } else {
+        run(dst, src);
+    }
+}
+
+/// Strided binary map over an output of `shape` (row-major, contiguous), reading
+/// `a[a_offset + Σ idx·a_strides]` and `b[...]` likewise; a stride of 0 broadcasts.
+///
+/// The innermost dimension is a tight loop specialised for the common stride patterns
+/// (1/1, 1/0, 0/1) so bias adds and row scalings vectorize.
+#[allow(clippy::too_many_arguments)]
+pub fn broadcast_zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync + Default>(
+    shape: &[usize],
+    a: &[T],
+    a_offset: usize,
+    a_strides: &[usize],
+    b: &[T],
+    b_offset: usize,
+    b_strides: &[usize],
+    dst: &mut [U],
+    f: impl Fn(T, T) -> U + Sync + Send,
+) {
+    let rank = shape.len();
+    assert_eq!(a_strides.len(), rank);
+    assert_eq!(b_strides.len(), rank);
+    let total: usize = shape.iter().product();
+    assert_eq!(dst.len(), total, "broadcast_zip_map dst length");
+    if total == 0 {
+        return;
+    }
+    if rank == 0 {
+        dst[0] = f(a[a_offset], b[b_offset]);
+        return;
+    }
+    let inner = shape[rank - 1];
+    let (sa, sb) = (a_strides[rank - 1], b_strides[rank - 1]);
+    let outer_shape = &shape[..rank - 1];
+    let row = |row_idx: usize, out: &mut [U]| {
+        // Decompose the row index into outer coordinates.
+        let mut rem = row_idx;
+        let (mut oa, mut ob) = (a_offset, b_offset);
+        for d in (0..rank - 1).rev() {
+            let c = rem % outer_shape[d];
+            rem /= outer_shape[d];
+            oa += c * a_strides[d];
+            ob += c * b_strides[d];
+        }
+        match (sa, sb) {
+            (1, 1) => {
+                for ((o, x), y) in out.iter_mut().zip(&a[oa..oa + inner]).zip(&b[ob..ob + inner]) {
+                    *o = f(*x, *y);
+                }
+            }
+            (1, 0) => {
+                let y = b[ob];
+                for (o, x) in out.iter_mut().zip(&a[oa..oa + inner]) {
+                    *o = f(*x, y);
+                }
+            }
+            (0, 1) => {
+                let x = a[oa];
+                for (o, y) in out.iter_mut().zip(&b[ob..ob + inner]) {
+                    *o = f(x, *y);
+                }
+            }
+            _ => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = f(a[oa + j * sa], b[ob + j * sb]);
+                }
+            }
+        }
+    };
+    if should_parallelize(total) && inner > 0 {
+        let rows_per_chunk = (chunk_len(total) / inner).max(1);
+        dst.par_chunks_mut(rows_per_chunk * inner).enumerate().for_each(|(ci, chunk)| {
+            for (ri, out) in chunk.chunks_mut(inner).enumerate() {
+                row(ci * rows_per_chunk + ri, out);
+            }
+        });
+    } else {
+        for (ri, out) in dst.chunks_mut(inner).enumerate() {
+            row(ri, out);
+        }
+    }
+}
+
+/// Gathers a strided view into a contiguous buffer: `dst[i] = src[offset + Σ idx·strides]`.
+pub fn strided_copy<T: Copy + Send + Sync + Default>(shape: &[usize], src: &[T], offset: usize, strides: &[usize], dst: &mut [T]) {
+    let zero = [0usize; 8];
+    let rank = shape.len();
+    if rank <= 8 {
+        broadcast_zip_map(shape, src, offset, strides, src, 0, &zero[..rank], dst, |x, _| x);
+    } else {
+        let z = vec![0usize; rank];
+        broadcast_zip_map(shape, src, offset, strides, src, 0, &z, dst, |x, _| x);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcast_bias_add_and_transpose_copy() {
+        // [2,3] + [3]
+        let a = [1.0f32, 2., 3., 4., 5., 6.];
+        let b = [10.0f32, 20., 30.];
+        let mut out = [0.0f32; 6];
+        broadcast_zip_map(&[2, 3], &a, 0, &[3, 1], &b, 0, &[0, 1], &mut out, |x, y| x + y);
+        assert_eq!(out, [11., 22., 33., 14., 25., 36.]);
+        // transpose of a viewed as [3,2]
+        let mut t = [0.0f32; 6];
+        strided_copy(&[3, 2], &a, 0, &[1, 3], &mut t);
+        assert_eq!(t, [1., 4., 2., 5., 3., 6.]);
+    }
+
+    #[test]
+    fn parallel_and_serial_paths_agree() {
+        let n = 3 * crate::threading::PARALLEL_MIN_ELEMS + 17;
+        let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
+        let mut par = vec![0.0f32; n];
+        map(&a, &mut par, |x| x.sin());
+        let serial: Vec<f32> = a.iter().map(|x| x.sin()).collect();
+        assert_eq!(par, serial);
+    }
+}

@@ -1,0 +1,30 @@
+//! `rtx-tensor`: eager tensors with tape autograd, the `nn` modules, optimizers, data readers
+//! and safetensors checkpoints of rustytorch.
+//!
+//! Start from [`Tensor`] (creation, views, ops, `backward()`), [`nn`] (the [`nn::Module`] trait and
+//! layers up to a GPT decoder and a ViT encoder) and [`optim`] (SGD, AdamW, schedules, clipping,
+//! flat parameter buckets). Tensors are f32, f64 or bf16 (f32 compute) on the CPU; u32 tensors
+//! hold indices and labels. Randomness comes from a [`Generator`] the caller seeds. This crate
+//! knows nothing about transports, actors or processes.
+
+mod autograd;
+mod error;
+mod gradcheck;
+mod layout;
+mod ops;
+mod rng;
+mod storage;
+mod tensor;
+
+pub mod data;
+
+pub use autograd::{is_grad_enabled, no_grad, set_grad_enabled, BackwardFn, GradModeGuard};
+pub use error::{Error, Result};
+pub use gradcheck::{gradcheck, GradcheckReport};
+
+pub use layout::{broadcast_shape, contiguous_strides, normalize_dim, Layout};
+pub use ops::softmax::{CrossEntropyOptions, Reduction};
+pub use rng::{Generator, GeneratorState};
+pub use rtx_kernels::{DType, Device};
+pub use storage::{CpuData, Storage};
+pub use tensor::{Element, FloatSlice, FloatVec, Tensor, TensorId};

@@ -1,0 +1,104 @@
+//! Matrix multiplication: `[.., m, k] @ [.., k, n]` with broadcast batch dims, on strided
+//! operands (transposed views cost nothing: the gemm kernel reads them with swapped strides).
+//! A batched input times a plain matrix folds the batch into `m` for one large product.
+
+use super::check_same;
+use crate::error::{Error, Result};
+use crate::layout::broadcast_shape;
+use crate::ops::binary::compute_form;
+use crate::storage::CpuData;
+use crate::tensor::{FloatVec, Tensor};
+use rayon::prelude::*;
+use rtx_kernels::matmul::{matmul, Operand};
+use rtx_kernels::Float;
+
+/// Element offsets of every batch index of a layout broadcast to `batch`.
+fn batch_offsets(batch: &[usize], shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize> {
+    let n: usize = batch.iter().product();
+    let lead = batch.len() - (shape.len() - 2);
+    (0..n)
+        .map(|mut idx| {
+            let mut off = offset;
+            for d in (0..batch.len()).rev() {
+                let c = idx % batch[d];
+                idx /= batch[d];
+                if d >= lead {
+                    let own = d - lead;
+                    if shape[own] != 1 {
+                        off += c * strides[own];
+                    }
+                }
+            }
+            off
+        })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn batched<T: Float>(m: usize, n: usize, k: usize, a: &[T], a_offs: &[usize], a_rs: usize, a_cs: usize, b: &[T], b_offs: &[usize], b_rs: usize, b_cs: usize) -> Result<Vec<T>> {
+    let n_batch = a_offs.len();
+    let mut out = vec![T::zero(); n_batch * m * n];
+    if m * n == 0 {
+        return Ok(out);
+    }
+    let one = |i: usize, dst: &mut [T]| {
+        matmul(m, n, k, a, Operand { offset: a_offs[i], row_stride: a_rs, col_stride: a_cs }, b, Operand { offset: b_offs[i], row_stride: b_rs, col_stride: b_cs }, dst, 0, false)
+    };
+    if n_batch > 1 && m * n * k < 256 * 256 * 256 {
+        out.par_chunks_mut(m * n).enumerate().try_for_each(|(i, dst)| one(i, dst))?;
+    } else {
+        for (i, dst) in out.chunks_mut(m * n).enumerate() {
+            one(i, dst)?;
+        }
+    }
+    Ok(out)
+}
+
+impl Tensor {
+    /// Matrix product with broadcast batch dims: `[.., m, k] @ [.., k, n] -> [.., m, n]`.
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        check_same("matmul", self, rhs)?;
+        super::check_float("matmul", self)?;
+        let (ra, rb) = (self.rank(), rhs.rank());
+        if ra < 2 || rb < 2 {
+            return Err(Error::BadShape { op: "matmul", shape: if ra < 2 { self.shape().to_vec() } else { rhs.shape().to_vec() }, reason: "operands need at least 2 dims".into() });
+        }
+        let (m, k) = (self.shape()[ra - 2], self.shape()[ra - 1]);
+        let (k2, n) = (rhs.shape()[rb - 2], rhs.shape()[rb - 1]);
+        if k != k2 {
+            return Err(Error::ShapeMismatch { op: "matmul", lhs: self.shape().to_vec(), rhs: rhs.shape().to_vec() });
+        }
+        if ra > 2 && rb == 2 && self.is_contiguous() {
+            // Fold the batch into the rows: one large product instead of many small ones.
+            let rows: usize = self.shape()[..ra - 1].iter().product();
+            let flat = self.reshape(&[rows, k])?.matmul(rhs)?;
+            let mut shape = self.shape()[..ra - 1].to_vec();
+            shape.push(n);
+            return flat.reshape(&shape);
+        }
+        let batch = broadcast_shape("matmul", &self.shape()[..ra - 2], &rhs.shape()[..rb - 2])?;
+        let (a, b) = (compute_form(self)?, compute_form(rhs)?);
+        let (la, lb) = (a.layout(), b.layout());
+        let a_offs = batch_offsets(&batch, la.shape(), la.strides(), la.offset());
+        let b_offs = batch_offsets(&batch, lb.shape(), lb.strides(), lb.offset());
+        let (a_rs, a_cs) = (la.strides()[ra - 2], la.strides()[ra - 1]);
+        let (b_rs, b_cs) = (lb.strides()[rb - 2], lb.strides()[rb - 1]);
+        let values = {
+            let (da, db) = (a.storage().read(), b.storage().read());
+            match (&*da, &*db) {
+                (CpuData::F32(x), CpuData::F32(y)) => FloatVec::F32(batched(m, n, k, x, &a_offs, a_rs, a_cs, y, &b_offs, b_rs, b_cs)?),
+                (CpuData::F64(x), CpuData::F64(y)) => FloatVec::F64(batched(m, n, k, x, &a_offs, a_rs, a_cs, y, &b_offs, b_rs, b_cs)?),
+                (x, y) => return Err(Error::DTypeMismatch { op: "matmul", lhs: x.dtype(), rhs: y.dtype() }),
+            }
+        };
+        let mut shape = batch.clone();
+        shape.extend_from_slice(&[m, n]);
+        let (lhs, rhs_d) = (self.detach(), rhs.detach());
+        let (req_a, req_b) = (self.is_requires_grad(), rhs.is_requires_grad());
+        Tensor::from_op(values, &shape, self.dtype(), "matmul", &[self, rhs], move |g: &Tensor, _: &Tensor| {
+            let ga = if req_a { Some(g.matmul(&rhs_d.t()?)?.sum_to_shape(lhs.shape())?) } else { None };
+            let gb = if req_b { Some(lhs.t()?.matmul(g)?.sum_to_shape(rhs_d.shape())?) } else { None };
+            Ok(vec![ga, gb])
+        })
+    }
+}

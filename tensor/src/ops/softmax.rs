@@ -1,0 +1,167 @@
+//! Softmax, log-softmax and the fused softmax-cross-entropy loss (with ignore index and label
+//! smoothing), all along the last dimension through the fused row kernels.
+
+use super::check_float;
+use crate::error::{Error, Result};
+use crate::layout::normalize_dim;
+use crate::tensor::{FloatSlice, FloatVec, Tensor};
+use rtx_kernels::cross_entropy::{cross_entropy_rows, CrossEntropySpec};
+use rtx_kernels::{softmax as k, DType};
+
+/// How a loss combines per-row values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Reduction {
+    /// Mean over counted rows.
+    #[default]
+    Mean,
+    /// Sum over rows.
+    Sum,
+    /// One value per row.
+    None,
+}
+
+/// Settings of [`Tensor::cross_entropy`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CrossEntropyOptions {
+    /// Rows whose target is this index contribute nothing.
+    pub ignore_index: Option<u32>,
+    /// Label smoothing ε in [0, 1).
+    pub label_smoothing: f64,
+    /// How to combine rows.
+    pub reduction: Reduction,
+}
+
+impl Default for CrossEntropyOptions {
+    fn default() -> Self {
+        CrossEntropyOptions { ignore_index: None, label_smoothing: 0.0, reduction: Reduction::Mean }
+    }
+}
+
+impl Tensor {
+    /// Softmax along `dim`.
+    pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        self.softmax_impl(dim, false)
+    }
+
+    /// Log-softmax along `dim`.
+    pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
+        self.softmax_impl(dim, true)
+    }
+
+    fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
+        let name = if log { "log_softmax" } else { "softmax" };
+        check_float(name, self)?;
+        let d = normalize_dim(name, dim, self.rank())?;
+        let last = self.rank() - 1;
+        if d != last {
+            return self.transpose(d as isize, last as isize)?.softmax_impl(-1, log)?.transpose(d as isize, last as isize);
+        }
+        let n = self.shape()[last];
+        let values = crate::float_map!(self, |x: T| {
+            let mut out = vec![T::default(); x.len()];
+            if log {
+                k::log_softmax_rows(x, n, &mut out);
+            } else {
+                k::softmax_rows(x, n, &mut out);
+            }
+            out
+        })?;
+        let dtype = self.dtype();
+        Tensor::from_op(values, self.shape(), dtype, name, &[self], move |g: &Tensor, y: &Tensor| {
+            let (y, g) = (crate::ops::binary::compute_form(y)?, crate::ops::binary::compute_form(g)?);
+            let dx = y.with_float_slice(|ys| {
+                g.with_float_slice(|gs| match (ys, gs) {
+                    (FloatSlice::F32(a), FloatSlice::F32(b)) => {
+                        let mut o = vec![0f32; a.len()];
+                        if log { k::log_softmax_backward_rows(a, b, n, &mut o) } else { k::softmax_backward_rows(a, b, n, &mut o) }
+                        FloatVec::F32(o)
+                    }
+                    (FloatSlice::F64(a), FloatSlice::F64(b)) => {
+                        let mut o = vec![0f64; a.len()];
+                        if log { k::log_softmax_backward_rows(a, b, n, &mut o) } else { k::softmax_backward_rows(a, b, n, &mut o) }
+                        FloatVec::F64(o)
+                    }
+                    _ => FloatVec::F64(Vec::new()),
+                })
+            })??;
+            Ok(vec![Some(Tensor::from_data(dx.into_data(dtype), y.shape())?)])
+        })
+    }
+
+    /// Cross-entropy between logits `[.., C]` and u32 class targets `[..]`, fused with the
+    /// softmax. With `Reduction::Mean` the mean is over rows that are not ignored.
+    pub fn cross_entropy(&self, targets: &Tensor, options: CrossEntropyOptions) -> Result<Tensor> {
+        check_float("cross_entropy", self)?;
+        if targets.dtype() != DType::U32 {
+            return Err(Error::DTypeMismatch { op: "cross_entropy", lhs: targets.dtype(), rhs: DType::U32 });
+        }
+        if self.rank() == 0 || self.shape()[..self.rank() - 1] != *targets.shape() {
+            return Err(Error::ShapeMismatch { op: "cross_entropy", lhs: self.shape().to_vec(), rhs: targets.shape().to_vec() });
+        }
+        if !(0.0..1.0).contains(&options.label_smoothing) {
+            return Err(Error::InvalidArgument { op: "cross_entropy", reason: format!("label_smoothing {} outside [0, 1)", options.label_smoothing) });
+        }
+        let c = self.shape()[self.rank() - 1];
+        let t = targets.to_u32_vec()?;
+        let spec = CrossEntropySpec { n_classes: c, ignore_index: options.ignore_index, label_smoothing: options.label_smoothing };
+        let want_grad = self.is_requires_grad() && crate::autograd::is_grad_enabled();
+        let mut kernel_err = None;
+        let (losses, grad, counted) = match self.with_float_slice(|x| match x {
+            FloatSlice::F32(x) => {
+                let mut l = vec![0f32; t.len()];
+                let mut g = if want_grad { vec![0f32; x.len()] } else { Vec::new() };
+                let r = cross_entropy_rows(x, &t, spec, &mut l, want_grad.then_some(g.as_mut_slice()));
+                (FloatVec::F32(l), FloatVec::F32(g), r)
+            }
+            FloatSlice::F64(x) => {
+                let mut l = vec![0f64; t.len()];
+                let mut g = if want_grad { vec![0f64; x.len()] } else { Vec::new() };
+                let r = cross_entropy_rows(x, &t, spec, &mut l, want_grad.then_some(g.as_mut_slice()));
+                (FloatVec::F64(l), FloatVec::F64(g), r)
+            }
+        })? {
+            (l, g, Ok(n)) => (l, g, n),
+            (_, _, Err(e)) => {
+                kernel_err = Some(e);
+                (FloatVec::F32(Vec::new()), FloatVec::F32(Vec::new()), 0)
+            }
+        };
+        if let Some(e) = kernel_err {
+            return Err(e.into());
+        }
+        let dtype = self.dtype();
+        let per_row = Tensor::from_data(losses.into_data(dtype), targets.shape())?;
+        let (value, scale) = match options.reduction {
+            Reduction::None => (per_row, None),
+            Reduction::Sum => (per_row.sum_all()?, Some(1.0)),
+            Reduction::Mean => (per_row.sum_all()?.mul_scalar(1.0 / counted.max(1) as f64)?, Some(1.0 / counted.max(1) as f64)),
+        };
+        let grad_logits = if want_grad { Some(Tensor::from_data(grad.into_data(dtype), self.shape())?) } else { None };
+        let rows_shape = targets.shape().to_vec();
+        let out_shape = value.shape().to_vec();
+        Ok(Tensor::with_node(value.storage().clone(), value.layout().clone(), dtype, "cross_entropy", &[self], move |g: &Tensor, _: &Tensor| {
+            let Some(gl) = &grad_logits else { return Ok(vec![None]) };
+            let mut gshape = rows_shape.clone();
+            gshape.push(1);
+            let g_rows = match scale {
+                Some(s) => g.reshape(&[1])?.mul_scalar(s)?,
+                None => g.reshape(&gshape)?,
+            };
+            let _ = &out_shape;
+            Ok(vec![Some(gl.mul(&g_rows)?)])
+        }))
+    }
+
+    /// Mean squared error against `target` (same shape).
+    pub fn mse(&self, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
+        if self.shape() != target.shape() {
+            return Err(Error::ShapeMismatch { op: "mse", lhs: self.shape().to_vec(), rhs: target.shape().to_vec() });
+        }
+        let sq = self.sub(target)?.square()?;
+        match reduction {
+            Reduction::Mean => sq.mean_all(),
+            Reduction::Sum => sq.sum_all(),
+            Reduction::None => Ok(sq),
+        }
+    }
+}

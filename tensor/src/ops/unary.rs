@@ -1,0 +1,196 @@
+//! Elementwise unary ops: neg, exp, log, sqrt, rsqrt, tanh, sigmoid, relu, gelu (tanh
+//! approximation), silu, abs, clamp, powers and scalar arithmetic, each with its derivative.
+
+use super::check_float;
+use crate::error::Result;
+use crate::tensor::{FloatSlice, FloatVec, Tensor};
+use rtx_kernels::{elementwise, Float};
+
+/// A unary function and its derivative, written once for every compute type. The derivative
+/// receives the input `x` and the output `y`.
+pub(crate) trait MapFn: Send + Sync + Copy + 'static {
+    const NAME: &'static str;
+    fn f<T: Float>(self, x: T) -> T;
+    fn df<T: Float>(self, x: T, y: T) -> T;
+}
+
+fn c<T: Float>(v: f64) -> T {
+    T::from_f64_lossy(v)
+}
+
+macro_rules! map_fn {
+    ($name:ident, $label:literal, |$x:ident| $f:expr, |$dx:ident, $y:ident| $df:expr) => {
+        #[derive(Clone, Copy)]
+        pub(crate) struct $name;
+        impl MapFn for $name {
+            const NAME: &'static str = $label;
+            #[inline(always)]
+            fn f<T: Float>(self, $x: T) -> T {
+                $f
+            }
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn df<T: Float>(self, $dx: T, $y: T) -> T {
+                $df
+            }
+        }
+    };
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_C: f64 = 0.044_715;
+
+map_fn!(Neg, "neg", |x| -x, |x, y| -T::one());
+map_fn!(Exp, "exp", |x| x.exp(), |x, y| y);
+map_fn!(Log, "log", |x| x.ln(), |x, y| T::one() / x);
+map_fn!(Sqrt, "sqrt", |x| x.sqrt(), |x, y| c::<T>(0.5) / y);
+map_fn!(Rsqrt, "rsqrt", |x| T::one() / x.sqrt(), |x, y| c::<T>(-0.5) * y * y * y);
+map_fn!(Tanh, "tanh", |x| x.tanh(), |x, y| T::one() - y * y);
+map_fn!(Sigmoid, "sigmoid", |x| T::one() / (T::one() + (-x).exp()), |x, y| y * (T::one() - y));
+map_fn!(Relu, "relu", |x| if x > T::zero() { x } else { T::zero() }, |x, y| if x > T::zero() { T::one() } else { T::zero() });
+map_fn!(Abs, "abs", |x| x.abs(), |x, y| if x > T::zero() { T::one() } else if x < T::zero() { -T::one() } else { T::zero() });
+map_fn!(
+    Gelu,
+    "gelu",
+    |x| c::<T>(0.5) * x * (T::one() + (c::<T>(SQRT_2_OVER_PI) * (x + c::<T>(GELU_C) * x * x * x)).tanh()),
+    |x, y| {
+        let k = c::<T>(SQRT_2_OVER_PI);
+        let inner = k * (x + c::<T>(GELU_C) * x * x * x);
+        let t = inner.tanh();
+        c::<T>(0.5) * (T::one() + t) + c::<T>(0.5) * x * (T::one() - t * t) * k * (T::one() + c::<T>(3.0 * GELU_C) * x * x)
+    }
+);
+map_fn!(
+    Silu,
+    "silu",
+    |x| x / (T::one() + (-x).exp()),
+    |x, y| {
+        let s = T::one() / (T::one() + (-x).exp());
+        s * (T::one() + x * (T::one() - s))
+    }
+);
+
+/// Applies a [`MapFn`] and records its backward `g ⊙ f'(x, y)`.
+pub(crate) fn unary<F: MapFn>(x: &Tensor, f: F) -> Result<Tensor> {
+    check_float(F::NAME, x)?;
+    let values = crate::float_map!(x, |s: T| {
+        let mut out = vec![T::default(); s.len()];
+        elementwise::map(s, &mut out, move |v| f.f(v));
+        out
+    })?;
+    let input = x.detach();
+    Tensor::from_op(values, x.shape(), x.dtype(), F::NAME, &[x], move |g: &Tensor, out: &Tensor| {
+        let d = derivative(&input, out, f)?;
+        Ok(vec![Some(g.mul(&d)?)])
+    })
+}
+
+fn derivative<F: MapFn>(x: &Tensor, y: &Tensor, f: F) -> Result<Tensor> {
+    let xs = crate::ops::binary::compute_form(x)?;
+    let ys = crate::ops::binary::compute_form(y)?;
+    let values = xs.with_float_slice(|xv| {
+        ys.with_float_slice(|yv| match (xv, yv) {
+            (FloatSlice::F32(a), FloatSlice::F32(b)) => FloatVec::F32(a.iter().zip(b).map(|(&p, &q)| f.df(p, q)).collect()),
+            (FloatSlice::F64(a), FloatSlice::F64(b)) => FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p, q)).collect()),
+            (FloatSlice::F32(a), FloatSlice::F64(b)) => FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p as f64, q)).collect()),
+            (FloatSlice::F64(a), FloatSlice::F32(b)) => FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p, q as f64)).collect()),
+        })
+    })??;
+    Tensor::from_data(values.into_data(x.dtype()), x.shape())
+}
+
+impl Tensor {
+    /// −x.
+    pub fn neg(&self) -> Result<Tensor> {
+        unary(self, Neg)
+    }
+    /// eˣ.
+    pub fn exp(&self) -> Result<Tensor> {
+        unary(self, Exp)
+    }
+    /// ln x.
+    pub fn log(&self) -> Result<Tensor> {
+        unary(self, Log)
+    }
+    /// √x.
+    pub fn sqrt(&self) -> Result<Tensor> {
+        unary(self, Sqrt)
+    }
+    /// 1/√x.
+    pub fn rsqrt(&self) -> Result<Tensor> {
+        unary(self, Rsqrt)
+    }
+    /// tanh x.
+    pub fn tanh(&self) -> Result<Tensor> {
+        unary(self, Tanh)
+    }
+    /// 1/(1+e⁻ˣ).
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        unary(self, Sigmoid)
+    }
+    /// max(x, 0).
+    pub fn relu(&self) -> Result<Tensor> {
+        unary(self, Relu)
+    }
+    /// GELU, tanh approximation (as GPT-2).
+    pub fn gelu(&self) -> Result<Tensor> {
+        unary(self, Gelu)
+    }
+    /// x·σ(x).
+    pub fn silu(&self) -> Result<Tensor> {
+        unary(self, Silu)
+    }
+    /// |x|.
+    pub fn abs(&self) -> Result<Tensor> {
+        unary(self, Abs)
+    }
+
+    /// x + c.
+    pub fn add_scalar(&self, c: f64) -> Result<Tensor> {
+        self.add(&self.scalar_like(c))
+    }
+
+    /// x · c.
+    pub fn mul_scalar(&self, c: f64) -> Result<Tensor> {
+        self.mul(&self.scalar_like(c))
+    }
+
+    /// a·x + b in one op.
+    pub fn affine(&self, a: f64, b: f64) -> Result<Tensor> {
+        self.mul_scalar(a)?.add_scalar(b)
+    }
+
+    /// xᵖ for a constant exponent.
+    pub fn pow_scalar(&self, p: f64) -> Result<Tensor> {
+        check_float("pow_scalar", self)?;
+        let values = crate::float_map!(self, |s: T| {
+            let e = T::from_f64_lossy(p);
+            s.iter().map(|&v| v.powf(e)).collect::<Vec<T>>()
+        })?;
+        let input = self.detach();
+        Tensor::from_op(values, self.shape(), self.dtype(), "pow_scalar", &[self], move |g: &Tensor, _: &Tensor| Ok(vec![Some(g.mul(&input.pow_scalar(p - 1.0)?.mul_scalar(p)?)?)]))
+    }
+
+    /// x²
+    pub fn square(&self) -> Result<Tensor> {
+        self.mul(self)
+    }
+
+    /// Clamps into `[min, max]` (either bound optional); the gradient is zero where clamped.
+    pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
+        check_float("clamp", self)?;
+        let (lo, hi): (f64, f64) = (min.unwrap_or(f64::NEG_INFINITY), max.unwrap_or(f64::INFINITY));
+        let values = crate::float_map!(self, |s: T| {
+            let (l, h) = (T::from_f64_lossy(lo), T::from_f64_lossy(hi));
+            s.iter().map(|&v| if v < l { l } else if v > h { h } else { v }).collect::<Vec<T>>()
+        })?;
+        let input = self.detach();
+        Tensor::from_op(values, self.shape(), self.dtype(), "clamp", &[self], move |g: &Tensor, _: &Tensor| {
+            let lo_t = input.scalar_like(lo);
+            let hi_t = input.scalar_like(hi);
+            let inside = input.ge(&lo_t)?.to_f32_vec()?.iter().zip(input.le(&hi_t)?.to_u32_vec()?).map(|(&a, b)| (a as u32) & b).collect::<Vec<u32>>();
+            let mask = Tensor::from_vec(inside, input.shape())?;
+            Ok(vec![Some(Tensor::where_(&mask, g, &Tensor::zeros(&[], g.dtype()))?)])
+        })
+    }
+}
