@@ -1,1 +1,26 @@
-//! x
+//! `rustytorch`: the facade of the rustytorch training runtime, and the library behind the `rtx`
+//! binary.
+//!
+//! Start from [`Tensor`] (eager tensors with tape autograd), [`nn`] (the [`nn::Module`] trait,
+//! `Linear`, `Mlp`, `Gpt`, `Vit`), [`optim`] (SGD, AdamW, schedules, clipping) and [`data`]
+//! (Fashion-MNIST, SOTU text, digits, seeded resumable samplers); those come from `rtx-tensor`,
+//! re-exported whole as [`tensor`], with the compute kernels of `rtx-kernels` as [`kernels`].
+//! [`train`] is the single-process trainer that `rtx train CONFIG.toml` runs, driven by a
+//! [`config::TrainConfig`]; embed it, or write your own loop from the same pieces (see
+//! `examples/mnist_mlp.rs`).
+//!
+//! This crate adds no compute of its own: it parses configs, runs the loop, and writes metrics
+//! (`metrics.jsonl`), a loss curve (`loss.png`) and checkpoints. Distributed training (actors,
+//! collectives, the supervisor) lives in the crates above `tensor` and is not wired in here yet.
+
+pub use rtx_kernels as kernels;
+pub use rtx_tensor as tensor;
+pub use rtx_tensor::{checkpoint, data, nn, optim, DType, Device, Generator, Tensor};
+
+pub mod bench;
+pub mod cli;
+pub mod config;
+pub mod metrics;
+pub mod plot;
+pub mod progress;
+pub mod train;

@@ -1,1 +1,41 @@
-fn main(){}
+//! The `rtx` binary: parses the command line and hands off to the `rustytorch` library.
+//!
+//! Environment read here (and nowhere in the libraries): `RTX_DATA_DIR` (data folder),
+//! `RTX_PLOT_FONT` (a TTF for plot text), `RUST_LOG` (tracing filter, default `warn`).
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use rustytorch::cli::{Cli, Command};
+use rustytorch::data::{DataRoot, DATA_DIR_ENV};
+use rustytorch::progress::Verbosity;
+use rustytorch::train::{self, TrainOptions};
+
+fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => {
+            let data_root = DataRoot::resolve(args.data_dir.as_deref(), std::env::var_os(DATA_DIR_ENV).as_deref());
+            let options = TrainOptions {
+                data_root,
+                out_dir: args.out,
+                resume: args.resume,
+                stop_at: args.steps,
+                verbosity: if args.no_progress { Verbosity::Lines } else { Verbosity::Auto },
+                font: std::env::var_os("RTX_PLOT_FONT").map(Into::into),
+            };
+            train::run_file(&args.config, options).map(|_| ()).map_err(anyhow::Error::from)
+        }
+        Command::Bench(args) => rustytorch::bench::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

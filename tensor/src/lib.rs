@@ -16,12 +16,17 @@ mod rng;
 mod storage;
 mod tensor;
 
+pub mod checkpoint;
 pub mod data;
+pub mod nn;
+pub mod optim;
 
 pub use autograd::{is_grad_enabled, no_grad, set_grad_enabled, BackwardFn, GradModeGuard};
 pub use error::{Error, Result};
 pub use gradcheck::{gradcheck, GradcheckReport};
 
+pub use nn::Module;
+pub use optim::Optimizer;
 pub use layout::{broadcast_shape, contiguous_strides, normalize_dim, Layout};
 pub use ops::softmax::{CrossEntropyOptions, Reduction};
 pub use rng::{Generator, GeneratorState};

@@ -233,9 +233,13 @@ impl Tensor {
         };
         let mask = Tensor::from_vec(c, &shape)?;
         let (sa, sb) = (a.shape().to_vec(), b.shape().to_vec());
+        let (ra, rb) = (a.is_requires_grad(), b.is_requires_grad());
         Tensor::from_op(values, &shape, a.dtype(), "where", &[a, b], move |g: &Tensor, _: &Tensor| {
+            // Only the operands that need a gradient get one: `masked_fill` passes a constant.
             let zero = Tensor::zeros(&[], g.dtype());
-            Ok(vec![Some(Tensor::where_(&mask, g, &zero)?.sum_to_shape(&sa)?), Some(Tensor::where_(&mask, &zero, g)?.sum_to_shape(&sb)?)])
+            let ga = if ra { Some(Tensor::where_(&mask, g, &zero)?.sum_to_shape(&sa)?) } else { None };
+            let gb = if rb { Some(Tensor::where_(&mask, &zero, g)?.sum_to_shape(&sb)?) } else { None };
+            Ok(vec![ga, gb])
         })
     }
 

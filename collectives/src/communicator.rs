@@ -1,0 +1,474 @@
+//! [`Communicator`]: a group of ranks at a generation, and the collective operations on it.
+//!
+//! Every member must call the same collectives in the same order with matching sizes; the op
+//! sequence number in each frame catches ranks that disagree ([`Error::OpMismatch`]). Algorithms are
+//! chosen from the buffer size in bytes and the [`CommConfig`] alone, so all ranks choose alike
+//! (the config must be the same on every rank):
+//!
+//! | operation | `bytes <= small_message_bytes` | larger |
+//! |---|---|---|
+//! | `all_reduce` | recursive doubling | ring reduce-scatter + ring all-gather |
+//! | `broadcast` | binomial tree | pipelined chain |
+//! | `reduce` | binomial tree | ring reduce-scatter + gather to root |
+//! | `reduce_scatter`, `all_gather` | ring | ring |
+//! | `all_to_all` | pairwise exchange | pairwise exchange |
+//! | `barrier` | dissemination | — |
+//!
+//! The thresholds ([`DEFAULT_SMALL_MESSAGE_BYTES`], [`DEFAULT_CHUNK_BYTES`]) are first guesses, not
+//! yet measured. Large messages travel in frames of at most `chunk_bytes`, forwarded piece by piece
+//! so the ring and the chain pipeline.
+//!
+//! Cancelling an operation (dropping its future) leaves the group's sequence numbers out of step
+//! with the peers; move the group to a new generation before using it again.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::Instrument;
+
+use crate::algo;
+use crate::element::{Element, WireElement};
+use crate::endpoint::Endpoint;
+use crate::error::{Error, Result};
+use crate::frame::OpKind;
+use crate::group::GroupState;
+use crate::op::{segment_range, OpCtx};
+use crate::ReduceOp;
+
+/// Default: buffers up to this many bytes use the latency-optimal algorithms.
+pub const DEFAULT_SMALL_MESSAGE_BYTES: usize = 64 << 10;
+/// Default: most payload bytes per frame (pipelining granularity).
+pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
+/// Default: the decoder refuses frames whose payload is larger than this.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 << 20;
+/// Default: how long an operation waits for any one frame.
+pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default: most frames parked per group (and orphans per endpoint).
+pub const DEFAULT_MAX_STORED_FRAMES: usize = 1 << 16;
+
+const _: () = assert!(DEFAULT_CHUNK_BYTES <= DEFAULT_MAX_PAYLOAD_BYTES);
+const NO_COLOR: u32 = u32::MAX;
+
+/// Tuning and limits of an endpoint and its communicators. Must be equal on every rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommConfig {
+    /// How long an operation waits for any one frame before failing with [`Error::Timeout`].
+    pub op_timeout: Duration,
+    /// Buffers up to this many bytes use recursive doubling / trees; larger ones ring / chain.
+    pub small_message_bytes: usize,
+    /// Most payload bytes per frame; at least 8 (one f64).
+    pub chunk_bytes: usize,
+    /// Frames with a larger payload are refused by the decoder; at least `chunk_bytes`.
+    pub max_payload_bytes: usize,
+    /// Most frames parked per group waiting for their operation.
+    pub max_stored_frames: usize,
+}
+
+/// A group of ranks at a generation; cheap to clone (clones share the group).
+#[derive(Clone, Debug)]
+pub struct Communicator {
+    endpoint: Endpoint,
+    state: Arc<GroupState>,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            op_timeout: DEFAULT_OP_TIMEOUT,
+            small_message_bytes: DEFAULT_SMALL_MESSAGE_BYTES,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            max_stored_frames: DEFAULT_MAX_STORED_FRAMES,
+        }
+    }
+}
+
+impl CommConfig {
+    /// Checks the relationships between the fields.
+    pub fn validate(&self) -> Result<()> {
+        if self.op_timeout.is_zero() {
+            return Err(Error::InvalidConfig { reason: "op_timeout must be positive" });
+        }
+        if self.chunk_bytes < 8 {
+            return Err(Error::InvalidConfig { reason: "chunk_bytes must hold one f64" });
+        }
+        if self.chunk_bytes > self.max_payload_bytes {
+            return Err(Error::InvalidConfig { reason: "chunk_bytes over max_payload_bytes" });
+        }
+        if self.max_stored_frames == 0 {
+            return Err(Error::InvalidConfig { reason: "max_stored_frames must be positive" });
+        }
+        Ok(())
+    }
+}
+
+impl Communicator {
+    pub(crate) fn new(endpoint: Endpoint, state: Arc<GroupState>) -> Self {
+        Communicator { endpoint, state }
+    }
+
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.state.my_index
+    }
+
+    /// Number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.state.members.len()
+    }
+
+    /// Global ranks of the members, in group-rank order.
+    pub fn members(&self) -> &[usize] {
+        &self.state.members
+    }
+
+    /// The group id (shared by all members).
+    pub fn group_id(&self) -> u64 {
+        self.state.id
+    }
+
+    /// The current generation.
+    pub fn generation(&self) -> u64 {
+        self.state.generation()
+    }
+
+    /// The endpoint this group runs on.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &CommConfig {
+        &self.endpoint.shared().config
+    }
+
+    /// Frames dropped because they belonged to an older generation.
+    pub fn stale_frames_dropped(&self) -> u64 {
+        self.state.stale_dropped()
+    }
+
+    /// Frames dropped because the group's mailbox was full.
+    pub fn overflow_frames_dropped(&self) -> u64 {
+        self.state.overflow_dropped()
+    }
+
+    /// The element range rank `rank` owns in a buffer of `len` elements (for `reduce_scatter` and
+    /// `all_gather`): the first `len % size` ranks get one element more.
+    pub fn segment(&self, len: usize, rank: usize) -> Range<usize> {
+        segment_range(len, self.size(), rank)
+    }
+
+    /// Moves the group to `generation` (which must be higher): operations of the old generation fail
+    /// with [`Error::StaleGeneration`], and their frames are dropped and counted.
+    pub fn set_generation(&self, generation: u64) -> Result<()> {
+        tracing::info!(group = self.state.id, generation, "generation advanced");
+        self.endpoint.shared().advance(&self.state, generation)
+    }
+
+    /// Reduces `buf` element-wise across the group; every rank ends with the same bits.
+    pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let span = self.span(OpKind::AllReduce, std::mem::size_of_val(buf));
+        async {
+            let mut ctx = self.begin(OpKind::AllReduce)?;
+            let (rank, n) = (self.rank(), self.size());
+            if n == 1 || buf.is_empty() {
+                return Ok(());
+            }
+            let small = std::mem::size_of_val(buf) <= self.config().small_message_bytes;
+            if let Some(acc) = T::as_acc_mut(&mut *buf) {
+                if small {
+                    return algo::doubling_all_reduce(&mut ctx, acc, op, rank, n).await;
+                }
+                algo::ring_reduce_scatter(&mut ctx, acc, op, rank, n).await?;
+                return algo::ring_all_gather(&mut ctx, acc, rank, n).await;
+            }
+            let mut work: Vec<T::Acc> = buf.iter().map(|x| x.to_acc()).collect();
+            if small {
+                algo::doubling_all_reduce(&mut ctx, &mut work, op, rank, n).await?;
+                round_into(buf, &work);
+                return Ok(());
+            }
+            // Partial sums travel in the accumulator type; the owned segment is rounded once and the
+            // all-gather moves elements of the buffer's own type.
+            algo::ring_reduce_scatter(&mut ctx, &mut work, op, rank, n).await?;
+            let own = self.segment(buf.len(), rank);
+            round_into(&mut buf[own.clone()], &work[own]);
+            algo::ring_all_gather(&mut ctx, buf, rank, n).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Reduces `input` across the group and leaves segment [`segment`](Self::segment)`(input.len(),
+    /// rank)` of the result in `output`.
+    pub async fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+        let span = self.span(OpKind::ReduceScatter, std::mem::size_of_val(input));
+        async {
+            let mut ctx = self.begin(OpKind::ReduceScatter)?;
+            let (rank, n) = (self.rank(), self.size());
+            let own = self.segment(input.len(), rank);
+            if output.len() != own.len() {
+                return Err(Error::BufferLength { op: OpKind::ReduceScatter, expected: own.len(), got: output.len() });
+            }
+            if n == 1 || input.is_empty() {
+                output.copy_from_slice(input);
+                return Ok(());
+            }
+            let mut work: Vec<T::Acc> = input.iter().map(|x| x.to_acc()).collect();
+            algo::ring_reduce_scatter(&mut ctx, &mut work, op, rank, n).await?;
+            round_into(output, &work[own]);
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Concatenates every rank's `input` into `output`; rank `r`'s input must have
+    /// [`segment`](Self::segment)`(output.len(), r).len()` elements.
+    pub async fn all_gather<T: WireElement>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let span = self.span(OpKind::AllGather, std::mem::size_of_val(output));
+        async {
+            let ctx = self.begin(OpKind::AllGather)?;
+            self.all_gather_in(ctx, input, output).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Copies `buf` from group rank `root` to every rank.
+    pub async fn broadcast<T: WireElement>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let span = self.span(OpKind::Broadcast, std::mem::size_of_val(buf));
+        async {
+            let mut ctx = self.begin(OpKind::Broadcast)?;
+            let (rank, n) = (self.rank(), self.size());
+            check_rank(root, n)?;
+            if n == 1 || buf.is_empty() {
+                return Ok(());
+            }
+            if std::mem::size_of_val(buf) <= self.config().small_message_bytes {
+                algo::tree_broadcast(&mut ctx, buf, root, rank, n).await
+            } else {
+                algo::chain_broadcast(&mut ctx, buf, root, rank, n).await
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Reduces `buf` across the group into `buf` on group rank `root`; other ranks' buffers are left
+    /// unchanged.
+    pub async fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
+        let span = self.span(OpKind::Reduce, std::mem::size_of_val(buf));
+        async {
+            let mut ctx = self.begin(OpKind::Reduce)?;
+            let (rank, n) = (self.rank(), self.size());
+            check_rank(root, n)?;
+            if n == 1 || buf.is_empty() {
+                return Ok(());
+            }
+            let mut work: Vec<T::Acc> = buf.iter().map(|x| x.to_acc()).collect();
+            if std::mem::size_of_val(buf) <= self.config().small_message_bytes {
+                algo::tree_reduce(&mut ctx, &mut work, op, root, rank, n).await?;
+            } else {
+                algo::ring_reduce_scatter(&mut ctx, &mut work, op, rank, n).await?;
+                if rank == root {
+                    for i in (0..n).filter(|&i| i != root) {
+                        let seg = self.segment(work.len(), i);
+                        ctx.recv_all(i, &mut work[seg]).await?;
+                    }
+                } else {
+                    let seg = self.segment(work.len(), rank);
+                    ctx.send_all(root, &work[seg]).await?;
+                }
+            }
+            if rank == root {
+                round_into(buf, &work);
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Returns once every rank of the group has entered the barrier.
+    pub async fn barrier(&self) -> Result<()> {
+        let span = self.span(OpKind::Barrier, 0);
+        async {
+            let mut ctx = self.begin(OpKind::Barrier)?;
+            let (rank, n) = (self.rank(), self.size());
+            let mut distance = 1;
+            while distance < n {
+                ctx.send_frame((rank + distance) % n, None, &[]).await?;
+                ctx.recv_frame((rank + n - distance) % n, None, 0).await?;
+                distance <<= 1;
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Sends `buf` to group rank `dst`; returns once it is handed to the transport. Transfers
+    /// between one pair of ranks are matched in call order.
+    pub async fn send<T: WireElement>(&self, buf: &[T], dst: usize) -> Result<()> {
+        let span = self.span(OpKind::Send, std::mem::size_of_val(buf));
+        async {
+            let mut ctx = self.begin_p2p(dst, true)?;
+            if buf.is_empty() {
+                return ctx.send_frame(dst, Some(T::DTYPE), &[]).await;
+            }
+            ctx.send_all(dst, buf).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Receives into `buf` what group rank `src` sent with [`send`](Self::send); lengths must match.
+    pub async fn recv<T: WireElement>(&self, buf: &mut [T], src: usize) -> Result<()> {
+        let span = self.span(OpKind::Send, std::mem::size_of_val(buf));
+        async {
+            let mut ctx = self.begin_p2p(src, false)?;
+            if buf.is_empty() {
+                return ctx.recv_frame(src, Some(T::DTYPE), 0).await.map(drop);
+            }
+            ctx.recv_all(src, buf).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Block `j` of `input` goes to rank `j`, arriving as block `r` of its `output` (`r` = sender).
+    /// Lengths must be equal and divisible by the group size.
+    pub async fn all_to_all<T: WireElement>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let span = self.span(OpKind::AllToAll, std::mem::size_of_val(input));
+        async {
+            let mut ctx = self.begin(OpKind::AllToAll)?;
+            let (rank, n) = (self.rank(), self.size());
+            if input.len() != output.len() {
+                return Err(Error::BufferLength { op: OpKind::AllToAll, expected: input.len(), got: output.len() });
+            }
+            if input.len() % n != 0 {
+                return Err(Error::NotDivisible { op: OpKind::AllToAll, len: input.len(), size: n });
+            }
+            let block = input.len() / n;
+            let range = |i: usize| i * block..(i + 1) * block;
+            output[range(rank)].copy_from_slice(&input[range(rank)]);
+            if block == 0 {
+                return Ok(());
+            }
+            for step in 1..n {
+                let dst = (rank + step) % n;
+                ctx.send_all(dst, &input[range(dst)]).await?;
+            }
+            for step in 1..n {
+                let src = (rank + n - step) % n;
+                ctx.recv_all(src, &mut output[range(src)]).await?;
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Splits the group: ranks passing the same `Some(color)` form a new group, ordered by `(key,
+    /// rank)`, at this group's generation; ranks passing `None` get `None`. Collective.
+    pub async fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Communicator>> {
+        let span = self.span(OpKind::Split, 0);
+        async {
+            if color == Some(NO_COLOR) {
+                return Err(Error::InvalidGroup { group: self.state.id, reason: "split color u32::MAX is reserved" });
+            }
+            let ctx = self.begin(OpKind::Split)?;
+            let generation = self.generation();
+            let n = self.size();
+            let mine = [color.unwrap_or(NO_COLOR), key];
+            let mut all = vec![0u32; 2 * n];
+            self.all_gather_in(ctx, &mine, &mut all).await?;
+            let index = self.state.next_split();
+            let Some(color) = color else { return Ok(None) };
+            let mut chosen: Vec<(u32, usize)> =
+                (0..n).filter(|&i| all[2 * i] == color).map(|i| (all[2 * i + 1], i)).collect();
+            chosen.sort_unstable();
+            let members = chosen.into_iter().map(|(_, i)| self.state.members[i]).collect();
+            let id = child_group_id(self.state.id, index, color);
+            self.endpoint.group(id, members, generation).map(Some)
+        }
+        .instrument(span)
+        .await
+    }
+
+    pub(crate) fn state(&self) -> &GroupState {
+        &self.state
+    }
+
+    async fn all_gather_in<T: WireElement>(&self, mut ctx: OpCtx<'_>, input: &[T], output: &mut [T]) -> Result<()> {
+        let (rank, n) = (self.rank(), self.size());
+        let own = self.segment(output.len(), rank);
+        if input.len() != own.len() {
+            return Err(Error::BufferLength { op: ctx.op, expected: own.len(), got: input.len() });
+        }
+        output[own].copy_from_slice(input);
+        if n == 1 || output.is_empty() {
+            return Ok(());
+        }
+        algo::ring_all_gather(&mut ctx, output, rank, n).await
+    }
+
+    fn begin(&self, op: OpKind) -> Result<OpCtx<'_>> {
+        let (generation, seq) = self.state.begin_collective(op)?;
+        Ok(OpCtx::new(self, op, generation, seq))
+    }
+
+    fn begin_p2p(&self, peer: usize, sending: bool) -> Result<OpCtx<'_>> {
+        check_rank(peer, self.size())?;
+        if peer == self.rank() {
+            return Err(Error::SelfPeer { op: OpKind::Send, rank: peer });
+        }
+        let (generation, seq) = self.state.begin_p2p(self.state.members[peer], sending)?;
+        Ok(OpCtx::new(self, OpKind::Send, generation, seq))
+    }
+
+    fn span(&self, op: OpKind, bytes: usize) -> tracing::Span {
+        tracing::debug_span!(
+            "collective",
+            op = op.as_str(),
+            group = self.state.id,
+            generation = self.state.generation(),
+            rank = self.rank(),
+            bytes
+        )
+    }
+}
+
+fn check_rank(rank: usize, size: usize) -> Result<()> {
+    if rank >= size {
+        return Err(Error::RankOutOfRange { rank, size });
+    }
+    Ok(())
+}
+
+fn round_into<T: Element>(dst: &mut [T], src: &[T::Acc]) {
+    debug_assert_eq!(dst.len(), src.len());
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = T::from_acc(*s);
+    }
+}
+
+/// A child group's id from its parent's id, the parent's split count and the color: the same on
+/// every member, and distinct from siblings with overwhelming probability.
+fn child_group_id(parent: u64, split_index: u64, color: u32) -> u64 {
+    let id = splitmix64(parent ^ splitmix64(split_index.wrapping_mul(0x1_0000_0001) ^ u64::from(color)));
+    if id == crate::endpoint::WORLD_GROUP_ID {
+        1
+    } else {
+        id
+    }
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}

@@ -1,0 +1,179 @@
+//! Element types the collectives move ([`WireElement`]) and reduce ([`Element`]), and the reduction
+//! kernels.
+//!
+//! Reductions accumulate in [`Element::Acc`]: f32 for f32 and bf16, f64 for f64. Partial results
+//! travel between ranks in the accumulator type and are rounded to the element type once, at the
+//! end, so bf16 sums do not lose precision hop by hop. `combine` always takes its operands in a fixed
+//! order (the lower block of ranks first), and max/min are written out so that NaN and signed zero
+//! give the same bits whichever rank computes them.
+
+use half::bf16;
+use rtx_kernels::DType;
+
+use crate::ReduceOp;
+
+/// A plain element type that collectives can move as raw little-endian bytes.
+pub trait WireElement: bytemuck::Pod + Send + Sync + std::fmt::Debug + sealed::Sealed + 'static {
+    /// The dtype named in frame headers.
+    const DTYPE: DType;
+}
+
+/// An element type that collectives can also reduce.
+pub trait Element: WireElement {
+    /// The type partial results are accumulated and sent in.
+    type Acc: Accumulator;
+    /// Widens to the accumulator type.
+    fn to_acc(self) -> Self::Acc;
+    /// Rounds from the accumulator type.
+    fn from_acc(acc: Self::Acc) -> Self;
+    /// The same slice seen as accumulator values, when the element type is its own accumulator.
+    fn as_acc_mut(buf: &mut [Self]) -> Option<&mut [Self::Acc]>;
+}
+
+/// An accumulator type (f32 or f64): the arithmetic of reductions.
+pub trait Accumulator: Element<Acc = Self> + Copy + PartialOrd {
+    /// `a op b`, with `a` from the lower block of ranks.
+    fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
+    /// `self / n`, for averages.
+    fn div_count(self, n: usize) -> Self;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for u32 {}
+}
+
+impl WireElement for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl WireElement for f64 {
+    const DTYPE: DType = DType::F64;
+}
+impl WireElement for bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+impl WireElement for u32 {
+    const DTYPE: DType = DType::U32;
+}
+
+impl Element for f32 {
+    type Acc = f32;
+    fn to_acc(self) -> f32 {
+        self
+    }
+    fn from_acc(acc: f32) -> f32 {
+        acc
+    }
+    fn as_acc_mut(buf: &mut [f32]) -> Option<&mut [f32]> {
+        Some(buf)
+    }
+}
+
+impl Element for f64 {
+    type Acc = f64;
+    fn to_acc(self) -> f64 {
+        self
+    }
+    fn from_acc(acc: f64) -> f64 {
+        acc
+    }
+    fn as_acc_mut(buf: &mut [f64]) -> Option<&mut [f64]> {
+        Some(buf)
+    }
+}
+
+impl Element for bf16 {
+    type Acc = f32;
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    fn from_acc(acc: f32) -> bf16 {
+        bf16::from_f32(acc)
+    }
+    fn as_acc_mut(_buf: &mut [bf16]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
+macro_rules! accumulator {
+    ($t:ty) => {
+        impl Accumulator for $t {
+            #[inline]
+            fn combine(op: ReduceOp, a: $t, b: $t) -> $t {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a + b,
+                    // NaN wins, then the larger; on equality (±0) the first operand.
+                    ReduceOp::Max => {
+                        if a.is_nan() || (!b.is_nan() && a >= b) {
+                            a
+                        } else {
+                            b
+                        }
+                    }
+                    ReduceOp::Min => {
+                        if a.is_nan() || (!b.is_nan() && a <= b) {
+                            a
+                        } else {
+                            b
+                        }
+                    }
+                }
+            }
+            #[inline]
+            fn div_count(self, n: usize) -> $t {
+                self / (n as $t)
+            }
+        }
+    };
+}
+accumulator!(f32);
+accumulator!(f64);
+
+/// `local[i] = combine(received[i], local[i])` when `received_first`, else
+/// `combine(local[i], received[i])`; `received` is raw little-endian bytes of `A`.
+pub(crate) fn combine_bytes<A: Accumulator>(op: ReduceOp, local: &mut [A], received: &[u8], received_first: bool) {
+    let size = std::mem::size_of::<A>();
+    assert_eq!(received.len(), std::mem::size_of_val(local), "combine: length checked by the caller");
+    for (dst, bytes) in local.iter_mut().zip(received.chunks_exact(size)) {
+        let other: A = bytemuck::pod_read_unaligned(bytes);
+        *dst = if received_first { A::combine(op, other, *dst) } else { A::combine(op, *dst, other) };
+    }
+}
+
+/// Copies raw little-endian bytes into typed elements (one `memcpy`).
+pub(crate) fn copy_bytes<T: WireElement>(dst: &mut [T], received: &[u8]) {
+    let dst_bytes: &mut [u8] = bytemuck::cast_slice_mut(dst);
+    assert_eq!(dst_bytes.len(), received.len(), "copy: length checked by the caller");
+    dst_bytes.copy_from_slice(received);
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    // Goal: max/min are order-independent in bits for NaN and signed zeros except where the fixed
+    // first operand decides, and NaN propagates.
+    #[test]
+    fn max_min_nan_and_zero() {
+        assert!(f32::combine(ReduceOp::Max, f32::NAN, 1.0).is_nan());
+        assert!(f32::combine(ReduceOp::Max, 1.0, f32::NAN).is_nan());
+        assert!(f32::combine(ReduceOp::Min, 1.0, f32::NAN).is_nan());
+        assert_eq!(f32::combine(ReduceOp::Max, -0.0, 0.0).to_bits(), (-0.0f32).to_bits());
+        assert_eq!(f32::combine(ReduceOp::Max, 0.0, -0.0).to_bits(), 0.0f32.to_bits());
+        assert_eq!(f64::combine(ReduceOp::Min, 2.0, -3.0), -3.0);
+    }
+
+    // Goal: combine_bytes reads unaligned little-endian bytes correctly.
+    #[test]
+    fn combine_unaligned() {
+        let mut local = [1.0f32, 2.0];
+        let mut bytes = vec![0u8];
+        bytes.extend_from_slice(bytemuck::cast_slice(&[10.0f32, 20.0]));
+        combine_bytes(ReduceOp::Sum, &mut local, &bytes[1..], true);
+        assert_eq!(local, [11.0, 22.0]);
+    }
+}

@@ -1,0 +1,269 @@
+//! The endpoint: one per rank and transport. It owns the dispatcher task that reads the transport,
+//! validates frames and routes them to the group they name, and the registry of groups.
+//!
+//! Ownership: [`Endpoint`] handles (and every [`Communicator`] made from them) share one
+//! `EndpointShared`; the dispatcher task holds it too and is aborted when the last handle goes, which
+//! drops the transport. Lock order is registry, then a group's mailbox; the registry lock is released
+//! before a frame is handed to its group.
+//!
+//! Frames for a group this rank has not formed yet (a peer finished `split` first) wait as orphans,
+//! at most [`CommConfig::max_stored_frames`] of them, and move into the group when it is formed.
+//! Malformed frames, and frames whose claimed source differs from the transport's authenticated
+//! sender, are dropped and counted ([`Endpoint::malformed_frames`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use tracing::Instrument;
+
+use crate::communicator::{CommConfig, Communicator};
+use crate::error::{Error, Result};
+use crate::frame::Frame;
+use crate::group::{Delivery, GroupState};
+use crate::pool::{BufferPool, PooledBuf};
+use crate::transport::{Transport, TransportEvent};
+
+/// Id of the group of all ranks made by [`Endpoint::world`].
+pub const WORLD_GROUP_ID: u64 = 0;
+
+/// One rank's attachment to a transport; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    handle: Arc<EndpointHandle>,
+}
+
+#[derive(Debug)]
+struct EndpointHandle {
+    shared: Arc<EndpointShared>,
+    dispatcher: tokio::task::AbortHandle,
+}
+
+pub(crate) struct EndpointShared {
+    pub(crate) transport: Arc<dyn Transport>,
+    pub(crate) config: CommConfig,
+    pub(crate) pool: BufferPool,
+    registry: Mutex<Registry>,
+    malformed: AtomicU64,
+}
+
+#[derive(Default)]
+struct Registry {
+    groups: BTreeMap<u64, Weak<GroupState>>,
+    orphans: BTreeMap<u64, Vec<Frame>>,
+    n_orphans: usize,
+    lost: BTreeSet<usize>,
+    closed: bool,
+}
+
+impl std::fmt::Debug for EndpointShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EndpointShared")
+            .field("rank", &self.transport.rank())
+            .field("world_size", &self.transport.world_size())
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Endpoint {
+    /// Attaches to `transport` and starts the dispatcher task on the current tokio runtime.
+    pub fn new(transport: Arc<dyn Transport>, config: CommConfig) -> Result<Endpoint> {
+        config.validate()?;
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::InvalidConfig { reason: "endpoint must be created inside a tokio runtime" })?;
+        let rank = transport.rank();
+        let shared = Arc::new(EndpointShared {
+            transport,
+            config,
+            pool: BufferPool::new(),
+            registry: Mutex::new(Registry::default()),
+            malformed: AtomicU64::new(0),
+        });
+        let span = tracing::debug_span!("dispatcher", rank);
+        let task = runtime.spawn(dispatch(Arc::clone(&shared)).instrument(span));
+        Ok(Endpoint { handle: Arc::new(EndpointHandle { shared, dispatcher: task.abort_handle() }) })
+    }
+
+    /// The group of all ranks, id [`WORLD_GROUP_ID`], generation 0, group rank = global rank.
+    pub fn world(&self) -> Result<Communicator> {
+        let n = self.shared().transport.world_size();
+        self.group(WORLD_GROUP_ID, (0..n).collect(), 0)
+    }
+
+    /// Forms (or re-forms) group `id` with `members` (global ranks, in group-rank order) at
+    /// `generation`. Every member must call it with the same arguments. Re-forming a live group
+    /// needs a higher generation and aborts the old one's operations with
+    /// [`Error::StaleGeneration`].
+    pub fn group(&self, id: u64, members: Vec<usize>, generation: u64) -> Result<Communicator> {
+        let state = self.shared().register(id, members, generation)?;
+        Ok(Communicator::new(self.clone(), state))
+    }
+
+    /// Local global rank.
+    pub fn rank(&self) -> usize {
+        self.shared().transport.rank()
+    }
+
+    /// Number of global ranks.
+    pub fn world_size(&self) -> usize {
+        self.shared().transport.world_size()
+    }
+
+    /// Frames dropped because they failed validation or lied about their source.
+    pub fn malformed_frames(&self) -> u64 {
+        self.shared().malformed.load(Ordering::Relaxed)
+    }
+
+    /// The pool frame buffers come from.
+    pub fn pool(&self) -> &BufferPool {
+        &self.shared().pool
+    }
+
+    pub(crate) fn shared(&self) -> &EndpointShared {
+        &self.handle.shared
+    }
+}
+
+impl Drop for EndpointHandle {
+    fn drop(&mut self) {
+        self.dispatcher.abort();
+    }
+}
+
+impl EndpointShared {
+    fn register(&self, id: u64, members: Vec<usize>, generation: u64) -> Result<Arc<GroupState>> {
+        let world = self.transport.world_size();
+        let me = self.transport.rank();
+        if members.is_empty() {
+            return Err(Error::InvalidGroup { group: id, reason: "no members" });
+        }
+        if let Some(&rank) = members.iter().find(|&&m| m >= world) {
+            return Err(Error::RankOutOfRange { rank, size: world });
+        }
+        if members.iter().collect::<BTreeSet<_>>().len() != members.len() {
+            return Err(Error::InvalidGroup { group: id, reason: "duplicate member" });
+        }
+        let Some(my_index) = members.iter().position(|&m| m == me) else {
+            return Err(Error::InvalidGroup { group: id, reason: "local rank is not a member" });
+        };
+        let mut registry = lock(&self.registry);
+        if registry.closed {
+            return Err(Error::TransportClosed);
+        }
+        let state = Arc::new(GroupState::new(id, members, my_index, generation, self.config.max_stored_frames));
+        let mut inherited = Vec::new();
+        if let Some(old) = registry.groups.get(&id).and_then(Weak::upgrade) {
+            old.advance_generation(generation, None)?;
+            inherited = old.take_stored();
+        }
+        if let Some(orphans) = registry.orphans.remove(&id) {
+            registry.n_orphans -= orphans.len();
+            inherited.extend(orphans);
+        }
+        for frame in inherited {
+            if state.deliver(frame) == Delivery::ForeignSource {
+                self.malformed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if let Some(&lost) = registry.lost.iter().find(|&&r| state.contains(r)) {
+            state.peer_lost(lost);
+        }
+        registry.groups.insert(id, Arc::downgrade(&state));
+        Ok(state)
+    }
+
+    /// Moves `group` to `generation`, keeping it failing fast if a member is still known lost.
+    pub(crate) fn advance(&self, group: &GroupState, generation: u64) -> Result<()> {
+        let lost = lock(&self.registry).lost.iter().copied().find(|&r| group.contains(r));
+        group.advance_generation(generation, lost)
+    }
+
+    fn on_frame(&self, from: usize, bytes: PooledBuf) {
+        let frame = match Frame::decode(bytes, self.config.max_payload_bytes) {
+            Ok(frame) => frame,
+            Err(error) => {
+                self.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(from, %error, "dropped malformed frame");
+                return;
+            }
+        };
+        if frame.header.src as usize != from {
+            self.malformed.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(from, claimed = frame.header.src, "dropped frame with a forged source");
+            return;
+        }
+        let id = frame.header.group;
+        let group = {
+            let mut registry = lock(&self.registry);
+            match registry.groups.get(&id).and_then(Weak::upgrade) {
+                Some(group) => group,
+                None => {
+                    if registry.n_orphans < self.config.max_stored_frames {
+                        registry.n_orphans += 1;
+                        registry.orphans.entry(id).or_default().push(frame);
+                    } else {
+                        tracing::warn!(group = id, "dropped frame for an unknown group: orphan queue full");
+                    }
+                    return;
+                }
+            }
+        };
+        match group.deliver(frame) {
+            Delivery::Accepted | Delivery::Stale => {}
+            Delivery::Overflow => tracing::warn!(group = id, "dropped frame: mailbox full"),
+            Delivery::ForeignSource => {
+                self.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(group = id, from, "dropped frame from a rank outside the group");
+            }
+        }
+    }
+
+    fn live_groups(&self, registry: &Registry) -> Vec<Arc<GroupState>> {
+        registry.groups.values().filter_map(Weak::upgrade).collect()
+    }
+
+    fn on_peer_lost(&self, rank: usize) {
+        tracing::info!(peer = rank, "peer lost");
+        let groups = {
+            let mut registry = lock(&self.registry);
+            registry.lost.insert(rank);
+            self.live_groups(&registry)
+        };
+        for group in groups.iter().filter(|g| g.contains(rank)) {
+            group.peer_lost(rank);
+        }
+    }
+
+    fn on_peer_up(&self, rank: usize) {
+        tracing::info!(peer = rank, "peer up");
+        lock(&self.registry).lost.remove(&rank);
+    }
+
+    fn on_closed(&self) {
+        let groups = {
+            let mut registry = lock(&self.registry);
+            registry.closed = true;
+            self.live_groups(&registry)
+        };
+        for group in groups {
+            group.close();
+        }
+    }
+}
+
+async fn dispatch(shared: Arc<EndpointShared>) {
+    while let Some(event) = shared.transport.recv().await {
+        match event {
+            TransportEvent::Frame { from, bytes } => shared.on_frame(from, bytes),
+            TransportEvent::PeerLost(rank) => shared.on_peer_lost(rank),
+            TransportEvent::PeerUp(rank) => shared.on_peer_up(rank),
+        }
+    }
+    shared.on_closed();
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Registry updates are single map operations; a panic cannot leave them half-done.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}

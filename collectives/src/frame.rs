@@ -1,0 +1,333 @@
+//! Wire frames: a fixed 64-byte little-endian header followed by the raw payload bytes.
+//!
+//! Layout (all integers little-endian):
+//!
+//! | bytes  | field          |
+//! |--------|----------------|
+//! | 0..4   | magic `RTXF`   |
+//! | 4..6   | version (1)    |
+//! | 6      | op kind        |
+//! | 7      | dtype code (0 = none) |
+//! | 8..16  | group id       |
+//! | 16..24 | generation     |
+//! | 24..32 | op sequence    |
+//! | 32..36 | chunk index    |
+//! | 36..40 | source rank    |
+//! | 40..48 | payload length |
+//! | 48..52 | crc32 of bytes 0..48, 52..64 and the payload |
+//! | 52..64 | reserved, zero |
+//!
+//! Decision: DESIGN.md suggests an rkyv header. The header is eleven fixed-width scalars and never
+//! grows variable-length fields, so a hand-written fixed layout gives the same zero-copy access with
+//! explicit, per-field validation (every rejection is a typed [`Error`]), a byte layout that does not
+//! depend on a crate version, and no proc-macro build cost on 2-core CI. rkyv stays the right tool for
+//! variable-shaped control messages (actors), not for this header.
+//!
+//! Payloads are copied into the frame buffer with one `memcpy` (never encoded element by element);
+//! frame buffers come from a [`BufferPool`] so the hot path does not touch fresh pages. Decoding never
+//! panics: every malformed input maps to an error variant.
+
+use std::fmt;
+
+use rtx_kernels::DType;
+
+use crate::error::{Error, Result};
+use crate::pool::{BufferPool, PooledBuf};
+
+/// Header length in bytes; the payload starts here.
+pub const HEADER_LEN: usize = 64;
+/// Magic number, `RTXF` read as a little-endian u32.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"RTXF");
+/// Wire format version this build writes and accepts.
+pub const VERSION: u16 = 1;
+
+const CHECKSUM_RANGE: std::ops::Range<usize> = 48..52;
+const RESERVED_RANGE: std::ops::Range<usize> = 52..64;
+const _: () = assert!(RESERVED_RANGE.end == HEADER_LEN);
+const _: () = assert!(CHECKSUM_RANGE.end == RESERVED_RANGE.start);
+// Payload bytes are reinterpreted as host elements; the wire format is little-endian.
+const _: () = assert!(cfg!(target_endian = "little"));
+
+/// Which operation a frame belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OpKind {
+    /// Point-to-point `send`/`recv`.
+    Send,
+    /// `all_reduce`.
+    AllReduce,
+    /// `reduce_scatter`.
+    ReduceScatter,
+    /// `all_gather`.
+    AllGather,
+    /// `broadcast`.
+    Broadcast,
+    /// `reduce` to one root.
+    Reduce,
+    /// `barrier`.
+    Barrier,
+    /// `all_to_all`.
+    AllToAll,
+    /// The exchange inside `split`.
+    Split,
+}
+
+/// The decoded, validated fields of a frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// Group the frame belongs to.
+    pub group: u64,
+    /// Generation of the group the sender was at.
+    pub generation: u64,
+    /// Operation sequence number within the generation (per peer pair for `Send`).
+    pub seq: u64,
+    /// Operation kind.
+    pub op: OpKind,
+    /// Chunk index within the operation on this sender→receiver link.
+    pub chunk: u32,
+    /// Global rank of the sender.
+    pub src: u32,
+    /// Element type of the payload; `None` for header-only frames.
+    pub dtype: Option<DType>,
+    /// Payload length in bytes.
+    pub payload_len: u64,
+}
+
+/// A received frame: its header and the buffer that holds header and payload.
+#[derive(Debug)]
+pub struct Frame {
+    /// The validated header.
+    pub header: FrameHeader,
+    buf: PooledBuf,
+}
+
+impl OpKind {
+    /// The wire code.
+    pub const fn code(self) -> u8 {
+        match self {
+            OpKind::Send => 1,
+            OpKind::AllReduce => 2,
+            OpKind::ReduceScatter => 3,
+            OpKind::AllGather => 4,
+            OpKind::Broadcast => 5,
+            OpKind::Reduce => 6,
+            OpKind::Barrier => 7,
+            OpKind::AllToAll => 8,
+            OpKind::Split => 9,
+        }
+    }
+
+    /// The operation for a wire code.
+    pub fn from_code(code: u8) -> Result<Self> {
+        Ok(match code {
+            1 => OpKind::Send,
+            2 => OpKind::AllReduce,
+            3 => OpKind::ReduceScatter,
+            4 => OpKind::AllGather,
+            5 => OpKind::Broadcast,
+            6 => OpKind::Reduce,
+            7 => OpKind::Barrier,
+            8 => OpKind::AllToAll,
+            9 => OpKind::Split,
+            _ => return Err(Error::UnknownOpKind { code }),
+        })
+    }
+
+    /// The name used in spans and error messages.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            OpKind::Send => "send",
+            OpKind::AllReduce => "all_reduce",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllGather => "all_gather",
+            OpKind::Broadcast => "broadcast",
+            OpKind::Reduce => "reduce",
+            OpKind::Barrier => "barrier",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::Split => "split",
+        }
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Frame {
+    /// The payload bytes.
+    pub fn payload(&self) -> &[u8] {
+        &self.buf[HEADER_LEN..]
+    }
+
+    /// Decodes and fully validates a frame held in `buf` (header fields, length, checksum).
+    pub fn decode(buf: PooledBuf, max_payload: usize) -> Result<Frame> {
+        let header = decode(&buf, max_payload)?;
+        Ok(Frame { header, buf })
+    }
+}
+
+/// Wire code of a dtype (0 is reserved for "no payload").
+pub const fn dtype_code(dtype: Option<DType>) -> u8 {
+    match dtype {
+        None => 0,
+        Some(DType::F32) => 1,
+        Some(DType::F64) => 2,
+        Some(DType::BF16) => 3,
+        Some(DType::U32) => 4,
+    }
+}
+
+fn dtype_from_code(code: u8) -> Result<Option<DType>> {
+    Ok(match code {
+        0 => None,
+        1 => Some(DType::F32),
+        2 => Some(DType::F64),
+        3 => Some(DType::BF16),
+        4 => Some(DType::U32),
+        _ => return Err(Error::UnknownDType { code }),
+    })
+}
+
+/// Encodes a frame into a pooled buffer: header, then `payload` copied in one piece.
+///
+/// `header.payload_len` is overwritten with `payload.len()`.
+pub fn encode(pool: &BufferPool, header: &FrameHeader, payload: &[u8]) -> PooledBuf {
+    let total = HEADER_LEN + payload.len();
+    let mut buf = pool.take(total);
+    buf.resize(HEADER_LEN, 0);
+    write_header(&mut buf[..HEADER_LEN], header, payload.len() as u64);
+    buf.extend_from_slice(payload);
+    let crc = checksum(&buf[..HEADER_LEN], payload);
+    buf[CHECKSUM_RANGE].copy_from_slice(&crc.to_le_bytes());
+    debug_assert_eq!(buf.len(), total);
+    buf
+}
+
+/// Validates the header part of `bytes` (magic, version, op, dtype, reserved bytes, length cap).
+///
+/// Does not look at the payload or the checksum; stream readers use it to learn how many payload
+/// bytes follow before reading them.
+pub fn decode_header(bytes: &[u8], max_payload: usize) -> Result<FrameHeader> {
+    let header: &[u8; HEADER_LEN] = match bytes.get(..HEADER_LEN).and_then(|h| h.try_into().ok()) {
+        Some(h) => h,
+        None => return Err(Error::FrameTooShort { len: bytes.len(), min: HEADER_LEN }),
+    };
+    let magic = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
+    if magic != MAGIC {
+        return Err(Error::BadMagic { got: magic });
+    }
+    let version = u16::from_le_bytes([header[4], header[5]]);
+    if version != VERSION {
+        return Err(Error::UnsupportedVersion { got: version, supported: VERSION });
+    }
+    let op = OpKind::from_code(header[6])?;
+    let dtype = dtype_from_code(header[7])?;
+    if header[RESERVED_RANGE].iter().any(|&b| b != 0) {
+        return Err(Error::ReservedNonZero);
+    }
+    let payload_len = read_u64(header, 40);
+    if payload_len > max_payload as u64 {
+        return Err(Error::PayloadTooLarge { len: payload_len, cap: max_payload });
+    }
+    Ok(FrameHeader {
+        group: read_u64(header, 8),
+        generation: read_u64(header, 16),
+        seq: read_u64(header, 24),
+        chunk: read_u32(header, 32),
+        src: read_u32(header, 36),
+        op,
+        dtype,
+        payload_len,
+    })
+}
+
+/// Validates a whole frame: header, payload length against the bytes present, and checksum.
+pub fn decode(bytes: &[u8], max_payload: usize) -> Result<FrameHeader> {
+    let header = decode_header(bytes, max_payload)?;
+    let payload = &bytes[HEADER_LEN..];
+    if header.payload_len != payload.len() as u64 {
+        return Err(Error::PayloadLengthMismatch { declared: header.payload_len, actual: payload.len() });
+    }
+    let expected = read_u32(&bytes[..HEADER_LEN], CHECKSUM_RANGE.start);
+    let computed = checksum(&bytes[..HEADER_LEN], payload);
+    if expected != computed {
+        return Err(Error::ChecksumMismatch { expected, computed });
+    }
+    Ok(header)
+}
+
+fn write_header(out: &mut [u8], h: &FrameHeader, payload_len: u64) {
+    debug_assert_eq!(out.len(), HEADER_LEN);
+    out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    out[6] = h.op.code();
+    out[7] = dtype_code(h.dtype);
+    out[8..16].copy_from_slice(&h.group.to_le_bytes());
+    out[16..24].copy_from_slice(&h.generation.to_le_bytes());
+    out[24..32].copy_from_slice(&h.seq.to_le_bytes());
+    out[32..36].copy_from_slice(&h.chunk.to_le_bytes());
+    out[36..40].copy_from_slice(&h.src.to_le_bytes());
+    out[40..48].copy_from_slice(&payload_len.to_le_bytes());
+    out[CHECKSUM_RANGE].fill(0);
+    out[RESERVED_RANGE].fill(0);
+}
+
+fn checksum(header: &[u8], payload: &[u8]) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&header[..CHECKSUM_RANGE.start]);
+    hasher.update(&header[RESERVED_RANGE]);
+    hasher.update(payload);
+    hasher.finalize()
+}
+
+fn read_u64(b: &[u8], at: usize) -> u64 {
+    let mut v = [0u8; 8];
+    v.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(v)
+}
+
+fn read_u32(b: &[u8], at: usize) -> u32 {
+    let mut v = [0u8; 4];
+    v.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(v)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn sample() -> FrameHeader {
+        FrameHeader {
+            group: 7,
+            generation: 3,
+            seq: 42,
+            op: OpKind::AllReduce,
+            chunk: 5,
+            src: 2,
+            dtype: Some(DType::F32),
+            payload_len: 0,
+        }
+    }
+
+    // Goal: encode then decode gives back every header field and the payload bytes.
+    #[test]
+    fn round_trip() {
+        let pool = BufferPool::new();
+        let payload: Vec<u8> = (0..100u8).collect();
+        let buf = encode(&pool, &sample(), &payload);
+        let frame = Frame::decode(buf, 1 << 20).unwrap();
+        assert_eq!(frame.header, FrameHeader { payload_len: 100, ..sample() });
+        assert_eq!(frame.payload(), &payload[..]);
+    }
+
+    // Goal: a flipped payload bit is caught by the checksum.
+    #[test]
+    fn payload_corruption_detected() {
+        let pool = BufferPool::new();
+        let mut buf = encode(&pool, &sample(), &[1, 2, 3, 4]);
+        buf[HEADER_LEN + 1] ^= 0x10;
+        assert!(matches!(decode(&buf, 1 << 20), Err(Error::ChecksumMismatch { .. })));
+    }
+}

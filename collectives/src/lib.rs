@@ -1,0 +1,62 @@
+//! Collectives for rustytorch: moving tensors between ranks. Start from [`Endpoint`] (one per rank,
+//! on a [`Transport`]) and the [`Communicator`] it forms for a group of ranks at a generation, which
+//! runs `all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`, `reduce`, `barrier`,
+//! `send`/`recv`, `all_to_all` and `split` on f32, f64 and bf16 buffers. Frames ([`frame`]) are a
+//! fixed little-endian header plus raw payload bytes. [`InProcessNetwork`] links ranks that are tokio
+//! tasks of one process; [`QuicTransport`] (feature `quic`, on by default) links processes and machines
+//! with mutual TLS against a [`ClusterCa`], and [`ShmTransport`] (feature `shm`) links processes on one
+//! machine through shared-memory rings; the simulator implements [`Transport`] itself. This crate does not decide
+//! membership or detect failures beyond connection loss and timeouts: the supervisor bumps
+//! generations and re-forms groups.
+
+mod algo;
+mod communicator;
+mod element;
+mod endpoint;
+mod error;
+pub mod frame;
+mod group;
+mod in_process;
+mod op;
+mod pool;
+#[cfg(feature = "quic")]
+mod quic;
+#[cfg(feature = "shm")]
+mod shm;
+mod transport;
+
+pub use communicator::{
+    CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_STORED_FRAMES,
+    DEFAULT_OP_TIMEOUT, DEFAULT_SMALL_MESSAGE_BYTES,
+};
+pub use element::{Accumulator, Element, WireElement};
+pub use endpoint::{Endpoint, WORLD_GROUP_ID};
+pub use error::{Error, Result};
+pub use frame::OpKind;
+pub use in_process::{InProcessNetwork, InProcessTransport, IN_PROCESS_INBOX_FRAMES};
+pub use op::segment_range;
+pub use pool::{
+    BufferPool, PoolStats, PooledBuf, POOL_MAX_BYTES, POOL_MAX_CLASS_BYTES, POOL_MAX_PER_CLASS, POOL_MIN_CLASS_BYTES,
+};
+pub use rtx_kernels::DType;
+pub use transport::{BoxFuture, Transport, TransportEvent};
+#[cfg(feature = "quic")]
+pub use quic::{
+    client_tls_config, rank_name, server_tls_config, ClusterCa, NodeIdentity, QuicOptions, QuicTransport, ALPN,
+    QUIC_INBOX_FRAMES,
+};
+#[cfg(feature = "shm")]
+pub use shm::{ShmOptions, ShmTransport, SHM_INBOX_FRAMES};
+
+/// How `all_reduce`, `reduce_scatter` and `reduce` combine elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum, accumulated in f32 (f64 for f64).
+    Sum,
+    /// Sum divided by the group size, once, after the full sum.
+    Avg,
+    /// Maximum; NaN propagates.
+    Max,
+    /// Minimum; NaN propagates.
+    Min,
+}

@@ -1,0 +1,189 @@
+//! One running operation on one rank: its identity on the wire (op kind, generation, sequence) and
+//! the per-link chunk counters, with the send and receive steps the algorithms are built from.
+//!
+//! Chunk numbering: every frame on a sender→receiver link within one operation takes the next chunk
+//! index of that link. Algorithms send and receive on each link in the same logical order on both
+//! ends, so both sides agree on the numbers without sending them out of band.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use rtx_kernels::DType;
+
+use crate::communicator::Communicator;
+use crate::element::{combine_bytes, copy_bytes, Accumulator, WireElement};
+use crate::error::{Error, Result};
+use crate::frame::{encode, Frame, FrameHeader, OpKind};
+use crate::group::Lane;
+use crate::ReduceOp;
+
+pub(crate) struct OpCtx<'a> {
+    comm: &'a Communicator,
+    pub(crate) op: OpKind,
+    lane: Lane,
+    generation: u64,
+    seq: u64,
+    sent: BTreeMap<usize, u32>,
+    received: BTreeMap<usize, u32>,
+}
+
+impl<'a> OpCtx<'a> {
+    pub(crate) fn new(comm: &'a Communicator, op: OpKind, generation: u64, seq: u64) -> Self {
+        let lane = if op == OpKind::Send { Lane::PointToPoint } else { Lane::Collective };
+        OpCtx { comm, op, lane, generation, seq, sent: BTreeMap::new(), received: BTreeMap::new() }
+    }
+
+    /// Elements per frame for element type `T`.
+    pub(crate) fn piece_elems<T>(&self) -> usize {
+        (self.comm.config().chunk_bytes / std::mem::size_of::<T>()).max(1)
+    }
+
+    /// Sends one frame with `payload` to group rank `to`.
+    pub(crate) async fn send_frame(&mut self, to: usize, dtype: Option<DType>, payload: &[u8]) -> Result<()> {
+        let shared = self.comm.endpoint().shared();
+        let group = self.comm.state();
+        let peer = group.members[to];
+        debug_assert_ne!(to, group.my_index, "no frames to self");
+        let counter = self.sent.entry(to).or_insert(0);
+        let chunk = *counter;
+        *counter += 1;
+        let header = FrameHeader {
+            group: group.id,
+            generation: self.generation,
+            seq: self.seq,
+            op: self.op,
+            chunk,
+            src: group.members[group.my_index] as u32,
+            dtype,
+            payload_len: payload.len() as u64,
+        };
+        let buf = encode(&shared.pool, &header, payload);
+        shared.transport.send(peer, buf).await.map_err(|e| match e {
+            Error::PeerLost { rank, .. } => Error::PeerLost { rank, op: self.op },
+            other => other,
+        })
+    }
+
+    /// Receives the next frame from group rank `from`, checking op, dtype and payload length.
+    pub(crate) async fn recv_frame(&mut self, from: usize, dtype: Option<DType>, len_bytes: usize) -> Result<Frame> {
+        let group = self.comm.state();
+        let src = group.members[from];
+        let counter = self.received.entry(from).or_insert(0);
+        let chunk = *counter;
+        *counter += 1;
+        let key = (self.generation, self.lane, src, self.seq, chunk);
+        let frame = group.wait(key, self.op, self.comm.config().op_timeout).await?;
+        let h = frame.header;
+        if h.op != self.op {
+            return Err(Error::OpMismatch { seq: self.seq, src, expected: self.op, got: h.op });
+        }
+        if h.dtype != dtype {
+            return Err(Error::DTypeMismatch { src, expected: dtype, got: h.dtype });
+        }
+        if frame.payload().len() != len_bytes {
+            return Err(Error::PayloadLength { src, expected: len_bytes, got: frame.payload().len() });
+        }
+        Ok(frame)
+    }
+
+    /// Sends `data` to `to` in pieces of at most `chunk_bytes`.
+    pub(crate) async fn send_all<T: WireElement>(&mut self, to: usize, data: &[T]) -> Result<()> {
+        for piece in pieces(data.len(), self.piece_elems::<T>()) {
+            self.send_frame(to, Some(T::DTYPE), bytemuck::cast_slice(&data[piece])).await?;
+        }
+        Ok(())
+    }
+
+    /// Receives `dst.len()` elements from `from`, in the pieces `send_all` made, copying them in.
+    pub(crate) async fn recv_all<T: WireElement>(&mut self, from: usize, dst: &mut [T]) -> Result<()> {
+        for piece in pieces(dst.len(), self.piece_elems::<T>()) {
+            let bytes = piece.len() * std::mem::size_of::<T>();
+            let frame = self.recv_frame(from, Some(T::DTYPE), bytes).await?;
+            copy_bytes(&mut dst[piece], frame.payload());
+        }
+        Ok(())
+    }
+
+    /// Receives `dst.len()` accumulator values from `from` and combines them into `dst`.
+    pub(crate) async fn recv_combine_all<A: Accumulator>(
+        &mut self,
+        from: usize,
+        dst: &mut [A],
+        op: ReduceOp,
+        received_first: bool,
+    ) -> Result<()> {
+        for piece in pieces(dst.len(), self.piece_elems::<A>()) {
+            self.recv_combine(from, &mut dst[piece], op, received_first).await?;
+        }
+        Ok(())
+    }
+
+    /// Receives one piece of accumulator values from `from` and combines it into `dst`.
+    pub(crate) async fn recv_combine<A: Accumulator>(
+        &mut self,
+        from: usize,
+        dst: &mut [A],
+        op: ReduceOp,
+        received_first: bool,
+    ) -> Result<()> {
+        let bytes = std::mem::size_of_val(dst);
+        let frame = self.recv_frame(from, Some(A::DTYPE), bytes).await?;
+        combine_bytes(op, dst, frame.payload(), received_first);
+        Ok(())
+    }
+
+    /// Receives one piece of elements from `from` and copies it into `dst`.
+    pub(crate) async fn recv_copy<T: WireElement>(&mut self, from: usize, dst: &mut [T]) -> Result<()> {
+        let bytes = std::mem::size_of_val(dst);
+        let frame = self.recv_frame(from, Some(T::DTYPE), bytes).await?;
+        copy_bytes(dst, frame.payload());
+        Ok(())
+    }
+}
+
+/// Splits `0..len` into consecutive ranges of at most `piece` elements (none for `len == 0`).
+pub(crate) fn pieces(len: usize, piece: usize) -> impl Iterator<Item = Range<usize>> {
+    debug_assert!(piece > 0);
+    (0..len).step_by(piece.max(1)).map(move |start| start..(start + piece).min(len))
+}
+
+/// The range of element indices rank `i` of `n` owns in a buffer of `len` elements: the first
+/// `len % n` ranks get one element more.
+pub fn segment_range(len: usize, n: usize, i: usize) -> Range<usize> {
+    assert!(n > 0 && i < n, "segment_range: rank inside the group");
+    let base = len / n;
+    let extra = len % n;
+    let start = i * base + i.min(extra);
+    let size = base + usize::from(i < extra);
+    start..start + size
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    // Goal: segments tile the buffer exactly, in order, for awkward sizes.
+    #[test]
+    fn segments_tile() {
+        for len in [0usize, 1, 2, 7, 13, 100] {
+            for n in 1..=8 {
+                let mut next = 0;
+                for i in 0..n {
+                    let r = segment_range(len, n, i);
+                    assert_eq!(r.start, next);
+                    next = r.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+
+    // Goal: pieces cover the range with the given maximum size.
+    #[test]
+    fn pieces_cover() {
+        let p: Vec<_> = pieces(10, 4).collect();
+        assert_eq!(p, vec![0..4, 4..8, 8..10]);
+        assert_eq!(pieces(0, 4).count(), 0);
+    }
+}

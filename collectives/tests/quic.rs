@@ -1,0 +1,179 @@
+//! The QUIC transport over loopback: collectives between ranks that each own a quinn endpoint,
+//! peer loss when a rank goes away, and mutual TLS refusing peers without a certificate, with a
+//! certificate from another CA, or claiming a rank their certificate does not name.
+//!
+//! Method: every rank binds 127.0.0.1:0 in this process; rogue clients are plain quinn endpoints
+//! with hand-built rustls configs (ALPN set, so a refusal can only come from the certificate
+//! checks). A positive control shows the same rogue path is accepted with a matching certificate.
+#![cfg(feature = "quic")]
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use quinn::crypto::rustls::QuicClientConfig;
+use rtx_collectives::{
+    client_tls_config, rank_name, ClusterCa, CommConfig, Endpoint, Error, NodeIdentity, OpKind, QuicOptions,
+    QuicTransport, ReduceOp, Transport, ALPN,
+};
+
+const LOOPBACK: &str = "127.0.0.1:0";
+
+fn options() -> QuicOptions {
+    QuicOptions { connect_timeout: Duration::from_secs(20), ..QuicOptions::default() }
+}
+
+async fn cluster(ca: &ClusterCa, n: usize) -> Vec<Arc<QuicTransport>> {
+    let transports: Vec<Arc<QuicTransport>> = (0..n)
+        .map(|r| Arc::new(QuicTransport::bind(&ca.issue(r).unwrap(), n, LOOPBACK.parse().unwrap(), options()).unwrap()))
+        .collect();
+    let addrs: Vec<SocketAddr> = transports.iter().map(|t| t.local_addr().unwrap()).collect();
+    let tasks: Vec<_> = transports
+        .iter()
+        .map(|t| {
+            let (t, addrs) = (Arc::clone(t), addrs.clone());
+            tokio::spawn(async move { t.connect(&addrs).await })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap().unwrap();
+    }
+    transports
+}
+
+// Goal: collectives over QUIC give correct results (large ring and small doubling paths), and a
+// rank that goes away makes the survivors' next collective fail with PeerLost naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collectives_over_quic_and_peer_loss() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let transports = cluster(&ca, 3).await;
+    for (r, t) in transports.iter().enumerate() {
+        let mut expected: Vec<usize> = (0..3).collect();
+        expected.retain(|&p| p != r);
+        assert_eq!(t.connected_peers(), expected);
+    }
+    let config = CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() };
+    let mut comms: Vec<_> = transports
+        .into_iter()
+        .map(|t| {
+            let t: Arc<dyn Transport> = t;
+            Endpoint::new(t, config.clone()).unwrap().world().unwrap()
+        })
+        .collect();
+    let out = run_ranks(&comms, |c| async move {
+        let r = c.rank() as f32;
+        let mut big: Vec<f32> = (0..(1 << 20)).map(|i| (i % 7) as f32 + r).collect();
+        c.all_reduce(&mut big, ReduceOp::Sum).await.unwrap();
+        let mut small = vec![r; 33];
+        c.all_reduce(&mut small, ReduceOp::Max).await.unwrap();
+        let mut b = if c.rank() == 1 { vec![7.5f64; 1000] } else { vec![0.0; 1000] };
+        c.broadcast(&mut b, 1).await.unwrap();
+        (big, small, b)
+    })
+    .await;
+    for (big, small, b) in out {
+        assert!(big.iter().enumerate().all(|(i, &x)| x == 3.0 * (i % 7) as f32 + 3.0));
+        assert_eq!(small, vec![2.0; 33]);
+        assert_eq!(b, vec![7.5; 1000]);
+    }
+    drop(comms.pop());
+    let out = run_ranks(&comms, |c| async move {
+        let mut buf = vec![1.0f32; 1000];
+        c.all_reduce(&mut buf, ReduceOp::Sum).await
+    })
+    .await;
+    for result in out {
+        assert_eq!(result, Err(Error::PeerLost { rank: 2, op: OpKind::AllReduce }));
+    }
+}
+
+/// Connects to `addr` as a plain quinn client, sends a hello claiming `claim`, and waits for the
+/// server's hello. `Ok` means the server accepted the peer.
+async fn rogue_connect(client: rustls::ClientConfig, addr: SocketAddr, server_rank: usize, claim: u32) -> Result<(), String> {
+    let endpoint = quinn::Endpoint::client(LOOPBACK.parse().unwrap()).unwrap();
+    let config = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(client).unwrap()));
+    let attempt = async {
+        let conn = endpoint.connect_with(config, addr, &rank_name(server_rank)).unwrap().await.map_err(|e| e.to_string())?;
+        let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
+        let mut hello = b"RTXH".to_vec();
+        hello.extend_from_slice(&claim.to_le_bytes());
+        send.write_all(&hello).await.map_err(|e| e.to_string())?;
+        let mut recv = conn.accept_uni().await.map_err(|e| e.to_string())?;
+        let mut answer = [0u8; 8];
+        recv.read_exact(&mut answer).await.map_err(|e| e.to_string())?;
+        Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(10), attempt).await.expect("refusal must be prompt, not a hang")
+}
+
+fn client_config(roots_from: &ClusterCa, client_cert: Option<&NodeIdentity>) -> rustls::ClientConfig {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(roots_from.certificate()).unwrap();
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots);
+    let mut config = match client_cert {
+        Some(id) => builder.with_client_auth_cert(id.cert_chain.clone(), id.key.clone_key()).unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![ALPN.to_vec()];
+    config
+}
+
+// Goal: the server side refuses a peer with no certificate and one whose certificate comes from
+// another CA, accepts a correct one (positive control), and refuses a correct certificate used to
+// claim a different rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_refuses_unauthenticated_peers() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let other = ClusterCa::generate("some other cluster").unwrap();
+    // Rank 2 of 3 accepts connections from ranks 0 and 1.
+    let server = QuicTransport::bind(&ca.issue(2).unwrap(), 3, LOOPBACK.parse().unwrap(), options()).unwrap();
+    let addr = server.local_addr().unwrap();
+
+    let no_cert = rogue_connect(client_config(&ca, None), addr, 2, 0).await;
+    eprintln!("no certificate: {no_cert:?}");
+    assert!(no_cert.unwrap_err().contains("no certificates"), "peer without a certificate was not refused by TLS");
+
+    let foreign = other.issue(0).unwrap();
+    let foreign_ca = rogue_connect(client_config(&ca, Some(&foreign)), addr, 2, 0).await;
+    eprintln!("other CA: {foreign_ca:?}");
+    assert!(foreign_ca.unwrap_err().contains("UnknownIssuer"), "another CA's certificate was not refused by TLS");
+
+    let rank1 = ca.issue(1).unwrap();
+    let impostor = rogue_connect(client_config(&ca, Some(&rank1)), addr, 2, 0).await;
+    eprintln!("impostor: {impostor:?}");
+    assert!(impostor.unwrap_err().contains("does not name the claimed rank"), "rank 1's certificate was not refused as rank 0");
+    assert!(server.connected_peers().is_empty());
+
+    // Positive control: the same path with a certificate naming the claimed rank is accepted.
+    let rank0 = ca.issue(0).unwrap();
+    rogue_connect(client_config(&ca, Some(&rank0)), addr, 2, 0).await.unwrap();
+    assert_eq!(server.connected_peers(), vec![0]);
+
+    // And the transport's own client config refuses a server from another CA.
+    let stranger = QuicTransport::bind(&other.issue(2).unwrap(), 3, LOOPBACK.parse().unwrap(), options()).unwrap();
+    let refused = rogue_connect(client_tls_config(&rank0).unwrap(), stranger.local_addr().unwrap(), 2, 0).await;
+    eprintln!("server from another CA: {refused:?}");
+    assert!(refused.unwrap_err().contains("UnknownIssuer"), "client did not refuse a server from another CA");
+}
+
+// Goal: connect gives a typed error naming the missing peer when a rank never shows up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_times_out_with_missing_peer() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let opts = QuicOptions { connect_timeout: Duration::from_millis(500), ..QuicOptions::default() };
+    let t0 = QuicTransport::bind(&ca.issue(0).unwrap(), 2, LOOPBACK.parse().unwrap(), opts).unwrap();
+    // Rank 1's address is a bound-then-dropped socket: nobody answers there.
+    let silent = std::net::UdpSocket::bind(LOOPBACK).unwrap();
+    let addrs = vec![t0.local_addr().unwrap(), silent.local_addr().unwrap()];
+    drop(silent);
+    let err = t0.connect(&addrs).await.unwrap_err();
+    assert!(matches!(err, Error::Connect { peer: 1, timeout_ms: 500, .. }), "{err}");
+}

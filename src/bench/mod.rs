@@ -1,0 +1,59 @@
+//! `rtx bench`: timings of rustytorch's CPU compute that `scripts/bench-vs-torch.sh` sets against
+//! PyTorch on the same machine in the same run.
+//!
+//! Three benchmarks: `matmul` (fp32 GFLOP/s of [`rtx_tensor::Tensor::matmul`] and of the bare
+//! kernel writing into a reused buffer) and `step --model mlp|gpt` (one full training step:
+//! forward, cross-entropy, backward, AdamW step, zero_grad), and `ops --model mlp|gpt`, which
+//! times each op of that step alone to show where the time goes. Each prints one JSON object per
+//! line with the median (and min/max) of `--repeats` runs after `--warmup` runs. Threads follow
+//! `RTX_NUM_THREADS` (default: all cores), as every kernel does. Shapes match
+//! `scripts/peer/torch_bench.py` exactly; change both together.
+
+mod matmul;
+mod ops;
+mod step;
+mod timing;
+
+pub use matmul::MatmulArgs;
+pub use ops::OpsArgs;
+pub use step::{StepArgs, StepModel};
+pub use timing::Stats;
+
+/// Arguments of `rtx bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Which benchmark to run.
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+/// The benchmarks `rtx bench` knows.
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum BenchCommand {
+    /// fp32 matrix multiplication at 1024³ and 4096×4096×1024 (GFLOP/s).
+    Matmul(MatmulArgs),
+    /// One full training step (forward, cross-entropy, backward, AdamW, zero_grad).
+    Step(StepArgs),
+    /// Each op of a model's step alone at its shapes, forward and forward+backward.
+    Ops(OpsArgs),
+}
+
+/// Runs one benchmark, printing JSON lines on stdout.
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.command {
+        BenchCommand::Matmul(a) => matmul::run(&a),
+        BenchCommand::Step(a) => step::run(&a),
+        BenchCommand::Ops(a) => ops::run(&a),
+    }
+}
+
+/// The thread count kernels use in this process (sets up the shared pool on first call).
+fn threads() -> usize {
+    rtx_kernels::threading::num_threads()
+}
+
+/// Prints one result line.
+#[allow(clippy::print_stdout)]
+fn emit(value: serde_json::Value) {
+    println!("{value}");
+}

@@ -1,0 +1,632 @@
+//! The TOML training config read by `rtx train` and [`crate::train::Trainer`].
+//!
+//! A config has the sections `[model]`, `[data]`, `[optim]`, `[schedule]` (optional), `[train]`,
+//! `[output]` (optional) and `[sample]` (optional, GPT only). Every section rejects unknown keys,
+//! and [`TrainConfig::from_toml_str`] checks ranges and combinations after parsing, so a bad
+//! config fails before any data is read, with a message naming the key and what it allows.
+//!
+//! Parsing is two-step on purpose: serde reads flat sections (`RawModel`, `RawOptim`) that keep
+//! the TOML line/column in its errors, then validation turns them into the typed
+//! [`ModelConfig`] / [`OptimConfig`] enums and reports keys that do not belong to the chosen kind.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Errors of reading or validating a config.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read config {path}: {source}", path = .path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The TOML did not parse, or a key is unknown, missing or of the wrong type.
+    #[error("invalid config{origin}: {message}")]
+    Parse {
+        /// ` path` of the file, or empty for a string.
+        origin: String,
+        /// The parser's message, with line and column.
+        message: String,
+    },
+    /// A key has a value outside what it allows.
+    #[error("invalid config{origin}: `{key}` = {value}: {allowed}")]
+    Invalid {
+        /// ` path` of the file, or empty for a string.
+        origin: String,
+        /// The dotted key, e.g. `optim.lr`.
+        key: String,
+        /// The offending value as written.
+        value: String,
+        /// What the key allows.
+        allowed: String,
+    },
+}
+
+/// A whole training config.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TrainConfig {
+    /// The model to train.
+    pub model: ModelConfig,
+    /// Dataset and batching.
+    pub data: DataConfig,
+    /// Optimizer.
+    pub optim: OptimConfig,
+    /// Learning-rate schedule.
+    pub schedule: ScheduleConfig,
+    /// Loop lengths and intervals.
+    pub train: LoopConfig,
+    /// Where outputs go; `None` means `runs/<config file stem>`.
+    pub output_dir: Option<PathBuf>,
+    /// Text sampling at the end of a GPT run.
+    pub sample: SampleConfig,
+}
+
+/// Model kinds and their shapes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub enum ModelConfig {
+    /// A multilayer perceptron on flattened images.
+    Mlp {
+        /// Hidden layer widths (input and output widths come from the dataset).
+        hidden: Vec<usize>,
+        /// Activation between layers.
+        activation: Activation,
+    },
+    /// A byte-level GPT decoder (vocabulary 256).
+    Gpt {
+        /// Transformer blocks.
+        n_layers: usize,
+        /// Embedding width.
+        d_model: usize,
+        /// Attention heads (divides `d_model`).
+        n_heads: usize,
+        /// Context length in bytes (also the training window).
+        context: usize,
+        /// Dropout probability.
+        dropout: f64,
+    },
+}
+
+/// Activation functions an MLP may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    /// max(0, x).
+    Relu,
+    /// Gaussian error linear unit.
+    Gelu,
+    /// Hyperbolic tangent.
+    Tanh,
+}
+
+/// Datasets `rtx train` knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Dataset {
+    /// Fashion-MNIST, 60k train / 10k test images of 28×28.
+    FashionMnist,
+    /// US State of the Union addresses as one byte stream.
+    Sotu,
+    /// scikit-learn digits, 1797 images of 8×8 (no test split).
+    Digits,
+}
+
+impl Dataset {
+    /// The name used in configs and by `scripts/fetch-data.sh --only`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dataset::FashionMnist => "fashion-mnist",
+            Dataset::Sotu => "sotu",
+            Dataset::Digits => "digits",
+        }
+    }
+
+    /// Whether the dataset is images (else text).
+    pub fn is_image(self) -> bool {
+        !matches!(self, Dataset::Sotu)
+    }
+}
+
+/// `[data]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// Which dataset.
+    pub dataset: Dataset,
+    /// Fraction of the training data held out for validation, in (0, 1).
+    #[serde(default = "default_val_fraction")]
+    pub val_fraction: f64,
+    /// Samples (images, or text windows) per step.
+    pub batch_size: usize,
+}
+
+/// Optimizer settings.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OptimConfig {
+    /// Which optimizer, with its own settings.
+    pub kind: OptimKind,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Weight decay (decoupled for AdamW, L2 for SGD).
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this value, if set.
+    pub grad_clip: Option<f64>,
+}
+
+/// Optimizer kinds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub enum OptimKind {
+    /// Stochastic gradient descent with optional momentum.
+    Sgd {
+        /// Momentum factor in [0, 1).
+        momentum: f64,
+    },
+    /// Adam with decoupled weight decay.
+    AdamW {
+        /// (beta1, beta2), each in [0, 1).
+        betas: (f64, f64),
+        /// Denominator epsilon.
+        eps: f64,
+    },
+}
+
+/// `[schedule]`: linear warmup, then cosine decay to `min_lr` at `total_steps`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ScheduleConfig {
+    /// Steps of linear warmup from 0 to `optim.lr`.
+    pub warmup_steps: u64,
+    /// Step at which the cosine reaches `min_lr` (after it the rate stays there). Defaults to
+    /// `train.steps`.
+    pub total_steps: u64,
+    /// Final learning rate.
+    pub min_lr: f64,
+    /// Whether to decay at all (`false`: constant rate after warmup).
+    pub cosine: bool,
+}
+
+/// `[train]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoopConfig {
+    /// Optimizer steps of the whole run.
+    pub steps: u64,
+    /// Seed of every random choice (initialization, data order, dropout).
+    #[serde(default)]
+    pub seed: u64,
+    /// Evaluate on the validation split every this many steps (0: only at the end).
+    #[serde(default)]
+    pub eval_every: u64,
+    /// Print and record a log line every this many steps.
+    #[serde(default = "default_log_every")]
+    pub log_every: u64,
+    /// Write a checkpoint every this many steps (0: only at the end).
+    #[serde(default)]
+    pub checkpoint_every: u64,
+    /// Keep this many most recent checkpoints.
+    #[serde(default = "default_keep_checkpoints")]
+    pub keep_checkpoints: usize,
+    /// At most this many validation batches per periodic evaluation (all when unset). The final
+    /// evaluation always uses the whole split.
+    #[serde(default)]
+    pub eval_batches: Option<usize>,
+}
+
+/// `[sample]`: what a GPT run generates at the end.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SampleConfig {
+    /// Text the sample continues.
+    #[serde(default = "default_prompt")]
+    pub prompt: String,
+    /// Bytes to generate.
+    #[serde(default = "default_sample_length")]
+    pub length: usize,
+    /// Softmax temperature (> 0).
+    #[serde(default = "default_temperature")]
+    pub temperature: f64,
+}
+
+impl Default for SampleConfig {
+    fn default() -> Self {
+        Self { prompt: default_prompt(), length: default_sample_length(), temperature: default_temperature() }
+    }
+}
+
+fn default_val_fraction() -> f64 {
+    0.1
+}
+fn default_log_every() -> u64 {
+    50
+}
+fn default_keep_checkpoints() -> usize {
+    3
+}
+fn default_prompt() -> String {
+    "Fellow-Citizens of the Senate and House of Representatives: ".into()
+}
+fn default_sample_length() -> usize {
+    300
+}
+fn default_temperature() -> f64 {
+    0.8
+}
+
+// ------------------------------------------------------------------------ raw (serde) form
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    model: RawModel,
+    data: DataConfig,
+    optim: RawOptim,
+    #[serde(default)]
+    schedule: Option<RawSchedule>,
+    train: LoopConfig,
+    #[serde(default)]
+    output: Option<RawOutput>,
+    #[serde(default)]
+    sample: Option<SampleConfig>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum RawModelKind {
+    Mlp,
+    Gpt,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawModel {
+    kind: RawModelKind,
+    hidden: Option<Vec<usize>>,
+    activation: Option<Activation>,
+    n_layers: Option<usize>,
+    d_model: Option<usize>,
+    n_heads: Option<usize>,
+    context: Option<usize>,
+    dropout: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum RawOptimKind {
+    Sgd,
+    Adamw,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOptim {
+    kind: RawOptimKind,
+    lr: f64,
+    #[serde(default)]
+    weight_decay: f64,
+    betas: Option<(f64, f64)>,
+    eps: Option<f64>,
+    momentum: Option<f64>,
+    grad_clip: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum RawScheduleKind {
+    WarmupCosine,
+    WarmupConstant,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSchedule {
+    #[serde(default = "default_schedule_kind")]
+    kind: RawScheduleKind,
+    #[serde(default)]
+    warmup_steps: u64,
+    total_steps: Option<u64>,
+    #[serde(default)]
+    min_lr: f64,
+}
+
+fn default_schedule_kind() -> RawScheduleKind {
+    RawScheduleKind::WarmupCosine
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOutput {
+    dir: PathBuf,
+}
+
+// ------------------------------------------------------------------------ loading
+
+impl TrainConfig {
+    /// Reads and validates the config file at `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        Self::parse(&text, &format!(" {}", path.display()))
+    }
+
+    /// Parses and validates a config held in a string.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        Self::parse(text, "")
+    }
+
+    fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse { origin: origin.to_string(), message: e.to_string().trim_end().to_string() })?;
+        let v = Validator { origin };
+        v.validate(raw)
+    }
+
+    /// The output folder: `[output] dir`, else `runs/<stem of config_path>`.
+    pub fn default_output_dir(&self, config_path: Option<&Path>) -> PathBuf {
+        if let Some(dir) = &self.output_dir {
+            return dir.clone();
+        }
+        let stem = config_path.and_then(|p| p.file_stem()).map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
+        PathBuf::from("runs").join(stem)
+    }
+}
+
+struct Validator<'a> {
+    origin: &'a str,
+}
+
+impl Validator<'_> {
+    fn invalid(&self, key: &str, value: impl std::fmt::Display, allowed: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid { origin: self.origin.to_string(), key: key.to_string(), value: value.to_string(), allowed: allowed.into() }
+    }
+
+    /// A key set for a kind that does not use it.
+    fn not_for(&self, key: &str, set: bool, kind_key: &str, kind: &str, used_by: &str) -> Result<(), ConfigError> {
+        if set {
+            return Err(self.invalid(key, "(set)", format!("not used when {kind_key} = \"{kind}\"; it is a key of {kind_key} = \"{used_by}\"")));
+        }
+        Ok(())
+    }
+
+    fn require<T>(&self, key: &str, value: Option<T>, kind_key: &str, kind: &str) -> Result<T, ConfigError> {
+        value.ok_or_else(|| self.invalid(key, "(missing)", format!("required when {kind_key} = \"{kind}\"")))
+    }
+
+    fn positive(&self, key: &str, value: f64) -> Result<(), ConfigError> {
+        if !(value.is_finite() && value > 0.0) {
+            return Err(self.invalid(key, value, "must be a finite number > 0"));
+        }
+        Ok(())
+    }
+
+    fn unit_open(&self, key: &str, value: f64, low_inclusive: bool) -> Result<(), ConfigError> {
+        let ok = if low_inclusive { (0.0..1.0).contains(&value) } else { value > 0.0 && value < 1.0 };
+        if !ok {
+            let range = if low_inclusive { "[0, 1)" } else { "(0, 1)" };
+            return Err(self.invalid(key, value, format!("must lie in {range}")));
+        }
+        Ok(())
+    }
+
+    fn nonzero(&self, key: &str, value: usize) -> Result<(), ConfigError> {
+        if value == 0 {
+            return Err(self.invalid(key, value, "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    fn validate(&self, raw: RawConfig) -> Result<TrainConfig, ConfigError> {
+        let model = self.model(raw.model)?;
+        let data = raw.data;
+        self.unit_open("data.val_fraction", data.val_fraction, false)?;
+        self.nonzero("data.batch_size", data.batch_size)?;
+        match (&model, data.dataset) {
+            (ModelConfig::Mlp { .. }, Dataset::Sotu) => {
+                return Err(self.invalid("data.dataset", "\"sotu\"", "model.kind = \"mlp\" trains on images: use \"fashion-mnist\" or \"digits\" (or model.kind = \"gpt\" for text)"));
+            }
+            (ModelConfig::Gpt { .. }, d) if d.is_image() => {
+                return Err(self.invalid("data.dataset", format!("\"{}\"", d.name()), "model.kind = \"gpt\" trains on text: use \"sotu\" (or model.kind = \"mlp\" for images)"));
+            }
+            _ => {}
+        }
+        let optim = self.optim(raw.optim)?;
+        let train = raw.train;
+        if train.steps == 0 {
+            return Err(self.invalid("train.steps", 0, "must be at least 1"));
+        }
+        if train.log_every == 0 {
+            return Err(self.invalid("train.log_every", 0, "must be at least 1"));
+        }
+        self.nonzero("train.keep_checkpoints", train.keep_checkpoints)?;
+        if let Some(n) = train.eval_batches {
+            self.nonzero("train.eval_batches", n)?;
+        }
+        let schedule = match raw.schedule {
+            None => ScheduleConfig { warmup_steps: 0, total_steps: train.steps, min_lr: optim.lr, cosine: false },
+            Some(s) => {
+                let total_steps = s.total_steps.unwrap_or(train.steps);
+                if total_steps == 0 {
+                    return Err(self.invalid("schedule.total_steps", 0, "must be at least 1"));
+                }
+                if s.warmup_steps > total_steps {
+                    return Err(self.invalid("schedule.warmup_steps", s.warmup_steps, format!("must not exceed schedule.total_steps ({total_steps})")));
+                }
+                if !(s.min_lr.is_finite() && s.min_lr >= 0.0 && s.min_lr <= optim.lr) {
+                    return Err(self.invalid("schedule.min_lr", s.min_lr, format!("must lie in [0, optim.lr = {}]", optim.lr)));
+                }
+                let cosine = s.kind == RawScheduleKind::WarmupCosine;
+                ScheduleConfig { warmup_steps: s.warmup_steps, total_steps, min_lr: if cosine { s.min_lr } else { optim.lr }, cosine }
+            }
+        };
+        let is_gpt = matches!(model, ModelConfig::Gpt { .. });
+        if raw.sample.is_some() && !is_gpt {
+            return Err(self.invalid("sample", "(section)", "only allowed with model.kind = \"gpt\""));
+        }
+        let sample = raw.sample.unwrap_or_default();
+        if is_gpt {
+            self.positive("sample.temperature", sample.temperature)?;
+            if sample.prompt.is_empty() {
+                return Err(self.invalid("sample.prompt", "\"\"", "must hold at least one character"));
+            }
+        }
+        Ok(TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample })
+    }
+
+    fn model(&self, m: RawModel) -> Result<ModelConfig, ConfigError> {
+        match m.kind {
+            RawModelKind::Mlp => {
+                for (key, set) in [("model.n_layers", m.n_layers.is_some()), ("model.d_model", m.d_model.is_some()), ("model.n_heads", m.n_heads.is_some()), ("model.context", m.context.is_some()), ("model.dropout", m.dropout.is_some())] {
+                    self.not_for(key, set, "model.kind", "mlp", "gpt")?;
+                }
+                let hidden = self.require("model.hidden", m.hidden, "model.kind", "mlp")?;
+                if let Some(pos) = hidden.iter().position(|&h| h == 0) {
+                    return Err(self.invalid(&format!("model.hidden[{pos}]"), 0, "every hidden width must be at least 1"));
+                }
+                Ok(ModelConfig::Mlp { hidden, activation: m.activation.unwrap_or(Activation::Relu) })
+            }
+            RawModelKind::Gpt => {
+                self.not_for("model.hidden", m.hidden.is_some(), "model.kind", "gpt", "mlp")?;
+                self.not_for("model.activation", m.activation.is_some(), "model.kind", "gpt", "mlp")?;
+                let n_layers = self.require("model.n_layers", m.n_layers, "model.kind", "gpt")?;
+                let d_model = self.require("model.d_model", m.d_model, "model.kind", "gpt")?;
+                let n_heads = self.require("model.n_heads", m.n_heads, "model.kind", "gpt")?;
+                let context = self.require("model.context", m.context, "model.kind", "gpt")?;
+                let dropout = m.dropout.unwrap_or(0.0);
+                self.nonzero("model.n_layers", n_layers)?;
+                self.nonzero("model.d_model", d_model)?;
+                self.nonzero("model.n_heads", n_heads)?;
+                self.nonzero("model.context", context)?;
+                if d_model % n_heads != 0 {
+                    return Err(self.invalid("model.n_heads", n_heads, format!("must divide model.d_model ({d_model})")));
+                }
+                self.unit_open("model.dropout", dropout, true)?;
+                Ok(ModelConfig::Gpt { n_layers, d_model, n_heads, context, dropout })
+            }
+        }
+    }
+
+    fn optim(&self, o: RawOptim) -> Result<OptimConfig, ConfigError> {
+        self.positive("optim.lr", o.lr)?;
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            return Err(self.invalid("optim.weight_decay", o.weight_decay, "must be a finite number >= 0"));
+        }
+        if let Some(c) = o.grad_clip {
+            self.positive("optim.grad_clip", c)?;
+        }
+        let kind = match o.kind {
+            RawOptimKind::Sgd => {
+                self.not_for("optim.betas", o.betas.is_some(), "optim.kind", "sgd", "adamw")?;
+                self.not_for("optim.eps", o.eps.is_some(), "optim.kind", "sgd", "adamw")?;
+                let momentum = o.momentum.unwrap_or(0.0);
+                self.unit_open("optim.momentum", momentum, true)?;
+                OptimKind::Sgd { momentum }
+            }
+            RawOptimKind::Adamw => {
+                self.not_for("optim.momentum", o.momentum.is_some(), "optim.kind", "adamw", "sgd")?;
+                let betas = o.betas.unwrap_or((0.9, 0.999));
+                self.unit_open("optim.betas[0]", betas.0, true)?;
+                self.unit_open("optim.betas[1]", betas.1, true)?;
+                let eps = o.eps.unwrap_or(1e-8);
+                self.positive("optim.eps", eps)?;
+                OptimKind::AdamW { betas, eps }
+            }
+        };
+        Ok(OptimConfig { kind, lr: o.lr, weight_decay: o.weight_decay, grad_clip: o.grad_clip })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MLP: &str = r#"
+[model]
+kind = "mlp"
+hidden = [32]
+
+[data]
+dataset = "digits"
+batch_size = 16
+
+[optim]
+kind = "adamw"
+lr = 1e-3
+
+[train]
+steps = 10
+"#;
+
+    fn err(text: &str) -> String {
+        match TrainConfig::from_toml_str(text) {
+            Ok(_) => panic!("config should be rejected:\n{text}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn minimal_config_takes_defaults() {
+        let c = TrainConfig::from_toml_str(MLP).expect("valid");
+        assert_eq!(c.model, ModelConfig::Mlp { hidden: vec![32], activation: Activation::Relu });
+        assert_eq!(c.data.val_fraction, 0.1);
+        assert_eq!(c.optim.kind, OptimKind::AdamW { betas: (0.9, 0.999), eps: 1e-8 });
+        assert_eq!(c.schedule, ScheduleConfig { warmup_steps: 0, total_steps: 10, min_lr: 1e-3, cosine: false });
+        assert_eq!(c.train.log_every, 50);
+        assert_eq!(c.default_output_dir(Some(Path::new("configs/x.toml"))), PathBuf::from("runs/x"));
+    }
+
+    #[test]
+    fn unknown_keys_name_the_key_and_the_allowed_ones() {
+        let e = err(&MLP.replace("hidden = [32]", "hiden = [32]"));
+        assert!(e.contains("unknown field `hiden`") && e.contains("`hidden`") && e.contains("line"), "{e}");
+        let e = err(&format!("{MLP}\n[extra]\nx = 1\n"));
+        assert!(e.contains("unknown field `extra`"), "{e}");
+    }
+
+    #[test]
+    fn bad_enum_values_list_the_choices() {
+        let e = err(&MLP.replace("kind = \"mlp\"", "kind = \"cnn\""));
+        assert!(e.contains("unknown variant `cnn`") && e.contains("`mlp`") && e.contains("`gpt`"), "{e}");
+        let e = err(&MLP.replace("\"digits\"", "\"cifar\""));
+        assert!(e.contains("unknown variant `cifar`") && e.contains("`fashion-mnist`"), "{e}");
+    }
+
+    #[test]
+    fn out_of_range_values_name_the_key() {
+        let e = err(&MLP.replace("lr = 1e-3", "lr = -1.0"));
+        assert!(e.contains("`optim.lr` = -1") && e.contains("> 0"), "{e}");
+        let e = err(&MLP.replace("batch_size = 16", "batch_size = 16\nval_fraction = 1.5"));
+        assert!(e.contains("`data.val_fraction` = 1.5") && e.contains("(0, 1)"), "{e}");
+        let e = err(&MLP.replace("hidden = [32]", "hidden = [32]\nn_heads = 4"));
+        assert!(e.contains("`model.n_heads`") && e.contains("model.kind = \"gpt\""), "{e}");
+        let e = err(&MLP.replace("\"digits\"", "\"sotu\""));
+        assert!(e.contains("`data.dataset`") && e.contains("fashion-mnist"), "{e}");
+        let e = err(&MLP.replace("lr = 1e-3", "lr = 1e-3\nmomentum = 0.9"));
+        assert!(e.contains("`optim.momentum`") && e.contains("sgd"), "{e}");
+    }
+
+    #[test]
+    fn gpt_checks_heads_and_requires_its_keys() {
+        let gpt = r#"
+[model]
+kind = "gpt"
+n_layers = 2
+d_model = 30
+n_heads = 4
+context = 16
+[data]
+dataset = "sotu"
+batch_size = 4
+[optim]
+kind = "sgd"
+lr = 0.1
+[train]
+steps = 5
+"#;
+        let e = err(gpt);
+        assert!(e.contains("`model.n_heads` = 4") && e.contains("divide"), "{e}");
+        let e = err(&gpt.replace("context = 16\n", ""));
+        assert!(e.contains("`model.context`") && e.contains("required"), "{e}");
+        let ok = TrainConfig::from_toml_str(&gpt.replace("d_model = 30", "d_model = 32")).expect("valid");
+        assert!(matches!(ok.model, ModelConfig::Gpt { d_model: 32, .. }));
+    }
+}

@@ -1,0 +1,159 @@
+//! The loss-curve PNG: training and validation loss against the step, drawn with plotters.
+//!
+//! Text needs a TrueType font, which plotters' `ab_glyph` backend takes as bytes. The first
+//! readable file of [`FONT_CANDIDATES`] (or `$RTX_PLOT_FONT`, read by the binary and passed in)
+//! is registered once per process; when none is found the curve is drawn without any text
+//! (no caption, tick labels or legend) rather than failing.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use plotters::prelude::*;
+
+use crate::metrics::MetricRecord;
+
+/// Font files tried, in order, when no font is named explicitly.
+pub const FONT_CANDIDATES: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/liberation/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/truetype/freefont/FreeSans.ttf",
+    "/System/Library/Fonts/Supplemental/Arial.ttf",
+    "C:\\Windows\\Fonts\\arial.ttf",
+];
+
+const FAMILY: &str = "sans-serif";
+
+/// Errors of drawing the plot.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    /// plotters failed to draw or encode.
+    #[error("cannot draw loss curve {path}: {reason}", path = .path.display())]
+    Draw {
+        /// The PNG being written.
+        path: PathBuf,
+        /// plotters' message.
+        reason: String,
+    },
+}
+
+/// What [`plot_loss_curve`] drew.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlotOutcome {
+    /// Whether text (caption, labels, legend) was drawn, i.e. a font was found.
+    pub with_text: bool,
+    /// Training points drawn.
+    pub train_points: usize,
+    /// Validation points drawn.
+    pub val_points: usize,
+}
+
+/// Registers the first usable font (the `preferred` file, then [`FONT_CANDIDATES`]) once per
+/// process; returns whether one is registered.
+pub fn ensure_font(preferred: Option<&Path>) -> bool {
+    static REGISTERED: OnceLock<Option<PathBuf>> = OnceLock::new();
+    REGISTERED
+        .get_or_init(|| {
+            let candidates = preferred.map(Path::to_path_buf).into_iter().chain(FONT_CANDIDATES.iter().map(PathBuf::from));
+            for path in candidates {
+                let Ok(bytes) = std::fs::read(&path) else { continue };
+                // plotters keeps fonts for the life of the process; leak one file's bytes once.
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                if plotters::style::register_font(FAMILY, FontStyle::Normal, bytes).is_ok() {
+                    tracing::debug!(font = %path.display(), "registered plot font");
+                    return Some(path);
+                }
+            }
+            tracing::warn!("no TrueType font found; the loss curve is drawn without text");
+            None
+        })
+        .is_some()
+}
+
+/// Draws training loss (`loss`) and validation loss (`val_loss`) of `records` against the step
+/// into a `width`×`height` PNG at `path`. `with_text` false draws no text at all.
+pub fn plot_loss_curve(records: &[MetricRecord], path: &Path, title: &str, with_text: bool) -> Result<PlotOutcome, PlotError> {
+    let train: Vec<(f64, f64)> = records.iter().filter_map(|r| Some((r.step as f64, finite(r.loss?)?))).collect();
+    let val: Vec<(f64, f64)> = records.iter().filter_map(|r| Some((r.step as f64, finite(r.val_loss?)?))).collect();
+    let draw_err = |e: &dyn std::fmt::Display| PlotError::Draw { path: path.to_path_buf(), reason: e.to_string() };
+
+    let all = train.iter().chain(&val);
+    let x_max = all.clone().map(|p| p.0).fold(1.0, f64::max);
+    let y_max = all.clone().map(|p| p.1).fold(f64::MIN, f64::max);
+    let y_min = all.map(|p| p.1).fold(f64::MAX, f64::min);
+    let (y_min, y_max) = if y_min <= y_max { (y_min, y_max) } else { (0.0, 1.0) };
+    let pad = ((y_max - y_min) * 0.05).max(1e-3);
+    let y_range = (y_min - pad).max(0.0)..(y_max + pad);
+
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| draw_err(&e))?;
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(20);
+    if with_text {
+        builder.caption(title, (FAMILY, 24)).x_label_area_size(40).y_label_area_size(60);
+    }
+    let mut chart = builder.build_cartesian_2d(0.0..x_max, y_range).map_err(|e| draw_err(&e))?;
+    if with_text {
+        chart.configure_mesh().x_desc("step").y_desc("loss").x_label_formatter(&|x| format!("{x:.0}")).label_style((FAMILY, 14)).draw().map_err(|e| draw_err(&e))?;
+    } else {
+        chart.configure_mesh().x_labels(0).y_labels(0).draw().map_err(|e| draw_err(&e))?;
+    }
+    let blue = RGBColor(31, 119, 180);
+    let orange = RGBColor(255, 127, 14);
+    let series = chart.draw_series(LineSeries::new(train.iter().copied(), blue.stroke_width(2))).map_err(|e| draw_err(&e))?;
+    if with_text {
+        series.label("train loss").legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], blue.stroke_width(2)));
+    }
+    if !val.is_empty() {
+        chart.draw_series(val.iter().map(|&p| Circle::new(p, 3, orange.filled()))).map_err(|e| draw_err(&e))?;
+        let series = chart.draw_series(LineSeries::new(val.iter().copied(), orange.stroke_width(2))).map_err(|e| draw_err(&e))?;
+        if with_text {
+            series.label("validation loss").legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], orange.stroke_width(2)));
+        }
+    }
+    if with_text {
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).label_font((FAMILY, 14)).position(SeriesLabelPosition::UpperRight).draw().map_err(|e| draw_err(&e))?;
+    }
+    root.present().map_err(|e| draw_err(&e))?;
+    Ok(PlotOutcome { with_text, train_points: train.len(), val_points: val.len() })
+}
+
+fn finite(x: f64) -> Option<f64> {
+    x.is_finite().then_some(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn records() -> Vec<MetricRecord> {
+        (1..=20)
+            .map(|i| MetricRecord {
+                step: i * 10,
+                loss: Some(2.0 / i as f64),
+                val_loss: (i % 5 == 0).then_some(2.2 / i as f64),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn draws_png_with_and_without_text() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let plain = dir.path().join("plain.png");
+        let outcome = plot_loss_curve(&records(), &plain, "t", false).expect("plot without text");
+        assert_eq!((outcome.train_points, outcome.val_points), (20, 4));
+        let bytes = std::fs::read(&plain).expect("png");
+        assert_eq!(&bytes[1..4], b"PNG");
+
+        if ensure_font(None) {
+            let text = dir.path().join("text.png");
+            plot_loss_curve(&records(), &text, "loss", true).expect("plot with text");
+            assert_eq!(&std::fs::read(&text).expect("png")[1..4], b"PNG");
+        }
+        // No points at all still gives a (blank) chart.
+        plot_loss_curve(&[], &dir.path().join("empty.png"), "t", false).expect("empty plot");
+    }
+}

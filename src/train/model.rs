@@ -1,0 +1,90 @@
+//! The model of a run: an [`Mlp`] on flattened images or a byte-level [`Gpt`], behind one enum
+//! so the loop does not care which.
+
+use rtx_tensor::nn::{self, Mlp, Module};
+use rtx_tensor::{CrossEntropyOptions, DType, Generator, Reduction, Tensor};
+
+use crate::config::{Activation, ModelConfig};
+
+use super::task::Batch;
+use super::Result;
+
+/// The trained model.
+pub enum Model {
+    /// Image classifier.
+    Mlp(Mlp),
+    /// Byte-level language model.
+    Gpt(Box<nn::Gpt>),
+}
+
+/// The loss of one batch, and the count of correct predictions when classifying.
+pub(crate) struct BatchLoss {
+    pub(crate) loss: Tensor,
+    pub(crate) correct: Option<usize>,
+}
+
+impl Model {
+    /// Builds the model of `config`, drawing its initial parameters from `rng`. `in_features`
+    /// and `n_classes` come from the dataset.
+    pub(crate) fn build(config: &ModelConfig, in_features: Option<usize>, n_classes: usize, rng: &mut Generator) -> Result<Model> {
+        match config {
+            ModelConfig::Mlp { hidden, activation } => {
+                let input = in_features.ok_or_else(|| super::TrainError::Internal("an MLP needs image data".into()))?;
+                let sizes: Vec<usize> = std::iter::once(input).chain(hidden.iter().copied()).chain(std::iter::once(n_classes)).collect();
+                Ok(Model::Mlp(Mlp::new(&sizes, nn_activation(*activation), DType::F32, rng)?))
+            }
+            ModelConfig::Gpt { n_layers, d_model, n_heads, context, dropout } => {
+                let cfg = nn::GptConfig { vocab_size: n_classes, context: *context, n_layers: *n_layers, d_model: *d_model, n_heads: *n_heads, dropout: *dropout, dtype: DType::F32, ..nn::GptConfig::default() };
+                Ok(Model::Gpt(Box::new(nn::Gpt::new(cfg, rng)?)))
+            }
+        }
+    }
+
+    /// The model as a [`Module`] (parameters, training mode).
+    pub fn module(&self) -> &dyn Module {
+        match self {
+            Model::Mlp(m) => m,
+            Model::Gpt(m) => m.as_ref(),
+        }
+    }
+
+    /// Mutable [`Module`] access.
+    pub fn module_mut(&mut self) -> &mut dyn Module {
+        match self {
+            Model::Mlp(m) => m,
+            Model::Gpt(m) => m.as_mut(),
+        }
+    }
+
+    /// Forward pass and mean cross-entropy of `batch` (`reduction` Sum for evaluation sums).
+    pub(crate) fn loss(&self, batch: &Batch, rng: &mut Generator, reduction: Reduction, count_correct: bool) -> Result<BatchLoss> {
+        let options = CrossEntropyOptions { reduction, ..CrossEntropyOptions::default() };
+        match self {
+            Model::Mlp(m) => {
+                let logits = m.forward(&batch.inputs)?;
+                let loss = logits.cross_entropy(&batch.targets, options)?;
+                let correct = if count_correct {
+                    let pred = logits.argmax(-1, false)?.to_u32_vec()?;
+                    let labels = batch.targets.to_u32_vec()?;
+                    Some(pred.iter().zip(&labels).filter(|(p, l)| p == l).count())
+                } else {
+                    None
+                };
+                Ok(BatchLoss { loss, correct })
+            }
+            Model::Gpt(m) => {
+                let logits = m.forward(&batch.inputs, rng)?;
+                let loss = logits.cross_entropy(&batch.targets, options)?;
+                Ok(BatchLoss { loss, correct: None })
+            }
+        }
+    }
+}
+
+fn nn_activation(a: Activation) -> nn::Activation {
+    match a {
+        Activation::Relu => nn::Activation::Relu,
+        Activation::Gelu => nn::Activation::Gelu,
+        Activation::Tanh => nn::Activation::Tanh,
+    }
+}

@@ -1,0 +1,294 @@
+//! Training checkpoints as safetensors files that PyTorch reads with
+//! `safetensors.torch.load_file`.
+//!
+//! Layout of a file written by [`save`]:
+//! - model parameters under their [`Module`] names with their shapes and dtypes
+//!   (`blocks.0.attn.qkv.weight` `[3C, C]` ...), as the matching PyTorch `state_dict()`;
+//! - optimizer state, when given, under `optim.<param name>.<field>` (`exp_avg`,
+//!   `exp_avg_sq`, `momentum_buffer`, and `step` as a 0-d f64), from
+//!   [`Optimizer::state_tensors`];
+//! - `__metadata__` (string → string): `format` ([`FORMAT`]), `step` (decimal), `rng` (a JSON
+//!   object of named [`GeneratorState`]s), `user` (any JSON, e.g. data cursors) and, with an
+//!   optimizer, `optimizer` (JSON `{"kind": "adamw", "lr": ...}`).
+//!
+//! Writes are atomic: the file goes to `<path>.tmp`, is fsynced, then renamed over `path` (and
+//! the directory is fsynced), so a crash leaves either the old or the new checkpoint.
+//!
+//! [`load`] reads and validates everything before touching the model: every expected tensor
+//! must be present with the expected shape and dtype, and no unknown parameter may appear;
+//! otherwise it returns [`Error::Checkpoint`] naming the tensor and leaves the model and
+//! optimizer untouched. Truncated or corrupt files are reported the same way, never by a panic.
+//! Parameters are overwritten in place, so bucket views and optimizers stay bound.
+
+use crate::error::{Error, Result};
+use crate::nn::Module;
+use crate::optim::Optimizer;
+use crate::rng::GeneratorState;
+use crate::storage::CpuData;
+use crate::tensor::Tensor;
+use rtx_kernels::DType;
+use safetensors::{Dtype, SafeTensors, View};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// The `format` metadata value of checkpoints written by this version.
+pub const FORMAT: &str = "rustytorch.checkpoint.v1";
+
+/// Prefix of optimizer state tensor names.
+pub const OPTIM_PREFIX: &str = "optim.";
+
+/// Tensors with their names, in a fixed order.
+pub type NamedTensors = Vec<(String, Tensor)>;
+
+/// Everything in a checkpoint besides tensors.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CheckpointMeta {
+    /// The training step the checkpoint was taken after.
+    pub step: u64,
+    /// Named random generator positions (`"dropout"`, `"data"`, ...).
+    pub rngs: BTreeMap<String, GeneratorState>,
+    /// Caller data (data cursors, config), `Null` when unused.
+    pub user: serde_json::Value,
+}
+
+/// Writes `model`'s parameters, `optimizer`'s state and `meta` to `path` atomically.
+pub fn save(path: &Path, model: &dyn Module, optimizer: Option<&dyn Optimizer>, meta: &CheckpointMeta) -> Result<()> {
+    let mut tensors = model.named_parameters();
+    let mut metadata = BTreeMap::new();
+    if let Some(opt) = optimizer {
+        for (name, t) in opt.state_tensors()? {
+            tensors.push((format!("{OPTIM_PREFIX}{name}"), t));
+        }
+        let info = serde_json::json!({ "kind": opt.kind(), "lr": opt.lr() });
+        metadata.insert("optimizer".to_string(), info.to_string());
+    }
+    metadata.insert("format".to_string(), FORMAT.to_string());
+    metadata.insert("step".to_string(), meta.step.to_string());
+    metadata.insert("rng".to_string(), serde_json::to_string(&meta.rngs).map_err(|e| bad(path, format!("cannot encode rng states: {e}")))?);
+    metadata.insert("user".to_string(), meta.user.to_string());
+    save_tensors(path, &tensors, &metadata)
+}
+
+/// Loads a checkpoint written by [`save`] into `model` (and `optimizer`, whose state and
+/// learning rate are restored) and returns its metadata. Optimizer tensors in the file are
+/// ignored when `optimizer` is `None`.
+pub fn load(path: &Path, model: &dyn Module, optimizer: Option<&mut dyn Optimizer>) -> Result<CheckpointMeta> {
+    let (tensors, metadata) = load_tensors(path)?;
+    let meta = parse_meta(path, &metadata)?;
+    let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+
+    // Validate the model part.
+    let params = model.named_parameters();
+    let mut plan = Vec::with_capacity(params.len());
+    for (name, p) in &params {
+        let t = expect_tensor(path, &by_name, name, p)?;
+        plan.push((p.clone(), t));
+    }
+    let known: BTreeSet<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+    if let Some((extra, _)) = tensors.iter().find(|(n, _)| !n.starts_with(OPTIM_PREFIX) && !known.contains(n.as_str())) {
+        return Err(bad(path, format!("tensor {extra} is not a parameter of the model")));
+    }
+
+    // Validate the optimizer part.
+    let mut optim_plan = None;
+    if let Some(opt) = optimizer {
+        let info: serde_json::Value = match metadata.get("optimizer") {
+            Some(s) => serde_json::from_str(s).map_err(|e| bad(path, format!("metadata optimizer is not JSON: {e}")))?,
+            None => return Err(bad(path, "no optimizer state in the file".into())),
+        };
+        let kind = info.get("kind").and_then(|k| k.as_str()).unwrap_or("");
+        if kind != opt.kind() {
+            return Err(bad(path, format!("optimizer state is for {kind:?}, not {:?}", opt.kind())));
+        }
+        let lr = info.get("lr").and_then(|v| v.as_f64()).ok_or_else(|| bad(path, "metadata optimizer has no lr".into()))?;
+        let expected = opt.state_tensors()?;
+        let mut state = Vec::with_capacity(expected.len());
+        for (name, want) in &expected {
+            let full = format!("{OPTIM_PREFIX}{name}");
+            state.push((name.clone(), expect_tensor(path, &by_name, &full, want)?.clone()));
+        }
+        let wanted: BTreeSet<String> = expected.iter().map(|(n, _)| format!("{OPTIM_PREFIX}{n}")).collect();
+        if let Some((extra, _)) = tensors.iter().find(|(n, _)| n.starts_with(OPTIM_PREFIX) && !wanted.contains(n)) {
+            return Err(bad(path, format!("tensor {extra} is not state of this optimizer")));
+        }
+        optim_plan = Some((opt, state, lr));
+    }
+
+    // Everything checked: apply.
+    for (p, t) in plan {
+        p.copy_from_(t)?;
+    }
+    if let Some((opt, state, lr)) = optim_plan {
+        opt.load_state(&state).map_err(|e| bad(path, e.to_string()))?;
+        opt.set_lr(lr);
+    }
+    Ok(meta)
+}
+
+/// Reads only the metadata of a checkpoint (validating the whole file's structure).
+pub fn read_meta(path: &Path) -> Result<CheckpointMeta> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(path, format!("not a valid safetensors file: {e}")))?;
+    let metadata: BTreeMap<String, String> = header.metadata().clone().unwrap_or_default().into_iter().collect();
+    parse_meta(path, &metadata)
+}
+
+/// Writes named tensors and string metadata to a safetensors file atomically (`<path>.tmp`,
+/// fsync, rename, fsync of the directory). Names must be unique.
+pub fn save_tensors(path: &Path, tensors: &[(String, Tensor)], metadata: &BTreeMap<String, String>) -> Result<()> {
+    let mut seen = BTreeSet::new();
+    let mut entries = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        if !seen.insert(name.as_str()) {
+            return Err(bad(path, format!("tensor name {name} appears twice")));
+        }
+        entries.push((name.clone(), Entry { dtype: to_st_dtype(t.dtype()), shape: t.shape().to_vec(), data: t.to_data() }));
+    }
+    let tmp = tmp_path(path);
+    let io = |p: &Path| {
+        let p = p.display().to_string();
+        move |source: std::io::Error| Error::Io { path: p, source }
+    };
+    let result = (|| {
+        let info: HashMap<String, String> = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        safetensors::serialize_to_file(entries, Some(info), &tmp).map_err(|e| bad(path, format!("cannot write {}: {e}", tmp.display())))?;
+        File::open(&tmp).and_then(|f| f.sync_all()).map_err(io(&tmp))?;
+        std::fs::rename(&tmp, path).map_err(io(path))?;
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        // Persist the rename; some filesystems refuse to fsync a directory, which is harmless.
+        if let Ok(d) = File::open(&dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Reads every tensor (in name order) and the string metadata of a safetensors file. Only
+/// F32, F64, BF16 and U32 tensors are supported.
+pub fn load_tensors(path: &Path) -> Result<(NamedTensors, BTreeMap<String, String>)> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(path, format!("not a valid safetensors file: {e}")))?;
+    let metadata: BTreeMap<String, String> = header.metadata().clone().unwrap_or_default().into_iter().collect();
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(path, format!("not a valid safetensors file: {e}")))?;
+    let mut views = st.tensors();
+    views.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = Vec::with_capacity(views.len());
+    for (name, view) in views {
+        let shape = view.shape().to_vec();
+        let raw = view.data();
+        let dtype = from_st_dtype(view.dtype()).ok_or_else(|| bad(path, format!("tensor {name}: unsupported dtype {:?}", view.dtype())))?;
+        let numel: usize = shape.iter().product();
+        if raw.len() != numel * dtype.size_in_bytes() {
+            return Err(bad(path, format!("tensor {name}: {} bytes for shape {shape:?} of {dtype}", raw.len())));
+        }
+        let data = match dtype {
+            DType::F32 => CpuData::F32(pod_vec(raw)),
+            DType::F64 => CpuData::F64(pod_vec(raw)),
+            DType::BF16 => CpuData::BF16(pod_vec(raw)),
+            DType::U32 => CpuData::U32(pod_vec(raw)),
+        };
+        out.push((name, Tensor::from_data(data, &shape)?));
+    }
+    Ok((out, metadata))
+}
+
+/// A tensor ready to serialize.
+struct Entry {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: CpuData,
+}
+
+impl View for Entry {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self.data.as_bytes())
+    }
+
+    fn data_len(&self) -> usize {
+        self.data.as_bytes().len()
+    }
+}
+
+/// Copies little-endian bytes into a vector of `T` (the source may be unaligned).
+fn pod_vec<T: bytemuck::Pod>(raw: &[u8]) -> Vec<T> {
+    let mut v = vec![T::zeroed(); raw.len() / std::mem::size_of::<T>()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(raw);
+    v
+}
+
+fn bad(path: &Path, reason: String) -> Error {
+    Error::Checkpoint { path: path.display().to_string(), reason }
+}
+
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut s = path.as_os_str().to_owned();
+    s.push(".tmp");
+    PathBuf::from(s)
+}
+
+fn to_st_dtype(dtype: DType) -> Dtype {
+    match dtype {
+        DType::F32 => Dtype::F32,
+        DType::F64 => Dtype::F64,
+        DType::BF16 => Dtype::BF16,
+        DType::U32 => Dtype::U32,
+    }
+}
+
+fn from_st_dtype(dtype: Dtype) -> Option<DType> {
+    match dtype {
+        Dtype::F32 => Some(DType::F32),
+        Dtype::F64 => Some(DType::F64),
+        Dtype::BF16 => Some(DType::BF16),
+        Dtype::U32 => Some(DType::U32),
+        _ => None,
+    }
+}
+
+/// Looks up `name` and checks it has `like`'s shape and dtype.
+fn expect_tensor<'a>(path: &Path, by_name: &BTreeMap<&str, &'a Tensor>, name: &str, like: &Tensor) -> Result<&'a Tensor> {
+    let t = by_name.get(name).ok_or_else(|| bad(path, format!("tensor {name} is missing")))?;
+    if t.shape() != like.shape() {
+        return Err(bad(path, format!("tensor {name} has shape {:?}, expected {:?}", t.shape(), like.shape())));
+    }
+    if t.dtype() != like.dtype() {
+        return Err(bad(path, format!("tensor {name} has dtype {}, expected {}", t.dtype(), like.dtype())));
+    }
+    Ok(t)
+}
+
+fn parse_meta(path: &Path, metadata: &BTreeMap<String, String>) -> Result<CheckpointMeta> {
+    match metadata.get("format") {
+        Some(f) if f == FORMAT => {}
+        Some(f) => return Err(bad(path, format!("format {f:?} is not {FORMAT:?}"))),
+        None => return Err(bad(path, "no format in metadata: not a rustytorch checkpoint".into())),
+    }
+    let step = metadata.get("step").ok_or_else(|| bad(path, "metadata has no step".into()))?;
+    let step = step.parse::<u64>().map_err(|e| bad(path, format!("metadata step {step:?}: {e}")))?;
+    let rngs = match metadata.get("rng") {
+        Some(s) => serde_json::from_str(s).map_err(|e| bad(path, format!("metadata rng: {e}")))?,
+        None => BTreeMap::new(),
+    };
+    let user = match metadata.get("user") {
+        Some(s) => serde_json::from_str(s).map_err(|e| bad(path, format!("metadata user: {e}")))?,
+        None => serde_json::Value::Null,
+    };
+    Ok(CheckpointMeta { step, rngs, user })
+}
