@@ -1,6 +1,6 @@
 //! Finite-difference gradient checks of every differentiable tensor op, in f64, over random shapes.
 //!
-//! Each test runs a few seeded cases (`RTX_GRADCHECK_CASES`, default 6). Case `i` of test `name`
+//! Each test runs a few seeded cases (`RTX_GRADCHECK_CASES`, default 24). Case `i` of test `name`
 //! uses seed `fnv1a(name) + i`; the seed draws the shapes, the inputs and gradcheck's output
 //! weights. A failure (error or panic) reports the seed, the shapes it drew and a replay command:
 //! `RTX_TEST_SEED=<seed>` runs exactly that case. Inputs are drawn away from points where an op
@@ -17,7 +17,7 @@ use std::slice::from_ref;
 const EPS: f64 = 1e-6;
 /// Default relative tolerance (|analytic − numeric| / max(1, |numeric|)).
 const TOL: f64 = 1e-6;
-const DEFAULT_CASES: u64 = 6;
+const DEFAULT_CASES: u64 = 24;
 
 type CaseResult = std::result::Result<(), Box<dyn std::error::Error>>;
 
@@ -292,24 +292,25 @@ fn reductions_over_dims() {
     run_cases("reductions_over_dims", |c| {
         let s = c.shape(1, 3, 1, 4);
         let dims = c.dims(s.len());
-        let keepdim = c.coin();
-        c.note(format!("dims {dims:?} keepdim {keepdim}"));
+        c.note(format!("dims {dims:?}"));
         let x = c.randn(&s);
-        let d = dims.clone();
-        c.check("sum", move |t| t[0].sum(&d, keepdim), from_ref(&x))?;
-        let d = dims.clone();
-        c.check("mean", move |t| t[0].mean(&d, keepdim), from_ref(&x))?;
-        c.check("sum_all", |t| t[0].sum_all(), from_ref(&x))?;
-        c.check("mean_all", |t| t[0].mean_all(), from_ref(&x))?;
+        let xd = c.distinct(&s);
         let count: usize = dims.iter().map(|&d| s[d.rem_euclid(s.len() as isize) as usize]).product();
         let correction = if count >= 2 { c.pick(&[0, 1]) } else { 0 };
-        let d = dims.clone();
-        c.check(&format!("var correction {correction}"), move |t| t[0].var(&d, keepdim, correction), &[x])?;
-        let xd = c.distinct(&s);
-        let d = dims.clone();
-        c.check("max", move |t| t[0].max(&d, keepdim), from_ref(&xd))?;
-        let d = dims.clone();
-        c.check("min", move |t| t[0].min(&d, keepdim), from_ref(&xd))?;
+        for keepdim in [false, true] {
+            let d = dims.clone();
+            c.check(&format!("sum keepdim {keepdim}"), move |t| t[0].sum(&d, keepdim), from_ref(&x))?;
+            let d = dims.clone();
+            c.check(&format!("mean keepdim {keepdim}"), move |t| t[0].mean(&d, keepdim), from_ref(&x))?;
+            let d = dims.clone();
+            c.check(&format!("var correction {correction} keepdim {keepdim}"), move |t| t[0].var(&d, keepdim, correction), from_ref(&x))?;
+            let d = dims.clone();
+            c.check(&format!("max keepdim {keepdim}"), move |t| t[0].max(&d, keepdim), from_ref(&xd))?;
+            let d = dims.clone();
+            c.check(&format!("min keepdim {keepdim}"), move |t| t[0].min(&d, keepdim), from_ref(&xd))?;
+        }
+        c.check("sum_all", |t| t[0].sum_all(), from_ref(&x))?;
+        c.check("mean_all", |t| t[0].mean_all(), &[x])?;
         c.check("max all", |t| t[0].max(&[], false), &[xd])?;
         let (big, target) = c.full_and_broadcast();
         let xs = c.randn(&big);
@@ -553,7 +554,6 @@ fn scaled_dot_product_attention() {
     run_cases("scaled_dot_product_attention", |c| {
         let batch = c.shape(0, 2, 1, 2);
         let (tq, tk, d, dv) = (c.range(1, 4), c.range(1, 4), c.range(1, 3), c.range(1, 3));
-        let causal = c.coin();
         let scale = if c.coin() { Some(0.7) } else { None };
         let with = |b: &[usize], x: usize, y: usize| -> Vec<usize> { b.iter().cloned().chain([x, y]).collect() };
         // k and v may broadcast over the first batch dim (as grouped-query attention does).
@@ -563,10 +563,26 @@ fn scaled_dot_product_attention() {
             1 => Some(c.ids(&[tk], 2)),
             _ => Some(c.ids(&with(&batch, tq, tk), 2)),
         };
-        c.note(format!("batch {batch:?} kv {kv_batch:?} tq {tq} tk {tk} causal {causal} scale {scale:?} mask {:?}", mask.as_ref().map(|m| m.to_u32_vec().unwrap())));
-        let (q, k, v) = (c.randn(&with(&batch, tq, d)), c.randn(&with(&kv_batch, tk, d)), c.randn(&with(&kv_batch, tk, dv)));
+        c.note(format!("batch {batch:?} kv {kv_batch:?} tq {tq} tk {tk} scale {scale:?} mask {:?}", mask.as_ref().map(|m| m.to_u32_vec().unwrap())));
+        let qkv = [c.randn(&with(&batch, tq, d)), c.randn(&with(&kv_batch, tk, d)), c.randn(&with(&kv_batch, tk, dv))];
         // Fully masked rows are allowed here: they must give zeros and a zero gradient.
-        c.check("scaled_dot_product_attention", move |t| Tensor::scaled_dot_product_attention(&t[0], &t[1], &t[2], mask.as_ref(), causal, scale), &[q, k, v])
+        for causal in [false, true] {
+            let m = mask.clone();
+            c.check(&format!("scaled_dot_product_attention causal {causal}"), move |t| Tensor::scaled_dot_product_attention(&t[0], &t[1], &t[2], m.as_ref(), causal, scale), &qkv)?;
+        }
+        // q, k and v as strided views of one packed projection, as multi-head attention makes
+        // them: [B, T, 3·H·D] -> [B, T, 3, H, D] -> [3, B, H, T, D].
+        let (b, t, h, hd) = (c.range(1, 2), c.range(1, 3), c.range(1, 2), c.range(1, 2));
+        let packed = c.randn(&[b, t, 3 * h * hd]);
+        c.check(
+            "scaled_dot_product_attention packed views",
+            move |x| {
+                let qkv = x[0].reshape(&[b, t, 3, h, hd])?.permute(&[2, 0, 3, 1, 4])?;
+                let part = |i: usize| qkv.narrow(0, i, 1)?.squeeze(0);
+                Tensor::scaled_dot_product_attention(&part(0)?, &part(1)?, &part(2)?, None, true, None)?.transpose(1, 2)?.reshape(&[b, t, h * hd])
+            },
+            &[packed],
+        )
     });
 }
 

@@ -20,7 +20,6 @@ use crate::tensor::Tensor;
 use rayon::prelude::*;
 use rtx_kernels::threading::should_parallelize;
 use rtx_kernels::{DType, Float};
-use std::sync::Arc;
 
 impl Tensor {
     /// Attention of queries `q [.., Tq, D]` over keys `k [.., Tk, D]` and values `v [.., Tk, Dv]`
@@ -106,7 +105,7 @@ fn mask_plan(op: &'static str, mask: Option<&Tensor>, causal: bool, scores_shape
     let numel: usize = shape.iter().product();
     let drop: Vec<bool> = (0..numel)
         .map(|e| {
-            let (i, j) = ((e / tk.max(1)) % tq.max(1), e % tk.max(1));
+            let (i, j) = ((e / tk) % tq, e % tk);
             keep.as_ref().is_some_and(|kv| kv[e] == 0) || (causal && j > i)
         })
         .collect();
@@ -141,12 +140,11 @@ fn block_map(batch: &[usize], mask_batch: &[usize]) -> Vec<usize> {
 fn masked_softmax<T: Compute>(scores: &Tensor, plan: Option<MaskPlan>, scale: f64) -> Result<Tensor> {
     const OP: &str = "scaled_dot_product_attention";
     let tk = scores.shape()[scores.rank() - 1];
-    let plan = plan.map(Arc::new);
     let sc = T::from_f64_lossy(scale);
     let values = scores.with_float_slice(|s| {
         T::pick(s).map(|x| {
             let mut out = vec![T::zero(); x.len()];
-            let plan = plan.as_deref();
+            let plan = plan.as_ref();
             for_rows(tk, &mut out, |r, dst| masked_softmax_row(&x[r * tk..(r + 1) * tk], plan.map(|p| p.row(r)), sc, dst));
             out
         })
