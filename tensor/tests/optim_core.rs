@@ -4,7 +4,7 @@
 
 use rtx_tensor::nn::{Activation, Gpt, GptConfig, Mlp, Module};
 use rtx_tensor::optim::{clip_grad_norm, AdamW, AdamWConfig, ConstantLr, LrSchedule, Optimizer, ParamBuckets, Sgd, SgdConfig, WarmupCosine};
-use rtx_tensor::{CrossEntropyOptions, DType, Generator, Tensor};
+use rtx_tensor::{DType, Generator, Tensor};
 
 fn leaf64(v: &[f64]) -> Tensor {
     Tensor::from_slice(v, &[v.len()]).unwrap().requires_grad(true)
@@ -106,6 +106,38 @@ fn sgd_matches_torch_formulas() {
     assert_eq!(w.to_f64_vec().unwrap(), vec![0.875]);
     assert!(opt.state_tensors().unwrap().is_empty());
     assert!(Sgd::new(vec![], SgdConfig { nesterov: true, ..SgdConfig::default() }).is_err());
+}
+
+/// Four elements of a torch 2.11 CPU run (float32, AVX-512 kernels): the start, three
+/// gradients, and the parameters after each step of AdamW, SGD with momentum and dampening, and
+/// Nesterov SGD, as f32 bit patterns.
+const TORCH_P0: [u32; 4] = [0x3e69c64b, 0xbf57867e, 0xbe78d387, 0x3fc0a793];
+const TORCH_GRADS: [[u32; 4]; 3] = [[0xbf7fb5c6, 0xbe00ef71, 0xbf253c96, 0x3e9f16b8], [0x3e94bfbf, 0x3fae21ed, 0x3f65113b, 0xbf987edb], [0x3f7eae0f, 0xbf2fa37e, 0x3f85fa7a, 0xbef82774]];
+const TORCH_ADAMW: [[u32; 4]; 3] = [[0x3e73fdc0, 0xbf54f19d, 0xbe6e8fb7, 0x3fbf5af6], [0x3e786d04, 0xbf56a950, 0xbe70b4ab, 0x3fc00aa2], [0x3e765e14, 0xbf571b57, 0xbe7666a6, 0x3fc0d44c]];
+const TORCH_SGD: [[u32; 4]; 3] = [[0x3e8e665d, 0xbf55ce50, 0xbe57a78f, 0x3fbe91d5], [0x3e9f5ab0, 0xbf621a7e, 0xbe5e5d4d, 0x3fc2b781], [0x3e9a2cd1, 0xbf660e29, 0xbe879802, 0x3fc8da58]];
+const TORCH_NESTEROV: [[u32; 4]; 3] = [[0x3ea55c75, 0xbf544226, 0xbe39ccca, 0x3fbcb176], [0x3eabbcf3, 0xbf73bfc9, 0xbe75ccc7, 0x3fc94fee], [0x3e87b16f, 0xbf6f98e3, 0xbeb41ee8, 0x3fd39829]];
+
+#[test]
+fn f32_steps_are_bit_identical_to_torch() {
+    // Goal: with the same fused multiply-adds as PyTorch's CPU kernels, f32 updates match torch
+    // bit for bit. Method: replay recorded torch runs (see the constants) and compare bits.
+    let f = |bits: &[u32; 4]| Tensor::from_vec(bits.iter().map(|&b| f32::from_bits(b)).collect(), &[4]).unwrap();
+    let cases: [(&str, [[u32; 4]; 3]); 3] = [("adamw", TORCH_ADAMW), ("sgd", TORCH_SGD), ("nesterov", TORCH_NESTEROV)];
+    for (name, expected) in cases {
+        let p = f(&TORCH_P0).requires_grad(true);
+        let params = vec![("p".to_string(), p.clone())];
+        let mut opt: Box<dyn Optimizer> = match name {
+            "adamw" => Box::new(AdamW::new(params, AdamWConfig { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }).unwrap()),
+            "sgd" => Box::new(Sgd::new(params, SgdConfig { lr: 0.05, momentum: 0.9, dampening: 0.2, weight_decay: 0.01, nesterov: false }).unwrap()),
+            _ => Box::new(Sgd::new(params, SgdConfig { lr: 0.05, momentum: 0.9, dampening: 0.0, weight_decay: 0.01, nesterov: true }).unwrap()),
+        };
+        for (step, (g, want)) in TORCH_GRADS.iter().zip(&expected).enumerate() {
+            p.set_grad(Some(f(g))).unwrap();
+            opt.step().unwrap();
+            let got: Vec<u32> = p.to_f32_vec().unwrap().iter().map(|x| x.to_bits()).collect();
+            assert_eq!(&got, want, "{name} step {}", step + 1);
+        }
+    }
 }
 
 #[test]
@@ -260,5 +292,4 @@ fn optimizer_state_round_trip_through_tensors() {
     let mut wrong = state.clone();
     wrong[0].1 = Tensor::zeros(&[3], DType::F32);
     assert!(fresh.load_state(&wrong).is_err());
-    let _ = CrossEntropyOptions::default();
 }

@@ -124,6 +124,20 @@ impl<M: Module> Module for Vec<M> {
     }
 }
 
+impl<M: Module + ?Sized> Module for Box<M> {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        (**self).visit_params(prefix, f);
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
+        (**self).visit_params_mut(prefix, f);
+    }
+
+    fn set_training(&mut self, training: bool) {
+        (**self).set_training(training);
+    }
+}
+
 impl<M: Module> Module for Option<M> {
     fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
         if let Some(m) = self {

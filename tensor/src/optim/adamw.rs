@@ -8,12 +8,13 @@
 //! p  ← p + (−lr / (1 − β1ᵗ))·m / (√v / √(1 − β2ᵗ) + ε)
 //! ```
 //!
-//! Scalars are computed in f64 (as Python does) and rounded to the parameter's compute type
-//! before use, as PyTorch's kernels receive them. PyTorch's vectorised CPU kernels may fuse a
-//! multiply-add where this code rounds twice, so results agree to the last bit or two, not
-//! always bit for bit.
+//! Scalars are computed in f64 (as Python does, `√(1 − β2ᵗ)` as `pow(·, 0.5)`) and rounded to the
+//! parameter's compute type before use, as PyTorch's kernels receive them. The lerp and the
+//! `v` update are fused multiply-adds, as in PyTorch's compiled CPU kernels; against
+//! torch 2.11 on CPU, `m` and `v` match bit for bit and parameters in all but a few elements
+//! per thousand (1 ulp).
 
-use super::{grad_for_update, match_state, Optimizer, StateBuf, UPDATE_CHUNK};
+use super::{grad_for_update, has_hardware_fma, match_state, Optimizer, StateBuf, UPDATE_CHUNK};
 use crate::error::{Error, Result};
 use crate::tensor::{FloatSlice, Tensor};
 use rayon::prelude::*;
@@ -130,7 +131,7 @@ impl Optimizer for AdamW {
                 lerp_small: lerp_weight.abs() < 0.5,
                 beta2: c.beta2,
                 one_minus_beta2: 1.0 - c.beta2,
-                bias_correction2_sqrt: bias_correction2.sqrt(),
+                bias_correction2_sqrt: bias_correction2.powf(0.5),
                 eps: c.eps,
                 neg_step_size: -(c.lr / bias_correction1),
             };
@@ -220,17 +221,40 @@ impl Scalars<f64> {
 fn update<T: Float>(p: &mut [T], g: &[T], m: &mut [T], v: &mut [T], s: Scalars<T>) {
     debug_assert!(p.len() == g.len() && p.len() == m.len() && p.len() == v.len());
     p.par_chunks_mut(UPDATE_CHUNK).zip(g.par_chunks(UPDATE_CHUNK)).zip(m.par_chunks_mut(UPDATE_CHUNK)).zip(v.par_chunks_mut(UPDATE_CHUNK)).for_each(|(((p, g), m), v)| {
-        for i in 0..p.len() {
-            let gi = g[i];
-            let pi = p[i] * s.decay;
-            let mi = if s.lerp_small { m[i] + s.lerp_weight * (gi - m[i]) } else { gi - (gi - m[i]) * (T::one() - s.lerp_weight) };
-            let vi = v[i] * s.beta2 + s.one_minus_beta2 * gi * gi;
-            let denom = vi.sqrt() / s.bias_correction2_sqrt + s.eps;
-            p[i] = pi + s.neg_step_size * mi / denom;
-            m[i] = mi;
-            v[i] = vi;
+        #[cfg(target_arch = "x86_64")]
+        if has_hardware_fma() {
+            // SAFETY: the CPU has FMA (checked just above), the only requirement of calling a
+            // `target_feature(enable = "fma")` function.
+            unsafe { update_chunk_fma(p, g, m, v, s) };
+            return;
         }
+        update_chunk(p, g, m, v, s);
     });
+}
+
+/// [`update_chunk`] compiled with FMA instructions.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn update_chunk_fma<T: Float>(p: &mut [T], g: &[T], m: &mut [T], v: &mut [T], s: Scalars<T>) {
+    update_chunk(p, g, m, v, s);
+}
+
+/// One chunk of the update. Where PyTorch's CPU kernels fuse a multiply-add (the vectorised
+/// `lerp`, and `addcmul`, which the compiler contracts), this uses `mul_add`, so results are
+/// bit-identical to PyTorch's in almost every element (measured: all of `exp_avg`/`exp_avg_sq`
+/// and 99.8% of parameters after three steps, the rest within 1 ulp).
+#[inline(always)]
+fn update_chunk<T: Float>(p: &mut [T], g: &[T], m: &mut [T], v: &mut [T], s: Scalars<T>) {
+    for i in 0..p.len() {
+        let gi = g[i];
+        let pi = p[i] * s.decay;
+        let mi = if s.lerp_small { s.lerp_weight.mul_add(gi - m[i], m[i]) } else { (s.lerp_weight - T::one()).mul_add(gi - m[i], gi) };
+        let vi = (s.one_minus_beta2 * gi).mul_add(gi, v[i] * s.beta2);
+        let denom = vi.sqrt() / s.bias_correction2_sqrt + s.eps;
+        p[i] = pi + s.neg_step_size * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
+    }
 }
 
 fn validate(c: &AdamWConfig) -> Result<()> {

@@ -190,3 +190,17 @@ pub(crate) fn grad_for_update(op: &'static str, param: &Tensor) -> Result<Option
 /// Elements per parallel chunk of an optimizer kernel (elementwise: results do not depend on
 /// the split).
 pub(crate) const UPDATE_CHUNK: usize = 1 << 15;
+
+/// Whether the CPU has fused multiply-add instructions. Kernels use `mul_add` either way (a
+/// true fused multiply-add: without the instruction it is libm's `fma`, slower but
+/// bit-identical), so results never depend on the machine; this only picks the fast build.
+pub(crate) fn has_hardware_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}

@@ -1,5 +1,8 @@
 //! [`Sgd`]: stochastic gradient descent with momentum, dampening, Nesterov momentum and L2
-//! weight decay, following `torch.optim.SGD`'s single-tensor path:
+//! weight decay, following `torch.optim.SGD`'s single-tensor path,
+//!
+//! every `x + a·y` a fused multiply-add, as in PyTorch's vectorised CPU kernels (results match
+//! torch 2.11 on CPU bit for bit):
 //!
 //! ```text
 //! d  ← g + λ·p                                   (when λ ≠ 0)
@@ -8,7 +11,7 @@
 //! p  ← p + (−lr)·d
 //! ```
 
-use super::{grad_for_update, match_state, Optimizer, StateBuf, UPDATE_CHUNK};
+use super::{grad_for_update, has_hardware_fma, match_state, Optimizer, StateBuf, UPDATE_CHUNK};
 use crate::error::{Error, Result};
 use crate::tensor::{FloatSlice, Tensor};
 use rayon::prelude::*;
@@ -209,22 +212,43 @@ impl Scalars<f64> {
 }
 
 fn update<T: Float>(p: &mut [T], g: &[T], buf: Option<&mut Vec<T>>, s: Scalars<T>) {
-    let one = |p: &mut [T], g: &[T], b: Option<&mut [T]>| {
-        let mut b = b;
-        for i in 0..p.len() {
-            let mut d = g[i];
-            if s.has_decay {
-                d = d + s.weight_decay * p[i];
-            }
-            if let Some(b) = b.as_deref_mut() {
-                b[i] = if s.first { d } else { b[i] * s.momentum + s.one_minus_dampening * d };
-                d = if s.nesterov { d + s.momentum * b[i] } else { b[i] };
-            }
-            p[i] = p[i] + s.neg_lr * d;
-        }
-    };
     match buf {
-        Some(b) => p.par_chunks_mut(UPDATE_CHUNK).zip(g.par_chunks(UPDATE_CHUNK)).zip(b.par_chunks_mut(UPDATE_CHUNK)).for_each(|((p, g), b)| one(p, g, Some(b))),
-        None => p.par_chunks_mut(UPDATE_CHUNK).zip(g.par_chunks(UPDATE_CHUNK)).for_each(|(p, g)| one(p, g, None)),
+        Some(b) => p.par_chunks_mut(UPDATE_CHUNK).zip(g.par_chunks(UPDATE_CHUNK)).zip(b.par_chunks_mut(UPDATE_CHUNK)).for_each(|((p, g), b)| dispatch(p, g, Some(b), s)),
+        None => p.par_chunks_mut(UPDATE_CHUNK).zip(g.par_chunks(UPDATE_CHUNK)).for_each(|(p, g)| dispatch(p, g, None, s)),
+    }
+}
+
+fn dispatch<T: Float>(p: &mut [T], g: &[T], buf: Option<&mut [T]>, s: Scalars<T>) {
+    #[cfg(target_arch = "x86_64")]
+    if has_hardware_fma() {
+        // SAFETY: the CPU has FMA (checked just above), the only requirement of calling a
+        // `target_feature(enable = "fma")` function.
+        unsafe { update_chunk_fma(p, g, buf, s) };
+        return;
+    }
+    update_chunk(p, g, buf, s);
+}
+
+/// [`update_chunk`] compiled with FMA instructions.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn update_chunk_fma<T: Float>(p: &mut [T], g: &[T], buf: Option<&mut [T]>, s: Scalars<T>) {
+    update_chunk(p, g, buf, s);
+}
+
+/// One chunk. PyTorch's `add(x, alpha=a)` is a fused multiply-add in its vectorised CPU kernel,
+/// so every `+ a·x` here is a `mul_add`; results match torch 2.11 on CPU bit for bit.
+#[inline(always)]
+fn update_chunk<T: Float>(p: &mut [T], g: &[T], mut buf: Option<&mut [T]>, s: Scalars<T>) {
+    for i in 0..p.len() {
+        let mut d = g[i];
+        if s.has_decay {
+            d = p[i].mul_add(s.weight_decay, d);
+        }
+        if let Some(b) = buf.as_deref_mut() {
+            b[i] = if s.first { d } else { d.mul_add(s.one_minus_dampening, b[i] * s.momentum) };
+            d = if s.nesterov { b[i].mul_add(s.momentum, d) } else { b[i] };
+        }
+        p[i] = d.mul_add(s.neg_lr, p[i]);
     }
 }
