@@ -76,7 +76,7 @@ fn accuracy(model: &Mlp, set: &ImageDataset, mean: f32, std: f32) -> anyhow::Res
             let predicted = model.forward(&x)?.argmax(-1, false)?.to_u32_vec()?;
             correct += predicted.iter().zip(&batch.labels).filter(|(p, l)| p == l).count();
         }
-        Ok(correct as f64 / set.n as f64)
+        Ok::<f64, rustytorch::tensor::Error>(correct as f64 / set.n as f64)
     })
     .context("evaluating")
 }

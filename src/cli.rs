@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 
 /// rustytorch: train models from a TOML config, and benchmark the CPU compute.
 #[derive(Parser, Debug)]
-#[command(name = "rtx", version, about, long_about = None)]
+#[command(name = "rtx", version)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]

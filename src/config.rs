@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The config file could not be read.
-    #[error("cannot read config {path}: {source}", path = .path.display())]
+    #[error("cannot read config {path}", path = .path.display())]
     Read {
         /// The file.
         path: PathBuf,

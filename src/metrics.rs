@@ -53,7 +53,7 @@ pub struct MetricRecord {
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
     /// Reading or writing the file failed.
-    #[error("metrics file {path}: {source}", path = .path.display())]
+    #[error("cannot read or write metrics file {path}", path = .path.display())]
     Io {
         /// The file.
         path: PathBuf,
@@ -62,7 +62,7 @@ pub enum MetricsError {
         source: std::io::Error,
     },
     /// A line is not a metrics record.
-    #[error("metrics file {path} line {line}: {source}", path = .path.display())]
+    #[error("metrics file {path} line {line} is not a metrics record", path = .path.display())]
     Parse {
         /// The file.
         path: PathBuf,

@@ -73,16 +73,18 @@ pub fn ensure_font(preferred: Option<&Path>) -> bool {
 }
 
 /// Draws training loss (`loss`) and validation loss (`val_loss`) of `records` against the step
-/// into a `width`×`height` PNG at `path`. `with_text` false draws no text at all.
-pub fn plot_loss_curve(records: &[MetricRecord], path: &Path, title: &str, with_text: bool) -> Result<PlotOutcome, PlotError> {
+/// into a 900×560 PNG at `path`, with an optional horizontal `baseline` (e.g. the unigram
+/// entropy a language model must beat). `with_text` false draws no text at all.
+pub fn plot_loss_curve(records: &[MetricRecord], path: &Path, title: &str, baseline: Option<(f64, &str)>, with_text: bool) -> Result<PlotOutcome, PlotError> {
     let train: Vec<(f64, f64)> = records.iter().filter_map(|r| Some((r.step as f64, finite(r.loss?)?))).collect();
     let val: Vec<(f64, f64)> = records.iter().filter_map(|r| Some((r.step as f64, finite(r.val_loss?)?))).collect();
     let draw_err = |e: &dyn std::fmt::Display| PlotError::Draw { path: path.to_path_buf(), reason: e.to_string() };
 
     let all = train.iter().chain(&val);
     let x_max = all.clone().map(|p| p.0).fold(1.0, f64::max);
-    let y_max = all.clone().map(|p| p.1).fold(f64::MIN, f64::max);
-    let y_min = all.map(|p| p.1).fold(f64::MAX, f64::min);
+    let base = baseline.and_then(|(y, _)| finite(y));
+    let y_max = all.clone().map(|p| p.1).chain(base).fold(f64::MIN, f64::max);
+    let y_min = all.map(|p| p.1).chain(base).fold(f64::MAX, f64::min);
     let (y_min, y_max) = if y_min <= y_max { (y_min, y_max) } else { (0.0, 1.0) };
     let pad = ((y_max - y_min) * 0.05).max(1e-3);
     let y_range = (y_min - pad).max(0.0)..(y_max + pad);
@@ -111,6 +113,15 @@ pub fn plot_loss_curve(records: &[MetricRecord], path: &Path, title: &str, with_
         let series = chart.draw_series(LineSeries::new(val.iter().copied(), orange.stroke_width(2))).map_err(|e| draw_err(&e))?;
         if with_text {
             series.label("validation loss").legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], orange.stroke_width(2)));
+        }
+    }
+    if let (Some(y), Some((_, label))) = (base, baseline) {
+        let grey = RGBColor(120, 120, 120);
+        let dashes = (0..40).map(|i| vec![(x_max * f64::from(2 * i) / 80.0, y), (x_max * f64::from(2 * i + 1) / 80.0, y)]);
+        let series = chart.draw_series(dashes.map(|pts| PathElement::new(pts, grey.stroke_width(2)))).map_err(|e| draw_err(&e))?;
+        if with_text {
+            let label = label.to_string();
+            series.label(label).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], grey.stroke_width(2)));
         }
     }
     if with_text {
@@ -143,17 +154,17 @@ mod tests {
     fn draws_png_with_and_without_text() {
         let dir = tempfile::tempdir().expect("tempdir");
         let plain = dir.path().join("plain.png");
-        let outcome = plot_loss_curve(&records(), &plain, "t", false).expect("plot without text");
+        let outcome = plot_loss_curve(&records(), &plain, "t", Some((1.5, "baseline")), false).expect("plot without text");
         assert_eq!((outcome.train_points, outcome.val_points), (20, 4));
         let bytes = std::fs::read(&plain).expect("png");
         assert_eq!(&bytes[1..4], b"PNG");
 
         if ensure_font(None) {
             let text = dir.path().join("text.png");
-            plot_loss_curve(&records(), &text, "loss", true).expect("plot with text");
+            plot_loss_curve(&records(), &text, "loss", Some((1.5, "baseline")), true).expect("plot with text");
             assert_eq!(&std::fs::read(&text).expect("png")[1..4], b"PNG");
         }
         // No points at all still gives a (blank) chart.
-        plot_loss_curve(&[], &dir.path().join("empty.png"), "t", false).expect("empty plot");
+        plot_loss_curve(&[], &dir.path().join("empty.png"), "t", None, false).expect("empty plot");
     }
 }

@@ -187,9 +187,11 @@ fn fresh_run_refuses_an_output_folder_with_checkpoints() {
         other => panic!("expected OutputInUse, got {:?}", other.map(|r| r.step)),
     }
     // Resuming a finished run is a no-op that reports the same step.
-    let again = train::run(&config, options(&data, out, true)).unwrap();
+    let again = train::run(&config, options(&data, out.clone(), true)).unwrap();
     assert_eq!(again.step, 4);
     assert!(again.losses.is_empty());
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().filter(|l| l.contains("val_loss")).count(), 1, "final records written twice:\n{metrics}");
 }
 
 #[test]

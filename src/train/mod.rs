@@ -4,6 +4,17 @@
 //! (build, [`Trainer::train_until`], [`Trainer::save_checkpoint`], [`Trainer::finish`]) for
 //! programs and tests that drive the loop themselves.
 //!
+//! ```no_run
+//! use rustytorch::config::TrainConfig;
+//! use rustytorch::data::DataRoot;
+//! use rustytorch::train::{self, TrainOptions};
+//!
+//! let config = TrainConfig::load("configs/fashion_mlp.toml".as_ref())?;
+//! let report = train::run(&config, TrainOptions::new(DataRoot::new("data")))?;
+//! println!("test accuracy {:?}", report.test.and_then(|t| t.accuracy));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # Outputs (in the output folder)
 //! - `metrics.jsonl`: see [`crate::metrics`].
 //! - `loss.png`: training and validation loss against the step ([`crate::plot`]).
@@ -69,7 +80,7 @@ pub enum TrainError {
     #[error(transparent)]
     Plot(#[from] PlotError),
     /// A file of the output folder could not be written or read.
-    #[error("{what} {path}: {source}", path = .path.display())]
+    #[error("{what} {path}", path = .path.display())]
     Io {
         /// What was being done.
         what: &'static str,
@@ -237,43 +248,42 @@ impl Trainer {
             ModelConfig::Gpt { context, .. } => Some(*context),
             ModelConfig::Mlp { .. } => None,
         };
-        let data = TaskData::load(&config, &options.data_root, context)?;
+        let mut data = TaskData::load(&config, &options.data_root, context)?;
         let seed = config.train.seed;
         let mut init_rng = Generator::new(seed);
         let mut model = Model::build(&config.model, data.input_features(), data.n_classes(), &mut init_rng)?;
         model.module_mut().set_training(true);
-        let optimizer = Optimizer::new(&config.optim, &config.schedule, model.module())?;
-        let plot_text = plot::ensure_font(options.font.as_deref());
+        let mut optimizer = Optimizer::new(&config.optim, &config.schedule, model.module())?;
+        let mut step = 0;
+        let mut dropout_rng = Generator::with_stream(seed, DROPOUT_STREAM);
         let metrics_path = out_dir.join("metrics.jsonl");
-        let mut trainer = Trainer {
-            metrics: MetricsWriter::create(&out_dir.join(".metrics.tmp"))?,
+        let metrics = match &latest {
+            Some((_, path)) => {
+                let state = restore(path, &config, &model, &mut optimizer, &mut data)?;
+                step = state.step;
+                dropout_rng = Generator::from_state(state.dropout_rng);
+                MetricsWriter::resume(&metrics_path, step)?
+            }
+            None => MetricsWriter::create(&metrics_path)?,
+        };
+        Ok(Trainer {
+            metrics,
+            plot_text: plot::ensure_font(options.font.as_deref()),
             config,
             options,
             out_dir,
             data,
             model,
             optimizer,
-            dropout_rng: Generator::with_stream(seed, DROPOUT_STREAM),
-            step: 0,
+            dropout_rng,
+            step,
             losses: Vec::new(),
             interval: Interval::default(),
             train_seconds: 0.0,
             train_items: 0,
             started,
-            last_checkpoint: None,
-            plot_text,
-        };
-        let _ = std::fs::remove_file(trainer.out_dir.join(".metrics.tmp"));
-        match latest {
-            Some((step, path)) => {
-                trainer.restore(&path)?;
-                debug_assert_eq!(trainer.step, step);
-                trainer.metrics = MetricsWriter::resume(&metrics_path, trainer.step)?;
-                trainer.last_checkpoint = Some((step, path));
-            }
-            None => trainer.metrics = MetricsWriter::create(&metrics_path)?,
-        }
-        Ok(trainer)
+            last_checkpoint: latest,
+        })
     }
 
     /// Steps completed.
@@ -312,16 +322,16 @@ impl Trainer {
             let loss = self.train_step()?;
             let step = self.step;
             let cfg = self.config.train.clone();
-            if step % cfg.log_every == 0 || step == stop {
+            progress.update(step, loss, self.interval_rate(), unit);
+            if every(step, cfg.log_every) || step == stop {
                 self.log_interval(&progress)?;
             }
-            progress.update(step, loss, self.interval_rate(), unit);
-            if cfg.eval_every > 0 && step % cfg.eval_every == 0 && step != stop {
+            if every(step, cfg.eval_every) && step != stop {
                 let max = self.config.train.eval_batches;
                 let eval = self.evaluate(EvalSplit::Val, max)?;
-                self.record_eval(&progress, eval)?;
+                self.record_eval(&progress, eval, true)?;
             }
-            if self.config.train.checkpoint_every > 0 && step % self.config.train.checkpoint_every == 0 {
+            if every(step, cfg.checkpoint_every) {
                 self.save_checkpoint()?;
             }
         }
@@ -398,8 +408,10 @@ impl Trainer {
         Ok(())
     }
 
-    fn record_eval(&mut self, progress: &Progress, eval: EvalResult) -> Result<()> {
-        self.metrics.write(&MetricRecord { step: self.step, val_loss: Some(eval.loss), val_acc: eval.accuracy, wall_s: Some(self.started.elapsed().as_secs_f64()), ..Default::default() })?;
+    fn record_eval(&mut self, progress: &Progress, eval: EvalResult, write: bool) -> Result<()> {
+        if write {
+            self.metrics.write(&MetricRecord { step: self.step, val_loss: Some(eval.loss), val_acc: eval.accuracy, wall_s: Some(self.started.elapsed().as_secs_f64()), ..Default::default() })?;
+        }
         let acc = eval.accuracy.map_or(String::new(), |a| format!(" | val acc {:.2}%", a * 100.0));
         progress.line(&format!("step {:>6} | val loss {:.4}{acc}", self.step, eval.loss));
         self.plot()?;
@@ -445,30 +457,6 @@ impl Trainer {
         Ok(path)
     }
 
-    fn restore(&mut self, path: &Path) -> Result<()> {
-        // Check that the checkpoint belongs to this run before touching any tensor.
-        let meta = ckpt::read_state(path)?;
-        let now = serde_json::to_value(&self.config).map_err(|e| TrainError::Internal(e.to_string()))?;
-        for section in ["model", "data", "optim", "schedule"] {
-            if meta.config.get(section) != now.get(section) {
-                return Err(TrainError::Resume(format!(
-                    "checkpoint {} was written with a different [{section}] section ({} then, {} now); resume with the original config or use another --out",
-                    path.display(),
-                    meta.config.get(section).map_or("none".into(), |v| v.to_string()),
-                    now.get(section).map_or("none".into(), |v| v.to_string())
-                )));
-            }
-        }
-        if meta.config.get("train").and_then(|t| t.get("seed")) != now.get("train").and_then(|t| t.get("seed")) {
-            return Err(TrainError::Resume(format!("checkpoint {} was written with another train.seed", path.display())));
-        }
-        let meta = ckpt::load(path, &self.model, &mut self.optimizer)?;
-        self.step = meta.step;
-        self.dropout_rng = Generator::from_state(meta.dropout_rng);
-        self.data.restore(meta.data_cursor)?;
-        Ok(())
-    }
-
     /// Redraws `loss.png` from `metrics.jsonl`.
     fn plot(&self) -> Result<()> {
         let records = crate::metrics::read_metrics(self.metrics.path())?;
@@ -476,7 +464,8 @@ impl Trainer {
             ModelConfig::Mlp { .. } => format!("MLP on {}", self.config.data.dataset.name()),
             ModelConfig::Gpt { .. } => format!("byte GPT on {}", self.config.data.dataset.name()),
         };
-        plot::plot_loss_curve(&records, &self.out_dir.join("loss.png"), &title, self.plot_text)?;
+        let baseline = self.data.text().map(|t| (t.entropy_nats, "corpus unigram entropy"));
+        plot::plot_loss_curve(&records, &self.out_dir.join("loss.png"), &title, baseline, self.plot_text)?;
         Ok(())
     }
 
@@ -484,11 +473,15 @@ impl Trainer {
     /// final checkpoint and plot; prints a summary unless quiet.
     pub fn finish(mut self) -> Result<TrainReport> {
         let progress = Progress::new(if self.options.verbosity == Verbosity::Quiet { Verbosity::Quiet } else { Verbosity::Lines }, self.step, self.step);
+        // Resuming a finished run trains nothing; its final records are already in the file.
+        let already_final = self.losses.is_empty() && crate::metrics::read_metrics(self.metrics.path())?.iter().any(|r| r.step == self.step && r.val_loss.is_some());
         let val = self.evaluate(EvalSplit::Val, None)?;
-        self.record_eval(&progress, val)?;
+        self.record_eval(&progress, val, !already_final)?;
         let test = if self.data.has_test() {
             let test = self.evaluate(EvalSplit::Test, None)?;
-            self.metrics.write(&MetricRecord { step: self.step, test_loss: Some(test.loss), test_acc: test.accuracy, wall_s: Some(self.started.elapsed().as_secs_f64()), ..Default::default() })?;
+            if !already_final {
+                self.metrics.write(&MetricRecord { step: self.step, test_loss: Some(test.loss), test_acc: test.accuracy, wall_s: Some(self.started.elapsed().as_secs_f64()), ..Default::default() })?;
+            }
             Some(test)
         } else {
             None
@@ -538,6 +531,37 @@ impl Trainer {
             println!("{text}");
         }
     }
+}
+
+/// Whether `step` is a positive multiple of `interval` (never when `interval` is 0).
+#[allow(clippy::manual_is_multiple_of, reason = "is_multiple_of needs Rust 1.87; the workspace says 1.85")]
+fn every(step: u64, interval: u64) -> bool {
+    interval > 0 && step % interval == 0
+}
+
+/// Loads the checkpoint at `path` into the model, optimizer and data sampler, after checking
+/// that it was written by a run with the same model, data, optimizer, schedule and seed.
+fn restore(path: &Path, config: &TrainConfig, model: &Model, optimizer: &mut Optimizer, data: &mut TaskData) -> Result<ckpt::RunState> {
+    // Check that the checkpoint belongs to this run before touching any tensor.
+    let saved = ckpt::read_state(path)?.config;
+    let now = serde_json::to_value(config).map_err(|e| TrainError::Internal(e.to_string()))?;
+    for section in ["model", "data", "optim", "schedule"] {
+        if saved.get(section) != now.get(section) {
+            return Err(TrainError::Resume(format!(
+                "checkpoint {} was written with a different [{section}] section ({} then, {} now); resume with the original config or use another --out",
+                path.display(),
+                saved.get(section).map_or("none".into(), |v| v.to_string()),
+                now.get(section).map_or("none".into(), |v| v.to_string())
+            )));
+        }
+    }
+    let seed = |c: &serde_json::Value| c.get("train").and_then(|t| t.get("seed")).cloned();
+    if seed(&saved) != seed(&now) {
+        return Err(TrainError::Resume(format!("checkpoint {} was written with another train.seed", path.display())));
+    }
+    let state = ckpt::load(path, model, optimizer)?;
+    data.restore(state.data_cursor)?;
+    Ok(state)
 }
 
 /// The summary lines printed at the end of a run.

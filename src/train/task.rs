@@ -87,7 +87,7 @@ impl TaskData {
                 // Fail here, not at step 0, when the corpus is shorter than one window.
                 sampler.batch(train.bytes(), 0)?;
                 if eval_sampler.n_eval_batches(val.len()) == 0 {
-                    return Err(TrainError::Internal(format!("validation text of {} bytes is shorter than one window of {seq_len}", val.len())));
+                    return Err(TrainError::Data(rtx_tensor::data::DataError::Empty { what: format!("validation text of {} bytes at data.val_fraction {}: shorter than one window of model.context + 1 = {} bytes", val.len(), d.val_fraction, seq_len + 1) }));
                 }
                 Ok(TaskData::Text(Box::new(TextSplits { train: train.bytes().to_vec(), val: val.bytes().to_vec(), entropy_nats, corpus_bytes: corpus.len(), sampler, eval_sampler })))
             }
