@@ -1,0 +1,92 @@
+//! The crate's error type: one enum whose variants name the failed operation and carry its facts
+//! (step, bucket, collective), wrapping tensor and collective errors instead of stringifying them.
+
+use std::time::Duration;
+
+use rtx_kernels::DType;
+
+/// Result alias for this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in a data-parallel engine.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Forward, backward, bucketing or the optimizer failed in `rtx-tensor`.
+    #[error(transparent)]
+    Tensor(#[from] rtx_tensor::Error),
+    /// Forming the communicator failed (the `connect` closure returned an error).
+    #[error("forming the communicator failed: {0}")]
+    Connect(#[source] rtx_collectives::Error),
+    /// A bucket's collective failed (peer lost, timeout, stale generation, mismatch).
+    #[error("step {step}: {op} of bucket {bucket} failed: {source}")]
+    Collective {
+        /// The step (0-based count of steps started by this engine).
+        step: u64,
+        /// The bucket index.
+        bucket: usize,
+        /// `all_reduce`, `reduce_scatter` or `all_gather`.
+        op: &'static str,
+        /// What the communicator reported.
+        #[source]
+        source: rtx_collectives::Error,
+    },
+    /// A bucket's collective ran past [`crate::DpConfig::collective_timeout`] and was abandoned.
+    #[error("step {step}: {op} of bucket {bucket} did not finish within {timeout:?}")]
+    CollectiveTimeout {
+        /// The step.
+        step: u64,
+        /// The bucket index.
+        bucket: usize,
+        /// The collective.
+        op: &'static str,
+        /// The configured bound.
+        timeout: Duration,
+    },
+    /// An earlier step failed, so this rank's communicator is out of step with its peers; the group
+    /// must be re-formed (a new engine on a communicator of a new generation).
+    #[error("engine unusable since step {failed_step} failed; re-form the group")]
+    Broken {
+        /// The step that failed.
+        failed_step: u64,
+    },
+    /// The communication thread or its runtime could not be started.
+    #[error("could not start the communication thread: {0}")]
+    CommThread(#[source] std::io::Error),
+    /// The communication thread ended (it panicked or could not start).
+    #[error("the communication thread of rank {rank} is gone")]
+    ReducerGone {
+        /// This engine's group rank (or `usize::MAX` before the group was formed).
+        rank: usize,
+    },
+    /// A bucket holds a dtype collectives cannot reduce.
+    #[error("bucket {bucket} has dtype {dtype}, which cannot be reduced")]
+    UnsupportedDType {
+        /// The bucket index.
+        bucket: usize,
+        /// Its dtype.
+        dtype: DType,
+    },
+    /// `step` was called on a thread that runs an async runtime; the step blocks, so call it from a
+    /// plain thread (or `spawn_blocking`).
+    #[error("DataParallel::step blocks and must not run inside an async runtime")]
+    InAsyncContext,
+    /// The loss closure returned a tensor that is not a scalar.
+    #[error("the loss must have one element, got shape {shape:?}")]
+    NonScalarLoss {
+        /// The shape returned.
+        shape: Vec<usize>,
+    },
+    /// The optimizer built by the factory updates a tensor that is not one of the given slices.
+    #[error("optimizer parameter {name} is not one of the parameter slices it was given")]
+    ForeignOptimizerParam {
+        /// The parameter's name in the optimizer.
+        name: String,
+    },
+    /// A configuration value is out of range.
+    #[error("invalid data-parallel configuration: {reason}")]
+    InvalidConfig {
+        /// What is wrong.
+        reason: &'static str,
+    },
+}

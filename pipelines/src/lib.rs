@@ -1,0 +1,20 @@
+//! `rtx-pipelines`: parallel strategies of rustytorch as topologies. Today: data parallelism.
+//!
+//! Start from [`DataParallel`]: one per rank, it owns a model whose parameters live in flat
+//! buckets ([`rtx_tensor::optim::ParamBuckets`]), an optimizer and a communication thread holding
+//! the rank's [`rtx_collectives::Communicator`]. [`DataParallel::step`] runs the caller's forward,
+//! then backward while each completed gradient bucket is averaged across the group, then the
+//! optimizer. [`Sharding::Zero1`] shards optimizer state and updates ZeRO-1 style. The engine does
+//! not pick batches, detect failures beyond what its collectives report, or recover: a failed step
+//! leaves it [`Error::Broken`] for the supervisor to replace. Tensor, pipeline and federated
+//! parallelism and the trainers are not written yet.
+
+mod data_parallel;
+mod error;
+mod reducer;
+mod shard;
+
+pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
+pub use error::{Error, Result};
+pub use reducer::CommMonitor;
+pub use shard::{adamw, named_slices, ParamSlice};

@@ -1,0 +1,363 @@
+//! The communication thread of one rank: a dedicated OS thread running a current-thread tokio
+//! runtime that owns the rank's [`Communicator`] and runs bucket collectives one at a time, in the
+//! order they are submitted.
+//!
+//! Protocol (see also the ownership table in [`crate::data_parallel`]):
+//! - The compute thread submits [`Job`]s through a bounded tokio channel (`blocking_send`, so a
+//!   full queue is back-pressure on backward) and reads one [`Report`] per job from a std channel.
+//! - For a job the thread takes the bucket's `Vec` out of its storage with `std::mem::replace` under
+//!   the storage's write lock, releases the lock, awaits the collective on the owned `Vec`, and puts
+//!   the `Vec` back under the write lock before it sends the report. No lock guard lives across an
+//!   `.await`, and the buffer is moved, never copied (the all-gather copies this rank's own segment,
+//!   1/n of the bucket, into a reused scratch buffer because its input may not alias its output).
+//! - The `Vec` goes back on every path, failure and timeout included: the collective future only
+//!   borrows it and is dropped before the put-back.
+//! - After the first failed job every later job is answered `Skipped` without touching the
+//!   communicator: its sequence numbers are out of step with the peers, and only a re-formed group
+//!   (a new generation) may talk again.
+//! - The thread ends when the engine drops the job sender; the runtime, the communicator and (when
+//!   it was formed here) the endpoint and its dispatcher task go with it.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use rtx_collectives::{Communicator, ReduceOp, WireElement};
+use rtx_kernels::DType;
+use rtx_tensor::{CpuData, Storage};
+use tokio::sync::mpsc;
+use tracing::Instrument;
+
+use crate::error::{Error, Result};
+
+/// Counters a caller (a test, a metrics exporter) can read while the engine runs. Cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct CommMonitor(Arc<MonitorState>);
+
+#[derive(Debug, Default)]
+struct MonitorState {
+    backward_running: AtomicBool,
+    started: AtomicU64,
+    finished: AtomicU64,
+    started_during_backward: AtomicU64,
+}
+
+impl CommMonitor {
+    /// Bucket collectives the communication thread has begun, over the engine's life.
+    pub fn collectives_started(&self) -> u64 {
+        self.0.started.load(Ordering::Acquire)
+    }
+
+    /// Bucket collectives that have ended (successfully or not).
+    pub fn collectives_finished(&self) -> u64 {
+        self.0.finished.load(Ordering::Acquire)
+    }
+
+    /// Bucket collectives that began while the compute thread was still inside backward.
+    pub fn started_during_backward(&self) -> u64 {
+        self.0.started_during_backward.load(Ordering::Acquire)
+    }
+
+    /// Whether the compute thread is inside backward now.
+    pub fn backward_running(&self) -> bool {
+        self.0.backward_running.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_backward_running(&self, running: bool) {
+        self.0.backward_running.store(running, Ordering::Release);
+    }
+
+    /// Counts a collective's start; returns whether backward was still running.
+    fn begin(&self) -> bool {
+        let during = self.backward_running();
+        if during {
+            self.0.started_during_backward.fetch_add(1, Ordering::AcqRel);
+        }
+        self.0.started.fetch_add(1, Ordering::AcqRel);
+        during
+    }
+
+    fn finish(&self) {
+        self.0.finished.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// One bucket collective.
+#[derive(Debug)]
+pub(crate) struct Job {
+    pub(crate) step: u64,
+    pub(crate) bucket: usize,
+    pub(crate) op: BucketOp,
+}
+
+/// What to do with a bucket.
+#[derive(Debug)]
+pub(crate) enum BucketOp {
+    /// Average the flat gradient in place.
+    AllReduce { grads: Storage },
+    /// Average the flat gradient, leaving this rank's segment in `shard` (its own storage).
+    ReduceScatter { grads: Storage, shard: Storage },
+    /// Replace the flat parameters by every rank's segment; `own` is this rank's.
+    AllGather { params: Storage, own: Range<usize> },
+    /// Replace the flat parameters by group rank 0's (at construction, as DDP does).
+    Broadcast { params: Storage },
+}
+
+impl BucketOp {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            BucketOp::AllReduce { .. } => "all_reduce",
+            BucketOp::ReduceScatter { .. } => "reduce_scatter",
+            BucketOp::AllGather { .. } => "all_gather",
+            BucketOp::Broadcast { .. } => "broadcast",
+        }
+    }
+}
+
+/// Why a job did not complete.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    Comm(rtx_collectives::Error),
+    TimedOut(Duration),
+    Unsupported(DType),
+    /// An earlier job failed; this one was not attempted.
+    Skipped,
+}
+
+/// The answer to one job.
+#[derive(Debug)]
+pub(crate) struct Report {
+    pub(crate) step: u64,
+    pub(crate) bucket: usize,
+    pub(crate) op: &'static str,
+    pub(crate) outcome: std::result::Result<(), Failure>,
+    pub(crate) during_backward: bool,
+}
+
+/// The compute thread's handle on the communication thread.
+#[derive(Debug)]
+pub(crate) struct Reducer {
+    jobs: Option<mpsc::Sender<Job>>,
+    reports: std_mpsc::Receiver<Report>,
+    thread: Option<JoinHandle<()>>,
+    rank: usize,
+    size: usize,
+    monitor: CommMonitor,
+}
+
+impl Reducer {
+    /// Starts the thread, forms the communicator there with `connect` (inside the thread's runtime,
+    /// so an endpoint made by it has its dispatcher driven by that runtime) and returns once it is
+    /// formed.
+    pub(crate) fn spawn<C>(connect: C, queue_depth: usize, collective_timeout: Duration) -> Result<Reducer>
+    where
+        C: FnOnce() -> rtx_collectives::Result<Communicator> + Send + 'static,
+    {
+        assert!(queue_depth > 0, "reducer: validated queue depth");
+        let (job_tx, job_rx) = mpsc::channel(queue_depth);
+        let (report_tx, report_rx) = std_mpsc::channel();
+        let (formed_tx, formed_rx) = std_mpsc::sync_channel::<Result<(usize, usize)>>(1);
+        let monitor = CommMonitor::default();
+        let thread_monitor = monitor.clone();
+        let thread = std::thread::Builder::new()
+            .name("rtx-dp-comm".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        let _ = formed_tx.send(Err(Error::CommThread(e)));
+                        return;
+                    }
+                };
+                let comm = {
+                    let _entered = runtime.enter();
+                    connect()
+                };
+                let comm = match comm {
+                    Ok(comm) => comm,
+                    Err(e) => {
+                        let _ = formed_tx.send(Err(Error::Connect(e)));
+                        return;
+                    }
+                };
+                let _ = formed_tx.send(Ok((comm.rank(), comm.size())));
+                let span = tracing::debug_span!("dp_comm", rank = comm.rank(), group = comm.group_id(), generation = comm.generation());
+                runtime.block_on(serve(comm, job_rx, report_tx, thread_monitor, collective_timeout).instrument(span));
+            })
+            .map_err(Error::CommThread)?;
+        let (rank, size) = match formed_rx.recv() {
+            Ok(formed) => formed?,
+            Err(_) => return Err(Error::ReducerGone { rank: usize::MAX }),
+        };
+        Ok(Reducer { jobs: Some(job_tx), reports: report_rx, thread: Some(thread), rank, size, monitor })
+    }
+
+    /// Group rank of this engine.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Group size.
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    pub(crate) fn monitor(&self) -> &CommMonitor {
+        &self.monitor
+    }
+
+    /// Queues a job; blocks while the queue is full.
+    pub(crate) fn submit(&self, job: Job) -> Result<()> {
+        let gone = Error::ReducerGone { rank: self.rank };
+        let Some(jobs) = &self.jobs else { return Err(gone) };
+        jobs.blocking_send(job).map_err(|_| gone)
+    }
+
+    /// The next report, in submission order.
+    pub(crate) fn next_report(&self) -> Result<Report> {
+        self.reports.recv().map_err(|_| Error::ReducerGone { rank: self.rank })
+    }
+}
+
+impl Drop for Reducer {
+    fn drop(&mut self) {
+        // Closing the queue ends `serve` once in-flight jobs are done (each bounded by timeouts).
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                tracing::error!(rank = self.rank, "communication thread panicked");
+            }
+        }
+    }
+}
+
+async fn serve(comm: Communicator, mut jobs: mpsc::Receiver<Job>, reports: std_mpsc::Sender<Report>, monitor: CommMonitor, timeout: Duration) {
+    let mut broken = false;
+    let mut scratch: BTreeMap<usize, CpuData> = BTreeMap::new();
+    while let Some(job) = jobs.recv().await {
+        let op = job.op.name();
+        let (outcome, during_backward) = if broken {
+            (Err(Failure::Skipped), false)
+        } else {
+            let during_backward = monitor.begin();
+            let span = tracing::debug_span!("dp_bucket", op, step = job.step, bucket = job.bucket, during_backward);
+            let outcome = run(&comm, &job, timeout, &mut scratch).instrument(span).await;
+            monitor.finish();
+            (outcome, during_backward)
+        };
+        if let Err(failure) = &outcome {
+            if !broken {
+                tracing::warn!(op, step = job.step, bucket = job.bucket, ?failure, "bucket collective failed; skipping the rest");
+            }
+            broken = true;
+        }
+        let report = Report { step: job.step, bucket: job.bucket, op, outcome, during_backward };
+        if reports.send(report).is_err() {
+            break;
+        }
+    }
+}
+
+async fn run(comm: &Communicator, job: &Job, timeout: Duration, scratch: &mut BTreeMap<usize, CpuData>) -> std::result::Result<(), Failure> {
+    match &job.op {
+        BucketOp::AllReduce { grads } => {
+            let mut data = take(grads);
+            let outcome = bounded(timeout, all_reduce(comm, &mut data)).await;
+            restore(grads, data);
+            outcome
+        }
+        BucketOp::ReduceScatter { grads, shard } => {
+            let data = take(grads);
+            let mut out = take(shard);
+            let outcome = bounded(timeout, reduce_scatter(comm, &data, &mut out)).await;
+            restore(shard, out);
+            restore(grads, data);
+            outcome
+        }
+        BucketOp::AllGather { params, own } => {
+            let mut data = take(params);
+            let buf = scratch.entry(job.bucket).or_insert_with(|| CpuData::zeros(data.dtype(), 0));
+            let outcome = bounded(timeout, all_gather(comm, &mut data, own.clone(), buf)).await;
+            restore(params, data);
+            outcome
+        }
+        BucketOp::Broadcast { params } => {
+            let mut data = take(params);
+            let outcome = bounded(timeout, broadcast(comm, &mut data)).await;
+            restore(params, data);
+            outcome
+        }
+    }
+}
+
+/// Moves the elements out of `storage`, leaving an empty buffer of the same dtype. The write guard
+/// is dropped before this returns.
+fn take(storage: &Storage) -> CpuData {
+    let mut guard = storage.write();
+    let empty = CpuData::zeros(guard.dtype(), 0);
+    std::mem::replace(&mut *guard, empty)
+}
+
+/// Puts elements taken by [`take`] back.
+fn restore(storage: &Storage, data: CpuData) {
+    let mut guard = storage.write();
+    debug_assert!(guard.is_empty(), "reducer: nobody writes a bucket while it is taken");
+    *guard = data;
+}
+
+async fn bounded(timeout: Duration, op: impl Future<Output = std::result::Result<(), Failure>>) -> std::result::Result<(), Failure> {
+    tokio::time::timeout(timeout, op).await.unwrap_or(Err(Failure::TimedOut(timeout)))
+}
+
+async fn all_reduce(comm: &Communicator, data: &mut CpuData) -> std::result::Result<(), Failure> {
+    let result = match data {
+        CpuData::F32(v) => comm.all_reduce(v, ReduceOp::Avg).await,
+        CpuData::F64(v) => comm.all_reduce(v, ReduceOp::Avg).await,
+        CpuData::BF16(v) => comm.all_reduce(v, ReduceOp::Avg).await,
+        CpuData::U32(_) => return Err(Failure::Unsupported(DType::U32)),
+    };
+    result.map_err(Failure::Comm)
+}
+
+async fn broadcast(comm: &Communicator, data: &mut CpuData) -> std::result::Result<(), Failure> {
+    let result = match data {
+        CpuData::F32(v) => comm.broadcast(v, 0).await,
+        CpuData::F64(v) => comm.broadcast(v, 0).await,
+        CpuData::BF16(v) => comm.broadcast(v, 0).await,
+        CpuData::U32(_) => return Err(Failure::Unsupported(DType::U32)),
+    };
+    result.map_err(Failure::Comm)
+}
+
+async fn reduce_scatter(comm: &Communicator, input: &CpuData, output: &mut CpuData) -> std::result::Result<(), Failure> {
+    let result = match (input, output) {
+        (CpuData::F32(i), CpuData::F32(o)) => comm.reduce_scatter(i, o, ReduceOp::Avg).await,
+        (CpuData::F64(i), CpuData::F64(o)) => comm.reduce_scatter(i, o, ReduceOp::Avg).await,
+        (CpuData::BF16(i), CpuData::BF16(o)) => comm.reduce_scatter(i, o, ReduceOp::Avg).await,
+        (i, _) => return Err(Failure::Unsupported(i.dtype())),
+    };
+    result.map_err(Failure::Comm)
+}
+
+async fn all_gather(comm: &Communicator, data: &mut CpuData, own: Range<usize>, scratch: &mut CpuData) -> std::result::Result<(), Failure> {
+    let result = match (data, scratch) {
+        (CpuData::F32(d), CpuData::F32(s)) => gather_into(comm, d, own, s).await,
+        (CpuData::F64(d), CpuData::F64(s)) => gather_into(comm, d, own, s).await,
+        (CpuData::BF16(d), CpuData::BF16(s)) => gather_into(comm, d, own, s).await,
+        (d, _) => return Err(Failure::Unsupported(d.dtype())),
+    };
+    result.map_err(Failure::Comm)
+}
+
+/// All-gathers `buf` in place: this rank's segment `own` is the input, copied into `scratch`
+/// because the collective's input may not alias its output.
+async fn gather_into<T: WireElement>(comm: &Communicator, buf: &mut [T], own: Range<usize>, scratch: &mut Vec<T>) -> rtx_collectives::Result<()> {
+    debug_assert_eq!(own, comm.segment(buf.len(), comm.rank()), "reducer: shard boundaries match the collective's");
+    scratch.clear();
+    scratch.extend_from_slice(&buf[own]);
+    comm.all_gather(scratch, buf).await
+}
