@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rtx_collectives::{
-    ClusterCa, CommConfig, Communicator, Endpoint, InProcessNetwork, QuicOptions, QuicTransport, ReduceOp, ShmOptions,
-    ShmTransport, Transport,
+    ClusterCa, CommConfig, Communicator, Endpoint, InProcessNetwork, QuicOptions, QuicTransport, ReduceOp, ShmOptions, ShmTransport, Transport,
 };
 
 const SIZES: [usize; 3] = [4 << 10, 1 << 20, 16 << 20];
@@ -83,9 +82,7 @@ fn all_reduce(c: &mut Criterion) {
             })
         });
         for (name, comms) in &worlds {
-            group.bench_function(BenchmarkId::new(*name, bytes), |b| {
-                b.iter_custom(|iters| rt.block_on(run(comms, bytes, iters)))
-            });
+            group.bench_function(BenchmarkId::new(*name, bytes), |b| b.iter_custom(|iters| rt.block_on(run(comms, bytes, iters))));
         }
     }
     group.finish();

@@ -15,13 +15,7 @@ use crate::ReduceOp;
 
 /// Ring reduce-scatter in place: afterwards rank `r` holds the reduced segment `r` of `buf`
 /// (divided by `n` for [`ReduceOp::Avg`]); other segments hold partial sums.
-pub(crate) async fn ring_reduce_scatter<A: Accumulator>(
-    ctx: &mut OpCtx<'_>,
-    buf: &mut [A],
-    op: ReduceOp,
-    rank: usize,
-    n: usize,
-) -> Result<()> {
+pub(crate) async fn ring_reduce_scatter<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: &mut [A], op: ReduceOp, rank: usize, n: usize) -> Result<()> {
     debug_assert!(n >= 2 && rank < n);
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
     let piece = ctx.piece_elems::<A>();
@@ -52,12 +46,7 @@ pub(crate) async fn ring_reduce_scatter<A: Accumulator>(
 
 /// Ring all-gather in place: segment `r` of `buf` is valid on rank `r` beforehand; afterwards every
 /// segment is valid everywhere.
-pub(crate) async fn ring_all_gather<T: WireElement>(
-    ctx: &mut OpCtx<'_>,
-    buf: &mut [T],
-    rank: usize,
-    n: usize,
-) -> Result<()> {
+pub(crate) async fn ring_all_gather<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &mut [T], rank: usize, n: usize) -> Result<()> {
     debug_assert!(n >= 2 && rank < n);
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
     let piece = ctx.piece_elems::<T>();
@@ -84,13 +73,7 @@ pub(crate) async fn ring_all_gather<T: WireElement>(
 /// Recursive doubling all-reduce for any `n`: with `p` the largest power of two `<= n` and
 /// `rem = n - p`, ranks `2i` fold into `2i + 1` for `i < rem`, the `p` remaining ranks exchange whole
 /// buffers `log2 p` times, and the folded ranks get the result back.
-pub(crate) async fn doubling_all_reduce<A: Accumulator>(
-    ctx: &mut OpCtx<'_>,
-    buf: &mut [A],
-    op: ReduceOp,
-    rank: usize,
-    n: usize,
-) -> Result<()> {
+pub(crate) async fn doubling_all_reduce<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: &mut [A], op: ReduceOp, rank: usize, n: usize) -> Result<()> {
     debug_assert!(n >= 2 && rank < n);
     let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
     let rem = n - p;
@@ -124,13 +107,7 @@ pub(crate) async fn doubling_all_reduce<A: Accumulator>(
 }
 
 /// Binomial-tree broadcast from `root`, whole buffer per edge.
-pub(crate) async fn tree_broadcast<T: WireElement>(
-    ctx: &mut OpCtx<'_>,
-    buf: &mut [T],
-    root: usize,
-    rank: usize,
-    n: usize,
-) -> Result<()> {
+pub(crate) async fn tree_broadcast<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &mut [T], root: usize, rank: usize, n: usize) -> Result<()> {
     let vrank = (rank + n - root) % n;
     let real = |v: usize| (v + root) % n;
     let mut mask = 1;
@@ -153,13 +130,7 @@ pub(crate) async fn tree_broadcast<T: WireElement>(
 
 /// Pipelined chain broadcast from `root` along virtual ranks `0 → 1 → ... → n-1`: each piece is
 /// forwarded as soon as it arrives, so large buffers take about one buffer time plus `n` pieces.
-pub(crate) async fn chain_broadcast<T: WireElement>(
-    ctx: &mut OpCtx<'_>,
-    buf: &mut [T],
-    root: usize,
-    rank: usize,
-    n: usize,
-) -> Result<()> {
+pub(crate) async fn chain_broadcast<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &mut [T], root: usize, rank: usize, n: usize) -> Result<()> {
     let vrank = (rank + n - root) % n;
     let next = (vrank + 1 < n).then(|| (rank + 1) % n);
     let prev = (vrank > 0).then(|| (rank + n - 1) % n);
@@ -176,14 +147,7 @@ pub(crate) async fn chain_broadcast<T: WireElement>(
 
 /// Binomial-tree reduce of `work` towards `root`; on `root`, `work` ends as the result (averaged for
 /// [`ReduceOp::Avg`]). Returns whether this rank is the root.
-pub(crate) async fn tree_reduce<A: Accumulator>(
-    ctx: &mut OpCtx<'_>,
-    work: &mut [A],
-    op: ReduceOp,
-    root: usize,
-    rank: usize,
-    n: usize,
-) -> Result<()> {
+pub(crate) async fn tree_reduce<A: Accumulator>(ctx: &mut OpCtx<'_>, work: &mut [A], op: ReduceOp, root: usize, rank: usize, n: usize) -> Result<()> {
     let vrank = (rank + n - root) % n;
     let real = |v: usize| (v + root) % n;
     let mut mask = 1;

@@ -387,8 +387,7 @@ impl Communicator {
             self.all_gather_in(ctx, &mine, &mut all).await?;
             let index = self.state.next_split();
             let Some(color) = color else { return Ok(None) };
-            let mut chosen: Vec<(u32, usize)> =
-                (0..n).filter(|&i| all[2 * i] == color).map(|i| (all[2 * i + 1], i)).collect();
+            let mut chosen: Vec<(u32, usize)> = (0..n).filter(|&i| all[2 * i] == color).map(|i| (all[2 * i + 1], i)).collect();
             chosen.sort_unstable();
             let members = chosen.into_iter().map(|(_, i)| self.state.members[i]).collect();
             let id = child_group_id(self.state.id, index, color);
@@ -430,14 +429,7 @@ impl Communicator {
     }
 
     fn span(&self, op: OpKind, bytes: usize) -> tracing::Span {
-        tracing::debug_span!(
-            "collective",
-            op = op.as_str(),
-            group = self.state.id,
-            generation = self.state.generation(),
-            rank = self.rank(),
-            bytes
-        )
+        tracing::debug_span!("collective", op = op.as_str(), group = self.state.id, generation = self.state.generation(), rank = self.rank(), bytes)
     }
 }
 

@@ -70,16 +70,10 @@ impl Endpoint {
     /// Attaches to `transport` and starts the dispatcher task on the current tokio runtime.
     pub fn new(transport: Arc<dyn Transport>, config: CommConfig) -> Result<Endpoint> {
         config.validate()?;
-        let runtime = tokio::runtime::Handle::try_current()
-            .map_err(|_| Error::InvalidConfig { reason: "endpoint must be created inside a tokio runtime" })?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::InvalidConfig { reason: "endpoint must be created inside a tokio runtime" })?;
         let rank = transport.rank();
-        let shared = Arc::new(EndpointShared {
-            transport,
-            config,
-            pool: BufferPool::new(),
-            registry: Mutex::new(Registry::default()),
-            malformed: AtomicU64::new(0),
-        });
+        let shared =
+            Arc::new(EndpointShared { transport, config, pool: BufferPool::new(), registry: Mutex::new(Registry::default()), malformed: AtomicU64::new(0) });
         let span = tracing::debug_span!("dispatcher", rank);
         let task = runtime.spawn(dispatch(Arc::clone(&shared)).instrument(span));
         Ok(Endpoint { handle: Arc::new(EndpointHandle { shared, dispatcher: task.abort_handle() }) })

@@ -36,12 +36,12 @@ pub enum Error {
         /// The operation that noticed the loss.
         op: OpKind,
     },
-    /// A peer sent nothing for longer than the configured operation timeout.
+    /// A peer sent nothing (or took nothing) for longer than the configured operation timeout.
     #[error("{op} timed out after {timeout_ms} ms waiting for rank {waiting_for}")]
     Timeout {
         /// The operation that timed out.
         op: OpKind,
-        /// Global rank whose frame never came.
+        /// Global rank whose frame never came, or that never drained what was sent to it.
         waiting_for: usize,
         /// The configured timeout.
         timeout_ms: u64,

@@ -299,16 +299,7 @@ mod tests {
     use super::*;
 
     fn sample() -> FrameHeader {
-        FrameHeader {
-            group: 7,
-            generation: 3,
-            seq: 42,
-            op: OpKind::AllReduce,
-            chunk: 5,
-            src: 2,
-            dtype: Some(DType::F32),
-            payload_len: 0,
-        }
+        FrameHeader { group: 7, generation: 3, seq: 42, op: OpKind::AllReduce, chunk: 5, src: 2, dtype: Some(DType::F32), payload_len: 0 }
     }
 
     // Goal: encode then decode gives back every header field and the payload bytes.

@@ -190,11 +190,7 @@ impl GroupState {
             Ok(Err(_)) => Err(Error::TransportClosed),
             Err(_elapsed) => {
                 self.lock().waiters.remove(&key);
-                Err(Error::Timeout {
-                    op,
-                    waiting_for: key.2,
-                    timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-                })
+                Err(Error::Timeout { op, waiting_for: key.2, timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX) })
             }
         }
     }

@@ -39,7 +39,8 @@ pub struct InProcessTransport {
 #[derive(Debug)]
 struct NetShared {
     inboxes: Vec<mpsc::UnboundedSender<Inbound>>,
-    permits: Vec<Arc<Semaphore>>,
+    /// Inbox permits per rank; a cut-off rank's semaphore is closed so blocked senders fail.
+    permits: Mutex<Vec<Arc<Semaphore>>>,
     alive: Mutex<Vec<bool>>,
 }
 
@@ -61,17 +62,13 @@ impl InProcessNetwork {
         }
         let shared = Arc::new(NetShared {
             inboxes,
-            permits: (0..n_ranks).map(|_| Arc::new(Semaphore::new(IN_PROCESS_INBOX_FRAMES))).collect(),
+            permits: Mutex::new((0..n_ranks).map(|_| Arc::new(Semaphore::new(IN_PROCESS_INBOX_FRAMES))).collect()),
             alive: Mutex::new(vec![true; n_ranks]),
         });
         let transports = receivers
             .into_iter()
             .enumerate()
-            .map(|(rank, rx)| InProcessTransport {
-                rank,
-                shared: Arc::clone(&shared),
-                inbox: tokio::sync::Mutex::new(rx),
-            })
+            .map(|(rank, rx)| InProcessTransport { rank, shared: Arc::clone(&shared), inbox: tokio::sync::Mutex::new(rx) })
             .collect();
         (InProcessNetwork { shared }, transports)
     }
@@ -90,6 +87,7 @@ impl InProcessNetwork {
                 Some(a) if !*a => *a = true,
                 _ => return,
             }
+            lock(&self.shared.permits)[rank] = Arc::new(Semaphore::new(IN_PROCESS_INBOX_FRAMES));
             (0..alive.len()).filter(|&p| p != rank && alive[p]).collect()
         };
         for peer in peers {
@@ -107,6 +105,8 @@ impl NetShared {
                 Some(a) if *a => *a = false,
                 _ => return,
             }
+            // Senders blocked on a full inbox of the cut-off rank must not wait for ever.
+            lock(&self.permits)[rank].close();
             (0..alive.len()).filter(|&p| p != rank && alive[p]).collect()
         };
         for peer in peers {
@@ -147,14 +147,13 @@ impl Transport for InProcessTransport {
             if !self.shared.is_alive(peer) {
                 return Err(lost);
             }
-            let permit = Arc::clone(&self.shared.permits[peer]).acquire_owned().await.map_err(|_| lost.clone())?;
+            let permits = Arc::clone(&lock(&self.shared.permits)[peer]);
+            let permit = permits.acquire_owned().await.map_err(|_| lost.clone())?;
             // Re-check after a possible wait: frames must not reach a rank after it was cut off.
             if !self.shared.is_alive(peer) || !self.shared.is_alive(self.rank) {
                 return Err(lost);
             }
-            self.shared.inboxes[peer]
-                .send(Inbound::Frame { from: self.rank, bytes: frame, _permit: permit })
-                .map_err(|_| lost)
+            self.shared.inboxes[peer].send(Inbound::Frame { from: self.rank, bytes: frame, _permit: permit }).map_err(|_| lost)
         })
     }
 

@@ -26,8 +26,7 @@ mod shm;
 mod transport;
 
 pub use communicator::{
-    CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_STORED_FRAMES,
-    DEFAULT_OP_TIMEOUT, DEFAULT_SMALL_MESSAGE_BYTES,
+    CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_STORED_FRAMES, DEFAULT_OP_TIMEOUT, DEFAULT_SMALL_MESSAGE_BYTES,
 };
 pub use element::{Accumulator, Element, WireElement};
 pub use endpoint::{Endpoint, WORLD_GROUP_ID};
@@ -35,18 +34,13 @@ pub use error::{Error, Result};
 pub use frame::OpKind;
 pub use in_process::{InProcessNetwork, InProcessTransport, IN_PROCESS_INBOX_FRAMES};
 pub use op::segment_range;
-pub use pool::{
-    BufferPool, PoolStats, PooledBuf, POOL_MAX_BYTES, POOL_MAX_CLASS_BYTES, POOL_MAX_PER_CLASS, POOL_MIN_CLASS_BYTES,
-};
-pub use rtx_kernels::DType;
-pub use transport::{BoxFuture, Transport, TransportEvent};
+pub use pool::{BufferPool, PoolStats, PooledBuf, POOL_MAX_BYTES, POOL_MAX_CLASS_BYTES, POOL_MAX_PER_CLASS, POOL_MIN_CLASS_BYTES};
 #[cfg(feature = "quic")]
-pub use quic::{
-    client_tls_config, rank_name, server_tls_config, ClusterCa, NodeIdentity, QuicOptions, QuicTransport, ALPN,
-    QUIC_INBOX_FRAMES,
-};
+pub use quic::{client_tls_config, rank_name, server_tls_config, ClusterCa, NodeIdentity, QuicOptions, QuicTransport, ALPN, QUIC_INBOX_FRAMES};
+pub use rtx_kernels::DType;
 #[cfg(feature = "shm")]
 pub use shm::{ShmOptions, ShmTransport, SHM_INBOX_FRAMES};
+pub use transport::{BoxFuture, Transport, TransportEvent};
 
 /// How `all_reduce`, `reduce_scatter` and `reduce` combine elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -58,10 +58,14 @@ impl<'a> OpCtx<'a> {
             payload_len: payload.len() as u64,
         };
         let buf = encode(&shared.pool, &header, payload);
-        shared.transport.send(peer, buf).await.map_err(|e| match e {
-            Error::PeerLost { rank, .. } => Error::PeerLost { rank, op: self.op },
-            other => other,
-        })
+        // A peer that is alive but never drains its link must not hang the sender either.
+        let timeout = self.comm.config().op_timeout;
+        match tokio::time::timeout(timeout, shared.transport.send(peer, buf)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(Error::PeerLost { rank, .. })) => Err(Error::PeerLost { rank, op: self.op }),
+            Ok(Err(other)) => Err(other),
+            Err(_elapsed) => Err(Error::Timeout { op: self.op, waiting_for: peer, timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX) }),
+        }
     }
 
     /// Receives the next frame from group rank `from`, checking op, dtype and payload length.
@@ -105,13 +109,7 @@ impl<'a> OpCtx<'a> {
     }
 
     /// Receives `dst.len()` accumulator values from `from` and combines them into `dst`.
-    pub(crate) async fn recv_combine_all<A: Accumulator>(
-        &mut self,
-        from: usize,
-        dst: &mut [A],
-        op: ReduceOp,
-        received_first: bool,
-    ) -> Result<()> {
+    pub(crate) async fn recv_combine_all<A: Accumulator>(&mut self, from: usize, dst: &mut [A], op: ReduceOp, received_first: bool) -> Result<()> {
         for piece in pieces(dst.len(), self.piece_elems::<A>()) {
             self.recv_combine(from, &mut dst[piece], op, received_first).await?;
         }
@@ -119,13 +117,7 @@ impl<'a> OpCtx<'a> {
     }
 
     /// Receives one piece of accumulator values from `from` and combines it into `dst`.
-    pub(crate) async fn recv_combine<A: Accumulator>(
-        &mut self,
-        from: usize,
-        dst: &mut [A],
-        op: ReduceOp,
-        received_first: bool,
-    ) -> Result<()> {
+    pub(crate) async fn recv_combine<A: Accumulator>(&mut self, from: usize, dst: &mut [A], op: ReduceOp, received_first: bool) -> Result<()> {
         let bytes = std::mem::size_of_val(dst);
         let frame = self.recv_frame(from, Some(A::DTYPE), bytes).await?;
         combine_bytes(op, dst, frame.payload(), received_first);

@@ -129,7 +129,9 @@ impl DerefMut for PooledBuf {
 
 impl Drop for PooledBuf {
     fn drop(&mut self) {
-        let Some(pool) = self.pool.upgrade() else { return };
+        let Some(pool) = self.pool.upgrade() else {
+            return;
+        };
         let vec = std::mem::take(&mut self.vec);
         // Only exact class capacities go back, so `take` can trust the class it pops from.
         let cap = vec.capacity();

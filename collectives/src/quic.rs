@@ -133,11 +133,7 @@ impl ClusterCa {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(tls)?;
         params.distinguished_name.push(rcgen::DnType::CommonName, common_name);
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params.key_usages = vec![
-            rcgen::KeyUsagePurpose::KeyCertSign,
-            rcgen::KeyUsagePurpose::CrlSign,
-            rcgen::KeyUsagePurpose::DigitalSignature,
-        ];
+        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign, rcgen::KeyUsagePurpose::DigitalSignature];
         let cert = params.self_signed(&key).map_err(tls)?;
         Ok(ClusterCa { cert, key })
     }
@@ -154,8 +150,7 @@ impl ClusterCa {
         params.distinguished_name.push(rcgen::DnType::CommonName, rank_name(rank));
         params.is_ca = rcgen::IsCa::ExplicitNoCa;
         params.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages =
-            vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
         let cert = params.signed_by(&key, &self.cert, &self.key).map_err(tls)?;
         Ok(NodeIdentity {
             rank,
@@ -168,12 +163,7 @@ impl ClusterCa {
 
 impl Clone for NodeIdentity {
     fn clone(&self) -> Self {
-        NodeIdentity {
-            rank: self.rank,
-            ca: self.ca.clone(),
-            cert_chain: self.cert_chain.clone(),
-            key: self.key.clone_key(),
-        }
+        NodeIdentity { rank: self.rank, ca: self.ca.clone(), cert_chain: self.cert_chain.clone(), key: self.key.clone_key() }
     }
 }
 
@@ -183,9 +173,7 @@ pub fn server_tls_config(identity: &NodeIdentity) -> Result<rustls::ServerConfig
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     roots.add(identity.ca.clone()).map_err(tls)?;
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider))
-        .build()
-        .map_err(tls)?;
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider)).build().map_err(tls)?;
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls)?
@@ -309,7 +297,9 @@ impl Transport for QuicTransport {
                 return Err(Error::RankOutOfRange { rank: peer, size: self.shared.world });
             }
             let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
-            let Some(link) = lock(&self.shared.links).get(&peer).cloned() else { return Err(lost) };
+            let Some(link) = lock(&self.shared.links).get(&peer).cloned() else {
+                return Err(lost);
+            };
             let mut send = link.send.lock().await;
             send.write_all(&frame).await.map_err(|_| lost)
         })
@@ -382,8 +372,7 @@ impl QuicShared {
 
 fn transport_config(options: &QuicOptions) -> Result<quinn::TransportConfig> {
     let mut config = quinn::TransportConfig::default();
-    let idle = quinn::IdleTimeout::try_from(options.idle_timeout)
-        .map_err(|_| Error::InvalidConfig { reason: "idle_timeout out of range" })?;
+    let idle = quinn::IdleTimeout::try_from(options.idle_timeout).map_err(|_| Error::InvalidConfig { reason: "idle_timeout out of range" })?;
     config.max_idle_timeout(Some(idle));
     config.keep_alive_interval(Some(options.keep_alive));
     config.max_concurrent_bidi_streams(0u32.into());
@@ -441,10 +430,7 @@ async fn dial(shared: Arc<QuicShared>, peer: usize, addr: SocketAddr) {
 }
 
 async fn dial_once(shared: &Arc<QuicShared>, peer: usize, addr: SocketAddr) -> std::result::Result<(), String> {
-    let connecting = shared
-        .endpoint
-        .connect_with(shared.client_config.clone(), addr, &rank_name(peer))
-        .map_err(|e| e.to_string())?;
+    let connecting = shared.endpoint.connect_with(shared.client_config.clone(), addr, &rank_name(peer)).map_err(|e| e.to_string())?;
     let conn = connecting.await.map_err(|e| e.to_string())?;
     let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
     send.write_all(&hello(shared.rank)).await.map_err(|e| e.to_string())?;
@@ -503,11 +489,21 @@ async fn read_hello(recv: &mut quinn::RecvStream) -> std::result::Result<usize, 
 
 /// Whether the peer's (already CA-verified) leaf certificate is valid for `rank`'s name.
 fn cert_names_rank(conn: &quinn::Connection, rank: usize) -> bool {
-    let Some(identity) = conn.peer_identity() else { return false };
-    let Ok(certs) = identity.downcast::<Vec<CertificateDer<'static>>>() else { return false };
-    let Some(leaf) = certs.first() else { return false };
-    let Ok(cert) = webpki::EndEntityCert::try_from(leaf) else { return false };
-    let Ok(name) = ServerName::try_from(rank_name(rank)) else { return false };
+    let Some(identity) = conn.peer_identity() else {
+        return false;
+    };
+    let Ok(certs) = identity.downcast::<Vec<CertificateDer<'static>>>() else {
+        return false;
+    };
+    let Some(leaf) = certs.first() else {
+        return false;
+    };
+    let Ok(cert) = webpki::EndEntityCert::try_from(leaf) else {
+        return false;
+    };
+    let Ok(name) = ServerName::try_from(rank_name(rank)) else {
+        return false;
+    };
     cert.verify_is_valid_for_subject_name(&name).is_ok()
 }
 

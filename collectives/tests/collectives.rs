@@ -281,7 +281,13 @@ async fn split_forms_working_subgroups() {
         let (_net, comms) = world(n, configs()[1].1.clone());
         run_ranks(&comms, move |c| async move {
             let (n, r) = (c.size(), c.rank());
-            let color_of = |rank: usize| if n > 2 && rank == n - 1 { None } else { Some((rank % 3) as u32) };
+            let color_of = |rank: usize| {
+                if n > 2 && rank == n - 1 {
+                    None
+                } else {
+                    Some((rank % 3) as u32)
+                }
+            };
             let key_of = |rank: usize| (n - rank) as u32;
             let sub = c.split(color_of(r), key_of(r)).await.unwrap();
             let Some(sub) = sub else {
@@ -390,8 +396,7 @@ async fn max_min_bits_agree_on_zeros_and_nans() {
                 let mut g = rng(seed ^ 0x2E, c.rank() as u64);
                 let mut results = Vec::new();
                 for op in [ReduceOp::Max, ReduceOp::Min] {
-                    let mut buf: Vec<f32> =
-                        (0..301).map(|_| specials[rand::Rng::random_range(&mut g, 0..specials.len())]).collect();
+                    let mut buf: Vec<f32> = (0..301).map(|_| specials[rand::Rng::random_range(&mut g, 0..specials.len())]).collect();
                     c.all_reduce(&mut buf, op).await.unwrap();
                     results.push(bits(&buf));
                 }

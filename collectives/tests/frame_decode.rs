@@ -12,9 +12,7 @@ use common::*;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use rtx_collectives::frame::{decode, decode_header, encode, FrameHeader, HEADER_LEN, MAGIC, VERSION};
-use rtx_collectives::{
-    BufferPool, CommConfig, DType, Endpoint, Error, InProcessNetwork, OpKind, PooledBuf, ReduceOp, Transport,
-};
+use rtx_collectives::{BufferPool, CommConfig, DType, Endpoint, Error, InProcessNetwork, OpKind, PooledBuf, ReduceOp, Transport};
 
 const CAP: usize = 1 << 16;
 
@@ -26,16 +24,7 @@ fn runner(seed: u64, cases: u32) -> TestRunner {
 }
 
 fn header() -> FrameHeader {
-    FrameHeader {
-        group: 9,
-        generation: 4,
-        seq: 17,
-        op: OpKind::ReduceScatter,
-        chunk: 3,
-        src: 1,
-        dtype: Some(DType::BF16),
-        payload_len: 0,
-    }
+    FrameHeader { group: 9, generation: 4, seq: 17, op: OpKind::ReduceScatter, chunk: 3, src: 1, dtype: Some(DType::BF16), payload_len: 0 }
 }
 
 fn valid_frame(payload: &[u8]) -> Vec<u8> {

@@ -118,15 +118,11 @@ async fn reform_aborts_old_group() {
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(10)).await;
-    let reformed: Vec<_> =
-        comms[..2].iter().map(|c| c.endpoint().group(WORLD_GROUP_ID, vec![0, 1], 1).unwrap()).collect();
+    let reformed: Vec<_> = comms[..2].iter().map(|c| c.endpoint().group(WORLD_GROUP_ID, vec![0, 1], 1).unwrap()).collect();
     for t in tasks {
         assert_eq!(t.await.unwrap(), Err(Error::StaleGeneration { expected: 1, got: 0 }));
     }
-    assert_eq!(
-        comms[0].endpoint().group(WORLD_GROUP_ID, vec![0, 1], 1).unwrap_err(),
-        Error::GenerationNotIncreasing { current: 1, requested: 1 }
-    );
+    assert_eq!(comms[0].endpoint().group(WORLD_GROUP_ID, vec![0, 1], 1).unwrap_err(), Error::GenerationNotIncreasing { current: 1, requested: 1 });
     let out = run_ranks(&reformed, |c| async move {
         let mut buf = vec![2.0f32; 100];
         c.all_reduce(&mut buf, ReduceOp::Avg).await.unwrap();

@@ -8,6 +8,7 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
@@ -111,10 +112,7 @@ async fn silent_peer_times_out() {
 async fn survivors_reform_and_continue() {
     let (net, comms) = world(4, config());
     net.disconnect(3);
-    let survivors: Vec<_> = comms[..3]
-        .iter()
-        .map(|c| c.endpoint().group(WORLD_GROUP_ID, vec![0, 1, 2], 1).unwrap())
-        .collect();
+    let survivors: Vec<_> = comms[..3].iter().map(|c| c.endpoint().group(WORLD_GROUP_ID, vec![0, 1, 2], 1).unwrap()).collect();
     let out = run_ranks(&survivors, |c| async move {
         let mut buf = vec![(c.rank() + 1) as f32; 777];
         c.all_reduce(&mut buf, ReduceOp::Sum).await.unwrap();
@@ -125,4 +123,43 @@ async fn survivors_reform_and_continue() {
     // A group that still contains the lost rank keeps failing fast, even at a new generation.
     let stale = comms[0].endpoint().group(77, vec![0, 3], 1).unwrap();
     assert_eq!(stale.barrier().await, Err(Error::PeerLost { rank: 3, op: OpKind::Barrier }));
+}
+
+// Goal: a sender blocked on the full inbox of a rank that is then cut off fails with PeerLost
+// instead of waiting for ever. Method: raw transports; rank 1 never reads, rank 0 fills its inbox.
+#[tokio::test(start_paused = true)]
+async fn blocked_send_to_lost_peer_fails() {
+    use rtx_collectives::{InProcessNetwork, PooledBuf, Transport, IN_PROCESS_INBOX_FRAMES};
+    let (net, transports) = InProcessNetwork::new(2);
+    let mut transports = transports.into_iter();
+    let t0 = Arc::new(transports.next().unwrap());
+    let _unread_rank1 = transports.next().unwrap();
+    for _ in 0..IN_PROCESS_INBOX_FRAMES {
+        t0.send(1, PooledBuf::unpooled(vec![0; 8])).await.unwrap();
+    }
+    let sender = Arc::clone(&t0);
+    let blocked = tokio::spawn(async move { sender.send(1, PooledBuf::unpooled(vec![0; 8])).await });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(!blocked.is_finished(), "the inbox should be full");
+    net.disconnect(1);
+    let result = tokio::time::timeout(Duration::from_secs(5), blocked).await;
+    let result = result.expect("blocked send must end when the peer is lost");
+    assert_eq!(result.unwrap(), Err(Error::PeerLost { rank: 1, op: OpKind::Send }));
+}
+
+// Goal: a collective whose sends cannot drain (peer alive but not reading) ends with Timeout.
+// Method: rank 1 is a raw transport that never reads; rank 0 broadcasts more frames than fit.
+#[tokio::test(start_paused = true)]
+async fn undrained_send_times_out() {
+    use rtx_collectives::{Endpoint, InProcessNetwork, Transport};
+    let (_net, transports) = InProcessNetwork::new(2);
+    let mut transports = transports.into_iter();
+    let t0: Arc<dyn Transport> = Arc::new(transports.next().unwrap());
+    let _silent_rank1 = transports.next().unwrap();
+    let c0 = Endpoint::new(t0, config()).unwrap().world().unwrap();
+    // 64-byte frames: 2000 pieces, more than the inbox holds.
+    let mut buf = vec![1.0f32; 16 * 2000];
+    let err = c0.broadcast(&mut buf, 0).await.unwrap_err();
+    let timeout_ms = OP_TIMEOUT.as_millis() as u64;
+    assert_eq!(err, Error::Timeout { op: OpKind::Broadcast, waiting_for: 1, timeout_ms });
 }

@@ -17,8 +17,7 @@ use std::time::Duration;
 use common::*;
 use quinn::crypto::rustls::QuicClientConfig;
 use rtx_collectives::{
-    client_tls_config, rank_name, ClusterCa, CommConfig, Endpoint, Error, NodeIdentity, OpKind, QuicOptions,
-    QuicTransport, ReduceOp, Transport, ALPN,
+    client_tls_config, rank_name, ClusterCa, CommConfig, Endpoint, Error, NodeIdentity, OpKind, QuicOptions, QuicTransport, ReduceOp, Transport, ALPN,
 };
 
 const LOOPBACK: &str = "127.0.0.1:0";
@@ -28,9 +27,8 @@ fn options() -> QuicOptions {
 }
 
 async fn cluster(ca: &ClusterCa, n: usize) -> Vec<Arc<QuicTransport>> {
-    let transports: Vec<Arc<QuicTransport>> = (0..n)
-        .map(|r| Arc::new(QuicTransport::bind(&ca.issue(r).unwrap(), n, LOOPBACK.parse().unwrap(), options()).unwrap()))
-        .collect();
+    let transports: Vec<Arc<QuicTransport>> =
+        (0..n).map(|r| Arc::new(QuicTransport::bind(&ca.issue(r).unwrap(), n, LOOPBACK.parse().unwrap(), options()).unwrap())).collect();
     let addrs: Vec<SocketAddr> = transports.iter().map(|t| t.local_addr().unwrap()).collect();
     let tasks: Vec<_> = transports
         .iter()
@@ -114,10 +112,8 @@ fn client_config(roots_from: &ClusterCa, client_cert: Option<&NodeIdentity>) -> 
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     roots.add(roots_from.certificate()).unwrap();
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
-        .with_root_certificates(roots);
+    let builder =
+        rustls::ClientConfig::builder_with_provider(provider).with_protocol_versions(&[&rustls::version::TLS13]).unwrap().with_root_certificates(roots);
     let mut config = match client_cert {
         Some(id) => builder.with_client_auth_cert(id.cert_chain.clone(), id.key.clone_key()).unwrap(),
         None => builder.with_no_client_auth(),
@@ -155,6 +151,11 @@ async fn mutual_tls_refuses_unauthenticated_peers() {
     // Positive control: the same path with a certificate naming the claimed rank is accepted.
     let rank0 = ca.issue(0).unwrap();
     rogue_connect(client_config(&ca, Some(&rank0)), addr, 2, 0).await.unwrap();
+    // The server installs the link right after writing its hello; give it a moment.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while server.connected_peers().is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert_eq!(server.connected_peers(), vec![0]);
 
     // And the transport's own client config refuses a server from another CA.

@@ -93,7 +93,9 @@ async fn shm_between_processes() {
 // the parent's environment variable it returns at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_child_process() {
-    let Ok(job) = std::env::var(CHILD_ENV) else { return };
+    let Ok(job) = std::env::var(CHILD_ENV) else {
+        return;
+    };
     let seed = seed();
     let c = communicator(1, &job).await;
     let ok = exchange(&c, seed).await;

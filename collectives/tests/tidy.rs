@@ -32,11 +32,7 @@ fn no_unwrap_outside_tests() {
         let library = text.split("#[cfg(test)]").next().unwrap();
         for (i, line) in library.lines().enumerate() {
             let code = line.split("//").next().unwrap();
-            assert!(
-                !code.contains(".unwrap()") && !code.contains(".expect("),
-                "{name}:{}: unwrap/expect in library code: {line}",
-                i + 1
-            );
+            assert!(!code.contains(".unwrap()") && !code.contains(".expect("), "{name}:{}: unwrap/expect in library code: {line}", i + 1);
         }
     }
 }
