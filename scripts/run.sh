@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/fetch-data.sh
 cargo build --release --locked --bin rtx
-./target/release/rtx train configs/fashion_mlp.toml "$@"
+# Each invocation is a new run in its own folder; pass --out DIR --resume to continue one.
+out="runs/fashion_mlp-$(date +%Y%m%d-%H%M%S)"
+./target/release/rtx train configs/fashion_mlp.toml --out "$out" "$@"
