@@ -48,7 +48,14 @@
 //! [`DpConfig::collective_timeout`]). Every bucket buffer is back in place when `step` returns.
 //! After any failed step the engine answers [`Error::Broken`]: its communicator's sequence numbers
 //! are out of step, and recovery (re-forming the group at a new generation, restoring state) is the
-//! supervisor's job.
+//! supervisor's job. A step that panics leaves the engine refusing further steps the same way.
+//!
+//! Teardown: dropping an engine stops its communication thread and (when `connect` formed the
+//! endpoint) drops its transport, which peers see as a lost peer. A peer that has not yet consumed
+//! the frames of the last collective then fails it, even though every frame had arrived (the
+//! communicator checks for a lost peer before looking at frames already delivered). Ranks that
+//! finish together should therefore meet out of band (a process join, a supervisor message)
+//! before dropping their engines.
 
 use std::collections::BTreeSet;
 use std::ops::Range;
@@ -109,12 +116,12 @@ pub struct StepStats {
 }
 
 /// One rank of a data-parallel group: model, flat buckets, optimizer and communication thread.
-#[derive(Debug)]
 pub struct DataParallel<M, O> {
     model: M,
     buckets: ParamBuckets,
     optimizer: O,
     shards: Option<Vec<BucketShard>>,
+    slices: Vec<ParamSlice>,
     params_per_bucket: Vec<usize>,
     config: DpConfig,
     steps: u64,
@@ -177,6 +184,9 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             params_per_bucket[entry.bucket] += 1;
         }
         let reducer = Reducer::spawn(connect, config.queue_depth, config.collective_timeout)?;
+        // Replicas start from rank 0's parameters, before any optimizer sees them.
+        let broadcasts = (0..buckets.buckets().len()).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() } });
+        run_jobs(&reducer, 0, broadcasts)?;
         let (shards, slices) = match config.sharding {
             Sharding::Replicated => (None, shard::whole_slices(&buckets)),
             Sharding::Zero1 => {
@@ -189,46 +199,28 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         if let Some((name, _)) = optimizer.parameters().into_iter().find(|(_, t)| !given.contains(&t.id())) {
             return Err(Error::ForeignOptimizerParam { name });
         }
-        let mut engine = DataParallel { model, buckets, optimizer, shards, params_per_bucket, config, steps: 0, failed_step: None, reducer };
-        let jobs: Vec<Job> = (0..engine.buckets.buckets().len()).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: engine.buckets.buckets()[bucket].param_storage().clone() } }).collect();
-        let n_jobs = jobs.len();
-        let mut submit_error = None;
-        let mut submitted = 0;
-        for job in jobs {
-            match engine.reducer.submit(job) {
-                Ok(()) => submitted += 1,
-                Err(e) => {
-                    submit_error = Some(e);
-                    break;
-                }
-            }
-        }
-        engine.wait_reports(0, submitted)?;
-        if let Some(e) = submit_error {
-            return Err(e);
-        }
-        debug_assert_eq!(submitted, n_jobs);
-        Ok(engine)
+        Ok(DataParallel { model, buckets, optimizer, shards, slices, params_per_bucket, config, steps: 0, failed_step: None, reducer })
     }
 
     /// Runs one training step: `forward(model)` returns the loss of this rank's batch (a mean over
     /// it, for gradients that average to the global batch's), then backward with bucketed
     /// gradient averaging overlapped, the optimizer, and under ZeRO-1 the parameter all-gather.
-    /// Collective: every rank must call it. Blocks; call it from a plain thread.
+    /// Collective: every rank must call it. Blocks the calling thread for the whole step (compute
+    /// and communication); from async code, run it with `spawn_blocking`.
     pub fn step(&mut self, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
         if let Some(failed_step) = self.failed_step {
             return Err(Error::Broken { failed_step });
         }
-        if tokio::runtime::Handle::try_current().is_ok() {
-            return Err(Error::InAsyncContext);
-        }
         let step = self.steps;
         let _span = tracing::debug_span!("dp_step", step, rank = self.reducer.rank()).entered();
         self.steps += 1;
+        // Marked failed until it succeeds, so a step that panicked (leaving reports of its
+        // collectives unread) also leaves the engine refusing further steps.
+        self.failed_step = Some(step);
         let result = self.run_step(step, forward);
-        if let Err(error) = &result {
-            tracing::warn!(step, %error, "data-parallel step failed");
-            self.failed_step = Some(step);
+        match &result {
+            Ok(_) => self.failed_step = None,
+            Err(error) => tracing::warn!(step, %error, "data-parallel step failed"),
         }
         result
     }
@@ -289,6 +281,13 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         self.failed_step
     }
 
+    /// What this rank's optimizer updates, in parameter order: whole parameters, or under ZeRO-1
+    /// the parts of them in this rank's segments. After a step each slice's `.grad()` is the
+    /// gradient averaged over the group (under ZeRO-1 only these parts are averaged locally).
+    pub fn param_slices(&self) -> &[ParamSlice] {
+        &self.slices
+    }
+
     /// Under ZeRO-1, the element range of each bucket this rank owns.
     pub fn owned_segments(&self) -> Option<Vec<Range<usize>>> {
         self.shards.as_ref().map(|s| s.iter().map(|s| s.own.clone()).collect())
@@ -340,7 +339,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             result.map(|()| handed_during_backward)
         };
         // Every submitted bucket comes back before anything else is decided.
-        let reports = self.wait_reports(step, submitted);
+        let reports = wait_reports(&self.reducer, step, submitted);
         let handed_during_backward = backward?;
         if let Some(e) = submit_error {
             return Err(e);
@@ -350,48 +349,24 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
 
         self.optimizer.step()?;
         if let Some(shards) = &self.shards {
-            let mut submitted = 0;
-            let mut submit_error = None;
-            for (bucket, shard) in shards.iter().enumerate() {
-                let params = self.buckets.buckets()[bucket].param_storage().clone();
-                match self.reducer.submit(Job { step, bucket, op: BucketOp::AllGather { params, own: shard.own.clone() } }) {
-                    Ok(()) => submitted += 1,
-                    Err(e) => {
-                        submit_error = Some(e);
-                        break;
-                    }
-                }
-            }
-            self.wait_reports(step, submitted)?;
-            if let Some(e) = submit_error {
-                return Err(e);
-            }
+            let buckets = self.buckets.buckets();
+            let gathers = shards.iter().enumerate().map(|(bucket, shard)| Job { step, bucket, op: BucketOp::AllGather { params: buckets[bucket].param_storage().clone(), own: shard.own.clone() } });
+            run_jobs(&self.reducer, step, gathers)?;
         }
         Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets, flushed_buckets: n_buckets - handed_during_backward })
     }
+}
 
-    /// Receives `n` reports (all of them, even after a failure, so every buffer is back) and
-    /// returns how many began during backward, or the first failure.
-    fn wait_reports(&self, step: u64, n: usize) -> Result<usize> {
-        let mut first_failure = None;
-        let mut during_backward = 0;
-        for _ in 0..n {
-            let Report { step: report_step, bucket, op, outcome, during_backward: during } = self.reducer.next_report()?;
-            debug_assert_eq!(report_step, step, "reports arrive in submission order");
-            during_backward += usize::from(during);
-            if let (Err(failure), None) = (outcome, &first_failure) {
-                first_failure = Some(match failure {
-                    Failure::Comm(source) => Error::Collective { step, bucket, op, source },
-                    Failure::TimedOut(timeout) => Error::CollectiveTimeout { step, bucket, op, timeout },
-                    Failure::Unsupported(dtype) => Error::UnsupportedDType { bucket, dtype },
-                    Failure::Skipped => Error::Broken { failed_step: step },
-                });
-            }
-        }
-        match first_failure {
-            Some(e) => Err(e),
-            None => Ok(during_backward),
-        }
+impl<M, O> std::fmt::Debug for DataParallel<M, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallel")
+            .field("rank", &self.reducer.rank())
+            .field("world_size", &self.reducer.size())
+            .field("n_buckets", &self.buckets.buckets().len())
+            .field("config", &self.config)
+            .field("steps", &self.steps)
+            .field("failed_step", &self.failed_step)
+            .finish_non_exhaustive()
     }
 }
 
@@ -423,6 +398,47 @@ impl BucketTracker {
         self.next = self.pending.len();
         start..self.next
     }
+}
+
+/// Receives `n` reports (all of them, even after a failure, so every buffer is back) and returns
+/// how many began during backward, or the first failure.
+fn wait_reports(reducer: &Reducer, step: u64, n: usize) -> Result<usize> {
+    let mut first_failure = None;
+    let mut during_backward = 0;
+    for _ in 0..n {
+        let Report { step: report_step, bucket, op, outcome, during_backward: during } = reducer.next_report()?;
+        debug_assert_eq!(report_step, step, "reports arrive in submission order");
+        during_backward += usize::from(during);
+        if let (Err(failure), None) = (outcome, &first_failure) {
+            first_failure = Some(match failure {
+                Failure::Comm(source) => Error::Collective { step, bucket, op, source },
+                Failure::TimedOut(timeout) => Error::CollectiveTimeout { step, bucket, op, timeout },
+                Failure::Unsupported(dtype) => Error::UnsupportedDType { bucket, dtype },
+                Failure::Skipped => Error::Broken { failed_step: step },
+            });
+        }
+    }
+    match first_failure {
+        Some(e) => Err(e),
+        None => Ok(during_backward),
+    }
+}
+
+/// Submits `jobs` and waits for all their reports (stopping early only if the thread is gone).
+fn run_jobs(reducer: &Reducer, step: u64, jobs: impl Iterator<Item = Job>) -> Result<()> {
+    let mut submitted = 0;
+    let mut submit_error = None;
+    for job in jobs {
+        match reducer.submit(job) {
+            Ok(()) => submitted += 1,
+            Err(e) => {
+                submit_error = Some(e);
+                break;
+            }
+        }
+    }
+    wait_reports(reducer, step, submitted)?;
+    submit_error.map_or(Ok(()), Err)
 }
 
 /// The gradient collective of `bucket`.

@@ -67,10 +67,6 @@ pub enum Error {
         /// Its dtype.
         dtype: DType,
     },
-    /// `step` was called on a thread that runs an async runtime; the step blocks, so call it from a
-    /// plain thread (or `spawn_blocking`).
-    #[error("DataParallel::step blocks and must not run inside an async runtime")]
-    InAsyncContext,
     /// The loss closure returned a tensor that is not a scalar.
     #[error("the loss must have one element, got shape {shape:?}")]
     NonScalarLoss {

@@ -3,8 +3,9 @@
 //! order they are submitted.
 //!
 //! Protocol (see also the ownership table in [`crate::data_parallel`]):
-//! - The compute thread submits [`Job`]s through a bounded tokio channel (`blocking_send`, so a
-//!   full queue is back-pressure on backward) and reads one [`Report`] per job from a std channel.
+//! - The compute thread submits [`Job`]s through a bounded tokio channel, blocking on a full queue
+//!   (back-pressure on backward) with a thread-parking `block_on` that works on any thread, and
+//!   reads one [`Report`] per job from a std channel.
 //! - For a job the thread takes the bucket's `Vec` out of its storage with `std::mem::replace` under
 //!   the storage's write lock, releases the lock, awaits the collective on the owned `Vec`, and puts
 //!   the `Vec` back under the write lock before it sends the report. No lock guard lives across an
@@ -23,6 +24,7 @@ use std::future::Future;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
+use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -214,7 +216,7 @@ impl Reducer {
     pub(crate) fn submit(&self, job: Job) -> Result<()> {
         let gone = Error::ReducerGone { rank: self.rank };
         let Some(jobs) = &self.jobs else { return Err(gone) };
-        jobs.blocking_send(job).map_err(|_| gone)
+        block_on(jobs.send(job)).map_err(|_| gone)
     }
 
     /// The next report, in submission order.
@@ -360,4 +362,26 @@ async fn gather_into<T: WireElement>(comm: &Communicator, buf: &mut [T], own: Ra
     scratch.clear();
     scratch.extend_from_slice(&buf[own]);
     comm.all_gather(scratch, buf).await
+}
+
+/// Polls `future` to completion on the calling thread, parking it while the future is pending.
+/// Unlike tokio's `blocking_send` this does not refuse threads that have a runtime handle entered
+/// (`spawn_blocking` threads): the future only waits on the queue, which the communication thread
+/// drains.
+fn block_on<F: Future>(future: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
+            return output;
+        }
+        std::thread::park();
+    }
 }
