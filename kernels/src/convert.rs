@@ -1,39 +1,16 @@
 //! Conversions between storage formats: bf16 ↔ f32, f32 ↔ f64, u32 → float.
 
-use crate::threading::{chunk_len, should_parallelize};
+use crate::elementwise::map;
 use half::bf16;
-use rayon::prelude::*;
 
 /// Widens bf16 values to f32.
 pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len(), "bf16_to_f32 length mismatch");
-    let run = |s: &[bf16], d: &mut [f32]| {
-        for (o, i) in d.iter_mut().zip(s) {
-            *o = i.to_f32();
-        }
-    };
-    if should_parallelize(src.len()) {
-        let c = chunk_len(src.len());
-        src.par_chunks(c).zip(dst.par_chunks_mut(c)).for_each(|(s, d)| run(s, d));
-    } else {
-        run(src, dst);
-    }
+    map(src, dst, |x| x.to_f32());
 }
 
 /// Rounds f32 values to bf16 (round to nearest even).
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
-    assert_eq!(src.len(), dst.len(), "f32_to_bf16 length mismatch");
-    let run = |s: &[f32], d: &mut [bf16]| {
-        for (o, i) in d.iter_mut().zip(s) {
-            *o = bf16::from_f32(*i);
-        }
-    };
-    if should_parallelize(src.len()) {
-        let c = chunk_len(src.len());
-        src.par_chunks(c).zip(dst.par_chunks_mut(c)).for_each(|(s, d)| run(s, d));
-    } else {
-        run(src, dst);
-    }
+    map(src, dst, bf16::from_f32);
 }
 
 /// Allocates the f32 widening of a bf16 slice.
