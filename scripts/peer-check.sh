@@ -20,5 +20,5 @@ PY="$VENV/bin/python"
 RTX_TORCH_VENV="$VENV" scripts/peer/setup-torch-venv.sh >&2
 mkdir -p "$DIR"
 "$PY" scripts/peer/peer_block.py write "$DIR"
-cargo run --release --locked -p rtx-examples --example peer_block -- "$DIR"
+cargo run --release -p rtx-examples --example peer_block -- "$DIR"
 "$PY" scripts/peer/peer_block.py compare "$DIR"

@@ -94,7 +94,7 @@ def reference(inputs, dtype):
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(inputs[name].to(dtype))
-    x = inputs["x"].to(dtype).requires_grad_(True)
+    x = inputs["x"].detach().to(dtype).clone().requires_grad_(True)
     y = block(x)
     (y * inputs["w_fixed"].to(dtype)).sum().backward()
     out = {"out": y.detach(), "grad.x": x.grad}

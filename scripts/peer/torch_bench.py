@@ -129,13 +129,13 @@ class Gpt(nn.Module):
 
     def __init__(self, vocab, ctx, d, n_layers, n_heads, tie):
         super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(ctx, d)
+        self.tok_emb = nn.Embedding(vocab, d)
+        self.pos_emb = nn.Embedding(ctx, d)
         self.blocks = nn.ModuleList(Block(d, n_heads, 4 * d) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         if tie:
-            self.lm_head.weight = self.wte.weight
+            self.lm_head.weight = self.tok_emb.weight
         for name, p in self.named_parameters():
             if name.endswith(".weight") and p.dim() == 2:
                 std = 0.02 / math.sqrt(2 * n_layers) if name.endswith("proj.weight") else 0.02
@@ -145,7 +145,7 @@ class Gpt(nn.Module):
 
     def forward(self, ids):
         t = ids.shape[1]
-        x = self.wte(ids) + self.wpe(torch.arange(t))
+        x = self.tok_emb(ids) + self.pos_emb(torch.arange(t))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
@@ -279,7 +279,7 @@ def main():
     ps.add_argument("--model", choices=["mlp", "gpt"], required=True)
     ps.add_argument("--warmup", type=int, default=3)
     ps.add_argument("--repeats", type=int, default=15)
-    ps.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True, help="tie lm_head to wte (as rustytorch's Gpt)")
+    ps.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True, help="tie lm_head to tok_emb (as rustytorch's Gpt)")
     po = sub.add_parser("ops", help="each op of a model's step alone, forward and forward+backward")
     po.add_argument("--model", choices=["mlp", "gpt"], required=True)
     po.add_argument("--warmup", type=int, default=3)

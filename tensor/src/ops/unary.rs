@@ -52,11 +52,11 @@ map_fn!(Abs, "abs", |x| x.abs(), |x, y| if x > T::zero() { T::one() } else if x 
 map_fn!(
     Gelu,
     "gelu",
-    |x| c::<T>(0.5) * x * (T::one() + (c::<T>(SQRT_2_OVER_PI) * (x + c::<T>(GELU_C) * x * x * x)).tanh()),
+    |x| c::<T>(0.5) * x * (T::one() + (c::<T>(SQRT_2_OVER_PI) * (x + c::<T>(GELU_C) * x * x * x)).fast_tanh()),
     |x, y| {
         let k = c::<T>(SQRT_2_OVER_PI);
         let inner = k * (x + c::<T>(GELU_C) * x * x * x);
-        let t = inner.tanh();
+        let t = inner.fast_tanh();
         c::<T>(0.5) * (T::one() + t) + c::<T>(0.5) * x * (T::one() - t * t) * k * (T::one() + c::<T>(3.0 * GELU_C) * x * x)
     }
 );
@@ -90,7 +90,11 @@ fn derivative<F: MapFn>(x: &Tensor, y: &Tensor, f: F) -> Result<Tensor> {
     let ys = crate::ops::binary::compute_form(y)?;
     let values = xs.with_float_slice(|xv| {
         ys.with_float_slice(|yv| match (xv, yv) {
-            (FloatSlice::F32(a), FloatSlice::F32(b)) => FloatVec::F32(a.iter().zip(b).map(|(&p, &q)| f.df(p, q)).collect()),
+            (FloatSlice::F32(a), FloatSlice::F32(b)) => {
+                let mut o = vec![0f32; a.len()];
+                elementwise::zip_map(a, b, &mut o, move |p, q| f.df(p, q));
+                FloatVec::F32(o)
+            }
             (FloatSlice::F64(a), FloatSlice::F64(b)) => FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p, q)).collect()),
             (FloatSlice::F32(a), FloatSlice::F64(b)) => FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p as f64, q)).collect()),
             (FloatSlice::F64(a), FloatSlice::F32(b)) => FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p, q as f64)).collect()),
