@@ -8,36 +8,115 @@
 //! `combine(lower block, higher block)` on both partners. So results are bit-identical on every rank
 //! and do not depend on timing; different algorithms (chosen by size) may differ in the last bits.
 
-use crate::element::{Accumulator, WireElement};
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use crate::element::{combine_bytes, combine_into_bytes, Accumulator, WireElement};
 use crate::error::Result;
+use crate::frame::Frame;
 use crate::op::{pieces, segment_range, OpCtx};
 use crate::ReduceOp;
 
-/// Ring reduce-scatter in place: afterwards rank `r` holds the reduced segment `r` of `buf`
-/// (divided by `n` for [`ReduceOp::Avg`]); other segments hold partial sums.
-pub(crate) async fn ring_reduce_scatter<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: &mut [A], op: ReduceOp, rank: usize, n: usize) -> Result<()> {
+/// Most frames a ring step sends on its outgoing link ahead of the frames it has received on its
+/// incoming one. Bounds what waits in a receiver's mailbox to a few pieces, so received frames are
+/// still in cache when they are combined and pool buffers are reused instead of piling up (without
+/// it, the first segment of a 256 MiB two-rank all-reduce, 128 MiB, would be parked at the peer).
+/// Two pieces keep the link busy while a step combines; more measured no faster.
+pub(crate) const RING_WINDOW: usize = 2;
+
+/// The local data of a ring reduce-scatter: segments other than the owned one are only read; the
+/// owned segment starts as the local values and ends as the reduced result.
+pub(crate) struct RsBuffers<'a, A> {
+    left: &'a [A],
+    own: &'a mut [A],
+    right: &'a [A],
+    own_range: Range<usize>,
+}
+
+impl<'a, A> RsBuffers<'a, A> {
+    /// Reduces `buf` in place: afterwards `buf[own]` holds the result; the rest is unchanged.
+    pub(crate) fn in_place(buf: &'a mut [A], own: Range<usize>) -> Self {
+        let (left, rest) = buf.split_at_mut(own.start);
+        let (own_slice, right) = rest.split_at_mut(own.len());
+        RsBuffers { left, own: own_slice, right, own_range: own }
+    }
+
+    /// Reads `input` and writes the owned segment's result to `output`.
+    pub(crate) fn separate(input: &'a [A], output: &'a mut [A], own: Range<usize>) -> Self
+    where
+        A: Copy,
+    {
+        output.copy_from_slice(&input[own.clone()]);
+        RsBuffers { left: &input[..own.start], own: output, right: &input[own.end..], own_range: own }
+    }
+
+    /// The local values of `r`, a range inside one segment.
+    fn local(&self, r: Range<usize>) -> &[A] {
+        let own = &self.own_range;
+        if r.end <= own.start {
+            &self.left[r]
+        } else if r.start >= own.end {
+            &self.right[r.start - own.end..r.end - own.end]
+        } else {
+            &self.own[r.start - own.start..r.end - own.start]
+        }
+    }
+}
+
+/// Pieces of `seg` as absolute ranges.
+fn abs_pieces(seg: Range<usize>, piece: usize) -> impl Iterator<Item = Range<usize>> {
+    pieces(seg.len(), piece).map(move |p| seg.start + p.start..seg.start + p.end)
+}
+
+/// Ring reduce-scatter of a buffer of `len` elements: afterwards rank `r`'s owned segment
+/// (`bufs.own`, segment `r`) holds the reduced values (divided by `n` for [`ReduceOp::Avg`]).
+///
+/// Each received piece is combined into the frame it came in and that frame is forwarded, so the
+/// local buffer is never written outside the owned segment. Sends run at most [`RING_WINDOW`]
+/// frames ahead of receives; the order of frames on each link is fixed (first segment, then every
+/// forwarded piece in step order), so interleaving does not change what either side expects.
+pub(crate) async fn ring_reduce_scatter<A: Accumulator>(ctx: &mut OpCtx<'_>, bufs: RsBuffers<'_, A>, len: usize, op: ReduceOp, rank: usize, n: usize) -> Result<()> {
     debug_assert!(n >= 2 && rank < n);
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
     let piece = ctx.piece_elems::<A>();
-    let len = buf.len();
     let seg = |i: usize| segment_range(len, n, i);
-    let first = seg((rank + n - 1) % n);
-    for p in pieces(first.len(), piece) {
-        let range = first.start + p.start..first.start + p.end;
-        ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(&buf[range])).await?;
-    }
-    for step in 0..n - 1 {
-        let recv = seg((rank + 2 * n - step - 2) % n);
-        for p in pieces(recv.len(), piece) {
-            let range = recv.start + p.start..recv.start + p.end;
-            ctx.recv_combine(prev, &mut buf[range.clone()], op, true).await?;
-            if step + 1 < n - 1 {
-                ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(&buf[range])).await?;
+    let first: Vec<Range<usize>> = abs_pieces(seg((rank + n - 1) % n), piece).collect();
+    // (forwarded?, range) of every received piece, in link order.
+    let recvs: Vec<(bool, Range<usize>)> =
+        (0..n - 1).flat_map(|step| abs_pieces(seg((rank + 2 * n - step - 2) % n), piece).map(move |r| (step + 1 < n - 1, r))).collect();
+    let total_sends = first.len() + recvs.iter().filter(|(forward, _)| *forward).count();
+    let mut forwards: VecDeque<Frame> = VecDeque::new();
+    let mut sent = 0;
+    let own_start = bufs.own_range.start;
+    for (done, (forward, range)) in recvs.iter().enumerate() {
+        while sent < total_sends && sent < done + RING_WINDOW {
+            if let Some(r) = first.get(sent) {
+                ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(bufs.local(r.clone()))).await?;
+            } else if let Some(frame) = forwards.pop_front() {
+                ctx.send_frame(next, Some(A::DTYPE), frame.payload()).await?;
+            } else {
+                break;
             }
+            sent += 1;
+        }
+        let mut frame = ctx.recv_frame(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
+        if *forward {
+            combine_into_bytes(op, frame.payload_mut(), bufs.local(range.clone()));
+            forwards.push_back(ctx.hold(frame, forwards.len()));
+        } else {
+            combine_bytes(op, &mut bufs.own[range.start - own_start..range.end - own_start], frame.payload(), true);
         }
     }
+    while sent < total_sends {
+        if let Some(r) = first.get(sent) {
+            ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(bufs.local(r.clone()))).await?;
+        } else if let Some(frame) = forwards.pop_front() {
+            ctx.send_frame(next, Some(A::DTYPE), frame.payload()).await?;
+        }
+        sent += 1;
+    }
     if op == ReduceOp::Avg {
-        for x in &mut buf[seg(rank)] {
+        for x in bufs.own.iter_mut() {
             *x = x.div_count(n);
         }
     }
@@ -45,28 +124,120 @@ pub(crate) async fn ring_reduce_scatter<A: Accumulator>(ctx: &mut OpCtx<'_>, buf
 }
 
 /// Ring all-gather in place: segment `r` of `buf` is valid on rank `r` beforehand; afterwards every
-/// segment is valid everywhere.
+/// segment is valid everywhere. Windowed like [`ring_reduce_scatter`]; forwarded pieces are sent
+/// from `buf`, where they were just copied.
 pub(crate) async fn ring_all_gather<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &mut [T], rank: usize, n: usize) -> Result<()> {
     debug_assert!(n >= 2 && rank < n);
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
     let piece = ctx.piece_elems::<T>();
     let len = buf.len();
     let seg = |i: usize| segment_range(len, n, i);
-    let own = seg(rank);
-    for p in pieces(own.len(), piece) {
-        let range = own.start + p.start..own.start + p.end;
-        ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range])).await?;
+    let first: Vec<Range<usize>> = abs_pieces(seg(rank), piece).collect();
+    let recvs: Vec<(bool, Range<usize>)> =
+        (0..n - 1).flat_map(|step| abs_pieces(seg((rank + 2 * n - step - 1) % n), piece).map(move |r| (step + 1 < n - 1, r))).collect();
+    let total_sends = first.len() + recvs.iter().filter(|(forward, _)| *forward).count();
+    // Send `sent` is ready once the receive it forwards (if any) is done.
+    let ready = |sent: usize, done: usize| sent < first.len() || sent - first.len() < done;
+    let range_of = |sent: usize| first.get(sent).cloned().unwrap_or_else(|| recvs[sent - first.len()].1.clone());
+    let mut sent = 0;
+    for (done, (_, range)) in recvs.iter().enumerate() {
+        while sent < total_sends && sent < done + RING_WINDOW && ready(sent, done) {
+            ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range_of(sent)])).await?;
+            sent += 1;
+        }
+        ctx.recv_copy(prev, &mut buf[range.clone()]).await?;
+    }
+    while sent < total_sends {
+        ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range_of(sent)])).await?;
+        sent += 1;
+    }
+    Ok(())
+}
+
+/// Ring all-reduce in place: a ring reduce-scatter and a ring all-gather run as one pipeline.
+///
+/// Frames on each link keep the order of the two separate phases (reduce-scatter, then
+/// all-gather), so results are bit-identical to [`ring_reduce_scatter`] followed by
+/// [`ring_all_gather`]; but each piece of the owned segment is sent on as soon as its reduction is
+/// final (and averaged, for [`ReduceOp::Avg`]), while it is still in cache, and the all-gather
+/// starts without waiting for the whole reduce-scatter. Sends stay within [`RING_WINDOW`] of
+/// receives as in the phases alone.
+pub(crate) async fn ring_all_reduce<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: &mut [A], op: ReduceOp, rank: usize, n: usize) -> Result<()> {
+    debug_assert!(n >= 2 && rank < n);
+    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+    let piece = ctx.piece_elems::<A>();
+    let len = buf.len();
+    let seg = |i: usize| segment_range(len, n, i);
+    // What each frame from `prev` is, in link order.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Recv {
+        /// Reduce-scatter piece to combine and forward.
+        Forward,
+        /// Reduce-scatter piece of the owned segment: combined into place, final.
+        Final,
+        /// All-gather piece to copy in and forward.
+        Gather,
+        /// All-gather piece of the last step: copied in only.
+        Last,
+    }
+    let mut recvs: Vec<(Recv, Range<usize>)> = Vec::new();
+    for step in 0..n - 1 {
+        let kind = if step + 1 < n - 1 { Recv::Forward } else { Recv::Final };
+        recvs.extend(abs_pieces(seg((rank + 2 * n - step - 2) % n), piece).map(|r| (kind, r)));
     }
     for step in 0..n - 1 {
-        let recv = seg((rank + 2 * n - step - 1) % n);
-        for p in pieces(recv.len(), piece) {
-            let range = recv.start + p.start..recv.start + p.end;
-            ctx.recv_copy(prev, &mut buf[range.clone()]).await?;
-            if step + 1 < n - 1 {
-                ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range])).await?;
-            }
+        let kind = if step + 1 < n - 1 { Recv::Gather } else { Recv::Last };
+        recvs.extend(abs_pieces(seg((rank + 2 * n - step - 1) % n), piece).map(|r| (kind, r)));
+    }
+    // Every frame to `next`, in link order: (range sent from `buf`, or a combined frame; the receive
+    // it waits for).
+    let mut sends: Vec<(Option<Range<usize>>, Option<usize>)> = abs_pieces(seg((rank + n - 1) % n), piece).map(|r| (Some(r), None)).collect();
+    for (i, (kind, range)) in recvs.iter().enumerate() {
+        match kind {
+            Recv::Forward => sends.push((None, Some(i))),
+            Recv::Final | Recv::Gather => sends.push((Some(range.clone()), Some(i))),
+            Recv::Last => {}
         }
     }
+    let mut forwards: VecDeque<Frame> = VecDeque::new();
+    let mut sent = 0;
+    for done in 0..=recvs.len() {
+        while sent < sends.len() && (sent < done + RING_WINDOW || done == recvs.len()) {
+            let (range, after) = &sends[sent];
+            if after.is_some_and(|i| i >= done) {
+                break;
+            }
+            match range {
+                Some(r) => ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(&buf[r.clone()])).await?,
+                None => {
+                    let frame = forwards.pop_front();
+                    debug_assert!(frame.is_some(), "a forward is sent after its frame was combined");
+                    if let Some(frame) = frame {
+                        ctx.send_frame(next, Some(A::DTYPE), frame.payload()).await?;
+                    }
+                }
+            }
+            sent += 1;
+        }
+        let Some((kind, range)) = recvs.get(done) else { break };
+        match kind {
+            Recv::Forward => {
+                let mut frame = ctx.recv_frame(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
+                combine_into_bytes(op, frame.payload_mut(), &buf[range.clone()]);
+                forwards.push_back(ctx.hold(frame, forwards.len()));
+            }
+            Recv::Final => {
+                ctx.recv_combine(prev, &mut buf[range.clone()], op, true).await?;
+                if op == ReduceOp::Avg {
+                    for x in &mut buf[range.clone()] {
+                        *x = x.div_count(n);
+                    }
+                }
+            }
+            Recv::Gather | Recv::Last => ctx.recv_copy(prev, &mut buf[range.clone()]).await?,
+        }
+    }
+    debug_assert_eq!(sent, sends.len());
     Ok(())
 }
 

@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use tracing::Instrument;
 
-use crate::algo;
+use crate::algo::{self, RsBuffers};
 use crate::element::{Element, WireElement};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
@@ -176,12 +176,12 @@ impl Communicator {
                 return Ok(());
             }
             let small = std::mem::size_of_val(buf) <= self.config().small_message_bytes;
+            let own = self.segment(buf.len(), rank);
             if let Some(acc) = T::as_acc_mut(&mut *buf) {
                 if small {
                     return algo::doubling_all_reduce(&mut ctx, acc, op, rank, n).await;
                 }
-                algo::ring_reduce_scatter(&mut ctx, acc, op, rank, n).await?;
-                return algo::ring_all_gather(&mut ctx, acc, rank, n).await;
+                return algo::ring_all_reduce(&mut ctx, acc, op, rank, n).await;
             }
             let mut work: Vec<T::Acc> = buf.iter().map(|x| x.to_acc()).collect();
             if small {
@@ -191,8 +191,8 @@ impl Communicator {
             }
             // Partial sums travel in the accumulator type; the owned segment is rounded once and the
             // all-gather moves elements of the buffer's own type.
-            algo::ring_reduce_scatter(&mut ctx, &mut work, op, rank, n).await?;
-            let own = self.segment(buf.len(), rank);
+            let len = work.len();
+            algo::ring_reduce_scatter(&mut ctx, RsBuffers::in_place(&mut work, own.clone()), len, op, rank, n).await?;
             round_into(&mut buf[own.clone()], &work[own]);
             algo::ring_all_gather(&mut ctx, buf, rank, n).await
         }
@@ -215,8 +215,12 @@ impl Communicator {
                 output.copy_from_slice(input);
                 return Ok(());
             }
+            let len = input.len();
+            if let (Some(input), Some(out)) = (T::as_acc(input), T::as_acc_mut(&mut *output)) {
+                return algo::ring_reduce_scatter(&mut ctx, RsBuffers::separate(input, out, own), len, op, rank, n).await;
+            }
             let mut work: Vec<T::Acc> = input.iter().map(|x| x.to_acc()).collect();
-            algo::ring_reduce_scatter(&mut ctx, &mut work, op, rank, n).await?;
+            algo::ring_reduce_scatter(&mut ctx, RsBuffers::in_place(&mut work, own.clone()), len, op, rank, n).await?;
             round_into(output, &work[own]);
             Ok(())
         }
@@ -271,7 +275,9 @@ impl Communicator {
             if std::mem::size_of_val(buf) <= self.config().small_message_bytes {
                 algo::tree_reduce(&mut ctx, &mut work, op, root, rank, n).await?;
             } else {
-                algo::ring_reduce_scatter(&mut ctx, &mut work, op, rank, n).await?;
+                let len = work.len();
+                let own = self.segment(len, rank);
+                algo::ring_reduce_scatter(&mut ctx, RsBuffers::in_place(&mut work, own), len, op, rank, n).await?;
                 if rank == root {
                     for i in (0..n).filter(|&i| i != root) {
                         let seg = self.segment(work.len(), i);

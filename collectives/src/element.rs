@@ -28,6 +28,8 @@ pub trait Element: WireElement {
     fn from_acc(acc: Self::Acc) -> Self;
     /// The same slice seen as accumulator values, when the element type is its own accumulator.
     fn as_acc_mut(buf: &mut [Self]) -> Option<&mut [Self::Acc]>;
+    /// The same slice seen as accumulator values, read-only; see [`as_acc_mut`](Self::as_acc_mut).
+    fn as_acc(buf: &[Self]) -> Option<&[Self::Acc]>;
 }
 
 /// An accumulator type (f32 or f64): the arithmetic of reductions.
@@ -70,6 +72,9 @@ impl Element for f32 {
     fn as_acc_mut(buf: &mut [f32]) -> Option<&mut [f32]> {
         Some(buf)
     }
+    fn as_acc(buf: &[f32]) -> Option<&[f32]> {
+        Some(buf)
+    }
 }
 
 impl Element for f64 {
@@ -83,6 +88,9 @@ impl Element for f64 {
     fn as_acc_mut(buf: &mut [f64]) -> Option<&mut [f64]> {
         Some(buf)
     }
+    fn as_acc(buf: &[f64]) -> Option<&[f64]> {
+        Some(buf)
+    }
 }
 
 impl Element for bf16 {
@@ -94,6 +102,9 @@ impl Element for bf16 {
         bf16::from_f32(acc)
     }
     fn as_acc_mut(_buf: &mut [bf16]) -> Option<&mut [f32]> {
+        None
+    }
+    fn as_acc(_buf: &[bf16]) -> Option<&[f32]> {
         None
     }
 }
@@ -135,11 +146,56 @@ accumulator!(f64);
 /// `local[i] = combine(received[i], local[i])` when `received_first`, else
 /// `combine(local[i], received[i])`; `received` is raw little-endian bytes of `A`.
 pub(crate) fn combine_bytes<A: Accumulator>(op: ReduceOp, local: &mut [A], received: &[u8], received_first: bool) {
-    let size = std::mem::size_of::<A>();
     assert_eq!(received.len(), std::mem::size_of_val(local), "combine: length checked by the caller");
-    for (dst, bytes) in local.iter_mut().zip(received.chunks_exact(size)) {
-        let other: A = bytemuck::pod_read_unaligned(bytes);
-        *dst = if received_first { A::combine(op, other, *dst) } else { A::combine(op, *dst, other) };
+    match bytemuck::try_cast_slice::<u8, A>(received) {
+        Ok(received) => combine_in_place(op, local, received, !received_first),
+        Err(_) => {
+            let size = std::mem::size_of::<A>();
+            for (dst, bytes) in local.iter_mut().zip(received.chunks_exact(size)) {
+                let other: A = bytemuck::pod_read_unaligned(bytes);
+                *dst = if received_first { A::combine(op, other, *dst) } else { A::combine(op, *dst, other) };
+            }
+        }
+    }
+}
+
+/// `received[i] = combine(received[i], local[i])`, writing into the received bytes (a ring
+/// reduce-scatter step combines into the frame it then forwards).
+pub(crate) fn combine_into_bytes<A: Accumulator>(op: ReduceOp, received: &mut [u8], local: &[A]) {
+    assert_eq!(received.len(), std::mem::size_of_val(local), "combine: length checked by the caller");
+    match bytemuck::try_cast_slice_mut::<u8, A>(received) {
+        Ok(received) => combine_in_place(op, received, local, true),
+        Err(_) => {
+            let size = std::mem::size_of::<A>();
+            for (bytes, mine) in received.chunks_exact_mut(size).zip(local) {
+                let other: A = bytemuck::pod_read_unaligned(bytes);
+                bytes.copy_from_slice(bytemuck::bytes_of(&A::combine(op, other, *mine)));
+            }
+        }
+    }
+}
+
+/// `dst[i] = combine(dst[i], other[i])` when `dst_first`, else `combine(other[i], dst[i])`. One
+/// loop per operation, so each compiles to straight vector code.
+pub(crate) fn combine_in_place<A: Accumulator>(op: ReduceOp, dst: &mut [A], other: &[A], dst_first: bool) {
+    assert_eq!(dst.len(), other.len(), "combine: equal lengths");
+    macro_rules! each {
+        ($op:expr) => {
+            if dst_first {
+                for (d, o) in dst.iter_mut().zip(other) {
+                    *d = A::combine($op, *d, *o);
+                }
+            } else {
+                for (d, o) in dst.iter_mut().zip(other) {
+                    *d = A::combine($op, *o, *d);
+                }
+            }
+        };
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => each!(ReduceOp::Sum),
+        ReduceOp::Max => each!(ReduceOp::Max),
+        ReduceOp::Min => each!(ReduceOp::Min),
     }
 }
 

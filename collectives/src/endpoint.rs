@@ -1,9 +1,11 @@
-//! The endpoint: one per rank and transport. It owns the dispatcher task that reads the transport,
-//! validates frames and routes them to the group they name, and the registry of groups.
+//! The endpoint: one per rank and transport. It validates incoming frames and routes them to the
+//! group they name, and keeps the registry of groups. Frames reach it either from its dispatcher
+//! task, which pulls them from [`Transport::recv`], or pushed by the transport itself through
+//! [`EventSink`] when the transport accepts [`Transport::attach`] (then there is no dispatcher task).
 //!
 //! Ownership: [`Endpoint`] handles (and every [`Communicator`] made from them) share one
 //! `EndpointShared`; the dispatcher task holds it too and is aborted when the last handle goes, which
-//! drops the transport. Lock order is registry, then a group's mailbox; the registry lock is released
+//! drops the transport. A pushing transport holds only a weak reference to it. Lock order is registry, then a group's mailbox; the registry lock is released
 //! before a frame is handed to its group.
 //!
 //! Frames for a group this rank has not formed yet (a peer finished `split` first) wait as orphans,
@@ -22,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::frame::Frame;
 use crate::group::{Delivery, GroupState};
 use crate::pool::{BufferPool, PooledBuf};
-use crate::transport::{Transport, TransportEvent};
+use crate::transport::{EventSink, Transport, TransportEvent};
 
 /// Id of the group of all ranks made by [`Endpoint::world`].
 pub const WORLD_GROUP_ID: u64 = 0;
@@ -36,7 +38,8 @@ pub struct Endpoint {
 #[derive(Debug)]
 struct EndpointHandle {
     shared: Arc<EndpointShared>,
-    dispatcher: tokio::task::AbortHandle,
+    /// `None` when the transport pushes its events.
+    dispatcher: Option<tokio::task::AbortHandle>,
 }
 
 pub(crate) struct EndpointShared {
@@ -74,9 +77,14 @@ impl Endpoint {
         let rank = transport.rank();
         let shared =
             Arc::new(EndpointShared { transport, config, pool: BufferPool::new(), registry: Mutex::new(Registry::default()), malformed: AtomicU64::new(0) });
-        let span = tracing::debug_span!("dispatcher", rank);
-        let task = runtime.spawn(dispatch(Arc::clone(&shared)).instrument(span));
-        Ok(Endpoint { handle: Arc::new(EndpointHandle { shared, dispatcher: task.abort_handle() }) })
+        let sink: Arc<dyn EventSink> = Arc::clone(&shared) as Arc<dyn EventSink>;
+        let dispatcher = if shared.transport.attach(Arc::downgrade(&sink)) {
+            None
+        } else {
+            let span = tracing::debug_span!("dispatcher", rank);
+            Some(runtime.spawn(dispatch(Arc::clone(&shared)).instrument(span)).abort_handle())
+        };
+        Ok(Endpoint { handle: Arc::new(EndpointHandle { shared, dispatcher }) })
     }
 
     /// The group of all ranks, id [`WORLD_GROUP_ID`], generation 0, group rank = global rank.
@@ -121,7 +129,9 @@ impl Endpoint {
 
 impl Drop for EndpointHandle {
     fn drop(&mut self) {
-        self.dispatcher.abort();
+        if let Some(dispatcher) = &self.dispatcher {
+            dispatcher.abort();
+        }
     }
 }
 
@@ -156,7 +166,7 @@ impl EndpointShared {
             inherited.extend(orphans);
         }
         for frame in inherited {
-            if state.deliver(frame) == Delivery::ForeignSource {
+            if state.deliver(frame, &self.pool) == Delivery::ForeignSource {
                 self.malformed.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -174,7 +184,11 @@ impl EndpointShared {
     }
 
     fn on_frame(&self, from: usize, bytes: PooledBuf) {
-        let frame = match Frame::decode(bytes, self.config.max_payload_bytes) {
+        self.route_frame(from, Frame::decode(bytes, self.config.max_payload_bytes));
+    }
+
+    fn route_frame(&self, from: usize, frame: Result<Frame>) {
+        let frame = match frame {
             Ok(frame) => frame,
             Err(error) => {
                 self.malformed.fetch_add(1, Ordering::Relaxed);
@@ -195,7 +209,7 @@ impl EndpointShared {
                 None => {
                     if registry.n_orphans < self.config.max_stored_frames {
                         registry.n_orphans += 1;
-                        registry.orphans.entry(id).or_default().push(frame);
+                        registry.orphans.entry(id).or_default().push(frame.into_owned(&self.pool));
                     } else {
                         tracing::warn!(group = id, "dropped frame for an unknown group: orphan queue full");
                     }
@@ -203,7 +217,7 @@ impl EndpointShared {
                 }
             }
         };
-        match group.deliver(frame) {
+        match group.deliver(frame, &self.pool) {
             Delivery::Accepted | Delivery::Stale => {}
             Delivery::Overflow => tracing::warn!(group = id, "dropped frame: mailbox full"),
             Delivery::ForeignSource => {
@@ -246,13 +260,27 @@ impl EndpointShared {
     }
 }
 
+impl EventSink for EndpointShared {
+    fn event(&self, event: TransportEvent) {
+        match event {
+            TransportEvent::Frame { from, bytes } => self.on_frame(from, bytes),
+            TransportEvent::PeerLost(rank) => self.on_peer_lost(rank),
+            TransportEvent::PeerUp(rank) => self.on_peer_up(rank),
+        }
+    }
+
+    fn lent_frame(&self, from: usize, header: [u8; crate::frame::HEADER_LEN], payload: crate::transport::LentBytes) {
+        self.route_frame(from, Frame::decode_lent(&header, payload, self.config.max_payload_bytes));
+    }
+
+    fn closed(&self) {
+        self.on_closed();
+    }
+}
+
 async fn dispatch(shared: Arc<EndpointShared>) {
     while let Some(event) = shared.transport.recv().await {
-        match event {
-            TransportEvent::Frame { from, bytes } => shared.on_frame(from, bytes),
-            TransportEvent::PeerLost(rank) => shared.on_peer_lost(rank),
-            TransportEvent::PeerUp(rank) => shared.on_peer_up(rank),
-        }
+        shared.event(event);
     }
     shared.on_closed();
 }

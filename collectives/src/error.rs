@@ -190,8 +190,8 @@ pub enum Error {
         /// The byte read.
         code: u8,
     },
-    /// Decoding: reserved header bytes are not zero.
-    #[error("reserved header bytes are not zero")]
+    /// Decoding: reserved header bytes, or flag bits this version does not know, are not zero.
+    #[error("reserved header bytes or unknown flag bits are not zero")]
     ReservedNonZero,
     /// Decoding: the declared payload is over the configured cap.
     #[error("payload of {len} bytes over the cap of {cap}")]

@@ -22,6 +22,15 @@ use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
 use crate::frame::{Frame, OpKind};
+use crate::pool::BufferPool;
+
+/// Polls of the transport an operation makes for a frame before it sleeps (a few tens of
+/// microseconds: a small-message exchange between two processes; a wake-up of a sleeping thread
+/// costs about as much on our VMs).
+const POLL_ROUNDS: u32 = 2000;
+/// Every this many empty polls, the spinning thread yields its CPU to any other runnable thread
+/// (with four ranks on two cores, the peer it waits for may need this one).
+const POLL_YIELD_EVERY: u32 = 16;
 
 /// Frames of point-to-point traffic and of collectives are numbered separately.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -141,7 +150,11 @@ impl GroupState {
     }
 
     /// Hands a valid frame of this group to its waiter or parks it.
-    pub(crate) fn deliver(&self, frame: Frame) -> Delivery {
+    ///
+    /// A frame lent by the transport goes to its waiter as is; with no waiter yet it is copied
+    /// into a buffer from `pool` before it is parked, so lent memory is only ever held by running
+    /// operations.
+    pub(crate) fn deliver(&self, frame: Frame, pool: &BufferPool) -> Delivery {
         let h = frame.header;
         let src = h.src as usize;
         if !self.contains(src) {
@@ -165,13 +178,18 @@ impl GroupState {
             self.overflow_dropped.fetch_add(1, Ordering::Relaxed);
             return Delivery::Overflow;
         }
-        inner.stored.insert(key, frame);
+        inner.stored.insert(key, frame.into_owned(pool));
         Delivery::Accepted
     }
 
     /// Waits for the frame in slot `key`, failing on a generation bump, a lost peer or `timeout`.
-    pub(crate) async fn wait(&self, key: Key, op: OpKind, timeout: Duration) -> Result<Frame> {
-        let rx = {
+    ///
+    /// Before sleeping it spins for a short while calling `poll` (the transport's
+    /// [`crate::Transport::poll_incoming`]), which may deliver the frame from this thread; `poll`
+    /// returning `None` ends the spin at once. The spin is bounded by a count of polls, not a clock,
+    /// so it behaves the same under a paused test clock.
+    pub(crate) async fn wait(&self, key: Key, op: OpKind, timeout: Duration, mut poll: impl FnMut() -> Option<usize>) -> Result<Frame> {
+        let mut rx = {
             let mut inner = self.lock();
             if key.0 != inner.generation {
                 return Err(Error::StaleGeneration { expected: inner.generation, got: key.0 });
@@ -184,6 +202,24 @@ impl GroupState {
             inner.waiters.insert(key, (op, tx));
             rx
         };
+        for round in 0..POLL_ROUNDS {
+            let delivered = match poll() {
+                None => break,
+                Some(n) => n,
+            };
+            match rx.try_recv() {
+                Ok(result) => return result,
+                Err(oneshot::error::TryRecvError::Closed) => return Err(Error::TransportClosed),
+                Err(oneshot::error::TryRecvError::Empty) => {}
+            }
+            if delivered == 0 {
+                if round % POLL_YIELD_EVERY == POLL_YIELD_EVERY - 1 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(result)) => result,
             // The sender half lives in `waiters`; it is only dropped with the group itself.

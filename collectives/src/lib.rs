@@ -36,11 +36,11 @@ pub use in_process::{InProcessNetwork, InProcessTransport, IN_PROCESS_INBOX_FRAM
 pub use op::segment_range;
 pub use pool::{BufferPool, PoolStats, PooledBuf, POOL_MAX_BYTES, POOL_MAX_CLASS_BYTES, POOL_MAX_PER_CLASS, POOL_MIN_CLASS_BYTES};
 #[cfg(feature = "quic")]
-pub use quic::{client_tls_config, rank_name, server_tls_config, ClusterCa, NodeIdentity, QuicOptions, QuicTransport, ALPN, QUIC_INBOX_FRAMES};
+pub use quic::{client_tls_config, quic_stream_throughput, rank_name, server_tls_config, ClusterCa, NodeIdentity, QuicOptions, QuicTransport, ALPN, DEFAULT_LOOPBACK_DATAGRAM_BYTES, QUIC_INBOX_FRAMES};
 pub use rtx_kernels::DType;
 #[cfg(feature = "shm")]
-pub use shm::{ShmOptions, ShmTransport, SHM_INBOX_FRAMES};
-pub use transport::{BoxFuture, Transport, TransportEvent};
+pub use shm::{ShmOptions, ShmTransport, DEFAULT_RING_BYTES, SHM_INBOX_FRAMES};
+pub use transport::{BoxFuture, EventSink, LentBytes, Lender, Transport, TransportEvent};
 
 /// How `all_reduce`, `reduce_scatter` and `reduce` combine elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -10,10 +10,11 @@ use std::ops::Range;
 
 use rtx_kernels::DType;
 
+use crate::algo::RING_WINDOW;
 use crate::communicator::Communicator;
 use crate::element::{combine_bytes, copy_bytes, Accumulator, WireElement};
 use crate::error::{Error, Result};
-use crate::frame::{encode, Frame, FrameHeader, OpKind};
+use crate::frame::{encode_header, encode_header_only_checksum, Frame, FrameHeader, OpKind};
 use crate::group::Lane;
 use crate::ReduceOp;
 
@@ -57,10 +58,10 @@ impl<'a> OpCtx<'a> {
             dtype,
             payload_len: payload.len() as u64,
         };
-        let buf = encode(&shared.pool, &header, payload);
+        let header = if shared.transport.checks_integrity() { encode_header_only_checksum(&header, payload.len()) } else { encode_header(&header, payload) };
         // A peer that is alive but never drains its link must not hang the sender either.
         let timeout = self.comm.config().op_timeout;
-        match tokio::time::timeout(timeout, shared.transport.send(peer, buf)).await {
+        match tokio::time::timeout(timeout, shared.transport.send_parts(peer, &header, payload, &shared.pool)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(Error::PeerLost { rank, .. })) => Err(Error::PeerLost { rank, op: self.op }),
             Ok(Err(other)) => Err(other),
@@ -76,7 +77,8 @@ impl<'a> OpCtx<'a> {
         let chunk = *counter;
         *counter += 1;
         let key = (self.generation, self.lane, src, self.seq, chunk);
-        let frame = group.wait(key, self.op, self.comm.config().op_timeout).await?;
+        let transport = &self.comm.endpoint().shared().transport;
+        let frame = group.wait(key, self.op, self.comm.config().op_timeout, || transport.poll_incoming()).await?;
         let h = frame.header;
         if h.op != self.op {
             return Err(Error::OpMismatch { seq: self.seq, src, expected: self.op, got: h.op });
@@ -88,6 +90,16 @@ impl<'a> OpCtx<'a> {
             return Err(Error::PayloadLength { src, expected: len_bytes, got: frame.payload().len() });
         }
         Ok(frame)
+    }
+
+    /// A received frame to keep while `queued` others already wait: past [`RING_WINDOW`] of them,
+    /// a payload lent by the transport is copied out, so an operation never pins more than a few
+    /// slots of a transport's ring (see the shared-memory transport).
+    pub(crate) fn hold(&self, frame: Frame, queued: usize) -> Frame {
+        if queued < RING_WINDOW || !frame.is_lent() {
+            return frame;
+        }
+        frame.into_owned(&self.comm.endpoint().shared().pool)
     }
 
     /// Sends `data` to `to` in pieces of at most `chunk_bytes`.

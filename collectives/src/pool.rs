@@ -121,6 +121,12 @@ impl Deref for PooledBuf {
     }
 }
 
+impl AsRef<[u8]> for PooledBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.vec
+    }
+}
+
 impl DerefMut for PooledBuf {
     fn deref_mut(&mut self) -> &mut Vec<u8> {
         &mut self.vec

@@ -10,10 +10,21 @@
 //!
 //! Topology: one connection per pair of ranks, dialed by the lower rank. Each side opens one
 //! unidirectional stream for its frames and starts it with an 8-byte hello (`RTXH` + rank, LE). Frames
-//! are written back to back; the reader takes the 64-byte header, validates it (including the
-//! payload cap) before reading the payload into a pooled buffer, and hands the whole frame to the
-//! endpoint, which checks the checksum. A header that fails validation means the stream cannot be
-//! resynchronised: the connection is closed and the peer reported lost.
+//! are written back to back, each handed to quinn as one pooled buffer without a copy; the reader
+//! takes the 64-byte header, validates it (including the payload cap) before reading the payload
+//! into a pooled buffer, and hands the whole frame to the endpoint (pushed, see
+//! [`Transport::attach`]), which checks the checksum. A header that fails validation, or a frame cut
+//! short by a cancelled send, means the stream cannot be resynchronised: the connection is closed and
+//! the peer reported lost.
+//!
+//! Tuning (measured by `rtx bench collectives`, see BENCHMARKS.md): quinn's defaults send 1200-byte
+//! datagrams and allow 1.25 MB per stream in flight, which caps a connection near 0.5 GB/s here.
+//! Towards a loopback peer, packets are [`QuicOptions::loopback_datagram_bytes`] (the endpoint's
+//! `max_udp_payload_size` is raised with it; raising only the connection's initial MTU makes the
+//! peer drop every packet), the UDP socket buffers are [`QuicOptions::socket_buffer_bytes`], and flow
+//! control allows [`QuicOptions::stream_window_bytes`] per stream. TLS uses AES-128-GCM only, the
+//! cheapest TLS 1.3 suite with AES instructions (quinn's handshake suite anyway). Other links keep
+//! 1200-byte packets and quinn's path MTU discovery.
 //!
 //! Peer loss is reported once per link, when its stream or connection ends (including the idle
 //! timeout, [`QuicOptions::idle_timeout`], for a peer that vanished without closing). Key generation
@@ -22,7 +33,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -32,19 +43,33 @@ use tokio::sync::{mpsc, watch};
 use crate::communicator::DEFAULT_MAX_PAYLOAD_BYTES;
 use crate::error::{Error, Result};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
-use crate::pool::BufferPool;
-use crate::transport::{BoxFuture, Transport, TransportEvent};
+use crate::pool::{BufferPool, PooledBuf};
+use crate::transport::{BoxFuture, EventSink, Transport, TransportEvent};
 
 /// ALPN protocol id both sides require.
 pub const ALPN: &[u8] = b"rtx-collectives/1";
 /// Most received frames waiting for the dispatcher before readers stop reading (QUIC flow control
 /// then slows the sender).
 pub const QUIC_INBOX_FRAMES: usize = 256;
+/// Default [`QuicOptions::loopback_datagram_bytes`]; see BENCHMARKS.md for the sweep it came from.
+pub const DEFAULT_LOOPBACK_DATAGRAM_BYTES: u16 = 65_000;
+/// Largest loopback packet: the IPv6 UDP payload limit on a 64 KiB-MTU `lo` (IPv4 allows 20 more).
+const MAX_LOOPBACK_DATAGRAM_BYTES: u16 = 65_487;
 
 const HELLO_MAGIC: [u8; 4] = *b"RTXH";
 const HELLO_LEN: usize = 8;
 const CLOSE_REFUSED: u32 = 1;
 const CLOSE_BAD_FRAME: u32 = 2;
+const CLOSE_TORN_FRAME: u32 = 3;
+/// Packets quinn puts in one GSO send, and the kernel's limit on its total size.
+const GSO_BATCH: usize = 10;
+const GSO_MAX_BYTES: usize = 65_535;
+/// Largest packet used before the handshake is confirmed (see `transport_config`).
+const LONG_HEADER_MTU: u16 = 16_000;
+/// Initial congestion window on loopback links, in packets.
+const INITIAL_WINDOW_PACKETS: u64 = 16;
+/// Largest UDP payload quinn accepts for `max_udp_payload_size`.
+const MAX_UDP_PAYLOAD: u16 = 65_527;
 const DIAL_RETRY: Duration = Duration::from_millis(50);
 
 /// The name a rank's certificate carries.
@@ -82,8 +107,14 @@ pub struct QuicOptions {
     pub keep_alive: Duration,
     /// Frames declaring a larger payload close the connection; match [`crate::CommConfig`].
     pub max_payload_bytes: usize,
-    /// Per-stream flow-control window in bytes.
+    /// Per-stream flow-control window in bytes (the connection allows twice this).
     pub stream_window_bytes: u32,
+    /// UDP payload size of packets to and from loopback addresses (at most 65 487, the IPv6 limit on
+    /// a 64 KiB-MTU `lo`); below 1200 (e.g. 0) keeps quinn's 1200 bytes there too.
+    pub loopback_datagram_bytes: u16,
+    /// Requested send and receive buffer of the UDP socket (the kernel caps it at
+    /// `net.core.{r,w}mem_max`).
+    pub socket_buffer_bytes: usize,
 }
 
 /// A rank's QUIC endpoint and its links to every other rank.
@@ -99,13 +130,25 @@ struct QuicShared {
     options: QuicOptions,
     endpoint: quinn::Endpoint,
     client_config: quinn::ClientConfig,
+    /// Client configuration towards loopback peers (jumbo packets).
+    loopback_client_config: quinn::ClientConfig,
     links: Mutex<BTreeMap<usize, Link>>,
     lost: Mutex<BTreeSet<usize>>,
     dial_errors: Mutex<BTreeMap<usize, String>>,
     links_changed: watch::Sender<()>,
-    events: mpsc::Sender<TransportEvent>,
+    /// Where link tasks deliver; `None` until the endpoint attaches or polls.
+    route: watch::Sender<Option<Route>>,
+    /// The sender half for polled delivery, until the route is chosen.
+    pull_events: Mutex<Option<mpsc::Sender<TransportEvent>>>,
     pool: BufferPool,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+}
+
+/// Where link tasks deliver events.
+#[derive(Clone)]
+enum Route {
+    Push(Weak<dyn EventSink>),
+    Pull(mpsc::Sender<TransportEvent>),
 }
 
 #[derive(Clone)]
@@ -122,6 +165,8 @@ impl Default for QuicOptions {
             keep_alive: Duration::from_secs(2),
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             stream_window_bytes: 16 << 20,
+            loopback_datagram_bytes: DEFAULT_LOOPBACK_DATAGRAM_BYTES,
+            socket_buffer_bytes: 4 << 20,
         }
     }
 }
@@ -161,6 +206,26 @@ impl ClusterCa {
     }
 }
 
+impl NodeIdentity {
+    /// An identity from DER bytes: the cluster CA certificate, the rank's certificate and its
+    /// PKCS#8 private key (as [`to_der`](Self::to_der) writes them, e.g. to hand to a process).
+    pub fn from_der(rank: usize, ca: Vec<u8>, cert: Vec<u8>, key_pkcs8: Vec<u8>) -> NodeIdentity {
+        NodeIdentity {
+            rank,
+            ca: CertificateDer::from(ca),
+            cert_chain: vec![CertificateDer::from(cert)],
+            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key_pkcs8)),
+        }
+    }
+
+    /// The leaf certificate and the PKCS#8 private key in DER; `None` for a key in another format
+    /// or an empty chain.
+    pub fn to_der(&self) -> Option<(Vec<u8>, Vec<u8>)> {
+        let PrivateKeyDer::Pkcs8(key) = &self.key else { return None };
+        Some((self.cert_chain.first()?.to_vec(), key.secret_pkcs8_der().to_vec()))
+    }
+}
+
 impl Clone for NodeIdentity {
     fn clone(&self) -> Self {
         NodeIdentity { rank: self.rank, ca: self.ca.clone(), cert_chain: self.cert_chain.clone(), key: self.key.clone_key() }
@@ -170,7 +235,7 @@ impl Clone for NodeIdentity {
 /// The rustls server configuration of a rank: its certificate, and client certificates required to
 /// chain to the cluster CA.
 pub fn server_tls_config(identity: &NodeIdentity) -> Result<rustls::ServerConfig> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(crypto_provider());
     let mut roots = rustls::RootCertStore::empty();
     roots.add(identity.ca.clone()).map_err(tls)?;
     let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider)).build().map_err(tls)?;
@@ -187,7 +252,7 @@ pub fn server_tls_config(identity: &NodeIdentity) -> Result<rustls::ServerConfig
 /// The rustls client configuration of a rank: trusts only the cluster CA and presents the rank's
 /// certificate.
 pub fn client_tls_config(identity: &NodeIdentity) -> Result<rustls::ClientConfig> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(crypto_provider());
     let mut roots = rustls::RootCertStore::empty();
     roots.add(identity.ca.clone()).map_err(tls)?;
     let mut config = rustls::ClientConfig::builder_with_provider(provider)
@@ -198,6 +263,15 @@ pub fn client_tls_config(identity: &NodeIdentity) -> Result<rustls::ClientConfig
         .map_err(tls)?;
     config.alpn_protocols = vec![ALPN.to_vec()];
     Ok(config)
+}
+
+/// rustls with the `ring` provider, offering only TLS13_AES_128_GCM_SHA256: with AES instructions
+/// it is the cheapest TLS 1.3 suite (10 AES rounds against 14 for AES-256), and QUIC needs it for
+/// its initial packets anyway.
+fn crypto_provider() -> rustls::crypto::CryptoProvider {
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider.cipher_suites.retain(|suite| suite.suite() == rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    provider
 }
 
 impl QuicTransport {
@@ -211,14 +285,7 @@ impl QuicTransport {
         if options.keep_alive >= options.idle_timeout {
             return Err(Error::InvalidConfig { reason: "keep_alive must be below idle_timeout" });
         }
-        let transport_config = Arc::new(transport_config(&options)?);
-        let server_crypto = QuicServerConfig::try_from(server_tls_config(identity)?).map_err(tls)?;
-        let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
-        server_config.transport_config(Arc::clone(&transport_config));
-        let client_crypto = QuicClientConfig::try_from(client_tls_config(identity)?).map_err(tls)?;
-        let mut client_config = quinn::ClientConfig::new(Arc::new(client_crypto));
-        client_config.transport_config(transport_config);
-        let endpoint = quinn::Endpoint::server(server_config, listen).map_err(|e| io("bind", e))?;
+        let EndpointParts { endpoint, client_config, loopback_client_config } = EndpointParts::new(identity, listen, &options)?;
         let (events, inbox) = mpsc::channel(QUIC_INBOX_FRAMES);
         let shared = Arc::new(QuicShared {
             rank,
@@ -226,11 +293,13 @@ impl QuicTransport {
             options,
             endpoint,
             client_config,
+            loopback_client_config,
             links: Mutex::new(BTreeMap::new()),
             lost: Mutex::new(BTreeSet::new()),
             dial_errors: Mutex::new(BTreeMap::new()),
             links_changed: watch::channel(()).0,
-            events,
+            route: watch::channel(None).0,
+            pull_events: Mutex::new(Some(events)),
             pool: BufferPool::new(),
             tasks: Mutex::new(Vec::new()),
         });
@@ -276,6 +345,26 @@ impl QuicTransport {
         Ok(())
     }
 
+    /// Shuts down gracefully: finishes this rank's streams, waits (at most `timeout`) until every
+    /// peer has read all that was sent on them, then closes the endpoint. Dropping the transport
+    /// instead closes at once and loses frames still in flight, such as the last frames of a
+    /// collective that returned on this rank before its peers received them. Peers see the link end
+    /// ([`TransportEvent::PeerLost`]); sends after `close` fail.
+    pub async fn close(&self, timeout: Duration) {
+        let links: Vec<Link> = lock(&self.shared.links).values().cloned().collect();
+        let drain = async {
+            for link in links {
+                let mut send = link.send.lock().await;
+                if send.finish().is_ok() {
+                    let _ = send.stopped().await;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(timeout, drain).await;
+        self.shared.endpoint.close(0u32.into(), b"closed");
+        let _ = tokio::time::timeout(timeout, self.shared.endpoint.wait_idle()).await;
+    }
+
     /// Ranks with a live link now, in rank order.
     pub fn connected_peers(&self) -> Vec<usize> {
         lock(&self.shared.links).keys().copied().collect()
@@ -291,7 +380,7 @@ impl Transport for QuicTransport {
         self.shared.world
     }
 
-    fn send(&self, peer: usize, frame: crate::pool::PooledBuf) -> BoxFuture<'_, Result<()>> {
+    fn send(&self, peer: usize, frame: PooledBuf) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
             if peer >= self.shared.world {
                 return Err(Error::RankOutOfRange { rank: peer, size: self.shared.world });
@@ -301,12 +390,49 @@ impl Transport for QuicTransport {
                 return Err(lost);
             };
             let mut send = link.send.lock().await;
-            send.write_all(&frame).await.map_err(|_| lost)
+            let mut torn = TornFrame { conn: &link.conn, armed: true };
+            // quinn keeps the bytes until they are acknowledged, then the buffer goes back to the pool.
+            let result = send.write_chunk(bytes::Bytes::from_owner(frame)).await.map_err(|_| lost);
+            torn.armed = false;
+            result
         })
     }
 
+    fn checks_integrity(&self) -> bool {
+        // Every QUIC packet is authenticated (AES-GCM): altered bytes never decrypt.
+        true
+    }
+
     fn recv(&self) -> BoxFuture<'_, Option<TransportEvent>> {
-        Box::pin(async move { self.inbox.lock().await.recv().await })
+        Box::pin(async move {
+            if let Some(events) = lock(&self.shared.pull_events).take() {
+                self.shared.route.send_replace(Some(Route::Pull(events)));
+            }
+            self.inbox.lock().await.recv().await
+        })
+    }
+
+    fn attach(&self, sink: Weak<dyn EventSink>) -> bool {
+        if lock(&self.shared.pull_events).take().is_none() {
+            return false;
+        }
+        self.shared.route.send_replace(Some(Route::Push(sink)));
+        true
+    }
+}
+
+/// Closes the connection if a frame write is abandoned half-way (the future dropped): the peer
+/// could not find the next frame boundary.
+struct TornFrame<'a> {
+    conn: &'a quinn::Connection,
+    armed: bool,
+}
+
+impl Drop for TornFrame<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.conn.close(CLOSE_TORN_FRAME.into(), b"send cancelled mid-frame");
+        }
     }
 }
 
@@ -343,18 +469,34 @@ impl QuicShared {
         let came_back = lock(&self.lost).remove(&peer);
         let shared = Arc::clone(self);
         let task = tokio::spawn(async move {
+            // Nothing is read before someone listens; until then quinn's flow control holds the peer.
+            let route = shared.route().await;
             if came_back {
-                let _ = shared.events.send(TransportEvent::PeerUp(peer)).await;
+                deliver(&route, TransportEvent::PeerUp(peer)).await;
             }
-            read_frames(&shared, peer, &conn, recv).await;
-            shared.link_down(peer, &conn).await;
+            read_frames(&shared, &route, peer, &conn, recv).await;
+            shared.link_down(&route, peer, &conn).await;
         });
         lock(&self.tasks).push(task.abort_handle());
         self.links_changed.send_replace(());
         tracing::debug!(rank = self.rank, peer, "quic link up");
     }
 
-    async fn link_down(&self, peer: usize, conn: &quinn::Connection) {
+    /// The delivery route, once the endpoint has attached or polled.
+    async fn route(&self) -> Route {
+        let mut rx = self.route.subscribe();
+        loop {
+            if let Some(route) = rx.borrow_and_update().clone() {
+                return route;
+            }
+            if rx.changed().await.is_err() {
+                // The sender lives in `self`; it cannot be gone while we hold `self`.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    async fn link_down(&self, route: &Route, peer: usize, conn: &quinn::Connection) {
         {
             let mut links = lock(&self.links);
             if links.get(&peer).is_some_and(|l| l.conn.stable_id() == conn.stable_id()) {
@@ -364,14 +506,62 @@ impl QuicShared {
         let first = lock(&self.lost).insert(peer);
         if first {
             tracing::info!(rank = self.rank, peer, reason = %conn.close_reason().map(|r| r.to_string()).unwrap_or_default(), "quic link lost");
-            // The receiver is gone only when the transport itself is being dropped.
-            let _ = self.events.send(TransportEvent::PeerLost(peer)).await;
+            deliver(route, TransportEvent::PeerLost(peer)).await;
         }
     }
 }
 
-fn transport_config(options: &QuicOptions) -> Result<quinn::TransportConfig> {
+/// Hands `event` to the endpoint; `false` once nobody receives any more.
+async fn deliver(route: &Route, event: TransportEvent) -> bool {
+    match route {
+        Route::Push(sink) => match sink.upgrade() {
+            Some(sink) => {
+                sink.event(event);
+                true
+            }
+            None => false,
+        },
+        Route::Pull(events) => events.send(event).await.is_ok(),
+    }
+}
+
+/// A UDP socket bound to `listen` with larger kernel buffers (a burst of 64 KB packets overflows
+/// the 208 KiB default, and every drop costs a loss-recovery round).
+fn udp_socket(listen: SocketAddr, buffer_bytes: usize) -> Result<std::net::UdpSocket> {
+    let socket = socket2::Socket::new(socket2::Domain::for_address(listen), socket2::Type::DGRAM, Some(socket2::Protocol::UDP)).map_err(|e| io("socket", e))?;
+    if listen.is_ipv6() {
+        // As `std::net::UdpSocket::bind` does on Linux: a v6 socket stays v6-only unless asked.
+        let _ = socket.set_only_v6(false);
+    }
+    // Best effort: the kernel clamps to its maximum, and a smaller buffer still works.
+    let _ = socket.set_recv_buffer_size(buffer_bytes);
+    let _ = socket.set_send_buffer_size(buffer_bytes);
+    socket.bind(&listen.into()).map_err(|e| io("bind", e))?;
+    Ok(socket.into())
+}
+
+/// Transport parameters; `datagram` is the fixed packet size for loopback links (`None`: quinn's
+/// 1200 bytes and path MTU discovery).
+fn transport_config(options: &QuicOptions, datagram: Option<u16>) -> Result<quinn::TransportConfig> {
     let mut config = quinn::TransportConfig::default();
+    if let Some(bytes) = datagram {
+        // Handshake packets carry a 14-bit length: quinn panics building one over 16 KiB. Start
+        // below that and let path MTU discovery climb to `bytes` (a few round trips of a few
+        // microseconds on loopback).
+        config.initial_mtu(bytes.min(LONG_HEADER_MTU));
+        let mut discovery = quinn::MtuDiscoveryConfig::default();
+        discovery.upper_bound(bytes);
+        config.mtu_discovery_config((bytes > LONG_HEADER_MTU).then_some(discovery));
+        // quinn batches up to 10 packets per GSO send, and the kernel refuses a batch over 64 KiB
+        // (quinn-udp then drops it silently: the connection stalls). Jumbo packets gain nothing
+        // from GSO anyway.
+        config.enable_segmentation_offload(usize::from(bytes) * GSO_BATCH <= GSO_MAX_BYTES);
+        // quinn's initial congestion window (14 720 bytes) is smaller than one jumbo packet: the
+        // handshake would never be sent. Start with a window of several packets instead.
+        let mut cubic = quinn::congestion::CubicConfig::default();
+        cubic.initial_window(u64::from(bytes) * INITIAL_WINDOW_PACKETS);
+        config.congestion_controller_factory(Arc::new(cubic));
+    }
     let idle = quinn::IdleTimeout::try_from(options.idle_timeout).map_err(|_| Error::InvalidConfig { reason: "idle_timeout out of range" })?;
     config.max_idle_timeout(Some(idle));
     config.keep_alive_interval(Some(options.keep_alive));
@@ -381,7 +571,110 @@ fn transport_config(options: &QuicOptions) -> Result<quinn::TransportConfig> {
     config.stream_receive_window(window);
     config.receive_window(quinn::VarInt::from_u32(options.stream_window_bytes.saturating_mul(2)));
     config.send_window(u64::from(options.stream_window_bytes) * 2);
+    config.datagram_receive_buffer_size(None);
     Ok(config)
+}
+
+/// A quinn endpoint configured for this transport, and the client configurations to dial with.
+struct EndpointParts {
+    endpoint: quinn::Endpoint,
+    client_config: quinn::ClientConfig,
+    loopback_client_config: quinn::ClientConfig,
+}
+
+impl EndpointParts {
+    fn new(identity: &NodeIdentity, listen: SocketAddr, options: &QuicOptions) -> Result<Self> {
+        let jumbo = options.loopback_datagram_bytes >= 1200;
+        if options.loopback_datagram_bytes > MAX_LOOPBACK_DATAGRAM_BYTES {
+            return Err(Error::InvalidConfig { reason: "loopback_datagram_bytes over 65487" });
+        }
+        let wan = Arc::new(transport_config(options, None)?);
+        let loopback = if jumbo { Arc::new(transport_config(options, Some(options.loopback_datagram_bytes))?) } else { Arc::clone(&wan) };
+        let server_crypto = Arc::new(QuicServerConfig::try_from(server_tls_config(identity)?).map_err(tls)?);
+        let mut server_config = quinn::ServerConfig::with_crypto(server_crypto);
+        // Accepted connections send with the listen address's kind of packets.
+        server_config.transport_config(if listen.ip().is_loopback() { Arc::clone(&loopback) } else { Arc::clone(&wan) });
+        let client_crypto = Arc::new(QuicClientConfig::try_from(client_tls_config(identity)?).map_err(tls)?);
+        let mut client_config = quinn::ClientConfig::new(Arc::clone(&client_crypto) as Arc<dyn quinn::crypto::ClientConfig>);
+        client_config.transport_config(wan);
+        let mut loopback_client_config = quinn::ClientConfig::new(client_crypto);
+        loopback_client_config.transport_config(loopback);
+        let mut endpoint_config = quinn::EndpointConfig::default();
+        if jumbo {
+            // The receiving endpoint must accept what a loopback peer sends: raising only the
+            // connections' MTU gets every large packet dropped.
+            endpoint_config.max_udp_payload_size(MAX_UDP_PAYLOAD).map_err(|_| Error::InvalidConfig { reason: "max_udp_payload_size" })?;
+        }
+        let socket = udp_socket(listen, options.socket_buffer_bytes)?;
+        let runtime = quinn::default_runtime().ok_or(Error::InvalidConfig { reason: "QUIC transport must be bound inside a tokio runtime" })?;
+        let endpoint = quinn::Endpoint::new(endpoint_config, Some(server_config), socket, runtime).map_err(|e| io("bind", e))?;
+        Ok(EndpointParts { endpoint, client_config, loopback_client_config })
+    }
+}
+
+/// A reference measurement for benchmarks: the throughput of one raw quinn stream (no frames, no
+/// copies out of quinn's buffers) between two endpoints of this process on 127.0.0.1, configured
+/// exactly as [`QuicTransport`] with `options`, mutual TLS included. Sends `bytes` in 1 MiB chunks;
+/// with `duplex`, both endpoints send at once on their own stream (the traffic of a two-rank ring).
+/// Returns bytes per second per direction. Call it on a runtime with at least two worker threads.
+pub async fn quic_stream_throughput(options: &QuicOptions, bytes: u64, duplex: bool) -> Result<f64> {
+    let ca = ClusterCa::generate("rtx quic throughput probe")?;
+    let listen: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 0));
+    let a = EndpointParts::new(&ca.issue(0)?, listen, options)?;
+    let b = EndpointParts::new(&ca.issue(1)?, listen, options)?;
+    let b_addr = b.endpoint.local_addr().map_err(|e| io("local_addr", e))?;
+    let failed = |e: &dyn std::fmt::Display| Error::Io { op: "quic throughput probe", reason: e.to_string() };
+    let accept = async { b.endpoint.accept().await.ok_or_else(|| failed(&"endpoint closed"))?.await.map_err(|e| failed(&e)) };
+    let dial = async { a.endpoint.connect_with(a.loopback_client_config.clone(), b_addr, &rank_name(1)).map_err(|e| failed(&e))?.await.map_err(|e| failed(&e)) };
+    let (conn_b, conn_a) = tokio::try_join!(accept, dial)?;
+    // Let path MTU discovery reach the loopback packet size, as it has on a transport in use.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let chunk = bytes::Bytes::from(vec![0x5Au8; 1 << 20]);
+    let send = |conn: quinn::Connection| {
+        let chunk = chunk.clone();
+        async move {
+            let mut stream = conn.open_uni().await.map_err(|e| failed(&e))?;
+            let mut left = bytes;
+            while left > 0 {
+                let n = left.min(chunk.len() as u64) as usize;
+                stream.write_chunk(chunk.slice(..n)).await.map_err(|e| failed(&e))?;
+                left -= n as u64;
+            }
+            stream.finish().map_err(|e| failed(&e))?;
+            // Done once the peer has read everything.
+            let _ = stream.stopped().await;
+            Ok::<(), Error>(())
+        }
+    };
+    let recv = |conn: quinn::Connection| async move {
+        let mut stream = conn.accept_uni().await.map_err(|e| failed(&e))?;
+        let mut got = 0u64;
+        while let Some(chunk) = stream.read_chunk(usize::MAX, true).await.map_err(|e| failed(&e))? {
+            got += chunk.bytes.len() as u64;
+        }
+        Ok::<u64, Error>(got)
+    };
+    let start = std::time::Instant::now();
+    let received = if duplex {
+        let (ab, ba, _, _) = tokio::try_join!(
+            tokio::spawn(recv(conn_b.clone())),
+            tokio::spawn(recv(conn_a.clone())),
+            tokio::spawn(send(conn_a)),
+            tokio::spawn(send(conn_b)),
+        )
+        .map_err(|e| failed(&e))?;
+        ab?.min(ba?)
+    } else {
+        let (got, _) = tokio::try_join!(tokio::spawn(recv(conn_b)), tokio::spawn(send(conn_a))).map_err(|e| failed(&e))?;
+        got?
+    };
+    let seconds = start.elapsed().as_secs_f64();
+    a.endpoint.close(0u32.into(), b"done");
+    b.endpoint.close(0u32.into(), b"done");
+    if received != bytes {
+        return Err(failed(&format!("received {received} of {bytes} bytes")));
+    }
+    Ok(bytes as f64 / seconds)
 }
 
 async fn accept_loop(shared: Arc<QuicShared>) {
@@ -430,7 +723,8 @@ async fn dial(shared: Arc<QuicShared>, peer: usize, addr: SocketAddr) {
 }
 
 async fn dial_once(shared: &Arc<QuicShared>, peer: usize, addr: SocketAddr) -> std::result::Result<(), String> {
-    let connecting = shared.endpoint.connect_with(shared.client_config.clone(), addr, &rank_name(peer)).map_err(|e| e.to_string())?;
+    let config = if addr.ip().is_loopback() { &shared.loopback_client_config } else { &shared.client_config };
+    let connecting = shared.endpoint.connect_with(config.clone(), addr, &rank_name(peer)).map_err(|e| e.to_string())?;
     let conn = connecting.await.map_err(|e| e.to_string())?;
     let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
     send.write_all(&hello(shared.rank)).await.map_err(|e| e.to_string())?;
@@ -444,7 +738,7 @@ async fn dial_once(shared: &Arc<QuicShared>, peer: usize, addr: SocketAddr) -> s
     Ok(())
 }
 
-async fn read_frames(shared: &QuicShared, peer: usize, conn: &quinn::Connection, mut recv: quinn::RecvStream) {
+async fn read_frames(shared: &QuicShared, route: &Route, peer: usize, conn: &quinn::Connection, mut recv: quinn::RecvStream) {
     let mut header = [0u8; HEADER_LEN];
     loop {
         if recv.read_exact(&mut header).await.is_err() {
@@ -459,13 +753,17 @@ async fn read_frames(shared: &QuicShared, peer: usize, conn: &quinn::Connection,
                 return;
             }
         };
-        let mut buf = shared.pool.take(HEADER_LEN + payload_len);
+        let total = HEADER_LEN + payload_len;
+        let mut buf = shared.pool.take(total);
         buf.extend_from_slice(&header);
-        buf.resize(HEADER_LEN + payload_len, 0);
-        if recv.read_exact(&mut buf[HEADER_LEN..]).await.is_err() {
-            return;
+        // quinn hands out its received chunks without copying; one copy puts them in the frame.
+        while buf.len() < total {
+            match recv.read_chunk(total - buf.len(), true).await {
+                Ok(Some(chunk)) => buf.extend_from_slice(&chunk.bytes),
+                Ok(None) | Err(_) => return,
+            }
         }
-        if shared.events.send(TransportEvent::Frame { from: peer, bytes: buf }).await.is_err() {
+        if !deliver(route, TransportEvent::Frame { from: peer, bytes: buf }).await {
             return;
         }
     }

@@ -1,36 +1,62 @@
 //! Shared-memory transport between processes on one machine.
 //!
 //! Each ordered pair of ranks `(src, dst)` has one single-producer single-consumer byte ring in a
-//! memory-mapped file `<dir>/rtx-<job>-<src>-<dst>.ring` (`dir` defaults to `/dev/shm`). Frames are
-//! written into the ring as a byte stream, back to back; the reader takes the 64-byte header,
-//! validates it (including the payload cap) before reading the payload into a pooled buffer, and
-//! hands the frame to the endpoint, which checks the checksum. Frames larger than the ring stream
-//! through it.
+//! memory-mapped file `<dir>/rtx-<job>-<src>-<dst>.ring` (`dir` defaults to `/dev/shm`). Both copies
+//! a frame costs are the unavoidable ones: the writer copies the payload straight from the
+//! caller's tensor into the ring ([`Transport::send_parts`]), and the receiving operation combines
+//! or copies it straight out of the ring into its tensor, because the ring slot is lent to it
+//! ([`EventSink::lent_frame`]) until the frame is dropped.
+//!
+//! Stream format: frames start at 64-byte aligned stream offsets and take `round_up(64 + payload,
+//! 64)` bytes (a slot). A slot of at most an eighth of the ring never wraps around the ring's end:
+//! the writer first fills the rest of the ring with a pad record (`RTXPAD01`, its length). Larger
+//! frames stream through the ring in pieces and are copied out as they arrive. The writer
+//! publishes in steps of at most [`WRITE_STEP`] bytes so the reader can start before the writer is
+//! done.
+//!
+//! Reading: whoever holds a ring's read lock takes the next frame: an operation waiting for a frame
+//! ([`Transport::poll_incoming`], for a short spin), or else the ring's reader thread. The header is
+//! validated (including the payload cap) before anything is delivered. A complete slot is lent to
+//! the endpoint when the ring space pinned behind lent slots stays within half the ring (see
+//! `lend_max` for why the writer then always has room); otherwise the payload is copied into a
+//! pooled buffer. The
+//! ring's `head` (the space the writer may reuse) advances only over slots that were copied out or
+//! given back, in stream order; the reader's own position runs ahead of it.
 //!
 //! Ring layout: a 4 KiB control page (magic, capacity, then `head`, `tail`, the writer's heartbeat
-//! and closed flag, and the reader's closed flag, each on its own cache line) followed by
-//! `ring_bytes` of data. `head` is written only by the reader and `tail` only by the writer; both
-//! count bytes since creation, so `tail - head` is the fill. A side publishes data or space with a
-//! release store and observes the other's with an acquire load. The writer creates the file under a
-//! temporary name and renames it once initialised, so a reader never maps a half-made ring.
+//! and closed flag, the reader's closed flag, and two wake-up words, each on its own cache line)
+//! followed by `ring_bytes` of data. `head` is written only by the reader and `tail` only by the
+//! writer; both count bytes since creation. A side publishes data or space with a release store and
+//! observes the other's with an acquire load. The writer creates the file under a temporary name and
+//! renames it once initialised, so a reader never maps a half-made ring.
 //!
-//! Liveness: every rank bumps the heartbeat of its outgoing rings every
-//! [`ShmOptions::heartbeat`]. A reader that sees the writer's closed flag, or no heartbeat change
-//! for [`ShmOptions::liveness_timeout`], reports [`TransportEvent::PeerLost`], and writers to that
-//! peer fail. Waiting is polling: a few hundred yields, then 1 ms sleeps (tokio's timer
-//! resolution); a futex or eventfd wake-up is the next step if latency matters.
+//! Waiting (an event count on a futex per direction): a side that finds the ring empty (reader) or
+//! full (writer) spins briefly ([`SPIN_ROUNDS`]), then reads the wake-up sequence word, announces
+//! that it sleeps, re-checks the ring, and sleeps in `FUTEX_WAIT` on that word. The other side,
+//! after publishing, bumps the word and calls `FUTEX_WAKE` only if a sleeper is announced, so a busy
+//! link makes no system calls. Futex words live in the shared file (not `FUTEX_PRIVATE`), so the
+//! kernel matches waiters across processes. Reader threads block in the futex directly; a writer is
+//! an async task, so its (rare) sleep for space runs on tokio's blocking pool.
+//!
+//! Liveness: every rank bumps the heartbeat of its outgoing rings every [`ShmOptions::heartbeat`];
+//! a sleeping reader wakes at that period to look. A reader that sees the writer's closed flag, or no
+//! heartbeat change for [`ShmOptions::liveness_timeout`], reports [`TransportEvent::PeerLost`], and
+//! writers to that peer fail. A send cancelled in the middle of a frame closes the link (the stream
+//! cannot be resynchronised), which the peer sees as the writer closing.
 //!
 //! The reader removes a ring's file name as soon as it has mapped it (the writer removes it on drop
 //! if no reader came), so crashed runs leave no files behind once connected. The job name must
 //! still be unique per run: a ring left by a run that crashed while connecting could be mapped by an
 //! early reader of a new run with the same name.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::OpenOptions;
+use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak};
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
@@ -38,12 +64,25 @@ use crate::communicator::DEFAULT_MAX_PAYLOAD_BYTES;
 use crate::error::{Error, Result};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
-use crate::transport::{BoxFuture, Transport, TransportEvent};
+use crate::transport::{BoxFuture, EventSink, LentBytes, Lender, Transport, TransportEvent};
 
-/// Most received frames waiting for the dispatcher before readers stop draining rings.
+/// Most received frames waiting for a polling dispatcher before readers stop draining rings (only
+/// when the endpoint polls instead of attaching).
 pub const SHM_INBOX_FRAMES: usize = 256;
+/// Default [`ShmOptions::ring_bytes`]: frames of the default chunk size are read in place.
+pub const DEFAULT_RING_BYTES: usize = 16 << 20;
+/// Most bytes a writer copies into a ring before publishing them, so the reader copies out while
+/// the writer still copies in.
+const WRITE_STEP: usize = 256 << 10;
+/// Polls of an empty or full ring before a side goes to sleep on the futex (a few microseconds).
+/// Longer spinning measured slower on 2 cores: the spinner takes the CPU the other side needs.
+const SPIN_ROUNDS: u32 = 64;
+/// Stream alignment of frames (and of payloads, which start 64 bytes into their slot).
+const SLOT_ALIGN: usize = 64;
+/// First 8 bytes of a pad record.
+const PAD_MAGIC: u64 = u64::from_le_bytes(*b"RTXPAD01");
 
-const RING_MAGIC: u64 = u64::from_le_bytes(*b"RTXSHM01");
+const RING_MAGIC: u64 = u64::from_le_bytes(*b"RTXSHM03");
 const CONTROL_BYTES: usize = 4096;
 const OFF_MAGIC: usize = 0;
 const OFF_CAPACITY: usize = 8;
@@ -52,11 +91,19 @@ const OFF_TAIL: usize = 128;
 const OFF_WRITER_BEAT: usize = 192;
 const OFF_WRITER_CLOSED: usize = 256;
 const OFF_READER_CLOSED: usize = 320;
-/// Yields before falling back to 1 ms sleeps. More spinning measured slower on 2 cores: the
-/// spinning reader takes the CPU its producer needs.
-const SPIN_ROUNDS: u32 = 256;
+/// Data wake-up: sequence word (bumped by the writer) and the reader's "sleeping" word.
+const OFF_DATA_SEQ: usize = 384;
+const OFF_READER_SLEEPING: usize = 388;
+/// Space wake-up: sequence word (bumped by the reader) and the writer's "sleeping" word.
+const OFF_SPACE_SEQ: usize = 448;
+const OFF_WRITER_SLEEPING: usize = 452;
 const OPEN_RETRY: Duration = Duration::from_millis(5);
-const _: () = assert!(OFF_READER_CLOSED + 8 <= CONTROL_BYTES);
+/// Longest a sleeping writer waits before it re-checks the link (lost peer, closed reader).
+const WRITER_NAP: Duration = Duration::from_millis(20);
+/// Smallest ring: room for a header slot and a pad record.
+const MIN_RING_BYTES: usize = 4096;
+const _: () = assert!(OFF_WRITER_SLEEPING + 4 <= CONTROL_BYTES);
+const _: () = assert!(HEADER_LEN == SLOT_ALIGN);
 
 /// Where and how rings are made.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,7 +112,9 @@ pub struct ShmOptions {
     pub dir: PathBuf,
     /// Job name, unique per run; part of every ring's file name.
     pub job: String,
-    /// Data bytes per ring; a power of two.
+    /// Data bytes per ring; a power of two of at least 4096. Frames up to an eighth of it are
+    /// read in place; keep it above 8 × [`crate::CommConfig::chunk_bytes`] (larger frames are
+    /// copied out).
     pub ring_bytes: usize,
     /// How long [`ShmTransport::connect`] waits for the peers' rings.
     pub connect_timeout: Duration,
@@ -81,7 +130,9 @@ pub struct ShmOptions {
 pub struct ShmTransport {
     shared: Arc<ShmShared>,
     inbox: tokio::sync::Mutex<mpsc::Receiver<TransportEvent>>,
-    tasks: Vec<tokio::task::AbortHandle>,
+    /// The sender half for polled delivery, until the route is chosen.
+    events: Mutex<Option<mpsc::Sender<TransportEvent>>>,
+    heartbeat: tokio::task::AbortHandle,
 }
 
 struct ShmShared {
@@ -89,10 +140,22 @@ struct ShmShared {
     world: usize,
     options: ShmOptions,
     outgoing: BTreeMap<usize, (Arc<Ring>, tokio::sync::Mutex<()>)>,
-    incoming: BTreeMap<usize, Arc<Ring>>,
+    incoming: BTreeMap<usize, Arc<Inbound>>,
     lost: Mutex<BTreeSet<usize>>,
-    events: mpsc::Sender<TransportEvent>,
+    /// Peers whose loss was reported to the endpoint.
+    reported: Mutex<BTreeSet<usize>>,
+    /// Where frames go, once the endpoint attached or polled.
+    route: OnceLock<Route>,
     pool: BufferPool,
+    /// Set when the transport is dropped; reader threads exit.
+    stop: AtomicBool,
+}
+
+/// Where frames are delivered.
+#[derive(Clone)]
+enum Route {
+    Push(Weak<dyn EventSink>),
+    Pull(mpsc::Sender<TransportEvent>),
 }
 
 /// One mapped ring; see the module doc for the protocol.
@@ -107,15 +170,44 @@ struct Ring {
 
 // SAFETY: `base` points into `map`, which lives as long as the `Ring`. All shared mutation goes
 // through atomics in the control page or through the SPSC protocol on the data area (a byte range is
-// written only by the writer before it publishes `tail`, and read only by the reader before it
-// publishes `head`); each side is driven by one task at a time (writers hold the per-peer lock).
+// written only by the writer before it publishes `tail`, and read only by the reader, or a borrower
+// of a lent slot, before `head` passes it); each side is driven by one thread or task at a time
+// (writers hold the per-peer lock, readers the ring's read lock).
 unsafe impl Send for Ring {}
 // SAFETY: as above.
 unsafe impl Sync for Ring {}
 
+/// The receiving end of one ring: its read position and the slots not yet given back.
+struct Inbound {
+    peer: usize,
+    ring: Arc<Ring>,
+    /// Held by whoever takes a frame (the reader thread, or an operation polling).
+    read: Mutex<()>,
+    /// Stream offset of the next unread byte; changed only under `read`.
+    rpos: AtomicU64,
+    consumed: Mutex<Consumed>,
+}
+
+/// Read slots between `head` and `rpos`, in stream order.
+#[derive(Default)]
+struct Consumed {
+    /// (start, end, given back) of each slot or piece taken.
+    pending: VecDeque<(u64, u64, bool)>,
+    /// Bytes lent out and not given back.
+    lent: usize,
+}
+
+/// A frame taken from a ring.
+enum Taken {
+    Lent { header: [u8; HEADER_LEN], payload: LentBytes },
+    Copied(PooledBuf),
+}
+
+#[derive(Debug)]
 enum LinkEnd {
     Closed,
     Silent,
+    Stopped,
 }
 
 impl Default for ShmOptions {
@@ -124,7 +216,7 @@ impl Default for ShmOptions {
         ShmOptions {
             dir: if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() },
             job: "rtx".into(),
-            ring_bytes: 8 << 20,
+            ring_bytes: DEFAULT_RING_BYTES,
             connect_timeout: Duration::from_secs(30),
             heartbeat: Duration::from_millis(100),
             liveness_timeout: Duration::from_secs(3),
@@ -135,13 +227,13 @@ impl Default for ShmOptions {
 
 impl ShmTransport {
     /// Creates this rank's outgoing rings, waits for every peer's ring towards it, and starts the
-    /// readers and the heartbeat.
+    /// heartbeat. Reader threads start when an endpoint attaches (or first polls).
     pub async fn connect(rank: usize, world_size: usize, options: ShmOptions) -> Result<ShmTransport> {
         if rank >= world_size {
             return Err(Error::RankOutOfRange { rank, size: world_size });
         }
-        if !options.ring_bytes.is_power_of_two() || options.ring_bytes < HEADER_LEN {
-            return Err(Error::InvalidConfig { reason: "ring_bytes must be a power of two of at least 64" });
+        if !options.ring_bytes.is_power_of_two() || options.ring_bytes < MIN_RING_BYTES {
+            return Err(Error::InvalidConfig { reason: "ring_bytes must be a power of two of at least 4096" });
         }
         if options.heartbeat >= options.liveness_timeout {
             return Err(Error::InvalidConfig { reason: "heartbeat must be below liveness_timeout" });
@@ -169,16 +261,41 @@ impl ShmTransport {
                 }
                 tokio::time::sleep(OPEN_RETRY).await;
             };
-            incoming.insert(peer, Arc::new(ring));
+            let inbound = Inbound { peer, ring: Arc::new(ring), read: Mutex::new(()), rpos: AtomicU64::new(0), consumed: Mutex::new(Consumed::default()) };
+            incoming.insert(peer, Arc::new(inbound));
         }
         let (events, inbox) = mpsc::channel(SHM_INBOX_FRAMES);
-        let shared =
-            Arc::new(ShmShared { rank, world: world_size, options, outgoing, incoming, lost: Mutex::new(BTreeSet::new()), events, pool: BufferPool::new() });
-        let mut tasks = vec![tokio::spawn(heartbeat(Arc::clone(&shared))).abort_handle()];
-        for &peer in &peers {
-            tasks.push(tokio::spawn(read_frames(Arc::clone(&shared), peer)).abort_handle());
+        let shared = Arc::new(ShmShared {
+            rank,
+            world: world_size,
+            options,
+            outgoing,
+            incoming,
+            lost: Mutex::new(BTreeSet::new()),
+            reported: Mutex::new(BTreeSet::new()),
+            route: OnceLock::new(),
+            pool: BufferPool::new(),
+            stop: AtomicBool::new(false),
+        });
+        let heartbeat = tokio::spawn(heartbeat(Arc::clone(&shared))).abort_handle();
+        Ok(ShmTransport { shared, inbox: tokio::sync::Mutex::new(inbox), events: Mutex::new(Some(events)), heartbeat })
+    }
+
+    /// Sets where frames go and starts one reader thread per incoming ring (called once, by
+    /// whoever takes the polled-delivery sender first).
+    fn start_readers(&self, route: Route) {
+        if self.shared.route.set(route.clone()).is_err() {
+            return;
         }
-        Ok(ShmTransport { shared, inbox: tokio::sync::Mutex::new(inbox), tasks })
+        for (&peer, inbound) in &self.shared.incoming {
+            let (shared, inbound, route) = (Arc::clone(&self.shared), Arc::clone(inbound), route.clone());
+            let spawned =
+                std::thread::Builder::new().name(format!("rtx-shm-{}<-{peer}", self.shared.rank)).spawn(move || read_frames(&shared, &inbound, &route));
+            if let Err(e) = spawned {
+                tracing::error!(rank = self.shared.rank, peer, error = %e, "could not start a shared-memory reader thread");
+                lock(&self.shared.lost).insert(peer);
+            }
+        }
     }
 }
 
@@ -192,41 +309,81 @@ impl Transport for ShmTransport {
     }
 
     fn send(&self, peer: usize, frame: PooledBuf) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
-            let Some((ring, lock)) = self.shared.outgoing.get(&peer) else {
-                return Err(Error::RankOutOfRange { rank: peer, size: self.shared.world });
-            };
-            let _writer = lock.lock().await;
-            let mut written = 0;
-            let mut idle = 0u32;
-            while written < frame.len() {
-                if self.shared.is_lost(peer) || ring.flag(OFF_READER_CLOSED) {
-                    return Err(lost);
-                }
-                let n = ring.write_some(&frame[written..]);
-                written += n;
-                idle = if n > 0 { 0 } else { wait(idle).await };
-            }
-            Ok(())
-        })
+        Box::pin(async move { self.shared.write_frame(peer, &[&frame]).await })
+    }
+
+    fn checks_integrity(&self) -> bool {
+        // Bytes move through memory shared by the two processes.
+        true
     }
 
     fn recv(&self) -> BoxFuture<'_, Option<TransportEvent>> {
-        Box::pin(async move { self.inbox.lock().await.recv().await })
+        Box::pin(async move {
+            if let Some(events) = lock(&self.events).take() {
+                self.start_readers(Route::Pull(events));
+            }
+            self.inbox.lock().await.recv().await
+        })
+    }
+
+    fn send_parts<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: &'a [u8], _pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { self.shared.write_frame(peer, &[header, payload]).await })
+    }
+
+    fn poll_incoming(&self) -> Option<usize> {
+        // Only with push delivery: a polled transport's frames must go through its channel.
+        let route @ Route::Push(_) = self.shared.route.get()? else { return None };
+        let mut delivered = 0;
+        for inbound in self.shared.incoming.values() {
+            if inbound.available() < HEADER_LEN {
+                continue;
+            }
+            let _reading = match inbound.read.try_lock() {
+                Ok(guard) => guard,
+                Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+                // The reader thread is on it.
+                Err(TryLockError::WouldBlock) => continue,
+            };
+            loop {
+                match take_frame(&self.shared, inbound, route, None) {
+                    Ok(Some(taken)) => {
+                        deliver_taken(route, inbound.peer, taken);
+                        delivered += 1;
+                    }
+                    Ok(None) => break,
+                    Err(end) => {
+                        link_ended(&self.shared, inbound, route, &end);
+                        break;
+                    }
+                }
+            }
+        }
+        Some(delivered)
+    }
+
+    fn attach(&self, sink: Weak<dyn EventSink>) -> bool {
+        if lock(&self.events).take().is_none() {
+            // Already being polled.
+            return false;
+        }
+        self.start_readers(Route::Push(sink));
+        true
     }
 }
 
 impl Drop for ShmTransport {
     fn drop(&mut self) {
-        for task in &self.tasks {
-            task.abort();
-        }
+        self.heartbeat.abort();
+        self.shared.stop.store(true, Ordering::SeqCst);
         for (ring, _) in self.shared.outgoing.values() {
             ring.set_flag(OFF_WRITER_CLOSED);
+            ring.wake_reader();
         }
-        for ring in self.shared.incoming.values() {
-            ring.set_flag(OFF_READER_CLOSED);
+        for inbound in self.shared.incoming.values() {
+            inbound.ring.set_flag(OFF_READER_CLOSED);
+            // Wake our own reader thread (it sleeps on this word) so it sees `stop`.
+            futex_wake(inbound.ring.word(OFF_DATA_SEQ));
+            inbound.ring.wake_writer();
         }
     }
 }
@@ -241,9 +398,125 @@ impl std::fmt::Debug for ShmTransport {
     }
 }
 
+/// Marks a link closed if a frame write is abandoned half-way (the future dropped).
+struct TornFrame<'a> {
+    shared: &'a ShmShared,
+    ring: &'a Ring,
+    peer: usize,
+    armed: bool,
+}
+
+impl Drop for TornFrame<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        tracing::warn!(rank = self.shared.rank, peer = self.peer, "send cancelled mid-frame: closing the shared-memory link");
+        lock(&self.shared.lost).insert(self.peer);
+        self.ring.set_flag(OFF_WRITER_CLOSED);
+        self.ring.wake_reader();
+        if lock(&self.shared.reported).insert(self.peer) {
+            match self.shared.route.get() {
+                Some(Route::Push(sink)) => {
+                    if let Some(sink) = sink.upgrade() {
+                        sink.event(TransportEvent::PeerLost(self.peer));
+                    }
+                }
+                Some(Route::Pull(events)) => {
+                    let _ = events.try_send(TransportEvent::PeerLost(self.peer));
+                }
+                None => {}
+            }
+        }
+    }
+}
+
+/// What the writer puts into the ring: bytes, or a gap it only skips over.
+enum Put<'a> {
+    Bytes(&'a [u8]),
+    Skip(usize),
+}
+
 impl ShmShared {
     fn is_lost(&self, peer: usize) -> bool {
         lock(&self.lost).contains(&peer)
+    }
+
+    /// Writes the concatenation of `parts` (one frame) into the ring towards `peer`, in a slot
+    /// that does not wrap if it fits in half the ring.
+    async fn write_frame(&self, peer: usize, parts: &[&[u8]]) -> Result<()> {
+        let Some((ring, lock)) = self.outgoing.get(&peer) else {
+            return Err(Error::RankOutOfRange { rank: peer, size: self.world });
+        };
+        let _writer = lock.lock().await;
+        if self.is_lost(peer) || ring.flag(OFF_READER_CLOSED) || ring.flag(OFF_WRITER_CLOSED) {
+            return Err(Error::PeerLost { rank: peer, op: OpKind::Send });
+        }
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let slot = round_up(total, SLOT_ALIGN);
+        let mut torn = TornFrame { shared: self, ring, peer, armed: true };
+        let pos = ring.tail() as usize & (ring.capacity - 1);
+        if slot <= lend_max(ring.capacity) && pos + slot > ring.capacity {
+            let pad = ring.capacity - pos;
+            let mut record = [0u8; SLOT_ALIGN];
+            record[..8].copy_from_slice(&PAD_MAGIC.to_le_bytes());
+            record[8..16].copy_from_slice(&(pad as u64).to_le_bytes());
+            self.put(peer, ring, Put::Bytes(&record)).await?;
+            self.put(peer, ring, Put::Skip(pad - SLOT_ALIGN)).await?;
+        }
+        for part in parts {
+            self.put(peer, ring, Put::Bytes(part)).await?;
+        }
+        self.put(peer, ring, Put::Skip(slot - total)).await?;
+        torn.armed = false;
+        Ok(())
+    }
+
+    /// Puts `what` into the ring, publishing as it goes and waiting for space when it is full.
+    async fn put(&self, peer: usize, ring: &Arc<Ring>, what: Put<'_>) -> Result<()> {
+        let len = match what {
+            Put::Bytes(b) => b.len(),
+            Put::Skip(n) => n,
+        };
+        let mut done = 0;
+        while done < len {
+            let step = (len - done).min(WRITE_STEP);
+            let n = match what {
+                Put::Bytes(b) => ring.write_some(Some(&b[done..done + step]), step),
+                Put::Skip(_) => ring.write_some(None, step),
+            };
+            if n > 0 {
+                done += n;
+                ring.wake_reader();
+                continue;
+            }
+            if self.is_lost(peer) || ring.flag(OFF_READER_CLOSED) {
+                return Err(Error::PeerLost { rank: peer, op: OpKind::Send });
+            }
+            wait_for_space(ring).await;
+        }
+        Ok(())
+    }
+}
+
+/// Waits until the ring has free space (or a nap passed): spins, then sleeps on the space futex on
+/// tokio's blocking pool.
+async fn wait_for_space(ring: &Arc<Ring>) {
+    for _ in 0..SPIN_ROUNDS {
+        if ring.free() > 0 {
+            return;
+        }
+        std::hint::spin_loop();
+    }
+    tokio::task::yield_now().await;
+    if ring.free() > 0 {
+        return;
+    }
+    let ring = Arc::clone(ring);
+    let slept = tokio::task::spawn_blocking(move || ring.sleep_for_space(WRITER_NAP)).await;
+    if slept.is_err() {
+        // No blocking pool (the runtime is shutting down): fall back to a timer nap.
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 
@@ -295,6 +568,13 @@ impl Ring {
         unsafe { &*self.base.add(offset).cast::<AtomicU64>() }
     }
 
+    fn word(&self, offset: usize) -> &AtomicU32 {
+        debug_assert!(offset % 4 == 0 && offset + 4 <= CONTROL_BYTES);
+        // SAFETY: as for `atomic`; these 32-bit words are futex words, only accessed atomically and
+        // by the kernel's futex calls.
+        unsafe { &*self.base.add(offset).cast::<AtomicU32>() }
+    }
+
     fn flag(&self, offset: usize) -> bool {
         self.atomic(offset).load(Ordering::Acquire) != 0
     }
@@ -303,50 +583,105 @@ impl Ring {
         self.atomic(offset).store(1, Ordering::Release);
     }
 
-    /// Writer side: copies as much of `src` as fits; returns the byte count.
-    fn write_some(&self, src: &[u8]) -> usize {
+    fn tail(&self) -> u64 {
+        self.atomic(OFF_TAIL).load(Ordering::Acquire)
+    }
+
+    /// Bytes the writer may not overwrite yet.
+    fn fill(&self) -> usize {
+        let head = self.atomic(OFF_HEAD).load(Ordering::Acquire);
+        self.tail().wrapping_sub(head) as usize
+    }
+
+    fn free(&self) -> usize {
+        self.capacity - self.fill()
+    }
+
+    /// Writer side, after publishing: bumps the data word and wakes a sleeping reader.
+    fn wake_reader(&self) {
+        self.word(OFF_DATA_SEQ).fetch_add(1, Ordering::SeqCst);
+        if self.word(OFF_READER_SLEEPING).load(Ordering::SeqCst) != 0 {
+            futex_wake(self.word(OFF_DATA_SEQ));
+        }
+    }
+
+    /// Reader side, after giving space back: bumps the space word and wakes a sleeping writer.
+    fn wake_writer(&self) {
+        self.word(OFF_SPACE_SEQ).fetch_add(1, Ordering::SeqCst);
+        if self.word(OFF_WRITER_SLEEPING).load(Ordering::SeqCst) != 0 {
+            futex_wake(self.word(OFF_SPACE_SEQ));
+        }
+    }
+
+    /// Reader side: sleeps until the writer publishes past `rpos` (or `timeout`), unless it did
+    /// already, or a closed flag or `stop` is set. Spurious returns are fine; the caller re-checks.
+    fn sleep_for_data(&self, rpos: u64, timeout: Duration, stop: &AtomicBool) {
+        let seq = self.word(OFF_DATA_SEQ).load(Ordering::SeqCst);
+        self.word(OFF_READER_SLEEPING).store(1, Ordering::SeqCst);
+        if self.tail() == rpos && !self.flag(OFF_WRITER_CLOSED) && !stop.load(Ordering::SeqCst) {
+            futex_wait(self.word(OFF_DATA_SEQ), seq, timeout);
+        }
+        self.word(OFF_READER_SLEEPING).store(0, Ordering::SeqCst);
+    }
+
+    /// Writer side: sleeps until the reader frees space (or `timeout`); see `sleep_for_data`.
+    fn sleep_for_space(&self, timeout: Duration) {
+        let seq = self.word(OFF_SPACE_SEQ).load(Ordering::SeqCst);
+        self.word(OFF_WRITER_SLEEPING).store(1, Ordering::SeqCst);
+        if self.free() == 0 && !self.flag(OFF_READER_CLOSED) {
+            futex_wait(self.word(OFF_SPACE_SEQ), seq, timeout);
+        }
+        self.word(OFF_WRITER_SLEEPING).store(0, Ordering::SeqCst);
+    }
+
+    /// Writer side: puts up to `len` bytes (copied from `src`, or skipped over when `None`) into
+    /// the free space and publishes them; returns the byte count.
+    fn write_some(&self, src: Option<&[u8]>, len: usize) -> usize {
         let tail = self.atomic(OFF_TAIL).load(Ordering::Relaxed);
         let head = self.atomic(OFF_HEAD).load(Ordering::Acquire);
         let used = tail.wrapping_sub(head) as usize;
         debug_assert!(used <= self.capacity, "ring: fill within capacity");
-        let n = src.len().min(self.capacity - used);
+        let n = len.min(self.capacity - used);
         if n == 0 {
             return 0;
         }
-        let start = (tail as usize) & (self.capacity - 1);
-        let first = n.min(self.capacity - start);
-        // SAFETY: bytes `tail..tail + n` (mod capacity) are free: the reader has published `head`
-        // past them and reads nothing beyond `tail` until we publish it below.
-        unsafe {
-            let data = self.base.add(CONTROL_BYTES);
-            std::ptr::copy_nonoverlapping(src.as_ptr(), data.add(start), first);
-            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), data, n - first);
+        if let Some(src) = src {
+            let start = (tail as usize) & (self.capacity - 1);
+            let first = n.min(self.capacity - start);
+            // SAFETY: bytes `tail..tail + n` (mod capacity) are free: the reader has given back
+            // everything before `head`, and reads nothing beyond `tail` until we publish it below.
+            unsafe {
+                let data = self.base.add(CONTROL_BYTES);
+                std::ptr::copy_nonoverlapping(src.as_ptr(), data.add(start), first);
+                std::ptr::copy_nonoverlapping(src.as_ptr().add(first), data, n - first);
+            }
         }
         self.atomic(OFF_TAIL).store(tail + n as u64, Ordering::Release);
         n
     }
 
-    /// Reader side: copies up to `dst.len()` available bytes; returns the byte count.
-    fn read_some(&self, dst: &mut [u8]) -> usize {
-        let head = self.atomic(OFF_HEAD).load(Ordering::Relaxed);
-        let tail = self.atomic(OFF_TAIL).load(Ordering::Acquire);
-        let available = tail.wrapping_sub(head) as usize;
-        debug_assert!(available <= self.capacity, "ring: fill within capacity");
-        let n = dst.len().min(available);
-        if n == 0 {
-            return 0;
-        }
-        let start = (head as usize) & (self.capacity - 1);
+    /// Reader side: copies `dst.len()` published bytes starting at stream offset `pos`.
+    fn copy_out(&self, pos: u64, dst: &mut [MaybeUninit<u8>]) {
+        let n = dst.len();
+        debug_assert!(self.tail().wrapping_sub(pos) as usize >= n, "ring: copy within the published bytes");
+        let start = (pos as usize) & (self.capacity - 1);
         let first = n.min(self.capacity - start);
-        // SAFETY: bytes `head..head + n` (mod capacity) were published by the writer's release
-        // store of `tail`, and it does not overwrite them until we publish `head` below.
+        // SAFETY: bytes `pos..pos + n` (mod capacity) were published by the writer's release store
+        // of `tail`, and it does not overwrite them before `head` passes them, which only happens
+        // after the reader is done; `dst` has room for `n` bytes.
         unsafe {
             let data = self.base.add(CONTROL_BYTES);
-            std::ptr::copy_nonoverlapping(data.add(start), dst.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(data, dst.as_mut_ptr().add(first), n - first);
+            let out = dst.as_mut_ptr().cast::<u8>();
+            std::ptr::copy_nonoverlapping(data.add(start), out, first);
+            std::ptr::copy_nonoverlapping(data, out.add(first), n - first);
         }
-        self.atomic(OFF_HEAD).store(head + n as u64, Ordering::Release);
-        n
+    }
+
+    /// The data area at stream offset `pos` (for a slot that does not wrap).
+    fn data_at(&self, pos: u64) -> NonNull<u8> {
+        let start = (pos as usize) & (self.capacity - 1);
+        // SAFETY: `start < capacity`, inside the mapping; the mapping base is never null.
+        unsafe { NonNull::new_unchecked(self.base.add(CONTROL_BYTES + start)) }
     }
 }
 
@@ -356,6 +691,68 @@ impl Drop for Ring {
             // Usually the reader removed the name already; this covers a reader that never came.
             let _ = std::fs::remove_file(&self.path);
         }
+    }
+}
+
+impl Inbound {
+    fn rpos(&self) -> u64 {
+        self.rpos.load(Ordering::Acquire)
+    }
+
+    /// Published bytes not read yet.
+    fn available(&self) -> usize {
+        self.ring.tail().wrapping_sub(self.rpos()) as usize
+    }
+
+    /// Marks `len` bytes at the read position read (under the read lock); a copied range is given
+    /// back at once, a lent one when its [`LentBytes`] is dropped. Returns the range's end, which
+    /// is the lending token.
+    fn consume(&self, len: usize, lent: bool) -> u64 {
+        let start = self.rpos();
+        let end = start + len as u64;
+        self.rpos.store(end, Ordering::Release);
+        let mut consumed = lock(&self.consumed);
+        consumed.pending.push_back((start, end, !lent));
+        if lent {
+            consumed.lent += len;
+        } else {
+            self.advance_head(&mut consumed);
+        }
+        end
+    }
+
+    /// Moves `head` over the given-back ranges at the front and tells the writer.
+    fn advance_head(&self, consumed: &mut MutexGuard<'_, Consumed>) {
+        let mut head = None;
+        while let Some(&(_, end, true)) = consumed.pending.front() {
+            head = Some(end);
+            consumed.pending.pop_front();
+        }
+        if let Some(head) = head {
+            self.ring.atomic(OFF_HEAD).store(head, Ordering::Release);
+            self.ring.wake_writer();
+        }
+    }
+
+    /// Bytes between `head` and the end of the next `slot` bytes: what the writer cannot reuse
+    /// if that slot is lent now.
+    fn pinned_after(&self, slot: usize) -> usize {
+        let head = self.ring.atomic(OFF_HEAD).load(Ordering::Acquire);
+        (self.rpos() + slot as u64).wrapping_sub(head) as usize
+    }
+}
+
+impl Lender for Inbound {
+    fn release(&self, token: u64) {
+        let mut consumed = lock(&self.consumed);
+        let Some(entry) = consumed.pending.iter_mut().find(|(_, end, _)| *end == token) else {
+            debug_assert!(false, "released a slot that was not lent");
+            return;
+        };
+        entry.2 = true;
+        let len = (entry.1 - entry.0) as usize;
+        consumed.lent -= len;
+        self.advance_head(&mut consumed);
     }
 }
 
@@ -369,86 +766,271 @@ async fn heartbeat(shared: Arc<ShmShared>) {
     }
 }
 
-async fn read_frames(shared: Arc<ShmShared>, peer: usize) {
-    let Some(ring) = shared.incoming.get(&peer) else {
-        return;
-    };
-    let mut header = [0u8; HEADER_LEN];
+/// A reader thread: frames from its ring to `route` until the link ends or the transport stops.
+/// It holds the read lock only while it takes a frame, so a polling operation can take frames in
+/// between.
+fn read_frames(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route) {
+    let mut watch = Liveness::new(&inbound.ring, shared.options.liveness_timeout);
     let end = loop {
-        if let Err(end) = read_exact(&shared, ring, &mut header).await {
+        if let Err(end) = wait_for_data(shared, inbound, &mut watch) {
             break end;
+        }
+        let _reading = lock(&inbound.read);
+        if inbound.available() == 0 {
+            // A polling operation took it.
+            continue;
+        }
+        match take_frame(shared, inbound, route, Some(&mut watch)) {
+            Ok(Some(taken)) => {
+                if !deliver_taken(route, inbound.peer, taken) {
+                    return;
+                }
+            }
+            Ok(None) => {}
+            Err(end) => break end,
+        }
+    };
+    link_ended(shared, inbound, route, &end);
+}
+
+/// Hands a taken frame to the endpoint; `false` once nobody receives any more.
+fn deliver_taken(route: &Route, from: usize, taken: Taken) -> bool {
+    match (taken, route) {
+        (Taken::Lent { header, payload }, Route::Push(sink)) => match sink.upgrade() {
+            Some(sink) => {
+                sink.lent_frame(from, header, payload);
+                true
+            }
+            None => false,
+        },
+        (Taken::Copied(bytes), route) => deliver(route, TransportEvent::Frame { from, bytes }),
+        // `take_frame` lends only on a push route.
+        (Taken::Lent { .. }, Route::Pull(_)) => false,
+    }
+}
+
+/// Reports the end of the link from the inbound ring's peer (once) and tells its writer.
+fn link_ended(shared: &ShmShared, inbound: &Inbound, route: &Route, end: &LinkEnd) {
+    let why = match end {
+        LinkEnd::Stopped => return,
+        LinkEnd::Silent => "heartbeat stopped",
+        LinkEnd::Closed => "closed",
+    };
+    let peer = inbound.peer;
+    inbound.ring.set_flag(OFF_READER_CLOSED);
+    inbound.ring.wake_writer();
+    lock(&shared.lost).insert(peer);
+    if lock(&shared.reported).insert(peer) {
+        tracing::info!(rank = shared.rank, peer, why, "shared-memory peer lost");
+        deliver(route, TransportEvent::PeerLost(peer));
+    }
+}
+
+/// Takes the next frame at the read position; the caller holds the read lock. With `watch` (the
+/// reader thread) it blocks until the frame is there; without (a polling operation) it takes only
+/// a slot that is complete and lendable, and returns `None` otherwise. Pad records are skipped.
+fn take_frame(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route, mut watch: Option<&mut Liveness>) -> std::result::Result<Option<Taken>, LinkEnd> {
+    let ring = &inbound.ring;
+    loop {
+        if inbound.available() < HEADER_LEN {
+            match watch.as_deref_mut() {
+                Some(watch) => wait_until(shared, inbound, HEADER_LEN, watch)?,
+                None => return Ok(None),
+            }
+        }
+        let mut header = [MaybeUninit::<u8>::uninit(); HEADER_LEN];
+        ring.copy_out(inbound.rpos(), &mut header);
+        // SAFETY: `copy_out` initialised every byte.
+        let header: [u8; HEADER_LEN] = unsafe { std::mem::transmute::<[MaybeUninit<u8>; HEADER_LEN], [u8; HEADER_LEN]>(header) };
+        if header[..8] == PAD_MAGIC.to_le_bytes() {
+            let pad = u64::from_le_bytes([header[8], header[9], header[10], header[11], header[12], header[13], header[14], header[15]]) as usize;
+            let pos = inbound.rpos() as usize & (ring.capacity - 1);
+            if pad < SLOT_ALIGN || pos + pad != ring.capacity {
+                tracing::warn!(rank = shared.rank, peer = inbound.peer, pad, pos, "bad pad record in ring, dropping link");
+                return Err(LinkEnd::Closed);
+            }
+            if inbound.available() < pad {
+                match watch.as_deref_mut() {
+                    Some(watch) => wait_until(shared, inbound, pad, watch)?,
+                    None => return Ok(None),
+                }
+            }
+            inbound.consume(pad, false);
+            continue;
         }
         let payload_len = match decode_header(&header, shared.options.max_payload_bytes) {
             // Bounded by the cap just checked, so it fits in usize.
             Ok(h) => h.payload_len as usize,
             Err(error) => {
-                tracing::warn!(rank = shared.rank, peer, %error, "bad frame header in ring, dropping link");
-                break LinkEnd::Closed;
-            }
-        };
-        let mut buf = shared.pool.take(HEADER_LEN + payload_len);
-        buf.extend_from_slice(&header);
-        buf.resize(HEADER_LEN + payload_len, 0);
-        if let Err(end) = read_exact(&shared, ring, &mut buf[HEADER_LEN..]).await {
-            break end;
-        }
-        if shared.events.send(TransportEvent::Frame { from: peer, bytes: buf }).await.is_err() {
-            return;
-        }
-    };
-    let why = match end {
-        LinkEnd::Closed => "closed",
-        LinkEnd::Silent => "heartbeat stopped",
-    };
-    tracing::info!(rank = shared.rank, peer, why, "shared-memory peer lost");
-    ring.set_flag(OFF_READER_CLOSED);
-    lock(&shared.lost).insert(peer);
-    let _ = shared.events.send(TransportEvent::PeerLost(peer)).await;
-}
-
-async fn read_exact(shared: &ShmShared, ring: &Ring, dst: &mut [u8]) -> std::result::Result<(), LinkEnd> {
-    let mut filled = 0;
-    let mut idle = 0u32;
-    let mut beat = ring.atomic(OFF_WRITER_BEAT).load(Ordering::Acquire);
-    let mut beat_seen = tokio::time::Instant::now();
-    while filled < dst.len() {
-        let n = ring.read_some(&mut dst[filled..]);
-        filled += n;
-        if n > 0 {
-            idle = 0;
-            continue;
-        }
-        if ring.flag(OFF_WRITER_CLOSED) {
-            // Everything written before the flag is visible now; take it before giving up.
-            let n = ring.read_some(&mut dst[filled..]);
-            filled += n;
-            if n == 0 {
+                tracing::warn!(rank = shared.rank, peer = inbound.peer, %error, "bad frame header in ring, dropping link");
                 return Err(LinkEnd::Closed);
             }
-            continue;
+        };
+        let slot = round_up(HEADER_LEN + payload_len, SLOT_ALIGN);
+        let lendable = matches!(route, Route::Push(_)) && slot <= lend_max(ring.capacity) && inbound.pinned_after(slot) <= ring.capacity / 2;
+        if lendable {
+            if inbound.available() < slot {
+                match watch.as_deref_mut() {
+                    Some(watch) => wait_until(shared, inbound, slot, watch)?,
+                    None => return Ok(None),
+                }
+            }
+            let payload_at = ring.data_at(inbound.rpos() + HEADER_LEN as u64);
+            let token = inbound.consume(slot, true);
+            let lender: Arc<dyn Lender> = Arc::clone(inbound) as Arc<dyn Lender>;
+            // SAFETY: the slot does not wrap (the writer pads before slots up to half the ring),
+            // is published, and stays reserved (head does not pass it) until this `LentBytes` is
+            // dropped and calls `release(token)`; `lender` keeps the mapping alive.
+            let payload = unsafe { LentBytes::new(payload_at, payload_len, lender, token) };
+            return Ok(Some(Taken::Lent { header, payload }));
         }
-        let now_beat = ring.atomic(OFF_WRITER_BEAT).load(Ordering::Acquire);
-        if now_beat != beat {
-            beat = now_beat;
-            beat_seen = tokio::time::Instant::now();
-        } else if beat_seen.elapsed() > shared.options.liveness_timeout {
-            return Err(LinkEnd::Silent);
+        // Copy it out as it arrives; only the reader thread waits for that.
+        let Some(watch) = watch.as_deref_mut() else { return Ok(None) };
+        inbound.consume(HEADER_LEN, false);
+        let mut buf = shared.pool.take(HEADER_LEN + payload_len);
+        buf.extend_from_slice(&header);
+        let mut filled = 0;
+        while filled < payload_len {
+            let n = inbound.available().min(payload_len - filled);
+            if n == 0 {
+                wait_until(shared, inbound, 1, watch)?;
+                continue;
+            }
+            ring.copy_out(inbound.rpos(), &mut buf.spare_capacity_mut()[filled..filled + n]);
+            inbound.consume(n, false);
+            filled += n;
         }
-        idle = wait(idle).await;
+        // SAFETY: the loop initialised the `payload_len` bytes after the header.
+        unsafe { buf.set_len(HEADER_LEN + payload_len) };
+        let gap = slot - HEADER_LEN - payload_len;
+        if gap > 0 {
+            wait_until(shared, inbound, gap, watch)?;
+            inbound.consume(gap, false);
+        }
+        return Ok(Some(Taken::Copied(buf)));
     }
-    Ok(())
 }
 
-/// Backs off while a ring is empty or full: yields a little first, then sleeps a timer tick at a
-/// time.
-async fn wait(idle: u32) -> u32 {
-    if idle < SPIN_ROUNDS {
-        tokio::task::yield_now().await;
-    } else {
-        tokio::time::sleep(Duration::from_millis(1)).await;
+/// Hands `event` to the endpoint; `false` once nobody receives any more.
+fn deliver(route: &Route, event: TransportEvent) -> bool {
+    match route {
+        Route::Push(sink) => match sink.upgrade() {
+            Some(sink) => {
+                sink.event(event);
+                true
+            }
+            None => false,
+        },
+        Route::Pull(events) => events.blocking_send(event).is_ok(),
     }
-    idle.saturating_add(1)
 }
+
+/// The writer's heartbeat as last seen by a reader.
+struct Liveness {
+    beat: u64,
+    seen: Instant,
+    timeout: Duration,
+}
+
+impl Liveness {
+    fn new(ring: &Ring, timeout: Duration) -> Self {
+        Liveness { beat: ring.atomic(OFF_WRITER_BEAT).load(Ordering::Acquire), seen: Instant::now(), timeout }
+    }
+
+    /// Whether the writer's heartbeat moved within the timeout.
+    fn alive(&mut self, ring: &Ring) -> bool {
+        let beat = ring.atomic(OFF_WRITER_BEAT).load(Ordering::Acquire);
+        if beat != self.beat {
+            self.beat = beat;
+            self.seen = Instant::now();
+        }
+        self.seen.elapsed() <= self.timeout
+    }
+}
+
+/// Waits (without the read lock) until the ring has unread data.
+fn wait_for_data(shared: &ShmShared, inbound: &Inbound, watch: &mut Liveness) -> std::result::Result<(), LinkEnd> {
+    wait_until(shared, inbound, 1, watch)
+}
+
+/// Waits until at least `want` unread bytes are published: spins briefly, then sleeps on the
+/// futex, waking at the heartbeat period to check liveness.
+fn wait_until(shared: &ShmShared, inbound: &Inbound, want: usize, watch: &mut Liveness) -> std::result::Result<(), LinkEnd> {
+    let ring = &inbound.ring;
+    let mut idle = 0u32;
+    loop {
+        if inbound.available() >= want {
+            return Ok(());
+        }
+        if shared.stop.load(Ordering::Relaxed) {
+            return Err(LinkEnd::Stopped);
+        }
+        if ring.flag(OFF_WRITER_CLOSED) {
+            // Everything written before the flag is visible now.
+            return if inbound.available() >= want { Ok(()) } else { Err(LinkEnd::Closed) };
+        }
+        if idle < SPIN_ROUNDS {
+            idle += 1;
+            std::hint::spin_loop();
+            continue;
+        }
+        if !watch.alive(ring) {
+            return Err(LinkEnd::Silent);
+        }
+        // Sleep while nothing new is published past what is there now.
+        ring.sleep_for_data(ring.tail(), shared.options.heartbeat, &shared.stop);
+    }
+}
+
+/// Largest slot that is written without wrapping and may be lent: an eighth of the ring.
+///
+/// Why it cannot deadlock: a slot is lent only while the bytes pinned behind the oldest lent slot
+/// stay within half the ring, and an operation holds at most three lent frames of one ring while it
+/// waits for the next (the ring algorithms copy a forwarded frame out if more wait in their queue),
+/// so the writer always has room for the next slot and a pad record: 1/2 + 3/8 + 1/8 of the ring.
+fn lend_max(capacity: usize) -> usize {
+    capacity / 8
+}
+
+fn round_up(n: usize, to: usize) -> usize {
+    n.div_ceil(to) * to
+}
+
+/// Sleeps while `*word == expected`, at most `timeout`, across processes (non-private futex).
+#[cfg(target_os = "linux")]
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::try_from(timeout.subsec_nanos()).unwrap_or(0),
+    };
+    // SAFETY: `word` is a valid, aligned 32-bit word for the duration of the call (it lives in a
+    // mapping the caller keeps alive); FUTEX_WAIT only reads it. Errors (EAGAIN when the value
+    // changed, EINTR, ETIMEDOUT) all mean "look again", which every caller does.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec, std::ptr::null::<u32>(), 0u32);
+    }
+}
+
+/// Wakes every sleeper on `word`.
+#[cfg(target_os = "linux")]
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as for `futex_wait`; FUTEX_WAKE does not access memory through the pointer beyond
+    // identifying the futex.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, std::ptr::null::<libc::timespec>(), std::ptr::null::<u32>(), 0u32);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    // No futex: poll at a fine period instead.
+    if word.load(Ordering::SeqCst) == expected {
+        std::thread::sleep(timeout.min(Duration::from_micros(50)));
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn futex_wake(_word: &AtomicU32) {}
 
 fn ring_path(options: &ShmOptions, src: usize, dst: usize) -> PathBuf {
     options.dir.join(format!("rtx-{}-{src}-{dst}.ring", options.job))
@@ -458,7 +1040,7 @@ fn io(op: &'static str, e: std::io::Error) -> Error {
     Error::Io { op, reason: e.to_string() }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // One set insertion or lookup per critical section; a panic cannot leave it half-done.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Each critical section is a few field updates; a panic cannot leave them half-done.
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

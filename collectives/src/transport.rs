@@ -8,12 +8,24 @@
 //! Exactly one task (the endpoint's dispatcher) calls [`Transport::recv`]; any task may call
 //! [`Transport::send`]. The trait holds no QUIC or tokio-channel types so that the simulator can
 //! implement it in memory. Methods return boxed futures so `Arc<dyn Transport>` works.
+//!
+//! Two provided methods are fast paths a transport may take; their defaults keep the simple
+//! contract above. [`Transport::send_parts`] takes a frame as its encoded header plus a borrowed
+//! payload, so a transport that copies anyway (shared memory) writes the caller's bytes straight
+//! into its ring instead of into an intermediate frame buffer. [`Transport::attach`] lets a transport
+//! push events into the endpoint from the thread or task that read them ([`EventSink`]) instead of
+//! handing them to the dispatcher task through `recv`: one cross-thread wake-up less per frame,
+//! which is most of a small message's latency.
 
 use std::future::Future;
+use std::ops::{Deref, DerefMut};
 use std::pin::Pin;
+use std::ptr::NonNull;
+use std::sync::{Arc, Weak};
 
 use crate::error::Result;
-use crate::pool::PooledBuf;
+use crate::frame::HEADER_LEN;
+use crate::pool::{BufferPool, PooledBuf};
 
 /// A boxed, sendable future, as returned by [`Transport`] methods.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -48,4 +60,126 @@ pub trait Transport: Send + Sync + 'static {
 
     /// The next event for the local rank; `None` once the transport is shut down for good.
     fn recv(&self) -> BoxFuture<'_, Option<TransportEvent>>;
+
+    /// Sends one frame given as its encoded `header` (checksum included) and its `payload`. The
+    /// default copies both into a buffer from `pool` and calls [`send`](Self::send); transports
+    /// that can copy from the caller's memory directly override it. Must be as atomic as `send`
+    /// towards the receiver: a frame cut short by cancellation must not be delivered as a frame.
+    fn send_parts<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: &'a [u8], pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        let mut frame = pool.take(HEADER_LEN + payload.len());
+        frame.extend_from_slice(header);
+        frame.extend_from_slice(payload);
+        self.send(peer, frame)
+    }
+
+    /// Whether this transport's channel already guarantees that bytes arrive unaltered (memory,
+    /// or an authenticated cipher). Frames sent over such a transport carry a checksum of their
+    /// header only (see [`crate::frame`]); the default, `false`, checksums payloads too.
+    fn checks_integrity(&self) -> bool {
+        false
+    }
+
+    /// Makes progress on incoming data from the calling thread, if this transport can do so
+    /// cheaply: delivers (to the attached [`EventSink`]) the frames that have fully arrived, without
+    /// blocking, and returns how many. `None` (the default) means "not supported".
+    ///
+    /// An operation about to wait for a frame calls it in a short spin first: on a transport whose
+    /// frames are otherwise read by another thread (shared memory), that saves the wake-up of the
+    /// reader thread and then of the waiting task, most of a small message's latency.
+    fn poll_incoming(&self) -> Option<usize> {
+        None
+    }
+
+    /// Offers push delivery: a transport that returns `true` hands every later event to `sink`
+    /// (from whichever thread read it, in the order [`recv`](Self::recv) would have returned them,
+    /// per peer) and calls [`EventSink::closed`] when it shuts down; the endpoint then does not call
+    /// `recv`. Called at most once, before any event is delivered. The default (`false`) keeps the
+    /// pull model.
+    fn attach(&self, sink: Weak<dyn EventSink>) -> bool {
+        let _ = sink;
+        false
+    }
+}
+
+/// The receiving side of push delivery (see [`Transport::attach`]); the endpoint implements it.
+///
+/// Methods never block for long (they take short locks, wake waiting operations, and at most copy
+/// one frame), so a transport may call them from its reader threads or tasks.
+pub trait EventSink: Send + Sync + 'static {
+    /// One event, as [`Transport::recv`] would have returned it.
+    fn event(&self, event: TransportEvent);
+    /// One frame from `from` whose payload stays in the transport's memory: the operation waiting
+    /// for it reads (and may combine into) the payload in place, and dropping it gives the memory
+    /// back. The endpoint copies it out instead when no operation is waiting for it yet, so lent
+    /// memory is never parked. The default copies it into an unpooled buffer and calls
+    /// [`event`](Self::event).
+    fn lent_frame(&self, from: usize, header: [u8; HEADER_LEN], payload: LentBytes) {
+        let mut bytes = Vec::with_capacity(HEADER_LEN + payload.len());
+        bytes.extend_from_slice(&header);
+        bytes.extend_from_slice(&payload);
+        drop(payload);
+        self.event(TransportEvent::Frame { from, bytes: PooledBuf::unpooled(bytes) });
+    }
+    /// The transport is shut down for good (what `recv` returning `None` means).
+    fn closed(&self);
+}
+
+/// Takes back memory lent with a [`LentBytes`].
+pub trait Lender: Send + Sync + 'static {
+    /// The borrower is done with the bytes lent under `token`.
+    fn release(&self, token: u64);
+}
+
+/// Bytes a transport lends out of its own memory (a shared-memory ring slot) instead of copying
+/// them: readable and writable by the holder, given back to the [`Lender`] on drop.
+pub struct LentBytes {
+    ptr: NonNull<u8>,
+    len: usize,
+    lender: Arc<dyn Lender>,
+    token: u64,
+}
+
+// SAFETY: a `LentBytes` is the only handle to its bytes until it is dropped (the contract of
+// `LentBytes::new`), so moving or sharing it across threads is like moving or sharing a `Vec<u8>`.
+unsafe impl Send for LentBytes {}
+// SAFETY: as above; `&LentBytes` only gives `&[u8]`.
+unsafe impl Sync for LentBytes {}
+
+impl LentBytes {
+    /// Lends `len` bytes at `ptr`; `lender.release(token)` runs when the value is dropped.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must be valid for reads and writes, and not accessed by anyone else, from
+    /// now until `lender.release(token)` is called; `lender` must keep the memory alive that long.
+    pub unsafe fn new(ptr: NonNull<u8>, len: usize, lender: Arc<dyn Lender>, token: u64) -> LentBytes {
+        LentBytes { ptr, len, lender, token }
+    }
+}
+
+impl Deref for LentBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: valid and exclusively ours until drop (see `new`).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for LentBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: valid and exclusively ours until drop (see `new`).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for LentBytes {
+    fn drop(&mut self) {
+        self.lender.release(self.token);
+    }
+}
+
+impl std::fmt::Debug for LentBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LentBytes").field("len", &self.len).field("token", &self.token).finish_non_exhaustive()
+    }
 }

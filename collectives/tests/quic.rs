@@ -23,7 +23,7 @@ use rtx_collectives::{
 const LOOPBACK: &str = "127.0.0.1:0";
 
 fn options() -> QuicOptions {
-    QuicOptions { connect_timeout: Duration::from_secs(20), ..QuicOptions::default() }
+    QuicOptions { connect_timeout: Duration::from_secs(20), loopback_datagram_bytes: 65000, ..QuicOptions::default() }
 }
 
 async fn cluster(ca: &ClusterCa, n: usize) -> Vec<Arc<QuicTransport>> {
@@ -47,6 +47,7 @@ async fn cluster(ca: &ClusterCa, n: usize) -> Vec<Arc<QuicTransport>> {
 // rank that goes away makes the survivors' next collective fail with PeerLost naming it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn collectives_over_quic_and_peer_loss() {
+    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
     let transports = cluster(&ca, 3).await;
     for (r, t) in transports.iter().enumerate() {

@@ -132,11 +132,13 @@ struct References {
 const GB: f64 = 1e9;
 /// Bytes the TCP and raw-QUIC references move per sample.
 const STREAM_REFERENCE_BYTES: usize = 256 << 20;
+/// How long a worker waits after the last barrier before it disconnects.
+const LINGER: Duration = Duration::from_millis(300);
 /// How long a worker waits for its peers to show up.
 const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Runs the benchmark (or, with the hidden worker arguments, one rank of it).
-pub fn run(args: &CollectivesArgs) -> anyhow::Result<()> {
+pub(crate) fn run(args: &CollectivesArgs) -> anyhow::Result<()> {
     if let Some(rank) = args.worker_rank {
         return worker(args, rank);
     }
@@ -299,9 +301,10 @@ fn memcpy_gbps(bytes: usize, repeats: usize) -> f64 {
     let src = vec![1u8; bytes];
     let mut dst = vec![0u8; bytes];
     dst.copy_from_slice(&src);
-    // Enough copies per sample to last about a millisecond.
-    let iters = ((1 << 30) / bytes / 1000).max(1);
-    let samples = (0..repeats.max(3))
+    // Enough copies per sample to last a few milliseconds, and enough samples for a steady
+    // median on a shared machine.
+    let iters = ((8 << 30) / bytes / 1000).max(1);
+    let samples = (0..repeats.max(11))
         .map(|_| {
             let start = Instant::now();
             for _ in 0..iters {
@@ -581,8 +584,11 @@ fn worker(args: &CollectivesArgs, rank: usize) -> anyhow::Result<()> {
             }
         }
         comm.barrier().await?;
+        // A rank leaving makes its peers' pending operations fail; give the slowest rank time to
+        // return from the barrier before this one goes.
+        tokio::time::sleep(LINGER).await;
         if let Some(quic) = quic {
-            // The barrier's last frames may still be in flight to a peer.
+            // Frames still in flight to a peer are delivered before the connection closes.
             quic.close(Duration::from_secs(5)).await;
         }
         Ok(())

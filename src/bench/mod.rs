@@ -7,13 +7,16 @@
 //! times each op of that step alone to show where the time goes. Each prints one JSON object per
 //! line with the median (and min/max) of `--repeats` runs after `--warmup` runs. Threads follow
 //! `RTX_NUM_THREADS` (default: all cores), as every kernel does. Shapes match
-//! `scripts/peer/torch_bench.py` exactly; change both together.
+//! `scripts/peer/torch_bench.py` exactly; change both together. `collectives` measures the
+//! collectives between processes (see its module; `scripts/bench-collectives.sh` adds Gloo).
 
+mod collectives;
 mod matmul;
 mod ops;
 mod step;
 mod timing;
 
+pub use collectives::{BenchTransport, CollectiveOp, CollectivesArgs};
 pub use matmul::MatmulArgs;
 pub use ops::OpsArgs;
 pub use step::{StepArgs, StepModel};
@@ -36,6 +39,8 @@ pub enum BenchCommand {
     Step(StepArgs),
     /// Each op of a model's step alone at its shapes, forward and forward+backward.
     Ops(OpsArgs),
+    /// all_reduce, reduce_scatter and all_gather between rank processes over QUIC and shared memory.
+    Collectives(CollectivesArgs),
 }
 
 /// Runs one benchmark, printing JSON lines on stdout.
@@ -44,6 +49,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Matmul(a) => matmul::run(&a),
         BenchCommand::Step(a) => step::run(&a),
         BenchCommand::Ops(a) => ops::run(&a),
+        BenchCommand::Collectives(a) => collectives::run(&a),
     }
 }
 
