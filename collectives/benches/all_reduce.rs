@@ -3,6 +3,10 @@
 //! bandwidth equals bus bandwidth (`2(n-1)/n = 1`), so criterion's bytes/s are directly comparable
 //! with Gloo's busbw in DESIGN.md.
 //!
+//! Both ranks run in this process (each transport's own threads and tasks, one tokio runtime), so
+//! this is a quick regression check; the numbers to quote come from `rtx bench collectives`, which
+//! runs every rank as its own process next to Gloo and the memcpy/TCP/quinn limits.
+//!
 //! Run: `cargo bench -p rtx-collectives --bench all_reduce`.
 #![allow(clippy::unwrap_used)]
 

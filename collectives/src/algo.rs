@@ -1,6 +1,6 @@
-//! Collective algorithms over an [`OpCtx`]: ring reduce-scatter and all-gather (pipelined in pieces),
-//! recursive doubling all-reduce, binomial-tree broadcast and reduce, and a pipelined chain
-//! broadcast.
+//! Collective algorithms over an [`OpCtx`]: ring reduce-scatter, all-gather and all-reduce
+//! (pipelined in pieces, round-major, see `Schedule::ring`), recursive doubling all-reduce,
+//! binomial-tree broadcast and reduce, and a pipelined chain broadcast.
 //!
 //! Determinism: every algorithm reduces in an order fixed by rank numbers alone. In the ring, the
 //! segment owned by rank `c` is accumulated as `((v[c+1] + v[c+2]) + ...) + v[c]` and then copied to
@@ -11,18 +11,20 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use crate::element::{combine_bytes, combine_into_bytes, Accumulator, WireElement};
+use crate::element::{combine_into_bytes, Accumulator, WireElement};
 use crate::error::Result;
 use crate::frame::Frame;
 use crate::op::{pieces, segment_range, OpCtx};
 use crate::ReduceOp;
 
-/// Most frames a ring step sends on its outgoing link ahead of the frames it has received on its
+/// Most frames a ring sends on its outgoing link ahead of the frames it has received on its
 /// incoming one. Bounds what waits in a receiver's mailbox to a few pieces, so received frames are
-/// still in cache when they are combined and pool buffers are reused instead of piling up (without
-/// it, the first segment of a 256 MiB two-rank all-reduce, 128 MiB, would be parked at the peer).
-/// Two pieces keep the link busy while a step combines; more measured no faster.
+/// still in cache when they are combined, pool buffers are reused instead of piling up, and a
+/// shared-memory ring never has many slots lent out. Measured 1, 2, 4 and 8 (2 and 4 ranks, 1-64
+/// MiB, both transports): 1 was slower, 2-8 within noise of each other.
 pub(crate) const RING_WINDOW: usize = 2;
+
+
 
 /// The local data of a ring reduce-scatter: segments other than the owned one are only read; the
 /// owned segment starts as the local values and ends as the reduced result.
@@ -49,9 +51,27 @@ impl<'a, A> RsBuffers<'a, A> {
         output.copy_from_slice(&input[own.clone()]);
         RsBuffers { left: &input[..own.start], own: output, right: &input[own.end..], own_range: own }
     }
+}
 
-    /// The local values of `r`, a range inside one segment.
-    fn local(&self, r: Range<usize>) -> &[A] {
+/// A buffer a ring schedule reads pieces from and writes received pieces into.
+pub(crate) trait RingBuf<T> {
+    /// The current values of `r`, a range inside one segment.
+    fn read(&self, r: Range<usize>) -> &[T];
+    /// Where received values of `r` go.
+    fn write(&mut self, r: Range<usize>) -> &mut [T];
+}
+
+impl<T> RingBuf<T> for [T] {
+    fn read(&self, r: Range<usize>) -> &[T] {
+        &self[r]
+    }
+    fn write(&mut self, r: Range<usize>) -> &mut [T] {
+        &mut self[r]
+    }
+}
+
+impl<A> RingBuf<A> for RsBuffers<'_, A> {
+    fn read(&self, r: Range<usize>) -> &[A] {
         let own = &self.own_range;
         if r.end <= own.start {
             &self.left[r]
@@ -61,155 +81,118 @@ impl<'a, A> RsBuffers<'a, A> {
             &self.own[r.start - own.start..r.end - own.start]
         }
     }
+    fn write(&mut self, r: Range<usize>) -> &mut [A] {
+        // A reduce-scatter only ever writes its owned segment.
+        debug_assert!(r.start >= self.own_range.start && r.end <= self.own_range.end, "reduce-scatter writes only its own segment");
+        let start = self.own_range.start;
+        &mut self.own[r.start - start..r.end - start]
+    }
 }
 
-/// Pieces of `seg` as absolute ranges.
-fn abs_pieces(seg: Range<usize>, piece: usize) -> impl Iterator<Item = Range<usize>> {
-    pieces(seg.len(), piece).map(move |p| seg.start + p.start..seg.start + p.end)
+/// What a received frame is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Recv {
+    /// A partial reduction: combine the local values into the frame and forward it.
+    Forward,
+    /// The last partial reduction of an owned piece: combine it into the buffer; it is final.
+    Final,
+    /// A reduced piece: copy it into the buffer and forward it from there.
+    Gather,
+    /// A reduced piece at the last step: copy it into the buffer.
+    Last,
 }
 
-/// Ring reduce-scatter of a buffer of `len` elements: afterwards rank `r`'s owned segment
-/// (`bufs.own`, segment `r`) holds the reduced values (divided by `n` for [`ReduceOp::Avg`]).
-///
-/// Each received piece is combined into the frame it came in and that frame is forwarded, so the
-/// local buffer is never written outside the owned segment. Sends run at most [`RING_WINDOW`]
-/// frames ahead of receives; the order of frames on each link is fixed (first segment, then every
-/// forwarded piece in step order), so interleaving does not change what either side expects.
-pub(crate) async fn ring_reduce_scatter<A: Accumulator>(ctx: &mut OpCtx<'_>, bufs: RsBuffers<'_, A>, len: usize, op: ReduceOp, rank: usize, n: usize) -> Result<()> {
-    debug_assert!(n >= 2 && rank < n);
-    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-    let piece = ctx.piece_elems::<A>();
-    let seg = |i: usize| segment_range(len, n, i);
-    let first: Vec<Range<usize>> = abs_pieces(seg((rank + n - 1) % n), piece).collect();
-    // (forwarded?, range) of every received piece, in link order.
-    let recvs: Vec<(bool, Range<usize>)> =
-        (0..n - 1).flat_map(|step| abs_pieces(seg((rank + 2 * n - step - 2) % n), piece).map(move |r| (step + 1 < n - 1, r))).collect();
-    let total_sends = first.len() + recvs.iter().filter(|(forward, _)| *forward).count();
-    let mut forwards: VecDeque<Frame> = VecDeque::new();
-    let mut sent = 0;
-    let own_start = bufs.own_range.start;
-    for (done, (forward, range)) in recvs.iter().enumerate() {
-        while sent < total_sends && sent < done + RING_WINDOW {
-            if let Some(r) = first.get(sent) {
-                ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(bufs.local(r.clone()))).await?;
-            } else if let Some(frame) = forwards.pop_front() {
-                ctx.send_frame(next, Some(A::DTYPE), frame.payload()).await?;
-            } else {
-                break;
+/// Where a sent frame's payload comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Send {
+    /// The buffer's current values of the range (local values, or a final or gathered piece).
+    Buf,
+    /// The oldest combined frame waiting to be forwarded.
+    Forward,
+}
+
+/// The frames of one ring operation, in link order: what each frame received from the previous
+/// rank is for, and what each frame sent to the next rank carries and which receive it waits for.
+#[derive(Debug, Default)]
+struct Schedule {
+    recvs: Vec<(Recv, Range<usize>)>,
+    sends: Vec<(Send, Range<usize>, Option<usize>)>,
+}
+
+impl Schedule {
+    /// The ring over a buffer of `len` elements in round-major order, as NCCL pipelines it: round
+    /// `k` moves piece `k` of every segment through all the steps (the reduce-scatter steps, then
+    /// the all-gather steps, whichever are asked for) before round `k + 1` starts. So each piece
+    /// is forwarded right after it arrives, and a received frame is held for at most a step or two.
+    /// Segments differ by at most one element, so some lack a last piece; both ends of a link skip
+    /// the same ones.
+    fn ring(len: usize, n: usize, rank: usize, piece: usize, reduce: bool, gather: bool) -> Schedule {
+        let seg = |i: usize| segment_range(len, n, i % n);
+        let piece_of = |s: Range<usize>, k: usize| {
+            let start = s.start + k * piece;
+            (start < s.end).then(|| start..(start + piece).min(s.end))
+        };
+        let rounds = segment_range(len, n, 0).len().div_ceil(piece);
+        let mut sched = Schedule::default();
+        for k in 0..rounds {
+            if reduce {
+                if let Some(p) = piece_of(seg(rank + n - 1), k) {
+                    sched.sends.push((Send::Buf, p, None));
+                }
+                for step in 0..n - 1 {
+                    let Some(p) = piece_of(seg(rank + 2 * n - step - 2), k) else { continue };
+                    let at = sched.recvs.len();
+                    if step + 1 < n - 1 {
+                        sched.recvs.push((Recv::Forward, p.clone()));
+                        sched.sends.push((Send::Forward, p, Some(at)));
+                    } else {
+                        sched.recvs.push((Recv::Final, p.clone()));
+                        if gather {
+                            // The owned piece is final: it starts the all-gather.
+                            sched.sends.push((Send::Buf, p, Some(at)));
+                        }
+                    }
+                }
             }
-            sent += 1;
+            if gather {
+                if !reduce {
+                    if let Some(p) = piece_of(seg(rank), k) {
+                        sched.sends.push((Send::Buf, p, None));
+                    }
+                }
+                for step in 0..n - 1 {
+                    let Some(p) = piece_of(seg(rank + 2 * n - step - 1), k) else { continue };
+                    let at = sched.recvs.len();
+                    if step + 1 < n - 1 {
+                        sched.recvs.push((Recv::Gather, p.clone()));
+                        sched.sends.push((Send::Buf, p, Some(at)));
+                    } else {
+                        sched.recvs.push((Recv::Last, p));
+                    }
+                }
+            }
         }
-        let mut frame = ctx.recv_frame(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
-        if *forward {
-            combine_into_bytes(op, frame.payload_mut(), bufs.local(range.clone()));
-            forwards.push_back(ctx.hold(frame, forwards.len()));
-        } else {
-            combine_bytes(op, &mut bufs.own[range.start - own_start..range.end - own_start], frame.payload(), true);
-        }
+        sched
     }
-    while sent < total_sends {
-        if let Some(r) = first.get(sent) {
-            ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(bufs.local(r.clone()))).await?;
-        } else if let Some(frame) = forwards.pop_front() {
-            ctx.send_frame(next, Some(A::DTYPE), frame.payload()).await?;
-        }
-        sent += 1;
-    }
-    if op == ReduceOp::Avg {
-        for x in bufs.own.iter_mut() {
-            *x = x.div_count(n);
-        }
-    }
-    Ok(())
 }
 
-/// Ring all-gather in place: segment `r` of `buf` is valid on rank `r` beforehand; afterwards every
-/// segment is valid everywhere. Windowed like [`ring_reduce_scatter`]; forwarded pieces are sent
-/// from `buf`, where they were just copied.
-pub(crate) async fn ring_all_gather<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &mut [T], rank: usize, n: usize) -> Result<()> {
-    debug_assert!(n >= 2 && rank < n);
+/// Runs a ring schedule: receives from the previous rank in link order, and sends to the next
+/// rank each frame as soon as what it carries is ready, at most [`RING_WINDOW`] frames ahead of the
+/// receives. Receives are posted ahead ([`OpCtx::announce`]) so frames are usually taken in place.
+async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(ctx: &mut OpCtx<'_>, buf: &mut B, sched: &Schedule, op: ReduceOp, rank: usize, n: usize) -> Result<()> {
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-    let piece = ctx.piece_elems::<T>();
-    let len = buf.len();
-    let seg = |i: usize| segment_range(len, n, i);
-    let first: Vec<Range<usize>> = abs_pieces(seg(rank), piece).collect();
-    let recvs: Vec<(bool, Range<usize>)> =
-        (0..n - 1).flat_map(|step| abs_pieces(seg((rank + 2 * n - step - 1) % n), piece).map(move |r| (step + 1 < n - 1, r))).collect();
-    let total_sends = first.len() + recvs.iter().filter(|(forward, _)| *forward).count();
-    // Send `sent` is ready once the receive it forwards (if any) is done.
-    let ready = |sent: usize, done: usize| sent < first.len() || sent - first.len() < done;
-    let range_of = |sent: usize| first.get(sent).cloned().unwrap_or_else(|| recvs[sent - first.len()].1.clone());
-    let mut sent = 0;
-    for (done, (_, range)) in recvs.iter().enumerate() {
-        while sent < total_sends && sent < done + RING_WINDOW && ready(sent, done) {
-            ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range_of(sent)])).await?;
-            sent += 1;
-        }
-        ctx.recv_copy(prev, &mut buf[range.clone()]).await?;
-    }
-    while sent < total_sends {
-        ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range_of(sent)])).await?;
-        sent += 1;
-    }
-    Ok(())
-}
-
-/// Ring all-reduce in place: a ring reduce-scatter and a ring all-gather run as one pipeline.
-///
-/// Frames on each link keep the order of the two separate phases (reduce-scatter, then
-/// all-gather), so results are bit-identical to [`ring_reduce_scatter`] followed by
-/// [`ring_all_gather`]; but each piece of the owned segment is sent on as soon as its reduction is
-/// final (and averaged, for [`ReduceOp::Avg`]), while it is still in cache, and the all-gather
-/// starts without waiting for the whole reduce-scatter. Sends stay within [`RING_WINDOW`] of
-/// receives as in the phases alone.
-pub(crate) async fn ring_all_reduce<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: &mut [A], op: ReduceOp, rank: usize, n: usize) -> Result<()> {
-    debug_assert!(n >= 2 && rank < n);
-    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-    let piece = ctx.piece_elems::<A>();
-    let len = buf.len();
-    let seg = |i: usize| segment_range(len, n, i);
-    // What each frame from `prev` is, in link order.
-    #[derive(Clone, Copy, PartialEq)]
-    enum Recv {
-        /// Reduce-scatter piece to combine and forward.
-        Forward,
-        /// Reduce-scatter piece of the owned segment: combined into place, final.
-        Final,
-        /// All-gather piece to copy in and forward.
-        Gather,
-        /// All-gather piece of the last step: copied in only.
-        Last,
-    }
-    let mut recvs: Vec<(Recv, Range<usize>)> = Vec::new();
-    for step in 0..n - 1 {
-        let kind = if step + 1 < n - 1 { Recv::Forward } else { Recv::Final };
-        recvs.extend(abs_pieces(seg((rank + 2 * n - step - 2) % n), piece).map(|r| (kind, r)));
-    }
-    for step in 0..n - 1 {
-        let kind = if step + 1 < n - 1 { Recv::Gather } else { Recv::Last };
-        recvs.extend(abs_pieces(seg((rank + 2 * n - step - 1) % n), piece).map(|r| (kind, r)));
-    }
-    // Every frame to `next`, in link order: (range sent from `buf`, or a combined frame; the receive
-    // it waits for).
-    let mut sends: Vec<(Option<Range<usize>>, Option<usize>)> = abs_pieces(seg((rank + n - 1) % n), piece).map(|r| (Some(r), None)).collect();
-    for (i, (kind, range)) in recvs.iter().enumerate() {
-        match kind {
-            Recv::Forward => sends.push((None, Some(i))),
-            Recv::Final | Recv::Gather => sends.push((Some(range.clone()), Some(i))),
-            Recv::Last => {}
-        }
-    }
     let mut forwards: VecDeque<Frame> = VecDeque::new();
     let mut sent = 0;
-    for done in 0..=recvs.len() {
-        while sent < sends.len() && (sent < done + RING_WINDOW || done == recvs.len()) {
-            let (range, after) = &sends[sent];
+    ctx.announce(prev, sched.recvs.len());
+    for done in 0..=sched.recvs.len() {
+        while sent < sched.sends.len() && (sent < done + RING_WINDOW || done == sched.recvs.len()) {
+            let (source, range, after) = &sched.sends[sent];
             if after.is_some_and(|i| i >= done) {
                 break;
             }
-            match range {
-                Some(r) => ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(&buf[r.clone()])).await?,
-                None => {
+            match source {
+                Send::Buf => ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?,
+                Send::Forward => {
                     let frame = forwards.pop_front();
                     debug_assert!(frame.is_some(), "a forward is sent after its frame was combined");
                     if let Some(frame) = frame {
@@ -219,25 +202,67 @@ pub(crate) async fn ring_all_reduce<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: &m
             }
             sent += 1;
         }
-        let Some((kind, range)) = recvs.get(done) else { break };
+        let Some((kind, range)) = sched.recvs.get(done) else { break };
         match kind {
             Recv::Forward => {
                 let mut frame = ctx.recv_frame(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
-                combine_into_bytes(op, frame.payload_mut(), &buf[range.clone()]);
+                combine_into_bytes(op, frame.payload_mut(), buf.read(range.clone()));
                 forwards.push_back(ctx.hold(frame, forwards.len()));
             }
             Recv::Final => {
-                ctx.recv_combine(prev, &mut buf[range.clone()], op, true).await?;
+                let dst = buf.write(range.clone());
+                ctx.recv_combine(prev, dst, op, true).await?;
                 if op == ReduceOp::Avg {
-                    for x in &mut buf[range.clone()] {
+                    for x in dst.iter_mut() {
                         *x = x.div_count(n);
                     }
                 }
             }
-            Recv::Gather | Recv::Last => ctx.recv_copy(prev, &mut buf[range.clone()]).await?,
+            Recv::Gather | Recv::Last => ctx.recv_copy(prev, buf.write(range.clone())).await?,
         }
     }
-    debug_assert_eq!(sent, sends.len());
+    debug_assert_eq!(sent, sched.sends.len());
+    Ok(())
+}
+
+/// Ring reduce-scatter of a buffer of `len` elements: afterwards rank `r`'s owned segment
+/// (`bufs.own`, segment `r`) holds the reduced values (divided by `n` for [`ReduceOp::Avg`]).
+/// Each received piece is combined into the frame it came in and that frame is forwarded, so the
+/// local buffer is never written outside the owned segment.
+pub(crate) async fn ring_reduce_scatter<A: Accumulator>(ctx: &mut OpCtx<'_>, mut bufs: RsBuffers<'_, A>, len: usize, op: ReduceOp, rank: usize, n: usize) -> Result<()> {
+    debug_assert!(n >= 2 && rank < n);
+    let sched = Schedule::ring(len, n, rank, ctx.piece_elems::<A>(), true, false);
+    run_ring(ctx, &mut bufs, &sched, op, rank, n).await
+}
+
+/// Ring all-reduce in place: reduce-scatter and all-gather in one round-major pipeline; each
+/// owned piece is sent on as soon as its reduction is final (and averaged), while still in cache.
+pub(crate) async fn ring_all_reduce<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: &mut [A], op: ReduceOp, rank: usize, n: usize) -> Result<()> {
+    debug_assert!(n >= 2 && rank < n);
+    let sched = Schedule::ring(buf.len(), n, rank, ctx.piece_elems::<A>(), true, true);
+    run_ring(ctx, buf, &sched, op, rank, n).await
+}
+
+/// Ring all-gather in place: segment `r` of `buf` is valid on rank `r` beforehand; afterwards every
+/// segment is valid everywhere. Forwarded pieces are sent from `buf`, where they were just copied.
+pub(crate) async fn ring_all_gather<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &mut [T], rank: usize, n: usize) -> Result<()> {
+    debug_assert!(n >= 2 && rank < n);
+    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+    let sched = Schedule::ring(buf.len(), n, rank, ctx.piece_elems::<T>(), false, true);
+    let mut sent = 0;
+    ctx.announce(prev, sched.recvs.len());
+    for done in 0..=sched.recvs.len() {
+        while sent < sched.sends.len() && (sent < done + RING_WINDOW || done == sched.recvs.len()) {
+            let (_, range, after) = &sched.sends[sent];
+            if after.is_some_and(|i| i >= done) {
+                break;
+            }
+            ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range.clone()])).await?;
+            sent += 1;
+        }
+        let Some((_, range)) = sched.recvs.get(done) else { break };
+        ctx.recv_copy(prev, &mut buf[range.clone()]).await?;
+    }
     Ok(())
 }
 

@@ -7,16 +7,20 @@
 //!
 //! | operation | `bytes <= small_message_bytes` | larger |
 //! |---|---|---|
-//! | `all_reduce` | recursive doubling | ring reduce-scatter + ring all-gather |
+//! | `all_reduce` | recursive doubling | ring reduce-scatter + all-gather, fused in one pipeline |
 //! | `broadcast` | binomial tree | pipelined chain |
 //! | `reduce` | binomial tree | ring reduce-scatter + gather to root |
 //! | `reduce_scatter`, `all_gather` | ring | ring |
 //! | `all_to_all` | pairwise exchange | pairwise exchange |
 //! | `barrier` | dissemination | — |
 //!
-//! The thresholds ([`DEFAULT_SMALL_MESSAGE_BYTES`], [`DEFAULT_CHUNK_BYTES`]) are first guesses, not
-//! yet measured. Large messages travel in frames of at most `chunk_bytes`, forwarded piece by piece
-//! so the ring and the chain pipeline.
+//! Large messages travel in frames of at most `chunk_bytes`, forwarded piece by piece so the ring
+//! and the chain pipeline. The defaults come from `rtx bench collectives` (2 and 4 rank processes
+//! on 2 cores, QUIC and shared memory; BENCHMARKS.md): [`DEFAULT_SMALL_MESSAGE_BYTES`] is the
+//! all-reduce crossover, where recursive doubling stops beating the ring (at 256 KiB they tie or
+//! doubling is ahead for every transport and world size; from 1 MiB the ring is 0-30% ahead, and
+//! more with four ranks, where doubling moves twice the bytes). [`DEFAULT_CHUNK_BYTES`]: 256 KiB,
+//! 512 KiB, 1 MiB and 2 MiB frames were within noise of each other from 1 to 64 MiB.
 //!
 //! Cancelling an operation (dropping its future) leaves the group's sequence numbers out of step
 //! with the peers; move the group to a new generation before using it again.
@@ -36,8 +40,9 @@ use crate::group::GroupState;
 use crate::op::{segment_range, OpCtx};
 use crate::ReduceOp;
 
-/// Default: buffers up to this many bytes use the latency-optimal algorithms.
-pub const DEFAULT_SMALL_MESSAGE_BYTES: usize = 64 << 10;
+/// Default: buffers up to this many bytes use the latency-optimal algorithms (measured crossover,
+/// see the module doc).
+pub const DEFAULT_SMALL_MESSAGE_BYTES: usize = 256 << 10;
 /// Default: most payload bytes per frame (pipelining granularity).
 pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
 /// Default: the decoder refuses frames whose payload is larger than this.

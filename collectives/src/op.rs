@@ -5,7 +5,7 @@
 //! index of that link. Algorithms send and receive on each link in the same logical order on both
 //! ends, so both sides agree on the numbers without sending them out of band.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
 use rtx_kernels::DType;
@@ -15,7 +15,7 @@ use crate::communicator::Communicator;
 use crate::element::{combine_bytes, copy_bytes, Accumulator, WireElement};
 use crate::error::{Error, Result};
 use crate::frame::{encode_header, encode_header_only_checksum, Frame, FrameHeader, OpKind};
-use crate::group::Lane;
+use crate::group::{Key, Lane, Slot};
 use crate::ReduceOp;
 
 pub(crate) struct OpCtx<'a> {
@@ -26,12 +26,55 @@ pub(crate) struct OpCtx<'a> {
     seq: u64,
     sent: BTreeMap<usize, u32>,
     received: BTreeMap<usize, u32>,
+    /// Per link: receives registered ahead of time, in chunk order, and how many more the
+    /// algorithm announced (see [`announce`](Self::announce)).
+    posted: BTreeMap<usize, Posted>,
 }
+
+#[derive(Default)]
+struct Posted {
+    slots: VecDeque<(Key, Slot)>,
+    /// Chunk number of the next receive to post.
+    next_chunk: u32,
+    /// Receives announced and not posted yet.
+    remaining: usize,
+}
+
+/// Receives a ring step keeps posted ahead on its incoming link. A frame that arrives while its
+/// receive is posted is handed over as is, which for the shared-memory transport means read in
+/// place; one that arrives earlier is parked, and a lent payload copied out first.
+const POST_DEPTH: usize = RING_WINDOW + 2;
 
 impl<'a> OpCtx<'a> {
     pub(crate) fn new(comm: &'a Communicator, op: OpKind, generation: u64, seq: u64) -> Self {
         let lane = if op == OpKind::Send { Lane::PointToPoint } else { Lane::Collective };
-        OpCtx { comm, op, lane, generation, seq, sent: BTreeMap::new(), received: BTreeMap::new() }
+        OpCtx { comm, op, lane, generation, seq, sent: BTreeMap::new(), received: BTreeMap::new(), posted: BTreeMap::new() }
+    }
+
+    /// Announces that `count` more frames will be received from group rank `from` in this
+    /// operation, so receives can be posted ahead (see [`POST_DEPTH`]).
+    pub(crate) fn announce(&mut self, from: usize, count: usize) {
+        let next = self.received.get(&from).copied().unwrap_or(0);
+        let posted = self.posted.entry(from).or_default();
+        debug_assert!(posted.slots.is_empty(), "announce before the receives it announces");
+        posted.next_chunk = next;
+        posted.remaining = count;
+    }
+
+    /// Posts receives on the link from `from` up to [`POST_DEPTH`] ahead.
+    fn post_ahead(&mut self, from: usize) {
+        let group = self.comm.state();
+        let src = group.members[from];
+        let (generation, lane, seq, op) = (self.generation, self.lane, self.seq, self.op);
+        let Some(posted) = self.posted.get_mut(&from) else { return };
+        while posted.remaining > 0 && posted.slots.len() < POST_DEPTH {
+            let key = (generation, lane, src, seq, posted.next_chunk);
+            // On failure (a bump, a lost peer) stop posting; the receive itself reports it.
+            let Ok(slot) = group.register(key, op) else { return };
+            posted.slots.push_back((key, slot));
+            posted.next_chunk += 1;
+            posted.remaining -= 1;
+        }
     }
 
     /// Elements per frame for element type `T`.
@@ -77,8 +120,14 @@ impl<'a> OpCtx<'a> {
         let chunk = *counter;
         *counter += 1;
         let key = (self.generation, self.lane, src, self.seq, chunk);
+        self.post_ahead(from);
+        let posted = self.posted.get_mut(&from).and_then(|p| if p.slots.front().is_some_and(|(k, _)| *k == key) { p.slots.pop_front() } else { None });
+        let slot = match posted {
+            Some((_, slot)) => slot,
+            None => group.register(key, self.op)?,
+        };
         let transport = &self.comm.endpoint().shared().transport;
-        let frame = group.wait(key, self.op, self.comm.config().op_timeout, || transport.poll_incoming()).await?;
+        let frame = group.wait_slot(key, slot, self.op, self.comm.config().op_timeout, || transport.poll_incoming()).await?;
         let h = frame.header;
         if h.op != self.op {
             return Err(Error::OpMismatch { seq: self.seq, src, expected: self.op, got: h.op });
@@ -142,6 +191,19 @@ impl<'a> OpCtx<'a> {
         let frame = self.recv_frame(from, Some(T::DTYPE), bytes).await?;
         copy_bytes(dst, frame.payload());
         Ok(())
+    }
+}
+
+impl Drop for OpCtx<'_> {
+    fn drop(&mut self) {
+        // Receives posted but never waited for (the operation failed or was cancelled): withdraw
+        // them, and give back any frame they already hold.
+        let group = self.comm.state();
+        for posted in self.posted.values() {
+            for (key, _) in &posted.slots {
+                group.cancel(key);
+            }
+        }
     }
 }
 

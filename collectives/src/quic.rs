@@ -525,6 +525,67 @@ async fn deliver(route: &Route, event: TransportEvent) -> bool {
     }
 }
 
+/// A UDP socket that receives one datagram per buffer (no GRO).
+///
+/// quinn sizes its receive buffer as `max_udp_payload_size × GRO segments × batch`: with 64 KB
+/// packets and Linux's 64 GRO segments that is 134 MB, whose pages the kernel zeroes again and again
+/// (on our VMs, idle huge pages are reclaimed): 65% of the CPU time of a QUIC all-reduce went to
+/// `clear_page`. Jumbo loopback packets are never GSO batches, so GRO gains nothing here; with it
+/// off the buffer is 2 MB.
+#[derive(Debug)]
+struct NoGro(Arc<dyn quinn::AsyncUdpSocket>);
+
+impl quinn::AsyncUdpSocket for NoGro {
+    fn create_io_poller(self: Arc<Self>) -> std::pin::Pin<Box<dyn quinn::UdpPoller>> {
+        Arc::clone(&self.0).create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &quinn::udp::Transmit) -> std::io::Result<()> {
+        self.0.try_send(transmit)
+    }
+
+    fn poll_recv(&self, cx: &mut std::task::Context, bufs: &mut [std::io::IoSliceMut<'_>], meta: &mut [quinn::udp::RecvMeta]) -> std::task::Poll<std::io::Result<usize>> {
+        self.0.poll_recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.0.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.0.max_transmit_segments()
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        1
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.0.may_fragment()
+    }
+}
+
+/// Turns UDP generic receive offload off on `socket` (Linux; elsewhere quinn does not enable it).
+#[cfg(not(target_os = "linux"))]
+fn disable_gro(_socket: &std::net::UdpSocket) -> Result<()> {
+    Ok(())
+}
+
+/// Turns UDP generic receive offload off on `socket`.
+#[cfg(target_os = "linux")]
+fn disable_gro(socket: &std::net::UdpSocket) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let off: libc::c_int = 0;
+    // SAFETY: a valid socket descriptor and a pointer to a c_int of the length passed.
+    let rc = unsafe {
+        libc::setsockopt(socket.as_raw_fd(), libc::SOL_UDP, libc::UDP_GRO, (&off as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t)
+    };
+    if rc != 0 {
+        return Err(io("disable UDP GRO", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
 /// A UDP socket bound to `listen` with larger kernel buffers (a burst of 64 KB packets overflows
 /// the 208 KiB default, and every drop costs a loss-recovery round).
 fn udp_socket(listen: SocketAddr, buffer_bytes: usize) -> Result<std::net::UdpSocket> {
@@ -584,7 +645,9 @@ struct EndpointParts {
 
 impl EndpointParts {
     fn new(identity: &NodeIdentity, listen: SocketAddr, options: &QuicOptions) -> Result<Self> {
-        let jumbo = options.loopback_datagram_bytes >= 1200;
+        // Jumbo packets only on a loopback-bound endpoint: its peers are all on this machine, and
+        // its socket can do without GRO (see `NoGro`).
+        let jumbo = options.loopback_datagram_bytes >= 1200 && listen.ip().is_loopback();
         if options.loopback_datagram_bytes > MAX_LOOPBACK_DATAGRAM_BYTES {
             return Err(Error::InvalidConfig { reason: "loopback_datagram_bytes over 65487" });
         }
@@ -607,7 +670,16 @@ impl EndpointParts {
         }
         let socket = udp_socket(listen, options.socket_buffer_bytes)?;
         let runtime = quinn::default_runtime().ok_or(Error::InvalidConfig { reason: "QUIC transport must be bound inside a tokio runtime" })?;
-        let endpoint = quinn::Endpoint::new(endpoint_config, Some(server_config), socket, runtime).map_err(|e| io("bind", e))?;
+        let endpoint = if jumbo {
+            let gro_off = socket.try_clone().map_err(|e| io("socket", e))?;
+            let wrapped = runtime.wrap_udp_socket(socket).map_err(|e| io("bind", e))?;
+            // quinn-udp turned GRO on while wrapping; turn it off on the same socket.
+            disable_gro(&gro_off)?;
+            let socket: Arc<dyn quinn::AsyncUdpSocket> = Arc::new(NoGro(wrapped));
+            quinn::Endpoint::new_with_abstract_socket(endpoint_config, Some(server_config), socket, runtime).map_err(|e| io("bind", e))?
+        } else {
+            quinn::Endpoint::new(endpoint_config, Some(server_config), socket, runtime).map_err(|e| io("bind", e))?
+        };
         Ok(EndpointParts { endpoint, client_config, loopback_client_config })
     }
 }

@@ -1001,7 +1001,8 @@ fn round_up(n: usize, to: usize) -> usize {
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
-        tv_nsec: libc::c_long::try_from(timeout.subsec_nanos()).unwrap_or(0),
+        // Below 10^9, so it fits a c_long on every target.
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
     };
     // SAFETY: `word` is a valid, aligned 32-bit word for the duration of the call (it lives in a
     // mapping the caller keeps alive); FUTEX_WAIT only reads it. Errors (EAGAIN when the value

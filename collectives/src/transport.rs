@@ -9,13 +9,16 @@
 //! [`Transport::send`]. The trait holds no QUIC or tokio-channel types so that the simulator can
 //! implement it in memory. Methods return boxed futures so `Arc<dyn Transport>` works.
 //!
-//! Two provided methods are fast paths a transport may take; their defaults keep the simple
+//! The provided methods are fast paths a transport may take; their defaults keep the simple
 //! contract above. [`Transport::send_parts`] takes a frame as its encoded header plus a borrowed
 //! payload, so a transport that copies anyway (shared memory) writes the caller's bytes straight
 //! into its ring instead of into an intermediate frame buffer. [`Transport::attach`] lets a transport
 //! push events into the endpoint from the thread or task that read them ([`EventSink`]) instead of
-//! handing them to the dispatcher task through `recv`: one cross-thread wake-up less per frame,
-//! which is most of a small message's latency.
+//! handing them to the dispatcher task through `recv`: one cross-thread wake-up less per frame, and
+//! the way to lend a payload in place ([`EventSink::lent_frame`], [`LentBytes`]).
+//! [`Transport::poll_incoming`] lets a waiting operation take arrived frames itself before it
+//! sleeps. [`Transport::checks_integrity`] says the channel already guarantees unaltered bytes, so
+//! payloads need no checksum.
 
 use std::future::Future;
 use std::ops::{Deref, DerefMut};

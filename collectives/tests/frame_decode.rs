@@ -1,6 +1,10 @@
 //! The frame decoder under hostile input: every malformed frame maps to a typed error, never a
 //! panic; random and mutated bytes are fed through proptest with a seeded RNG; and an endpoint that
 //! receives garbage or forged frames drops and counts them while its groups keep working.
+//!
+//! `RTX_FUZZ_CASES=N` runs every proptest here with N cases instead of its small default (CI keeps
+//! the default; a long run is recorded in BENCHMARKS.md):
+//! `RTX_FUZZ_CASES=1000000 cargo test --release -p rtx-collectives --test frame_decode`.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -11,10 +15,17 @@ use std::time::Duration;
 use common::*;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
-use rtx_collectives::frame::{decode, decode_header, encode, FrameHeader, HEADER_LEN, MAGIC, VERSION};
+use rtx_collectives::frame::{decode, decode_header, encode, encode_header_only_checksum, FrameHeader, FLAG_HEADER_ONLY_CHECKSUM, HEADER_LEN, MAGIC, VERSION};
 use rtx_collectives::{BufferPool, CommConfig, DType, Endpoint, Error, InProcessNetwork, OpKind, PooledBuf, ReduceOp, Transport};
 
 const CAP: usize = 1 << 16;
+
+/// `default` cases, or `RTX_FUZZ_CASES` when set.
+fn cases(default: u32) -> u32 {
+    let cases = std::env::var("RTX_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    eprintln!("proptest cases: {cases}");
+    cases
+}
 
 fn runner(seed: u64, cases: u32) -> TestRunner {
     let mut bytes = [0u8; 32];
@@ -47,7 +58,7 @@ const OPS: [OpKind; 9] = [
 #[test]
 fn random_bytes_are_rejected() {
     let seed = seed();
-    runner(seed, 4000)
+    runner(seed, cases(4000))
         .run(&proptest::collection::vec(any::<u8>(), 0..300), |bytes| {
             prop_assert!(decode(&bytes, CAP).is_err());
             let _ = decode_header(&bytes, CAP);
@@ -61,7 +72,7 @@ fn random_bytes_are_rejected() {
 #[test]
 fn random_bytes_after_magic_are_rejected() {
     let seed = seed();
-    runner(seed ^ 1, 4000)
+    runner(seed ^ 1, cases(4000))
         .run(&proptest::collection::vec(any::<u8>(), 0..300), |mut bytes| {
             if bytes.len() >= 6 {
                 bytes[..4].copy_from_slice(&MAGIC.to_le_bytes());
@@ -84,7 +95,7 @@ fn mutated_frames_are_rejected() {
         proptest::collection::vec((any::<prop::sample::Index>(), 1u8..=255), 0..4),
         prop_oneof![Just(0isize), -70isize..0, 1isize..10],
     );
-    runner(seed ^ 2, 3000)
+    runner(seed ^ 2, cases(3000))
         .run(&strategy, |(payload, (group, generation, seq, op, chunk, src, dtype), flips, resize)| {
             let dtypes = [None, Some(DType::F32), Some(DType::F64), Some(DType::BF16), Some(DType::U32)];
             let h = FrameHeader { group, generation, seq, op: OPS[op], chunk, src, dtype: dtypes[dtype], payload_len: 0 };
@@ -111,6 +122,47 @@ fn mutated_frames_are_rejected() {
             Ok(())
         })
         .unwrap();
+}
+
+// Goal: a frame whose checksum covers only its header (what transports that guarantee integrity
+// send) round-trips; any change to its header, including setting the flag on a fully checksummed
+// frame or clearing it, is detected; unknown flag bits are refused; a changed payload is by design
+// not (its transport vouches for it), though a changed length still is.
+#[test]
+fn header_only_checksum_frames() {
+    let seed = seed();
+    let strategy = (
+        proptest::collection::vec(any::<u8>(), 0..200),
+        (any::<u64>(), any::<u64>(), any::<u32>(), 0usize..OPS.len()),
+        (0usize..HEADER_LEN, 1u8..=255),
+        proptest::collection::vec((any::<prop::sample::Index>(), 1u8..=255), 1..4),
+    );
+    runner(seed ^ 3, cases(3000))
+        .run(&strategy, |(payload, (group, seq, chunk, op), (at, xor), payload_flips)| {
+            let h = FrameHeader { group, generation: 1, seq, op: OPS[op], chunk, src: 0, dtype: Some(DType::F32), payload_len: 0 };
+            let mut bytes = encode_header_only_checksum(&h, payload.len()).to_vec();
+            bytes.extend_from_slice(&payload);
+            prop_assert_eq!(decode(&bytes, CAP).unwrap(), FrameHeader { payload_len: payload.len() as u64, ..h });
+            let mut header_flipped = bytes.clone();
+            header_flipped[at] ^= xor;
+            prop_assert!(decode(&header_flipped, CAP).is_err(), "header byte {} changed and accepted", at);
+            let mut payload_flipped = bytes.clone();
+            if !payload.is_empty() {
+                for (i, x) in &payload_flips {
+                    payload_flipped[HEADER_LEN + i.index(payload.len())] ^= x;
+                }
+                prop_assert!(decode(&payload_flipped, CAP).is_ok());
+            }
+            let mut full = encode(&BufferPool::new(), &h, &payload).to_vec();
+            full[52] |= FLAG_HEADER_ONLY_CHECKSUM;
+            let flagged = matches!(decode(&full, CAP), Err(Error::ChecksumMismatch { .. }));
+            prop_assert!(flagged, "flag set on a fully checksummed frame was accepted");
+            Ok(())
+        })
+        .unwrap();
+    let mut unknown = encode_header_only_checksum(&header(), 0).to_vec();
+    unknown[52] |= 0x80;
+    assert_eq!(decode(&unknown, CAP), Err(Error::ReservedNonZero));
 }
 
 // Goal: each kind of malformation has its own typed error with the facts in it.

@@ -40,7 +40,7 @@ pub enum BenchCommand {
     /// Each op of a model's step alone at its shapes, forward and forward+backward.
     Ops(OpsArgs),
     /// all_reduce, reduce_scatter and all_gather between rank processes over QUIC and shared memory.
-    Collectives(CollectivesArgs),
+    Collectives(Box<CollectivesArgs>),
 }
 
 /// Runs one benchmark, printing JSON lines on stdout.
