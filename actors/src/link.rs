@@ -1,0 +1,519 @@
+//! Remote actor references: a [`Link`] is one QUIC connection between two nodes that carries
+//! envelopes ([`crate::wire`]) on one bidirectional stream, in order. [`RemoteRef`] names an actor
+//! on the other side and sends it rkyv messages (`tell`) or calls it (`ask`, answered by an
+//! [`Inbound::reply`]). What arrives for local actors comes out of the receiver that
+//! [`Link::dial`] and [`LinkListener::accept`] return; the owner routes it (usually through its
+//! node's [`crate::Registry`]).
+//!
+//! Back-pressure: the outgoing queue and the inbound queue are bounded; a slow receiver stops its
+//! reader, and QUIC flow control then stops the sender.
+//!
+//! Security: the listener presents a self-signed certificate and the dialer accepts any
+//! certificate but checks the handshake signatures, so the TLS channel is encrypted but not yet
+//! authenticated. Authentication is the caller's job, bound to this very channel through
+//! [`Link::export_keying_material`] (the supervisor's join handshake proves knowledge of the
+//! cluster token on both sides with an HMAC over it, which a man in the middle cannot relay).
+//!
+//! Failure: a malformed envelope closes the link with a typed reason; a lost peer (closed
+//! connection, or no packet for [`LinkOptions::idle_timeout`]) fails every pending `ask` with
+//! `LinkClosed`, and the inbound receiver ends.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, SignatureScheme};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::error::{ActorError, Result};
+use crate::wire::{self, Envelope, Kind};
+
+/// ALPN of control links.
+const ALPN: &[u8] = b"rtx-control/1";
+const STREAM_MAGIC: [u8; 4] = *b"RTXC";
+const SERVER_NAME: &str = "rtx-control";
+const CLOSE_NORMAL: u32 = 0;
+const CLOSE_MALFORMED: u32 = 2;
+/// Envelopes queued for sending, and inbound messages waiting for their owner.
+const QUEUE: usize = 256;
+
+/// Link tuning.
+#[derive(Clone, Debug)]
+pub struct LinkOptions {
+    /// A link with no packet from the peer for this long is lost.
+    pub idle_timeout: Duration,
+    /// Keep-alive packets are sent this often when idle (must be below `idle_timeout`).
+    pub keep_alive: Duration,
+    /// How long dialing may take.
+    pub connect_timeout: Duration,
+}
+
+impl Default for LinkOptions {
+    fn default() -> Self {
+        LinkOptions { idle_timeout: Duration::from_secs(10), keep_alive: Duration::from_secs(1), connect_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// One end of a link; cheap to clone.
+#[derive(Clone)]
+pub struct Link {
+    inner: Arc<LinkInner>,
+}
+
+struct LinkInner {
+    peer: String,
+    connection: quinn::Connection,
+    out: mpsc::Sender<Vec<u8>>,
+    pending: Mutex<BTreeMap<u64, oneshot::Sender<Result<Vec<u8>>>>>,
+    next_correlation: AtomicU64,
+    closed: watch::Sender<Option<String>>,
+}
+
+/// A message for a local actor that arrived over a link.
+pub struct Inbound {
+    to: String,
+    body: Vec<u8>,
+    reply: Option<(Link, u64)>,
+}
+
+/// A named actor on the other side of a link.
+pub struct RemoteRef<M> {
+    link: Link,
+    to: String,
+    _msg: std::marker::PhantomData<fn(M)>,
+}
+
+/// Accepts links.
+pub struct LinkListener {
+    endpoint: quinn::Endpoint,
+    options: LinkOptions,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link").field("peer", &self.inner.peer).finish()
+    }
+}
+
+impl<M> Clone for RemoteRef<M> {
+    fn clone(&self) -> Self {
+        RemoteRef { link: self.link.clone(), to: self.to.clone(), _msg: std::marker::PhantomData }
+    }
+}
+
+impl LinkListener {
+    /// Listens on `addr` (port 0 picks one).
+    pub fn bind(addr: SocketAddr, options: LinkOptions) -> Result<LinkListener> {
+        let connect = |reason: String| ActorError::Connect { peer: addr.to_string(), reason };
+        let certified = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| connect(e.to_string()))?;
+        let cert = CertificateDer::from(certified.cert.der().to_vec());
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(certified.key_pair.serialize_der()));
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| connect(e.to_string()))?
+            .with_no_client_auth()
+            .with_single_cert(vec![cert], key)
+            .map_err(|e| connect(e.to_string()))?;
+        tls.alpn_protocols = vec![ALPN.to_vec()];
+        let crypto = QuicServerConfig::try_from(tls).map_err(|e| connect(e.to_string()))?;
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        server.transport_config(Arc::new(transport_config(&options)?));
+        let endpoint = quinn::Endpoint::server(server, addr).map_err(|e| connect(e.to_string()))?;
+        Ok(LinkListener { endpoint, options })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.endpoint.local_addr().map_err(|e| ActorError::Connect { peer: "local".into(), reason: e.to_string() })
+    }
+
+    /// Waits for the next peer and its link. `None` once the listener is closed. A peer whose
+    /// handshake fails is skipped (logged), not returned.
+    pub async fn accept(&self) -> Option<(Link, mpsc::Receiver<Inbound>)> {
+        loop {
+            let incoming = self.endpoint.accept().await?;
+            let peer = incoming.remote_address().to_string();
+            let options = self.options.clone();
+            let accepted = async {
+                let connection = incoming.await.map_err(|e| e.to_string())?;
+                let (send, mut recv) = connection.accept_bi().await.map_err(|e| e.to_string())?;
+                let mut magic = [0u8; 4];
+                recv.read_exact(&mut magic).await.map_err(|e| e.to_string())?;
+                if magic != STREAM_MAGIC {
+                    connection.close(CLOSE_MALFORMED.into(), b"bad stream magic");
+                    return Err("bad stream magic".to_string());
+                }
+                Ok(Link::start(peer.clone(), connection, send, recv))
+            };
+            match tokio::time::timeout(options.connect_timeout, accepted).await {
+                Ok(Ok(link)) => return Some(link),
+                Ok(Err(reason)) => tracing::warn!(%peer, %reason, "link handshake failed"),
+                Err(_) => tracing::warn!(%peer, "link handshake timed out"),
+            }
+        }
+    }
+
+    /// Stops accepting and closes every link made by this listener.
+    pub fn close(&self) {
+        self.endpoint.close(CLOSE_NORMAL.into(), b"listener closed");
+    }
+}
+
+impl Link {
+    /// Dials the listener at `addr`.
+    pub async fn dial(addr: SocketAddr, options: LinkOptions) -> Result<(Link, mpsc::Receiver<Inbound>)> {
+        let peer = addr.to_string();
+        let connect = |reason: String| ActorError::Connect { peer: peer.clone(), reason };
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| connect(e.to_string()))?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(ChannelOnly(provider)))
+            .with_no_client_auth();
+        tls.alpn_protocols = vec![ALPN.to_vec()];
+        let crypto = QuicClientConfig::try_from(tls).map_err(|e| connect(e.to_string()))?;
+        let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+        client.transport_config(Arc::new(transport_config(&options)?));
+        let local: SocketAddr = if addr.is_ipv4() { (Ipv4Addr::UNSPECIFIED, 0).into() } else { (Ipv6Addr::UNSPECIFIED, 0).into() };
+        let mut endpoint = quinn::Endpoint::client(local).map_err(|e| connect(e.to_string()))?;
+        endpoint.set_default_client_config(client);
+        let dialed = async {
+            let connection = endpoint.connect(addr, SERVER_NAME).map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())?;
+            let (mut send, recv) = connection.open_bi().await.map_err(|e| e.to_string())?;
+            send.write_all(&STREAM_MAGIC).await.map_err(|e| e.to_string())?;
+            Ok::<_, String>(Link::start(peer.clone(), connection, send, recv))
+        };
+        match tokio::time::timeout(options.connect_timeout, dialed).await {
+            Ok(Ok(link)) => Ok(link),
+            Ok(Err(reason)) => Err(connect(reason)),
+            Err(_) => Err(connect(format!("no answer within {:?}", options.connect_timeout))),
+        }
+    }
+
+    fn start(peer: String, connection: quinn::Connection, mut send: quinn::SendStream, mut recv: quinn::RecvStream) -> (Link, mpsc::Receiver<Inbound>) {
+        let (out, mut out_rx) = mpsc::channel::<Vec<u8>>(QUEUE);
+        let (inbound_tx, inbound_rx) = mpsc::channel(QUEUE);
+        let link = Link {
+            inner: Arc::new(LinkInner {
+                peer,
+                connection,
+                out,
+                pending: Mutex::new(BTreeMap::new()),
+                next_correlation: AtomicU64::new(1),
+                closed: watch::channel(None).0,
+            }),
+        };
+        let writer = link.clone();
+        tokio::spawn(async move {
+            while let Some(bytes) = out_rx.recv().await {
+                if let Err(e) = send.write_all(&bytes).await {
+                    writer.mark_closed(format!("write failed: {e}"));
+                    return;
+                }
+            }
+            let _ = send.finish();
+        });
+        // The reader holds only a weak reference so that dropping every `Link` closes the connection.
+        let weak = Arc::downgrade(&link.inner);
+        tokio::spawn(async move {
+            let reason = read_loop(&weak, &mut recv, &inbound_tx).await;
+            if let Some(inner) = weak.upgrade() {
+                Link { inner }.mark_closed(reason);
+            }
+        });
+        (link, inbound_rx)
+    }
+
+    /// The peer's address, as text.
+    pub fn peer(&self) -> &str {
+        &self.inner.peer
+    }
+
+    /// The peer's socket address.
+    pub fn remote_address(&self) -> SocketAddr {
+        self.inner.connection.remote_address()
+    }
+
+    /// A reference to the actor `to` on the other side.
+    pub fn remote<M>(&self, to: impl Into<String>) -> RemoteRef<M> {
+        RemoteRef { link: self.clone(), to: to.into(), _msg: std::marker::PhantomData }
+    }
+
+    /// 32 bytes of TLS keying material unique to this connection (RFC 5705 exporter), for
+    /// binding an authentication proof to the channel.
+    pub fn export_keying_material(&self, label: &[u8]) -> Result<[u8; 32]> {
+        let mut out = [0u8; 32];
+        self.inner.connection.export_keying_material(&mut out, label, b"rtx").map_err(|_| ActorError::Connect { peer: self.inner.peer.clone(), reason: "TLS exporter unavailable".into() })?;
+        Ok(out)
+    }
+
+    /// Sends raw envelope bytes, waiting while the outgoing queue is full.
+    async fn send_envelope(&self, envelope: Envelope) -> Result<()> {
+        let bytes = envelope.to_bytes()?;
+        self.inner.out.send(bytes).await.map_err(|_| self.closed_error())
+    }
+
+    /// Sends `msg` to the actor `to` on the other side.
+    pub async fn tell_bytes(&self, to: &str, body: Vec<u8>) -> Result<()> {
+        self.check_open()?;
+        self.send_envelope(Envelope { kind: Kind::Tell, correlation: 0, to: to.to_string(), body }).await
+    }
+
+    /// Like [`tell_bytes`](Self::tell_bytes), from a thread outside the runtime.
+    pub fn blocking_tell_bytes(&self, to: &str, body: Vec<u8>) -> Result<()> {
+        self.check_open()?;
+        let bytes = Envelope { kind: Kind::Tell, correlation: 0, to: to.to_string(), body }.to_bytes()?;
+        self.inner.out.blocking_send(bytes).map_err(|_| self.closed_error())
+    }
+
+    /// Calls the actor `to` with `body` and waits up to `timeout` for the reply's bytes.
+    pub async fn ask_bytes(&self, to: &str, body: Vec<u8>, timeout: Duration) -> Result<Vec<u8>> {
+        self.check_open()?;
+        let correlation = self.inner.next_correlation.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.inner.pending.lock().unwrap_or_else(PoisonError::into_inner).insert(correlation, tx);
+        let sent = self.send_envelope(Envelope { kind: Kind::Ask, correlation, to: to.to_string(), body }).await;
+        if let Err(e) = sent {
+            self.inner.pending.lock().unwrap_or_else(PoisonError::into_inner).remove(&correlation);
+            return Err(e);
+        }
+        let answer = tokio::time::timeout(timeout, rx).await;
+        self.inner.pending.lock().unwrap_or_else(PoisonError::into_inner).remove(&correlation);
+        match answer {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(self.closed_error()),
+            Err(_) => Err(ActorError::Timeout { peer: self.inner.peer.clone(), to: to.to_string(), after_ms: timeout.as_millis() as u64 }),
+        }
+    }
+
+    /// Sends bytes as they are, bypassing the envelope encoder: for tests of the peer's decoder.
+    #[doc(hidden)]
+    pub async fn raw_send_for_tests(&self, bytes: Vec<u8>) -> Result<()> {
+        self.inner.out.send(bytes).await.map_err(|_| self.closed_error())
+    }
+
+    /// Closes the link; pending calls on both sides fail.
+    pub fn close(&self, reason: &str) {
+        self.inner.connection.close(CLOSE_NORMAL.into(), reason.as_bytes());
+        self.mark_closed(format!("closed locally: {reason}"));
+    }
+
+    /// Whether the link is closed, and why.
+    pub fn closed_reason(&self) -> Option<String> {
+        self.inner.closed.borrow().clone()
+    }
+
+    /// Waits until the link is closed or lost; returns why.
+    pub async fn closed(&self) -> String {
+        let mut rx = self.inner.closed.subscribe();
+        loop {
+            if let Some(reason) = rx.borrow_and_update().clone() {
+                return reason;
+            }
+            if rx.changed().await.is_err() {
+                return "link dropped".into();
+            }
+        }
+    }
+
+    fn check_open(&self) -> Result<()> {
+        match self.closed_reason() {
+            Some(_) => Err(self.closed_error()),
+            None => Ok(()),
+        }
+    }
+
+    fn closed_error(&self) -> ActorError {
+        ActorError::LinkClosed { peer: self.inner.peer.clone(), reason: self.closed_reason().unwrap_or_else(|| "connection closed".into()) }
+    }
+
+    fn mark_closed(&self, reason: String) {
+        let first = self.inner.closed.send_if_modified(|state| {
+            if state.is_none() {
+                *state = Some(reason.clone());
+                true
+            } else {
+                false
+            }
+        });
+        if first {
+            tracing::debug!(peer = %self.inner.peer, %reason, "link closed");
+            let pending = std::mem::take(&mut *self.inner.pending.lock().unwrap_or_else(PoisonError::into_inner));
+            for (_, tx) in pending {
+                let _ = tx.send(Err(ActorError::LinkClosed { peer: self.inner.peer.clone(), reason: reason.clone() }));
+            }
+        }
+    }
+
+    fn answer(&self, correlation: u64, result: Result<Vec<u8>>) {
+        if let Some(tx) = self.inner.pending.lock().unwrap_or_else(PoisonError::into_inner).remove(&correlation) {
+            let _ = tx.send(result);
+        }
+    }
+}
+
+impl Drop for LinkInner {
+    fn drop(&mut self) {
+        self.connection.close(CLOSE_NORMAL.into(), b"link dropped");
+    }
+}
+
+async fn read_loop(link: &std::sync::Weak<LinkInner>, recv: &mut quinn::RecvStream, inbound: &mpsc::Sender<Inbound>) -> String {
+    loop {
+        let mut len = [0u8; 4];
+        if let Err(e) = recv.read_exact(&mut len).await {
+            return format!("peer went away: {e}");
+        }
+        let Some(inner) = link.upgrade() else { return "link dropped".into() };
+        let this = Link { inner };
+        let malformed = |reason: String| {
+            tracing::warn!(peer = %this.inner.peer, %reason, "malformed envelope; closing the link");
+            this.inner.connection.close(CLOSE_MALFORMED.into(), b"malformed envelope");
+            format!("malformed envelope: {reason}")
+        };
+        let len = match Envelope::check_len(u32::from_le_bytes(len)) {
+            Ok(len) => len,
+            Err(reason) => return malformed(reason),
+        };
+        let mut rest = vec![0u8; len];
+        if let Err(e) = recv.read_exact(&mut rest).await {
+            return format!("peer went away mid-envelope: {e}");
+        }
+        let envelope = match Envelope::parse(rest) {
+            Ok(envelope) => envelope,
+            Err(reason) => return malformed(reason),
+        };
+        match envelope.kind {
+            Kind::Reply => this.answer(envelope.correlation, Ok(envelope.body)),
+            Kind::ErrorReply => {
+                let reason = String::from_utf8_lossy(&envelope.body).into_owned();
+                this.answer(envelope.correlation, Err(ActorError::Remote { peer: this.inner.peer.clone(), to: envelope.to, reason }));
+            }
+            Kind::Tell | Kind::Ask => {
+                let reply = (envelope.kind == Kind::Ask).then(|| (this.clone(), envelope.correlation));
+                drop(this);
+                if inbound.send(Inbound { to: envelope.to, body: envelope.body, reply }).await.is_err() {
+                    return "inbound receiver dropped".into();
+                }
+            }
+        }
+    }
+}
+
+impl Inbound {
+    /// The local actor this is for.
+    pub fn to(&self) -> &str {
+        &self.to
+    }
+
+    /// Whether the sender waits for a reply.
+    pub fn wants_reply(&self) -> bool {
+        self.reply.is_some()
+    }
+
+    /// The link it came over (the sender).
+    pub fn link(&self) -> Option<&Link> {
+        self.reply.as_ref().map(|(link, _)| link)
+    }
+
+    /// Validates and decodes the message.
+    pub fn decode<T>(&self) -> Result<T>
+    where
+        T: rkyv::Archive,
+        T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>> + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+    {
+        wire::decode(&self.body)
+    }
+
+    /// Answers an `ask` with `value` (a tell has nobody to answer: ignored).
+    pub async fn reply<R>(self, value: &R) -> Result<()>
+    where
+        R: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+    {
+        let Some((link, correlation)) = self.reply else { return Ok(()) };
+        let body = wire::encode(value)?;
+        link.send_envelope(Envelope { kind: Kind::Reply, correlation, to: self.to, body }).await
+    }
+
+    /// Answers an `ask` with an error the caller sees as `Remote { reason }`.
+    pub async fn reply_error(self, reason: &str) -> Result<()> {
+        let Some((link, correlation)) = self.reply else { return Ok(()) };
+        link.send_envelope(Envelope { kind: Kind::ErrorReply, correlation, to: self.to, body: reason.as_bytes().to_vec() }).await
+    }
+}
+
+impl<M> RemoteRef<M>
+where
+    M: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+{
+    /// The remote actor's name.
+    pub fn name(&self) -> &str {
+        &self.to
+    }
+
+    /// The link this reference uses.
+    pub fn link(&self) -> &Link {
+        &self.link
+    }
+
+    /// Sends `msg` without waiting for an answer.
+    pub async fn tell(&self, msg: &M) -> Result<()> {
+        self.link.tell_bytes(&self.to, wire::encode(msg)?).await
+    }
+
+    /// Sends `msg` from a thread outside the runtime.
+    pub fn blocking_tell(&self, msg: &M) -> Result<()> {
+        self.link.blocking_tell_bytes(&self.to, wire::encode(msg)?)
+    }
+
+    /// Calls the actor with `msg` and decodes its reply as `R`.
+    pub async fn ask<R>(&self, msg: &M, timeout: Duration) -> Result<R>
+    where
+        R: rkyv::Archive,
+        R::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>> + rkyv::Deserialize<R, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+    {
+        let bytes = self.link.ask_bytes(&self.to, wire::encode(msg)?, timeout).await?;
+        wire::decode(&bytes)
+    }
+}
+
+fn transport_config(options: &LinkOptions) -> Result<quinn::TransportConfig> {
+    if options.keep_alive >= options.idle_timeout {
+        return Err(ActorError::Connect { peer: "local".into(), reason: "keep_alive must be below idle_timeout".into() });
+    }
+    let mut config = quinn::TransportConfig::default();
+    let idle = quinn::IdleTimeout::try_from(options.idle_timeout).map_err(|e| ActorError::Connect { peer: "local".into(), reason: e.to_string() })?;
+    config.max_idle_timeout(Some(idle));
+    config.keep_alive_interval(Some(options.keep_alive));
+    Ok(config)
+}
+
+/// Accepts any server certificate but verifies the handshake signatures with it: the channel
+/// is encrypted, and the caller authenticates it (see the module docs).
+#[derive(Debug)]
+struct ChannelOnly(Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for ChannelOnly {
+    fn verify_server_cert(&self, _end_entity: &CertificateDer<'_>, _intermediates: &[CertificateDer<'_>], _server_name: &ServerName<'_>, _ocsp: &[u8], _now: UnixTime) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
