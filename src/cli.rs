@@ -1,4 +1,5 @@
-//! Command-line interface of the `rtx` binary (clap): `rtx train` and `rtx bench`.
+//! Command-line interface of the `rtx` binary (clap): `rtx train`, `rtx launch`, `rtx supervisor`,
+//! `rtx worker`, `rtx status` and `rtx bench`.
 //!
 //! Parsing only; [`crate::train`] and [`crate::bench`] do the work, so the binary stays thin.
 
@@ -20,8 +21,99 @@ pub struct Cli {
 pub enum Command {
     /// Train a model in this process, driven by a TOML config (see configs/*.toml).
     Train(TrainArgs),
+    /// Train with N local worker processes under a supervisor (elastic data parallelism).
+    Launch(LaunchArgs),
+    /// Run the supervisor of a cluster job; workers join it with `rtx worker`.
+    Supervisor(SupervisorArgs),
+    /// Join a supervisor as a worker (token from $RTX_TOKEN; address from --join, torchrun or Slurm variables).
+    Worker(WorkerArgs),
+    /// Show a running job: members, generation, step, throughput.
+    Status(StatusArgs),
     /// Time rustytorch's CPU compute (JSON lines on stdout).
     Bench(crate::bench::BenchArgs),
+}
+
+/// Arguments of `rtx launch`.
+#[derive(Args, Debug, Clone)]
+pub struct LaunchArgs {
+    /// The config file, e.g. configs/fashion_mlp.toml (its optional [elastic] table sets failure policy).
+    pub config: PathBuf,
+    /// Worker processes to start.
+    #[arg(long, default_value_t = 2)]
+    pub nproc: usize,
+    /// Fewest workers that may train (default: [elastic] min_workers, else 1).
+    #[arg(long)]
+    pub min_workers: Option<usize>,
+    /// Most workers (default: [elastic] max_workers, else --nproc).
+    #[arg(long)]
+    pub max_workers: Option<usize>,
+    /// Continue from the newest checkpoint in the output folder.
+    #[arg(long)]
+    pub resume: bool,
+    /// Data folder (default: $RTX_DATA_DIR, else ./data).
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Output folder (default: [output] dir of the config, else runs/<config name>).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Print log lines only, no progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// Arguments of `rtx supervisor`.
+#[derive(Args, Debug, Clone)]
+pub struct SupervisorArgs {
+    /// The config file.
+    pub config: PathBuf,
+    /// Control address to listen on (default: 0.0.0.0:$MASTER_PORT under torchrun/Slurm).
+    #[arg(long)]
+    pub listen: Option<std::net::SocketAddr>,
+    /// Workers to wait for before the first step (default: $WORLD_SIZE / $SLURM_NTASKS, else 1).
+    #[arg(long)]
+    pub nproc: Option<usize>,
+    /// Fewest workers that may train.
+    #[arg(long)]
+    pub min_workers: Option<usize>,
+    /// Most workers.
+    #[arg(long)]
+    pub max_workers: Option<usize>,
+    /// Continue from the newest checkpoint in the output folder.
+    #[arg(long)]
+    pub resume: bool,
+    /// Data folder (checked here; each worker reads its own).
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Output folder.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Print log lines only, no progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// Arguments of `rtx worker`.
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// The supervisor's address (default: $MASTER_ADDR:$MASTER_PORT, or the first Slurm node).
+    #[arg(long)]
+    pub join: Option<String>,
+    /// The cluster token (prefer $RTX_TOKEN: a command line is visible to other users).
+    #[arg(long)]
+    pub token: Option<String>,
+    /// Data folder (default: $RTX_DATA_DIR, else ./data).
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+}
+
+/// Arguments of `rtx status`.
+#[derive(Args, Debug, Clone)]
+pub struct StatusArgs {
+    /// The supervisor's address.
+    pub addr: String,
+    /// The cluster token (default: $RTX_TOKEN).
+    #[arg(long)]
+    pub token: Option<String>,
 }
 
 /// Arguments of `rtx train`.

@@ -64,6 +64,9 @@ pub struct TrainConfig {
     pub output_dir: Option<PathBuf>,
     /// Text sampling at the end of a GPT run.
     pub sample: SampleConfig,
+    /// The `[elastic]` table for `rtx launch` (checked by `rtx_supervisor::ElasticConfig::apply_toml`).
+    #[serde(skip)]
+    pub elastic: Option<toml::Table>,
 }
 
 /// Model kinds and their shapes.
@@ -270,6 +273,8 @@ struct RawConfig {
     output: Option<RawOutput>,
     #[serde(default)]
     sample: Option<SampleConfig>,
+    #[serde(default)]
+    elastic: Option<toml::Table>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -469,7 +474,7 @@ impl Validator<'_> {
                 return Err(self.invalid("sample.prompt", "\"\"", "must hold at least one character"));
             }
         }
-        Ok(TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample })
+        Ok(TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample, elastic: raw.elastic })
     }
 
     fn model(&self, m: RawModel) -> Result<ModelConfig, ConfigError> {

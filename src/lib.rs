@@ -10,16 +10,23 @@
 //! `examples/mnist_mlp.rs`).
 //!
 //! This crate adds no compute of its own: it parses configs, runs the loop, and writes metrics
-//! (`metrics.jsonl`), a loss curve (`loss.png`) and checkpoints. Distributed training (actors,
-//! collectives, the supervisor) lives in the crates above `tensor` and is not wired in here yet.
+//! (`metrics.jsonl`), a loss curve (`loss.png`) and checkpoints. [`elastic`] runs the same configs
+//! as elastic data-parallel jobs (`rtx launch`, `rtx supervisor`, `rtx worker`, `rtx status`) on the
+//! actors, collectives and supervisor crates, re-exported as [`actors`], [`collectives`],
+//! [`pipelines`] and [`supervisor`].
 
+pub use rtx_actors as actors;
+pub use rtx_collectives as collectives;
 pub use rtx_kernels as kernels;
+pub use rtx_pipelines as pipelines;
+pub use rtx_supervisor as supervisor;
 pub use rtx_tensor as tensor;
 pub use rtx_tensor::{checkpoint, data, nn, optim, DType, Device, Generator, Tensor};
 
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod elastic;
 pub mod metrics;
 pub mod plot;
 pub mod progress;

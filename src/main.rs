@@ -34,6 +34,10 @@ fn main() -> ExitCode {
             };
             train::run_file(&args.config, options).map(|_| ()).map_err(anyhow::Error::from)
         }
+        Command::Launch(args) => rustytorch::elastic::launch(args),
+        Command::Supervisor(args) => rustytorch::elastic::supervise(args),
+        Command::Worker(args) => rustytorch::elastic::worker(args),
+        Command::Status(args) => rustytorch::elastic::status(args),
         Command::Bench(args) => rustytorch::bench::run(args),
     };
     match result {

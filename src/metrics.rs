@@ -38,6 +38,12 @@ pub struct MetricRecord {
     /// Validation accuracy (classification).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_acc: Option<f64>,
+    /// Workers in the group that committed the step (`rtx launch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world: Option<usize>,
+    /// Membership generation of that group (`rtx launch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
     /// Test loss (final evaluation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_loss: Option<f64>,

@@ -32,6 +32,7 @@
 //! bit-identical parameters.
 
 mod ckpt;
+pub(crate) mod elastic_job;
 mod model;
 mod optimizer;
 mod task;

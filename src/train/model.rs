@@ -81,6 +81,20 @@ impl Model {
     }
 }
 
+impl Module for Model {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        self.module().visit_params(prefix, f)
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
+        self.module_mut().visit_params_mut(prefix, f)
+    }
+
+    fn set_training(&mut self, training: bool) {
+        self.module_mut().set_training(training)
+    }
+}
+
 fn nn_activation(a: Activation) -> nn::Activation {
     match a {
         Activation::Relu => nn::Activation::Relu,

@@ -27,24 +27,8 @@ impl Optimizer {
     pub(crate) fn new(config: &OptimConfig, schedule: &ScheduleConfig, model: &dyn Module) -> Result<Optimizer> {
         let named = model.named_parameters();
         let params: Vec<Tensor> = named.iter().map(|(_, t)| t.clone()).collect();
-        let (inner, description): (Box<dyn optim::Optimizer>, String) = match config.kind {
-            OptimKind::Sgd { momentum } => {
-                let cfg = SgdConfig { lr: config.lr, momentum, weight_decay: config.weight_decay, ..SgdConfig::default() };
-                (Box::new(Sgd::new(named, cfg)?), format!("sgd lr {} momentum {momentum} weight_decay {}", config.lr, config.weight_decay))
-            }
-            OptimKind::AdamW { betas, eps } => {
-                let cfg = AdamWConfig { lr: config.lr, beta1: betas.0, beta2: betas.1, eps, weight_decay: config.weight_decay };
-                // Decay weights and embeddings only, not biases or norm scales (nanoGPT's rule).
-                (Box::new(AdamW::with_decay_filter(named, cfg, AdamW::decay_matrices)?), format!("adamw lr {} betas ({}, {}) weight_decay {} (matrices only)", config.lr, betas.0, betas.1, config.weight_decay))
-            }
-        };
-        let schedule_kind: Box<dyn LrSchedule> = if schedule.cosine || schedule.warmup_steps > 0 {
-            // Without cosine the floor equals the peak: warmup, then constant.
-            let min_lr = if schedule.cosine { schedule.min_lr } else { config.lr };
-            Box::new(optim::WarmupCosine { max_lr: config.lr, min_lr, warmup_steps: schedule.warmup_steps, total_steps: schedule.total_steps })
-        } else {
-            Box::new(optim::ConstantLr { lr: config.lr })
-        };
+        let (inner, description) = build_inner(config, named)?;
+        let schedule_kind = build_schedule(config, schedule);
         let mut description = description;
         if schedule.cosine {
             description.push_str(&format!(", warmup {} then cosine to {} at step {}", schedule.warmup_steps, schedule.min_lr, schedule.total_steps));
@@ -95,5 +79,31 @@ impl Optimizer {
     /// Mutable access (for restoring checkpoints).
     pub(crate) fn inner_mut(&mut self) -> &mut dyn optim::Optimizer {
         self.inner.as_mut()
+    }
+}
+
+/// The configured algorithm over `named` parameters, and a one-line description.
+pub(crate) fn build_inner(config: &OptimConfig, named: Vec<(String, Tensor)>) -> Result<(Box<dyn optim::Optimizer + Send>, String)> {
+    Ok(match config.kind {
+        OptimKind::Sgd { momentum } => {
+            let cfg = SgdConfig { lr: config.lr, momentum, weight_decay: config.weight_decay, ..SgdConfig::default() };
+            (Box::new(Sgd::new(named, cfg)?), format!("sgd lr {} momentum {momentum} weight_decay {}", config.lr, config.weight_decay))
+        }
+        OptimKind::AdamW { betas, eps } => {
+            let cfg = AdamWConfig { lr: config.lr, beta1: betas.0, beta2: betas.1, eps, weight_decay: config.weight_decay };
+            // Decay weights and embeddings only, not biases or norm scales (nanoGPT's rule).
+            (Box::new(AdamW::with_decay_filter(named, cfg, AdamW::decay_matrices)?), format!("adamw lr {} betas ({}, {}) weight_decay {} (matrices only)", config.lr, betas.0, betas.1, config.weight_decay))
+        }
+    })
+}
+
+/// The configured learning-rate schedule.
+pub(crate) fn build_schedule(config: &OptimConfig, schedule: &ScheduleConfig) -> Box<dyn LrSchedule + Send + Sync> {
+    if schedule.cosine || schedule.warmup_steps > 0 {
+        // Without cosine the floor equals the peak: warmup, then constant.
+        let min_lr = if schedule.cosine { schedule.min_lr } else { config.lr };
+        Box::new(optim::WarmupCosine { max_lr: config.lr, min_lr, warmup_steps: schedule.warmup_steps, total_steps: schedule.total_steps })
+    } else {
+        Box::new(optim::ConstantLr { lr: config.lr })
     }
 }

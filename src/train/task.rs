@@ -214,7 +214,7 @@ pub(crate) enum EvalSplit {
     Test,
 }
 
-fn image_batch(set: &ImageDataset, idx: &[usize], mean: f32, std: f32) -> Result<Batch> {
+pub(crate) fn image_batch(set: &ImageDataset, idx: &[usize], mean: f32, std: f32) -> Result<Batch> {
     let b = set.batch(idx, mean, std);
     let rows = b.batch_size;
     let inputs = Tensor::from_vec(b.pixels, &[rows, b.height * b.width])?;
@@ -222,7 +222,7 @@ fn image_batch(set: &ImageDataset, idx: &[usize], mean: f32, std: f32) -> Result
     Ok(Batch { inputs, targets, rows, tokens: rows })
 }
 
-fn text_batch(b: rtx_tensor::data::TextBatch) -> Result<Batch> {
+pub(crate) fn text_batch(b: rtx_tensor::data::TextBatch) -> Result<Batch> {
     let (rows, t) = (b.batch_size, b.seq_len);
     let inputs = Tensor::from_vec(b.inputs, &[rows, t])?;
     let targets = Tensor::from_vec(b.targets, &[rows, t])?;

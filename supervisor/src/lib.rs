@@ -1,1 +1,29 @@
-//! placeholder
+//! Supervision for rustytorch: the elastic runtime that keeps training going when workers die.
+//!
+//! A job is a [`ClusterSupervisor`](supervisor) plus one node agent and worker per process
+//! ([`worker::run_worker`]), started on this machine by the [`launch::Launcher`] (`rtx launch`) or
+//! by a cluster's own launcher (`rtx supervisor` / `rtx worker`, with torchrun and Slurm
+//! variables, [`env`]). Workers join over an [`rtx_actors::Link`] by proving the cluster token
+//! ([`protocol`]), receive rank certificates from the cluster CA, and train the [`TrainJob`] with
+//! the data-parallel engine of `rtx-pipelines` over mutually authenticated QUIC collectives.
+//! The supervisor detects crashes, hangs, network loss and preemption ([`FailureClass`]), and
+//! re-forms the group under a new generation from the newest surviving state, shrinking,
+//! replacing or growing as the [`ElasticConfig`] says. Rank 0 writes periodic checkpoints in the
+//! background ([`checkpoint`]).
+
+pub mod checkpoint;
+mod config;
+pub mod env;
+mod error;
+mod job;
+pub mod launch;
+pub mod protocol;
+pub mod supervisor;
+pub mod worker;
+
+pub use config::{ClassPolicy, ElasticConfig, FailureClass, OnFailure};
+pub use error::{Result, SupervisorError};
+pub use job::TrainJob;
+pub use launch::{LaunchOptions, Launcher};
+pub use supervisor::{query_status, JobEvent, LaunchRequest, SupervisorHandle, SupervisorMsg, SupervisorOptions};
+pub use worker::{parameter_checksum, run_worker, JobSpec, WorkerOptions, WorkerOutcome};

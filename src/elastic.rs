@@ -1,0 +1,324 @@
+//! The distributed commands of `rtx`: `launch` (supervisor + N local worker processes, the
+//! default way to train), `supervisor` and `worker` (for clusters: Slurm, Kubernetes, SSH, with
+//! torchrun's and Slurm's variables understood), and `status`.
+//!
+//! `rtx launch` runs the supervisor in this process and starts the workers as child processes of
+//! the same binary (`rtx worker`), each with `RTX_NUM_THREADS` = cores / N so they do not fight
+//! over cores, output in `<out>/logs/worker-<i>.log`. It shows one progress bar for the job and
+//! writes `metrics.jsonl` (one line per `log_every` committed steps, with world size and
+//! generation), `events.jsonl` (every membership event, with seconds since launch), `cluster.json`
+//! (the current generation's worker pids), `summary.json` and `loss.png` into the output folder.
+
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _};
+use rtx_supervisor::checkpoint as elastic_checkpoint;
+use rtx_supervisor::{env as cluster_env, protocol, ElasticConfig, JobEvent, LaunchOptions, Launcher, SupervisorHandle, SupervisorOptions, WorkerOptions, WorkerOutcome};
+use rtx_tensor::data::{DataRoot, DATA_DIR_ENV};
+use serde_json::json;
+
+use crate::cli::{LaunchArgs, StatusArgs, SupervisorArgs, WorkerArgs};
+use crate::config::TrainConfig;
+use crate::metrics::{MetricRecord, MetricsWriter};
+use crate::progress::{human, Progress, Verbosity};
+use crate::train::elastic_job::ElasticJob;
+
+/// Environment variable carrying the cluster token to workers (never put on a command line).
+pub const TOKEN_ENV: &str = "RTX_TOKEN";
+/// Environment variable telling workers the run folder (checkpoints go to `<it>/checkpoints`).
+pub const RUN_DIR_ENV: &str = "RTX_RUN_DIR";
+
+/// `rtx launch`: supervisor here, `nproc` workers as child processes.
+pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
+    let job = JobFiles::prepare(&args.config, args.out.as_deref(), args.resume, args.data_dir.as_deref())?;
+    let mut elastic = job.elastic(args.nproc, args.min_workers, args.max_workers)?;
+    if args.nproc == 0 {
+        bail!("--nproc must be at least 1");
+    }
+    elastic.start_workers = args.nproc;
+    elastic.validate()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(async move {
+        let token = protocol::generate_token().map_err(|e| anyhow!(e))?;
+        let (requests_tx, requests_rx) = tokio::sync::mpsc::channel(64);
+        let options = job.supervisor_options("127.0.0.1:0".parse()?, token.clone(), elastic);
+        let supervisor = SupervisorHandle::start(options, Some(requests_tx)).await?;
+        write_private(&job.out_dir.join("token"), &token)?;
+        let threads = (std::thread::available_parallelism().map_or(2, |n| n.get()) / args.nproc).max(1);
+        let program = std::env::current_exe().context("cannot find the rtx binary to start workers")?;
+        let launch = LaunchOptions {
+            program,
+            args: vec!["worker".into(), "--join".into(), supervisor.addr.to_string()],
+            env: vec![
+                (TOKEN_ENV.into(), token),
+                (DATA_DIR_ENV.into(), job.data_root.path().display().to_string()),
+                (RUN_DIR_ENV.into(), job.out_dir.display().to_string()),
+                ("RTX_NUM_THREADS".into(), threads.to_string()),
+                ("RUST_LOG".into(), std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into())),
+            ],
+            log_dir: Some(job.out_dir.join("logs")),
+            grace: Duration::from_secs(5),
+        };
+        let launcher = Launcher::start(launch, args.nproc, supervisor.actor(), requests_rx)?;
+        let verbosity = if args.no_progress { Verbosity::Lines } else { Verbosity::Auto };
+        let outcome = follow(supervisor, &job, verbosity).await;
+        launcher.shutdown().await;
+        outcome
+    })
+}
+
+/// `rtx supervisor`: the supervisor of a cluster job; workers join with `rtx worker`.
+pub fn supervise(args: SupervisorArgs) -> anyhow::Result<()> {
+    let job = JobFiles::prepare(&args.config, args.out.as_deref(), args.resume, args.data_dir.as_deref())?;
+    let env = cluster_env::from_env(|k| std::env::var(k).ok())?;
+    let listen = match (args.listen, &env) {
+        (Some(addr), _) => addr,
+        (None, Some(e)) => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), e.master_port),
+        (None, None) => bail!("give --listen ADDR (or set MASTER_PORT / run under torchrun or Slurm)"),
+    };
+    let expected = args.nproc.or(env.as_ref().map(|e| e.world_size)).unwrap_or(1);
+    let mut elastic = job.elastic(expected, args.min_workers, args.max_workers)?;
+    elastic.start_workers = expected;
+    elastic.validate()?;
+    let token = match std::env::var(TOKEN_ENV) {
+        Ok(t) if !t.is_empty() => t,
+        _ => protocol::generate_token().map_err(|e| anyhow!(e))?,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(async move {
+        let options = job.supervisor_options(listen, token.clone(), elastic);
+        let supervisor = SupervisorHandle::start(options, None).await?;
+        let token_file = job.out_dir.join("token");
+        write_private(&token_file, &token)?;
+        eprintln!("supervisor listening on {}; waiting for {expected} worker(s)", supervisor.addr);
+        eprintln!("join with: {TOKEN_ENV}=$(cat {}) rtx worker --join <this host>:{}", token_file.display(), supervisor.addr.port());
+        follow(supervisor, &job, if args.no_progress { Verbosity::Lines } else { Verbosity::Auto }).await
+    })
+}
+
+/// `rtx worker`: joins a supervisor and trains until the job ends.
+pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
+    let env = cluster_env::from_env(|k| std::env::var(k).ok())?;
+    let join_text = match (&args.join, &env) {
+        (Some(j), _) => j.clone(),
+        (None, Some(e)) => e.master(),
+        (None, None) => bail!("give --join ADDR (or run under torchrun / Slurm, whose MASTER_ADDR or SLURM_NODELIST name the supervisor)"),
+    };
+    let join = join_text.to_socket_addrs().with_context(|| format!("cannot resolve the supervisor address {join_text}"))?.next().ok_or_else(|| anyhow!("{join_text} resolves to no address"))?;
+    let token = match args.token.clone().or_else(|| std::env::var(TOKEN_ENV).ok()) {
+        Some(t) if !t.is_empty() => t,
+        _ => bail!("no cluster token: set {TOKEN_ENV} (or pass --token)"),
+    };
+    let data_root = DataRoot::resolve(args.data_dir.as_deref(), std::env::var_os(DATA_DIR_ENV).as_deref());
+    let checkpoint_dir = std::env::var_os(RUN_DIR_ENV).map(|d| PathBuf::from(d).join("checkpoints"));
+    let index = std::env::var("RTX_WORKER_INDEX").ok().or(env.as_ref().map(|e| e.rank.to_string())).unwrap_or_else(|| std::process::id().to_string());
+    let mut options = WorkerOptions::new(join, token, format!("worker-{index}"));
+    if !join.ip().is_loopback() {
+        options.bind_ip = local_ip_towards(join).unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let outcome = runtime.block_on(rtx_supervisor::run_worker(options, move |spec| ElasticJob::for_worker(spec, &data_root, checkpoint_dir)));
+    match outcome {
+        Ok(WorkerOutcome::Finished) => Ok(()),
+        Ok(WorkerOutcome::Evicted(reason)) => {
+            eprintln!("worker left the job: {reason}");
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `rtx status`: members, generation, step and throughput of a running job.
+pub fn status(args: StatusArgs) -> anyhow::Result<()> {
+    let addr = args.addr.to_socket_addrs()?.next().ok_or_else(|| anyhow!("{} resolves to no address", args.addr))?;
+    let token = match args.token.clone().or_else(|| std::env::var(TOKEN_ENV).ok()) {
+        Some(t) => t,
+        None => bail!("no cluster token: set {TOKEN_ENV} (or pass --token)"),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let report = runtime.block_on(rtx_supervisor::query_status(addr, &token, Default::default()))?;
+    println!("phase {} | generation {} | committed step {} of {} | {:.1} steps/s, {} samples/s | failures {}", report.phase, report.generation, report.committed.map_or("-".into(), |s| (s + 1).to_string()), report.total_steps, report.steps_per_sec, human(report.samples_per_sec), report.failures);
+    println!("{:>6} {:>5} {:>8} {:<14} {:<8} {:>10}", "node", "rank", "pid", "name", "role", "completed");
+    for m in &report.members {
+        println!("{:>6} {:>5} {:>8} {:<14} {:<8} {:>10}", m.node, m.rank.map_or("-".into(), |r| r.to_string()), m.pid, m.name, m.role, m.completed.map_or("-".into(), |s| (s + 1).to_string()));
+    }
+    Ok(())
+}
+
+/// The files and settings of one job.
+struct JobFiles {
+    text: String,
+    config: TrainConfig,
+    out_dir: PathBuf,
+    data_root: DataRoot,
+    resume: Option<(PathBuf, u64)>,
+    started: Instant,
+}
+
+impl JobFiles {
+    fn prepare(config_path: &Path, out: Option<&Path>, resume: bool, data_dir: Option<&Path>) -> anyhow::Result<JobFiles> {
+        let text = std::fs::read_to_string(config_path).with_context(|| format!("cannot read config {}", config_path.display()))?;
+        let config = TrainConfig::from_toml_str(&text).with_context(|| format!("config {}", config_path.display()))?;
+        let out_dir = out.map(Path::to_path_buf).unwrap_or_else(|| config.default_output_dir(Some(config_path)));
+        let out_dir = std::path::absolute(&out_dir).unwrap_or(out_dir);
+        let data_root = DataRoot::resolve(data_dir, std::env::var_os(DATA_DIR_ENV).as_deref());
+        let data_root = DataRoot::new(std::path::absolute(data_root.path()).unwrap_or_else(|_| data_root.path().to_path_buf()));
+        // Fail here, with the fetch command, rather than in every worker.
+        ElasticJob::new(&text, &data_root, None).map_err(|e| anyhow!(e))?;
+        std::fs::create_dir_all(&out_dir).with_context(|| format!("cannot create output folder {}", out_dir.display()))?;
+        let checkpoint = elastic_checkpoint::latest(&out_dir.join("checkpoints"));
+        let resume = match (resume, checkpoint) {
+            (true, Some(path)) => {
+                let meta = rtx_tensor::checkpoint::read_meta(&path)?;
+                Some((path, meta.step + 1))
+            }
+            (true, None) => None,
+            (false, _) if out_dir.join("metrics.jsonl").exists() => bail!("output folder {} holds an earlier run; pass --resume to continue it, or --out DIR for a fresh one", out_dir.display()),
+            (false, _) => None,
+        };
+        Ok(JobFiles { text, config, out_dir, data_root, resume, started: Instant::now() })
+    }
+
+    fn elastic(&self, nproc: usize, min: Option<usize>, max: Option<usize>) -> anyhow::Result<ElasticConfig> {
+        let mut elastic = ElasticConfig { max_workers: nproc.max(1), start_workers: nproc.max(1), ..ElasticConfig::default() };
+        if let Some(table) = &self.config.elastic {
+            elastic.apply_toml(table)?;
+        }
+        if let Some(m) = min {
+            elastic.min_workers = m;
+        }
+        if let Some(m) = max {
+            elastic.max_workers = m;
+        }
+        elastic.max_workers = elastic.max_workers.max(nproc);
+        Ok(elastic)
+    }
+
+    fn supervisor_options(&self, listen: SocketAddr, token: String, elastic: ElasticConfig) -> SupervisorOptions {
+        SupervisorOptions {
+            listen,
+            token,
+            job: self.text.clone(),
+            total_steps: self.config.train.steps,
+            elastic,
+            resume: self.resume.as_ref().map(|(p, _)| p.clone()),
+            resume_next_step: self.resume.as_ref().map_or(0, |(_, s)| *s),
+            link: Default::default(),
+        }
+    }
+
+    fn seconds(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+}
+
+/// Follows the job's events until it ends: progress bar, metrics, events, summary, plot.
+async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Verbosity) -> anyhow::Result<()> {
+    let total = job.config.train.steps;
+    let start_step = job.resume.as_ref().map_or(0, |(_, s)| *s);
+    let metrics_path = job.out_dir.join("metrics.jsonl");
+    let mut metrics = if start_step > 0 && metrics_path.exists() { MetricsWriter::resume(&metrics_path, start_step)? } else { MetricsWriter::create(&metrics_path)? };
+    let mut events = std::fs::OpenOptions::new().create(true).append(true).open(job.out_dir.join("events.jsonl"))?;
+    let progress = Progress::new(verbosity, start_step, total);
+    let (unit, per_step) = ElasticJob::unit(&job.config);
+    let log_every = job.config.train.log_every.max(1);
+    let (mut window_loss, mut window_steps, mut window_start) = (0.0, 0u64, Instant::now());
+    let mut finished: Option<(Vec<(String, f64)>, bool)> = None;
+    let mut failed: Option<String> = None;
+    let mut summary = json!({ "generations": [], "lost": [] });
+    progress.line(&format!("job: {} steps, supervisor {}, output {}", total, supervisor.addr, job.out_dir.display()));
+    while let Some(event) = supervisor.events.recv().await {
+        let t = job.seconds();
+        writeln!(events, "{}", event_json(&event, t))?;
+        match &event {
+            JobEvent::Committed { step, loss, world, generation, .. } => {
+                let done = step + 1;
+                window_loss += loss;
+                window_steps += 1;
+                let rate = per_step as f64 * window_steps as f64 / window_start.elapsed().as_secs_f64().max(1e-9);
+                progress.update(done, *loss, rate, unit);
+                if done % log_every == 0 || done == total {
+                    let mean = window_loss / window_steps as f64;
+                    let mut record = MetricRecord { step: done, loss: Some(mean), wall_s: Some(t), world: Some(*world), generation: Some(*generation), ..Default::default() };
+                    if unit == "tokens" {
+                        record.tokens_per_s = Some(rate);
+                    } else {
+                        record.samples_per_s = Some(rate);
+                    }
+                    metrics.write(&record)?;
+                    progress.line(&format!("step {done:>6}/{total} | loss {mean:.4} | {world} workers, generation {generation} | {} {unit}/s | {t:.1}s", human(rate)));
+                    (window_loss, window_steps, window_start) = (0.0, 0, Instant::now());
+                }
+            }
+            JobEvent::Generation { generation, world, next_step, pids, .. } => {
+                progress.line(&format!("generation {generation}: {world} worker(s) (pids {pids:?}), continuing at step {next_step}"));
+                std::fs::write(job.out_dir.join("cluster.json"), json!({ "generation": generation, "world": world, "pids": pids, "next_step": next_step, "supervisor": supervisor.addr.to_string() }).to_string())?;
+                if let Some(g) = summary["generations"].as_array_mut() {
+                    g.push(json!({ "generation": generation, "world": world, "next_step": next_step, "t": t }));
+                }
+            }
+            JobEvent::Lost { pid, class, reason, .. } => {
+                progress.line(&format!("worker pid {pid} lost ({class:?}): {reason}"));
+                if let Some(l) = summary["lost"].as_array_mut() {
+                    l.push(json!({ "pid": pid, "class": format!("{class:?}"), "t": t }));
+                }
+            }
+            JobEvent::Joined { name, pid, .. } => progress.line(&format!("{name} (pid {pid}) joined")),
+            JobEvent::Refused { peer, reason } => progress.line(&format!("refused {peer}: {reason}")),
+            JobEvent::Checkpointed { step, path } => progress.line(&format!("checkpoint after step {}: {path}", step + 1)),
+            JobEvent::Finished { eval, replicas_identical, .. } => finished = Some((eval.clone(), *replicas_identical)),
+            JobEvent::Failed { reason } => failed = Some(reason.clone()),
+        }
+    }
+    progress.finish();
+    let joined = supervisor.join().await;
+    if let Some(reason) = failed {
+        bail!("the job failed: {reason}");
+    }
+    joined?;
+    let (eval, identical) = finished.ok_or_else(|| anyhow!("the supervisor stopped without finishing the job"))?;
+    let eval_text: Vec<String> = eval.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
+    progress.line(&format!("done in {:.1}s: {} | replicas bit-identical: {identical}", job.seconds(), eval_text.join(", ")));
+    summary["eval"] = json!(eval.iter().cloned().collect::<std::collections::BTreeMap<String, f64>>());
+    summary["replicas_identical"] = json!(identical);
+    summary["seconds"] = json!(job.seconds());
+    summary["steps"] = json!(total);
+    std::fs::write(job.out_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
+    let records = crate::metrics::read_metrics(metrics.path())?;
+    let with_text = crate::plot::ensure_font(std::env::var_os("RTX_PLOT_FONT").map(PathBuf::from).as_deref());
+    crate::plot::plot_loss_curve(&records, &job.out_dir.join("loss.png"), &format!("{} workers, elastic", job.config.data.dataset.name()), None, with_text)?;
+    if !identical {
+        bail!("replicas ended with different parameters");
+    }
+    Ok(())
+}
+
+fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
+    match event {
+        JobEvent::Joined { node, name, pid } => json!({ "t": t, "event": "joined", "node": node, "name": name, "pid": pid }),
+        JobEvent::Refused { peer, reason } => json!({ "t": t, "event": "refused", "peer": peer, "reason": reason }),
+        JobEvent::Lost { node, pid, class, reason } => json!({ "t": t, "event": "lost", "node": node, "pid": pid, "class": format!("{class:?}"), "reason": reason }),
+        JobEvent::Generation { generation, world, next_step, source_node, pids } => json!({ "t": t, "event": "generation", "generation": generation, "world": world, "next_step": next_step, "source_node": source_node, "pids": pids }),
+        JobEvent::Committed { step, loss, samples, world, generation } => json!({ "t": t, "event": "committed", "step": step, "loss": loss, "samples": samples, "world": world, "generation": generation }),
+        JobEvent::Checkpointed { step, path } => json!({ "t": t, "event": "checkpointed", "step": step, "path": path }),
+        JobEvent::Finished { eval, replicas_identical, checksum } => json!({ "t": t, "event": "finished", "eval": eval, "replicas_identical": replicas_identical, "checksum": format!("{checksum:016x}") }),
+        JobEvent::Failed { reason } => json!({ "t": t, "event": "failed", "reason": reason }),
+    }
+}
+
+fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().create(true).write(true).truncate(true).mode(0o600).open(path).with_context(|| format!("cannot write {}", path.display()))?;
+    f.write_all(text.as_bytes())?;
+    Ok(())
+}
+
+/// The local address the OS would use to reach `peer` (no packet is sent).
+fn local_ip_towards(peer: SocketAddr) -> Option<IpAddr> {
+    let socket = std::net::UdpSocket::bind(if peer.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).ok()?;
+    socket.connect(peer).ok()?;
+    socket.local_addr().ok().map(|a| a.ip())
+}

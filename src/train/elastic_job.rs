@@ -1,0 +1,225 @@
+//! The training task of `rtx launch` / `rtx worker` as an elastic job: the same config, data,
+//! model and optimizer as `rtx train`, shaped as an `rtx_supervisor::TrainJob` so the worker
+//! runtime can drive it on any number of ranks.
+//!
+//! Batches are indexed by global step: step `s` is batch `s mod B` of epoch `s div B` of the
+//! seeded epoch order (images) or the windows drawn for `s` (text), and rank `r` of `w` takes the
+//! contiguous part `r` of that global batch (the first `len mod w` parts one row longer). So the
+//! global batch of a step never depends on the world size, and after a shrink or grow no sample
+//! of an epoch is skipped or seen twice. Dropout draws from a generator seeded by
+//! `(seed, step, rank)`.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use rtx_actors::BatchSource;
+use rtx_pipelines::ParamSlice;
+use rtx_supervisor::{JobSpec, TrainJob};
+use rtx_tensor::data::DataRoot;
+use rtx_tensor::optim::{self, LrSchedule};
+use rtx_tensor::{no_grad, Generator, Reduction, Tensor};
+
+use crate::config::{ModelConfig, TrainConfig};
+
+use super::model::Model;
+use super::optimizer::{build_inner, build_schedule};
+use super::task::{Batch, EvalSplit, TaskData};
+use super::{DROPOUT_STREAM, IMAGE_EVAL_BATCH};
+
+/// A training config with its data loaded, ready to be trained elastically.
+pub(crate) struct ElasticJob {
+    config: TrainConfig,
+    data: TaskData,
+    schedule: Box<dyn LrSchedule + Send + Sync>,
+    epoch_order: Mutex<Option<(u64, Vec<usize>)>>,
+    checkpoint_dir: Option<PathBuf>,
+}
+
+/// One rank's part of a global batch.
+pub(crate) struct RankBatch {
+    batch: Batch,
+    rank: usize,
+}
+
+/// The optimizer of an elastic job: the configured algorithm with gradient clipping inside its
+/// `step` (gradients are already averaged across ranks when it runs).
+pub(crate) struct JobOptimizer {
+    inner: Box<dyn optim::Optimizer + Send>,
+    grad_clip: Option<f64>,
+    params: Vec<Tensor>,
+}
+
+impl ElasticJob {
+    /// Builds the job from the description the supervisor handed over; data from `data_root`.
+    pub(crate) fn new(spec_text: &str, data_root: &DataRoot, checkpoint_dir: Option<PathBuf>) -> Result<ElasticJob, String> {
+        let config = TrainConfig::from_toml_str(spec_text).map_err(|e| e.to_string())?;
+        let context = match &config.model {
+            ModelConfig::Gpt { context, .. } => Some(*context),
+            ModelConfig::Mlp { .. } => None,
+        };
+        let data = TaskData::load(&config, data_root, context).map_err(|e| e.to_string())?;
+        let schedule = build_schedule(&config.optim, &config.schedule);
+        Ok(ElasticJob { config, data, schedule, epoch_order: Mutex::new(None), checkpoint_dir })
+    }
+
+    /// Builds the job of a worker process.
+    pub(crate) fn for_worker(spec: &JobSpec, data_root: &DataRoot, checkpoint_dir: Option<PathBuf>) -> Result<ElasticJob, String> {
+        ElasticJob::new(&spec.job, data_root, checkpoint_dir)
+    }
+
+    /// What one step counts (`samples` or `tokens`) and how many per global batch.
+    pub(crate) fn unit(config: &TrainConfig) -> (&'static str, u64) {
+        match &config.model {
+            ModelConfig::Gpt { context, .. } => ("tokens", (config.data.batch_size * context) as u64),
+            ModelConfig::Mlp { .. } => ("samples", config.data.batch_size as u64),
+        }
+    }
+
+    fn global_rows(&self, step: u64) -> Result<Batch, String> {
+        match &self.data {
+            TaskData::Image(s) => {
+                let per_epoch = s.sampler.batches_per_epoch().max(1) as u64;
+                let (epoch, index) = (step / per_epoch, (step % per_epoch) as usize);
+                let mut cache = self.epoch_order.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if cache.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                    *cache = Some((epoch, s.sampler.epoch_plan(epoch).order().to_vec()));
+                }
+                let order = cache.as_ref().map(|(_, o)| o.as_slice()).unwrap_or_default();
+                let start = index * self.config.data.batch_size;
+                let end = (start + self.config.data.batch_size).min(order.len());
+                super::task::image_batch(&s.train, &order[start..end], s.mean, s.std).map_err(|e| e.to_string())
+            }
+            TaskData::Text(s) => {
+                let b = s.sampler.batch(&s.train, step).map_err(|e| e.to_string())?;
+                super::task::text_batch(b).map_err(|e| e.to_string())
+            }
+        }
+    }
+}
+
+impl BatchSource for ElasticJob {
+    type Batch = RankBatch;
+
+    fn batch(&self, step: u64, rank: usize, world: usize) -> Result<RankBatch, String> {
+        let global = self.global_rows(step)?;
+        let part = rtx_collectives::segment_range(global.rows, world, rank);
+        let rows = part.len();
+        let slice = |t: &Tensor| t.narrow(0, part.start, rows).and_then(|v| v.contiguous()).map_err(|e| e.to_string());
+        let inputs = slice(&global.inputs)?;
+        let targets = slice(&global.targets)?;
+        let tokens = if global.rows == 0 { 0 } else { global.tokens / global.rows * rows };
+        Ok(RankBatch { batch: Batch { inputs, targets, rows, tokens }, rank })
+    }
+}
+
+impl TrainJob for ElasticJob {
+    type Model = Model;
+    type Optim = JobOptimizer;
+
+    fn build_model(&self) -> Result<Model, String> {
+        let mut init_rng = Generator::new(self.config.train.seed);
+        let mut model = Model::build(&self.config.model, self.data.input_features(), self.data.n_classes(), &mut init_rng).map_err(|e| e.to_string())?;
+        model.module_mut().set_training(true);
+        Ok(model)
+    }
+
+    fn build_optimizer(&self, slices: &[ParamSlice]) -> Result<JobOptimizer, String> {
+        let named: Vec<(String, Tensor)> = slices.iter().map(|s| (s.name.clone(), s.tensor.clone())).collect();
+        let params = named.iter().map(|(_, t)| t.clone()).collect();
+        let (inner, _) = build_inner(&self.config.optim, named).map_err(|e| e.to_string())?;
+        Ok(JobOptimizer { inner, grad_clip: self.config.optim.grad_clip, params })
+    }
+
+    fn loss(&self, model: &mut Model, batch: &RankBatch, step: u64) -> rtx_tensor::Result<(Tensor, usize)> {
+        let seed = self.config.train.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (batch.rank as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+        let mut rng = Generator::with_stream(seed, DROPOUT_STREAM);
+        let out = model.loss(&batch.batch, &mut rng, Reduction::Mean, false).map_err(|e| rtx_tensor::Error::InvalidArgument { op: "loss", reason: e.to_string() })?;
+        Ok((out.loss, batch.batch.rows))
+    }
+
+    fn global_batch(&self) -> usize {
+        self.config.data.batch_size
+    }
+
+    fn total_steps(&self) -> u64 {
+        self.config.train.steps
+    }
+
+    fn set_lr(&self, optimizer: &mut JobOptimizer, step: u64) {
+        optimizer.inner.set_lr(self.schedule.lr(step));
+    }
+
+    fn evaluate(&self, model: &mut Model) -> Result<Vec<(String, f64)>, String> {
+        let mut metrics = Vec::new();
+        model.module_mut().set_training(false);
+        let mut scratch = Generator::new(0);
+        let is_image = matches!(self.data, TaskData::Image(_));
+        let splits: &[(EvalSplit, &str)] = if self.data.has_test() { &[(EvalSplit::Val, "val"), (EvalSplit::Test, "test")] } else { &[(EvalSplit::Val, "val")] };
+        for (split, name) in splits {
+            let n = self.data.n_eval_batches(*split, IMAGE_EVAL_BATCH);
+            let n = self.config.train.eval_batches.map_or(n, |m| m.min(n));
+            let result = no_grad(|| -> Result<(f64, usize, usize, usize), String> {
+                let (mut loss_sum, mut targets, mut correct, mut rows) = (0.0, 0usize, 0usize, 0usize);
+                for i in 0..n {
+                    let Some(batch) = self.data.eval_batch(*split, i, IMAGE_EVAL_BATCH).map_err(|e| e.to_string())? else { break };
+                    let out = model.loss(&batch, &mut scratch, Reduction::Sum, is_image).map_err(|e| e.to_string())?;
+                    loss_sum += out.loss.item().map_err(|e| e.to_string())?;
+                    targets += batch.targets.numel();
+                    rows += batch.rows;
+                    correct += out.correct.unwrap_or(0);
+                }
+                Ok((loss_sum, targets, correct, rows))
+            })?;
+            metrics.push((format!("{name}_loss"), result.0 / result.1.max(1) as f64));
+            if is_image {
+                metrics.push((format!("{name}_acc"), result.2 as f64 / result.3.max(1) as f64));
+            }
+        }
+        if let Some(text) = self.data.text() {
+            metrics.push(("unigram_entropy".into(), text.entropy_nats));
+        }
+        model.module_mut().set_training(true);
+        Ok(metrics)
+    }
+
+    fn checkpoint_dir(&self) -> Option<PathBuf> {
+        self.checkpoint_dir.clone()
+    }
+}
+
+impl optim::Optimizer for JobOptimizer {
+    fn step(&mut self) -> rtx_tensor::Result<()> {
+        if let Some(max) = self.grad_clip {
+            optim::clip_grad_norm(&self.params, max)?;
+        }
+        self.inner.step()
+    }
+
+    fn zero_grad(&self) -> rtx_tensor::Result<()> {
+        self.inner.zero_grad()
+    }
+
+    fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.inner.set_lr(lr)
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn parameters(&self) -> Vec<(String, Tensor)> {
+        self.inner.parameters()
+    }
+
+    fn state_tensors(&self) -> rtx_tensor::Result<Vec<(String, Tensor)>> {
+        self.inner.state_tensors()
+    }
+
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> rtx_tensor::Result<()> {
+        self.inner.load_state(state)
+    }
+}

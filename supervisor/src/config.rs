@@ -1,0 +1,178 @@
+//! Elastic-job settings: how many workers, how failures are detected, and what to do about each
+//! class of failure. Read from the `[elastic]` table of a job's TOML (all keys optional; unknown keys are an error).
+
+use std::time::Duration;
+
+use crate::error::{Result, SupervisorError};
+
+/// Classes of failure, each with its own policy and budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FailureClass {
+    /// The worker process died (exit observed, or its connection ended abruptly).
+    Crash,
+    /// The worker stopped sending heartbeats but its connection is open (hung, or a straggler
+    /// beyond the timeout).
+    Hang,
+    /// The connection was lost without a process exit being seen (network loss).
+    NetworkLoss,
+    /// The worker left gracefully (SIGTERM).
+    Preemption,
+}
+
+/// What to do when a worker is lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnFailure {
+    /// Continue with the survivors (as long as `min_workers` remain).
+    Shrink,
+    /// Continue with the survivors and start a replacement worker (launcher mode), which joins
+    /// and receives the state from a survivor.
+    Replace,
+}
+
+/// Policy of one failure class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClassPolicy {
+    pub on_failure: OnFailure,
+    /// Failures of this class tolerated before the job fails.
+    pub budget: u32,
+}
+
+/// Settings of an elastic job.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ElasticConfig {
+    /// Fewest workers that may train; below it the job waits for joiners, then fails.
+    pub min_workers: usize,
+    /// Most workers; later joiners are refused.
+    pub max_workers: usize,
+    /// Workers to wait for before the first step.
+    pub start_workers: usize,
+    /// How often workers send heartbeats.
+    pub heartbeat_interval: Duration,
+    /// A worker silent for this long is declared hung (and evicted).
+    pub heartbeat_timeout: Duration,
+    /// How long to wait for enough workers (start, or after losses) before failing.
+    pub rendezvous_timeout: Duration,
+    /// How long a `Prepare` round may take before the unresponsive members are dropped.
+    pub prepare_timeout: Duration,
+    /// Bound on any one collective operation's wait.
+    pub collective_timeout: Duration,
+    /// Parameter checksums are compared across replicas every this many steps (and at the end).
+    pub verify_every: u64,
+    /// Checkpoint every this many steps (0: never); written by rank 0 in the background.
+    pub checkpoint_every: u64,
+    pub crash: ClassPolicy,
+    pub hang: ClassPolicy,
+    pub network_loss: ClassPolicy,
+    pub preemption: ClassPolicy,
+}
+
+impl Default for ElasticConfig {
+    fn default() -> Self {
+        let shrink = ClassPolicy { on_failure: OnFailure::Shrink, budget: 100 };
+        ElasticConfig {
+            min_workers: 1,
+            max_workers: 64,
+            start_workers: 1,
+            heartbeat_interval: Duration::from_millis(200),
+            heartbeat_timeout: Duration::from_millis(1500),
+            rendezvous_timeout: Duration::from_secs(120),
+            prepare_timeout: Duration::from_secs(30),
+            collective_timeout: Duration::from_secs(60),
+            verify_every: 50,
+            checkpoint_every: 0,
+            crash: shrink,
+            hang: shrink,
+            network_loss: shrink,
+            preemption: shrink,
+        }
+    }
+}
+
+impl ElasticConfig {
+    /// The policy of a class.
+    pub fn policy(&self, class: FailureClass) -> ClassPolicy {
+        match class {
+            FailureClass::Crash => self.crash,
+            FailureClass::Hang => self.hang,
+            FailureClass::NetworkLoss => self.network_loss,
+            FailureClass::Preemption => self.preemption,
+        }
+    }
+
+    /// Checks the relationships between the values.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Err(SupervisorError::InvalidConfig { reason });
+        if self.min_workers == 0 {
+            return bad("elastic.min_workers must be at least 1".into());
+        }
+        if self.min_workers > self.max_workers {
+            return bad(format!("elastic.min_workers ({}) is above elastic.max_workers ({})", self.min_workers, self.max_workers));
+        }
+        if self.start_workers < self.min_workers || self.start_workers > self.max_workers {
+            return bad(format!("the starting worker count {} must lie in [min_workers {}, max_workers {}]", self.start_workers, self.min_workers, self.max_workers));
+        }
+        if self.heartbeat_interval.is_zero() || self.heartbeat_timeout <= self.heartbeat_interval * 2 {
+            return bad(format!("elastic.heartbeat_timeout ({:?}) must exceed twice elastic.heartbeat_interval ({:?})", self.heartbeat_timeout, self.heartbeat_interval));
+        }
+        if self.verify_every == 0 {
+            return bad("elastic.verify_every must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Applies the `[elastic]` table of a job TOML (unknown keys are an error).
+    pub fn apply_toml(&mut self, table: &toml::Table) -> Result<()> {
+        for (key, value) in table {
+            let int = || value.as_integer().and_then(|i| u64::try_from(i).ok()).ok_or_else(|| SupervisorError::InvalidConfig { reason: format!("elastic.{key} must be a non-negative integer, got {value}") });
+            let ms = || int().map(Duration::from_millis);
+            match key.as_str() {
+                "min_workers" => self.min_workers = int()? as usize,
+                "max_workers" => self.max_workers = int()? as usize,
+                "heartbeat_interval_ms" => self.heartbeat_interval = ms()?,
+                "heartbeat_timeout_ms" => self.heartbeat_timeout = ms()?,
+                "rendezvous_timeout_ms" => self.rendezvous_timeout = ms()?,
+                "prepare_timeout_ms" => self.prepare_timeout = ms()?,
+                "collective_timeout_ms" => self.collective_timeout = ms()?,
+                "verify_every" => self.verify_every = int()?,
+                "checkpoint_every" => self.checkpoint_every = int()?,
+                "on_failure" => {
+                    let on = match value.as_str() {
+                        Some("shrink") => OnFailure::Shrink,
+                        Some("replace") => OnFailure::Replace,
+                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.on_failure must be \"shrink\" or \"replace\", got {value}") }),
+                    };
+                    for p in [&mut self.crash, &mut self.hang, &mut self.network_loss] {
+                        p.on_failure = on;
+                    }
+                }
+                "failure_budget" => {
+                    let b = int()? as u32;
+                    for p in [&mut self.crash, &mut self.hang, &mut self.network_loss, &mut self.preemption] {
+                        p.budget = b;
+                    }
+                }
+                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget)") }),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_bad_values_are_named() {
+        ElasticConfig::default().validate().unwrap();
+        let mut c = ElasticConfig::default();
+        c.apply_toml(&toml::from_str("min_workers = 2\nmax_workers = 4\non_failure = \"replace\"").unwrap()).unwrap();
+        assert_eq!((c.min_workers, c.max_workers, c.crash.on_failure), (2, 4, OnFailure::Replace));
+        let err = c.apply_toml(&toml::from_str("min_worker = 2").unwrap()).unwrap_err().to_string();
+        assert!(err.contains("unknown key elastic.min_worker"), "{err}");
+        let err = c.apply_toml(&toml::from_str("min_workers = -1").unwrap()).unwrap_err().to_string();
+        assert!(err.contains("non-negative integer"), "{err}");
+        c.min_workers = 5;
+        assert!(c.validate().unwrap_err().to_string().contains("above elastic.max_workers"));
+    }
+}

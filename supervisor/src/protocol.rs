@@ -1,0 +1,158 @@
+//! The control protocol between the cluster supervisor and node agents: rkyv messages over an
+//! [`rtx_actors::Link`], and the join proof.
+//!
+//! Join: the worker dials the supervisor (TLS, not yet authenticated), and both sides derive
+//! 32 bytes from the TLS exporter of that connection. The worker sends
+//! `HMAC-SHA256(token, "rtx-join-worker" ‖ ekm)`; the supervisor checks it in constant time and
+//! answers with `HMAC-SHA256(token, "rtx-join-supervisor" ‖ ekm)`, which the worker checks before
+//! trusting anything it receives (its certificate, the job). Neither side sends the token, and a
+//! proof made for one connection is useless on another, so a man in the middle learns nothing it
+//! can replay. Only then does the worker get its rank certificate from the cluster CA, with which
+//! workers authenticate each other (mutual TLS) on the collectives connections.
+//!
+//! A generation change is two round trips: `Prepare` (abort the old generation, bind a fresh
+//! collectives endpoint with a new rank certificate) answered by `Ready` (address and the last
+//! step this worker completed), then `Start` (everyone's addresses, which rank holds the newest
+//! state, the step to run next).
+
+use ring::hmac;
+
+/// Actor name of the supervisor on its links.
+pub const SUPERVISOR: &str = "supervisor";
+/// Actor name of a node agent on its link.
+pub const AGENT: &str = "agent";
+const WORKER_LABEL: &[u8] = b"rtx-join-worker";
+const SUPERVISOR_LABEL: &[u8] = b"rtx-join-supervisor";
+/// Label of the TLS exporter used for the join proof.
+pub const EXPORTER_LABEL: &[u8] = b"EXPORTER-rtx-join";
+
+/// Messages to the supervisor.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum ToSupervisor {
+    /// Asks to join (an `ask`; the answer is a [`JoinReply`]).
+    Join { name: String, pid: u32, host: String, proof: Vec<u8> },
+    /// Liveness and progress, every heartbeat interval.
+    Heartbeat { node: u64, generation: u64, completed: Option<u64> },
+    /// Answer to `Prepare`: bound at `addr`, last completed step.
+    Ready { node: u64, generation: u64, addr: String, completed: Option<u64> },
+    /// A step finished on this worker. `checksum` (of the parameter bits) on verification steps.
+    StepDone { node: u64, generation: u64, step: u64, loss: f64, samples: u64, checksum: Option<u64> },
+    /// A step failed on this worker (usually because a peer failed).
+    StepFailed { node: u64, generation: u64, step: u64, reason: String },
+    /// The worker leaves gracefully (SIGTERM: preemption) after `completed`.
+    Leaving { node: u64, completed: Option<u64>, reason: String },
+    /// The final report after `Finish`: the evaluation of the final model (rank 0) and a checksum.
+    Finished { node: u64, checksum: u64, eval: Vec<(String, f64)> },
+    /// A checkpoint was written.
+    Checkpointed { node: u64, step: u64, path: String },
+    /// Asks for a [`StatusReport`] (an `ask`); the proof is the join proof of this connection.
+    Status { proof: Vec<u8> },
+}
+
+/// The supervisor's answer to `Join`.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum JoinReply {
+    /// Admitted as `node`; `proof` is the supervisor's; `job` is the job description (TOML).
+    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64 },
+    /// Not admitted, and why.
+    Refused { reason: String },
+}
+
+/// Messages to a node agent.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum ToWorker {
+    /// Abort generation < `generation`, bind a collectives endpoint as `rank` of `world` with this
+    /// certificate (DER: CA, leaf, PKCS#8 key), then answer `Ready`.
+    Prepare { generation: u64, rank: u32, world: u32, ca: Vec<u8>, cert: Vec<u8>, key: Vec<u8> },
+    /// Connect to `addrs` (by rank), take the state of rank `source`, train from `next_step`.
+    Start { generation: u64, addrs: Vec<String>, source: u32, next_step: u64 },
+    /// Training is complete: report `Finished` and exit.
+    Finish,
+    /// Leave the job now (evicted after a hang, or the answer to `Leaving`).
+    Evict { reason: String },
+}
+
+/// One member in a [`StatusReport`].
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct MemberStatus {
+    pub node: u64,
+    pub name: String,
+    pub pid: u32,
+    pub rank: Option<u32>,
+    pub role: String,
+    pub completed: Option<u64>,
+}
+
+/// What `rtx status` shows.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct StatusReport {
+    pub phase: String,
+    pub generation: u64,
+    pub committed: Option<u64>,
+    pub total_steps: u64,
+    pub members: Vec<MemberStatus>,
+    pub steps_per_sec: f64,
+    pub samples_per_sec: f64,
+    pub failures: u64,
+}
+
+/// The worker's join proof for a connection with exporter value `ekm`.
+pub fn worker_proof(token: &str, ekm: &[u8; 32]) -> Vec<u8> {
+    proof(token, WORKER_LABEL, ekm)
+}
+
+/// The supervisor's proof for a connection with exporter value `ekm`.
+pub fn supervisor_proof(token: &str, ekm: &[u8; 32]) -> Vec<u8> {
+    proof(token, SUPERVISOR_LABEL, ekm)
+}
+
+/// Checks `given` against the proof for `label` in constant time.
+pub fn verify_worker_proof(token: &str, ekm: &[u8; 32], given: &[u8]) -> bool {
+    verify(token, WORKER_LABEL, ekm, given)
+}
+
+/// Checks the supervisor's proof in constant time.
+pub fn verify_supervisor_proof(token: &str, ekm: &[u8; 32], given: &[u8]) -> bool {
+    verify(token, SUPERVISOR_LABEL, ekm, given)
+}
+
+fn proof(token: &str, label: &[u8], ekm: &[u8; 32]) -> Vec<u8> {
+    let key = hmac::Key::new(hmac::HMAC_SHA256, token.as_bytes());
+    let mut ctx = hmac::Context::with_key(&key);
+    ctx.update(label);
+    ctx.update(ekm);
+    ctx.sign().as_ref().to_vec()
+}
+
+fn verify(token: &str, label: &[u8], ekm: &[u8; 32], given: &[u8]) -> bool {
+    let key = hmac::Key::new(hmac::HMAC_SHA256, token.as_bytes());
+    let message = [label, &ekm[..]].concat();
+    hmac::verify(&key, &message, given).is_ok()
+}
+
+/// A fresh random cluster token (32 bytes from the OS, hex).
+pub fn generate_token() -> Result<String, String> {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; 32];
+    ring::rand::SystemRandom::new().fill(&mut bytes).map_err(|_| "the OS random generator failed".to_string())?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proofs_bind_token_role_and_channel() {
+        let ekm = [7u8; 32];
+        let p = worker_proof("secret", &ekm);
+        assert!(verify_worker_proof("secret", &ekm, &p));
+        assert!(!verify_worker_proof("wrong", &ekm, &p));
+        assert!(!verify_worker_proof("secret", &[8u8; 32], &p), "a proof is tied to its connection");
+        assert!(!verify_supervisor_proof("secret", &ekm, &p), "the roles' proofs differ");
+        assert!(!verify_worker_proof("secret", &ekm, &p[..10]));
+        let t = generate_token().unwrap();
+        assert_eq!(t.len(), 64);
+        assert_ne!(t, generate_token().unwrap());
+    }
+}

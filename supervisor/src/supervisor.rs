@@ -1,0 +1,695 @@
+//! The `ClusterSupervisor`: admits workers, forms generations, detects failures and re-forms the
+//! group, commits steps, and ends the job. It runs as one actor ([`rtx_actors::Actor`]) whose
+//! mailbox is fed by the link listener, one forwarder per link, a ticker and the launcher;
+//! the whole membership state machine lives in its handler, so there are no locks and every
+//! decision is taken in one place, in message order. Members live in a `BTreeMap` by node id, so
+//! iteration order (and everything sent) is deterministic.
+//!
+//! Phases: `Waiting` (too few workers; after `rendezvous_timeout` the job fails) →
+//! `Preparing` (each member got `Prepare` for the new generation and answers `Ready`) →
+//! `Running` (steps are committed when every member reported them) → `Finishing` → done.
+//!
+//! Failure detection and classes: a process exit seen by the launcher is a **crash**; a worker
+//! silent for `heartbeat_timeout` while its connection is open is **hung** (evicted, and killed
+//! when it is our child); a connection lost without an exit is a **network loss**; a `Leaving`
+//! message is a **preemption**. Each class has a budget and a policy (shrink, or replace through
+//! the launcher). A step failure reported by a worker with no member found lost within
+//! `heartbeat_timeout` re-forms the same members under a new generation.
+//!
+//! Recovery point: the new generation starts from the newest step any member completed
+//! (a step completes on a rank only when every rank's gradients were combined, so that state is
+//! the job's), taken from that member by broadcast. At most the step in flight is lost.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rtx_actors::{spawn, Actor, ActorHandle, ActorRef, Context, Exit, Inbound, Link, LinkListener, LinkOptions, RemoteRef};
+use rtx_collectives::ClusterCa;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::config::{ElasticConfig, FailureClass, OnFailure};
+use crate::error::{Result, SupervisorError};
+use crate::protocol::{self, JoinReply, MemberStatus, StatusReport, ToSupervisor, ToWorker, AGENT, EXPORTER_LABEL};
+
+/// How the supervisor is set up.
+#[derive(Clone, Debug)]
+pub struct SupervisorOptions {
+    /// Control address to listen on.
+    pub listen: SocketAddr,
+    /// The cluster token workers must prove.
+    pub token: String,
+    /// The job description handed to workers (TOML).
+    pub job: String,
+    /// Steps in the run.
+    pub total_steps: u64,
+    /// Elastic settings.
+    pub elastic: ElasticConfig,
+    /// A checkpoint every worker resumes from.
+    pub resume: Option<PathBuf>,
+    /// The step after the resumed checkpoint's.
+    pub resume_next_step: u64,
+    /// Control-link tuning.
+    pub link: LinkOptions,
+}
+
+/// What happens in the job, for progress bars, metrics and tests.
+#[derive(Clone, Debug, PartialEq)]
+pub enum JobEvent {
+    /// A worker was admitted.
+    Joined { node: u64, name: String, pid: u32 },
+    /// A worker with a wrong token (or none) was refused.
+    Refused { peer: String, reason: String },
+    /// A member was lost.
+    Lost { node: u64, pid: u32, class: FailureClass, reason: String },
+    /// A generation started.
+    Generation { generation: u64, world: usize, next_step: u64, source_node: u64, pids: Vec<u32> },
+    /// Every member completed `step`.
+    Committed { step: u64, loss: f64, samples: u64, world: usize, generation: u64 },
+    /// A checkpoint was written.
+    Checkpointed { step: u64, path: String },
+    /// The job completed.
+    Finished { eval: Vec<(String, f64)>, replicas_identical: bool, checksum: u64 },
+    /// The job failed.
+    Failed { reason: String },
+}
+
+/// Requests to the process launcher.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LaunchRequest {
+    /// Start one more worker process.
+    Spawn,
+    /// Kill the process (SIGKILL).
+    Kill { pid: u32 },
+}
+
+/// Messages of the supervisor actor.
+pub enum SupervisorMsg {
+    /// A new link (not yet joined).
+    Connected { conn: u64, link: Link },
+    /// A message arrived on link `conn`.
+    Inbound { conn: u64, msg: Inbound },
+    /// Link `conn` ended.
+    LinkLost { conn: u64, reason: String },
+    /// A worker process ended (from the launcher).
+    ProcessExited { pid: u32, status: String },
+    /// Periodic checks.
+    Tick,
+}
+
+/// A running supervisor.
+pub struct SupervisorHandle {
+    /// The control address workers join.
+    pub addr: SocketAddr,
+    /// The job's events, in order.
+    pub events: mpsc::Receiver<JobEvent>,
+    actor: ActorRef<SupervisorMsg>,
+    handle: ActorHandle,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    listener: Arc<LinkListener>,
+}
+
+struct Member {
+    name: String,
+    pid: u32,
+    link: Link,
+    agent: RemoteRef<ToWorker>,
+    last_heard: Instant,
+    completed: Option<u64>,
+    leaving: bool,
+    finished: Option<(u64, Vec<(String, f64)>)>,
+}
+
+enum Phase {
+    Waiting { since: Instant },
+    Preparing { generation: u64, members: Vec<u64>, ready: BTreeMap<u64, (String, Option<u64>)>, since: Instant },
+    Running { generation: u64, members: Vec<u64>, reports: BTreeMap<u64, BTreeMap<u64, (f64, u64, Option<u64>)>>, failed_since: Option<Instant> },
+    Finishing { members: Vec<u64>, since: Instant },
+    Done,
+}
+
+struct ClusterSupervisor {
+    options: SupervisorOptions,
+    ca: ClusterCa,
+    events: mpsc::Sender<JobEvent>,
+    launcher: Option<mpsc::Sender<LaunchRequest>>,
+    connections: BTreeMap<u64, Link>,
+    members: BTreeMap<u64, Member>,
+    phase: Phase,
+    generation: u64,
+    started: bool,
+    committed: Option<u64>,
+    failures: BTreeMap<FailureClass, u32>,
+    exited: BTreeMap<u32, String>,
+    commit_times: Vec<(Instant, u64, u64)>,
+}
+
+impl SupervisorHandle {
+    /// Starts the supervisor on the current runtime. With `launcher`, it asks for replacement
+    /// workers and kills hung children; feed it process exits with [`process_exited`](Self::process_exited).
+    pub async fn start(options: SupervisorOptions, launcher: Option<mpsc::Sender<LaunchRequest>>) -> Result<SupervisorHandle> {
+        options.elastic.validate()?;
+        let listener = Arc::new(LinkListener::bind(options.listen, options.link.clone())?);
+        let addr = listener.local_addr()?;
+        let ca = ClusterCa::generate("rtx cluster CA")?;
+        let (events_tx, events) = mpsc::channel(4096);
+        let tick = options.elastic.heartbeat_interval.min(Duration::from_millis(100));
+        let state = ClusterSupervisor {
+            options,
+            ca,
+            events: events_tx,
+            launcher,
+            connections: BTreeMap::new(),
+            members: BTreeMap::new(),
+            phase: Phase::Waiting { since: Instant::now() },
+            generation: 0,
+            started: false,
+            committed: None,
+            failures: BTreeMap::new(),
+            exited: BTreeMap::new(),
+            commit_times: Vec::new(),
+        };
+        let (actor, handle) = spawn("supervisor", state, 4096);
+        let mut tasks = Vec::new();
+        let accept_actor = actor.clone();
+        let accept_listener = Arc::clone(&listener);
+        tasks.push(tokio::spawn(async move {
+            let mut next_conn = 1u64;
+            while let Some((link, mut inbound)) = accept_listener.accept().await {
+                let conn = next_conn;
+                next_conn += 1;
+                if accept_actor.send(SupervisorMsg::Connected { conn, link: link.clone() }).await.is_err() {
+                    return;
+                }
+                let forward = accept_actor.clone();
+                tokio::spawn(async move {
+                    while let Some(msg) = inbound.recv().await {
+                        if forward.send(SupervisorMsg::Inbound { conn, msg }).await.is_err() {
+                            return;
+                        }
+                    }
+                    let reason = link.closed_reason().unwrap_or_else(|| "link closed".into());
+                    let _ = forward.send(SupervisorMsg::LinkLost { conn, reason }).await;
+                });
+            }
+        }));
+        let tick_actor = actor.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut interval = tokio::time::interval(tick);
+            loop {
+                interval.tick().await;
+                if tick_actor.send(SupervisorMsg::Tick).await.is_err() {
+                    return;
+                }
+            }
+        }));
+        Ok(SupervisorHandle { addr, events, actor, handle, tasks, listener })
+    }
+
+    /// Tells the supervisor that a worker process ended.
+    pub async fn process_exited(&self, pid: u32, status: String) {
+        let _ = self.actor.send(SupervisorMsg::ProcessExited { pid, status }).await;
+    }
+
+    /// A sender for process exits (for a launcher task).
+    pub fn actor(&self) -> ActorRef<SupervisorMsg> {
+        self.actor.clone()
+    }
+
+    /// Waits for the supervisor to end; `Ok` when the job finished.
+    pub async fn join(self) -> Result<()> {
+        let SupervisorHandle { actor, handle, tasks, listener, .. } = self;
+        drop(actor);
+        let exit = handle.join().await;
+        for t in tasks {
+            t.abort();
+        }
+        // Give the last messages (Finish, Evict) a moment to leave before closing.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        listener.close();
+        match exit {
+            Exit::Normal => Ok(()),
+            Exit::Failed(reason) | Exit::Panicked(reason) => Err(SupervisorError::JobFailed { reason }),
+        }
+    }
+}
+
+impl Actor for ClusterSupervisor {
+    type Msg = SupervisorMsg;
+
+    async fn handle(&mut self, msg: SupervisorMsg, ctx: &mut Context<SupervisorMsg>) -> rtx_actors::Result<()> {
+        let result = match msg {
+            SupervisorMsg::Connected { conn, link } => {
+                self.connections.insert(conn, link);
+                Ok(())
+            }
+            SupervisorMsg::Inbound { conn, msg } => self.on_inbound(conn, msg).await,
+            SupervisorMsg::LinkLost { conn, reason } => self.on_link_lost(conn, reason).await,
+            SupervisorMsg::ProcessExited { pid, status } => self.on_exit(pid, status).await,
+            SupervisorMsg::Tick => self.on_tick().await,
+        };
+        match result {
+            Ok(()) => {
+                if matches!(self.phase, Phase::Done) {
+                    ctx.stop();
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                tracing::error!(%reason, "job failed");
+                self.emit(JobEvent::Failed { reason: reason.clone() }).await;
+                for member in self.members.values() {
+                    let _ = member.agent.tell(&ToWorker::Evict { reason: format!("job failed: {reason}") }).await;
+                }
+                Err(rtx_actors::ActorError::Failed { name: "supervisor".into(), reason })
+            }
+        }
+    }
+}
+
+impl ClusterSupervisor {
+    async fn emit(&self, event: JobEvent) {
+        let _ = self.events.send(event).await;
+    }
+
+    fn live_members(&self) -> impl Iterator<Item = (&u64, &Member)> {
+        self.members.iter().filter(|(_, m)| !m.leaving && m.finished.is_none())
+    }
+
+    async fn on_inbound(&mut self, conn: u64, msg: Inbound) -> Result<()> {
+        let decoded = msg.decode::<ToSupervisor>();
+        let m = match decoded {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(conn, error = %e, "undecodable message; closing that link");
+                if let Some(link) = self.connections.get(&conn) {
+                    link.close("undecodable message");
+                }
+                return Ok(());
+            }
+        };
+        if let Some(member) = self.members.get_mut(&conn) {
+            member.last_heard = Instant::now();
+        }
+        match m {
+            ToSupervisor::Join { name, pid, host, proof } => self.on_join(conn, msg, name, pid, host, proof).await,
+            ToSupervisor::Status { proof } => {
+                let ok = self.connections.get(&conn).and_then(|l| l.export_keying_material(EXPORTER_LABEL).ok()).is_some_and(|ekm| protocol::verify_worker_proof(&self.options.token, &ekm, &proof));
+                if ok {
+                    let report = self.status();
+                    let _ = msg.reply(&report).await;
+                } else {
+                    let _ = msg.reply_error("wrong cluster token").await;
+                }
+                Ok(())
+            }
+            _ if !self.members.contains_key(&conn) => {
+                tracing::warn!(conn, "message from a peer that has not joined; closing its link");
+                if let Some(link) = self.connections.get(&conn) {
+                    link.close("not joined");
+                }
+                Ok(())
+            }
+            ToSupervisor::Heartbeat { .. } => Ok(()),
+            ToSupervisor::Ready { node, generation, addr, completed } => self.on_ready(node, generation, addr, completed).await,
+            ToSupervisor::StepDone { node, generation, step, loss, samples, checksum } => self.on_step_done(node, generation, step, loss, samples, checksum).await,
+            ToSupervisor::StepFailed { node, generation, step, reason } => {
+                tracing::info!(node, generation, step, %reason, "step failed on a worker");
+                if let Phase::Running { generation: g, failed_since, .. } = &mut self.phase {
+                    if *g == generation && failed_since.is_none() {
+                        *failed_since = Some(Instant::now());
+                    }
+                }
+                Ok(())
+            }
+            ToSupervisor::Leaving { node, completed, reason } => {
+                if let Some(member) = self.members.get_mut(&node) {
+                    member.leaving = true;
+                    member.completed = completed.or(member.completed);
+                    let _ = member.agent.tell(&ToWorker::Evict { reason: "leave acknowledged".into() }).await;
+                    let pid = member.pid;
+                    self.emit(JobEvent::Lost { node, pid, class: FailureClass::Preemption, reason }).await;
+                    self.handle_failure(node, FailureClass::Preemption).await?;
+                }
+                Ok(())
+            }
+            ToSupervisor::Finished { node, checksum, eval } => {
+                if let Some(member) = self.members.get_mut(&node) {
+                    member.finished = Some((checksum, eval));
+                }
+                self.check_finished().await
+            }
+            ToSupervisor::Checkpointed { step, path, .. } => {
+                self.emit(JobEvent::Checkpointed { step, path }).await;
+                Ok(())
+            }
+        }
+    }
+
+    async fn on_join(&mut self, conn: u64, msg: Inbound, name: String, pid: u32, host: String, proof: Vec<u8>) -> Result<()> {
+        let Some(link) = self.connections.get(&conn).cloned() else { return Ok(()) };
+        let ekm = link.export_keying_material(EXPORTER_LABEL)?;
+        let refuse = |reason: &str| JoinReply::Refused { reason: reason.to_string() };
+        let reply = if !protocol::verify_worker_proof(&self.options.token, &ekm, &proof) {
+            Err(refuse("wrong cluster token"))
+        } else if matches!(self.phase, Phase::Finishing { .. } | Phase::Done) {
+            Err(refuse("the job is finishing"))
+        } else if self.live_members().count() >= self.options.elastic.max_workers {
+            Err(refuse(&format!("the job already has max_workers = {} workers", self.options.elastic.max_workers)))
+        } else {
+            Ok(())
+        };
+        if let Err(refused) = reply {
+            let reason = match &refused {
+                JoinReply::Refused { reason } => reason.clone(),
+                JoinReply::Accepted { .. } => String::new(),
+            };
+            tracing::warn!(peer = %link.peer(), %name, %reason, "join refused");
+            let _ = msg.reply(&refused).await;
+            self.emit(JobEvent::Refused { peer: link.peer().to_string(), reason }).await;
+            let closing = link.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                closing.close("refused");
+            });
+            return Ok(());
+        }
+        let node = conn;
+        let accepted = JoinReply::Accepted {
+            node,
+            proof: protocol::supervisor_proof(&self.options.token, &ekm),
+            job: self.options.job.clone(),
+            heartbeat_ms: self.options.elastic.heartbeat_interval.as_millis() as u64,
+            resume: self.options.resume.as_ref().map(|p| p.display().to_string()),
+            verify_every: self.options.elastic.verify_every,
+            checkpoint_every: self.options.elastic.checkpoint_every,
+        };
+        msg.reply(&accepted).await?;
+        tracing::info!(node, %name, pid, %host, "worker joined");
+        let agent = link.remote::<ToWorker>(AGENT);
+        self.members.insert(node, Member { name: name.clone(), pid, link, agent, last_heard: Instant::now(), completed: None, leaving: false, finished: None });
+        self.emit(JobEvent::Joined { node, name, pid }).await;
+        self.maybe_form().await
+    }
+
+    /// Starts the first generation when enough workers are here, or grows a running job.
+    async fn maybe_form(&mut self) -> Result<()> {
+        let live = self.live_members().count();
+        match &self.phase {
+            Phase::Waiting { .. } => {
+                let needed = if self.started { self.options.elastic.min_workers } else { self.options.elastic.start_workers };
+                if live >= needed {
+                    self.reform().await?;
+                }
+            }
+            Phase::Running { members, .. } => {
+                if live > members.len() && members.len() < self.options.elastic.max_workers {
+                    tracing::info!(from = members.len(), to = live.min(self.options.elastic.max_workers), "growing the group");
+                    self.reform().await?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Forms a new generation from the live members: current members first (in rank order),
+    /// then newcomers (by node id).
+    async fn reform(&mut self) -> Result<()> {
+        let previous: Vec<u64> = match &self.phase {
+            Phase::Preparing { members, .. } | Phase::Running { members, .. } => members.clone(),
+            _ => Vec::new(),
+        };
+        let live: Vec<u64> = self.live_members().map(|(n, _)| *n).collect();
+        let mut candidates: Vec<u64> = previous.iter().copied().filter(|n| live.contains(n)).collect();
+        candidates.extend(live.iter().copied().filter(|n| !previous.contains(n)));
+        candidates.truncate(self.options.elastic.max_workers);
+        let needed = if self.started { self.options.elastic.min_workers } else { self.options.elastic.start_workers };
+        if candidates.len() < needed {
+            tracing::warn!(have = candidates.len(), needed, "too few workers; waiting for more");
+            self.phase = Phase::Waiting { since: Instant::now() };
+            // Members still alive must stop training the old generation.
+            self.generation += 1;
+            for node in &candidates {
+                if let Some(m) = self.members.get(node) {
+                    let _ = m.agent.tell(&ToWorker::Prepare { generation: self.generation, rank: 0, world: 0, ca: Vec::new(), cert: Vec::new(), key: Vec::new() }).await;
+                }
+            }
+            return Ok(());
+        }
+        self.generation += 1;
+        self.started = true;
+        let generation = self.generation;
+        let world = candidates.len();
+        for (rank, node) in candidates.iter().enumerate() {
+            let identity = self.ca.issue(rank)?;
+            let (cert, key) = identity.to_der().ok_or_else(|| SupervisorError::JobFailed { reason: "issued identity is not DER".into() })?;
+            let ca = self.ca.certificate().to_vec();
+            if let Some(m) = self.members.get(node) {
+                let _ = m.agent.tell(&ToWorker::Prepare { generation, rank: rank as u32, world: world as u32, ca, cert, key }).await;
+            }
+        }
+        tracing::info!(generation, world, "preparing generation");
+        self.phase = Phase::Preparing { generation, members: candidates, ready: BTreeMap::new(), since: Instant::now() };
+        Ok(())
+    }
+
+    async fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>) -> Result<()> {
+        let Phase::Preparing { generation: g, members, ready, .. } = &mut self.phase else { return Ok(()) };
+        if *g != generation || !members.contains(&node) {
+            return Ok(());
+        }
+        ready.insert(node, (addr, completed));
+        if let Some(m) = self.members.get_mut(&node) {
+            m.completed = completed;
+        }
+        if ready.len() < members.len() {
+            return Ok(());
+        }
+        let members = members.clone();
+        let ready = std::mem::take(ready);
+        let addrs: Vec<String> = members.iter().map(|n| ready.get(n).map(|(a, _)| a.clone()).unwrap_or_default()).collect();
+        // The newest state wins; ties go to the lowest rank.
+        let (source, newest) = members.iter().enumerate().map(|(rank, n)| (rank, ready.get(n).and_then(|(_, c)| *c))).fold((0usize, None), |best, (rank, c)| if c > best.1 { (rank, c) } else { best });
+        let next_step = match newest {
+            Some(c) => c + 1,
+            None => self.options.resume_next_step,
+        };
+        for node in &members {
+            if let Some(m) = self.members.get(node) {
+                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: source as u32, next_step }).await;
+            }
+        }
+        let pids = members.iter().filter_map(|n| self.members.get(n).map(|m| m.pid)).collect();
+        tracing::info!(generation, world = members.len(), next_step, source, "generation started");
+        self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members[source], pids }).await;
+        if next_step >= self.options.total_steps {
+            return self.finish(members).await;
+        }
+        self.phase = Phase::Running { generation, members, reports: BTreeMap::new(), failed_since: None };
+        Ok(())
+    }
+
+    async fn on_step_done(&mut self, node: u64, generation: u64, step: u64, loss: f64, samples: u64, checksum: Option<u64>) -> Result<()> {
+        if let Some(m) = self.members.get_mut(&node) {
+            m.completed = Some(step);
+        }
+        let total = self.options.total_steps;
+        let Phase::Running { generation: g, members, reports, .. } = &mut self.phase else { return Ok(()) };
+        if *g != generation || !members.contains(&node) {
+            return Ok(());
+        }
+        reports.entry(step).or_default().insert(node, (loss, samples, checksum));
+        let mut commits = Vec::new();
+        while let Some(entry) = reports.first_entry() {
+            if entry.get().len() < members.len() {
+                break;
+            }
+            let (step, by_node) = entry.remove_entry();
+            commits.push((step, by_node));
+        }
+        let world = members.len();
+        let members = members.clone();
+        for (step, by_node) in commits {
+            let samples: u64 = by_node.values().map(|r| r.1).sum();
+            let loss = by_node.values().map(|r| r.0 * r.1 as f64).sum::<f64>() / samples.max(1) as f64;
+            let sums: Vec<u64> = by_node.values().filter_map(|r| r.2).collect();
+            if sums.len() == by_node.len() && sums.windows(2).any(|w| w[0] != w[1]) {
+                return Err(SupervisorError::JobFailed { reason: format!("replicas diverged at step {step}: parameter checksums {sums:x?}") });
+            }
+            self.committed = Some(step);
+            self.commit_times.push((Instant::now(), step, samples));
+            if self.commit_times.len() > 64 {
+                self.commit_times.remove(0);
+            }
+            self.emit(JobEvent::Committed { step, loss, samples, world, generation }).await;
+            if step + 1 >= total {
+                return self.finish(members).await;
+            }
+        }
+        Ok(())
+    }
+
+    async fn finish(&mut self, members: Vec<u64>) -> Result<()> {
+        for node in &members {
+            if let Some(m) = self.members.get(node) {
+                let _ = m.agent.tell(&ToWorker::Finish).await;
+            }
+        }
+        self.phase = Phase::Finishing { members, since: Instant::now() };
+        self.check_finished().await
+    }
+
+    async fn check_finished(&mut self) -> Result<()> {
+        let Phase::Finishing { members, .. } = &self.phase else { return Ok(()) };
+        let reports: Vec<&(u64, Vec<(String, f64)>)> = members.iter().filter_map(|n| self.members.get(n).and_then(|m| m.finished.as_ref())).collect();
+        let gone = members.iter().filter(|n| self.members.get(n).is_none_or(|m| m.finished.is_none() && m.link.closed_reason().is_some())).count();
+        if reports.len() + gone < members.len() {
+            return Ok(());
+        }
+        let replicas_identical = reports.windows(2).all(|w| w[0].0 == w[1].0);
+        let checksum = reports.first().map_or(0, |r| r.0);
+        let eval = reports.iter().find(|r| !r.1.is_empty()).map(|r| r.1.clone()).unwrap_or_default();
+        self.emit(JobEvent::Finished { eval, replicas_identical, checksum }).await;
+        self.phase = Phase::Done;
+        Ok(())
+    }
+
+    async fn on_link_lost(&mut self, conn: u64, reason: String) -> Result<()> {
+        self.connections.remove(&conn);
+        let Some(member) = self.members.get(&conn) else { return Ok(()) };
+        if member.finished.is_some() || member.leaving {
+            return self.check_finished().await;
+        }
+        let class = if self.exited.contains_key(&member.pid) { FailureClass::Crash } else { FailureClass::NetworkLoss };
+        self.lose(conn, class, format!("connection lost: {reason}")).await
+    }
+
+    async fn on_exit(&mut self, pid: u32, status: String) -> Result<()> {
+        self.exited.insert(pid, status.clone());
+        let found = self.members.iter().find(|(_, m)| m.pid == pid && m.finished.is_none() && !m.leaving).map(|(n, _)| *n);
+        match found {
+            Some(node) => self.lose(node, FailureClass::Crash, format!("process {pid} exited: {status}")).await,
+            None => {
+                if matches!(self.phase, Phase::Finishing { .. }) {
+                    self.check_finished().await?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Removes a member for a failure of `class` and reacts.
+    async fn lose(&mut self, node: u64, class: FailureClass, reason: String) -> Result<()> {
+        let Some(member) = self.members.remove(&node) else { return Ok(()) };
+        tracing::warn!(node, pid = member.pid, ?class, %reason, "member lost");
+        if class == FailureClass::Hang {
+            let _ = member.agent.tell(&ToWorker::Evict { reason: format!("evicted: {reason}") }).await;
+            if let Some(launcher) = &self.launcher {
+                let _ = launcher.send(LaunchRequest::Kill { pid: member.pid }).await;
+            }
+        }
+        member.link.close("removed from the job");
+        self.emit(JobEvent::Lost { node, pid: member.pid, class, reason }).await;
+        if matches!(self.phase, Phase::Finishing { .. }) {
+            return self.check_finished().await;
+        }
+        self.handle_failure(node, class).await
+    }
+
+    async fn handle_failure(&mut self, node: u64, class: FailureClass) -> Result<()> {
+        let count = self.failures.entry(class).or_insert(0);
+        *count += 1;
+        let policy = self.options.elastic.policy(class);
+        if *count > policy.budget {
+            return Err(SupervisorError::JobFailed { reason: format!("{class:?} failures exceeded their budget of {}", policy.budget) });
+        }
+        if policy.on_failure == OnFailure::Replace {
+            if let Some(launcher) = &self.launcher {
+                let _ = launcher.send(LaunchRequest::Spawn).await;
+            }
+        }
+        let involved = match &self.phase {
+            Phase::Preparing { members, .. } | Phase::Running { members, .. } => members.contains(&node),
+            _ => false,
+        };
+        if involved {
+            self.reform().await?;
+        }
+        Ok(())
+    }
+
+    async fn on_tick(&mut self) -> Result<()> {
+        let now = Instant::now();
+        let timeout = self.options.elastic.heartbeat_timeout;
+        let silent: Vec<u64> = self.live_members().filter(|(_, m)| now.duration_since(m.last_heard) > timeout).map(|(n, _)| *n).collect();
+        for node in silent {
+            self.lose(node, FailureClass::Hang, format!("no heartbeat for {} ms", timeout.as_millis())).await?;
+        }
+        match &self.phase {
+            Phase::Waiting { since } if now.duration_since(*since) > self.options.elastic.rendezvous_timeout => {
+                let have = self.live_members().count();
+                return Err(SupervisorError::JobFailed { reason: format!("only {have} worker(s) after waiting {:?}; need {}", self.options.elastic.rendezvous_timeout, if self.started { self.options.elastic.min_workers } else { self.options.elastic.start_workers }) });
+            }
+            Phase::Preparing { members, ready, since, .. } if now.duration_since(*since) > self.options.elastic.prepare_timeout => {
+                let late: Vec<u64> = members.iter().copied().filter(|n| !ready.contains_key(n)).collect();
+                for node in late {
+                    self.lose(node, FailureClass::Hang, "no answer to Prepare".into()).await?;
+                }
+            }
+            Phase::Running { failed_since: Some(t), .. } if now.duration_since(*t) > timeout => {
+                tracing::warn!("a step failed and no member was found lost; re-forming the same members");
+                self.reform().await?;
+            }
+            Phase::Finishing { since, .. } if now.duration_since(*since) > self.options.elastic.prepare_timeout => {
+                let late: Vec<u64> = match &self.phase {
+                    Phase::Finishing { members, .. } => members.iter().copied().filter(|n| self.members.get(n).is_some_and(|m| m.finished.is_none())).collect(),
+                    _ => Vec::new(),
+                };
+                for node in late {
+                    self.members.remove(&node);
+                }
+                self.check_finished().await?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn status(&self) -> StatusReport {
+        let (phase, ranks): (&str, Vec<u64>) = match &self.phase {
+            Phase::Waiting { .. } => ("waiting", Vec::new()),
+            Phase::Preparing { members, .. } => ("preparing", members.clone()),
+            Phase::Running { members, .. } => ("running", members.clone()),
+            Phase::Finishing { members, .. } => ("finishing", members.clone()),
+            Phase::Done => ("done", Vec::new()),
+        };
+        let members = self
+            .members
+            .iter()
+            .map(|(node, m)| MemberStatus { node: *node, name: m.name.clone(), pid: m.pid, rank: ranks.iter().position(|n| n == node).map(|r| r as u32), role: "worker".into(), completed: m.completed })
+            .collect();
+        let (steps_per_sec, samples_per_sec) = match (self.commit_times.first(), self.commit_times.last()) {
+            (Some(first), Some(last)) if last.0 > first.0 => {
+                let secs = last.0.duration_since(first.0).as_secs_f64();
+                let samples: u64 = self.commit_times.iter().skip(1).map(|c| c.2).sum();
+                ((last.1 - first.1) as f64 / secs, samples as f64 / secs)
+            }
+            _ => (0.0, 0.0),
+        };
+        StatusReport { phase: phase.into(), generation: self.generation, committed: self.committed, total_steps: self.options.total_steps, members, steps_per_sec, samples_per_sec, failures: self.failures.values().map(|&c| u64::from(c)).sum() }
+    }
+}
+
+/// Asks the supervisor at `addr` for its status, proving the token.
+pub async fn query_status(addr: SocketAddr, token: &str, options: LinkOptions) -> Result<StatusReport> {
+    let (link, _inbound) = Link::dial(addr, options).await?;
+    let ekm = link.export_keying_material(EXPORTER_LABEL)?;
+    let report = link.remote::<ToSupervisor>(protocol::SUPERVISOR).ask(&ToSupervisor::Status { proof: protocol::worker_proof(token, &ekm) }, Duration::from_secs(10)).await?;
+    link.close("status done");
+    Ok(report)
+}
