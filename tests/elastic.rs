@@ -1,0 +1,212 @@
+//! Elastic training with real processes on loopback: `rtx launch` starts a supervisor and worker
+//! processes, and the tests hurt them: `kill -9`, SIGTERM (preemption), SIGSTOP (a hang with the
+//! connection still open), a worker joining a running job, a worker with a wrong token, and the
+//! loss of the supervisor itself. Every scenario must end with the job finished (or, for the
+//! supervisor's loss, every worker gone), at most one step lost, and bit-identical replicas.
+//!
+//! Needs the Fashion-MNIST data (`bash scripts/fetch-data.sh`). The scenarios run one at a time
+//! (they share two cores).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn rtx() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rtx"));
+    c.current_dir(env!("CARGO_MANIFEST_DIR"));
+    c
+}
+
+fn config(steps: u64) -> PathBuf {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/configs/elastic_fashion.toml")).expect("test config");
+    let text = text.replace("steps = 600", &format!("steps = {steps}"));
+    let dir = tempfile::tempdir().expect("tempdir").keep();
+    let path = dir.join("elastic.toml");
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+struct Launch {
+    child: Child,
+    out: PathBuf,
+}
+
+impl Launch {
+    fn start(nproc: usize, steps: u64, extra: &[&str]) -> Launch {
+        let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+        let child = rtx()
+            .args(["launch", "--nproc", &nproc.to_string(), "--no-progress", "--out"])
+            .arg(&out)
+            .arg(config(steps))
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start rtx launch");
+        Launch { child, out }
+    }
+
+    fn events(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.out.join("events.jsonl")).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+    }
+
+    fn wait_for(&self, what: &str, timeout: Duration, pred: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        let start = Instant::now();
+        loop {
+            let events = self.events();
+            if pred(&events) {
+                return events;
+            }
+            assert!(start.elapsed() < timeout, "timed out waiting for {what}; events so far: {events:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn committed(events: &[Value]) -> Option<u64> {
+        events.iter().filter(|e| e["event"] == "committed").filter_map(|e| e["step"].as_u64()).max()
+    }
+
+    fn pids(&self) -> Vec<u32> {
+        let cluster: Value = serde_json::from_str(&std::fs::read_to_string(self.out.join("cluster.json")).expect("cluster.json")).expect("json");
+        cluster["pids"].as_array().expect("pids").iter().map(|p| p.as_u64().expect("pid") as u32).collect()
+    }
+
+    fn finish(mut self) -> (Value, Vec<Value>) {
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                break status;
+            }
+            if start.elapsed() > Duration::from_secs(180) {
+                let _ = self.child.kill();
+                panic!("rtx launch did not finish");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let events = self.events();
+        let out = self.out.clone();
+        let output = self.child.wait_with_output().expect("output");
+        let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        assert!(status.success(), "rtx launch failed: {text}");
+        let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).expect("summary.json")).expect("json");
+        assert_eq!(summary["replicas_identical"], true, "{text}");
+        (summary, events)
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill").success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie is not alive for our purpose: check /proc state.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat.split_whitespace().nth(2).is_some_and(|s| s == "Z"),
+        Err(_) => false,
+    }
+}
+
+/// Kills (or stops) one of two workers mid-run and checks the recovery.
+fn survive(sig: &str, class: &str) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let launch = Launch::start(2, 600, &[]);
+    let events = launch.wait_for("step 150", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 150));
+    let victim = launch.pids()[1];
+    let before = Launch::committed(&events).expect("committed");
+    signal(victim, sig);
+    let (summary, events) = launch.finish();
+    let lost: Vec<&Value> = events.iter().filter(|e| e["event"] == "lost").collect();
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    assert_eq!(lost[0]["pid"], victim);
+    assert_eq!(lost[0]["class"], class);
+    let generations: Vec<&Value> = events.iter().filter(|e| e["event"] == "generation").collect();
+    assert_eq!(generations.len(), 2, "{generations:?}");
+    assert_eq!(generations[1]["world"], 1);
+    // At most the step in flight is lost: training resumes right after a committed step.
+    let next = generations[1]["next_step"].as_u64().expect("next_step");
+    assert!(next > before, "resumed at {next}, but step {before} was committed before the {sig}");
+    let acc = summary["eval"]["test_acc"].as_f64().expect("test_acc");
+    assert!(acc > 0.80, "test accuracy {acc} after recovery");
+    if sig == "-STOP" {
+        // The hung worker was killed by the launcher: no orphan.
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(!alive(victim), "the hung worker {victim} is still running");
+    }
+}
+
+#[test]
+fn a_killed_worker_costs_at_most_one_step() {
+    survive("-9", "Crash");
+}
+
+#[test]
+fn a_preempted_worker_leaves_gracefully() {
+    survive("-TERM", "Preemption");
+}
+
+#[test]
+fn a_hung_worker_is_detected_and_evicted() {
+    survive("-STOP", "Hang");
+}
+
+#[test]
+fn an_undisturbed_run_matches_a_disturbed_one_within_tolerance() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (calm, _) = Launch::start(2, 600, &[]).finish();
+    drop(_serial);
+    // Run the kill -9 scenario again and compare the final quality.
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let launch = Launch::start(2, 600, &[]);
+    launch.wait_for("step 200", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 200));
+    signal(launch.pids()[0], "-9");
+    let (hurt, _) = launch.finish();
+    let (a, b) = (calm["eval"]["test_acc"].as_f64().expect("acc"), hurt["eval"]["test_acc"].as_f64().expect("acc"));
+    assert!((a - b).abs() < 0.03, "undisturbed test accuracy {a}, after a kill {b}");
+    let (la, lb) = (calm["eval"]["test_loss"].as_f64().expect("loss"), hurt["eval"]["test_loss"].as_f64().expect("loss"));
+    assert!((la - lb).abs() < 0.08, "undisturbed test loss {la}, after a kill {lb}");
+}
+
+#[test]
+fn a_worker_can_join_a_running_job_and_a_wrong_token_is_refused() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let launch = Launch::start(1, 3000, &["--max-workers", "2"]);
+    launch.wait_for("step 50", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 50));
+    let cluster: Value = serde_json::from_str(&std::fs::read_to_string(launch.out.join("cluster.json")).expect("cluster")).expect("json");
+    let addr = cluster["supervisor"].as_str().expect("addr").to_string();
+    // A wrong token: refused with a clear error, and the job goes on.
+    let wrong = rtx().args(["worker", "--join", &addr]).env("RTX_TOKEN", "not-the-token").output().expect("run worker");
+    assert!(!wrong.status.success());
+    let err = String::from_utf8_lossy(&wrong.stderr);
+    assert!(err.contains("refused") && err.contains("wrong cluster token"), "{err}");
+    // The right token: admitted, and the group grows to two.
+    let token = std::fs::read_to_string(launch.out.join("token")).expect("token");
+    let mut joiner = rtx().args(["worker", "--join", &addr]).env("RTX_TOKEN", token.trim()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("joiner");
+    launch.wait_for("a generation of two", Duration::from_secs(120), |e| e.iter().any(|g| g["event"] == "generation" && g["world"] == 2));
+    let (_summary, events) = launch.finish();
+    let status = joiner.wait().expect("joiner exit");
+    assert!(status.success(), "the joined worker should finish cleanly");
+    assert!(events.iter().any(|e| e["event"] == "refused"), "the refusal is recorded");
+    let grown = events.iter().find(|g| g["event"] == "generation" && g["world"] == 2).expect("grown");
+    assert!(grown["next_step"].as_u64().expect("step") > 50);
+}
+
+#[test]
+fn workers_shut_down_when_the_supervisor_dies() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut launch = Launch::start(2, 100_000, &[]);
+    launch.wait_for("step 20", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 20));
+    let pids = launch.pids();
+    launch.child.kill().expect("kill the supervisor");
+    let _ = launch.child.wait();
+    let start = Instant::now();
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(start.elapsed() < Duration::from_secs(20), "workers {pids:?} outlived their supervisor");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
