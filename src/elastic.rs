@@ -183,7 +183,7 @@ impl JobFiles {
     }
 
     fn elastic(&self, nproc: usize, min: Option<usize>, max: Option<usize>) -> anyhow::Result<ElasticConfig> {
-        let mut elastic = ElasticConfig { max_workers: nproc.max(1), start_workers: nproc.max(1), ..ElasticConfig::default() };
+        let mut elastic = ElasticConfig { max_workers: nproc.max(1), start_workers: nproc.max(1), checkpoint_every: self.config.train.checkpoint_every, ..ElasticConfig::default() };
         if let Some(table) = &self.config.elastic {
             elastic.apply_toml(table)?;
         }
