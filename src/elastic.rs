@@ -232,7 +232,10 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
     progress.line(&format!("job: {} steps, supervisor {}, output {}", total, supervisor.addr, job.out_dir.display()));
     while let Some(event) = supervisor.events.recv().await {
         let t = job.seconds();
-        writeln!(events, "{}", event_json(&event, t))?;
+        let mut line = event_json(&event, t);
+        // Wall-clock time for outside tools (the recovery benchmark); no decision reads it.
+        line["unix_s"] = json!(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()));
+        writeln!(events, "{line}")?;
         match &event {
             JobEvent::Committed { step, loss, world, generation, .. } => {
                 let done = step + 1;

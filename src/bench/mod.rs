@@ -7,15 +7,17 @@
 //! times each op of that step alone to show where the time goes. Each prints one JSON object per
 //! line with the median (and min/max) of `--repeats` runs after `--warmup` runs. Threads follow
 //! `RTX_NUM_THREADS` (default: all cores), as every kernel does. Shapes match
-//! `scripts/peer/torch_bench.py` exactly; change both together. `collectives` measures the
+//! `scripts/peer/torch_bench.py` exactly; change both together. `actors` times actor calls in-process and across processes over QUIC. `collectives` measures the
 //! collectives between processes (see its module; `scripts/bench-collectives.sh` adds Gloo).
 
+mod actors;
 mod collectives;
 mod matmul;
 mod ops;
 mod step;
 mod timing;
 
+pub use actors::ActorsArgs;
 pub use collectives::{BenchTransport, CollectiveOp, CollectivesArgs};
 pub use matmul::MatmulArgs;
 pub use ops::OpsArgs;
@@ -41,6 +43,8 @@ pub enum BenchCommand {
     Ops(OpsArgs),
     /// all_reduce, reduce_scatter and all_gather between rank processes over QUIC and shared memory.
     Collectives(Box<CollectivesArgs>),
+    /// Actor call round trip, in-process and across processes over QUIC.
+    Actors(ActorsArgs),
 }
 
 /// Runs one benchmark, printing JSON lines on stdout.
@@ -50,6 +54,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Step(a) => step::run(&a),
         BenchCommand::Ops(a) => ops::run(&a),
         BenchCommand::Collectives(a) => collectives::run(&a),
+        BenchCommand::Actors(a) => actors::run(&a),
     }
 }
 
