@@ -50,6 +50,9 @@ pub struct LaunchArgs {
     /// Continue from the newest checkpoint in the output folder.
     #[arg(long)]
     pub resume: bool,
+    /// Stop after step N (with a checkpoint) instead of train.steps; `--resume` continues the run.
+    #[arg(long, value_name = "N")]
+    pub steps: Option<u64>,
     /// Data folder (default: $RTX_DATA_DIR, else ./data).
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,

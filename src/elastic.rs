@@ -33,7 +33,8 @@ pub const RUN_DIR_ENV: &str = "RTX_RUN_DIR";
 
 /// `rtx launch`: supervisor here, `nproc` workers as child processes.
 pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
-    let job = JobFiles::prepare(&args.config, args.out.as_deref(), args.resume, args.data_dir.as_deref())?;
+    let mut job = JobFiles::prepare(&args.config, args.out.as_deref(), args.resume, args.data_dir.as_deref())?;
+    job.stop_at = args.steps;
     let mut elastic = job.elastic(args.nproc, args.min_workers, args.max_workers)?;
     if args.nproc == 0 {
         bail!("--nproc must be at least 1");
@@ -155,6 +156,7 @@ struct JobFiles {
     out_dir: PathBuf,
     data_root: DataRoot,
     resume: Option<(PathBuf, u64)>,
+    stop_at: Option<u64>,
     started: Instant,
 }
 
@@ -179,7 +181,7 @@ impl JobFiles {
             (false, _) if out_dir.join("metrics.jsonl").exists() => bail!("output folder {} holds an earlier run; pass --resume to continue it, or --out DIR for a fresh one", out_dir.display()),
             (false, _) => None,
         };
-        Ok(JobFiles { text, config, out_dir, data_root, resume, started: Instant::now() })
+        Ok(JobFiles { text, config, out_dir, data_root, resume, stop_at: None, started: Instant::now() })
     }
 
     fn elastic(&self, nproc: usize, min: Option<usize>, max: Option<usize>) -> anyhow::Result<ElasticConfig> {
@@ -203,6 +205,7 @@ impl JobFiles {
             token,
             job: self.text.clone(),
             total_steps: self.config.train.steps,
+            stop_at: self.stop_at,
             elastic,
             resume: self.resume.as_ref().map(|(p, _)| p.clone()),
             resume_next_step: self.resume.as_ref().map_or(0, |(_, s)| *s),
@@ -219,6 +222,7 @@ impl JobFiles {
 async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Verbosity) -> anyhow::Result<()> {
     let total = job.config.train.steps;
     let start_step = job.resume.as_ref().map_or(0, |(_, s)| *s);
+    let total = job.stop_at.map_or(total, |s| s.min(total));
     let metrics_path = job.out_dir.join("metrics.jsonl");
     let mut metrics = if start_step > 0 && metrics_path.exists() { MetricsWriter::resume(&metrics_path, start_step)? } else { MetricsWriter::create(&metrics_path)? };
     let mut events = std::fs::OpenOptions::new().create(true).append(true).open(job.out_dir.join("events.jsonl"))?;
@@ -226,7 +230,7 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
     let (unit, per_step) = ElasticJob::unit(&job.config);
     let log_every = job.config.train.log_every.max(1);
     let (mut window_loss, mut window_steps, mut window_start) = (0.0, 0u64, Instant::now());
-    let mut finished: Option<(Vec<(String, f64)>, bool)> = None;
+    let mut finished: Option<(Vec<(String, f64)>, bool, f64)> = None;
     let mut failed: Option<String> = None;
     let mut summary = json!({ "generations": [], "lost": [] });
     progress.line(&format!("job: {} steps, supervisor {}, output {}", total, supervisor.addr, job.out_dir.display()));
@@ -272,7 +276,7 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
             JobEvent::Joined { name, pid, .. } => progress.line(&format!("{name} (pid {pid}) joined")),
             JobEvent::Refused { peer, reason } => progress.line(&format!("refused {peer}: {reason}")),
             JobEvent::Checkpointed { step, path } => progress.line(&format!("checkpoint after step {}: {path}", step + 1)),
-            JobEvent::Finished { eval, replicas_identical, .. } => finished = Some((eval.clone(), *replicas_identical)),
+            JobEvent::Finished { eval, replicas_identical, overhead, .. } => finished = Some((eval.clone(), *replicas_identical, *overhead)),
             JobEvent::Failed { reason } => failed = Some(reason.clone()),
         }
     }
@@ -282,12 +286,13 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
         bail!("the job failed: {reason}");
     }
     joined?;
-    let (eval, identical) = finished.ok_or_else(|| anyhow!("the supervisor stopped without finishing the job"))?;
+    let (eval, identical, overhead) = finished.ok_or_else(|| anyhow!("the supervisor stopped without finishing the job"))?;
     let eval_text: Vec<String> = eval.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
-    progress.line(&format!("done in {:.1}s: {} | replicas bit-identical: {identical}", job.seconds(), eval_text.join(", ")));
+    progress.line(&format!("done in {:.1}s: {} | replicas bit-identical: {identical} | runtime overhead {:.2}% of step time", job.seconds(), eval_text.join(", "), overhead * 100.0));
     summary["eval"] = json!(eval.iter().cloned().collect::<std::collections::BTreeMap<String, f64>>());
     summary["replicas_identical"] = json!(identical);
     summary["seconds"] = json!(job.seconds());
+    summary["runtime_overhead"] = json!(overhead);
     summary["steps"] = json!(total);
     std::fs::write(job.out_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
     let records = crate::metrics::read_metrics(metrics.path())?;
@@ -307,7 +312,7 @@ fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
         JobEvent::Generation { generation, world, next_step, source_node, pids } => json!({ "t": t, "event": "generation", "generation": generation, "world": world, "next_step": next_step, "source_node": source_node, "pids": pids }),
         JobEvent::Committed { step, loss, samples, world, generation } => json!({ "t": t, "event": "committed", "step": step, "loss": loss, "samples": samples, "world": world, "generation": generation }),
         JobEvent::Checkpointed { step, path } => json!({ "t": t, "event": "checkpointed", "step": step, "path": path }),
-        JobEvent::Finished { eval, replicas_identical, checksum } => json!({ "t": t, "event": "finished", "eval": eval, "replicas_identical": replicas_identical, "checksum": format!("{checksum:016x}") }),
+        JobEvent::Finished { eval, replicas_identical, checksum, overhead } => json!({ "t": t, "event": "finished", "eval": eval, "replicas_identical": replicas_identical, "checksum": format!("{checksum:016x}"), "runtime_overhead": overhead }),
         JobEvent::Failed { reason } => json!({ "t": t, "event": "failed", "reason": reason }),
     }
 }

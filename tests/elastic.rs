@@ -39,10 +39,14 @@ struct Launch {
 impl Launch {
     fn start(nproc: usize, steps: u64, extra: &[&str]) -> Launch {
         let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+        Launch::start_in(out, &config(steps), nproc, extra)
+    }
+
+    fn start_in(out: PathBuf, config: &Path, nproc: usize, extra: &[&str]) -> Launch {
         let child = rtx()
             .args(["launch", "--nproc", &nproc.to_string(), "--no-progress", "--out"])
             .arg(&out)
-            .arg(config(steps))
+            .arg(config)
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -209,4 +213,19 @@ fn workers_shut_down_when_the_supervisor_dies() {
         assert!(start.elapsed() < Duration::from_secs(20), "workers {pids:?} outlived their supervisor");
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+#[test]
+fn a_stopped_and_resumed_launch_continues_bit_exactly() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let checksum = |events: &[Value]| events.iter().filter(|e| e["event"] == "finished").last().map(|e| e["checksum"].clone()).expect("finished");
+    let (_, straight) = Launch::start(2, 200, &[]).finish();
+    let cfg = config(200);
+    let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+    let (_, first) = Launch::start_in(out.clone(), &cfg, 2, &["--steps", "100"]).finish();
+    assert!(first.iter().any(|e| e["event"] == "checkpointed" && e["step"] == 99), "a checkpoint after step 100: {first:?}");
+    let (_, second) = Launch::start_in(out, &cfg, 2, &["--resume"]).finish();
+    let resumed = second.iter().filter(|e| e["event"] == "generation").last().expect("generation");
+    assert_eq!(resumed["next_step"], 100);
+    assert_eq!(checksum(&straight), checksum(&second), "100 + resume + 100 steps must equal 200 straight steps bit for bit");
 }

@@ -42,7 +42,9 @@ pub enum ToSupervisor {
     /// The worker leaves gracefully (SIGTERM: preemption) after `completed`.
     Leaving { node: u64, completed: Option<u64>, reason: String },
     /// The final report after `Finish`: the evaluation of the final model (rank 0) and a checksum.
-    Finished { node: u64, checksum: u64, eval: Vec<(String, f64)> },
+    /// `compute_s` is the time spent inside training steps, `loop_s` the whole step loop (the
+    /// difference is the runtime's overhead: data waits, reports, checksums).
+    Finished { node: u64, checksum: u64, eval: Vec<(String, f64)>, compute_s: f64, loop_s: f64 },
     /// A checkpoint was written.
     Checkpointed { node: u64, step: u64, path: String },
     /// Asks for a [`StatusReport`] (an `ask`); the proof is the join proof of this connection.
@@ -64,8 +66,9 @@ pub enum ToWorker {
     /// Abort generation < `generation`, bind a collectives endpoint as `rank` of `world` with this
     /// certificate (DER: CA, leaf, PKCS#8 key), then answer `Ready`.
     Prepare { generation: u64, rank: u32, world: u32, ca: Vec<u8>, cert: Vec<u8>, key: Vec<u8> },
-    /// Connect to `addrs` (by rank), take the state of rank `source`, train from `next_step`.
-    Start { generation: u64, addrs: Vec<String>, source: u32, next_step: u64 },
+    /// Connect to `addrs` (by rank), take the state of rank `source`, train from `next_step`
+    /// up to (not including) `stop_step`.
+    Start { generation: u64, addrs: Vec<String>, source: u32, next_step: u64, stop_step: u64 },
     /// Training is complete: report `Finished` and exit.
     Finish,
     /// Leave the job now (evicted after a hang, or the answer to `Leaving`).

@@ -46,6 +46,8 @@ pub struct SupervisorOptions {
     pub job: String,
     /// Steps in the run.
     pub total_steps: u64,
+    /// Stop after this many steps instead (a later `--resume` continues the run).
+    pub stop_at: Option<u64>,
     /// Elastic settings.
     pub elastic: ElasticConfig,
     /// A checkpoint every worker resumes from.
@@ -71,8 +73,9 @@ pub enum JobEvent {
     Committed { step: u64, loss: f64, samples: u64, world: usize, generation: u64 },
     /// A checkpoint was written.
     Checkpointed { step: u64, path: String },
-    /// The job completed.
-    Finished { eval: Vec<(String, f64)>, replicas_identical: bool, checksum: u64 },
+    /// The job completed. `overhead` is the share of the workers' step-loop time spent outside
+    /// the training steps (the runtime's cost per step).
+    Finished { eval: Vec<(String, f64)>, replicas_identical: bool, checksum: u64, overhead: f64 },
     /// The job failed.
     Failed { reason: String },
 }
@@ -120,7 +123,7 @@ struct Member {
     last_heard: Instant,
     completed: Option<u64>,
     leaving: bool,
-    finished: Option<(u64, Vec<(String, f64)>)>,
+    finished: Option<(u64, Vec<(String, f64)>, f64, f64)>,
 }
 
 enum Phase {
@@ -272,6 +275,11 @@ impl Actor for ClusterSupervisor {
 }
 
 impl ClusterSupervisor {
+    /// The step after which this run stops.
+    fn end_step(&self) -> u64 {
+        self.options.stop_at.map_or(self.options.total_steps, |s| s.min(self.options.total_steps))
+    }
+
     async fn emit(&self, event: JobEvent) {
         let _ = self.events.send(event).await;
     }
@@ -337,9 +345,9 @@ impl ClusterSupervisor {
                 }
                 Ok(())
             }
-            ToSupervisor::Finished { node, checksum, eval } => {
+            ToSupervisor::Finished { node, checksum, eval, compute_s, loop_s } => {
                 if let Some(member) = self.members.get_mut(&node) {
-                    member.finished = Some((checksum, eval));
+                    member.finished = Some((checksum, eval, compute_s, loop_s));
                 }
                 self.check_finished().await
             }
@@ -481,13 +489,13 @@ impl ClusterSupervisor {
         };
         for node in &members {
             if let Some(m) = self.members.get(node) {
-                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: source as u32, next_step }).await;
+                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: source as u32, next_step, stop_step: self.end_step() }).await;
             }
         }
         let pids = members.iter().filter_map(|n| self.members.get(n).map(|m| m.pid)).collect();
         tracing::info!(generation, world = members.len(), next_step, source, "generation started");
         self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members[source], pids }).await;
-        if next_step >= self.options.total_steps {
+        if next_step >= self.end_step() {
             return self.finish(members).await;
         }
         self.phase = Phase::Running { generation, members, reports: BTreeMap::new(), failed_since: None };
@@ -498,7 +506,7 @@ impl ClusterSupervisor {
         if let Some(m) = self.members.get_mut(&node) {
             m.completed = Some(step);
         }
-        let total = self.options.total_steps;
+        let total = self.end_step();
         let Phase::Running { generation: g, members, reports, .. } = &mut self.phase else { return Ok(()) };
         if *g != generation || !members.contains(&node) {
             return Ok(());
@@ -546,7 +554,7 @@ impl ClusterSupervisor {
 
     async fn check_finished(&mut self) -> Result<()> {
         let Phase::Finishing { members, .. } = &self.phase else { return Ok(()) };
-        let reports: Vec<&(u64, Vec<(String, f64)>)> = members.iter().filter_map(|n| self.members.get(n).and_then(|m| m.finished.as_ref())).collect();
+        let reports: Vec<&(u64, Vec<(String, f64)>, f64, f64)> = members.iter().filter_map(|n| self.members.get(n).and_then(|m| m.finished.as_ref())).collect();
         let gone = members.iter().filter(|n| self.members.get(n).is_none_or(|m| m.finished.is_none() && m.link.closed_reason().is_some())).count();
         if reports.len() + gone < members.len() {
             return Ok(());
@@ -554,7 +562,9 @@ impl ClusterSupervisor {
         let replicas_identical = reports.windows(2).all(|w| w[0].0 == w[1].0);
         let checksum = reports.first().map_or(0, |r| r.0);
         let eval = reports.iter().find(|r| !r.1.is_empty()).map(|r| r.1.clone()).unwrap_or_default();
-        self.emit(JobEvent::Finished { eval, replicas_identical, checksum }).await;
+        let (compute, total): (f64, f64) = reports.iter().fold((0.0, 0.0), |acc, r| (acc.0 + r.2, acc.1 + r.3));
+        let overhead = if total > 0.0 { (total - compute) / total } else { 0.0 };
+        self.emit(JobEvent::Finished { eval, replicas_identical, checksum, overhead }).await;
         self.phase = Phase::Done;
         Ok(())
     }

@@ -132,7 +132,7 @@ where
 
     let (cmd_tx, cmd_rx) = std::sync::mpsc::sync_channel::<ToWorker>(16);
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), runtime: tokio::runtime::Handle::current(), bind_ip: options.bind_ip, quic: options.quic.clone(), verify_every, checkpoint_every };
+    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), runtime: tokio::runtime::Handle::current(), bind_ip: options.bind_ip, quic: options.quic.clone(), verify_every, checkpoint_every, timing: Mutex::new((0.0, 0.0)) };
     let spec = JobSpec { node, job: job_text, resume };
     std::thread::Builder::new()
         .name(format!("worker-{node}"))
@@ -234,6 +234,8 @@ struct WorkerCtx {
     quic: QuicOptions,
     verify_every: u64,
     checkpoint_every: u64,
+    /// Seconds inside training steps, and seconds of the step loop.
+    timing: Mutex<(f64, f64)>,
 }
 
 /// Model and optimizer state carried from one generation to the next.
@@ -271,7 +273,7 @@ fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>
                 ctx.supervisor.blocking_tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed })?;
                 let start = loop {
                     match cmds.recv().map_err(|_| lost())? {
-                        ToWorker::Start { generation: g, addrs, source, next_step } if g == generation => break Some((addrs, source, next_step)),
+                        ToWorker::Start { generation: g, addrs, source, next_step, stop_step } if g == generation => break Some((addrs, source, next_step, stop_step)),
                         ToWorker::Start { .. } => continue,
                         other => {
                             next = Some(other);
@@ -279,8 +281,8 @@ fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>
                         }
                     }
                 };
-                let Some((addrs, source, next_step)) = start else { continue };
-                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source as usize, next_step, addrs };
+                let Some((addrs, source, next_step, stop_step)) = start else { continue };
+                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source as usize, next_step, stop_step, addrs };
                 match run_generation(&ctx, &job, &generation_run, transport, &mut replica, &mut shard, &mut writer, &cmds) {
                     Ok(interrupt) => next = interrupt,
                     Err(e) => {
@@ -298,7 +300,8 @@ fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>
                 let model = replica.model.as_mut().ok_or_else(internal)?;
                 let checksum = parameter_checksum(model)?;
                 let eval = if replica.rank == Some(0) { job.evaluate(model).map_err(SupervisorError::Job)? } else { Vec::new() };
-                ctx.supervisor.blocking_tell(&ToSupervisor::Finished { node: ctx.node, checksum, eval })?;
+                let (compute_s, loop_s) = *ctx.timing.lock().unwrap_or_else(PoisonError::into_inner);
+                ctx.supervisor.blocking_tell(&ToSupervisor::Finished { node: ctx.node, checksum, eval, compute_s, loop_s })?;
                 return Ok(WorkerOutcome::Finished);
             }
             ToWorker::Evict { reason } => {
@@ -315,6 +318,7 @@ struct Generation {
     world: usize,
     source: usize,
     next_step: u64,
+    stop_step: u64,
     addrs: Vec<String>,
 }
 
@@ -380,11 +384,22 @@ fn train<J: TrainJob>(
     })?;
     tracing::info!(next_step = g.next_step, source = g.source, "generation started");
 
-    let total = job.total_steps();
+    let total = job.total_steps().min(g.stop_step);
     let global = job.global_batch().max(1) as f64;
     let mut step = g.next_step;
+    // The loop time of a step runs from the end of the previous step (data wait included).
+    let mut since_last_step: Option<std::time::Instant> = None;
     let outcome: Result<Option<ToWorker>> = loop {
         if step >= total {
+            // The end of the run (or of this part of it): a final checkpoint to resume from.
+            if g.rank == 0 && total > g.next_step {
+                if let Some(dir) = job.checkpoint_dir() {
+                    let already = ctx.checkpoint_every > 0 && total % ctx.checkpoint_every == 0;
+                    if !already {
+                        writer.write(&dir, total - 1, engine.model(), engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
+                    }
+                }
+            }
             break Ok(None);
         }
         match cmds.try_recv() {
@@ -399,6 +414,7 @@ fn train<J: TrainJob>(
             Ok(batch) => batch,
             Err(e) => break Err(e.into()),
         };
+        let loop_started = std::time::Instant::now();
         job.set_lr(engine.optimizer_mut(), step);
         let unscaled = std::cell::Cell::new(0.0);
         let rows_seen = std::cell::Cell::new(0usize);
@@ -409,6 +425,7 @@ fn train<J: TrainJob>(
             // Each rank's mean, scaled so that the group's average is the global batch's mean.
             loss.mul_scalar(rows as f64 * g.world as f64 / global)
         });
+        let compute = loop_started.elapsed();
         match result {
             Ok(_) => {
                 replica.completed = Some(step);
@@ -424,6 +441,11 @@ fn train<J: TrainJob>(
                     }
                 }
                 step += 1;
+                let mut timing = ctx.timing.lock().unwrap_or_else(PoisonError::into_inner);
+                timing.0 += compute.as_secs_f64();
+                timing.1 += since_last_step.map_or(loop_started.elapsed(), |t| t.elapsed()).as_secs_f64();
+                drop(timing);
+                since_last_step = Some(std::time::Instant::now());
             }
             Err(e) => {
                 tracing::warn!(step, error = %e, "step failed");
