@@ -230,7 +230,7 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
     let (unit, per_step) = ElasticJob::unit(&job.config);
     let log_every = job.config.train.log_every.max(1);
     let (mut window_loss, mut window_steps, mut window_start) = (0.0, 0u64, Instant::now());
-    let mut finished: Option<(Vec<(String, f64)>, bool, f64)> = None;
+    let mut finished: Option<(Vec<(String, f64)>, bool, f64, f64)> = None;
     let mut failed: Option<String> = None;
     let mut summary = json!({ "generations": [], "lost": [] });
     progress.line(&format!("job: {} steps, supervisor {}, output {}", total, supervisor.addr, job.out_dir.display()));
@@ -276,7 +276,7 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
             JobEvent::Joined { name, pid, .. } => progress.line(&format!("{name} (pid {pid}) joined")),
             JobEvent::Refused { peer, reason } => progress.line(&format!("refused {peer}: {reason}")),
             JobEvent::Checkpointed { step, path } => progress.line(&format!("checkpoint after step {}: {path}", step + 1)),
-            JobEvent::Finished { eval, replicas_identical, overhead, .. } => finished = Some((eval.clone(), *replicas_identical, *overhead)),
+            JobEvent::Finished { eval, replicas_identical, overhead, outside_steps, .. } => finished = Some((eval.clone(), *replicas_identical, *overhead, *outside_steps)),
             JobEvent::Failed { reason } => failed = Some(reason.clone()),
         }
     }
@@ -286,13 +286,14 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
         bail!("the job failed: {reason}");
     }
     joined?;
-    let (eval, identical, overhead) = finished.ok_or_else(|| anyhow!("the supervisor stopped without finishing the job"))?;
+    let (eval, identical, overhead, outside) = finished.ok_or_else(|| anyhow!("the supervisor stopped without finishing the job"))?;
     let eval_text: Vec<String> = eval.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
-    progress.line(&format!("done in {:.1}s: {} | replicas bit-identical: {identical} | runtime overhead {:.2}% of step time", job.seconds(), eval_text.join(", "), overhead * 100.0));
+    progress.line(&format!("done in {:.1}s: {} | replicas bit-identical: {identical} | runtime control overhead {:.2}% of step time ({:.2}% outside training steps)", job.seconds(), eval_text.join(", "), overhead * 100.0, outside * 100.0));
     summary["eval"] = json!(eval.iter().cloned().collect::<std::collections::BTreeMap<String, f64>>());
     summary["replicas_identical"] = json!(identical);
     summary["seconds"] = json!(job.seconds());
     summary["runtime_overhead"] = json!(overhead);
+    summary["outside_steps"] = json!(outside);
     summary["steps"] = json!(total);
     std::fs::write(job.out_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
     let records = crate::metrics::read_metrics(metrics.path())?;
@@ -312,7 +313,7 @@ fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
         JobEvent::Generation { generation, world, next_step, source_node, pids } => json!({ "t": t, "event": "generation", "generation": generation, "world": world, "next_step": next_step, "source_node": source_node, "pids": pids }),
         JobEvent::Committed { step, loss, samples, world, generation } => json!({ "t": t, "event": "committed", "step": step, "loss": loss, "samples": samples, "world": world, "generation": generation }),
         JobEvent::Checkpointed { step, path } => json!({ "t": t, "event": "checkpointed", "step": step, "path": path }),
-        JobEvent::Finished { eval, replicas_identical, checksum, overhead } => json!({ "t": t, "event": "finished", "eval": eval, "replicas_identical": replicas_identical, "checksum": format!("{checksum:016x}"), "runtime_overhead": overhead }),
+        JobEvent::Finished { eval, replicas_identical, checksum, overhead, outside_steps } => json!({ "t": t, "event": "finished", "eval": eval, "replicas_identical": replicas_identical, "checksum": format!("{checksum:016x}"), "runtime_overhead": overhead, "outside_steps": outside_steps }),
         JobEvent::Failed { reason } => json!({ "t": t, "event": "failed", "reason": reason }),
     }
 }

@@ -42,9 +42,10 @@ pub enum ToSupervisor {
     /// The worker leaves gracefully (SIGTERM: preemption) after `completed`.
     Leaving { node: u64, completed: Option<u64>, reason: String },
     /// The final report after `Finish`: the evaluation of the final model (rank 0) and a checksum.
-    /// `compute_s` is the time spent inside training steps, `loop_s` the whole step loop (the
-    /// difference is the runtime's overhead: data waits, reports, checksums).
-    Finished { node: u64, checksum: u64, eval: Vec<(String, f64)>, compute_s: f64, loop_s: f64 },
+    /// `compute_s` is the time spent inside training steps, `control_s` on the control path of
+    /// the step loop (polling commands, reporting steps), `loop_s` the whole step loop (which
+    /// also holds data waits, checksums and checkpoint snapshots).
+    Finished { node: u64, checksum: u64, eval: Vec<(String, f64)>, compute_s: f64, control_s: f64, loop_s: f64 },
     /// A checkpoint was written.
     Checkpointed { node: u64, step: u64, path: String },
     /// Asks for a [`StatusReport`] (an `ask`); the proof is the join proof of this connection.

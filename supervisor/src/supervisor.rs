@@ -73,9 +73,11 @@ pub enum JobEvent {
     Committed { step: u64, loss: f64, samples: u64, world: usize, generation: u64 },
     /// A checkpoint was written.
     Checkpointed { step: u64, path: String },
-    /// The job completed. `overhead` is the share of the workers' step-loop time spent outside
-    /// the training steps (the runtime's cost per step).
-    Finished { eval: Vec<(String, f64)>, replicas_identical: bool, checksum: u64, overhead: f64 },
+    /// The job completed. `overhead` is the share of the workers' step-loop time spent on the
+    /// runtime's control path (command polling, step reports: its cost per step);
+    /// `outside_steps` the share spent outside training steps altogether (also data waits,
+    /// replica checksums, checkpoint snapshots).
+    Finished { eval: Vec<(String, f64)>, replicas_identical: bool, checksum: u64, overhead: f64, outside_steps: f64 },
     /// The job failed.
     Failed { reason: String },
 }
@@ -123,7 +125,7 @@ struct Member {
     last_heard: Instant,
     completed: Option<u64>,
     leaving: bool,
-    finished: Option<(u64, Vec<(String, f64)>, f64, f64)>,
+    finished: Option<(u64, Vec<(String, f64)>, [f64; 3])>,
 }
 
 enum Phase {
@@ -345,9 +347,9 @@ impl ClusterSupervisor {
                 }
                 Ok(())
             }
-            ToSupervisor::Finished { node, checksum, eval, compute_s, loop_s } => {
+            ToSupervisor::Finished { node, checksum, eval, compute_s, control_s, loop_s } => {
                 if let Some(member) = self.members.get_mut(&node) {
-                    member.finished = Some((checksum, eval, compute_s, loop_s));
+                    member.finished = Some((checksum, eval, [compute_s, control_s, loop_s]));
                 }
                 self.check_finished().await
             }
@@ -554,7 +556,7 @@ impl ClusterSupervisor {
 
     async fn check_finished(&mut self) -> Result<()> {
         let Phase::Finishing { members, .. } = &self.phase else { return Ok(()) };
-        let reports: Vec<&(u64, Vec<(String, f64)>, f64, f64)> = members.iter().filter_map(|n| self.members.get(n).and_then(|m| m.finished.as_ref())).collect();
+        let reports: Vec<&(u64, Vec<(String, f64)>, [f64; 3])> = members.iter().filter_map(|n| self.members.get(n).and_then(|m| m.finished.as_ref())).collect();
         let gone = members.iter().filter(|n| self.members.get(n).is_none_or(|m| m.finished.is_none() && m.link.closed_reason().is_some())).count();
         if reports.len() + gone < members.len() {
             return Ok(());
@@ -562,9 +564,9 @@ impl ClusterSupervisor {
         let replicas_identical = reports.windows(2).all(|w| w[0].0 == w[1].0);
         let checksum = reports.first().map_or(0, |r| r.0);
         let eval = reports.iter().find(|r| !r.1.is_empty()).map(|r| r.1.clone()).unwrap_or_default();
-        let (compute, total): (f64, f64) = reports.iter().fold((0.0, 0.0), |acc, r| (acc.0 + r.2, acc.1 + r.3));
-        let overhead = if total > 0.0 { (total - compute) / total } else { 0.0 };
-        self.emit(JobEvent::Finished { eval, replicas_identical, checksum, overhead }).await;
+        let sums = reports.iter().fold([0.0; 3], |acc, r| [acc[0] + r.2[0], acc[1] + r.2[1], acc[2] + r.2[2]]);
+        let share = |part: f64| if sums[2] > 0.0 { part / sums[2] } else { 0.0 };
+        self.emit(JobEvent::Finished { eval, replicas_identical, checksum, overhead: share(sums[1]), outside_steps: share(sums[2] - sums[0]) }).await;
         self.phase = Phase::Done;
         Ok(())
     }

@@ -132,7 +132,7 @@ where
 
     let (cmd_tx, cmd_rx) = std::sync::mpsc::sync_channel::<ToWorker>(16);
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), runtime: tokio::runtime::Handle::current(), bind_ip: options.bind_ip, quic: options.quic.clone(), verify_every, checkpoint_every, timing: Mutex::new((0.0, 0.0)) };
+    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), runtime: tokio::runtime::Handle::current(), bind_ip: options.bind_ip, quic: options.quic.clone(), verify_every, checkpoint_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
     let spec = JobSpec { node, job: job_text, resume };
     std::thread::Builder::new()
         .name(format!("worker-{node}"))
@@ -234,8 +234,9 @@ struct WorkerCtx {
     quic: QuicOptions,
     verify_every: u64,
     checkpoint_every: u64,
-    /// Seconds inside training steps, and seconds of the step loop.
-    timing: Mutex<(f64, f64)>,
+    /// Seconds inside training steps, on the control path of the step loop (command polling,
+    /// step reports), and of the whole step loop.
+    timing: Mutex<(f64, f64, f64)>,
 }
 
 /// Model and optimizer state carried from one generation to the next.
@@ -300,8 +301,8 @@ fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>
                 let model = replica.model.as_mut().ok_or_else(internal)?;
                 let checksum = parameter_checksum(model)?;
                 let eval = if replica.rank == Some(0) { job.evaluate(model).map_err(SupervisorError::Job)? } else { Vec::new() };
-                let (compute_s, loop_s) = *ctx.timing.lock().unwrap_or_else(PoisonError::into_inner);
-                ctx.supervisor.blocking_tell(&ToSupervisor::Finished { node: ctx.node, checksum, eval, compute_s, loop_s })?;
+                let (compute_s, control_s, loop_s) = *ctx.timing.lock().unwrap_or_else(PoisonError::into_inner);
+                ctx.supervisor.blocking_tell(&ToSupervisor::Finished { node: ctx.node, checksum, eval, compute_s, control_s, loop_s })?;
                 return Ok(WorkerOutcome::Finished);
             }
             ToWorker::Evict { reason } => {
@@ -402,6 +403,7 @@ fn train<J: TrainJob>(
             }
             break Ok(None);
         }
+        let control_started = std::time::Instant::now();
         match cmds.try_recv() {
             Ok(cmd) => break Ok(Some(cmd)),
             Err(std::sync::mpsc::TryRecvError::Disconnected) => break Err(lost()),
@@ -410,6 +412,7 @@ fn train<J: TrainJob>(
         if ctx.shared.preempt.load(Ordering::SeqCst) {
             break leave(ctx, replica.completed, cmds);
         }
+        let mut control = control_started.elapsed();
         let batch = match shard.get(step, g.rank, g.world) {
             Ok(batch) => batch,
             Err(e) => break Err(e.into()),
@@ -432,7 +435,9 @@ fn train<J: TrainJob>(
                 *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
                 let verify = step % ctx.verify_every.max(1) == 0 || step + 1 == total;
                 let checksum = if verify { Some(parameter_checksum(engine.model())?) } else { None };
+                let report_started = std::time::Instant::now();
                 ctx.supervisor.blocking_tell(&ToSupervisor::StepDone { node: ctx.node, generation: g.generation, step, loss: unscaled.get(), samples: rows_seen.get() as u64, checksum })?;
+                control += report_started.elapsed();
                 if g.rank == 0 {
                     if let Some(dir) = job.checkpoint_dir() {
                         if ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0 {
@@ -443,7 +448,8 @@ fn train<J: TrainJob>(
                 step += 1;
                 let mut timing = ctx.timing.lock().unwrap_or_else(PoisonError::into_inner);
                 timing.0 += compute.as_secs_f64();
-                timing.1 += since_last_step.map_or(loop_started.elapsed(), |t| t.elapsed()).as_secs_f64();
+                timing.1 += control.as_secs_f64();
+                timing.2 += since_last_step.map_or(loop_started.elapsed(), |t| t.elapsed()).as_secs_f64();
                 drop(timing);
                 since_last_step = Some(std::time::Instant::now());
             }
