@@ -11,10 +11,11 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use crate::element::{combine_into_bytes, Accumulator, WireElement};
+use crate::element::{combine_into_bytes, Accumulator, Element, WireElement};
 use crate::error::Result;
 use crate::frame::Frame;
 use crate::op::{pieces, segment_range, OpCtx};
+use crate::pool::{BufferPool, PooledBuf};
 use crate::ReduceOp;
 
 /// Most frames a ring sends on its outgoing link ahead of the frames it has received on its
@@ -24,45 +25,101 @@ use crate::ReduceOp;
 /// MiB, both transports): 1 was slower, 2-8 within noise of each other.
 pub(crate) const RING_WINDOW: usize = 2;
 
-
-
-/// The local data of a ring reduce-scatter: segments other than the owned one are only read; the
-/// owned segment starts as the local values and ends as the reduced result.
-pub(crate) struct RsBuffers<'a, A> {
-    left: &'a [A],
-    own: &'a mut [A],
-    right: &'a [A],
+/// The local data of a ring reduce-scatter. Segments other than the owned one are only read, in
+/// the caller's element type `T`: straight from the caller's buffer when `T` is its own
+/// accumulator, else widened piece by piece into one pooled scratch piece (widening is exact, so
+/// this gives the same bits as widening the whole buffer first, without its copy). The owned
+/// segment, in the accumulator type, starts as the local values and ends as the reduced result.
+pub(crate) struct RsBuffers<'a, T: Element> {
+    left: &'a [T],
+    own: &'a mut [T::Acc],
+    right: &'a [T],
     own_range: Range<usize>,
+    pool: &'a BufferPool,
+    scratch: Option<PooledBuf>,
+    /// Used instead of `scratch` if a pooled buffer is not aligned for `T::Acc` (no allocator we
+    /// use does that for buffers of a page or more).
+    scratch_unpooled: Vec<T::Acc>,
 }
 
-impl<'a, A> RsBuffers<'a, A> {
+impl<'a, A: Accumulator> RsBuffers<'a, A> {
     /// Reduces `buf` in place: afterwards `buf[own]` holds the result; the rest is unchanged.
-    pub(crate) fn in_place(buf: &'a mut [A], own: Range<usize>) -> Self {
+    pub(crate) fn in_place(buf: &'a mut [A], own: Range<usize>, pool: &'a BufferPool) -> Self {
         let (left, rest) = buf.split_at_mut(own.start);
         let (own_slice, right) = rest.split_at_mut(own.len());
-        RsBuffers { left, own: own_slice, right, own_range: own }
+        RsBuffers { left, own: own_slice, right, own_range: own, pool, scratch: None, scratch_unpooled: Vec::new() }
     }
 
-    /// Reads `input` and writes the owned segment's result to `output`.
-    pub(crate) fn separate(input: &'a [A], output: &'a mut [A], own: Range<usize>) -> Self
-    where
-        A: Copy,
-    {
+    /// Reads `input` and writes the owned segment's result to `output` (which starts as a copy
+    /// of the owned segment of `input`: the only copy made).
+    pub(crate) fn separate(input: &'a [A], output: &'a mut [A], own: Range<usize>, pool: &'a BufferPool) -> Self {
         output.copy_from_slice(&input[own.clone()]);
-        RsBuffers { left: &input[..own.start], own: output, right: &input[own.end..], own_range: own }
+        RsBuffers::new(input, output, own, pool)
+    }
+}
+
+impl<'a, T: Element> RsBuffers<'a, T> {
+    /// Reads the segments of `input` other than `own_range`; `own` holds the owned segment's
+    /// local values in the accumulator type and ends as the result.
+    pub(crate) fn new(input: &'a [T], own: &'a mut [T::Acc], own_range: Range<usize>, pool: &'a BufferPool) -> Self {
+        assert_eq!(own.len(), own_range.len(), "reduce-scatter: owned segment length");
+        assert!(own_range.end <= input.len(), "reduce-scatter: owned segment inside the input");
+        RsBuffers { left: &input[..own_range.start], own, right: &input[own_range.end..], own_range, pool, scratch: None, scratch_unpooled: Vec::new() }
+    }
+}
+
+/// Accumulator values in a buffer from the pool, where they would otherwise be a fresh
+/// allocation (fresh pages cost ~3.5 µs each here): the owned segment of a reduction that widens
+/// its elements.
+pub(crate) struct PooledVec<A> {
+    pooled: Option<PooledBuf>,
+    /// Used instead if a pooled buffer is not aligned for `A` (no allocator we use does that).
+    unpooled: Vec<A>,
+}
+
+impl<A: Accumulator> PooledVec<A> {
+    /// The widened values of `src`.
+    pub(crate) fn widened<T: Element<Acc = A>>(pool: &BufferPool, src: &[T]) -> Self {
+        let bytes = src.len() * std::mem::size_of::<A>();
+        let mut buf = pool.take(bytes);
+        buf.resize(bytes, 0);
+        let mut out = match bytemuck::try_cast_slice_mut::<u8, A>(&mut buf[..]) {
+            Ok(_) => PooledVec { pooled: Some(buf), unpooled: Vec::new() },
+            Err(_) => PooledVec { pooled: None, unpooled: vec![bytemuck::Zeroable::zeroed(); src.len()] },
+        };
+        for (dst, x) in out.as_mut_slice().iter_mut().zip(src) {
+            *dst = x.to_acc();
+        }
+        debug_assert_eq!(out.as_slice().len(), src.len());
+        out
+    }
+
+    pub(crate) fn as_slice(&self) -> &[A] {
+        match &self.pooled {
+            // Alignment was checked when the buffer was chosen; the Vec's memory does not move.
+            Some(buf) => bytemuck::try_cast_slice(&buf[..]).unwrap_or(&[]),
+            None => &self.unpooled,
+        }
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [A] {
+        match &mut self.pooled {
+            Some(buf) => bytemuck::try_cast_slice_mut(&mut buf[..]).unwrap_or(&mut []),
+            None => &mut self.unpooled,
+        }
     }
 }
 
 /// A buffer a ring schedule reads pieces from and writes received pieces into.
 pub(crate) trait RingBuf<T> {
     /// The current values of `r`, a range inside one segment.
-    fn read(&self, r: Range<usize>) -> &[T];
+    fn read(&mut self, r: Range<usize>) -> &[T];
     /// Where received values of `r` go.
     fn write(&mut self, r: Range<usize>) -> &mut [T];
 }
 
 impl<T> RingBuf<T> for [T] {
-    fn read(&self, r: Range<usize>) -> &[T] {
+    fn read(&mut self, r: Range<usize>) -> &[T] {
         &self[r]
     }
     fn write(&mut self, r: Range<usize>) -> &mut [T] {
@@ -70,18 +127,41 @@ impl<T> RingBuf<T> for [T] {
     }
 }
 
-impl<A> RingBuf<A> for RsBuffers<'_, A> {
-    fn read(&self, r: Range<usize>) -> &[A] {
+impl<T: Element> RingBuf<T::Acc> for RsBuffers<'_, T> {
+    fn read(&mut self, r: Range<usize>) -> &[T::Acc] {
         let own = &self.own_range;
-        if r.end <= own.start {
+        let local = if r.end <= own.start {
             &self.left[r]
         } else if r.start >= own.end {
             &self.right[r.start - own.end..r.end - own.end]
         } else {
-            &self.own[r.start - own.start..r.end - own.start]
+            return &self.own[r.start - own.start..r.end - own.start];
+        };
+        if let Some(acc) = T::as_acc(local) {
+            return acc;
         }
+        let bytes = std::mem::size_of_val(local) / std::mem::size_of::<T>() * std::mem::size_of::<T::Acc>();
+        if self.scratch.as_ref().is_some_and(|s| s.capacity() < bytes) {
+            self.scratch = None;
+        }
+        let pool = self.pool;
+        let scratch = self.scratch.get_or_insert_with(|| pool.take(bytes));
+        scratch.clear();
+        scratch.resize(bytes, 0);
+        let widened = match bytemuck::try_cast_slice_mut::<u8, T::Acc>(&mut scratch[..]) {
+            Ok(widened) => widened,
+            Err(_) => {
+                self.scratch_unpooled.clear();
+                self.scratch_unpooled.resize(local.len(), bytemuck::Zeroable::zeroed());
+                &mut self.scratch_unpooled[..]
+            }
+        };
+        for (dst, src) in widened.iter_mut().zip(local) {
+            *dst = src.to_acc();
+        }
+        widened
     }
-    fn write(&mut self, r: Range<usize>) -> &mut [A] {
+    fn write(&mut self, r: Range<usize>) -> &mut [T::Acc] {
         // A reduce-scatter only ever writes its owned segment.
         debug_assert!(r.start >= self.own_range.start && r.end <= self.own_range.end, "reduce-scatter writes only its own segment");
         let start = self.own_range.start;
@@ -179,7 +259,14 @@ impl Schedule {
 /// Runs a ring schedule: receives from the previous rank in link order, and sends to the next
 /// rank each frame as soon as what it carries is ready, at most [`RING_WINDOW`] frames ahead of the
 /// receives. Receives are posted ahead ([`OpCtx::announce`]) so frames are usually taken in place.
-async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(ctx: &mut OpCtx<'_>, buf: &mut B, sched: &Schedule, op: ReduceOp, rank: usize, n: usize) -> Result<()> {
+async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
+    ctx: &mut OpCtx<'_>,
+    buf: &mut B,
+    sched: &Schedule,
+    op: ReduceOp,
+    rank: usize,
+    n: usize,
+) -> Result<()> {
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
     let mut forwards: VecDeque<Frame> = VecDeque::new();
     let mut sent = 0;
@@ -229,9 +316,16 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(ctx: &mut OpCtx<'_>, b
 /// (`bufs.own`, segment `r`) holds the reduced values (divided by `n` for [`ReduceOp::Avg`]).
 /// Each received piece is combined into the frame it came in and that frame is forwarded, so the
 /// local buffer is never written outside the owned segment.
-pub(crate) async fn ring_reduce_scatter<A: Accumulator>(ctx: &mut OpCtx<'_>, mut bufs: RsBuffers<'_, A>, len: usize, op: ReduceOp, rank: usize, n: usize) -> Result<()> {
+pub(crate) async fn ring_reduce_scatter<T: Element>(
+    ctx: &mut OpCtx<'_>,
+    mut bufs: RsBuffers<'_, T>,
+    len: usize,
+    op: ReduceOp,
+    rank: usize,
+    n: usize,
+) -> Result<()> {
     debug_assert!(n >= 2 && rank < n);
-    let sched = Schedule::ring(len, n, rank, ctx.piece_elems::<A>(), true, false);
+    let sched = Schedule::ring(len, n, rank, ctx.piece_elems::<T::Acc>(), true, false);
     run_ring(ctx, &mut bufs, &sched, op, rank, n).await
 }
 

@@ -14,6 +14,12 @@
 //! | `all_to_all` | pairwise exchange | pairwise exchange |
 //! | `barrier` | dissemination | — |
 //!
+//! With a host map ([`CommConfig::host_of`]) under which the group spans several hosts and some
+//! host holds several of its members, `all_reduce` is hierarchical instead: binomial-tree reduce
+//! to each host's leader (its lowest group rank), all-reduce among the leaders (doubling or ring,
+//! by the same size rule), then broadcast within each host (tree or chain). Only leaders send
+//! across hosts. [`Communicator::all_reduce_algorithm`] says which algorithm a size gets.
+//!
 //! Large messages travel in frames of at most `chunk_bytes`, forwarded piece by piece so the ring
 //! and the chain pipeline. The defaults come from `rtx bench collectives` (2 and 4 rank processes
 //! on 2 cores, QUIC and shared memory; BENCHMARKS.md): [`DEFAULT_SMALL_MESSAGE_BYTES`] is the
@@ -31,8 +37,8 @@ use std::time::Duration;
 
 use tracing::Instrument;
 
-use crate::algo::{self, RsBuffers};
-use crate::element::{Element, WireElement};
+use crate::algo::{self, PooledVec, RsBuffers};
+use crate::element::{Accumulator, Element, WireElement};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
 use crate::frame::OpKind;
@@ -68,6 +74,26 @@ pub struct CommConfig {
     pub max_payload_bytes: usize,
     /// Most frames parked per group waiting for their operation.
     pub max_stored_frames: usize,
+    /// The host each global rank runs on (any key; equal keys mean "same machine"), one entry per
+    /// rank; empty (the default) means every rank is on a host of its own. When a group spans
+    /// more than one host and some host has more than one of its members, `all_reduce` is
+    /// hierarchical ([`AllReduceAlgorithm::Hierarchical`]); otherwise algorithms are flat.
+    pub host_of: Vec<u32>,
+}
+
+/// Which algorithm `all_reduce` runs for a buffer (see [`Communicator::all_reduce_algorithm`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AllReduceAlgorithm {
+    /// Nothing moves: one rank, or an empty buffer.
+    Local,
+    /// Recursive doubling (small buffers).
+    Doubling,
+    /// Ring reduce-scatter + all-gather in one pipeline (large buffers).
+    Ring,
+    /// Reduce to one leader per host (binomial tree), all-reduce among the leaders (doubling or
+    /// ring by size), broadcast within each host.
+    Hierarchical,
 }
 
 /// A group of ranks at a generation; cheap to clone (clones share the group).
@@ -85,6 +111,7 @@ impl Default for CommConfig {
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             max_stored_frames: DEFAULT_MAX_STORED_FRAMES,
+            host_of: Vec::new(),
         }
     }
 }
@@ -103,6 +130,15 @@ impl CommConfig {
         }
         if self.max_stored_frames == 0 {
             return Err(Error::InvalidConfig { reason: "max_stored_frames must be positive" });
+        }
+        Ok(())
+    }
+
+    /// Checks the fields that depend on the number of ranks.
+    pub(crate) fn validate_for(&self, world_size: usize) -> Result<()> {
+        self.validate()?;
+        if !self.host_of.is_empty() && self.host_of.len() != world_size {
+            return Err(Error::InvalidConfig { reason: "host_of must name one host per rank (or be empty)" });
         }
         Ok(())
     }
@@ -181,6 +217,9 @@ impl Communicator {
                 return Ok(());
             }
             let small = std::mem::size_of_val(buf) <= self.config().small_message_bytes;
+            if let Some(hosts) = self.host_blocks() {
+                return self.hierarchical_all_reduce(&mut ctx, buf, op, &hosts, small).await;
+            }
             let own = self.segment(buf.len(), rank);
             if let Some(acc) = T::as_acc_mut(&mut *buf) {
                 if small {
@@ -188,21 +227,39 @@ impl Communicator {
                 }
                 return algo::ring_all_reduce(&mut ctx, acc, op, rank, n).await;
             }
-            let mut work: Vec<T::Acc> = buf.iter().map(|x| x.to_acc()).collect();
             if small {
+                // Small by definition: the whole buffer widened is a few hundred KiB at most.
+                let mut work: Vec<T::Acc> = buf.iter().map(|x| x.to_acc()).collect();
                 algo::doubling_all_reduce(&mut ctx, &mut work, op, rank, n).await?;
                 round_into(buf, &work);
                 return Ok(());
             }
-            // Partial sums travel in the accumulator type; the owned segment is rounded once and the
+            // Partial sums travel in the accumulator type; only the owned segment is widened (other
+            // segments are widened piece by piece as they are sent), it is rounded once, and the
             // all-gather moves elements of the buffer's own type.
-            let len = work.len();
-            algo::ring_reduce_scatter(&mut ctx, RsBuffers::in_place(&mut work, own.clone()), len, op, rank, n).await?;
-            round_into(&mut buf[own.clone()], &work[own]);
+            let len = buf.len();
+            let pool = self.endpoint.pool();
+            let mut own_acc = PooledVec::widened(pool, &buf[own.clone()]);
+            algo::ring_reduce_scatter(&mut ctx, RsBuffers::new(buf, own_acc.as_mut_slice(), own.clone(), pool), len, op, rank, n).await?;
+            round_into(&mut buf[own], own_acc.as_slice());
             algo::ring_all_gather(&mut ctx, buf, rank, n).await
         }
         .instrument(span)
         .await
+    }
+
+    /// The algorithm [`all_reduce`](Self::all_reduce) runs on a buffer of `bytes` bytes (the same on
+    /// every rank: it depends only on sizes and the config).
+    pub fn all_reduce_algorithm(&self, bytes: usize) -> AllReduceAlgorithm {
+        if self.size() == 1 || bytes == 0 {
+            AllReduceAlgorithm::Local
+        } else if self.host_blocks().is_some() {
+            AllReduceAlgorithm::Hierarchical
+        } else if bytes <= self.config().small_message_bytes {
+            AllReduceAlgorithm::Doubling
+        } else {
+            AllReduceAlgorithm::Ring
+        }
     }
 
     /// Reduces `input` across the group and leaves segment [`segment`](Self::segment)`(input.len(),
@@ -221,12 +278,41 @@ impl Communicator {
                 return Ok(());
             }
             let len = input.len();
+            let pool = self.endpoint.pool();
             if let (Some(input), Some(out)) = (T::as_acc(input), T::as_acc_mut(&mut *output)) {
-                return algo::ring_reduce_scatter(&mut ctx, RsBuffers::separate(input, out, own), len, op, rank, n).await;
+                return algo::ring_reduce_scatter(&mut ctx, RsBuffers::separate(input, out, own, pool), len, op, rank, n).await;
             }
-            let mut work: Vec<T::Acc> = input.iter().map(|x| x.to_acc()).collect();
-            algo::ring_reduce_scatter(&mut ctx, RsBuffers::in_place(&mut work, own.clone()), len, op, rank, n).await?;
-            round_into(output, &work[own]);
+            // Only the owned segment is widened; the rest is read from `input` piece by piece.
+            let mut own_acc = PooledVec::widened(pool, &input[own.clone()]);
+            algo::ring_reduce_scatter(&mut ctx, RsBuffers::new(input, own_acc.as_mut_slice(), own, pool), len, op, rank, n).await?;
+            round_into(output, own_acc.as_slice());
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) without a separate output: afterwards segment
+    /// [`segment`](Self::segment)`(buf.len(), rank)` of `buf` holds this rank's part of the result,
+    /// bit for bit what `reduce_scatter` would have written to its output; the other segments are
+    /// left unchanged. No copy of `buf` is made (bf16 widens only the owned segment).
+    pub async fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let span = self.span(OpKind::ReduceScatter, std::mem::size_of_val(buf));
+        async {
+            let mut ctx = self.begin(OpKind::ReduceScatter)?;
+            let (rank, n) = (self.rank(), self.size());
+            if n == 1 || buf.is_empty() {
+                return Ok(());
+            }
+            let len = buf.len();
+            let own = self.segment(len, rank);
+            let pool = self.endpoint.pool();
+            if let Some(acc) = T::as_acc_mut(&mut *buf) {
+                return algo::ring_reduce_scatter(&mut ctx, RsBuffers::in_place(acc, own, pool), len, op, rank, n).await;
+            }
+            let mut own_acc = PooledVec::widened(pool, &buf[own.clone()]);
+            algo::ring_reduce_scatter(&mut ctx, RsBuffers::new(buf, own_acc.as_mut_slice(), own.clone(), pool), len, op, rank, n).await?;
+            round_into(&mut buf[own], own_acc.as_slice());
             Ok(())
         }
         .instrument(span)
@@ -240,6 +326,23 @@ impl Communicator {
         async {
             let ctx = self.begin(OpKind::AllGather)?;
             self.all_gather_in(ctx, input, output).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// [`all_gather`](Self::all_gather) without a separate input: segment
+    /// [`segment`](Self::segment)`(buf.len(), rank)` of `buf` is this rank's input, and afterwards
+    /// every segment holds its owner's input. Nothing is copied besides what arrives.
+    pub async fn all_gather_in_place<T: WireElement>(&self, buf: &mut [T]) -> Result<()> {
+        let span = self.span(OpKind::AllGather, std::mem::size_of_val(buf));
+        async {
+            let mut ctx = self.begin(OpKind::AllGather)?;
+            let (rank, n) = (self.rank(), self.size());
+            if n == 1 || buf.is_empty() {
+                return Ok(());
+            }
+            algo::ring_all_gather(&mut ctx, buf, rank, n).await
         }
         .instrument(span)
         .await
@@ -276,25 +379,29 @@ impl Communicator {
             if n == 1 || buf.is_empty() {
                 return Ok(());
             }
-            let mut work: Vec<T::Acc> = buf.iter().map(|x| x.to_acc()).collect();
             if std::mem::size_of_val(buf) <= self.config().small_message_bytes {
+                let mut work: Vec<T::Acc> = buf.iter().map(|x| x.to_acc()).collect();
                 algo::tree_reduce(&mut ctx, &mut work, op, root, rank, n).await?;
-            } else {
-                let len = work.len();
-                let own = self.segment(len, rank);
-                algo::ring_reduce_scatter(&mut ctx, RsBuffers::in_place(&mut work, own), len, op, rank, n).await?;
                 if rank == root {
-                    for i in (0..n).filter(|&i| i != root) {
-                        let seg = self.segment(work.len(), i);
-                        ctx.recv_all(i, &mut work[seg]).await?;
-                    }
-                } else {
-                    let seg = self.segment(work.len(), rank);
-                    ctx.send_all(root, &work[seg]).await?;
+                    round_into(buf, &work);
                 }
+                return Ok(());
             }
+            // Ring reduce-scatter reading `buf` where it is (only the owned segment is copied, as the
+            // accumulator), then the root collects the reduced segments and rounds them in place.
+            let len = buf.len();
+            let own = self.segment(len, rank);
+            let pool = self.endpoint.pool();
+            let mut own_acc = PooledVec::widened(pool, &buf[own.clone()]);
+            algo::ring_reduce_scatter(&mut ctx, RsBuffers::new(buf, own_acc.as_mut_slice(), own.clone(), pool), len, op, rank, n).await?;
             if rank == root {
-                round_into(buf, &work);
+                round_into(&mut buf[own], own_acc.as_slice());
+                for i in (0..n).filter(|&i| i != root) {
+                    let seg = self.segment(len, i);
+                    ctx.recv_round_all(i, &mut buf[seg]).await?;
+                }
+            } else {
+                ctx.send_all(root, own_acc.as_slice()).await?;
             }
             Ok(())
         }
@@ -412,6 +519,63 @@ impl Communicator {
         &self.state
     }
 
+    /// The group's members by host, when hierarchical algorithms apply: for each host, in order of
+    /// its lowest group rank, its members' group ranks ascending (the first is the host's leader).
+    /// `None` when every member is on a host of its own, or all share one host.
+    fn host_blocks(&self) -> Option<Vec<Vec<usize>>> {
+        let host_of = &self.config().host_of;
+        if host_of.is_empty() {
+            return None;
+        }
+        let mut blocks: Vec<(u32, Vec<usize>)> = Vec::new();
+        for (index, &global) in self.state.members.iter().enumerate() {
+            // `Endpoint::new` checked one entry per rank.
+            let host = *host_of.get(global)?;
+            match blocks.iter_mut().find(|(h, _)| *h == host) {
+                Some((_, block)) => block.push(index),
+                None => blocks.push((host, vec![index])),
+            }
+        }
+        let n_hosts = blocks.len();
+        (n_hosts > 1 && n_hosts < self.size()).then(|| blocks.into_iter().map(|(_, block)| block).collect())
+    }
+
+    /// Hierarchical all-reduce: reduce to each host's leader (binomial tree among the host's
+    /// ranks), all-reduce among the leaders (doubling or ring, by `small`), broadcast from each
+    /// leader within its host (tree or chain). Averages are summed throughout and divided once
+    /// by the group size on the leaders, so every rank gets the leader's bits. The order of
+    /// every combination is fixed by group ranks, so results are bit-identical on every rank and
+    /// independent of timing (they may differ from the flat algorithms' in the last bits).
+    async fn hierarchical_all_reduce<T: Element>(&self, ctx: &mut OpCtx<'_>, buf: &mut [T], op: ReduceOp, hosts: &[Vec<usize>], small: bool) -> Result<()> {
+        let rank = self.rank();
+        // `host_blocks` puts every member in exactly one block.
+        let Some(host_index) = hosts.iter().position(|h| h.contains(&rank)) else {
+            return Err(Error::InvalidGroup { group: self.state.id, reason: "local rank in no host block" });
+        };
+        let local = &hosts[host_index];
+        let local_rank = local.iter().position(|&r| r == rank).unwrap_or(0);
+        let leaders: Vec<usize> = hosts.iter().map(|h| h[0]).collect();
+        if let Some(acc) = T::as_acc_mut(&mut *buf) {
+            hierarchical_reduce_phases(ctx, acc, op, local, local_rank, &leaders, host_index, self.size(), small).await?;
+        } else {
+            let mut work: Vec<T::Acc> = buf.iter().map(|x| x.to_acc()).collect();
+            hierarchical_reduce_phases(ctx, &mut work, op, local, local_rank, &leaders, host_index, self.size(), small).await?;
+            if local_rank == 0 {
+                round_into(buf, &work);
+            }
+        }
+        if local.len() > 1 {
+            ctx.set_view(Some(local.clone()));
+            if small {
+                algo::tree_broadcast(ctx, buf, 0, local_rank, local.len()).await?;
+            } else {
+                algo::chain_broadcast(ctx, buf, 0, local_rank, local.len()).await?;
+            }
+            ctx.set_view(None);
+        }
+        Ok(())
+    }
+
     async fn all_gather_in<T: WireElement>(&self, mut ctx: OpCtx<'_>, input: &[T], output: &mut [T]) -> Result<()> {
         let (rank, n) = (self.rank(), self.size());
         let own = self.segment(output.len(), rank);
@@ -426,8 +590,14 @@ impl Communicator {
     }
 
     fn begin(&self, op: OpKind) -> Result<OpCtx<'_>> {
-        let (generation, seq) = self.state.begin_collective(op)?;
-        Ok(OpCtx::new(self, op, generation, seq))
+        let (generation, seq) = self.state.begin_collective()?;
+        let mut ctx = OpCtx::new(self, op, generation, seq);
+        if let Some(rank) = self.state.lost_before(generation, seq) {
+            // Peers that already started it may be blocked on this rank: tell them (on drop).
+            ctx.relay_loss(rank);
+            return Err(Error::PeerLost { rank, op });
+        }
+        Ok(ctx)
     }
 
     fn begin_p2p(&self, peer: usize, sending: bool) -> Result<OpCtx<'_>> {
@@ -442,6 +612,45 @@ impl Communicator {
     fn span(&self, op: OpKind, bytes: usize) -> tracing::Span {
         tracing::debug_span!("collective", op = op.as_str(), group = self.state.id, generation = self.state.generation(), rank = self.rank(), bytes)
     }
+}
+
+/// The first two phases of the hierarchical all-reduce on accumulator values: afterwards the
+/// host leaders' `work` holds the final result (averaged for [`ReduceOp::Avg`]); other ranks'
+/// `work` holds partial values.
+#[allow(clippy::too_many_arguments)]
+async fn hierarchical_reduce_phases<A: Accumulator>(
+    ctx: &mut OpCtx<'_>,
+    work: &mut [A],
+    op: ReduceOp,
+    local: &[usize],
+    local_rank: usize,
+    leaders: &[usize],
+    host_index: usize,
+    n: usize,
+    small: bool,
+) -> Result<()> {
+    let inner = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+    if local.len() > 1 {
+        ctx.set_view(Some(local.to_vec()));
+        algo::tree_reduce(ctx, work, inner, 0, local_rank, local.len()).await?;
+    }
+    if local_rank != 0 {
+        ctx.set_view(None);
+        return Ok(());
+    }
+    ctx.set_view(Some(leaders.to_vec()));
+    if small {
+        algo::doubling_all_reduce(ctx, work, inner, host_index, leaders.len()).await?;
+    } else {
+        algo::ring_all_reduce(ctx, work, inner, host_index, leaders.len()).await?;
+    }
+    ctx.set_view(None);
+    if op == ReduceOp::Avg {
+        for x in work.iter_mut() {
+            *x = x.div_count(n);
+        }
+    }
+    Ok(())
 }
 
 fn check_rank(rank: usize, size: usize) -> Result<()> {

@@ -199,6 +199,83 @@ pub(crate) fn combine_in_place<A: Accumulator>(op: ReduceOp, dst: &mut [A], othe
     }
 }
 
+/// Rounds raw little-endian accumulator values into `dst` (a copy when `T` is its own
+/// accumulator).
+pub(crate) fn round_bytes<T: Element>(dst: &mut [T], received: &[u8]) {
+    assert_eq!(received.len(), dst.len() * std::mem::size_of::<T::Acc>(), "round: length checked by the caller");
+    if let Some(acc) = T::as_acc_mut(&mut *dst) {
+        copy_bytes(acc, received);
+        return;
+    }
+    match bytemuck::try_cast_slice::<u8, T::Acc>(received) {
+        Ok(values) => {
+            for (d, v) in dst.iter_mut().zip(values) {
+                *d = T::from_acc(*v);
+            }
+        }
+        Err(_) => {
+            for (d, bytes) in dst.iter_mut().zip(received.chunks_exact(std::mem::size_of::<T::Acc>())) {
+                *d = T::from_acc(bytemuck::pod_read_unaligned(bytes));
+            }
+        }
+    }
+}
+
+/// Walks a payload given as byte pieces (`parts`, whose lengths need not be multiples of
+/// `elem_size`) as runs of whole elements: calls `f(elements, bytes)` for each run, with the
+/// element index range and its bytes; an element split across two pieces is put together in a
+/// small buffer and passed on its own. Returns the number of elements seen.
+fn walk_parts<'a>(elem_size: usize, parts: impl Iterator<Item = &'a [u8]>, mut f: impl FnMut(std::ops::Range<usize>, &[u8])) -> usize {
+    const CARRY: usize = 16;
+    assert!(elem_size > 0 && elem_size <= CARRY, "walk_parts: element size");
+    let mut carry = [0u8; CARRY];
+    let mut carried = 0;
+    let mut next = 0;
+    for part in parts {
+        let mut rest = part;
+        if carried > 0 {
+            let take = (elem_size - carried).min(rest.len());
+            carry[carried..carried + take].copy_from_slice(&rest[..take]);
+            carried += take;
+            rest = &rest[take..];
+            if carried < elem_size {
+                continue;
+            }
+            f(next..next + 1, &carry[..elem_size]);
+            next += 1;
+        }
+        let whole = rest.len() / elem_size;
+        if whole > 0 {
+            f(next..next + whole, &rest[..whole * elem_size]);
+            next += whole;
+        }
+        let tail = &rest[whole * elem_size..];
+        carry[..tail.len()].copy_from_slice(tail);
+        carried = tail.len();
+    }
+    debug_assert_eq!(carried, 0, "walk_parts: a whole number of elements");
+    next
+}
+
+/// [`copy_bytes`] from a payload in pieces.
+pub(crate) fn copy_parts<'a, T: WireElement>(dst: &mut [T], parts: impl Iterator<Item = &'a [u8]>) {
+    let dst_bytes: &mut [u8] = bytemuck::cast_slice_mut(dst);
+    let copied = walk_parts(1, parts, |r, bytes| dst_bytes[r].copy_from_slice(bytes));
+    assert_eq!(copied, dst_bytes.len(), "copy: length checked by the caller");
+}
+
+/// [`combine_bytes`] from a payload in pieces.
+pub(crate) fn combine_parts<'a, A: Accumulator>(op: ReduceOp, local: &mut [A], parts: impl Iterator<Item = &'a [u8]>, received_first: bool) {
+    let combined = walk_parts(std::mem::size_of::<A>(), parts, |r, bytes| combine_bytes(op, &mut local[r], bytes, received_first));
+    assert_eq!(combined, local.len(), "combine: length checked by the caller");
+}
+
+/// [`round_bytes`] from a payload in pieces.
+pub(crate) fn round_parts<'a, T: Element>(dst: &mut [T], parts: impl Iterator<Item = &'a [u8]>) {
+    let rounded = walk_parts(std::mem::size_of::<T::Acc>(), parts, |r, bytes| round_bytes(&mut dst[r], bytes));
+    assert_eq!(rounded, dst.len(), "round: length checked by the caller");
+}
+
 /// Copies raw little-endian bytes into typed elements (one `memcpy`).
 pub(crate) fn copy_bytes<T: WireElement>(dst: &mut [T], received: &[u8]) {
     let dst_bytes: &mut [u8] = bytemuck::cast_slice_mut(dst);
@@ -221,6 +298,32 @@ mod tests {
         assert_eq!(f32::combine(ReduceOp::Max, -0.0, 0.0).to_bits(), (-0.0f32).to_bits());
         assert_eq!(f32::combine(ReduceOp::Max, 0.0, -0.0).to_bits(), 0.0f32.to_bits());
         assert_eq!(f64::combine(ReduceOp::Min, 2.0, -3.0), -3.0);
+    }
+
+    // Goal: a payload cut into pieces at any byte positions (elements split across pieces,
+    // unaligned pieces, empty pieces) copies, combines and rounds exactly as the whole payload.
+    #[test]
+    fn pieces_equal_whole() {
+        let values: Vec<f32> = (0..37).map(|i| i as f32 * 1.25 - 7.0).collect();
+        let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
+        for cuts in [vec![], vec![1], vec![3, 4, 5], vec![0, 0, 7, 7, 70, 147], (1..148).collect::<Vec<_>>()] {
+            let mut parts = Vec::new();
+            let mut at = 0;
+            for &c in &cuts {
+                parts.push(&bytes[at..c]);
+                at = c;
+            }
+            parts.push(&bytes[at..]);
+            let mut copied = vec![0.0f32; 37];
+            copy_parts(&mut copied, parts.iter().copied());
+            assert_eq!(copied, values);
+            let mut combined = vec![1.0f32; 37];
+            combine_parts(ReduceOp::Sum, &mut combined, parts.iter().copied(), true);
+            assert_eq!(combined, values.iter().map(|v| v + 1.0).collect::<Vec<_>>());
+            let mut rounded = vec![bf16::ZERO; 37];
+            round_parts(&mut rounded, parts.iter().copied());
+            assert_eq!(rounded, values.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        }
     }
 
     // Goal: combine_bytes reads unaligned little-endian bytes correctly.

@@ -72,7 +72,7 @@ impl std::fmt::Debug for EndpointShared {
 impl Endpoint {
     /// Attaches to `transport` and starts the dispatcher task on the current tokio runtime.
     pub fn new(transport: Arc<dyn Transport>, config: CommConfig) -> Result<Endpoint> {
-        config.validate()?;
+        config.validate_for(transport.world_size())?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::InvalidConfig { reason: "endpoint must be created inside a tokio runtime" })?;
         let rank = transport.rank();
         let shared =
@@ -158,7 +158,7 @@ impl EndpointShared {
         let state = Arc::new(GroupState::new(id, members, my_index, generation, self.config.max_stored_frames));
         let mut inherited = Vec::new();
         if let Some(old) = registry.groups.get(&id).and_then(Weak::upgrade) {
-            old.advance_generation(generation, None)?;
+            old.advance_generation(generation, Vec::new())?;
             inherited = old.take_stored();
         }
         if let Some(orphans) = registry.orphans.remove(&id) {
@@ -170,17 +170,22 @@ impl EndpointShared {
                 self.malformed.fetch_add(1, Ordering::Relaxed);
             }
         }
-        if let Some(&lost) = registry.lost.iter().find(|&&r| state.contains(r)) {
+        for &lost in registry.lost.iter().filter(|&&r| state.contains(r)) {
             state.peer_lost(lost);
         }
         registry.groups.insert(id, Arc::downgrade(&state));
         Ok(state)
     }
 
-    /// Moves `group` to `generation`, keeping it failing fast if a member is still known lost.
+    /// Moves `group` to `generation`, keeping it failing fast if members are still known lost.
     pub(crate) fn advance(&self, group: &GroupState, generation: u64) -> Result<()> {
-        let lost = lock(&self.registry).lost.iter().copied().find(|&r| group.contains(r));
+        let lost = lock(&self.registry).lost.iter().copied().filter(|&r| group.contains(r)).collect();
         group.advance_generation(generation, lost)
+    }
+
+    /// Global ranks known lost now, in rank order.
+    pub(crate) fn lost_ranks(&self) -> Vec<usize> {
+        lock(&self.registry).lost.iter().copied().collect()
     }
 
     fn on_frame(&self, from: usize, bytes: PooledBuf) {
@@ -271,6 +276,10 @@ impl EventSink for EndpointShared {
 
     fn lent_frame(&self, from: usize, header: [u8; crate::frame::HEADER_LEN], payload: crate::transport::LentBytes) {
         self.route_frame(from, Frame::decode_lent(&header, payload, self.config.max_payload_bytes));
+    }
+
+    fn chunked_frame(&self, from: usize, header: [u8; crate::frame::HEADER_LEN], payload: crate::transport::ChunkedBytes) {
+        self.route_frame(from, Frame::decode_chunked(&header, payload, self.config.max_payload_bytes));
     }
 
     fn closed(&self) {

@@ -6,7 +6,7 @@
 //! |--------|----------------|
 //! | 0..4   | magic `RTXF`   |
 //! | 4..6   | version (2)    |
-//! | 6      | op kind        |
+//! | 6      | op kind (1-10, see [`OpKind::code`]) |
 //! | 7      | dtype code (0 = none) |
 //! | 8..16  | group id       |
 //! | 16..24 | generation     |
@@ -40,7 +40,7 @@ use rtx_kernels::DType;
 
 use crate::error::{Error, Result};
 use crate::pool::{BufferPool, PooledBuf};
-use crate::transport::LentBytes;
+use crate::transport::{ChunkedBytes, LentBytes};
 
 /// Header length in bytes; the payload starts here.
 pub const HEADER_LEN: usize = 64;
@@ -81,6 +81,9 @@ pub enum OpKind {
     AllToAll,
     /// The exchange inside `split`.
     Split,
+    /// Not an operation: a rank's notice that its collective `seq` failed because the member named
+    /// in the chunk field is lost; no payload. Receivers fail their part of that collective too.
+    Abort,
 }
 
 /// The decoded, validated fields of a frame header.
@@ -119,6 +122,25 @@ enum FrameBytes {
     Pooled(PooledBuf),
     /// The payload in place in the transport's memory.
     Lent(LentBytes),
+    /// The payload as the transport's pieces; only [`Frame::payload_parts`] reads it (the
+    /// operation's receive step turns it into `Pooled` for everything else).
+    Chunked(ChunkedBytes),
+}
+
+/// The pieces of a frame's payload, in order (see [`Frame::payload_parts`]).
+pub(crate) enum PayloadParts<'a> {
+    One(Option<&'a [u8]>),
+    Many(Box<dyn Iterator<Item = &'a [u8]> + 'a>),
+}
+
+impl<'a> Iterator for PayloadParts<'a> {
+    type Item = &'a [u8];
+    fn next(&mut self) -> Option<&'a [u8]> {
+        match self {
+            PayloadParts::One(part) => part.take(),
+            PayloadParts::Many(parts) => parts.next(),
+        }
+    }
 }
 
 impl OpKind {
@@ -134,6 +156,7 @@ impl OpKind {
             OpKind::Barrier => 7,
             OpKind::AllToAll => 8,
             OpKind::Split => 9,
+            OpKind::Abort => 10,
         }
     }
 
@@ -149,6 +172,7 @@ impl OpKind {
             7 => OpKind::Barrier,
             8 => OpKind::AllToAll,
             9 => OpKind::Split,
+            10 => OpKind::Abort,
             _ => return Err(Error::UnknownOpKind { code }),
         })
     }
@@ -165,6 +189,7 @@ impl OpKind {
             OpKind::Barrier => "barrier",
             OpKind::AllToAll => "all_to_all",
             OpKind::Split => "split",
+            OpKind::Abort => "abort",
         }
     }
 }
@@ -176,20 +201,84 @@ impl fmt::Display for OpKind {
 }
 
 impl Frame {
-    /// The payload bytes.
+    /// The payload bytes. A frame decoded from pieces ([`decode_chunked`](Self::decode_chunked))
+    /// must first be made contiguous with [`into_contiguous`](Self::into_contiguous); until then
+    /// this is empty.
     pub fn payload(&self) -> &[u8] {
         match &self.bytes {
             FrameBytes::Pooled(buf) => &buf[HEADER_LEN..],
             FrameBytes::Lent(payload) => payload,
+            FrameBytes::Chunked(_) => {
+                debug_assert!(false, "payload of a chunked frame: make it contiguous first");
+                &[]
+            }
         }
     }
 
     /// The payload bytes, writable (a ring step combines into a received frame and forwards it).
+    /// As [`payload`](Self::payload), for contiguous frames.
     pub fn payload_mut(&mut self) -> &mut [u8] {
         match &mut self.bytes {
             FrameBytes::Pooled(buf) => &mut buf[HEADER_LEN..],
             FrameBytes::Lent(payload) => payload,
+            FrameBytes::Chunked(_) => {
+                debug_assert!(false, "payload of a chunked frame: make it contiguous first");
+                &mut []
+            }
         }
+    }
+
+    /// The payload length in bytes, however it is held.
+    pub fn payload_len(&self) -> usize {
+        match &self.bytes {
+            FrameBytes::Pooled(buf) => buf.len() - HEADER_LEN,
+            FrameBytes::Lent(payload) => payload.len(),
+            FrameBytes::Chunked(chunks) => chunks.len(),
+        }
+    }
+
+    /// The payload as a sequence of byte slices (one, unless the frame is chunked).
+    pub(crate) fn payload_parts(&self) -> PayloadParts<'_> {
+        match &self.bytes {
+            FrameBytes::Pooled(buf) => PayloadParts::One(Some(&buf[HEADER_LEN..])),
+            FrameBytes::Lent(payload) => PayloadParts::One(Some(payload)),
+            FrameBytes::Chunked(chunks) => PayloadParts::Many(Box::new(chunks.chunks())),
+        }
+    }
+
+    /// Whether the payload is held in pieces.
+    pub fn is_chunked(&self) -> bool {
+        matches!(self.bytes, FrameBytes::Chunked(_))
+    }
+
+    /// The same frame with its payload in one buffer: a chunked payload is joined into a buffer
+    /// from `pool`; other frames are returned as they are.
+    pub fn into_contiguous(self, pool: &BufferPool) -> Frame {
+        match self.bytes {
+            FrameBytes::Chunked(chunks) => {
+                let mut buf = pool.take(HEADER_LEN + chunks.len());
+                buf.extend_from_slice(&encode_header_only_checksum(&self.header, chunks.len()));
+                for chunk in chunks.chunks() {
+                    buf.extend_from_slice(chunk);
+                }
+                Frame { header: self.header, bytes: FrameBytes::Pooled(buf) }
+            }
+            bytes => Frame { header: self.header, bytes },
+        }
+    }
+
+    /// Decodes and fully validates a frame whose payload is held in pieces.
+    pub fn decode_chunked(header: &[u8; HEADER_LEN], payload: ChunkedBytes, max_payload: usize) -> Result<Frame> {
+        let decoded = decode_header(header, max_payload)?;
+        if decoded.payload_len != payload.len() as u64 {
+            return Err(Error::PayloadLengthMismatch { declared: decoded.payload_len, actual: payload.len() });
+        }
+        let expected = read_u32(header, CHECKSUM_RANGE.start);
+        let computed = if header[FLAGS] & FLAG_HEADER_ONLY_CHECKSUM != 0 { checksum(header, &[]) } else { checksum_parts(header, payload.chunks()) };
+        if expected != computed {
+            return Err(Error::ChecksumMismatch { expected, computed });
+        }
+        Ok(Frame { header: decoded, bytes: FrameBytes::Chunked(payload) })
     }
 
     /// Decodes and fully validates a frame held in `buf` (header fields, length, checksum).
@@ -212,7 +301,7 @@ impl Frame {
     /// The same frame in a buffer from `pool`; a lent payload is copied out and given back.
     pub fn into_owned(self, pool: &BufferPool) -> Frame {
         match self.bytes {
-            FrameBytes::Pooled(_) => self,
+            FrameBytes::Pooled(_) | FrameBytes::Chunked(_) => self,
             FrameBytes::Lent(payload) => {
                 let mut buf = pool.take(HEADER_LEN + payload.len());
                 let header = encode_header_only_checksum(&self.header, payload.len());
@@ -361,6 +450,16 @@ fn write_header(out: &mut [u8], h: &FrameHeader, payload_len: u64) {
     out[CHECKSUM_RANGE].fill(0);
     out[FLAGS] = 0;
     out[RESERVED_RANGE].fill(0);
+}
+
+fn checksum_parts<'a>(header: &[u8], payload: impl Iterator<Item = &'a [u8]>) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&header[..CHECKSUM_RANGE.start]);
+    hasher.update(&header[FLAGS..HEADER_LEN]);
+    for part in payload {
+        hasher.update(part);
+    }
+    hasher.finalize()
 }
 
 fn checksum(header: &[u8], payload: &[u8]) -> u32 {

@@ -11,8 +11,19 @@
 //! generation with [`Error::StaleGeneration`], drops (and counts) stored frames of older generations,
 //! resets the sequence counters and clears the lost-peer mark. Frames of a newer generation than the
 //! local one are kept (a peer may have been bumped first); frames of an older one are dropped and
-//! counted, never applied. A lost peer fails every waiter and every later operation of the current
-//! generation with [`Error::PeerLost`] until the generation advances.
+//! counted, never applied.
+//!
+//! Lost peers. Frames a peer delivered before it was reported lost are still good: transports
+//! deliver a peer's frames before its [`crate::TransportEvent::PeerLost`], so a frame that is not
+//! here when the loss is known will never come. Hence a loss fails exactly the receives that need a
+//! frame from the lost rank that has not arrived: its waiters at once, and later claims of a slot
+//! it did not fill. A peer that finished its part of the last collective and then went away
+//! (shut down, dropped its transport) does not fail ranks that are still reading what it sent.
+//! Receives from live peers keep waiting; they end when that peer's operation fails too and tells
+//! the group with an abort frame ([`OpKind::Abort`], chunk field = the lost rank; see
+//! `OpCtx::relay_loss`), which fails every receive of that operation, or by the timeout. A new
+//! collective on a group with a lost member fails at once, unless the lost member already sent this
+//! rank frames of it (it ran it before leaving). All of this holds until the generation advances.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -82,7 +93,10 @@ struct GroupInner {
     split_count: u64,
     p2p_sent: BTreeMap<usize, u64>,
     p2p_received: BTreeMap<usize, u64>,
-    lost: Option<usize>,
+    /// Lost members (global ranks), in the order they were reported.
+    lost: Vec<usize>,
+    /// Collectives a peer reported failed: (generation, seq) -> the lost rank it named.
+    aborted: BTreeMap<(u64, u64), usize>,
     closed: bool,
     stored: BTreeMap<Key, Frame>,
     waiters: BTreeMap<Key, (OpKind, oneshot::Sender<Result<Frame>>)>,
@@ -102,7 +116,8 @@ impl GroupState {
                 split_count: 0,
                 p2p_sent: BTreeMap::new(),
                 p2p_received: BTreeMap::new(),
-                lost: None,
+                lost: Vec::new(),
+                aborted: BTreeMap::new(),
                 closed: false,
                 stored: BTreeMap::new(),
                 waiters: BTreeMap::new(),
@@ -132,24 +147,51 @@ impl GroupState {
         self.members.contains(&global_rank)
     }
 
-    /// Starts a collective: checks the group is usable and takes the next sequence number.
-    pub(crate) fn begin_collective(&self, op: OpKind) -> Result<(u64, u64)> {
+    /// Starts a collective: takes the next sequence number. Fails if the transport is closed.
+    ///
+    /// The sequence number is taken even when the operation then cannot run (see
+    /// [`lost_before`](Self::lost_before)), so the failing rank can name it to its peers.
+    pub(crate) fn begin_collective(&self) -> Result<(u64, u64)> {
         let mut inner = self.lock();
-        inner.check_usable(op)?;
+        if inner.closed {
+            return Err(Error::TransportClosed);
+        }
         let seq = inner.next_seq;
         inner.next_seq += 1;
         Ok((inner.generation, seq))
     }
 
+    /// The lost member that dooms collective `(generation, seq)` before it starts: one that is
+    /// lost and sent this rank no frame of it; or the rank a peer's abort of it named.
+    pub(crate) fn lost_before(&self, generation: u64, seq: u64) -> Option<usize> {
+        let inner = self.lock();
+        if let Some(&rank) = inner.aborted.get(&(generation, seq)) {
+            return Some(rank);
+        }
+        inner.lost.iter().copied().find(|&rank| !inner.has_frames_from(generation, Lane::Collective, rank, seq))
+    }
+
+    /// Whether a peer aborted collective `(generation, seq)` (its failure was already relayed).
+    pub(crate) fn is_aborted(&self, generation: u64, seq: u64) -> bool {
+        self.lock().aborted.contains_key(&(generation, seq))
+    }
+
     /// Starts a point-to-point transfer with `peer` (global rank): takes the pair's next sequence.
+    /// Fails if `peer` is lost, unless this is a receive of frames it sent before it went away.
     pub(crate) fn begin_p2p(&self, peer: usize, sending: bool) -> Result<(u64, u64)> {
         let mut inner = self.lock();
-        inner.check_usable(OpKind::Send)?;
+        if inner.closed {
+            return Err(Error::TransportClosed);
+        }
+        let generation = inner.generation;
         let counters = if sending { &mut inner.p2p_sent } else { &mut inner.p2p_received };
-        let counter = counters.entry(peer).or_insert(0);
-        let seq = *counter;
-        *counter += 1;
-        Ok((inner.generation, seq))
+        let seq = counters.get(&peer).copied().unwrap_or(0);
+        if inner.lost.contains(&peer) && (sending || !inner.has_frames_from(generation, Lane::PointToPoint, peer, seq)) {
+            return Err(Error::PeerLost { rank: peer, op: OpKind::Send });
+        }
+        let counters = if sending { &mut inner.p2p_sent } else { &mut inner.p2p_received };
+        counters.insert(peer, seq + 1);
+        Ok((generation, seq))
     }
 
     /// Counts a `split` (all ranks count them in the same order, so the count names the child).
@@ -179,6 +221,25 @@ impl GroupState {
             self.add_stale(1);
             return Delivery::Stale;
         }
+        if h.op == OpKind::Abort {
+            let lost = h.chunk as usize;
+            if !self.contains(lost) || frame.payload_len() != 0 {
+                return Delivery::ForeignSource;
+            }
+            if inner.aborted.len() >= self.max_stored && !inner.aborted.contains_key(&(h.generation, h.seq)) {
+                drop(inner);
+                self.overflow_dropped.fetch_add(1, Ordering::Relaxed);
+                return Delivery::Overflow;
+            }
+            inner.aborted.entry((h.generation, h.seq)).or_insert(lost);
+            let doomed: Vec<Key> = inner.waiters.keys().filter(|k| k.0 == h.generation && k.1 == Lane::Collective && k.3 == h.seq).copied().collect();
+            for key in doomed {
+                if let Some((op, waiter)) = inner.waiters.remove(&key) {
+                    let _ = waiter.send(Err(Error::PeerLost { rank: lost, op }));
+                }
+            }
+            return Delivery::Accepted;
+        }
         if let Some((_, waiter)) = inner.waiters.remove(&key) {
             // A waiter whose operation was dropped no longer wants the frame.
             let _ = waiter.send(Ok(frame));
@@ -200,9 +261,20 @@ impl GroupState {
         if key.0 != inner.generation {
             return Err(Error::StaleGeneration { expected: inner.generation, got: key.0 });
         }
-        inner.check_usable(op)?;
+        // Frames that arrived are taken even if their sender is gone by now.
         if let Some(frame) = inner.stored.remove(&key) {
             return Ok(Slot::Ready(frame));
+        }
+        if inner.closed {
+            return Err(Error::TransportClosed);
+        }
+        if key.1 == Lane::Collective {
+            if let Some(&rank) = inner.aborted.get(&(key.0, key.3)) {
+                return Err(Error::PeerLost { rank, op });
+            }
+        }
+        if inner.lost.contains(&key.2) {
+            return Err(Error::PeerLost { rank: key.2, op });
         }
         let (tx, rx) = oneshot::channel();
         inner.waiters.insert(key, (op, tx));
@@ -257,8 +329,8 @@ impl GroupState {
 
     /// Moves to `generation`; see the module doc for what that aborts and drops.
     ///
-    /// `lost` is a member already known to be gone, which keeps the group failing fast.
-    pub(crate) fn advance_generation(&self, generation: u64, lost: Option<usize>) -> Result<()> {
+    /// `lost` are members already known to be gone, which keeps the group failing fast.
+    pub(crate) fn advance_generation(&self, generation: u64, lost: Vec<usize>) -> Result<()> {
         let mut inner = self.lock();
         if generation <= inner.generation {
             return Err(Error::GenerationNotIncreasing { current: inner.generation, requested: generation });
@@ -274,6 +346,8 @@ impl GroupState {
         inner.p2p_sent.clear();
         inner.p2p_received.clear();
         inner.lost = lost;
+        let aborted_kept = inner.aborted.split_off(&(generation, 0));
+        inner.aborted = aborted_kept;
         drop(inner);
         self.add_stale(dropped);
         Ok(())
@@ -284,15 +358,19 @@ impl GroupState {
         std::mem::take(&mut self.lock().stored).into_values().collect()
     }
 
-    /// Marks `rank` (global) lost and fails every waiter.
+    /// Marks `rank` (global) lost and fails every waiter for a frame from it: the transport
+    /// delivered all its frames before reporting the loss, so those frames will never come.
+    /// Waiters for frames from other members keep waiting (see the module doc).
     pub(crate) fn peer_lost(&self, rank: usize) {
         let mut inner = self.lock();
-        if inner.lost.is_none() {
-            inner.lost = Some(rank);
+        if !inner.lost.contains(&rank) {
+            inner.lost.push(rank);
         }
-        let lost = inner.lost.unwrap_or(rank);
-        for (_, (op, waiter)) in std::mem::take(&mut inner.waiters) {
-            let _ = waiter.send(Err(Error::PeerLost { rank: lost, op }));
+        let doomed: Vec<Key> = inner.waiters.keys().filter(|k| k.2 == rank).copied().collect();
+        for key in doomed {
+            if let Some((op, waiter)) = inner.waiters.remove(&key) {
+                let _ = waiter.send(Err(Error::PeerLost { rank, op }));
+            }
         }
     }
 
@@ -312,13 +390,8 @@ impl GroupState {
 }
 
 impl GroupInner {
-    fn check_usable(&self, op: OpKind) -> Result<()> {
-        if self.closed {
-            return Err(Error::TransportClosed);
-        }
-        if let Some(rank) = self.lost {
-            return Err(Error::PeerLost { rank, op });
-        }
-        Ok(())
+    /// Whether frames of operation `seq` on `lane` from global rank `src` are parked here.
+    fn has_frames_from(&self, generation: u64, lane: Lane, src: usize, seq: u64) -> bool {
+        self.stored.range((generation, lane, src, seq, 0)..=(generation, lane, src, seq, u32::MAX)).next().is_some()
     }
 }

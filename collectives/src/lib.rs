@@ -12,12 +12,21 @@
 //! Speed (measured by `rtx bench collectives`, numbers in BENCHMARKS.md): large messages go round a
 //! ring in pieces, round-major and windowed, with all-reduce's two phases fused; receives are
 //! posted ahead so that shared memory hands each piece to the operation in place (it is read and
-//! combined straight out of the ring, [`LentBytes`]) and writes it straight from the tensor; a
+//! combined straight out of the ring, [`LentBytes`]), QUIC hands large payloads over as quinn's
+//! decrypted pieces ([`ChunkedBytes`]), and shared memory writes each piece straight from the tensor; a
 //! waiting operation first polls the transport itself for a few tens of microseconds
 //! ([`Transport::poll_incoming`]) before it sleeps; transports push frames into the endpoint from
 //! their reader thread or task ([`EventSink`]); and payloads are checksummed only where the channel
 //! does not already guarantee integrity. QUIC on loopback uses 64 KB packets, large socket buffers
-//! and AES-128-GCM.
+//! and AES-128-GCM. `reduce_scatter`, `reduce` and bf16 all-reduces read the caller's buffer where
+//! it is (only the owned segment is copied, as accumulators); `reduce_scatter_in_place` and
+//! `all_gather_in_place` need no second buffer at all. With a host map
+//! ([`CommConfig::host_of`]), `all_reduce` goes hierarchical (within hosts, then across).
+//!
+//! Failures: a lost peer fails only the receives that needed a frame from it that never came;
+//! frames it delivered before leaving are still used, so a rank may leave as soon as its last
+//! collective returns. The rank that notices a loss tells the rest of the group (an abort frame),
+//! so nobody waits for the timeout.
 
 mod algo;
 mod communicator;
@@ -36,7 +45,8 @@ mod shm;
 mod transport;
 
 pub use communicator::{
-    CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_STORED_FRAMES, DEFAULT_OP_TIMEOUT, DEFAULT_SMALL_MESSAGE_BYTES,
+    AllReduceAlgorithm, CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_STORED_FRAMES, DEFAULT_OP_TIMEOUT,
+    DEFAULT_SMALL_MESSAGE_BYTES,
 };
 pub use element::{Accumulator, Element, WireElement};
 pub use endpoint::{Endpoint, WORLD_GROUP_ID};
@@ -46,11 +56,14 @@ pub use in_process::{InProcessNetwork, InProcessTransport, IN_PROCESS_INBOX_FRAM
 pub use op::segment_range;
 pub use pool::{BufferPool, PoolStats, PooledBuf, POOL_MAX_BYTES, POOL_MAX_CLASS_BYTES, POOL_MAX_PER_CLASS, POOL_MIN_CLASS_BYTES};
 #[cfg(feature = "quic")]
-pub use quic::{client_tls_config, quic_stream_throughput, rank_name, server_tls_config, ClusterCa, NodeIdentity, QuicOptions, QuicTransport, ALPN, DEFAULT_LOOPBACK_DATAGRAM_BYTES, QUIC_INBOX_FRAMES};
+pub use quic::{
+    client_tls_config, quic_stream_throughput, rank_name, server_tls_config, ClusterCa, NodeIdentity, QuicOptions, QuicTransport, ALPN,
+    DEFAULT_LOOPBACK_DATAGRAM_BYTES, QUIC_INBOX_FRAMES,
+};
 pub use rtx_kernels::DType;
 #[cfg(feature = "shm")]
 pub use shm::{ShmOptions, ShmTransport, DEFAULT_RING_BYTES, SHM_INBOX_FRAMES};
-pub use transport::{BoxFuture, EventSink, LentBytes, Lender, Transport, TransportEvent};
+pub use transport::{BoxFuture, ChunkedBytes, EventSink, Lender, LentBytes, Transport, TransportEvent};
 
 /// How `all_reduce`, `reduce_scatter` and `reduce` combine elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

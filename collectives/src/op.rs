@@ -12,7 +12,7 @@ use rtx_kernels::DType;
 
 use crate::algo::RING_WINDOW;
 use crate::communicator::Communicator;
-use crate::element::{combine_bytes, copy_bytes, Accumulator, WireElement};
+use crate::element::{combine_parts, copy_parts, round_parts, Accumulator, Element, WireElement};
 use crate::error::{Error, Result};
 use crate::frame::{encode_header, encode_header_only_checksum, Frame, FrameHeader, OpKind};
 use crate::group::{Key, Lane, Slot};
@@ -29,6 +29,12 @@ pub(crate) struct OpCtx<'a> {
     /// Per link: receives registered ahead of time, in chunk order, and how many more the
     /// algorithm announced (see [`announce`](Self::announce)).
     posted: BTreeMap<usize, Posted>,
+    /// A lost member this rank found its collective blocked on; told to the group on drop
+    /// (see [`relay_loss`](Self::relay_loss)).
+    relay: Option<usize>,
+    /// While set (see [`set_view`](Self::set_view)), the ranks the send and receive steps take
+    /// are indices into this list of group ranks.
+    view: Option<Vec<usize>>,
 }
 
 #[derive(Default)]
@@ -48,12 +54,51 @@ const POST_DEPTH: usize = RING_WINDOW + 2;
 impl<'a> OpCtx<'a> {
     pub(crate) fn new(comm: &'a Communicator, op: OpKind, generation: u64, seq: u64) -> Self {
         let lane = if op == OpKind::Send { Lane::PointToPoint } else { Lane::Collective };
-        OpCtx { comm, op, lane, generation, seq, sent: BTreeMap::new(), received: BTreeMap::new(), posted: BTreeMap::new() }
+        OpCtx { comm, op, lane, generation, seq, sent: BTreeMap::new(), received: BTreeMap::new(), posted: BTreeMap::new(), relay: None, view: None }
+    }
+
+    /// Notes that this collective failed because member `lost` (global rank) is gone, unless a
+    /// peer already told the group so. When the operation ends, the other live members get an
+    /// abort frame naming `lost`, which fails their part of it at once: without it, a rank blocked
+    /// only on live peers (say, further round a ring) would wait for the timeout, because the
+    /// lost rank's departure fails only receives of frames from that rank (see `group.rs`).
+    pub(crate) fn relay_loss(&mut self, lost: usize) {
+        if self.lane == Lane::Collective && !self.comm.state().is_aborted(self.generation, self.seq) {
+            self.relay.get_or_insert(lost);
+        }
+    }
+
+    /// Passes `result` through, noting a [`Error::PeerLost`] for [`relay_loss`](Self::relay_loss).
+    fn watch<T>(&mut self, result: Result<T>) -> Result<T> {
+        if let Err(Error::PeerLost { rank, .. }) = &result {
+            self.relay_loss(*rank);
+        }
+        result
+    }
+
+    /// Runs the next steps on a subset of the group: until the next call, a rank `i` given to
+    /// the send and receive steps means group rank `members[i]` (`None`: the whole group). So an
+    /// algorithm written for ranks `0..m` runs among `m` chosen members, e.g. the ranks of one host.
+    /// Chunk numbers stay per link of the whole operation, so phases on different subsets share
+    /// links safely as long as every rank runs the phases in the same order.
+    pub(crate) fn set_view(&mut self, members: Option<Vec<usize>>) {
+        debug_assert!(members.as_ref().is_none_or(|m| m.iter().all(|&r| r < self.comm.size())), "view: group ranks");
+        debug_assert!(self.posted.values().all(|p| p.slots.is_empty() && p.remaining == 0), "view changes between phases only");
+        self.view = members;
+    }
+
+    /// The group rank behind rank `i` of the current view.
+    fn real(&self, i: usize) -> usize {
+        match &self.view {
+            Some(members) => members[i],
+            None => i,
+        }
     }
 
     /// Announces that `count` more frames will be received from group rank `from` in this
     /// operation, so receives can be posted ahead (see [`POST_DEPTH`]).
     pub(crate) fn announce(&mut self, from: usize, count: usize) {
+        let from = self.real(from);
         let next = self.received.get(&from).copied().unwrap_or(0);
         let posted = self.posted.entry(from).or_default();
         debug_assert!(posted.slots.is_empty(), "announce before the receives it announces");
@@ -84,6 +129,7 @@ impl<'a> OpCtx<'a> {
 
     /// Sends one frame with `payload` to group rank `to`.
     pub(crate) async fn send_frame(&mut self, to: usize, dtype: Option<DType>, payload: &[u8]) -> Result<()> {
+        let to = self.real(to);
         let shared = self.comm.endpoint().shared();
         let group = self.comm.state();
         let peer = group.members[to];
@@ -104,16 +150,29 @@ impl<'a> OpCtx<'a> {
         let header = if shared.transport.checks_integrity() { encode_header_only_checksum(&header, payload.len()) } else { encode_header(&header, payload) };
         // A peer that is alive but never drains its link must not hang the sender either.
         let timeout = self.comm.config().op_timeout;
-        match tokio::time::timeout(timeout, shared.transport.send_parts(peer, &header, payload, &shared.pool)).await {
+        let result = match tokio::time::timeout(timeout, shared.transport.send_parts(peer, &header, payload, &shared.pool)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(Error::PeerLost { rank, .. })) => Err(Error::PeerLost { rank, op: self.op }),
             Ok(Err(other)) => Err(other),
             Err(_elapsed) => Err(Error::Timeout { op: self.op, waiting_for: peer, timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX) }),
-        }
+        };
+        self.watch(result)
     }
 
-    /// Receives the next frame from group rank `from`, checking op, dtype and payload length.
+    /// Receives the next frame from group rank `from`, checking op, dtype and payload length; its
+    /// payload is contiguous ([`Frame::payload`]).
     pub(crate) async fn recv_frame(&mut self, from: usize, dtype: Option<DType>, len_bytes: usize) -> Result<Frame> {
+        let frame = self.recv_frame_parts(from, dtype, len_bytes).await?;
+        if frame.is_chunked() {
+            return Ok(frame.into_contiguous(&self.comm.endpoint().shared().pool));
+        }
+        Ok(frame)
+    }
+
+    /// [`recv_frame`](Self::recv_frame) for a step that reads the payload only through
+    /// [`Frame::payload_parts`], so a payload that arrived in pieces is used as it is.
+    pub(crate) async fn recv_frame_parts(&mut self, from: usize, dtype: Option<DType>, len_bytes: usize) -> Result<Frame> {
+        let from = self.real(from);
         let group = self.comm.state();
         let src = group.members[from];
         let counter = self.received.entry(from).or_insert(0);
@@ -124,10 +183,14 @@ impl<'a> OpCtx<'a> {
         let posted = self.posted.get_mut(&from).and_then(|p| if p.slots.front().is_some_and(|(k, _)| *k == key) { p.slots.pop_front() } else { None });
         let slot = match posted {
             Some((_, slot)) => slot,
-            None => group.register(key, self.op)?,
+            None => {
+                let slot = group.register(key, self.op);
+                self.watch(slot)?
+            }
         };
         let transport = &self.comm.endpoint().shared().transport;
-        let frame = group.wait_slot(key, slot, self.op, self.comm.config().op_timeout, || transport.poll_incoming()).await?;
+        let frame = group.wait_slot(key, slot, self.op, self.comm.config().op_timeout, || transport.poll_incoming()).await;
+        let frame = self.watch(frame)?;
         let h = frame.header;
         if h.op != self.op {
             return Err(Error::OpMismatch { seq: self.seq, src, expected: self.op, got: h.op });
@@ -135,8 +198,8 @@ impl<'a> OpCtx<'a> {
         if h.dtype != dtype {
             return Err(Error::DTypeMismatch { src, expected: dtype, got: h.dtype });
         }
-        if frame.payload().len() != len_bytes {
-            return Err(Error::PayloadLength { src, expected: len_bytes, got: frame.payload().len() });
+        if frame.payload_len() != len_bytes {
+            return Err(Error::PayloadLength { src, expected: len_bytes, got: frame.payload_len() });
         }
         Ok(frame)
     }
@@ -163,8 +226,19 @@ impl<'a> OpCtx<'a> {
     pub(crate) async fn recv_all<T: WireElement>(&mut self, from: usize, dst: &mut [T]) -> Result<()> {
         for piece in pieces(dst.len(), self.piece_elems::<T>()) {
             let bytes = piece.len() * std::mem::size_of::<T>();
-            let frame = self.recv_frame(from, Some(T::DTYPE), bytes).await?;
-            copy_bytes(&mut dst[piece], frame.payload());
+            let frame = self.recv_frame_parts(from, Some(T::DTYPE), bytes).await?;
+            copy_parts(&mut dst[piece], frame.payload_parts());
+        }
+        Ok(())
+    }
+
+    /// Receives `dst.len()` accumulator values of `T` from `from`, in the pieces `send_all` of
+    /// accumulator values made, rounding them into `dst`.
+    pub(crate) async fn recv_round_all<T: Element>(&mut self, from: usize, dst: &mut [T]) -> Result<()> {
+        for piece in pieces(dst.len(), self.piece_elems::<T::Acc>()) {
+            let bytes = piece.len() * std::mem::size_of::<T::Acc>();
+            let frame = self.recv_frame_parts(from, Some(<T::Acc as WireElement>::DTYPE), bytes).await?;
+            round_parts(&mut dst[piece], frame.payload_parts());
         }
         Ok(())
     }
@@ -180,16 +254,16 @@ impl<'a> OpCtx<'a> {
     /// Receives one piece of accumulator values from `from` and combines it into `dst`.
     pub(crate) async fn recv_combine<A: Accumulator>(&mut self, from: usize, dst: &mut [A], op: ReduceOp, received_first: bool) -> Result<()> {
         let bytes = std::mem::size_of_val(dst);
-        let frame = self.recv_frame(from, Some(A::DTYPE), bytes).await?;
-        combine_bytes(op, dst, frame.payload(), received_first);
+        let frame = self.recv_frame_parts(from, Some(A::DTYPE), bytes).await?;
+        combine_parts(op, dst, frame.payload_parts(), received_first);
         Ok(())
     }
 
     /// Receives one piece of elements from `from` and copies it into `dst`.
     pub(crate) async fn recv_copy<T: WireElement>(&mut self, from: usize, dst: &mut [T]) -> Result<()> {
         let bytes = std::mem::size_of_val(dst);
-        let frame = self.recv_frame(from, Some(T::DTYPE), bytes).await?;
-        copy_bytes(dst, frame.payload());
+        let frame = self.recv_frame_parts(from, Some(T::DTYPE), bytes).await?;
+        copy_parts(dst, frame.payload_parts());
         Ok(())
     }
 }
@@ -203,6 +277,42 @@ impl Drop for OpCtx<'_> {
             for (key, _) in &posted.slots {
                 group.cancel(key);
             }
+        }
+        if let Some(lost) = self.relay {
+            self.send_aborts(lost);
+        }
+    }
+}
+
+impl OpCtx<'_> {
+    /// Sends every other live member an abort frame for this collective naming `lost`, from
+    /// background tasks (this runs on drop), each bounded by the operation timeout.
+    fn send_aborts(&self, lost: usize) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let group = self.comm.state();
+        let endpoint = self.comm.endpoint();
+        let me = group.members[group.my_index];
+        let gone = endpoint.shared().lost_ranks();
+        let header = FrameHeader {
+            group: group.id,
+            generation: self.generation,
+            seq: self.seq,
+            op: OpKind::Abort,
+            chunk: lost as u32,
+            src: me as u32,
+            dtype: None,
+            payload_len: 0,
+        };
+        let header = encode_header(&header, &[]);
+        let timeout = self.comm.config().op_timeout;
+        tracing::debug!(group = group.id, seq = self.seq, lost, "telling the group a collective failed");
+        for &peer in group.members.iter().filter(|&&p| p != me && p != lost && !gone.contains(&p)) {
+            let endpoint = endpoint.clone();
+            runtime.spawn(async move {
+                let shared = endpoint.shared();
+                // Best effort: a peer that cannot be told fails by its own loss notice or timeout.
+                let _ = tokio::time::timeout(timeout, shared.transport.send_parts(peer, &header, &[], &shared.pool)).await;
+            });
         }
     }
 }

@@ -11,9 +11,13 @@
 //! Topology: one connection per pair of ranks, dialed by the lower rank. Each side opens one
 //! unidirectional stream for its frames and starts it with an 8-byte hello (`RTXH` + rank, LE). Frames
 //! are written back to back, each handed to quinn as one pooled buffer without a copy; the reader
-//! takes the 64-byte header, validates it (including the payload cap) before reading the payload
-//! into a pooled buffer, and hands the whole frame to the endpoint (pushed, see
-//! [`Transport::attach`]), which checks the checksum. A header that fails validation, or a frame cut
+//! takes the 64-byte header and validates it (including the payload cap) before reading the
+//! payload. A payload of [`CHUNKED_FRAME_MIN_BYTES`] or more is handed to the endpoint as the list
+//! of quinn's received pieces ([`EventSink::chunked_frame`]): the operation combines or copies
+//! straight out of the decrypted packets, with no copy into a frame buffer first (a Forward step of
+//! a ring of three or more, which writes into the frame it forwards, joins them once). Smaller
+//! payloads are copied into a pooled buffer. The endpoint (pushed, see [`Transport::attach`])
+//! checks the checksum. A header that fails validation, or a frame cut
 //! short by a cancelled send, means the stream cannot be resynchronised: the connection is closed and
 //! the peer reported lost.
 //!
@@ -44,7 +48,7 @@ use crate::communicator::DEFAULT_MAX_PAYLOAD_BYTES;
 use crate::error::{Error, Result};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
-use crate::transport::{BoxFuture, EventSink, Transport, TransportEvent};
+use crate::transport::{BoxFuture, ChunkedBytes, EventSink, Transport, TransportEvent};
 
 /// ALPN protocol id both sides require.
 pub const ALPN: &[u8] = b"rtx-collectives/1";
@@ -71,6 +75,9 @@ const INITIAL_WINDOW_PACKETS: u64 = 16;
 /// Largest UDP payload quinn accepts for `max_udp_payload_size`.
 const MAX_UDP_PAYLOAD: u16 = 65_527;
 const DIAL_RETRY: Duration = Duration::from_millis(50);
+/// Payloads from this size on are handed to the endpoint as quinn's pieces instead of being copied
+/// into one buffer; below it, the copy is cheaper than keeping a list of pieces.
+pub(crate) const CHUNKED_FRAME_MIN_BYTES: usize = 16 << 10;
 
 /// The name a rank's certificate carries.
 pub fn rank_name(rank: usize) -> String {
@@ -347,9 +354,8 @@ impl QuicTransport {
 
     /// Shuts down gracefully: finishes this rank's streams, waits (at most `timeout`) until every
     /// peer has read all that was sent on them, then closes the endpoint. Dropping the transport
-    /// instead closes at once and loses frames still in flight, such as the last frames of a
-    /// collective that returned on this rank before its peers received them. Peers see the link end
-    /// ([`TransportEvent::PeerLost`]); sends after `close` fail.
+    /// does the same in the background (see its `Drop`); `close` lets the caller wait for it.
+    /// Peers see the link end ([`TransportEvent::PeerLost`]); sends after `close` fail.
     pub async fn close(&self, timeout: Duration) {
         let links: Vec<Link> = lock(&self.shared.links).values().cloned().collect();
         let drain = async {
@@ -437,12 +443,36 @@ impl Drop for TornFrame<'_> {
 }
 
 impl Drop for QuicTransport {
+    /// Stops reading and accepting at once, but lets what was already sent reach the peers, as
+    /// closing a TCP socket does: a rank whose collective returned may drop its transport while
+    /// its last frames are still in flight to peers that need them. A background task finishes
+    /// every stream, waits (at most [`QuicOptions::idle_timeout`]) until the peers have read them,
+    /// then closes the endpoint. Without a tokio runtime it closes at once.
     fn drop(&mut self) {
         self.accept_task.abort();
         for task in lock(&self.shared.tasks).drain(..) {
             task.abort();
         }
-        self.shared.endpoint.close(0u32.into(), b"closed");
+        let links: Vec<Link> = lock(&self.shared.links).values().cloned().collect();
+        let endpoint = self.shared.endpoint.clone();
+        let linger = self.shared.options.idle_timeout;
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if !links.is_empty() => {
+                runtime.spawn(async move {
+                    let drain = async {
+                        for link in &links {
+                            let mut send = link.send.lock().await;
+                            if send.finish().is_ok() {
+                                let _ = send.stopped().await;
+                            }
+                        }
+                    };
+                    let _ = tokio::time::timeout(linger, drain).await;
+                    endpoint.close(0u32.into(), b"closed");
+                });
+            }
+            _ => endpoint.close(0u32.into(), b"closed"),
+        }
     }
 }
 
@@ -544,7 +574,12 @@ impl quinn::AsyncUdpSocket for NoGro {
         self.0.try_send(transmit)
     }
 
-    fn poll_recv(&self, cx: &mut std::task::Context, bufs: &mut [std::io::IoSliceMut<'_>], meta: &mut [quinn::udp::RecvMeta]) -> std::task::Poll<std::io::Result<usize>> {
+    fn poll_recv(
+        &self,
+        cx: &mut std::task::Context,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+        meta: &mut [quinn::udp::RecvMeta],
+    ) -> std::task::Poll<std::io::Result<usize>> {
         self.0.poll_recv(cx, bufs, meta)
     }
 
@@ -578,7 +613,13 @@ fn disable_gro(socket: &std::net::UdpSocket) -> Result<()> {
     let off: libc::c_int = 0;
     // SAFETY: a valid socket descriptor and a pointer to a c_int of the length passed.
     let rc = unsafe {
-        libc::setsockopt(socket.as_raw_fd(), libc::SOL_UDP, libc::UDP_GRO, (&off as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t)
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_UDP,
+            libc::UDP_GRO,
+            (&off as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
     };
     if rc != 0 {
         return Err(io("disable UDP GRO", std::io::Error::last_os_error()));
@@ -697,7 +738,8 @@ pub async fn quic_stream_throughput(options: &QuicOptions, bytes: u64, duplex: b
     let b_addr = b.endpoint.local_addr().map_err(|e| io("local_addr", e))?;
     let failed = |e: &dyn std::fmt::Display| Error::Io { op: "quic throughput probe", reason: e.to_string() };
     let accept = async { b.endpoint.accept().await.ok_or_else(|| failed(&"endpoint closed"))?.await.map_err(|e| failed(&e)) };
-    let dial = async { a.endpoint.connect_with(a.loopback_client_config.clone(), b_addr, &rank_name(1)).map_err(|e| failed(&e))?.await.map_err(|e| failed(&e)) };
+    let dial =
+        async { a.endpoint.connect_with(a.loopback_client_config.clone(), b_addr, &rank_name(1)).map_err(|e| failed(&e))?.await.map_err(|e| failed(&e)) };
     let (conn_b, conn_a) = tokio::try_join!(accept, dial)?;
     // Let path MTU discovery reach the loopback packet size, as it has on a transport in use.
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -728,13 +770,9 @@ pub async fn quic_stream_throughput(options: &QuicOptions, bytes: u64, duplex: b
     };
     let start = std::time::Instant::now();
     let received = if duplex {
-        let (ab, ba, _, _) = tokio::try_join!(
-            tokio::spawn(recv(conn_b.clone())),
-            tokio::spawn(recv(conn_a.clone())),
-            tokio::spawn(send(conn_a)),
-            tokio::spawn(send(conn_b)),
-        )
-        .map_err(|e| failed(&e))?;
+        let (ab, ba, _, _) =
+            tokio::try_join!(tokio::spawn(recv(conn_b.clone())), tokio::spawn(recv(conn_a.clone())), tokio::spawn(send(conn_a)), tokio::spawn(send(conn_b)),)
+                .map_err(|e| failed(&e))?;
         ab?.min(ba?)
     } else {
         let (got, _) = tokio::try_join!(tokio::spawn(recv(conn_b)), tokio::spawn(send(conn_a))).map_err(|e| failed(&e))?;
@@ -825,10 +863,26 @@ async fn read_frames(shared: &QuicShared, route: &Route, peer: usize, conn: &qui
                 return;
             }
         };
+        if let (Route::Push(sink), true) = (route, payload_len >= CHUNKED_FRAME_MIN_BYTES) {
+            // quinn hands out the decrypted packets' bytes without copying; pass them on as they
+            // are, and the operation reads them in place (see `EventSink::chunked_frame`).
+            let mut payload = ChunkedBytes::new();
+            while payload.len() < payload_len {
+                match recv.read_chunk(payload_len - payload.len(), true).await {
+                    Ok(Some(chunk)) => payload.push(chunk.bytes),
+                    Ok(None) | Err(_) => return,
+                }
+            }
+            match sink.upgrade() {
+                Some(sink) => sink.chunked_frame(peer, header, payload),
+                None => return,
+            }
+            continue;
+        }
         let total = HEADER_LEN + payload_len;
         let mut buf = shared.pool.take(total);
         buf.extend_from_slice(&header);
-        // quinn hands out its received chunks without copying; one copy puts them in the frame.
+        // Small frames (and polled delivery): one copy puts quinn's chunks in the frame.
         while buf.len() < total {
             match recv.read_chunk(total - buf.len(), true).await {
                 Ok(Some(chunk)) => buf.extend_from_slice(&chunk.bytes),

@@ -64,7 +64,7 @@ use crate::communicator::DEFAULT_MAX_PAYLOAD_BYTES;
 use crate::error::{Error, Result};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
-use crate::transport::{BoxFuture, EventSink, LentBytes, Lender, Transport, TransportEvent};
+use crate::transport::{BoxFuture, EventSink, Lender, LentBytes, Transport, TransportEvent};
 
 /// Most received frames waiting for a polling dispatcher before readers stop draining rings (only
 /// when the endpoint polls instead of attaching).

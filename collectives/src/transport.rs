@@ -123,8 +123,62 @@ pub trait EventSink: Send + Sync + 'static {
         drop(payload);
         self.event(TransportEvent::Frame { from, bytes: PooledBuf::unpooled(bytes) });
     }
+    /// One frame from `from` whose payload arrived in pieces that the transport hands over as
+    /// they are (a QUIC stream's decrypted packets), so it is never copied into one buffer: the
+    /// operation waiting for it copies or combines straight from the pieces. The default joins
+    /// the pieces into an unpooled buffer and calls [`event`](Self::event).
+    fn chunked_frame(&self, from: usize, header: [u8; HEADER_LEN], payload: ChunkedBytes) {
+        let mut bytes = Vec::with_capacity(HEADER_LEN + payload.len());
+        bytes.extend_from_slice(&header);
+        for chunk in payload.chunks() {
+            bytes.extend_from_slice(chunk);
+        }
+        self.event(TransportEvent::Frame { from, bytes: PooledBuf::unpooled(bytes) });
+    }
     /// The transport is shut down for good (what `recv` returning `None` means).
     fn closed(&self);
+}
+
+/// Bytes held as a list of pieces owned by whoever produced them (see
+/// [`EventSink::chunked_frame`]); read-only.
+#[derive(Default)]
+pub struct ChunkedBytes {
+    chunks: Vec<Box<dyn AsRef<[u8]> + Send + Sync>>,
+    len: usize,
+}
+
+impl ChunkedBytes {
+    /// No bytes yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends `chunk`.
+    pub fn push(&mut self, chunk: impl AsRef<[u8]> + Send + Sync + 'static) {
+        self.len += chunk.as_ref().len();
+        self.chunks.push(Box::new(chunk));
+    }
+
+    /// Total length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The pieces, in order.
+    pub fn chunks(&self) -> impl Iterator<Item = &[u8]> {
+        self.chunks.iter().map(|c| (**c).as_ref())
+    }
+}
+
+impl std::fmt::Debug for ChunkedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkedBytes").field("len", &self.len).field("chunks", &self.chunks.len()).finish()
+    }
 }
 
 /// Takes back memory lent with a [`LentBytes`].

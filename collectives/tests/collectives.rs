@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use common::*;
 use half::bf16;
-use rtx_collectives::{Communicator, ReduceOp, WireElement};
+use rtx_collectives::{Accumulator, CommConfig, Communicator, ReduceOp, WireElement};
 
 const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
 
@@ -63,9 +63,17 @@ async fn reduce_scatter_cases<T: TestElem>(c: &Communicator, seed: u64, config: 
             let mut out = vec![T::from_f64(99.0); seg.len()];
             let what = format!("reduce_scatter {op:?} {} n={n} len={len} rank={r} config={config}", T::DTYPE);
             c.reduce_scatter(&inputs[r], &mut out, op).await.map_err(|e| format!("{what}: {e}"))?;
-            let want = reference(op, &inputs)[seg].to_vec();
+            let want = reference(op, &inputs)[seg.clone()].to_vec();
             if bits(&out) != bits(&want) {
                 return Err(mismatch(&what, &out, &want));
+            }
+            // In place: the owned segment gets the same bits, the rest is left as it was.
+            let mut buf = inputs[r].clone();
+            c.reduce_scatter_in_place(&mut buf, op).await.map_err(|e| format!("{what} in place: {e}"))?;
+            let mut want_buf = inputs[r].clone();
+            want_buf[seg].copy_from_slice(&want);
+            if bits(&buf) != bits(&want_buf) {
+                return Err(mismatch(&format!("{what} in place"), &buf, &want_buf));
             }
         }
     }
@@ -99,6 +107,12 @@ async fn all_gather_cases<T: WireElement + TestElem>(c: &Communicator, seed: u64
         c.all_gather(&full[c.segment(len, r)], &mut out).await.map_err(|e| format!("{what}: {e}"))?;
         if bits(&out) != bits(&full) {
             return Err(mismatch(&what, &out, &full));
+        }
+        let mut buf = vec![T::from_f64(99.0); len];
+        buf[c.segment(len, r)].copy_from_slice(&full[c.segment(len, r)]);
+        c.all_gather_in_place(&mut buf).await.map_err(|e| format!("{what} in place: {e}"))?;
+        if bits(&buf) != bits(&full) {
+            return Err(mismatch(&format!("{what} in place"), &buf, &full));
         }
     }
     Ok(())
@@ -191,7 +205,7 @@ async fn all_reduce_matches_reference() {
     every_world!(all_reduce_cases);
 }
 
-// Goal: reduce_scatter leaves each rank its segment of the reference.
+// Goal: reduce_scatter (and its in-place form) leaves each rank its segment of the reference.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reduce_scatter_matches_reference() {
     every_world!(reduce_scatter_cases);
@@ -203,7 +217,7 @@ async fn reduce_matches_reference() {
     every_world!(reduce_cases);
 }
 
-// Goal: all_gather reassembles the full vector from uneven segments.
+// Goal: all_gather (and its in-place form) reassembles the full vector from uneven segments.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_gather_reassembles() {
     every_world!(all_gather_cases);
@@ -436,4 +450,61 @@ async fn mismatched_calls_are_typed_errors() {
     let e = c0.all_reduce(&mut [1.0f32; 8], ReduceOp::Sum).await.unwrap_err();
     assert_eq!(e, Error::PayloadLength { src: 1, expected: 32, got: 36 });
     assert!(matches!(other.await.unwrap(), Err(Error::PayloadLength { .. })));
+}
+
+/// The ring's fixed order for element `i` of segment `c`: `((v[c+1] + v[c+2]) + ...) + v[c]`,
+/// accumulated in `T::Acc` and rounded once.
+fn ring_order_sum<T: TestElem>(inputs: &[Vec<T>], c: usize, i: usize) -> T {
+    let n = inputs.len();
+    let mut acc = inputs[(c + 1) % n][i].to_acc();
+    for k in 2..=n {
+        acc = <T::Acc as Accumulator>::combine(ReduceOp::Sum, acc, inputs[(c + k) % n][i].to_acc());
+    }
+    T::from_acc(acc)
+}
+
+async fn ring_order_case<T: TestElem>(n: usize, seed: u64) {
+    let len = 1001;
+    let inputs: Vec<Vec<T>> = (0..n)
+        .map(|q| {
+            let mut g = rng(seed ^ 0x0DE7, q as u64);
+            (0..len).map(|_| T::from_f64(rand::Rng::random_range(&mut g, -1.0f64..1.0) * 10f64.powi(rand::Rng::random_range(&mut g, -3..4)))).collect()
+        })
+        .collect();
+    let want: Vec<T> = (0..n).flat_map(|c| rtx_collectives::segment_range(len, n, c).map(|i| ring_order_sum(&inputs, c, i)).collect::<Vec<_>>()).collect();
+    let (_net, comms) = world(n, CommConfig { small_message_bytes: 0, chunk_bytes: 24, ..CommConfig::default() });
+    let out = run_ranks(&comms, |c| {
+        let (inputs, want) = (inputs.clone(), want.clone());
+        async move {
+            let (r, seg) = (c.rank(), c.segment(len, c.rank()));
+            let mut all = inputs[r].clone();
+            c.all_reduce(&mut all, ReduceOp::Sum).await.unwrap();
+            assert_eq!(bits(&all), bits(&want), "all_reduce rank {r}");
+            let mut out = vec![T::from_f64(0.0); seg.len()];
+            c.reduce_scatter(&inputs[r], &mut out, ReduceOp::Sum).await.unwrap();
+            assert_eq!(bits(&out), bits(&want[seg.clone()]), "reduce_scatter rank {r}");
+            let mut in_place = inputs[r].clone();
+            c.reduce_scatter_in_place(&mut in_place, ReduceOp::Sum).await.unwrap();
+            assert_eq!(bits(&in_place[seg.clone()]), bits(&want[seg]), "reduce_scatter_in_place rank {r}");
+            let mut reduced = inputs[r].clone();
+            c.reduce(&mut reduced, 1, ReduceOp::Sum).await.unwrap();
+            if r == 1 {
+                assert_eq!(bits(&reduced), bits(&want), "reduce rank {r}");
+            }
+        }
+    })
+    .await;
+    assert_eq!(out.len(), n);
+}
+
+// Goal: the large-message algorithms reduce in the documented fixed ring order, for non-exact
+// data (so a change of order would change bits), in f32 and bf16 (accumulated in f32, rounded
+// once), whether the caller's buffer is read in place or widened piece by piece.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_reduction_order_is_fixed() {
+    let seed = seed();
+    for n in [2, 3, 4] {
+        ring_order_case::<f32>(n, seed).await;
+        ring_order_case::<bf16>(n, seed).await;
+    }
 }

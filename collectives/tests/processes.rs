@@ -1,14 +1,19 @@
-//! Collectives between real processes: 2 to 4 ranks, each its own OS process, over QUIC (mutual
-//! TLS on 127.0.0.1) and over shared memory, compared with a straightforward reference.
+//! Collectives between real processes: 2, 3 and 4 ranks, each its own OS process, over QUIC
+//! (mutual TLS on 127.0.0.1) and over shared memory, compared with a straightforward reference.
 //!
 //! Method: the test re-executes its own binary once per rank to run `rank_process` (which does
 //! nothing unless `RTX_PROC_RANK` is set). The parent issues the QUIC certificates into a temporary
 //! directory where ranks also publish their bound addresses. Every rank runs the same script of
-//! collectives on exact-valued inputs (multiples of 1/8, so any summation order gives the same
-//! bits) with 2 KiB frames, so each operation takes many frames. Shared memory runs with a 64 KiB
-//! ring (every frame read in place, with pad records where a slot would wrap) and with a 16 KiB
-//! ring (small frames read in place, 2 KiB frames streamed through and copied out). A rank exits 0
-//! only if every result matched; the parent checks every exit status.
+//! collectives (every one: all_reduce, reduce_scatter and all_gather with their in-place forms,
+//! broadcast, reduce, barrier, all_to_all, send/recv, split) on exact-valued inputs (multiples of
+//! 1/8, so any summation order gives the same bits) with 2 KiB frames, so each operation takes many
+//! frames. Shared memory runs with a 64 KiB ring (every frame read in place, with pad records where
+//! a slot would wrap) and with a 16 KiB ring (small frames read in place, 2 KiB frames streamed
+//! through and copied out). The 4-rank shared-memory world also declares two fake hosts of two
+//! ranks each (`CommConfig::host_of`), so its all-reduces are hierarchical. Each rank leaves as
+//! soon as its script returns (no closing barrier): peers still reading its last frames must not
+//! see that as a failure. A rank exits 0 only if every result matched; the parent checks every exit
+//! status.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -27,6 +32,7 @@ const WORLD_ENV: &str = "RTX_PROC_WORLD";
 const TRANSPORT_ENV: &str = "RTX_PROC_TRANSPORT";
 const DIR_ENV: &str = "RTX_PROC_DIR";
 const RING_ENV: &str = "RTX_PROC_RING";
+const HOSTS_ENV: &str = "RTX_PROC_HOSTS";
 const DEADLINE: Duration = Duration::from_secs(60);
 
 /// Kills rank processes that are still running when the parent gives up.
@@ -50,9 +56,9 @@ fn scratch_dir(tag: &str) -> PathBuf {
     dir
 }
 
-/// Runs `world` rank processes over `transport` (shared-memory rings of `ring_bytes`) and asserts
-/// that every one succeeded.
-fn run_world(transport: &str, world: usize, ring_bytes: usize) {
+/// Runs `world` rank processes over `transport` (shared-memory rings of `ring_bytes`; `hosts`: the
+/// host of each rank, or empty) and asserts that every one succeeded.
+fn run_world(transport: &str, world: usize, ring_bytes: usize, hosts: &[u32]) {
     let seed = seed();
     let dir = scratch_dir(&format!("{transport}{world}"));
     if transport == "quic" {
@@ -75,6 +81,7 @@ fn run_world(transport: &str, world: usize, ring_bytes: usize) {
             .env(TRANSPORT_ENV, transport)
             .env(DIR_ENV, &dir)
             .env(RING_ENV, ring_bytes.to_string())
+            .env(HOSTS_ENV, hosts.iter().map(u32::to_string).collect::<Vec<_>>().join(","))
             .env("RTX_TEST_SEED", seed.to_string())
             .spawn()
             .unwrap();
@@ -98,21 +105,23 @@ fn run_world(transport: &str, world: usize, ring_bytes: usize) {
     eprintln!("{transport} with {world} processes: ok in {:?}", started.elapsed());
 }
 
-// Goal: 2 and 4 processes over shared memory get the reference results for every collective,
-// with frames read in place (and pad records), and frames copied out and wrapped around the ring.
+// Goal: 2, 3 and 4 processes over shared memory get the reference results for every collective,
+// with frames read in place (and pad records), and frames copied out and wrapped around the ring;
+// 4 processes on two fake hosts also run the hierarchical all-reduce.
 #[test]
 fn collectives_between_processes_over_shm() {
-    run_world("shm", 2, 64 << 10);
-    run_world("shm", 4, 64 << 10);
-    run_world("shm", 3, 16 << 10);
+    run_world("shm", 2, 64 << 10, &[]);
+    run_world("shm", 3, 16 << 10, &[]);
+    run_world("shm", 4, 64 << 10, &[0, 0, 1, 1]);
 }
 
-// Goal: 2 and 3 processes over QUIC get the reference results for every collective (3 also takes
-// the non-power-of-two path of recursive doubling).
+// Goal: 2, 3 and 4 processes over QUIC get the reference results for every collective (3 also
+// takes the non-power-of-two path of recursive doubling; 4 the flat ring with four ranks).
 #[test]
 fn collectives_between_processes_over_quic() {
-    run_world("quic", 2, 0);
-    run_world("quic", 3, 0);
+    run_world("quic", 2, 0, &[]);
+    run_world("quic", 3, 0, &[]);
+    run_world("quic", 4, 0, &[]);
 }
 
 // Helper, not a test of its own: one rank of `run_world`, in a child process. Without the
@@ -129,7 +138,8 @@ fn rank_process() {
     let name = transport.clone();
     let mismatches = rt.block_on(async move {
         // Small frames: a 30 000-element f32 buffer takes dozens of frames per step.
-        let config = CommConfig { op_timeout: Duration::from_secs(30), chunk_bytes: 2048, small_message_bytes: 1024, ..CommConfig::default() };
+        let host_of: Vec<u32> = std::env::var(HOSTS_ENV).unwrap().split(',').filter(|h| !h.is_empty()).map(|h| h.parse().unwrap()).collect();
+        let config = CommConfig { op_timeout: Duration::from_secs(30), chunk_bytes: 2048, small_message_bytes: 1024, host_of, ..CommConfig::default() };
         let (t, quic): (Arc<dyn Transport>, Option<Arc<QuicTransport>>) = if transport == "quic" {
             let q = Arc::new(quic_rank(rank, world, &dir).await);
             (Arc::clone(&q) as Arc<dyn Transport>, Some(q))
@@ -141,9 +151,7 @@ fn rank_process() {
         };
         let comm = Endpoint::new(t, config).unwrap().world().unwrap();
         let mismatches = script(&comm, seed()).await;
-        comm.barrier().await.unwrap();
-        // Let the slowest rank leave the barrier before this one disconnects.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Leave at once: a slower peer may still be reading this rank's last frames.
         if let Some(q) = quic {
             q.close(Duration::from_secs(5)).await;
         }
@@ -211,10 +219,17 @@ async fn script(c: &Communicator, seed: u64) -> Vec<String> {
         let mut out = vec![0.0f32; own.len()];
         c.reduce_scatter(&inputs[rank], &mut out, ReduceOp::Sum).await.unwrap();
         check(format!("reduce_scatter len {len}"), bits(&out) == bits(&reference(ReduceOp::Sum, &inputs)[own.clone()]));
+        let mut in_place = inputs[rank].clone();
+        c.reduce_scatter_in_place(&mut in_place, ReduceOp::Sum).await.unwrap();
+        check(format!("reduce_scatter_in_place len {len}"), bits(&in_place[own.clone()]) == bits(&out));
         let whole = &inputs[0];
         let mut gathered = vec![0.0f32; len];
-        c.all_gather(&whole[own], &mut gathered).await.unwrap();
+        c.all_gather(&whole[own.clone()], &mut gathered).await.unwrap();
         check(format!("all_gather len {len}"), bits(&gathered) == bits(whole));
+        let mut gathered = vec![0.0f32; len];
+        gathered[own.clone()].copy_from_slice(&whole[own]);
+        c.all_gather_in_place(&mut gathered).await.unwrap();
+        check(format!("all_gather_in_place len {len}"), bits(&gathered) == bits(whole));
     }
 
     // broadcast (tree and chain), reduce to a root, barrier.
@@ -247,5 +262,14 @@ async fn script(c: &Communicator, seed: u64) -> Vec<String> {
     sent.unwrap();
     received.unwrap();
     check("send/recv".into(), got.iter().enumerate().all(|(i, &x)| x == (prev as u32) << 20 | i as u32));
+
+    // split into even and odd ranks (reversed by key), and an all-reduce in each half.
+    let half = c.split(Some((rank % 2) as u32), (n - rank) as u32).await.unwrap().unwrap();
+    let members: Vec<usize> = (0..n).rev().filter(|r| r % 2 == rank % 2).collect();
+    check("split members".into(), half.members() == members);
+    let inputs = exact_inputs::<f32>(seed, 90 + (rank % 2) as u64, members.len(), 5_000);
+    let mut buf = inputs[half.rank()].clone();
+    half.all_reduce(&mut buf, ReduceOp::Sum).await.unwrap();
+    check("split all_reduce".into(), bits(&buf) == bits(&reference(ReduceOp::Sum, &inputs)));
     bad
 }

@@ -71,13 +71,23 @@ async fn collectives_over_quic_and_peer_loss() {
         c.all_reduce(&mut small, ReduceOp::Max).await.unwrap();
         let mut b = if c.rank() == 1 { vec![7.5f64; 1000] } else { vec![0.0; 1000] };
         c.broadcast(&mut b, 1).await.unwrap();
-        (big, small, b)
+        // bf16 through the large paths: partial sums travel as f32 and are combined straight out
+        // of quinn's received pieces, then rounded into the root's buffer.
+        let mut half: Vec<half::bf16> = (0..(1 << 20)).map(|i| half::bf16::from_f32((i % 5) as f32 + r)).collect();
+        c.all_reduce(&mut half, ReduceOp::Sum).await.unwrap();
+        let mut reduced: Vec<half::bf16> = (0..(1 << 20)).map(|i| half::bf16::from_f32((i % 3) as f32 * r)).collect();
+        c.reduce(&mut reduced, 0, ReduceOp::Sum).await.unwrap();
+        (big, small, b, half, (c.rank() == 0).then_some(reduced))
     })
     .await;
-    for (big, small, b) in out {
+    for (big, small, b, half, reduced) in out {
         assert!(big.iter().enumerate().all(|(i, &x)| x == 3.0 * (i % 7) as f32 + 3.0));
         assert_eq!(small, vec![2.0; 33]);
         assert_eq!(b, vec![7.5; 1000]);
+        assert!(half.iter().enumerate().all(|(i, &x)| x.to_f32() == 3.0 * (i % 5) as f32 + 3.0));
+        if let Some(reduced) = reduced {
+            assert!(reduced.iter().enumerate().all(|(i, &x)| x.to_f32() == (i % 3) as f32 * 3.0));
+        }
     }
     drop(comms.pop());
     let out = run_ranks(&comms, |c| async move {
