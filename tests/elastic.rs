@@ -192,6 +192,13 @@ fn a_worker_can_join_a_running_job_and_a_wrong_token_is_refused() {
     let token = std::fs::read_to_string(launch.out.join("token")).expect("token");
     let mut joiner = rtx().args(["worker", "--join", &addr]).env("RTX_TOKEN", token.trim()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("joiner");
     launch.wait_for("a generation of two", Duration::from_secs(120), |e| e.iter().any(|g| g["event"] == "generation" && g["world"] == 2));
+    // `rtx status` shows both members to a caller with the token, nothing to one without.
+    let status = rtx().args(["status", &addr]).env("RTX_TOKEN", token.trim()).output().expect("rtx status");
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(status.status.success(), "{text}{}", String::from_utf8_lossy(&status.stderr));
+    assert!(text.contains("generation") && text.matches("worker-").count() >= 2, "{text}");
+    let denied = rtx().args(["status", &addr]).env("RTX_TOKEN", "nope").output().expect("rtx status");
+    assert!(!denied.status.success() && String::from_utf8_lossy(&denied.stderr).contains("wrong cluster token"));
     let (_summary, events) = launch.finish();
     let status = joiner.wait().expect("joiner exit");
     assert!(status.success(), "the joined worker should finish cleanly");
