@@ -23,8 +23,12 @@ fn rtx() -> Command {
 }
 
 fn config(steps: u64) -> PathBuf {
+    config_with(steps, "")
+}
+
+fn config_with(steps: u64, elastic_extra: &str) -> PathBuf {
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/configs/elastic_fashion.toml")).expect("test config");
-    let text = text.replace("steps = 600", &format!("steps = {steps}"));
+    let text = text.replace("steps = 600", &format!("steps = {steps}")) + elastic_extra;
     let dir = tempfile::tempdir().expect("tempdir").keep();
     let path = dir.join("elastic.toml");
     std::fs::write(&path, text).expect("write config");
@@ -235,4 +239,21 @@ fn a_stopped_and_resumed_launch_continues_bit_exactly() {
     let resumed = second.iter().filter(|e| e["event"] == "generation").last().expect("generation");
     assert_eq!(resumed["next_step"], 100);
     assert_eq!(checksum(&straight), checksum(&second), "100 + resume + 100 steps must equal 200 straight steps bit for bit");
+}
+
+#[test]
+fn with_the_replace_policy_a_killed_worker_is_replaced() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+    let launch = Launch::start_in(out, &config_with(1500, "on_failure = \"replace\"\n"), 2, &[]);
+    launch.wait_for("step 100", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 100));
+    let victim = launch.pids()[1];
+    signal(victim, "-9");
+    launch.wait_for("the replacement in a group of two", Duration::from_secs(120), |e| {
+        e.iter().filter(|g| g["event"] == "generation").count() >= 3 && e.iter().filter(|g| g["event"] == "generation").last().is_some_and(|g| g["world"] == 2)
+    });
+    let (_, events) = launch.finish();
+    let last = events.iter().filter(|g| g["event"] == "generation").last().expect("generation");
+    assert!(!last["pids"].as_array().expect("pids").iter().any(|p| p == victim), "the killed worker is not back: {last}");
+    assert_eq!(events.iter().filter(|e| e["event"] == "joined").count(), 3, "two workers and one replacement joined");
 }
