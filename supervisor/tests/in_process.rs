@@ -1,0 +1,145 @@
+//! The supervisor and two workers in one process (each worker with its own node agent, link and
+//! registry-free state), training softmax regression on the real digits data over real QUIC on
+//! loopback: the job finishes with bit-identical replicas, `rtx status`'s query answers, and a
+//! wrong token is refused with a typed error. Needs `bash scripts/fetch-data.sh`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rtx_actors::BatchSource;
+use rtx_pipelines::ParamSlice;
+use rtx_supervisor::{query_status, run_worker, ElasticConfig, JobEvent, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, WorkerOptions, WorkerOutcome};
+use rtx_tensor::data::{load_digits_csv, DataRoot, ImageDataset};
+use rtx_tensor::nn::{Linear, Module};
+use rtx_tensor::optim::{AdamW, AdamWConfig};
+use rtx_tensor::{CrossEntropyOptions, DType, Generator, Tensor};
+
+const GLOBAL_BATCH: usize = 32;
+const STEPS: u64 = 80;
+
+struct Digits {
+    data: ImageDataset,
+    mean: f32,
+    std: f32,
+}
+
+impl Digits {
+    fn load() -> Digits {
+        let root = DataRoot::resolve(None, std::env::var_os("RTX_DATA_DIR").as_deref());
+        let root = if root.digits_csv().exists() { root } else { DataRoot::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data")) };
+        let data = load_digits_csv(&root.digits_csv()).expect("digits data: run bash scripts/fetch-data.sh");
+        let (mean, std) = data.pixel_mean_std();
+        Digits { data, mean, std }
+    }
+
+    fn rows(&self, indices: &[usize]) -> (Tensor, Tensor) {
+        let b = self.data.batch(indices, self.mean, self.std);
+        (Tensor::from_vec(b.pixels, &[indices.len(), 64]).expect("pixels"), Tensor::from_vec(b.labels, &[indices.len()]).expect("labels"))
+    }
+}
+
+impl BatchSource for Digits {
+    type Batch = (Tensor, Tensor, usize);
+
+    fn batch(&self, step: u64, rank: usize, world: usize) -> Result<Self::Batch, String> {
+        let global: Vec<usize> = (0..GLOBAL_BATCH).map(|i| (step as usize * GLOBAL_BATCH + i * 7) % self.data.n).collect();
+        let part = rtx_collectives::segment_range(GLOBAL_BATCH, world, rank);
+        let (x, y) = self.rows(&global[part.clone()]);
+        Ok((x, y, part.len()))
+    }
+}
+
+impl TrainJob for Digits {
+    type Model = Linear;
+    type Optim = AdamW;
+
+    fn build_model(&self) -> Result<Linear, String> {
+        Linear::new(64, 10, true, DType::F32, &mut Generator::new(7)).map_err(|e| e.to_string())
+    }
+
+    fn build_optimizer(&self, slices: &[ParamSlice]) -> Result<AdamW, String> {
+        let named = slices.iter().map(|s| (s.name.clone(), s.tensor.clone())).collect();
+        AdamW::new(named, AdamWConfig { lr: 0.05, ..AdamWConfig::default() }).map_err(|e| e.to_string())
+    }
+
+    fn loss(&self, model: &mut Linear, batch: &Self::Batch, _step: u64) -> rtx_tensor::Result<(Tensor, usize)> {
+        let logits = model.forward(&batch.0)?;
+        Ok((logits.cross_entropy(&batch.1, CrossEntropyOptions::default())?, batch.2))
+    }
+
+    fn global_batch(&self) -> usize {
+        GLOBAL_BATCH
+    }
+
+    fn total_steps(&self) -> u64 {
+        STEPS
+    }
+
+    fn set_lr(&self, _optimizer: &mut AdamW, _step: u64) {}
+
+    fn evaluate(&self, model: &mut Linear) -> Result<Vec<(String, f64)>, String> {
+        let all: Vec<usize> = (0..self.data.n).collect();
+        let (x, y) = self.rows(&all);
+        let pred = model.forward(&x).and_then(|l| l.argmax(-1, false)).and_then(|p| p.to_u32_vec()).map_err(|e| e.to_string())?;
+        let labels = y.to_u32_vec().map_err(|e| e.to_string())?;
+        let correct = pred.iter().zip(&labels).filter(|(p, l)| p == l).count();
+        Ok(vec![("acc".into(), correct as f64 / labels.len() as f64)])
+    }
+
+    fn checkpoint_dir(&self) -> Option<PathBuf> {
+        None
+    }
+}
+
+fn options(token: &str) -> SupervisorOptions {
+    let elastic = ElasticConfig { start_workers: 2, max_workers: 2, ..ElasticConfig::default() };
+    SupervisorOptions { listen: "127.0.0.1:0".parse().expect("addr"), token: token.into(), job: String::new(), total_steps: STEPS, stop_at: None, elastic, resume: None, resume_next_step: 0, link: Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_in_process_workers_train_to_identical_replicas() -> anyhow::Result<()> {
+    let mut supervisor = SupervisorHandle::start(options("secret"), None).await?;
+    let addr = supervisor.addr;
+    let workers: Vec<_> = (0..2).map(|i| tokio::spawn(run_worker(WorkerOptions::new(addr, "secret".into(), format!("worker-{i}")), |_spec| Ok(Digits::load())))).collect();
+    let mut committed = 0;
+    let mut status_checked = false;
+    let finished = loop {
+        let event = tokio::time::timeout(Duration::from_secs(120), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))?;
+        match event {
+            JobEvent::Committed { step, world, .. } => {
+                assert_eq!(world, 2);
+                committed = step + 1;
+                if !status_checked && step >= 10 {
+                    let report = query_status(addr, "secret", Default::default()).await?;
+                    assert_eq!(report.members.len(), 2);
+                    assert!(report.committed.is_some());
+                    assert!(query_status(addr, "wrong", Default::default()).await.is_err(), "status needs the token");
+                    status_checked = true;
+                }
+            }
+            JobEvent::Finished { eval, replicas_identical, .. } => break (eval, replicas_identical),
+            JobEvent::Failed { reason } => anyhow::bail!("job failed: {reason}"),
+            _ => {}
+        }
+    };
+    assert_eq!(committed, STEPS);
+    assert!(finished.1, "replicas must be bit-identical");
+    let acc = finished.0.iter().find(|(k, _)| k == "acc").map(|(_, v)| *v).expect("acc");
+    assert!(acc > 0.85, "softmax regression on digits reached only {acc}");
+    supervisor.join().await?;
+    for w in workers {
+        assert_eq!(w.await??, WorkerOutcome::Finished);
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_token_is_refused_with_a_typed_error() -> anyhow::Result<()> {
+    let supervisor = SupervisorHandle::start(options("secret"), None).await?;
+    let result = run_worker(WorkerOptions::new(supervisor.addr, "guess".into(), "intruder".into()), |_spec| Ok(Digits::load())).await;
+    match result {
+        Err(SupervisorError::Refused { reason }) => assert!(reason.contains("wrong cluster token"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    Ok(())
+}
