@@ -1,0 +1,307 @@
+//! The simulated network and its transports. All randomness comes from one ChaCha8 generator
+//! seeded by [`SimConfig::seed`], drawn in the order frames are sent (which, on the single-thread
+//! runtime of [`run`], is itself deterministic); all time is tokio's virtual clock.
+//!
+//! Each directed link has one delivery task that hands frames over in send order at their
+//! delivery instants: `max(link free, now) + size / bandwidth + latency + jitter (+ a retransmit
+//! timeout per lost packet)`, never before the previous frame on that link. Inboxes are unbounded:
+//! memory, not time, is the only thing back-pressure would change here.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rtx_collectives::{BoxFuture, PooledBuf, Transport, TransportEvent};
+use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
+
+use crate::trace::TraceHash;
+
+/// The behaviour of one directed link.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkModel {
+    /// One-way latency.
+    pub latency: Duration,
+    /// Extra latency drawn uniformly from `0..=jitter` per frame.
+    pub jitter: Duration,
+    /// Bytes per second; 0 means unlimited.
+    pub bandwidth_bytes_per_s: f64,
+    /// Probability that a frame needs a retransmission (drawn again after each one).
+    pub loss: f64,
+    /// Delay a retransmission adds.
+    pub retransmit_after: Duration,
+}
+
+impl Default for LinkModel {
+    fn default() -> Self {
+        LinkModel { latency: Duration::from_micros(50), jitter: Duration::from_micros(20), bandwidth_bytes_per_s: 1e9, loss: 0.0, retransmit_after: Duration::from_millis(1) }
+    }
+}
+
+/// Settings of a simulated network.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimConfig {
+    /// The master seed of every random draw.
+    pub seed: u64,
+    /// The model of every link unless [`SimNetwork::set_link`] changes one.
+    pub link: LinkModel,
+    /// How long a silent (partitioned or crashed) peer takes to be reported lost.
+    pub loss_detect: Duration,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { seed: 0, link: LinkModel::default(), loss_detect: Duration::from_millis(500) }
+    }
+}
+
+/// The shared fabric; clone it to inject faults.
+#[derive(Clone)]
+pub struct SimNetwork {
+    shared: Arc<Shared>,
+}
+
+/// One rank's end of a [`SimNetwork`].
+pub struct SimTransport {
+    rank: usize,
+    shared: Arc<Shared>,
+    inbox: tokio::sync::Mutex<mpsc::UnboundedReceiver<TransportEvent>>,
+}
+
+struct Shared {
+    n: usize,
+    epoch: Instant,
+    config: SimConfig,
+    state: Mutex<State>,
+    wake: Vec<Notify>,
+}
+
+struct State {
+    rng: ChaCha8Rng,
+    links: Vec<LinkModel>,
+    busy_until: Vec<Instant>,
+    last_delivery: Vec<Instant>,
+    queues: Vec<VecDeque<(Instant, PooledBuf)>>,
+    cut: BTreeSet<(usize, usize)>,
+    crashed: Vec<bool>,
+    lost: BTreeSet<(usize, usize)>,
+    inboxes: Vec<Option<mpsc::UnboundedSender<TransportEvent>>>,
+    trace: TraceHash,
+    delivered: u64,
+}
+
+impl SimNetwork {
+    /// A network of `n` ranks (call inside the simulation runtime: it starts the link tasks).
+    pub fn new(n: usize, config: SimConfig) -> (SimNetwork, Vec<SimTransport>) {
+        let now = Instant::now();
+        let mut inboxes = Vec::with_capacity(n);
+        let mut receivers = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (tx, rx) = mpsc::unbounded_channel();
+            inboxes.push(Some(tx));
+            receivers.push(rx);
+        }
+        let state = State {
+            rng: ChaCha8Rng::seed_from_u64(config.seed),
+            links: vec![config.link; n * n],
+            busy_until: vec![now; n * n],
+            last_delivery: vec![now; n * n],
+            queues: (0..n * n).map(|_| VecDeque::new()).collect(),
+            cut: BTreeSet::new(),
+            crashed: vec![false; n],
+            lost: BTreeSet::new(),
+            inboxes,
+            trace: TraceHash::default(),
+            delivered: 0,
+        };
+        let shared = Arc::new(Shared { n, epoch: now, config, state: Mutex::new(state), wake: (0..n * n).map(|_| Notify::new()).collect() });
+        for link in 0..n * n {
+            if link / n != link % n {
+                tokio::spawn(deliver(Arc::clone(&shared), link));
+            }
+        }
+        let transports = receivers.into_iter().enumerate().map(|(rank, rx)| SimTransport { rank, shared: Arc::clone(&shared), inbox: tokio::sync::Mutex::new(rx) }).collect();
+        (SimNetwork { shared }, transports)
+    }
+
+    /// Changes the model of the directed link `from → to`.
+    pub fn set_link(&self, from: usize, to: usize, model: LinkModel) {
+        let n = self.shared.n;
+        self.shared.lock().links[from * n + to] = model;
+    }
+
+    /// Cuts `from → to` (one-way); with `symmetric`, also `to → from`. After
+    /// [`SimConfig::loss_detect`] of the cut, both ends see each other as lost.
+    pub fn partition(&self, a: usize, b: usize, symmetric: bool) {
+        {
+            let mut state = self.shared.lock();
+            state.cut.insert((a, b));
+            if symmetric {
+                state.cut.insert((b, a));
+            }
+            state.trace.absorb(b"partition");
+            state.trace.absorb_u64((a * self.shared.n + b) as u64);
+        }
+        let shared = Arc::clone(&self.shared);
+        tokio::spawn(async move {
+            tokio::time::sleep(shared.config.loss_detect).await;
+            let mut state = shared.lock();
+            if state.cut.contains(&(a, b)) || state.cut.contains(&(b, a)) {
+                report_lost(&mut state, a, b);
+            }
+        });
+    }
+
+    /// Heals every cut between `a` and `b`; peers reported lost see each other up again.
+    pub fn heal(&self, a: usize, b: usize) {
+        let mut state = self.shared.lock();
+        state.cut.remove(&(a, b));
+        state.cut.remove(&(b, a));
+        for (x, y) in [(a, b), (b, a)] {
+            if state.lost.remove(&(x, y)) {
+                if let Some(Some(tx)) = state.inboxes.get(x) {
+                    let _ = tx.send(TransportEvent::PeerUp(y));
+                }
+            }
+        }
+        state.trace.absorb(b"heal");
+    }
+
+    /// Crashes `rank`: it stops at once (its receive ends); the others see it lost after
+    /// [`SimConfig::loss_detect`].
+    pub fn crash(&self, rank: usize) {
+        {
+            let mut state = self.shared.lock();
+            state.crashed[rank] = true;
+            state.inboxes[rank] = None;
+            state.trace.absorb(b"crash");
+            state.trace.absorb_u64(rank as u64);
+        }
+        let shared = Arc::clone(&self.shared);
+        tokio::spawn(async move {
+            tokio::time::sleep(shared.config.loss_detect).await;
+            let mut state = shared.lock();
+            for peer in 0..shared.n {
+                if peer != rank {
+                    report_lost(&mut state, peer, rank);
+                }
+            }
+        });
+    }
+
+    /// The trace hash of everything delivered so far.
+    pub fn trace(&self) -> TraceHash {
+        self.shared.lock().trace
+    }
+
+    /// Frames delivered so far.
+    pub fn delivered(&self) -> u64 {
+        self.shared.lock().delivered
+    }
+}
+
+/// Marks `a` and `b` as lost to each other (each side reported once).
+fn report_lost(state: &mut State, a: usize, b: usize) {
+    for (x, y) in [(a, b), (b, a)] {
+        if state.lost.insert((x, y)) {
+            if let Some(Some(tx)) = state.inboxes.get(x) {
+                let _ = tx.send(TransportEvent::PeerLost(y));
+            }
+        }
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Delivers the frames of one directed link, in order, at their instants.
+async fn deliver(shared: Arc<Shared>, link: usize) {
+    let (from, to) = (link / shared.n, link % shared.n);
+    loop {
+        let next = shared.lock().queues[link].front().map(|(at, _)| *at);
+        let Some(at) = next else {
+            shared.wake[link].notified().await;
+            continue;
+        };
+        tokio::time::sleep_until(at).await;
+        let mut state = shared.lock();
+        let Some((_, frame)) = state.queues[link].pop_front() else { continue };
+        if state.cut.contains(&(from, to)) || state.crashed[from] || state.crashed[to] || state.lost.contains(&(to, from)) {
+            continue;
+        }
+        state.trace.absorb_u64(at.duration_since(shared.epoch).as_nanos() as u64);
+        state.trace.absorb_u64(link as u64);
+        state.trace.absorb(&frame);
+        state.delivered += 1;
+        if let Some(Some(tx)) = state.inboxes.get(to) {
+            let _ = tx.send(TransportEvent::Frame { from, bytes: frame });
+        }
+    }
+}
+
+impl Transport for SimTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.n
+    }
+
+    fn send(&self, peer: usize, frame: PooledBuf) -> BoxFuture<'_, rtx_collectives::Result<()>> {
+        Box::pin(async move {
+            let n = self.shared.n;
+            if peer >= n {
+                return Err(rtx_collectives::Error::RankOutOfRange { rank: peer, size: n });
+            }
+            let link = self.rank * n + peer;
+            {
+                let mut state = self.shared.lock();
+                if state.crashed[self.rank] || state.lost.contains(&(self.rank, peer)) {
+                    return Err(rtx_collectives::Error::PeerLost { rank: peer, op: rtx_collectives::OpKind::Send });
+                }
+                let model = state.links[link];
+                let now = Instant::now();
+                let transmit = if model.bandwidth_bytes_per_s > 0.0 { Duration::from_secs_f64(frame.len() as f64 / model.bandwidth_bytes_per_s) } else { Duration::ZERO };
+                let start = state.busy_until[link].max(now);
+                state.busy_until[link] = start + transmit;
+                let jitter_ns = model.jitter.as_nanos() as u64;
+                let mut delay = model.latency + Duration::from_nanos(if jitter_ns > 0 { state.rng.random_range(0..=jitter_ns) } else { 0 });
+                while model.loss > 0.0 && state.rng.random::<f64>() < model.loss {
+                    delay += model.retransmit_after;
+                }
+                let at = (start + transmit + delay).max(state.last_delivery[link]);
+                state.last_delivery[link] = at;
+                state.queues[link].push_back((at, frame));
+            }
+            self.shared.wake[link].notify_one();
+            Ok(())
+        })
+    }
+
+    fn recv(&self) -> BoxFuture<'_, Option<TransportEvent>> {
+        Box::pin(async move {
+            if self.shared.lock().crashed[self.rank] {
+                return None;
+            }
+            self.inbox.lock().await.recv().await
+        })
+    }
+
+    fn checks_integrity(&self) -> bool {
+        true
+    }
+}
+
+/// Runs `body` to completion on a fresh single-thread runtime with paused (virtual) time: timers
+/// fire in order as soon as every task is idle, so simulated seconds take microseconds.
+pub fn run<F: Future>(body: F) -> std::io::Result<F::Output> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build()?;
+    Ok(runtime.block_on(body))
+}
