@@ -41,10 +41,18 @@ pub struct LaunchArgs {
     /// Worker processes to start.
     #[arg(long, default_value_t = 2)]
     pub nproc: usize,
+    /// Settings shared with `rtx supervisor`.
+    #[command(flatten)]
+    pub job: JobArgs,
+}
+
+/// The job settings of `rtx launch` and `rtx supervisor`.
+#[derive(Args, Debug, Clone)]
+pub struct JobArgs {
     /// Fewest workers that may train (default: [elastic] min_workers, else 1).
     #[arg(long)]
     pub min_workers: Option<usize>,
-    /// Most workers (default: [elastic] max_workers, else --nproc).
+    /// Most workers (default: [elastic] max_workers, else the starting count).
     #[arg(long)]
     pub max_workers: Option<usize>,
     /// Continue from the newest checkpoint in the output folder.
@@ -53,7 +61,7 @@ pub struct LaunchArgs {
     /// Stop after step N (with a checkpoint) instead of train.steps; `--resume` continues the run.
     #[arg(long, value_name = "N")]
     pub steps: Option<u64>,
-    /// Data folder (default: $RTX_DATA_DIR, else ./data).
+    /// Data folder (default: $RTX_DATA_DIR, else ./data; checked here, each worker reads its own).
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
     /// Output folder (default: [output] dir of the config, else runs/<config name>).
@@ -75,24 +83,9 @@ pub struct SupervisorArgs {
     /// Workers to wait for before the first step (default: $WORLD_SIZE / $SLURM_NTASKS, else 1).
     #[arg(long)]
     pub nproc: Option<usize>,
-    /// Fewest workers that may train.
-    #[arg(long)]
-    pub min_workers: Option<usize>,
-    /// Most workers.
-    #[arg(long)]
-    pub max_workers: Option<usize>,
-    /// Continue from the newest checkpoint in the output folder.
-    #[arg(long)]
-    pub resume: bool,
-    /// Data folder (checked here; each worker reads its own).
-    #[arg(long, value_name = "DIR")]
-    pub data_dir: Option<PathBuf>,
-    /// Output folder.
-    #[arg(long, value_name = "DIR")]
-    pub out: Option<PathBuf>,
-    /// Print log lines only, no progress bar.
-    #[arg(long)]
-    pub no_progress: bool,
+    /// Settings shared with `rtx launch`.
+    #[command(flatten)]
+    pub job: JobArgs,
 }
 
 /// Arguments of `rtx worker`.

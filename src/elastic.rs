@@ -20,7 +20,7 @@ use rtx_supervisor::{env as cluster_env, protocol, ElasticConfig, JobEvent, Laun
 use rtx_tensor::data::{DataRoot, DATA_DIR_ENV};
 use serde_json::json;
 
-use crate::cli::{LaunchArgs, StatusArgs, SupervisorArgs, WorkerArgs};
+use crate::cli::{JobArgs, LaunchArgs, StatusArgs, SupervisorArgs, WorkerArgs};
 use crate::config::TrainConfig;
 use crate::metrics::{MetricRecord, MetricsWriter};
 use crate::progress::{human, Progress, Verbosity};
@@ -33,9 +33,8 @@ pub const RUN_DIR_ENV: &str = "RTX_RUN_DIR";
 
 /// `rtx launch`: supervisor here, `nproc` workers as child processes.
 pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
-    let mut job = JobFiles::prepare(&args.config, args.out.as_deref(), args.resume, args.data_dir.as_deref())?;
-    job.stop_at = args.steps;
-    let mut elastic = job.elastic(args.nproc, args.min_workers, args.max_workers)?;
+    let job = JobFiles::prepare(&args.config, &args.job)?;
+    let mut elastic = job.elastic(args.nproc, &args.job)?;
     if args.nproc == 0 {
         bail!("--nproc must be at least 1");
     }
@@ -64,7 +63,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             grace: Duration::from_secs(5),
         };
         let launcher = Launcher::start(launch, args.nproc, supervisor.actor(), requests_rx)?;
-        let verbosity = if args.no_progress { Verbosity::Lines } else { Verbosity::Auto };
+        let verbosity = if args.job.no_progress { Verbosity::Lines } else { Verbosity::Auto };
         let outcome = follow(supervisor, &job, verbosity).await;
         launcher.shutdown().await;
         outcome
@@ -73,7 +72,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
 
 /// `rtx supervisor`: the supervisor of a cluster job; workers join with `rtx worker`.
 pub fn supervise(args: SupervisorArgs) -> anyhow::Result<()> {
-    let job = JobFiles::prepare(&args.config, args.out.as_deref(), args.resume, args.data_dir.as_deref())?;
+    let job = JobFiles::prepare(&args.config, &args.job)?;
     let env = cluster_env::from_env(|k| std::env::var(k).ok())?;
     let listen = match (args.listen, &env) {
         (Some(addr), _) => addr,
@@ -81,7 +80,7 @@ pub fn supervise(args: SupervisorArgs) -> anyhow::Result<()> {
         (None, None) => bail!("give --listen ADDR (or set MASTER_PORT / run under torchrun or Slurm)"),
     };
     let expected = args.nproc.or(env.as_ref().map(|e| e.world_size)).unwrap_or(1);
-    let mut elastic = job.elastic(expected, args.min_workers, args.max_workers)?;
+    let mut elastic = job.elastic(expected, &args.job)?;
     elastic.start_workers = expected;
     elastic.validate()?;
     let token = match std::env::var(TOKEN_ENV) {
@@ -96,7 +95,7 @@ pub fn supervise(args: SupervisorArgs) -> anyhow::Result<()> {
         write_private(&token_file, &token)?;
         eprintln!("supervisor listening on {}; waiting for {expected} worker(s)", supervisor.addr);
         eprintln!("join with: {TOKEN_ENV}=$(cat {}) rtx worker --join <this host>:{}", token_file.display(), supervisor.addr.port());
-        follow(supervisor, &job, if args.no_progress { Verbosity::Lines } else { Verbosity::Auto }).await
+        follow(supervisor, &job, if args.job.no_progress { Verbosity::Lines } else { Verbosity::Auto }).await
     })
 }
 
@@ -161,7 +160,8 @@ struct JobFiles {
 }
 
 impl JobFiles {
-    fn prepare(config_path: &Path, out: Option<&Path>, resume: bool, data_dir: Option<&Path>) -> anyhow::Result<JobFiles> {
+    fn prepare(config_path: &Path, args: &JobArgs) -> anyhow::Result<JobFiles> {
+        let (out, resume, data_dir) = (args.out.as_deref(), args.resume, args.data_dir.as_deref());
         let text = std::fs::read_to_string(config_path).with_context(|| format!("cannot read config {}", config_path.display()))?;
         let config = TrainConfig::from_toml_str(&text).with_context(|| format!("config {}", config_path.display()))?;
         let out_dir = out.map(Path::to_path_buf).unwrap_or_else(|| config.default_output_dir(Some(config_path)));
@@ -181,10 +181,11 @@ impl JobFiles {
             (false, _) if out_dir.join("metrics.jsonl").exists() => bail!("output folder {} holds an earlier run; pass --resume to continue it, or --out DIR for a fresh one", out_dir.display()),
             (false, _) => None,
         };
-        Ok(JobFiles { text, config, out_dir, data_root, resume, stop_at: None, started: Instant::now() })
+        Ok(JobFiles { text, config, out_dir, data_root, resume, stop_at: args.steps, started: Instant::now() })
     }
 
-    fn elastic(&self, nproc: usize, min: Option<usize>, max: Option<usize>) -> anyhow::Result<ElasticConfig> {
+    fn elastic(&self, nproc: usize, args: &JobArgs) -> anyhow::Result<ElasticConfig> {
+        let (min, max) = (args.min_workers, args.max_workers);
         let mut elastic = ElasticConfig { max_workers: nproc.max(1), start_workers: nproc.max(1), checkpoint_every: self.config.train.checkpoint_every, ..ElasticConfig::default() };
         if let Some(table) = &self.config.elastic {
             elastic.apply_toml(table)?;
