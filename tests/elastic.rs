@@ -257,3 +257,36 @@ fn with_the_replace_policy_a_killed_worker_is_replaced() {
     assert!(!last["pids"].as_array().expect("pids").iter().any(|p| p == victim), "the killed worker is not back: {last}");
     assert_eq!(events.iter().filter(|e| e["event"] == "joined").count(), 3, "two workers and one replacement joined");
 }
+
+#[test]
+fn below_min_workers_the_job_fails_with_a_clear_error_instead_of_hanging() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+    let mut launch = Launch::start_in(out, &config_with(100_000, "rendezvous_timeout_ms = 1500\n"), 2, &["--min-workers", "2"]);
+    launch.wait_for("step 20", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 20));
+    signal(launch.pids()[1], "-9");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = launch.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the launch hung below min_workers");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let output = launch.child.wait_with_output().expect("output");
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(!status.success());
+    assert!(text.contains("only 1 worker(s)") && text.contains("need 2"), "{text}");
+}
+
+#[test]
+fn a_bad_elastic_setting_is_named_before_anything_starts() {
+    let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+    let output = rtx().args(["launch", "--no-progress", "--out"]).arg(&out).arg(config_with(100, "heartbeat_timeout = 5\n")).output().expect("rtx launch");
+    assert!(!output.status.success());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(err.contains("unknown key elastic.heartbeat_timeout"), "{err}");
+    let output = rtx().args(["launch", "--no-progress", "--min-workers", "3", "--out"]).arg(&out).arg(config(100)).output().expect("rtx launch");
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && err.contains("min_workers"), "{err}");
+}

@@ -152,7 +152,6 @@ pub(crate) fn run(args: &StepArgs) -> anyhow::Result<()> {
         }
         obj.insert("phases_median_ms".into(), phases.into());
     }
-    eprintln!("pool hit {} miss {} drop {} held {}", rtx_tensor::pool::DBG_HIT.load(std::sync::atomic::Ordering::Relaxed), rtx_tensor::pool::DBG_MISS.load(std::sync::atomic::Ordering::Relaxed), rtx_tensor::pool::DBG_DROP.load(std::sync::atomic::Ordering::Relaxed), rtx_tensor::buffer_pool_held_bytes());
     emit(obj.into());
     Ok(())
 }

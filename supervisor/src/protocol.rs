@@ -70,6 +70,8 @@ pub enum ToWorker {
     /// Connect to `addrs` (by rank), take the state of rank `source`, train from `next_step`
     /// up to (not including) `stop_step`.
     Start { generation: u64, addrs: Vec<String>, source: u32, next_step: u64, stop_step: u64 },
+    /// Too few workers: abort generation < `generation` and wait for the next `Prepare`.
+    Pause { generation: u64 },
     /// Training is complete: report `Finished` and exit.
     Finish,
     /// Leave the job now (evicted after a hang, or the answer to `Leaving`).

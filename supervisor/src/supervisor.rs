@@ -446,7 +446,7 @@ impl ClusterSupervisor {
             self.generation += 1;
             for node in &candidates {
                 if let Some(m) = self.members.get(node) {
-                    let _ = m.agent.tell(&ToWorker::Prepare { generation: self.generation, rank: 0, world: 0, ca: Vec::new(), cert: Vec::new(), key: Vec::new() }).await;
+                    let _ = m.agent.tell(&ToWorker::Pause { generation: self.generation }).await;
                 }
             }
             return Ok(());

@@ -206,7 +206,7 @@ async fn agent_loop(
                     }
                 };
                 match &cmd {
-                    ToWorker::Prepare { generation, .. } => {
+                    ToWorker::Prepare { generation, .. } | ToWorker::Pause { generation } => {
                         *shared.generation.lock().unwrap_or_else(PoisonError::into_inner) = *generation;
                         shared.abort.abort(*generation);
                     }
@@ -295,7 +295,7 @@ fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>
                     }
                 }
             }
-            ToWorker::Start { .. } => {}
+            ToWorker::Start { .. } | ToWorker::Pause { .. } => {}
             ToWorker::Finish => {
                 writer.wait();
                 let model = replica.model.as_mut().ok_or_else(internal)?;
