@@ -120,10 +120,12 @@ fn alive(pid: u32) -> bool {
     }
 }
 
-/// Kills (or stops) one of two workers mid-run and checks the recovery.
-fn survive(sig: &str, class: &str) {
+/// Kills (or stops) one of two workers mid-run and checks the recovery; `transport` is the
+/// collectives transport (`auto` picks shared memory on one machine).
+fn survive(sig: &str, class: &str, transport: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let launch = Launch::start(2, 600, &[]);
+    let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+    let launch = Launch::start_in(out, &config_with(600, &format!("transport = \"{transport}\"\n")), 2, &[]);
     let events = launch.wait_for("step 150", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 150));
     let victim = launch.pids()[1];
     let before = Launch::committed(&events).expect("committed");
@@ -149,18 +151,23 @@ fn survive(sig: &str, class: &str) {
 }
 
 #[test]
+fn a_killed_worker_on_shared_memory_costs_at_most_one_step() {
+    survive("-9", "Crash", "shm");
+}
+
+#[test]
 fn a_killed_worker_costs_at_most_one_step() {
-    survive("-9", "Crash");
+    survive("-9", "Crash", "quic");
 }
 
 #[test]
 fn a_preempted_worker_leaves_gracefully() {
-    survive("-TERM", "Preemption");
+    survive("-TERM", "Preemption", "auto");
 }
 
 #[test]
 fn a_hung_worker_is_detected_and_evicted() {
-    survive("-STOP", "Hang");
+    survive("-STOP", "Hang", "quic");
 }
 
 #[test]

@@ -37,6 +37,17 @@ pub struct ClassPolicy {
     pub budget: u32,
 }
 
+/// Which transport the collectives of a generation use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wire {
+    /// Shared memory when every member is on one machine, QUIC otherwise.
+    Auto,
+    /// Always QUIC with mutual TLS.
+    Quic,
+    /// Always shared memory (every member must be on one machine).
+    Shm,
+}
+
 /// Settings of an elastic job.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ElasticConfig {
@@ -60,6 +71,8 @@ pub struct ElasticConfig {
     pub verify_every: u64,
     /// Checkpoint every this many steps (0: never); written by rank 0 in the background.
     pub checkpoint_every: u64,
+    /// Transport of the collectives.
+    pub transport: Wire,
     pub crash: ClassPolicy,
     pub hang: ClassPolicy,
     pub network_loss: ClassPolicy,
@@ -80,6 +93,7 @@ impl Default for ElasticConfig {
             collective_timeout: Duration::from_secs(60),
             verify_every: 50,
             checkpoint_every: 0,
+            transport: Wire::Auto,
             crash: shrink,
             hang: shrink,
             network_loss: shrink,
@@ -145,13 +159,21 @@ impl ElasticConfig {
                         p.on_failure = on;
                     }
                 }
+                "transport" => {
+                    self.transport = match value.as_str() {
+                        Some("auto") => Wire::Auto,
+                        Some("quic") => Wire::Quic,
+                        Some("shm") => Wire::Shm,
+                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.transport must be \"auto\", \"quic\" or \"shm\", got {value}") }),
+                    };
+                }
                 "failure_budget" => {
                     let b = int()? as u32;
                     for p in [&mut self.crash, &mut self.hang, &mut self.network_loss, &mut self.preemption] {
                         p.budget = b;
                     }
                 }
-                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget)") }),
+                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport)") }),
             }
         }
         Ok(())

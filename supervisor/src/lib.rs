@@ -21,7 +21,7 @@ pub mod protocol;
 pub mod supervisor;
 pub mod worker;
 
-pub use config::{ClassPolicy, ElasticConfig, FailureClass, OnFailure};
+pub use config::{ClassPolicy, ElasticConfig, FailureClass, OnFailure, Wire};
 pub use error::{Result, SupervisorError};
 pub use job::TrainJob;
 pub use launch::{LaunchOptions, Launcher};

@@ -29,7 +29,8 @@ pub const EXPORTER_LABEL: &[u8] = b"EXPORTER-rtx-join";
 /// Messages to the supervisor.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
 pub enum ToSupervisor {
-    /// Asks to join (an `ask`; the answer is a [`JoinReply`]).
+    /// Asks to join (an `ask`; the answer is a [`JoinReply`]). `host` identifies the machine
+    /// (members on one machine may use shared memory).
     Join { name: String, pid: u32, host: String, proof: Vec<u8> },
     /// Liveness and progress, every heartbeat interval.
     Heartbeat { node: u64, generation: u64, completed: Option<u64> },
@@ -67,9 +68,10 @@ pub enum ToWorker {
     /// Abort generation < `generation`, bind a collectives endpoint as `rank` of `world` with this
     /// certificate (DER: CA, leaf, PKCS#8 key), then answer `Ready`.
     Prepare { generation: u64, rank: u32, world: u32, ca: Vec<u8>, cert: Vec<u8>, key: Vec<u8> },
-    /// Connect to `addrs` (by rank), take the state of rank `source`, train from `next_step`
-    /// up to (not including) `stop_step`.
-    Start { generation: u64, addrs: Vec<String>, source: u32, next_step: u64, stop_step: u64 },
+    /// Connect to `addrs` (by rank) — or, with `shm_job`, through shared-memory rings of that
+    /// name (every member on one machine) — take the state of rank `source`, train from
+    /// `next_step` up to (not including) `stop_step`.
+    Start { generation: u64, addrs: Vec<String>, source: u32, next_step: u64, stop_step: u64, shm_job: Option<String> },
     /// Too few workers: abort generation < `generation` and wait for the next `Prepare`.
     Pause { generation: u64 },
     /// Training is complete: report `Finished` and exit.

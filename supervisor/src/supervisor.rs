@@ -31,7 +31,7 @@ use rtx_collectives::ClusterCa;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::config::{ElasticConfig, FailureClass, OnFailure};
+use crate::config::{ElasticConfig, FailureClass, OnFailure, Wire};
 use crate::error::{Result, SupervisorError};
 use crate::protocol::{self, JoinReply, MemberStatus, StatusReport, ToSupervisor, ToWorker, AGENT, EXPORTER_LABEL};
 
@@ -119,6 +119,7 @@ pub struct SupervisorHandle {
 
 struct Member {
     name: String,
+    host: String,
     pid: u32,
     link: Link,
     agent: RemoteRef<ToWorker>,
@@ -150,6 +151,8 @@ struct ClusterSupervisor {
     failures: BTreeMap<FailureClass, u32>,
     exited: BTreeMap<u32, String>,
     commit_times: Vec<(Instant, u64, u64)>,
+    /// Random name of this run (shared-memory ring names).
+    run_id: String,
 }
 
 impl SupervisorHandle {
@@ -176,6 +179,7 @@ impl SupervisorHandle {
             failures: BTreeMap::new(),
             exited: BTreeMap::new(),
             commit_times: Vec::new(),
+            run_id: protocol::generate_token().map_err(|reason| SupervisorError::JobFailed { reason })?.chars().take(16).collect(),
         };
         let (actor, handle) = spawn("supervisor", state, 4096);
         let mut tasks = Vec::new();
@@ -401,7 +405,7 @@ impl ClusterSupervisor {
         msg.reply(&accepted).await?;
         tracing::info!(node, %name, pid, %host, "worker joined");
         let agent = link.remote::<ToWorker>(AGENT);
-        self.members.insert(node, Member { name: name.clone(), pid, link, agent, last_heard: Instant::now(), completed: None, leaving: false, finished: None });
+        self.members.insert(node, Member { name: name.clone(), host: host.clone(), pid, link, agent, last_heard: Instant::now(), completed: None, leaving: false, finished: None });
         self.emit(JobEvent::Joined { node, name, pid }).await;
         self.maybe_form().await
     }
@@ -489,9 +493,16 @@ impl ClusterSupervisor {
             Some(c) => c + 1,
             None => self.options.resume_next_step,
         };
+        let hosts: std::collections::BTreeSet<&str> = members.iter().filter_map(|n| self.members.get(n).map(|m| m.host.as_str())).collect();
+        let shm = match self.options.elastic.transport {
+            Wire::Quic => false,
+            Wire::Shm => true,
+            Wire::Auto => hosts.len() == 1 && members.len() > 1,
+        };
+        let shm_job = shm.then(|| format!("{}-g{generation}", self.run_id));
         for node in &members {
             if let Some(m) = self.members.get(node) {
-                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: source as u32, next_step, stop_step: self.end_step() }).await;
+                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: source as u32, next_step, stop_step: self.end_step(), shm_job: shm_job.clone() }).await;
             }
         }
         let pids = members.iter().filter_map(|n| self.members.get(n).map(|m| m.pid)).collect();

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use rtx_actors::{DataShard, Link, LinkOptions, RemoteRef};
-use rtx_collectives::{CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, Transport, WORLD_GROUP_ID};
+use rtx_collectives::{CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, ShmOptions, ShmTransport, Transport, WORLD_GROUP_ID};
 use rtx_pipelines::{DataParallel, DpConfig};
 use rtx_tensor::{Module, Optimizer, Tensor};
 
@@ -80,10 +80,10 @@ impl WorkerOptions {
 
 /// The current generation's abort handle, shared by agent and worker.
 #[derive(Default)]
-struct AbortSlot(Mutex<Option<(Communicator, Arc<QuicTransport>)>>);
+struct AbortSlot(Mutex<Option<(Communicator, Option<Arc<QuicTransport>>)>>);
 
 impl AbortSlot {
-    fn set(&self, comm: Communicator, transport: Arc<QuicTransport>) {
+    fn set(&self, comm: Communicator, transport: Option<Arc<QuicTransport>>) {
         *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some((comm, transport));
     }
 
@@ -97,8 +97,10 @@ impl AbortSlot {
             if generation > comm.generation() {
                 let _ = comm.set_generation(generation);
             }
-            let transport = Arc::clone(transport);
-            tokio::spawn(async move { transport.close(Duration::from_millis(50)).await });
+            if let Some(transport) = transport {
+                let transport = Arc::clone(transport);
+                tokio::spawn(async move { transport.close(Duration::from_millis(50)).await });
+            }
         }
     }
 }
@@ -113,7 +115,7 @@ where
     let (link, mut inbound) = Link::dial(options.join, options.link.clone()).await?;
     let ekm = link.export_keying_material(EXPORTER_LABEL)?;
     let supervisor = link.remote::<ToSupervisor>(SUPERVISOR);
-    let join = ToSupervisor::Join { name: options.name.clone(), pid: std::process::id(), host: options.bind_ip.to_string(), proof: protocol::worker_proof(&options.token, &ekm) };
+    let join = ToSupervisor::Join { name: options.name.clone(), pid: std::process::id(), host: machine_identity().unwrap_or_else(|| options.bind_ip.to_string()), proof: protocol::worker_proof(&options.token, &ekm) };
     let reply: JoinReply = supervisor.ask(&join, Duration::from_secs(30)).await?;
     let (node, job_text, heartbeat, resume, verify_every, checkpoint_every) = match reply {
         JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every } => {
@@ -274,7 +276,7 @@ fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>
                 ctx.supervisor.blocking_tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed })?;
                 let start = loop {
                     match cmds.recv().map_err(|_| lost())? {
-                        ToWorker::Start { generation: g, addrs, source, next_step, stop_step } if g == generation => break Some((addrs, source, next_step, stop_step)),
+                        ToWorker::Start { generation: g, addrs, source, next_step, stop_step, shm_job } if g == generation => break Some((addrs, source, next_step, stop_step, shm_job)),
                         ToWorker::Start { .. } => continue,
                         other => {
                             next = Some(other);
@@ -282,8 +284,8 @@ fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>
                         }
                     }
                 };
-                let Some((addrs, source, next_step, stop_step)) = start else { continue };
-                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source as usize, next_step, stop_step, addrs };
+                let Some((addrs, source, next_step, stop_step, shm_job)) = start else { continue };
+                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source as usize, next_step, stop_step, addrs, shm_job };
                 match run_generation(&ctx, &job, &generation_run, transport, &mut replica, &mut shard, &mut writer, &cmds) {
                     Ok(interrupt) => next = interrupt,
                     Err(e) => {
@@ -321,6 +323,7 @@ struct Generation {
     next_step: u64,
     stop_step: u64,
     addrs: Vec<String>,
+    shm_job: Option<String>,
 }
 
 /// Trains one generation. Returns the command that interrupted it, or `None` when the last step is done.
@@ -338,17 +341,31 @@ fn run_generation<J: TrainJob>(
     let span = tracing::info_span!("generation", generation = g.generation, rank = g.rank, world = g.world);
     let _span = span.enter();
     replica.rank = Some(g.rank);
-    let addrs: Vec<SocketAddr> = g.addrs.iter().map(|a| a.parse().map_err(|e| SupervisorError::JobFailed { reason: format!("bad peer address {a}: {e}") })).collect::<Result<_>>()?;
-    ctx.runtime.block_on(transport.connect(&addrs))?;
-    let endpoint = Endpoint::new(Arc::clone(&transport) as Arc<dyn Transport>, CommConfig::default())?;
+    let (wire, quic): (Arc<dyn Transport>, Option<Arc<QuicTransport>>) = match &g.shm_job {
+        // Every member on this machine: shared-memory rings instead of QUIC.
+        Some(job_name) => {
+            drop(transport);
+            let options = ShmOptions { job: job_name.clone(), ..ShmOptions::default() };
+            let shm = ctx.runtime.block_on(ShmTransport::connect(g.rank, g.world, options))?;
+            (Arc::new(shm), None)
+        }
+        None => {
+            let addrs: Vec<SocketAddr> = g.addrs.iter().map(|a| a.parse().map_err(|e| SupervisorError::JobFailed { reason: format!("bad peer address {a}: {e}") })).collect::<Result<_>>()?;
+            ctx.runtime.block_on(transport.connect(&addrs))?;
+            (Arc::clone(&transport) as Arc<dyn Transport>, Some(transport))
+        }
+    };
+    tracing::info!(transport = if quic.is_some() { "quic" } else { "shm" }, "collectives connected");
+    let endpoint = Endpoint::new(wire, CommConfig::default())?;
     let comm = endpoint.group(WORLD_GROUP_ID, (0..g.world).collect(), g.generation)?;
-    ctx.shared.abort.set(comm.clone(), Arc::clone(&transport));
+    ctx.shared.abort.set(comm.clone(), quic.clone());
     let result = train(ctx, job, g, &comm, replica, shard, writer, cmds);
     ctx.shared.abort.clear();
     drop(comm);
     drop(endpoint);
-    let closing = Arc::clone(&transport);
-    ctx.runtime.spawn(async move { closing.close(Duration::from_millis(100)).await });
+    if let Some(closing) = quic {
+        ctx.runtime.spawn(async move { closing.close(Duration::from_millis(100)).await });
+    }
     result
 }
 
@@ -540,4 +557,12 @@ fn lost() -> SupervisorError {
 
 fn internal() -> SupervisorError {
     SupervisorError::Job("internal: the model is missing".into())
+}
+
+/// This machine's identity for co-location: host name and boot id (distinct machines, and
+/// containers with their own kernel, differ).
+fn machine_identity() -> Option<String> {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    Some(format!("{}/{}", host.trim(), boot.trim()))
 }
