@@ -231,7 +231,9 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
     let (unit, per_step) = ElasticJob::unit(&job.config);
     let log_every = job.config.train.log_every.max(1);
     let (mut window_loss, mut window_steps, mut window_start) = (0.0, 0u64, Instant::now());
-    let mut finished: Option<(Vec<(String, f64)>, bool, f64, f64)> = None;
+    // (evaluation, replicas identical, control overhead, share outside training steps)
+    type Finished = (Vec<(String, f64)>, bool, f64, f64);
+    let mut finished: Option<Finished> = None;
     let mut failed: Option<String> = None;
     let mut summary = json!({ "generations": [], "lost": [] });
     progress.line(&format!("job: {} steps, supervisor {}, output {}", total, supervisor.addr, job.out_dir.display()));

@@ -115,7 +115,7 @@ fn signal(pid: u32, sig: &str) {
 fn alive(pid: u32) -> bool {
     // A zombie is not alive for our purpose: check /proc state.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat.split_whitespace().nth(2).is_some_and(|s| s == "Z"),
+        Ok(stat) => stat.split_whitespace().nth(2).is_none_or(|s| s != "Z"),
         Err(_) => false,
     }
 }
@@ -236,14 +236,14 @@ fn workers_shut_down_when_the_supervisor_dies() {
 #[test]
 fn a_stopped_and_resumed_launch_continues_bit_exactly() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let checksum = |events: &[Value]| events.iter().filter(|e| e["event"] == "finished").last().map(|e| e["checksum"].clone()).expect("finished");
+    let checksum = |events: &[Value]| events.iter().rev().find(|e| e["event"] == "finished").map(|e| e["checksum"].clone()).expect("finished");
     let (_, straight) = Launch::start(2, 200, &[]).finish();
     let cfg = config(200);
     let out = tempfile::tempdir().expect("tempdir").keep().join("run");
     let (_, first) = Launch::start_in(out.clone(), &cfg, 2, &["--steps", "100"]).finish();
     assert!(first.iter().any(|e| e["event"] == "checkpointed" && e["step"] == 99), "a checkpoint after step 100: {first:?}");
     let (_, second) = Launch::start_in(out, &cfg, 2, &["--resume"]).finish();
-    let resumed = second.iter().filter(|e| e["event"] == "generation").last().expect("generation");
+    let resumed = second.iter().rev().find(|e| e["event"] == "generation").expect("generation");
     assert_eq!(resumed["next_step"], 100);
     assert_eq!(checksum(&straight), checksum(&second), "100 + resume + 100 steps must equal 200 straight steps bit for bit");
 }

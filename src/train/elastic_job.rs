@@ -107,7 +107,7 @@ impl BatchSource for ElasticJob {
         let slice = |t: &Tensor| t.narrow(0, part.start, rows).and_then(|v| v.contiguous()).map_err(|e| e.to_string());
         let inputs = slice(&global.inputs)?;
         let targets = slice(&global.targets)?;
-        let tokens = if global.rows == 0 { 0 } else { global.tokens / global.rows * rows };
+        let tokens = global.tokens.checked_div(global.rows).map_or(0, |per_row| per_row * rows);
         Ok(RankBatch { batch: Batch { inputs, targets, rows, tokens }, rank })
     }
 }

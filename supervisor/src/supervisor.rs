@@ -126,13 +126,24 @@ struct Member {
     last_heard: Instant,
     completed: Option<u64>,
     leaving: bool,
-    finished: Option<(u64, Vec<(String, f64)>, [f64; 3])>,
+    finished: Option<FinalReport>,
 }
+
+/// A worker's report after `Finish`.
+struct FinalReport {
+    checksum: u64,
+    eval: Vec<(String, f64)>,
+    /// Seconds in training steps, on the control path, and of the whole step loop.
+    timing: [f64; 3],
+}
+
+/// One member's report of one step: loss, samples, parameter checksum (verification steps).
+type StepReport = (f64, u64, Option<u64>);
 
 enum Phase {
     Waiting { since: Instant },
     Preparing { generation: u64, members: Vec<u64>, ready: BTreeMap<u64, (String, Option<u64>)>, since: Instant },
-    Running { generation: u64, members: Vec<u64>, reports: BTreeMap<u64, BTreeMap<u64, (f64, u64, Option<u64>)>>, failed_since: Option<Instant> },
+    Running { generation: u64, members: Vec<u64>, reports: BTreeMap<u64, BTreeMap<u64, StepReport>>, failed_since: Option<Instant> },
     Finishing { members: Vec<u64>, since: Instant },
     Done,
 }
@@ -353,7 +364,7 @@ impl ClusterSupervisor {
             }
             ToSupervisor::Finished { node, checksum, eval, compute_s, control_s, loop_s } => {
                 if let Some(member) = self.members.get_mut(&node) {
-                    member.finished = Some((checksum, eval, [compute_s, control_s, loop_s]));
+                    member.finished = Some(FinalReport { checksum, eval, timing: [compute_s, control_s, loop_s] });
                 }
                 self.check_finished().await
             }
@@ -420,11 +431,9 @@ impl ClusterSupervisor {
                     self.reform().await?;
                 }
             }
-            Phase::Running { members, .. } => {
-                if live > members.len() && members.len() < self.options.elastic.max_workers {
-                    tracing::info!(from = members.len(), to = live.min(self.options.elastic.max_workers), "growing the group");
-                    self.reform().await?;
-                }
+            Phase::Running { members, .. } if live > members.len() && members.len() < self.options.elastic.max_workers => {
+                tracing::info!(from = members.len(), to = live.min(self.options.elastic.max_workers), "growing the group");
+                self.reform().await?;
             }
             _ => {}
         }
@@ -567,15 +576,15 @@ impl ClusterSupervisor {
 
     async fn check_finished(&mut self) -> Result<()> {
         let Phase::Finishing { members, .. } = &self.phase else { return Ok(()) };
-        let reports: Vec<&(u64, Vec<(String, f64)>, [f64; 3])> = members.iter().filter_map(|n| self.members.get(n).and_then(|m| m.finished.as_ref())).collect();
+        let reports: Vec<&FinalReport> = members.iter().filter_map(|n| self.members.get(n).and_then(|m| m.finished.as_ref())).collect();
         let gone = members.iter().filter(|n| self.members.get(n).is_none_or(|m| m.finished.is_none() && m.link.closed_reason().is_some())).count();
         if reports.len() + gone < members.len() {
             return Ok(());
         }
-        let replicas_identical = reports.windows(2).all(|w| w[0].0 == w[1].0);
-        let checksum = reports.first().map_or(0, |r| r.0);
-        let eval = reports.iter().find(|r| !r.1.is_empty()).map(|r| r.1.clone()).unwrap_or_default();
-        let sums = reports.iter().fold([0.0; 3], |acc, r| [acc[0] + r.2[0], acc[1] + r.2[1], acc[2] + r.2[2]]);
+        let replicas_identical = reports.windows(2).all(|w| w[0].checksum == w[1].checksum);
+        let checksum = reports.first().map_or(0, |r| r.checksum);
+        let eval = reports.iter().find(|r| !r.eval.is_empty()).map(|r| r.eval.clone()).unwrap_or_default();
+        let sums = reports.iter().fold([0.0; 3], |acc, r| [acc[0] + r.timing[0], acc[1] + r.timing[1], acc[2] + r.timing[2]]);
         let share = |part: f64| if sums[2] > 0.0 { part / sums[2] } else { 0.0 };
         self.emit(JobEvent::Finished { eval, replicas_identical, checksum, overhead: share(sums[1]), outside_steps: share(sums[2] - sums[0]) }).await;
         self.phase = Phase::Done;

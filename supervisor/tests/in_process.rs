@@ -10,7 +10,7 @@ use rtx_actors::BatchSource;
 use rtx_pipelines::ParamSlice;
 use rtx_supervisor::{query_status, run_worker, ElasticConfig, JobEvent, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, WorkerOptions, WorkerOutcome};
 use rtx_tensor::data::{load_digits_csv, DataRoot, ImageDataset};
-use rtx_tensor::nn::{Linear, Module};
+use rtx_tensor::nn::Linear;
 use rtx_tensor::optim::{AdamW, AdamWConfig};
 use rtx_tensor::{CrossEntropyOptions, DType, Generator, Tensor};
 
