@@ -257,10 +257,10 @@ fn with_the_replace_policy_a_killed_worker_is_replaced() {
     let victim = launch.pids()[1];
     signal(victim, "-9");
     launch.wait_for("the replacement in a group of two", Duration::from_secs(120), |e| {
-        e.iter().filter(|g| g["event"] == "generation").count() >= 3 && e.iter().filter(|g| g["event"] == "generation").last().is_some_and(|g| g["world"] == 2)
+        e.iter().filter(|g| g["event"] == "generation").count() >= 3 && e.iter().rev().find(|g| g["event"] == "generation").is_some_and(|g| g["world"] == 2)
     });
     let (_, events) = launch.finish();
-    let last = events.iter().filter(|g| g["event"] == "generation").last().expect("generation");
+    let last = events.iter().rev().find(|g| g["event"] == "generation").expect("generation");
     assert!(!last["pids"].as_array().expect("pids").iter().any(|p| p == victim), "the killed worker is not back: {last}");
     assert_eq!(events.iter().filter(|e| e["event"] == "joined").count(), 3, "two workers and one replacement joined");
 }
