@@ -1,7 +1,7 @@
-//! The supervisor and two workers in one process (each worker with its own node agent, link and
-//! registry-free state), training softmax regression on the real digits data over real QUIC on
-//! loopback: the job finishes with bit-identical replicas, `rtx status`'s query answers, and a
-//! wrong token is refused with a typed error. Needs `bash scripts/fetch-data.sh`.
+//! The supervisor and two workers in one process (each worker with its own node agent and link),
+//! training softmax regression on the real Fashion-MNIST data over real QUIC on loopback: the job
+//! finishes with bit-identical replicas, `rtx status`'s query answers, and a wrong token is
+//! refused with a typed error. Needs `bash scripts/fetch-data.sh`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,36 +9,36 @@ use std::time::Duration;
 use rtx_actors::BatchSource;
 use rtx_pipelines::ParamSlice;
 use rtx_supervisor::{query_status, run_worker, ElasticConfig, JobEvent, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, WorkerOptions, WorkerOutcome};
-use rtx_tensor::data::{load_digits_csv, DataRoot, ImageDataset};
+use rtx_tensor::data::{load_fashion_mnist, DataRoot, ImageDataset, Split};
 use rtx_tensor::nn::Linear;
 use rtx_tensor::optim::{AdamW, AdamWConfig};
 use rtx_tensor::{CrossEntropyOptions, DType, Generator, Tensor};
 
 const GLOBAL_BATCH: usize = 32;
-const STEPS: u64 = 80;
+const STEPS: u64 = 150;
 
-struct Digits {
+struct Fashion {
     data: ImageDataset,
     mean: f32,
     std: f32,
 }
 
-impl Digits {
-    fn load() -> Digits {
+impl Fashion {
+    fn load() -> Fashion {
         let root = DataRoot::resolve(None, std::env::var_os("RTX_DATA_DIR").as_deref());
-        let root = if root.digits_csv().exists() { root } else { DataRoot::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data")) };
-        let data = load_digits_csv(&root.digits_csv()).expect("digits data: run bash scripts/fetch-data.sh");
+        let root = if root.fashion_mnist().exists() { root } else { DataRoot::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data")) };
+        let data = load_fashion_mnist(&root.fashion_mnist(), Split::Test).expect("Fashion-MNIST: run bash scripts/fetch-data.sh");
         let (mean, std) = data.pixel_mean_std();
-        Digits { data, mean, std }
+        Fashion { data, mean, std }
     }
 
     fn rows(&self, indices: &[usize]) -> (Tensor, Tensor) {
         let b = self.data.batch(indices, self.mean, self.std);
-        (Tensor::from_vec(b.pixels, &[indices.len(), 64]).expect("pixels"), Tensor::from_vec(b.labels, &[indices.len()]).expect("labels"))
+        (Tensor::from_vec(b.pixels, &[indices.len(), 784]).expect("pixels"), Tensor::from_vec(b.labels, &[indices.len()]).expect("labels"))
     }
 }
 
-impl BatchSource for Digits {
+impl BatchSource for Fashion {
     type Batch = (Tensor, Tensor, usize);
 
     fn batch(&self, step: u64, rank: usize, world: usize) -> Result<Self::Batch, String> {
@@ -49,17 +49,17 @@ impl BatchSource for Digits {
     }
 }
 
-impl TrainJob for Digits {
+impl TrainJob for Fashion {
     type Model = Linear;
     type Optim = AdamW;
 
     fn build_model(&self) -> Result<Linear, String> {
-        Linear::new(64, 10, true, DType::F32, &mut Generator::new(7)).map_err(|e| e.to_string())
+        Linear::new(784, 10, true, DType::F32, &mut Generator::new(7)).map_err(|e| e.to_string())
     }
 
     fn build_optimizer(&self, slices: &[ParamSlice]) -> Result<AdamW, String> {
         let named = slices.iter().map(|s| (s.name.clone(), s.tensor.clone())).collect();
-        AdamW::new(named, AdamWConfig { lr: 0.05, ..AdamWConfig::default() }).map_err(|e| e.to_string())
+        AdamW::new(named, AdamWConfig { lr: 0.01, ..AdamWConfig::default() }).map_err(|e| e.to_string())
     }
 
     fn loss(&self, model: &mut Linear, batch: &Self::Batch, _step: u64) -> rtx_tensor::Result<(Tensor, usize)> {
@@ -100,7 +100,7 @@ fn options(token: &str) -> SupervisorOptions {
 async fn two_in_process_workers_train_to_identical_replicas() -> anyhow::Result<()> {
     let mut supervisor = SupervisorHandle::start(options("secret"), None).await?;
     let addr = supervisor.addr;
-    let workers: Vec<_> = (0..2).map(|i| tokio::spawn(run_worker(WorkerOptions::new(addr, "secret".into(), format!("worker-{i}")), |_spec| Ok(Digits::load())))).collect();
+    let workers: Vec<_> = (0..2).map(|i| tokio::spawn(run_worker(WorkerOptions::new(addr, "secret".into(), format!("worker-{i}")), |_spec| Ok(Fashion::load())))).collect();
     let mut committed = 0;
     let mut status_checked = false;
     let finished = loop {
@@ -119,13 +119,14 @@ async fn two_in_process_workers_train_to_identical_replicas() -> anyhow::Result<
             }
             JobEvent::Finished { eval, replicas_identical, .. } => break (eval, replicas_identical),
             JobEvent::Failed { reason } => anyhow::bail!("job failed: {reason}"),
+            JobEvent::Lost { reason, .. } => anyhow::bail!("a worker was lost: {reason}"),
             _ => {}
         }
     };
     assert_eq!(committed, STEPS);
     assert!(finished.1, "replicas must be bit-identical");
     let acc = finished.0.iter().find(|(k, _)| k == "acc").map(|(_, v)| *v).expect("acc");
-    assert!(acc > 0.85, "softmax regression on digits reached only {acc}");
+    assert!(acc > 0.70, "softmax regression on Fashion-MNIST reached only {acc}");
     supervisor.join().await?;
     for w in workers {
         assert_eq!(w.await??, WorkerOutcome::Finished);
@@ -136,7 +137,7 @@ async fn two_in_process_workers_train_to_identical_replicas() -> anyhow::Result<
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_token_is_refused_with_a_typed_error() -> anyhow::Result<()> {
     let supervisor = SupervisorHandle::start(options("secret"), None).await?;
-    let result = run_worker(WorkerOptions::new(supervisor.addr, "guess".into(), "intruder".into()), |_spec| Ok(Digits::load())).await;
+    let result = run_worker(WorkerOptions::new(supervisor.addr, "guess".into(), "intruder".into()), |_spec| Ok(Fashion::load())).await;
     match result {
         Err(SupervisorError::Refused { reason }) => assert!(reason.contains("wrong cluster token"), "{reason}"),
         other => panic!("expected a refusal, got {other:?}"),
