@@ -297,3 +297,22 @@ fn a_bad_elastic_setting_is_named_before_anything_starts() {
     let err = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success() && err.contains("min_workers"), "{err}");
 }
+
+#[test]
+fn under_zero1_a_killed_worker_rolls_back_to_the_last_snapshot() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+    let launch = Launch::start_in(out, &config_with(600, "sharding = \"zero1\"\nsnapshot_every = 20\n"), 2, &[]);
+    let events = launch.wait_for("step 150", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 150));
+    let before = Launch::committed(&events).expect("committed");
+    signal(launch.pids()[1], "-9");
+    let (summary, events) = launch.finish();
+    let generation = events.iter().rev().find(|g| g["event"] == "generation").expect("generation");
+    let next = generation["next_step"].as_u64().expect("next_step");
+    // The lost rank's optimizer shard is gone: training resumes after the last snapshot, a
+    // multiple of snapshot_every, at most snapshot_every + 1 steps back.
+    assert_eq!(next % 20, 0, "resumed at {next}");
+    assert!(next <= before + 1 && before + 1 - next <= 21, "committed {before}, resumed at {next}");
+    let acc = summary["eval"]["test_acc"].as_f64().expect("test_acc");
+    assert!(acc > 0.80, "test accuracy {acc} after a ZeRO-1 recovery");
+}

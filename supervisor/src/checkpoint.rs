@@ -38,15 +38,16 @@ pub fn latest(dir: &Path) -> Option<PathBuf> {
 }
 
 impl CheckpointWriter {
-    /// Snapshots `model` and `optimizer` after `step` and writes them in the background; reports
-    /// the written path to the supervisor.
-    pub fn write<M: Module, O: Optimizer>(&mut self, dir: &Path, step: u64, model: &M, optimizer: &O, supervisor: RemoteRef<ToSupervisor>, node: u64) -> Result<()> {
+    /// Snapshots `model` and the full optimizer `state` (of `optimizer`'s kind) after `step` and
+    /// writes them in the background; reports the written path to the supervisor.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write<M: Module, O: Optimizer>(&mut self, dir: &Path, step: u64, model: &M, state: Vec<(String, Tensor)>, optimizer: &O, supervisor: RemoteRef<ToSupervisor>, node: u64) -> Result<()> {
         self.wait();
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         for (name, p) in model.named_parameters() {
             tensors.push((name, Tensor::from_vec(p.to_f32_vec()?, p.shape())?.to_dtype(p.dtype())?));
         }
-        for (name, t) in optimizer.state_tensors()? {
+        for (name, t) in state {
             tensors.push((format!("{OPTIM_PREFIX}{name}"), t));
         }
         let mut meta = BTreeMap::new();

@@ -73,6 +73,12 @@ pub struct ElasticConfig {
     pub checkpoint_every: u64,
     /// Transport of the collectives.
     pub transport: Wire,
+    /// ZeRO-1: optimizer state sharded across the workers. A lost worker takes its shard with it,
+    /// so recovery rolls back to the last snapshot (every `snapshot_every` steps, and at every
+    /// checkpoint), which gathers the full state on every rank.
+    pub zero1: bool,
+    /// Steps between ZeRO-1 snapshots.
+    pub snapshot_every: u64,
     pub crash: ClassPolicy,
     pub hang: ClassPolicy,
     pub network_loss: ClassPolicy,
@@ -94,6 +100,8 @@ impl Default for ElasticConfig {
             verify_every: 50,
             checkpoint_every: 0,
             transport: Wire::Auto,
+            zero1: false,
+            snapshot_every: 25,
             crash: shrink,
             hang: shrink,
             network_loss: shrink,
@@ -167,13 +175,21 @@ impl ElasticConfig {
                         _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.transport must be \"auto\", \"quic\" or \"shm\", got {value}") }),
                     };
                 }
+                "sharding" => {
+                    self.zero1 = match value.as_str() {
+                        Some("replicated") => false,
+                        Some("zero1") => true,
+                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.sharding must be \"replicated\" or \"zero1\", got {value}") }),
+                    };
+                }
+                "snapshot_every" => self.snapshot_every = int()?.max(1),
                 "failure_budget" => {
                     let b = int()? as u32;
                     for p in [&mut self.crash, &mut self.hang, &mut self.network_loss, &mut self.preemption] {
                         p.budget = b;
                     }
                 }
-                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport)") }),
+                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, sharding, snapshot_every)") }),
             }
         }
         Ok(())

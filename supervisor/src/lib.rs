@@ -18,6 +18,7 @@ mod error;
 mod job;
 pub mod launch;
 pub mod protocol;
+pub mod state;
 pub mod supervisor;
 pub mod worker;
 

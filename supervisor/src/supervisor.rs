@@ -412,6 +412,8 @@ impl ClusterSupervisor {
             resume: self.options.resume.as_ref().map(|p| p.display().to_string()),
             verify_every: self.options.elastic.verify_every,
             checkpoint_every: self.options.elastic.checkpoint_every,
+            zero1: self.options.elastic.zero1,
+            snapshot_every: self.options.elastic.snapshot_every,
         };
         msg.reply(&accepted).await?;
         tracing::info!(node, %name, pid, %host, "worker joined");

@@ -26,12 +26,13 @@ use std::time::Duration;
 
 use rtx_actors::{DataShard, Link, LinkOptions, RemoteRef};
 use rtx_collectives::{CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, ShmOptions, ShmTransport, Transport, WORLD_GROUP_ID};
-use rtx_pipelines::{DataParallel, DpConfig};
+use rtx_pipelines::{DataParallel, DpConfig, Sharding};
 use rtx_tensor::{Module, Optimizer, Tensor};
 
 use crate::checkpoint::{self, CheckpointWriter};
 use crate::error::{Result, SupervisorError};
 use crate::job::TrainJob;
+use crate::state;
 use crate::protocol::{self, JoinReply, ToSupervisor, ToWorker, EXPORTER_LABEL, SUPERVISOR};
 
 /// How a worker process joins and behaves.
@@ -117,13 +118,13 @@ where
     let supervisor = link.remote::<ToSupervisor>(SUPERVISOR);
     let join = ToSupervisor::Join { name: options.name.clone(), pid: std::process::id(), host: machine_identity().unwrap_or_else(|| options.bind_ip.to_string()), proof: protocol::worker_proof(&options.token, &ekm) };
     let reply: JoinReply = supervisor.ask(&join, Duration::from_secs(30)).await?;
-    let (node, job_text, heartbeat, resume, verify_every, checkpoint_every) = match reply {
-        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every } => {
+    let (node, job_text, heartbeat, resume, (verify_every, checkpoint_every, zero1, snapshot_every)) = match reply {
+        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, zero1, snapshot_every } => {
             if !protocol::verify_supervisor_proof(&options.token, &ekm, &proof) {
                 link.close("supervisor not authentic");
                 return Err(SupervisorError::NotAuthentic { addr: options.join.to_string() });
             }
-            (node, job, Duration::from_millis(heartbeat_ms.max(10)), resume.map(PathBuf::from), verify_every, checkpoint_every)
+            (node, job, Duration::from_millis(heartbeat_ms.max(10)), resume.map(PathBuf::from), (verify_every, checkpoint_every, zero1, snapshot_every))
         }
         JoinReply::Refused { reason } => return Err(SupervisorError::Refused { reason }),
     };
@@ -134,7 +135,7 @@ where
 
     let (cmd_tx, cmd_rx) = std::sync::mpsc::sync_channel::<ToWorker>(16);
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), runtime: tokio::runtime::Handle::current(), bind_ip: options.bind_ip, quic: options.quic.clone(), verify_every, checkpoint_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
+    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), runtime: tokio::runtime::Handle::current(), bind_ip: options.bind_ip, quic: options.quic.clone(), verify_every, checkpoint_every, zero1, snapshot_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
     let spec = JobSpec { node, job: job_text, resume };
     std::thread::Builder::new()
         .name(format!("worker-{node}"))
@@ -236,6 +237,9 @@ struct WorkerCtx {
     quic: QuicOptions,
     verify_every: u64,
     checkpoint_every: u64,
+    /// ZeRO-1 optimizer sharding, and how often its state is gathered into a restorable snapshot.
+    zero1: bool,
+    snapshot_every: u64,
     /// Seconds inside training steps, on the control path of the step loop (command polling,
     /// step reports), and of the whole step loop.
     timing: Mutex<(f64, f64, f64)>,
@@ -244,6 +248,9 @@ struct WorkerCtx {
 /// Model and optimizer state carried from one generation to the next.
 struct Replica<M> {
     model: Option<M>,
+    /// Under ZeRO-1, the parameters of the last snapshot (the restorable point); `None` when the
+    /// model's own parameters are it.
+    snapshot_params: Option<Vec<f32>>,
     /// This worker's rank in the last generation it trained in.
     rank: Option<usize>,
     optimizer_state: Option<Vec<(String, Tensor)>>,
@@ -251,7 +258,7 @@ struct Replica<M> {
 }
 
 fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>, cmds: Receiver<ToWorker>) -> Result<WorkerOutcome> {
-    let mut replica = Replica { model: Some(job.build_model().map_err(SupervisorError::Job)?), rank: None, optimizer_state: None, completed: None };
+    let mut replica = Replica { model: Some(job.build_model().map_err(SupervisorError::Job)?), snapshot_params: None, rank: None, optimizer_state: None, completed: None };
     if let Some(path) = &resume {
         let (state, step) = checkpoint::load(path, replica.model.as_ref().ok_or_else(internal)?, |slices| job.build_optimizer(slices))?;
         replica.optimizer_state = Some(state);
@@ -381,23 +388,27 @@ fn train<J: TrainJob>(
     cmds: &Receiver<ToWorker>,
 ) -> Result<Option<ToWorker>> {
     let model = replica.model.take().ok_or_else(internal)?;
-    // The newest state: parameters from the source rank.
-    let synced = broadcast_parameters(&ctx.runtime, comm, g.source, &model);
-    if let Err(e) = synced {
-        replica.model = Some(model);
-        return Err(e);
-    }
-    let carried = replica.optimizer_state.take();
+    // The newest restorable state, from the source rank: parameters and full optimizer state.
+    let synced = state::full_template(&model, |slices| job.build_optimizer(slices)).and_then(|template| {
+        state::broadcast_parameters(&ctx.runtime, comm, g.source, &model, replica.snapshot_params.as_deref())?;
+        let full = state::broadcast_full_state(&ctx.runtime, comm, g.source, replica.optimizer_state.as_deref(), &template)?;
+        Ok((template, full))
+    });
+    let (template, full) = match synced {
+        Ok(v) => v,
+        Err(e) => {
+            replica.model = Some(model);
+            return Err(e);
+        }
+    };
     let engine_comm = comm.clone();
-    let state_comm = comm.clone();
-    let runtime = ctx.runtime.clone();
-    let dp = DpConfig { collective_timeout: Duration::from_secs(60), ..job.dp_config() };
+    let sharding = if ctx.zero1 { Sharding::Zero1 } else { job.dp_config().sharding };
+    let dp = DpConfig { collective_timeout: Duration::from_secs(60), sharding, ..job.dp_config() };
     let mut engine = DataParallel::new(model, dp, move || Ok(engine_comm), |slices| {
         let mut optimizer = job.build_optimizer(slices).map_err(|reason| rtx_tensor::Error::InvalidArgument { op: "build_optimizer", reason })?;
-        if let Some(state) = &carried {
-            optimizer.load_state(state)?;
-        }
-        broadcast_optimizer_state(&runtime, &state_comm, g.source, &mut optimizer).map_err(|e| rtx_tensor::Error::InvalidArgument { op: "optimizer state broadcast", reason: e.to_string() })?;
+        let local = optimizer.state_tensors()?;
+        let mine = state::slice_full_state(&full, &local, slices).map_err(|e| rtx_tensor::Error::InvalidArgument { op: "optimizer state", reason: e.to_string() })?;
+        optimizer.load_state(&mine)?;
         Ok(optimizer)
     })?;
     tracing::info!(next_step = g.next_step, source = g.source, "generation started");
@@ -414,7 +425,8 @@ fn train<J: TrainJob>(
                 if let Some(dir) = job.checkpoint_dir() {
                     let already = ctx.checkpoint_every > 0 && total % ctx.checkpoint_every == 0;
                     if !already {
-                        writer.write(&dir, total - 1, engine.model(), engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
+                        let full = full_state_now(ctx, replica, engine.optimizer())?;
+                        writer.write(&dir, total - 1, engine.model(), full, engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
                     }
                 }
             }
@@ -448,8 +460,27 @@ fn train<J: TrainJob>(
         let compute = loop_started.elapsed();
         match result {
             Ok(_) => {
-                replica.completed = Some(step);
                 *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
+                // Under ZeRO-1 a rank holds only part of the optimizer state: the restorable point
+                // is the last snapshot, which gathers the full state on every rank.
+                let snapshot_due = (step + 1) % ctx.snapshot_every.max(1) == 0 || step + 1 == total || (ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0);
+                if !ctx.zero1 {
+                    replica.completed = Some(step);
+                } else if snapshot_due {
+                    let local = engine.optimizer().state_tensors()?;
+                    match state::gather_full_state(&ctx.runtime, comm, &local, engine.param_slices(), &template) {
+                        Ok(full) => {
+                            replica.optimizer_state = Some(full);
+                            replica.snapshot_params = Some(state::flat_parameters(engine.model())?);
+                            replica.completed = Some(step);
+                        }
+                        Err(e) => {
+                            tracing::warn!(step, error = %e, "snapshot failed");
+                            let _ = ctx.supervisor.blocking_tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() });
+                            break cmds.recv().map(Some).map_err(|_| lost());
+                        }
+                    }
+                }
                 let verify = step % ctx.verify_every.max(1) == 0 || step + 1 == total;
                 let checksum = if verify { Some(parameter_checksum(engine.model())?) } else { None };
                 let report_started = std::time::Instant::now();
@@ -458,7 +489,8 @@ fn train<J: TrainJob>(
                 if g.rank == 0 {
                     if let Some(dir) = job.checkpoint_dir() {
                         if ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0 {
-                            writer.write(&dir, step, engine.model(), engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
+                            let full = full_state_now(ctx, replica, engine.optimizer())?;
+                            writer.write(&dir, step, engine.model(), full, engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
                         }
                     }
                 }
@@ -479,9 +511,23 @@ fn train<J: TrainJob>(
         }
     };
     let (model, _buckets, optimizer) = engine.into_parts();
-    replica.optimizer_state = Some(optimizer.state_tensors()?);
+    if !ctx.zero1 {
+        // Plain data parallelism: the optimizer holds the full state of the last completed step.
+        replica.optimizer_state = Some(optimizer.state_tensors()?);
+        replica.snapshot_params = None;
+    }
     replica.model = Some(model);
     outcome
+}
+
+/// The full optimizer state at the current step: the optimizer's own (plain data parallelism),
+/// or the snapshot just taken (ZeRO-1 snapshots at every checkpoint step).
+fn full_state_now<M, O: Optimizer>(ctx: &WorkerCtx, replica: &Replica<M>, optimizer: &O) -> Result<state::NamedTensors> {
+    if ctx.zero1 {
+        replica.optimizer_state.clone().ok_or_else(|| SupervisorError::Job("no ZeRO-1 snapshot to checkpoint".into()))
+    } else {
+        Ok(optimizer.state_tensors()?)
+    }
 }
 
 /// Graceful leave: tell the supervisor, wait for its acknowledgement (bounded).
@@ -497,43 +543,6 @@ fn leave(ctx: &WorkerCtx, completed: Option<u64>, cmds: &Receiver<ToWorker>) -> 
             Err(RecvTimeoutError::Disconnected) => return Err(lost()),
         }
     }
-}
-
-/// Broadcasts every parameter from `source` (one flat f32 buffer).
-fn broadcast_parameters<M: Module>(runtime: &tokio::runtime::Handle, comm: &Communicator, source: usize, model: &M) -> Result<()> {
-    let params = model.named_parameters();
-    let mut flat = Vec::new();
-    for (_, p) in &params {
-        flat.extend(p.to_f32_vec()?);
-    }
-    runtime.block_on(comm.broadcast(&mut flat, source))?;
-    let mut offset = 0;
-    for (_, p) in &params {
-        let n = p.numel();
-        p.copy_from_(&Tensor::from_vec(flat[offset..offset + n].to_vec(), p.shape())?)?;
-        offset += n;
-    }
-    Ok(())
-}
-
-/// Broadcasts the optimizer's state from `source` (one flat f64 buffer: exact for f32 state).
-fn broadcast_optimizer_state<O: Optimizer>(runtime: &tokio::runtime::Handle, comm: &Communicator, source: usize, optimizer: &mut O) -> Result<()> {
-    let state = optimizer.state_tensors()?;
-    let mut flat = Vec::new();
-    for (_, t) in &state {
-        flat.extend(t.to_f64_vec()?);
-    }
-    runtime.block_on(comm.broadcast(&mut flat, source))?;
-    let mut offset = 0;
-    let mut restored = Vec::with_capacity(state.len());
-    for (name, t) in &state {
-        let n = t.numel();
-        let values = Tensor::from_vec(flat[offset..offset + n].to_vec(), t.shape())?.to_dtype(t.dtype())?;
-        restored.push((name.clone(), values));
-        offset += n;
-    }
-    optimizer.load_state(&restored)?;
-    Ok(())
 }
 
 /// FNV-1a over the bits of every parameter, in name order: equal on all replicas iff they are

@@ -1,0 +1,161 @@
+//! Moving training state between ranks and sharding layouts.
+//!
+//! The worker keeps optimizer state in one **full** form between generations: the state of an
+//! optimizer over whole parameters (`<param>.<field>` with the parameter's shape, and a scalar
+//! `<param>.step`). Plain data parallelism has it already; under ZeRO-1 each rank's optimizer holds
+//! only its segments (`<param>.<field>` of the segment's length), and [`gather_full_state`] rebuilds
+//! the full form on every rank (segments are disjoint: a sum of zero-padded pieces is exact; steps
+//! take the maximum). A new generation broadcasts the source rank's parameters and full state
+//! ([`broadcast_parameters`], [`broadcast_full_state`]) and every rank cuts out what its optimizer
+//! updates ([`slice_full_state`]), so replicas restart bit-identical whatever the world size.
+
+use std::collections::BTreeMap;
+
+use rtx_collectives::{Communicator, ReduceOp};
+use rtx_pipelines::ParamSlice;
+use rtx_tensor::{Module, Optimizer, Tensor};
+
+use crate::error::{Result, SupervisorError};
+
+/// Named tensors.
+pub type NamedTensors = Vec<(String, Tensor)>;
+
+/// The full-form state of a fresh optimizer over `model`'s whole parameters (names, shapes and
+/// dtypes; values are the fresh optimizer's).
+pub fn full_template<M: Module, O: Optimizer>(model: &M, build: impl FnOnce(&[ParamSlice]) -> std::result::Result<O, String>) -> Result<NamedTensors> {
+    let slices: Vec<ParamSlice> = model.named_parameters().into_iter().map(|(name, t)| ParamSlice { name, param_shape: t.shape().to_vec(), elements: 0..t.numel(), tensor: t }).collect();
+    let optimizer = build(&slices).map_err(SupervisorError::Job)?;
+    Ok(optimizer.state_tensors()?)
+}
+
+/// `(parameter, field)` of a state name such as `blocks.0.attn.qkv.weight.exp_avg`.
+fn split_field(name: &str) -> Result<(&str, &str)> {
+    name.rsplit_once('.').ok_or_else(|| SupervisorError::Job(format!("optimizer state name {name:?} has no field")))
+}
+
+/// The full state from this rank's (possibly sharded) optimizer state; collective under ZeRO-1.
+/// `local` is the optimizer's `state_tensors()`, `slices` what it updates.
+pub fn gather_full_state(runtime: &tokio::runtime::Handle, comm: &Communicator, local: &[(String, Tensor)], slices: &[ParamSlice], template: &[(String, Tensor)]) -> Result<NamedTensors> {
+    let local: BTreeMap<&str, &Tensor> = local.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let owned: BTreeMap<&str, &ParamSlice> = slices.iter().map(|s| (s.name.as_str(), s)).collect();
+    let mut values = Vec::new();
+    let mut steps = Vec::new();
+    for (name, full) in template {
+        let (param, field) = split_field(name)?;
+        if field == "step" {
+            steps.push(local.get(name.as_str()).map_or(Ok(0.0), |t| t.item())?);
+            continue;
+        }
+        let start = values.len();
+        values.resize(start + full.numel(), 0.0f64);
+        if let (Some(t), Some(slice)) = (local.get(name.as_str()), owned.get(param)) {
+            let part = t.to_f64_vec()?;
+            if part.len() != slice.elements.len() {
+                return Err(SupervisorError::Job(format!("state {name} holds {} values for {} owned elements", part.len(), slice.elements.len())));
+            }
+            values[start + slice.elements.start..start + slice.elements.end].copy_from_slice(&part);
+        }
+    }
+    if comm.size() > 1 {
+        runtime.block_on(comm.all_reduce(&mut values, ReduceOp::Sum))?;
+        runtime.block_on(comm.all_reduce(&mut steps, ReduceOp::Max))?;
+    }
+    rebuild(template, &values, &steps)
+}
+
+/// Broadcasts `state` (full form, shaped like `template`) from `source`; returns it on every rank.
+pub fn broadcast_full_state(runtime: &tokio::runtime::Handle, comm: &Communicator, source: usize, state: Option<&[(String, Tensor)]>, template: &[(String, Tensor)]) -> Result<NamedTensors> {
+    let given = state.unwrap_or(template);
+    let mut values = Vec::new();
+    let mut steps = Vec::new();
+    for ((name, want), (given_name, t)) in template.iter().zip(given) {
+        if name != given_name || want.numel() != t.numel() {
+            return Err(SupervisorError::Job(format!("carried optimizer state {given_name} does not match {name} of this optimizer")));
+        }
+        if split_field(name)?.1 == "step" {
+            steps.push(t.item()?);
+        } else {
+            values.extend(t.to_f64_vec()?);
+        }
+    }
+    if given.len() != template.len() {
+        return Err(SupervisorError::Job(format!("carried optimizer state has {} tensors, this optimizer {}", given.len(), template.len())));
+    }
+    runtime.block_on(comm.broadcast(&mut values, source))?;
+    runtime.block_on(comm.broadcast(&mut steps, source))?;
+    rebuild(template, &values, &steps)
+}
+
+fn rebuild(template: &[(String, Tensor)], values: &[f64], steps: &[f64]) -> Result<NamedTensors> {
+    let (mut at, mut step_at) = (0, 0);
+    let mut out = Vec::with_capacity(template.len());
+    for (name, t) in template {
+        let data = if split_field(name)?.1 == "step" {
+            step_at += 1;
+            vec![steps[step_at - 1]]
+        } else {
+            at += t.numel();
+            values[at - t.numel()..at].to_vec()
+        };
+        out.push((name.clone(), Tensor::from_vec(data, t.shape())?.to_dtype(t.dtype())?));
+    }
+    Ok(out)
+}
+
+/// The part of `full` an optimizer over `slices` holds, named and shaped like its `local`
+/// state (`optimizer.state_tensors()`).
+pub fn slice_full_state(full: &[(String, Tensor)], local: &[(String, Tensor)], slices: &[ParamSlice]) -> Result<NamedTensors> {
+    let full: BTreeMap<&str, &Tensor> = full.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let owned: BTreeMap<&str, &ParamSlice> = slices.iter().map(|s| (s.name.as_str(), s)).collect();
+    let mut out = Vec::with_capacity(local.len());
+    for (name, want) in local {
+        let (param, field) = split_field(name)?;
+        let source = full.get(name.as_str()).ok_or_else(|| SupervisorError::Job(format!("the full optimizer state lacks {name}")))?;
+        let values = if field == "step" {
+            source.to_f64_vec()?
+        } else {
+            let slice = owned.get(param).ok_or_else(|| SupervisorError::Job(format!("no parameter slice for state {name}")))?;
+            let all = source.to_f64_vec()?;
+            all.get(slice.elements.clone()).ok_or_else(|| SupervisorError::Job(format!("state {name}: elements {:?} beyond {}", slice.elements, all.len())))?.to_vec()
+        };
+        out.push((name.clone(), Tensor::from_vec(values, want.shape())?.to_dtype(want.dtype())?));
+    }
+    Ok(out)
+}
+
+/// Broadcasts every parameter from `source` (one flat f32 buffer). The source sends `values`
+/// when given (a snapshot), else its model's parameters.
+pub fn broadcast_parameters<M: Module>(runtime: &tokio::runtime::Handle, comm: &Communicator, source: usize, model: &M, values: Option<&[f32]>) -> Result<()> {
+    let params = model.named_parameters();
+    let mut flat = match values {
+        Some(v) => v.to_vec(),
+        None => {
+            let mut flat = Vec::new();
+            for (_, p) in &params {
+                flat.extend(p.to_f32_vec()?);
+            }
+            flat
+        }
+    };
+    let total: usize = params.iter().map(|(_, p)| p.numel()).sum();
+    if flat.len() != total {
+        return Err(SupervisorError::Job(format!("parameter snapshot of {} values for {total} parameters", flat.len())));
+    }
+    runtime.block_on(comm.broadcast(&mut flat, source))?;
+    let mut offset = 0;
+    for (_, p) in &params {
+        let n = p.numel();
+        p.copy_from_(&Tensor::from_vec(flat[offset..offset + n].to_vec(), p.shape())?)?;
+        offset += n;
+    }
+    Ok(())
+}
+
+/// Every parameter's values, flat, in visit order.
+pub fn flat_parameters<M: Module + ?Sized>(model: &M) -> Result<Vec<f32>> {
+    let mut flat = Vec::new();
+    for (_, p) in model.named_parameters() {
+        flat.extend(p.to_f32_vec()?);
+    }
+    Ok(flat)
+}
