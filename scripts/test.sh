@@ -7,3 +7,5 @@ cd "$(dirname "$0")/.."
 export RUST_BACKTRACE=1
 bash scripts/fetch-data.sh
 cargo test --workspace --all-targets --locked
+# The CUDA backend must keep compiling (cudarc loads CUDA at run time: no GPU or toolkit needed).
+cargo build -p rtx-kernels --features cuda --all-targets --locked

@@ -60,7 +60,8 @@ fn linear_op(name: &'static str, count: usize, rows: &[usize], d_in: usize, d_ou
         name,
         count,
         inputs: vec![leaf(&xs, 1.0, rng)?, leaf(&[d_out, d_in], 0.02, rng)?, leaf(&[d_out], 0.02, rng)?],
-        body: Box::new(|t| t[0].matmul(&t[1].t()?)?.add(&t[2])),
+        // As `nn::Linear` runs it: one op, bias fused into the gemm.
+        body: Box::new(|t| t[0].linear(&t[1], Some(&t[2]))),
         gemm: Some((rows.iter().product(), d_in, d_out)),
     })
 }
@@ -104,7 +105,6 @@ fn mlp_ops(rng: &mut Generator) -> anyhow::Result<Vec<Op>> {
 
 fn gpt_ops(rng: &mut Generator) -> anyhow::Result<Vec<Op>> {
     let (b, t, c, h, v, layers) = (16usize, 128usize, 256usize, 4usize, 256usize, 4usize);
-    let d = c / h;
     let token_ids = ids(&[b, t], v, rng)?;
     let positions = Tensor::from_vec((0..t as u32).collect::<Vec<u32>>(), &[t])?;
     let targets = ids(&[b * t], v, rng)?;
@@ -128,14 +128,9 @@ fn gpt_ops(rng: &mut Generator) -> anyhow::Result<Vec<Op>> {
             name: "attention core (split heads, causal sdpa, merge)",
             count: layers,
             inputs: vec![leaf(&[b, t, 3 * c], 1.0, rng)?],
-            body: Box::new(move |x| {
-                let qkv = x[0].reshape(&[b, t, 3, h, d])?.permute(&[2, 0, 3, 1, 4])?;
-                let q = qkv.narrow(0, 0, 1)?.squeeze(0)?;
-                let k = qkv.narrow(0, 1, 1)?.squeeze(0)?;
-                let vv = qkv.narrow(0, 2, 1)?.squeeze(0)?;
-                let y = Tensor::scaled_dot_product_attention(&q, &k, &vv, None, true, None)?;
-                y.transpose(1, 2)?.reshape(&[b, t, c])
-            }),
+            // As `nn::MultiHeadAttention` runs it without a mask: one fused op from the packed
+            // projection to the merged heads (the same math as split views + sdpa + merge).
+            body: Box::new(move |x| Tensor::scaled_dot_product_attention_packed(&x[0], h, true, None)),
             gemm: None,
         },
         linear_op("linear attn.proj 2048x256->256", layers, &[b, t], c, c, rng)?,

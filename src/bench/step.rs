@@ -34,6 +34,9 @@ pub struct StepArgs {
     /// Also time forward, loss, backward, optimizer step and zero_grad separately.
     #[arg(long)]
     pub phases: bool,
+    /// Turn off rtx-tensor's buffer pool (to measure what it saves).
+    #[arg(long)]
+    pub no_buffer_pool: bool,
 }
 
 // Shapes: keep equal to scripts/peer/torch_bench.py.
@@ -89,6 +92,9 @@ fn random_ids(shape: &[usize], below: usize, rng: &mut Generator) -> anyhow::Res
 
 pub(crate) fn run(args: &StepArgs) -> anyhow::Result<()> {
     let threads = threads();
+    if args.no_buffer_pool {
+        rtx_tensor::set_buffer_pool_limit_bytes(0);
+    }
     let mut rng = Generator::new(0);
     let mut work = match args.model {
         StepModel::Mlp => mlp_workload(&mut rng)?,
@@ -134,6 +140,9 @@ pub(crate) fn run(args: &StepArgs) -> anyhow::Result<()> {
     obj.insert("shape".into(), work.shape.clone().into());
     obj.insert("params".into(), n_params.into());
     obj.insert("threads".into(), threads.into());
+    if args.no_buffer_pool {
+        obj.insert("buffer_pool".into(), false.into());
+    }
     stats.json_fields(&mut obj);
     if args.phases {
         let names = ["forward", "loss", "backward", "optimizer", "zero_grad"];

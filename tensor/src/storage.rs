@@ -8,6 +8,7 @@
 //! itself cannot deadlock. Flat parameter and gradient buckets are storages that many parameter
 //! tensors view at different offsets.
 
+use crate::pool;
 use half::bf16;
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use rtx_kernels::DType;
@@ -55,10 +56,10 @@ impl CpuData {
     /// `len` zeros of `dtype`.
     pub fn zeros(dtype: DType, len: usize) -> Self {
         match dtype {
-            DType::F32 => CpuData::F32(vec![0.0; len]),
-            DType::F64 => CpuData::F64(vec![0.0; len]),
-            DType::BF16 => CpuData::BF16(vec![bf16::ZERO; len]),
-            DType::U32 => CpuData::U32(vec![0; len]),
+            DType::F32 => CpuData::F32(pool::zeroed(len)),
+            DType::F64 => CpuData::F64(pool::zeroed(len)),
+            DType::BF16 => CpuData::BF16(pool::zeroed(len)),
+            DType::U32 => CpuData::U32(pool::zeroed(len)),
         }
     }
 
@@ -73,24 +74,35 @@ impl CpuData {
     }
 }
 
-/// A shared buffer of elements. Cloning shares it.
+/// A shared buffer of elements. Cloning shares it. When the last handle drops, the buffer goes
+/// back to the process's buffer pool for reuse by later ops (`crate::pool`).
 #[derive(Clone, Debug)]
-pub struct Storage(Arc<RwLock<CpuData>>);
+pub struct Storage(Arc<Buffer>);
+
+/// The lock-protected elements behind a storage; returns them to the pool when dropped.
+#[derive(Debug)]
+struct Buffer(RwLock<CpuData>);
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        pool::give_data(std::mem::replace(self.0.get_mut(), CpuData::U32(Vec::new())));
+    }
+}
 
 impl Storage {
     /// Wraps elements into a new storage.
     pub fn new(data: CpuData) -> Self {
-        Storage(Arc::new(RwLock::new(data)))
+        Storage(Arc::new(Buffer(RwLock::new(data))))
     }
 
     /// Reads the elements (recursive read lock: nested reads of the same storage never block).
     pub fn read(&self) -> RwLockReadGuard<'_, CpuData> {
-        self.0.read_recursive()
+        self.0 .0.read_recursive()
     }
 
     /// Writes the elements.
     pub fn write(&self) -> RwLockWriteGuard<'_, CpuData> {
-        self.0.write()
+        self.0 .0.write()
     }
 
     /// Whether two handles share one buffer.

@@ -326,11 +326,15 @@ impl Tensor {
             CpuData::F64(v) if contiguous => Ok(f(FloatSlice::F64(&v[range]))),
             CpuData::F32(v) => {
                 let g = gather(layout, v);
-                Ok(f(FloatSlice::F32(&g)))
+                let r = f(FloatSlice::F32(&g));
+                crate::pool::give(g);
+                Ok(r)
             }
             CpuData::F64(v) => {
                 let g = gather(layout, v);
-                Ok(f(FloatSlice::F64(&g)))
+                let r = f(FloatSlice::F64(&g));
+                crate::pool::give(g);
+                Ok(r)
             }
             CpuData::BF16(v) => {
                 let g = if contiguous { convert::bf16_vec_to_f32(&v[range]) } else { convert::bf16_vec_to_f32(&gather(layout, v)) };
@@ -536,8 +540,16 @@ impl Tensor {
     pub fn add_assign_(&self, other: &Tensor) -> Result<()> {
         let src = self.prepare_source("add_assign_", other)?;
         match src {
-            FloatVec::F32(s) => self.update_(|d| elementwise::zip_map_inplace(d, &s, |a, b| a + b), |_| {}),
-            FloatVec::F64(s) => self.update_(|_| {}, |d| elementwise::zip_map_inplace(d, &s, |a, b| a + b)),
+            FloatVec::F32(s) => {
+                let r = self.update_(|d| elementwise::zip_map_inplace(d, &s, |a, b| a + b), |_| {});
+                crate::pool::give(s);
+                r
+            }
+            FloatVec::F64(s) => {
+                let r = self.update_(|_| {}, |d| elementwise::zip_map_inplace(d, &s, |a, b| a + b));
+                crate::pool::give(s);
+                r
+            }
         }
     }
 
@@ -545,8 +557,16 @@ impl Tensor {
     pub fn copy_from_(&self, other: &Tensor) -> Result<()> {
         let src = self.prepare_source("copy_from_", other)?;
         match src {
-            FloatVec::F32(s) => self.update_(|d| d.copy_from_slice(&s), |_| {}),
-            FloatVec::F64(s) => self.update_(|_| {}, |d| d.copy_from_slice(&s)),
+            FloatVec::F32(s) => {
+                let r = self.update_(|d| d.copy_from_slice(&s), |_| {});
+                crate::pool::give(s);
+                r
+            }
+            FloatVec::F64(s) => {
+                let r = self.update_(|_| {}, |d| d.copy_from_slice(&s));
+                crate::pool::give(s);
+                r
+            }
         }
     }
 
@@ -565,9 +585,18 @@ impl Tensor {
     fn prepare_source(&self, op: &'static str, other: &Tensor) -> Result<FloatVec> {
         let other = if other.shape() == self.shape() { other.clone() } else { other.broadcast_to(self.shape()).map_err(|_| Error::ShapeMismatch { op, lhs: self.shape().to_vec(), rhs: other.shape().to_vec() })? };
         let want_f64 = self.dtype() == DType::F64;
+        {
+            // Same compute type: one (pooled) gather, no intermediate copy.
+            let data = other.storage().read();
+            match (&*data, want_f64) {
+                (CpuData::F32(v), false) => return Ok(FloatVec::F32(gather(other.layout(), v))),
+                (CpuData::F64(v), true) => return Ok(FloatVec::F64(gather(other.layout(), v))),
+                _ => {}
+            }
+        }
         let v = other.with_float_slice(|s| match (s, want_f64) {
-            (FloatSlice::F32(x), false) => FloatVec::F32(x.to_vec()),
-            (FloatSlice::F64(x), true) => FloatVec::F64(x.to_vec()),
+            (FloatSlice::F32(x), false) => FloatVec::F32(crate::pool::copied(x)),
+            (FloatSlice::F64(x), true) => FloatVec::F64(crate::pool::copied(x)),
             (FloatSlice::F32(x), true) => FloatVec::F64(x.iter().map(|&v| v as f64).collect()),
             (FloatSlice::F64(x), false) => FloatVec::F32(x.iter().map(|&v| v as f32).collect()),
         })?;
@@ -576,12 +605,12 @@ impl Tensor {
 }
 
 /// Gathers the elements a layout selects into a contiguous vector.
-pub(crate) fn gather<T: Copy + Send + Sync + Default>(layout: &Layout, src: &[T]) -> Vec<T> {
+pub(crate) fn gather<T: crate::pool::Pooled + Sync>(layout: &Layout, src: &[T]) -> Vec<T> {
     let n = layout.numel();
     if layout.is_contiguous() {
-        return src[layout.offset()..layout.offset() + n].to_vec();
+        return crate::pool::copied(&src[layout.offset()..layout.offset() + n]);
     }
-    let mut out = vec![T::default(); n];
+    let mut out = crate::pool::take::<T>(n);
     elementwise::strided_copy(layout.shape(), src, layout.offset(), layout.strides(), &mut out);
     out
 }

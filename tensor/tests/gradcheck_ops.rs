@@ -285,6 +285,21 @@ fn matmul_shapes_and_layouts() {
     });
 }
 
+#[test]
+fn linear_with_and_without_bias() {
+    run_cases("linear_with_and_without_bias", |c| {
+        let (rows, n_in, n_out, b1) = (c.range(1, 4), c.range(1, 4), c.range(1, 4), c.range(1, 3));
+        let (x, w, b) = (c.randn(&[b1, rows, n_in]), c.randn(&[n_out, n_in]), c.randn(&[n_out]));
+        c.check("linear with bias", |t| t[0].linear(&t[1], Some(&t[2])), &[x.clone(), w.clone(), b.clone()])?;
+        c.check("linear without bias", |t| t[0].linear(&t[1], None), &[x.clone(), w.clone()])?;
+        let v = c.randn(&[n_in]);
+        c.check("linear on a vector", |t| t[0].linear(&t[1], Some(&t[2])), &[v, w.clone(), b.clone()])?;
+        // A transposed input and weight take the composed path; same answer.
+        let (xt, wt) = (c.randn(&[n_in, rows]), c.randn(&[n_in, n_out]));
+        c.check("linear strided operands", |t| t[0].transpose(0, 1)?.linear(&t[1].t()?, Some(&t[2])), &[xt, wt, b])
+    });
+}
+
 // ------------------------------------------------------------------------------ reductions
 
 #[test]
@@ -581,8 +596,12 @@ fn scaled_dot_product_attention() {
                 let part = |i: usize| qkv.narrow(0, i, 1)?.squeeze(0);
                 Tensor::scaled_dot_product_attention(&part(0)?, &part(1)?, &part(2)?, None, true, None)?.transpose(1, 2)?.reshape(&[b, t, h * hd])
             },
-            &[packed],
-        )
+            &[packed.clone()],
+        )?;
+        for causal in [false, true] {
+            c.check(&format!("scaled_dot_product_attention_packed causal {causal}"), move |x| Tensor::scaled_dot_product_attention_packed(&x[0], h, causal, None), &[packed.clone()])?;
+        }
+        Ok(())
     });
 }
 

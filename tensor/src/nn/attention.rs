@@ -60,6 +60,11 @@ impl MultiHeadAttention {
         let (b, t) = (x.shape()[0], x.shape()[1]);
         let h = self.n_heads;
         let d = c / h;
+        if mask.is_none() {
+            // One fused op from the packed projection to the merged heads.
+            let y = Tensor::scaled_dot_product_attention_packed(&self.qkv.forward(x)?, h, self.causal, None)?;
+            return self.dropout.forward(&self.proj.forward(&y)?, rng);
+        }
         // [B, T, 3C] -> [B, T, 3, H, D] -> [3, B, H, T, D]: q, k, v are views, no copy.
         let qkv = self.qkv.forward(x)?.reshape(&[b, t, 3, h, d])?.permute(&[2, 0, 3, 1, 4])?;
         let q = qkv.narrow(0, 0, 1)?.squeeze(0)?;

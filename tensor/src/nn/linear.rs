@@ -88,11 +88,7 @@ impl Linear {
         if x.rank() == 0 || x.shape()[x.rank() - 1] != self.in_features() {
             return Err(Error::ShapeMismatch { op: "Linear", lhs: x.shape().to_vec(), rhs: self.weight.shape().to_vec() });
         }
-        let y = x.matmul(&self.weight.t()?)?;
-        match &self.bias {
-            Some(b) => y.add(b),
-            None => Ok(y),
-        }
+        x.linear(&self.weight, self.bias.as_ref())
     }
 }
 

@@ -1,7 +1,10 @@
 //! Scaled dot-product attention, `softmax(q·kᵀ·scale, masked)·v`: two batched matmuls (the
 //! first on a transposed view of k, which costs no copy) around one fused op that scales, masks
 //! and softmaxes each score row in a single pass, with its own backward
-//! `dx = scale · y ⊙ (dy − Σ dy ⊙ y)`.
+//! `dx = scale · y ⊙ (dy − Σ dy ⊙ y)`. Without a user mask, when q, k and v are f32/f64 with the
+//! same batch dims (multi-head attention), the fused kernel `rtx_kernels::attention` runs instead:
+//! per head, blocked over queries, skipping the causally masked key blocks, with no `[.., Tq, Tk]`
+//! score tensor between ops; the composed path stays the reference for masks and broadcasting.
 //!
 //! Mask convention (as the boolean `attn_mask` of `torch.nn.functional.scaled_dot_product_attention`):
 //! a u32 mask broadcastable to `[.., Tq, Tk]` whose **non-zero entries attend** and whose zeros are
@@ -16,8 +19,10 @@ use crate::error::{Error, Result};
 use crate::layout::{broadcast_shape, contiguous_strides};
 use crate::ops::binary::compute_form;
 use crate::ops::norm::{with_two_slices, Compute};
-use crate::tensor::Tensor;
+use crate::tensor::{Element, Tensor};
 use rayon::prelude::*;
+use rtx_kernels::attention::{self, AttentionSpec, Heads};
+use rtx_kernels::elementwise::strided_copy;
 use rtx_kernels::threading::should_parallelize;
 use rtx_kernels::{DType, Float};
 
@@ -53,12 +58,184 @@ impl Tensor {
         if !scale.is_finite() {
             return Err(Error::InvalidArgument { op: OP, reason: format!("scale {scale} is not finite") });
         }
+        if mask.is_none() && matches!(q.dtype(), DType::F32 | DType::F64) && batch_of(q) == batch_of(k) && batch_of(q) == batch_of(v) {
+            return if q.dtype() == DType::F64 { fused::<f64>(q, k, v, causal, scale) } else { fused::<f32>(q, k, v, causal, scale) };
+        }
         let plan = mask_plan(OP, mask, causal, &scores_shape)?;
 
         let scores = q.matmul(&k.transpose(-2, -1)?)?;
         debug_assert_eq!(scores.shape(), scores_shape.as_slice());
         let probs = if q.dtype() == DType::F64 { masked_softmax::<f64>(&scores, plan, scale)? } else { masked_softmax::<f32>(&scores, plan, scale)? };
         probs.matmul(v)
+    }
+}
+
+impl Tensor {
+    /// Multi-head self-attention on a packed projection: `qkv` is `[B, T, 3·C]` holding, per
+    /// position, the queries, keys and values of all `n_heads` heads (`C = n_heads · D`, the
+    /// layout of one `[C → 3C]` linear layer); returns `[B, T, C]` with the heads side by side,
+    /// ready for the output projection. The same as splitting `qkv` into `[B, H, T, D]` views,
+    /// calling [`Tensor::scaled_dot_product_attention`] and merging the heads back, but one op:
+    /// its gradient is written straight into `[B, T, 3·C]`, with no per-view zero-padded
+    /// gradients to sum. f32/f64; other dtypes take the composed path.
+    #[allow(clippy::manual_is_multiple_of, reason = "is_multiple_of needs Rust 1.87; the workspace says 1.85")]
+    pub fn scaled_dot_product_attention_packed(qkv: &Tensor, n_heads: usize, causal: bool, scale: Option<f64>) -> Result<Tensor> {
+        const OP: &str = "scaled_dot_product_attention_packed";
+        check_float(OP, qkv)?;
+        if qkv.rank() != 3 || n_heads == 0 || qkv.shape()[2] % (3 * n_heads) != 0 {
+            return Err(Error::BadShape { op: OP, shape: qkv.shape().to_vec(), reason: format!("expected [B, T, 3·C] with C a multiple of {n_heads} heads") });
+        }
+        let (b, t, c) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
+        let d = c / n_heads;
+        if !matches!(qkv.dtype(), DType::F32 | DType::F64) {
+            let split = qkv.reshape(&[b, t, 3, n_heads, d])?.permute(&[2, 0, 3, 1, 4])?;
+            let part = |i: usize| split.narrow(0, i, 1)?.squeeze(0);
+            let y = Tensor::scaled_dot_product_attention(&part(0)?, &part(1)?, &part(2)?, None, causal, scale)?;
+            return y.transpose(1, 2)?.reshape(&[b, t, c]);
+        }
+        let scale = scale.unwrap_or_else(|| 1.0 / (d.max(1) as f64).sqrt());
+        if !scale.is_finite() {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("scale {scale} is not finite") });
+        }
+        let qkv = qkv.contiguous()?;
+        if qkv.dtype() == DType::F64 {
+            packed::<f64>(&qkv, b, t, n_heads, d, causal, scale)
+        } else {
+            packed::<f32>(&qkv, b, t, n_heads, d, causal, scale)
+        }
+    }
+}
+
+/// [`Tensor::scaled_dot_product_attention_packed`] on a contiguous f32/f64 `qkv`.
+fn packed<T: Compute + Element>(qkv: &Tensor, b: usize, t: usize, h: usize, d: usize, causal: bool, scale: f64) -> Result<Tensor> {
+    const OP: &str = "scaled_dot_product_attention_packed";
+    let c = h * d;
+    let spec = AttentionSpec { tq: t, tk: t, d, dv: d, causal, scale };
+    let n_heads = b * h;
+    let base = qkv.layout().offset();
+    // Head (bi, hi) of part `s` (0 = q, 1 = k, 2 = v) starts at row 0 of batch bi, column
+    // s·C + hi·D; rows are 3·C apart.
+    let part = |s: usize| -> Vec<usize> { (0..n_heads).map(|i| base + (i / h) * t * 3 * c + s * c + (i % h) * d).collect() };
+    let (oq, ok, ov) = (part(0), part(1), part(2));
+    let mut out_heads = crate::pool::take::<T>(n_heads * t * d);
+    let mut probs = crate::pool::take::<T>(n_heads * t * t);
+    {
+        let data = qkv.storage().read();
+        let x = T::slice(&data).ok_or(Error::UnsupportedDType { op: OP, dtype: qkv.dtype() })?;
+        attention::attention_forward(spec, packed_heads(x, &oq, 3 * c), packed_heads(x, &ok, 3 * c), packed_heads(x, &ov, 3 * c), &mut out_heads, &mut probs)?;
+    }
+    // [B, H, T, D] -> [B, T, H, D].
+    let mut out = crate::pool::take::<T>(n_heads * t * d);
+    strided_copy(&[b, t, h, d], &out_heads, 0, &[h * t * d, d, t * d, 1], &mut out);
+    crate::pool::give(out_heads);
+    let probs = Tensor::from_vec(probs, &[n_heads * t * t])?;
+    let dtype = qkv.dtype();
+    let x = qkv.detach();
+    Tensor::from_op(T::wrap(out), &[b, t, c], dtype, OP, &[qkv], move |g: &Tensor, _: &Tensor| {
+        let g = compute_form(g)?;
+        // One buffer [3, B, H, T, D] for dq, dk, dv; then one gather into [B, T, 3, H, D].
+        let per = n_heads * t * d;
+        let mut grads = crate::pool::take::<T>(3 * per);
+        g.with_float_slice(|gs| -> Result<()> {
+            let gs = T::pick(gs).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: g.dtype() })?;
+            let og: Vec<usize> = (0..n_heads).map(|i| (i / h) * t * c + (i % h) * d).collect();
+            let data = x.storage().read();
+            let sp = probs.storage().read();
+            let (Some(xs), Some(ps)) = (T::slice(&data), T::slice(&sp)) else {
+                return Err(Error::UnsupportedDType { op: OP, dtype });
+            };
+            let (dq, rest) = grads.split_at_mut(per);
+            let (dk, dv) = rest.split_at_mut(per);
+            attention::attention_backward(spec, packed_heads(xs, &oq, 3 * c), packed_heads(xs, &ok, 3 * c), packed_heads(xs, &ov, 3 * c), ps, Heads { data: gs, offsets: &og, row_stride: c }, dq, dk, dv)?;
+            Ok(())
+        })??;
+        let mut dqkv = crate::pool::take::<T>(3 * per);
+        strided_copy(&[b, t, 3, h, d], &grads, 0, &[h * t * d, d, per, t * d, 1], &mut dqkv);
+        crate::pool::give(grads);
+        Ok(vec![Some(Tensor::from_data(T::wrap(dqkv).into_data(dtype), &[b, t, 3 * c])?)])
+    })
+}
+
+fn packed_heads<'a, T>(data: &'a [T], offsets: &'a [usize], row_stride: usize) -> Heads<'a, T> {
+    Heads { data, offsets, row_stride }
+}
+
+/// The fused path (`rtx_kernels::attention`): no user mask, one dtype, equal batch dims. Rows
+/// need unit column stride; an operand without it is made contiguous first.
+fn fused<T: Compute + Element>(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Result<Tensor> {
+    const OP: &str = "scaled_dot_product_attention";
+    let unit_cols = |t: &Tensor| -> Result<Tensor> { if t.layout().strides()[t.rank() - 1] == 1 || t.shape()[t.rank() - 1] <= 1 { Ok(t.clone()) } else { t.contiguous() } };
+    let (q, k, v) = (unit_cols(q)?, unit_cols(k)?, unit_cols(v)?);
+    let rank = q.rank();
+    let batch = q.shape()[..rank - 2].to_vec();
+    let (tq, d) = (q.shape()[rank - 2], q.shape()[rank - 1]);
+    let (tk, dv) = (k.shape()[rank - 2], v.shape()[rank - 1]);
+    let spec = AttentionSpec { tq, tk, d, dv, causal, scale };
+    let (qh, kh, vh) = (HeadLayout::of(&q), HeadLayout::of(&k), HeadLayout::of(&v));
+    let n_heads = qh.offsets.len();
+    let mut out = crate::pool::take::<T>(n_heads * tq * dv);
+    let mut probs = crate::pool::take::<T>(n_heads * tq * tk);
+    {
+        let (dq, dk, dvd) = (q.storage().read(), k.storage().read(), v.storage().read());
+        let (sq, sk, sv) = (T::slice(&dq), T::slice(&dk), T::slice(&dvd));
+        let (Some(sq), Some(sk), Some(sv)) = (sq, sk, sv) else {
+            return Err(Error::UnsupportedDType { op: OP, dtype: q.dtype() });
+        };
+        attention::attention_forward(spec, qh.heads(sq), kh.heads(sk), vh.heads(sv), &mut out, &mut probs)?;
+    }
+    let probs = Tensor::from_vec(probs, &[n_heads * tq * tk])?;
+    let mut shape = batch;
+    shape.extend_from_slice(&[tq, dv]);
+    let dtype = q.dtype();
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    Tensor::from_op(T::wrap(out), &shape, dtype, OP, &[&q, &k, &v], move |g: &Tensor, _: &Tensor| {
+        let mut dq = crate::pool::take::<T>(n_heads * tq * d);
+        let mut dk = crate::pool::take::<T>(n_heads * tk * d);
+        let mut dvv = crate::pool::take::<T>(n_heads * tk * dv);
+        let g = compute_form(g)?;
+        g.with_float_slice(|gs| -> Result<()> {
+            let gs = T::pick(gs).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: g.dtype() })?;
+            let (sq, sk, sv, sp) = (qd.storage().read(), kd.storage().read(), vd.storage().read(), probs.storage().read());
+            let (Some(sq), Some(sk), Some(sv), Some(sp)) = (T::slice(&sq), T::slice(&sk), T::slice(&sv), T::slice(&sp)) else {
+                return Err(Error::UnsupportedDType { op: OP, dtype });
+            };
+            let g_offsets: Vec<usize> = (0..n_heads).map(|h| h * tq * dv).collect();
+            let gh = Heads { data: gs, offsets: &g_offsets, row_stride: dv };
+            attention::attention_backward(spec, qh.heads(sq), kh.heads(sk), vh.heads(sv), sp, gh, &mut dq, &mut dk, &mut dvv)?;
+            Ok(())
+        })??;
+        let grad = |v: Vec<T>, like: &Tensor| Tensor::from_data(T::wrap(v).into_data(dtype), like.shape());
+        Ok(vec![Some(grad(dq, &qd)?), Some(grad(dk, &kd)?), Some(grad(dvv, &vd)?)])
+    })
+}
+
+/// Where each `[T, D]` block of a tensor starts and how far apart its rows are.
+struct HeadLayout {
+    offsets: Vec<usize>,
+    row_stride: usize,
+}
+
+impl HeadLayout {
+    fn of(t: &Tensor) -> HeadLayout {
+        let l = t.layout();
+        let rank = l.rank();
+        let batch = &l.shape()[..rank - 2];
+        let n: usize = batch.iter().product();
+        let offsets = (0..n)
+            .map(|mut idx| {
+                let mut off = l.offset();
+                for dim in (0..batch.len()).rev() {
+                    off += (idx % batch[dim]) * l.strides()[dim];
+                    idx /= batch[dim];
+                }
+                off
+            })
+            .collect();
+        HeadLayout { offsets, row_stride: l.strides()[rank - 2] }
+    }
+
+    fn heads<'a, T>(&'a self, data: &'a [T]) -> Heads<'a, T> {
+        Heads { data, offsets: &self.offsets, row_stride: self.row_stride }
     }
 }
 
@@ -143,7 +320,7 @@ fn masked_softmax<T: Compute>(scores: &Tensor, plan: Option<MaskPlan>, scale: f6
     let sc = T::from_f64_lossy(scale);
     let values = scores.with_float_slice(|s| {
         T::pick(s).map(|x| {
-            let mut out = vec![T::zero(); x.len()];
+            let mut out = crate::pool::take::<T>(x.len());
             let plan = plan.as_ref();
             for_rows(tk, &mut out, |r, dst| masked_softmax_row(&x[r * tk..(r + 1) * tk], plan.map(|p| p.row(r)), sc, dst));
             out
@@ -154,7 +331,7 @@ fn masked_softmax<T: Compute>(scores: &Tensor, plan: Option<MaskPlan>, scale: f6
     Tensor::from_op(T::wrap(values), scores.shape(), dtype, OP, &[scores], move |g: &Tensor, y: &Tensor| {
         let y = compute_form(y)?;
         let dx = with_two_slices::<T, _>(OP, &y, g, |ys, gs| {
-            let mut dx = vec![T::zero(); ys.len()];
+            let mut dx = crate::pool::take::<T>(ys.len());
             for_rows(tk, &mut dx, |r, dst| {
                 let (yr, gr) = (&ys[r * tk..(r + 1) * tk], &gs[r * tk..(r + 1) * tk]);
                 let dot = yr.iter().zip(gr).fold(T::zero(), |a, (&p, &q)| a + p * q);
@@ -250,6 +427,75 @@ mod tests {
         let pad = Tensor::from_vec(vec![1u32, 1, 1, 0], &[tk]).unwrap();
         let both = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&pad), true, None).unwrap();
         assert!(close(&both.to_f64_vec().unwrap(), &naive(&qv, &kv, &vv, tq, tk, d, dv, |i, j| j <= i && j < 3)));
+    }
+
+    /// Output and q/k/v gradients of `Σ sdpa(q, k, v) ⊙ w`, through the fused path (no mask) or
+    /// the composed one (an all-ones mask).
+    fn sdpa_and_grads(q: &Tensor, k: &Tensor, v: &Tensor, w: &Tensor, causal: bool, composed: bool) -> Vec<Vec<f64>> {
+        let (q, k, v) = (q.detach().requires_grad(true), k.detach().requires_grad(true), v.detach().requires_grad(true));
+        let rank = q.rank();
+        let ones = Tensor::ones(&[q.shape()[rank - 2], k.shape()[rank - 2]], DType::F32).ne(&Tensor::zeros(&[], DType::F32)).unwrap();
+        let out = Tensor::scaled_dot_product_attention(&q, &k, &v, composed.then_some(&ones), causal, None).unwrap();
+        out.mul(w).unwrap().sum_all().unwrap().backward().unwrap();
+        vec![out.to_f64_vec().unwrap(), q.grad().unwrap().to_f64_vec().unwrap(), k.grad().unwrap().to_f64_vec().unwrap(), v.grad().unwrap().to_f64_vec().unwrap()]
+    }
+
+    #[test]
+    fn fused_path_matches_composed_path_forward_and_backward() {
+        let mut g = Generator::new(21);
+        for dtype in [DType::F64, DType::F32] {
+            let tol = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
+            for &(tq, tk, d, dv) in &[(37usize, 45usize, 5usize, 7usize), (45, 37, 3, 2), (64, 64, 16, 16), (1, 3, 1, 1), (33, 33, 8, 8)] {
+                for causal in [false, true] {
+                    let q = Tensor::randn(&[2, 3, tq, d], 0.0, 1.0, dtype, &mut g).unwrap();
+                    let k = Tensor::randn(&[2, 3, tk, d], 0.0, 1.0, dtype, &mut g).unwrap();
+                    let v = Tensor::randn(&[2, 3, tk, dv], 0.0, 1.0, dtype, &mut g).unwrap();
+                    let w = Tensor::randn(&[2, 3, tq, dv], 0.0, 1.0, dtype, &mut g).unwrap();
+                    let fused = sdpa_and_grads(&q, &k, &v, &w, causal, false);
+                    let composed = sdpa_and_grads(&q, &k, &v, &w, causal, true);
+                    for (what, (a, b)) in ["out", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&composed)) {
+                        assert_eq!(a.len(), b.len());
+                        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f64::max);
+                        assert!(worst < tol, "{what} {dtype} {tq}x{tk}x{d}x{dv} causal {causal}: {worst}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packed_attention_matches_split_views_forward_and_backward() {
+        let mut g = Generator::new(22);
+        for dtype in [DType::F64, DType::F32] {
+            let tol = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
+            for &(b, t, h, d) in &[(2usize, 37usize, 3usize, 5usize), (1, 64, 4, 16), (3, 1, 1, 1), (2, 33, 2, 8)] {
+                for causal in [false, true] {
+                    let x = Tensor::randn(&[b, t, 3 * h * d], 0.0, 1.0, dtype, &mut g).unwrap();
+                    let w = Tensor::randn(&[b, t, h * d], 0.0, 1.0, dtype, &mut g).unwrap();
+                    let run = |packed: bool| -> Vec<Vec<f64>> {
+                        let x = x.detach().requires_grad(true);
+                        let y = if packed {
+                            Tensor::scaled_dot_product_attention_packed(&x, h, causal, None).unwrap()
+                        } else {
+                            let s = x.reshape(&[b, t, 3, h, d]).unwrap().permute(&[2, 0, 3, 1, 4]).unwrap();
+                            let part = |i: usize| s.narrow(0, i, 1).unwrap().squeeze(0).unwrap();
+                            let ones = Tensor::ones(&[t, t], DType::F32).ne(&Tensor::zeros(&[], DType::F32)).unwrap();
+                            // The all-ones mask forces the composed (unfused) reference path.
+                            let a = Tensor::scaled_dot_product_attention(&part(0), &part(1), &part(2), Some(&ones), causal, None).unwrap();
+                            a.transpose(1, 2).unwrap().reshape(&[b, t, h * d]).unwrap()
+                        };
+                        y.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+                        vec![y.to_f64_vec().unwrap(), x.grad().unwrap().to_f64_vec().unwrap()]
+                    };
+                    let (p, r) = (run(true), run(false));
+                    for (what, (a, e)) in ["out", "dqkv"].iter().zip(p.iter().zip(&r)) {
+                        assert_eq!(a.len(), e.len());
+                        let worst = a.iter().zip(e).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f64::max);
+                        assert!(worst < tol, "{what} {dtype} b{b} t{t} h{h} d{d} causal {causal}: {worst}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

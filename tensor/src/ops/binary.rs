@@ -80,12 +80,12 @@ pub(crate) fn broadcast_apply<F: ZipFn>(op: &'static str, a: &Tensor, b: &Tensor
     let (da, db) = (a.storage().read(), b.storage().read());
     let out = match (&*da, &*db) {
         (CpuData::F32(x), CpuData::F32(y)) => {
-            let mut o = vec![0f32; n];
+            let mut o = crate::pool::take::<f32>(n);
             broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q));
             FloatVec::F32(o)
         }
         (CpuData::F64(x), CpuData::F64(y)) => {
-            let mut o = vec![0f64; n];
+            let mut o = crate::pool::take::<f64>(n);
             broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q));
             FloatVec::F64(o)
         }
@@ -102,7 +102,7 @@ fn compare<F: CmpFn>(op: &'static str, a: &Tensor, b: &Tensor, f: F) -> Result<T
     let la = a.layout().broadcast_to(&shape)?;
     let lb = b.layout().broadcast_to(&shape)?;
     let n: usize = shape.iter().product();
-    let mut o = vec![0u32; n];
+    let mut o = crate::pool::take::<u32>(n);
     let (da, db) = (a.storage().read(), b.storage().read());
     match (&*da, &*db) {
         (CpuData::F32(x), CpuData::F32(y)) => broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q) as u32),

@@ -72,7 +72,7 @@ impl Tensor {
         Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), dtype, OP, &[self], move |g: &Tensor, _: &Tensor| {
             let numel: usize = in_shape.iter().product();
             let grad = crate::float_map!(compute_form(g)?, |gs: T| {
-                let mut dst = vec![T::default(); numel];
+                let mut dst = crate::pool::zeroed::<T>(numel);
                 for (&o, &v) in offsets.iter().zip(gs) {
                     dst[o] += v;
                 }
@@ -144,9 +144,9 @@ fn take_rows<T: Copy>(src: &[T], base: usize, outer: usize, size: usize, inner: 
 }
 
 /// The adjoint of [`take_rows`]: `dst[o, idx[j], :] += g[o, j, :]`, in order.
-fn scatter_add_rows<T: Float>(g: &[T], outer: usize, size: usize, inner: usize, idx: &[u32]) -> Vec<T> {
+fn scatter_add_rows<T: Float + crate::pool::Pooled>(g: &[T], outer: usize, size: usize, inner: usize, idx: &[u32]) -> Vec<T> {
     assert_eq!(g.len(), outer * idx.len() * inner, "scatter_add_rows: gradient length");
-    let mut dst = vec![T::zero(); outer * size * inner];
+    let mut dst = crate::pool::zeroed::<T>(outer * size * inner);
     let mut rows = g.chunks_exact(inner.max(1));
     for o in 0..outer {
         for &i in idx {

@@ -10,7 +10,7 @@ use crate::storage::CpuData;
 use crate::tensor::{FloatVec, Tensor};
 use rayon::prelude::*;
 use rtx_kernels::matmul::{matmul, Operand};
-use rtx_kernels::Float;
+use rtx_kernels::{DType, Float};
 
 /// Element offsets of every batch index of a layout broadcast to `batch`.
 fn batch_offsets(batch: &[usize], shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize> {
@@ -35,9 +35,9 @@ fn batch_offsets(batch: &[usize], shape: &[usize], strides: &[usize], offset: us
 }
 
 #[allow(clippy::too_many_arguments)]
-fn batched<T: Float>(m: usize, n: usize, k: usize, a: &[T], a_offs: &[usize], a_rs: usize, a_cs: usize, b: &[T], b_offs: &[usize], b_rs: usize, b_cs: usize) -> Result<Vec<T>> {
+fn batched<T: Float + crate::pool::Pooled>(m: usize, n: usize, k: usize, a: &[T], a_offs: &[usize], a_rs: usize, a_cs: usize, b: &[T], b_offs: &[usize], b_rs: usize, b_cs: usize) -> Result<Vec<T>> {
     let n_batch = a_offs.len();
-    let mut out = vec![T::zero(); n_batch * m * n];
+    let mut out = crate::pool::take::<T>(n_batch * m * n);
     if m * n == 0 {
         return Ok(out);
     }
@@ -101,4 +101,78 @@ impl Tensor {
             Ok(vec![ga, gb])
         })
     }
+    /// A fully connected layer, `self · weightᵀ + bias` over the last dim (`weight` is
+    /// `[out, in]`, `bias` `[out]`, as `torch.nn.functional.linear`). For f32/f64 the bias is
+    /// the starting value of one gemm (no separate add pass), and the backward writes the weight
+    /// gradient directly in `[out, in]` layout; other cases compose `matmul` and `add`.
+    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        const OP: &str = "linear";
+        check_same(OP, self, weight)?;
+        super::check_float(OP, self)?;
+        if weight.rank() != 2 || self.rank() == 0 || self.shape()[self.rank() - 1] != weight.shape()[1] {
+            return Err(Error::ShapeMismatch { op: OP, lhs: self.shape().to_vec(), rhs: weight.shape().to_vec() });
+        }
+        let (n_in, n_out) = (weight.shape()[1], weight.shape()[0]);
+        if let Some(b) = bias {
+            check_same(OP, self, b)?;
+            if b.shape() != [n_out] {
+                return Err(Error::ShapeMismatch { op: OP, lhs: weight.shape().to_vec(), rhs: b.shape().to_vec() });
+            }
+        }
+        let fast = matches!(self.dtype(), DType::F32 | DType::F64) && self.is_contiguous() && weight.is_contiguous() && bias.is_none_or(|b| b.is_contiguous());
+        if !fast {
+            let y = self.matmul(&weight.t()?)?;
+            return match bias {
+                Some(b) => y.add(b),
+                None => Ok(y),
+            };
+        }
+        let rows: usize = self.shape()[..self.rank() - 1].iter().product();
+        let values = match self.dtype() {
+            DType::F64 => FloatVec::F64(linear_forward::<f64>(self, weight, bias, rows, n_in, n_out)?),
+            _ => FloatVec::F32(linear_forward::<f32>(self, weight, bias, rows, n_in, n_out)?),
+        };
+        let mut shape = self.shape().to_vec();
+        *shape.last_mut().ok_or(Error::BadShape { op: OP, shape: vec![], reason: "needs a feature dim".into() })? = n_out;
+        let (x, w) = (self.detach(), weight.detach());
+        let (want_x, want_w, want_b, has_b) = (self.is_requires_grad(), weight.is_requires_grad(), bias.is_some_and(|b| b.is_requires_grad()), bias.is_some());
+        let mut inputs = vec![self, weight];
+        inputs.extend(bias);
+        Tensor::from_op(values, &shape, self.dtype(), OP, &inputs, move |g: &Tensor, _: &Tensor| {
+            let g2 = g.reshape(&[rows, n_out])?;
+            let gx = if want_x { Some(g2.matmul(&w)?.reshape(x.shape())?) } else { None };
+            let gw = if want_w { Some(g2.t()?.matmul(&x.reshape(&[rows, n_in])?)?) } else { None };
+            let mut grads = vec![gx, gw];
+            if has_b {
+                grads.push(if want_b { Some(g2.sum(&[0], false)?) } else { None });
+            }
+            Ok(grads)
+        })
+    }
+}
+
+/// `x · wᵀ (+ b)` for contiguous operands: rows start as copies of `b`, then one gemm adds the
+/// product into them.
+fn linear_forward<T: Float + crate::pool::Pooled + crate::tensor::Element>(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize, n_in: usize, n_out: usize) -> Result<Vec<T>> {
+    let mut out = crate::pool::take::<T>(rows * n_out);
+    let (dx, dw) = (x.storage().read(), w.storage().read());
+    let (Some(xs), Some(ws)) = (T::slice(&dx), T::slice(&dw)) else {
+        return Err(Error::DTypeMismatch { op: "linear", lhs: x.dtype(), rhs: w.dtype() });
+    };
+    let accumulate = match b {
+        Some(b) => {
+            let db = b.storage().read();
+            let bs = T::slice(&db).ok_or(Error::DTypeMismatch { op: "linear", lhs: x.dtype(), rhs: b.dtype() })?;
+            let bs = &bs[b.layout().offset()..b.layout().offset() + n_out];
+            for row in out.chunks_mut(n_out.max(1)) {
+                row.copy_from_slice(bs);
+            }
+            true
+        }
+        None => false,
+    };
+    let lhs = Operand { offset: x.layout().offset(), row_stride: n_in, col_stride: 1 };
+    let rhs = Operand { offset: w.layout().offset(), row_stride: 1, col_stride: n_in };
+    matmul(rows, n_out, n_in, xs, lhs, ws, rhs, &mut out, 0, accumulate)?;
+    Ok(out)
 }

@@ -40,7 +40,7 @@ impl Tensor {
 
 /// A compute type (f32 for f32/bf16 tensors, f64 for f64 ones) and how to reach a tensor's
 /// elements in it.
-pub(crate) trait Compute: Float {
+pub(crate) trait Compute: Float + crate::pool::Pooled {
     /// The slice when `s` holds this type.
     fn pick(s: FloatSlice<'_>) -> Option<&[Self]>;
     /// Wraps results.
@@ -130,7 +130,7 @@ fn layer_norm_typed<T: Compute>(x: &Tensor, n: usize, weight: Option<&Tensor>, b
     let mut rstd = vec![T::zero(); rows];
     let y = x.with_float_slice(|s| {
         T::pick(s).map(|xs| {
-            let mut y = vec![T::zero(); xs.len()];
+            let mut y = crate::pool::take::<T>(xs.len());
             k::layer_norm_forward(xs, n, w.as_deref(), b.as_deref(), T::from_f64_lossy(eps), &mut y, &mut mean, &mut rstd);
             y
         })
@@ -147,7 +147,7 @@ fn layer_norm_typed<T: Compute>(x: &Tensor, n: usize, weight: Option<&Tensor>, b
     let dtype = x.dtype();
     Tensor::from_op(T::wrap(y), x.shape(), dtype, OP, &inputs, move |g: &Tensor, _: &Tensor| {
         let (dx, dw, db) = with_two_slices::<T, _>(OP, &input, g, |xs, gs| {
-            let mut dx = vec![T::zero(); xs.len()];
+            let mut dx = crate::pool::take::<T>(xs.len());
             let mut dw = want_w.then(|| vec![T::zero(); n]);
             let mut db = want_b.then(|| vec![T::zero(); n]);
             k::layer_norm_backward(xs, n, w.as_deref(), &mean, &rstd, gs, &mut dx, dw.as_deref_mut(), db.as_deref_mut());
@@ -171,7 +171,7 @@ fn rms_norm_typed<T: Compute>(x: &Tensor, n: usize, weight: Option<&Tensor>, eps
     let mut rstd = vec![T::zero(); rows];
     let y = x.with_float_slice(|s| {
         T::pick(s).map(|xs| {
-            let mut y = vec![T::zero(); xs.len()];
+            let mut y = crate::pool::take::<T>(xs.len());
             k::rms_norm_forward(xs, n, w.as_deref(), T::from_f64_lossy(eps), &mut y, &mut rstd);
             y
         })
@@ -187,7 +187,7 @@ fn rms_norm_typed<T: Compute>(x: &Tensor, n: usize, weight: Option<&Tensor>, eps
     let dtype = x.dtype();
     Tensor::from_op(T::wrap(y), x.shape(), dtype, OP, &inputs, move |g: &Tensor, _: &Tensor| {
         let (dx, dw) = with_two_slices::<T, _>(OP, &input, g, |xs, gs| {
-            let mut dx = vec![T::zero(); xs.len()];
+            let mut dx = crate::pool::take::<T>(xs.len());
             let mut dw = want_w.then(|| vec![T::zero(); n]);
             k::rms_norm_backward(xs, n, w.as_deref(), &rstd, gs, &mut dx, dw.as_deref_mut());
             (dx, dw)

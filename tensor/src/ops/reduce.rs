@@ -58,7 +58,7 @@ fn reduce_values(op_name: &'static str, x: &Tensor, dims: &[usize], op: RowOp) -
         let n_cols = x.numel() / n_rows.max(1);
         let mean = matches!(op, RowOp::Mean);
         return crate::float_map!(x, |s: T| {
-            let mut out = vec![T::default(); n_cols];
+            let mut out = crate::pool::zeroed::<T>(n_cols);
             if n_rows > 0 {
                 reduce::sum_cols(s, n_rows, n_cols, &mut out);
             }
@@ -72,7 +72,7 @@ fn reduce_values(op_name: &'static str, x: &Tensor, dims: &[usize], op: RowOp) -
     let _ = op_name;
     let (rows, n_rows, row_len) = as_rows(x, dims)?;
     crate::float_map!(rows, |s: T| {
-        let mut out = vec![T::default(); n_rows];
+        let mut out = crate::pool::zeroed::<T>(n_rows);
         reduce::rows(s, row_len, &mut out, op);
         out
     })

@@ -3,22 +3,16 @@
 
 use crate::error::{Error, Result};
 use crate::layout::normalize_dim;
+use crate::pool::{self, Pooled};
 use crate::storage::CpuData;
 use crate::tensor::Tensor;
 
 fn concat_data(parts: &[CpuData], outer: usize, inner: &[usize]) -> CpuData {
     macro_rules! join {
         ($variant:ident) => {{
-            let total: usize = inner.iter().sum::<usize>() * outer;
-            let mut out = Vec::with_capacity(total);
-            for o in 0..outer {
-                for (p, &w) in parts.iter().zip(inner) {
-                    if let CpuData::$variant(v) = p {
-                        out.extend_from_slice(&v[o * w..(o + 1) * w]);
-                    }
-                }
-            }
-            CpuData::$variant(out)
+            let slices: Vec<&[_]> = parts.iter().filter_map(|p| if let CpuData::$variant(v) = p { Some(v.as_slice()) } else { None }).collect();
+            debug_assert_eq!(slices.len(), parts.len(), "concat_data: mixed dtypes");
+            CpuData::$variant(join_blocks(&slices, outer, inner))
         }};
     }
     match parts.first() {
@@ -27,6 +21,21 @@ fn concat_data(parts: &[CpuData], outer: usize, inner: &[usize]) -> CpuData {
         Some(CpuData::U32(_)) => join!(U32),
         _ => join!(F32),
     }
+}
+
+/// For each of `outer` rows, the `inner[p]`-long block `o` of every part in turn.
+fn join_blocks<T: Pooled>(parts: &[&[T]], outer: usize, inner: &[usize]) -> Vec<T> {
+    let row: usize = inner.iter().sum();
+    let mut out = pool::take::<T>(row * outer);
+    let mut pos = 0;
+    for o in 0..outer {
+        for (p, &w) in parts.iter().zip(inner) {
+            out[pos..pos + w].copy_from_slice(&p[o * w..(o + 1) * w]);
+            pos += w;
+        }
+    }
+    debug_assert_eq!(pos, out.len());
+    out
 }
 
 impl Tensor {
@@ -45,6 +54,7 @@ impl Tensor {
         let inner: Vec<usize> = tensors.iter().map(|t| t.shape()[d..].iter().product()).collect();
         let parts: Vec<CpuData> = tensors.iter().map(|t| t.to_data()).collect();
         let data = concat_data(&parts, outer, &inner);
+        parts.into_iter().for_each(pool::give_data);
         let sizes: Vec<usize> = tensors.iter().map(|t| t.shape()[d]).collect();
         let mut shape = first.shape().to_vec();
         shape[d] = sizes.iter().sum();

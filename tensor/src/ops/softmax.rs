@@ -58,7 +58,7 @@ impl Tensor {
         }
         let n = self.shape()[last];
         let values = crate::float_map!(self, |x: T| {
-            let mut out = vec![T::default(); x.len()];
+            let mut out = crate::pool::take::<T>(x.len());
             if log {
                 k::log_softmax_rows(x, n, &mut out);
             } else {
@@ -72,12 +72,12 @@ impl Tensor {
             let dx = y.with_float_slice(|ys| {
                 g.with_float_slice(|gs| match (ys, gs) {
                     (FloatSlice::F32(a), FloatSlice::F32(b)) => {
-                        let mut o = vec![0f32; a.len()];
+                        let mut o = crate::pool::take::<f32>(a.len());
                         if log { k::log_softmax_backward_rows(a, b, n, &mut o) } else { k::softmax_backward_rows(a, b, n, &mut o) }
                         FloatVec::F32(o)
                     }
                     (FloatSlice::F64(a), FloatSlice::F64(b)) => {
-                        let mut o = vec![0f64; a.len()];
+                        let mut o = crate::pool::take::<f64>(a.len());
                         if log { k::log_softmax_backward_rows(a, b, n, &mut o) } else { k::softmax_backward_rows(a, b, n, &mut o) }
                         FloatVec::F64(o)
                     }
@@ -109,13 +109,13 @@ impl Tensor {
         let (losses, grad, counted) = match self.with_float_slice(|x| match x {
             FloatSlice::F32(x) => {
                 let mut l = vec![0f32; t.len()];
-                let mut g = if want_grad { vec![0f32; x.len()] } else { Vec::new() };
+                let mut g = if want_grad { crate::pool::zeroed::<f32>(x.len()) } else { Vec::new() };
                 let r = cross_entropy_rows(x, &t, spec, &mut l, want_grad.then_some(g.as_mut_slice()));
                 (FloatVec::F32(l), FloatVec::F32(g), r)
             }
             FloatSlice::F64(x) => {
                 let mut l = vec![0f64; t.len()];
-                let mut g = if want_grad { vec![0f64; x.len()] } else { Vec::new() };
+                let mut g = if want_grad { crate::pool::zeroed::<f64>(x.len()) } else { Vec::new() };
                 let r = cross_entropy_rows(x, &t, spec, &mut l, want_grad.then_some(g.as_mut_slice()));
                 (FloatVec::F64(l), FloatVec::F64(g), r)
             }

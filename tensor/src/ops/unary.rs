@@ -4,7 +4,9 @@
 use super::check_float;
 use crate::error::Result;
 use crate::tensor::{FloatSlice, FloatVec, Tensor};
-use rtx_kernels::{elementwise, Float};
+use rayon::prelude::*;
+use rtx_kernels::threading::{chunk_len, should_parallelize};
+use rtx_kernels::{elementwise, DType, Float};
 
 /// A unary function and its derivative, written once for every compute type. The derivative
 /// receives the input `x` and the output `y`.
@@ -74,15 +76,56 @@ map_fn!(
 pub(crate) fn unary<F: MapFn>(x: &Tensor, f: F) -> Result<Tensor> {
     check_float(F::NAME, x)?;
     let values = crate::float_map!(x, |s: T| {
-        let mut out = vec![T::default(); s.len()];
+        let mut out = crate::pool::take::<T>(s.len());
         elementwise::map(s, &mut out, move |v| f.f(v));
         out
     })?;
     let input = x.detach();
     Tensor::from_op(values, x.shape(), x.dtype(), F::NAME, &[x], move |g: &Tensor, out: &Tensor| {
+        if let Some(gx) = fused_backward(&input, out, g, f)? {
+            return Ok(vec![Some(gx)]);
+        }
         let d = derivative(&input, out, f)?;
         Ok(vec![Some(g.mul(&d)?)])
     })
+}
+
+/// `g ⊙ f'(x, y)` in one pass when `x`, `y` and `g` share an f32/f64 dtype and a shape (no
+/// derivative tensor in between); `None` otherwise.
+fn fused_backward<F: MapFn>(x: &Tensor, y: &Tensor, g: &Tensor, f: F) -> Result<Option<Tensor>> {
+    let dtype = x.dtype();
+    if !matches!(dtype, DType::F32 | DType::F64) || y.dtype() != dtype || g.dtype() != dtype || x.shape() != g.shape() || y.shape() != g.shape() {
+        return Ok(None);
+    }
+    let values = x.with_float_slice(|xs| {
+        y.with_float_slice(|ys| {
+            g.with_float_slice(|gs| match (xs, ys, gs) {
+                (FloatSlice::F32(a), FloatSlice::F32(b), FloatSlice::F32(c)) => Some(FloatVec::F32(grad_map(a, b, c, f))),
+                (FloatSlice::F64(a), FloatSlice::F64(b), FloatSlice::F64(c)) => Some(FloatVec::F64(grad_map(a, b, c, f))),
+                _ => None,
+            })
+        })
+    })???;
+    let Some(values) = values else { return Ok(None) };
+    Ok(Some(Tensor::from_data(values.into_data(dtype), x.shape())?))
+}
+
+/// `out[i] = g[i] · f'(x[i], y[i])`, split over the pool in fixed chunks when large.
+fn grad_map<T: Float + crate::pool::Pooled, F: MapFn>(x: &[T], y: &[T], g: &[T], f: F) -> Vec<T> {
+    assert!(x.len() == y.len() && x.len() == g.len(), "grad_map: length mismatch");
+    let mut out = crate::pool::take::<T>(x.len());
+    let run = |o: &mut [T], x: &[T], y: &[T], g: &[T]| {
+        for (((o, &a), &b), &c) in o.iter_mut().zip(x).zip(y).zip(g) {
+            *o = c * f.df(a, b);
+        }
+    };
+    if should_parallelize(x.len()) {
+        let n = chunk_len(x.len());
+        out.par_chunks_mut(n).zip(x.par_chunks(n)).zip(y.par_chunks(n)).zip(g.par_chunks(n)).for_each(|(((o, x), y), g)| run(o, x, y, g));
+    } else {
+        run(&mut out, x, y, g);
+    }
+    out
 }
 
 fn derivative<F: MapFn>(x: &Tensor, y: &Tensor, f: F) -> Result<Tensor> {
@@ -91,7 +134,7 @@ fn derivative<F: MapFn>(x: &Tensor, y: &Tensor, f: F) -> Result<Tensor> {
     let values = xs.with_float_slice(|xv| {
         ys.with_float_slice(|yv| match (xv, yv) {
             (FloatSlice::F32(a), FloatSlice::F32(b)) => {
-                let mut o = vec![0f32; a.len()];
+                let mut o = crate::pool::take::<f32>(a.len());
                 elementwise::zip_map(a, b, &mut o, move |p, q| f.df(p, q));
                 FloatVec::F32(o)
             }

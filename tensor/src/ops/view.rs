@@ -3,6 +3,8 @@
 
 use crate::error::{Error, Result};
 use crate::layout::{normalize_dim, Layout};
+use crate::pool::{self, Pooled};
+use crate::storage::{CpuData, Storage};
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -57,23 +59,7 @@ impl Tensor {
         let d = normalize_dim("narrow", dim, self.rank())?;
         let layout = self.layout().narrowed(d, start, len)?;
         let full = self.shape()[d];
-        Ok(Tensor::with_node(self.storage().clone(), layout, self.dtype(), "narrow", &[self], move |g: &Tensor, _: &Tensor| {
-            // Pad the gradient with zeros back to the full size.
-            let mut parts = Vec::new();
-            if start > 0 {
-                let mut s = g.shape().to_vec();
-                s[d] = start;
-                parts.push(Tensor::zeros(&s, g.dtype()));
-            }
-            parts.push(g.clone());
-            if start + len < full {
-                let mut s = g.shape().to_vec();
-                s[d] = full - start - len;
-                parts.push(Tensor::zeros(&s, g.dtype()));
-            }
-            let refs: Vec<&Tensor> = parts.iter().collect();
-            Ok(vec![Some(Tensor::cat(&refs, d as isize)?)])
-        }))
+        Ok(Tensor::with_node(self.storage().clone(), layout, self.dtype(), "narrow", &[self], move |g: &Tensor, _: &Tensor| Ok(vec![Some(narrow_grad(g, d, start, full)?)])))
     }
 
     /// Broadcasts to `shape` without copying (stride 0 on expanded dims).
@@ -156,4 +142,46 @@ fn infer_shape(t: &Tensor, shape: &[usize]) -> Result<Vec<usize>> {
         return Err(bad(format!("cannot view {numel} elements as {out:?}")));
     }
     Ok(out)
+}
+
+/// The gradient of a narrow: `g` placed at `start` along `dim` of a zero tensor `full` long there
+/// (one pass over the output: copies the blocks of `g`, zero-fills the rest).
+fn narrow_grad(g: &Tensor, dim: usize, start: usize, full: usize) -> Result<Tensor> {
+    let shape = g.shape();
+    let len = shape[dim];
+    debug_assert!(start + len <= full, "narrow_grad: {start}+{len} > {full}");
+    let outer: usize = shape[..dim].iter().product();
+    let inner: usize = shape[dim + 1..].iter().product();
+    let mut full_shape = shape.to_vec();
+    full_shape[dim] = full;
+    let (block, full_block, at) = (len * inner, full * inner, start * inner);
+    let src = g.to_data();
+    let data = match &src {
+        CpuData::F32(v) => CpuData::F32(pad_blocks(v, outer, block, full_block, at)),
+        CpuData::F64(v) => CpuData::F64(pad_blocks(v, outer, block, full_block, at)),
+        CpuData::BF16(v) => CpuData::BF16(pad_blocks(v, outer, block, full_block, at)),
+        CpuData::U32(v) => CpuData::U32(pad_blocks(v, outer, block, full_block, at)),
+    };
+    pool::give_data(src);
+    let dtype = g.dtype();
+    Ok(Tensor::with_node(Storage::new(data), Layout::contiguous(&full_shape), dtype, "narrow_backward", &[g], move |gg: &Tensor, _: &Tensor| {
+        Ok(vec![Some(gg.narrow(dim as isize, start, len)?)])
+    }))
+}
+
+/// `outer` blocks of `block` elements of `src`, each placed at `at` inside a zeroed block of
+/// `full_block`.
+fn pad_blocks<T: Pooled>(src: &[T], outer: usize, block: usize, full_block: usize, at: usize) -> Vec<T> {
+    assert_eq!(src.len(), outer * block, "pad_blocks: source length");
+    assert!(at + block <= full_block, "pad_blocks: block past the end");
+    let mut out = pool::take::<T>(outer * full_block);
+    if full_block == 0 {
+        return out;
+    }
+    for (dst, s) in out.chunks_mut(full_block).zip(src.chunks(block.max(1))) {
+        dst[..at].fill(T::default());
+        dst[at..at + block].copy_from_slice(s);
+        dst[at + block..].fill(T::default());
+    }
+    out
 }

@@ -1,0 +1,30 @@
+//! The CUDA backend of `rtx-kernels` (feature `cuda`): a [`Device`] with its stream, a caching
+//! allocator handing out [`Buffer`]s, pinned host buffers, cuBLAS GEMM ([`Gemm`]: f32, TF32,
+//! bf16, batched), and NVRTC kernels for elementwise ops, softmax, norms, cross-entropy,
+//! embedding, AdamW and flash attention ([`FlashSpec`]; f32, and bf16 on tensor cores).
+//!
+//! cudarc loads the driver and libraries at run time, so this compiles on machines without CUDA;
+//! a missing driver or library is a [`CudaError`], never a panic. The kernels here are the same
+//! operations as the CPU kernels of this crate, on device buffers; `kernels/examples/gpu_check.rs`
+//! checks each against its CPU twin (`scripts/gpu-check.sh` runs it on a GPU machine). Not here
+//! yet: tensors on the GPU (the `rtx-tensor` floor), bf16 variants of the elementwise, norm and
+//! cross-entropy kernels (bf16 is a GEMM and attention input and a cast target), several
+//! streams, and NCCL.
+
+mod alloc;
+mod attention;
+mod blas;
+mod device;
+mod error;
+mod nvrtc;
+mod ops;
+
+pub use alloc::{Buffer, DeviceElem, MemoryStats, PinnedBuffer};
+pub use attention::FlashSpec;
+pub use blas::{ColumnMajorCall, Gemm, GemmElem, GemmMath};
+pub use device::{probe_libraries, Device, STAGING_BYTES};
+pub use error::{CudaError, Result};
+pub use ops::{broadcast_shape, AdamW, BinaryOp, UnaryOp, MAX_BROADCAST_DIMS};
+
+/// The cudarc crate this backend is built on, for callers that benchmark against raw cuBLAS.
+pub use cudarc;
