@@ -94,10 +94,9 @@ pub fn load<M: Module, O: Optimizer>(path: &Path, model: &M, build_optimizer: im
         }
         p.copy_from_(t)?;
     }
-    let slices: Vec<ParamSlice> = params.iter().map(|(name, t)| ParamSlice { name: name.clone(), tensor: t.clone(), param_shape: t.shape().to_vec(), elements: 0..t.numel() }).collect();
-    let optimizer = build_optimizer(&slices).map_err(SupervisorError::Job)?;
+    let template = crate::state::full_template(model, build_optimizer)?;
     let mut state = Vec::new();
-    for (name, want) in optimizer.state_tensors()? {
+    for (name, want) in template {
         let full = format!("{OPTIM_PREFIX}{name}");
         let t = by_name.get(full.as_str()).ok_or_else(|| SupervisorError::Job(format!("checkpoint {} lacks optimizer state {full}", path.display())))?;
         if t.shape() != want.shape() {
