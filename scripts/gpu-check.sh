@@ -10,6 +10,15 @@
 #   scripts/gpu-check.sh [path/to/gpu_check]      # default gpu-bin/gpu_check
 #   RTX_SEED=123 scripts/gpu-check.sh             # replay a seed
 #   TORCH=0 scripts/gpu-check.sh                  # skip the PyTorch side-by-side numbers
+#   ONLY=gpt scripts/gpu-check.sh                 # only the GPU tensor checks and the GPT-2 bench
+#
+# NCCL (rtx-collectives --features nccl): also build
+#   cargo build --release -p rtx-collectives --features nccl --example nccl_check && cp target/release/examples/nccl_check gpu-bin/
+# GPU tensors and training (rtx-tensor --features cuda): also build
+#   cargo build --release -p rtx-tensor --features cuda --example gpt_gpu && cp target/release/examples/gpt_gpu gpu-bin/
+# and the run adds `gpt_gpu all` (op checks, CPU-vs-GPU loss curves, the GPT-2 124M step) and
+# PyTorch's eager and torch.compile step on the same shape (scripts/peer/gpt2_gpu_torch.py);
+# it needs data/sotu (the device tool's `carry`).
 #
 # With PyTorch installed (python3 -c 'import torch'), the same run also times torch's bf16/TF32
 # matmul and scaled_dot_product_attention at the shapes gpu_check uses, as a reference.
@@ -17,13 +26,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 BIN="${1:-gpu-bin/gpu_check}"
+GPT_BIN="${GPT_BIN:-gpu-bin/gpt_gpu}"
+ONLY="${ONLY:-all}"
 LOG_DIR="${LOG_DIR:-${OUT:-target/gpu-check}}"
 TORCH="${TORCH:-1}"
 mkdir -p "$LOG_DIR"
 # NVLink multicast stays off on the lent hosts (../shared/GPU.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-if [ ! -x "$BIN" ]; then
+if [ "$ONLY" != gpt ] && [ ! -x "$BIN" ]; then
     echo "gpu-check: no binary at $BIN (build it first, see the header of this script)" >&2
     exit 2
 fi
@@ -58,13 +69,46 @@ PY
     torch_status=$?
 fi
 
-"$BIN" 2>&1 | tee "$LOG_DIR/gpu_check.log"
-status=${PIPESTATUS[0]}
+status=0
+if [ "$ONLY" != gpt ]; then
+    "$BIN" 2>&1 | tee "$LOG_DIR/gpu_check.log"
+    status=${PIPESTATUS[0]}
+fi
+nccl_status=skipped
+NCCL_BIN="${NCCL_BIN:-gpu-bin/nccl_check}"
+if [ "$ONLY" != gpt ] && [ -x "$NCCL_BIN" ]; then
+    LOG_DIR="$LOG_DIR/nccl" scripts/gpu-nccl-check.sh "$NCCL_BIN"
+    nccl_status=$?
+    [ "$nccl_status" = 0 ] || status=$nccl_status
+fi
+gpt_status=skipped
+if [ -x "$GPT_BIN" ]; then
+    RTX_DATA="${RTX_DATA:-data}" "$GPT_BIN" "${GPT_MODE:-all}" 2>&1 | tee "$LOG_DIR/gpt_gpu.log"
+    gpt_status=${PIPESTATUS[0]}
+    [ "$gpt_status" = 0 ] || status=$gpt_status
+    if [ "$TORCH" = 1 ] && python3 -c 'import torch' 2>/dev/null && grep -q '^RESULT rustytorch' "$LOG_DIR/gpt_gpu.log"; then
+        PYTHONUNBUFFERED=1 python3 scripts/peer/gpt2_gpu_torch.py "${RTX_DATA:-data}" both 2>&1 | tee "$LOG_DIR/gpt2_torch.log"
+        python3 - "$LOG_DIR/gpt_gpu.log" "$LOG_DIR/gpt2_torch.log" <<'PY'
+import re, sys
+res = {}
+for path in sys.argv[1:]:
+    for line in open(path):
+        m = re.match(r"RESULT (\S+) tok_s=(\d+)", line)
+        if m:
+            res[m.group(1)] = float(m.group(2))
+ours = res.get("rustytorch")
+print("\n## GPT-2 124M shape, B=16 T=1024, same GPU, same run")
+for name, v in res.items():
+    ratio = f"{ours / v:.2f}x" if ours and name != "rustytorch" else ""
+    print(f"{name:<16} {v:>10.0f} tokens/s  {('rustytorch / ' + name + ' = ' + ratio) if ratio else ''}")
+PY
+    fi
+fi
 if [ -s "$LOG_DIR/torch.log" ]; then
     echo
     echo "## PyTorch on the same GPU (reference, exit $torch_status)"
     cat "$LOG_DIR/torch.log"
 fi
 echo
-echo "gpu_check exit $status; logs in $LOG_DIR"
+echo "gpu checks exit $status (nccl_check: $nccl_status, gpt_gpu: $gpt_status); logs in $LOG_DIR"
 exit "$status"

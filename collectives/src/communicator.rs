@@ -684,3 +684,59 @@ fn splitmix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
 }
+
+/// The host communicator behind the [`Collective`](crate::Collective) traits: each method forwards
+/// to the inherent method of the same name (no behaviour of its own).
+impl crate::collective::CollectiveGroup for Communicator {
+    fn rank(&self) -> usize {
+        Communicator::rank(self)
+    }
+
+    fn size(&self) -> usize {
+        Communicator::size(self)
+    }
+
+    fn generation(&self) -> u64 {
+        Communicator::generation(self)
+    }
+
+    fn set_generation(&self, generation: u64) -> Result<()> {
+        Communicator::set_generation(self, generation)
+    }
+
+    fn barrier(&self) -> impl std::future::Future<Output = Result<()>> + Send {
+        Communicator::barrier(self)
+    }
+}
+
+impl<T: Element> crate::collective::Collective<T> for Communicator {
+    type Buf = [T];
+
+    fn all_reduce(&self, buf: &mut [T], op: ReduceOp) -> impl std::future::Future<Output = Result<()>> + Send {
+        Communicator::all_reduce(self, buf, op)
+    }
+
+    fn reduce_scatter(&self, input: &[T], output: &mut [T], op: ReduceOp) -> impl std::future::Future<Output = Result<()>> + Send {
+        Communicator::reduce_scatter(self, input, output, op)
+    }
+
+    fn all_gather(&self, input: &[T], output: &mut [T]) -> impl std::future::Future<Output = Result<()>> + Send {
+        Communicator::all_gather(self, input, output)
+    }
+
+    fn broadcast(&self, buf: &mut [T], root: usize) -> impl std::future::Future<Output = Result<()>> + Send {
+        Communicator::broadcast(self, buf, root)
+    }
+
+    fn reduce(&self, buf: &mut [T], root: usize, op: ReduceOp) -> impl std::future::Future<Output = Result<()>> + Send {
+        Communicator::reduce(self, buf, root, op)
+    }
+
+    fn send(&self, buf: &[T], dst: usize) -> impl std::future::Future<Output = Result<()>> + Send {
+        Communicator::send(self, buf, dst)
+    }
+
+    fn recv(&self, buf: &mut [T], src: usize) -> impl std::future::Future<Output = Result<()>> + Send {
+        Communicator::recv(self, buf, src)
+    }
+}

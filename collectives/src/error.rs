@@ -209,6 +209,73 @@ pub enum Error {
         /// Bytes present after the header.
         actual: usize,
     },
+    /// The NCCL library (`libnccl.so`) could not be loaded on this machine.
+    #[error("NCCL library not found (libnccl.so): install NCCL or build without the nccl feature")]
+    NcclNotFound,
+    /// The NCCL library found is older than the one this build binds.
+    #[error("NCCL version {found} found, this build needs at least {required}")]
+    NcclVersion {
+        /// `ncclGetVersion` of the loaded library (e.g. 22803 for 2.28.3).
+        found: i32,
+        /// The lowest version this build accepts.
+        required: i32,
+    },
+    /// A CUDA call made on behalf of a device communicator failed (context binding, events, device
+    /// memory). The CUDA error is kept as text because this enum is `Clone + Eq` and the CUDA error
+    /// types are neither.
+    #[error("{op}: CUDA call failed: {reason}")]
+    Cuda {
+        /// What was being done.
+        op: &'static str,
+        /// The CUDA backend's message.
+        reason: String,
+    },
+    /// An NCCL call returned an error (the NCCL communicator is aborted afterwards).
+    #[error("{op}: NCCL error {code} ({name}): {detail}")]
+    Nccl {
+        /// The NCCL call or operation.
+        op: &'static str,
+        /// The `ncclResult_t` code.
+        code: u32,
+        /// The code's name (`remote error`, `system error`, ...).
+        name: &'static str,
+        /// NCCL's last-error text for the communicator, when it has one.
+        detail: String,
+    },
+    /// An NCCL unique id (or the control-plane message carrying it) is malformed.
+    #[error("malformed NCCL unique id message: {reason} ({len} units)")]
+    InvalidNcclId {
+        /// What is wrong with it.
+        reason: &'static str,
+        /// Length of what was received (bytes for a raw id, 32-bit words for a message).
+        len: usize,
+    },
+    /// Group rank 0 could not create an NCCL unique id, so no rank can create the communicator.
+    #[error("group rank 0 could not create an NCCL unique id: {reason}")]
+    NcclIdUnavailable {
+        /// Why (as rank 0 reported it).
+        reason: &'static str,
+    },
+    /// A device collective (or NCCL communicator setup) did not finish within the timeout; the
+    /// NCCL communicator was aborted.
+    #[error("{op} on the device did not complete within {timeout_ms} ms (a peer may be dead or stuck); NCCL communicator aborted")]
+    DeviceTimeout {
+        /// The operation (`all_reduce`, `init`, ...).
+        op: &'static str,
+        /// The configured timeout.
+        timeout_ms: u64,
+    },
+    /// The NCCL communicator was aborted earlier (after a timeout, an NCCL error or a lost peer);
+    /// build a new one.
+    #[error("{op}: the NCCL communicator of generation {generation} was aborted earlier: {reason}")]
+    CommAborted {
+        /// The operation that was refused.
+        op: &'static str,
+        /// The generation the communicator was created at.
+        generation: u64,
+        /// Why it was aborted.
+        reason: String,
+    },
     /// Decoding: checksum over header and payload does not match.
     #[error("checksum mismatch: header says {expected:#010x}, computed {computed:#010x}")]
     ChecksumMismatch {

@@ -23,12 +23,18 @@
 //! `all_gather_in_place` need no second buffer at all. With a host map
 //! ([`CommConfig::host_of`]), `all_reduce` goes hierarchical (within hosts, then across).
 //!
+//! Communicators are used through the [`Collective`] / [`CollectiveGroup`] traits by code that should
+//! not care where buffers live: [`Communicator`] implements them over host slices, and
+//! `NcclCommunicator` (feature `nccl`, which enables `rtx-kernels/cuda`) over device buffers, with
+//! NCCL's unique id exchanged over a host communicator ([`exchange_unique_id`]).
+//!
 //! Failures: a lost peer fails only the receives that needed a frame from it that never came;
 //! frames it delivered before leaving are still used, so a rank may leave as soon as its last
 //! collective returns. The rank that notices a loss tells the rest of the group (an abort frame),
 //! so nobody waits for the timeout.
 
 mod algo;
+mod collective;
 mod communicator;
 mod element;
 mod endpoint;
@@ -36,6 +42,7 @@ mod error;
 pub mod frame;
 mod group;
 mod in_process;
+mod nccl;
 mod op;
 mod pool;
 #[cfg(feature = "quic")]
@@ -44,6 +51,7 @@ mod quic;
 mod shm;
 mod transport;
 
+pub use collective::{Collective, CollectiveGroup};
 pub use communicator::{
     AllReduceAlgorithm, CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_STORED_FRAMES, DEFAULT_OP_TIMEOUT,
     DEFAULT_SMALL_MESSAGE_BYTES,
@@ -53,6 +61,9 @@ pub use endpoint::{Endpoint, WORLD_GROUP_ID};
 pub use error::{Error, Result};
 pub use frame::OpKind;
 pub use in_process::{InProcessNetwork, InProcessTransport, IN_PROCESS_INBOX_FRAMES};
+pub use nccl::{decode_id_message, encode_id_message, exchange_unique_id, NcclUniqueId, ID_MESSAGE_WORDS, NCCL_UNIQUE_ID_BYTES};
+#[cfg(feature = "nccl")]
+pub use nccl::{nccl_unique_id, probe_nccl, NcclCommunicator, NcclElement, NcclOptions, NCCL_MIN_VERSION};
 pub use op::segment_range;
 pub use pool::{BufferPool, PoolStats, PooledBuf, POOL_MAX_BYTES, POOL_MAX_CLASS_BYTES, POOL_MAX_PER_CLASS, POOL_MIN_CLASS_BYTES};
 #[cfg(feature = "quic")]

@@ -82,7 +82,14 @@ impl Tensor {
         if self.numel() != 1 {
             return Err(Error::NonScalarBackward { shape: self.shape().to_vec() });
         }
-        self.backward_from(Tensor::ones(self.shape(), self.dtype()), on_leaf_ready)
+        let seed = match self.device() {
+            rtx_kernels::Device::Cpu => Tensor::ones(self.shape(), self.dtype()),
+            #[cfg(feature = "cuda")]
+            rtx_kernels::Device::Cuda(i) => crate::cuda::full(i, self.shape(), 1.0, self.dtype())?,
+            #[cfg(not(feature = "cuda"))]
+            device => return Err(Error::UnsupportedDevice { op: "backward", device }),
+        };
+        self.backward_from(seed, on_leaf_ready)
     }
 
     /// Back-propagates an explicit output gradient of this tensor's shape.

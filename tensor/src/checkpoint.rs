@@ -144,7 +144,7 @@ pub fn save_tensors(path: &Path, tensors: &[(String, Tensor)], metadata: &BTreeM
         if !seen.insert(name.as_str()) {
             return Err(bad(path, format!("tensor name {name} appears twice")));
         }
-        entries.push((name.clone(), Entry { dtype: to_st_dtype(t.dtype()), shape: t.shape().to_vec(), data: t.to_data() }));
+        entries.push((name.clone(), Entry { dtype: to_st_dtype(t.dtype()), shape: t.shape().to_vec(), data: t.to_data()? }));
     }
     let tmp = tmp_path(path);
     let io = |p: &Path| {

@@ -129,6 +129,18 @@ pub enum Error {
     /// A kernel refused its inputs.
     #[error(transparent)]
     Kernel(#[from] rtx_kernels::Error),
+    /// The op has no implementation for tensors on this device.
+    #[error("{op}: not supported for tensors on {device} (move them with to_device first)")]
+    UnsupportedDevice {
+        /// The operation.
+        op: &'static str,
+        /// The device of the operand.
+        device: Device,
+    },
+    /// A CUDA call failed (driver, cuBLAS, NVRTC, out of memory, a refused argument).
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] rtx_kernels::cuda::CudaError),
 }
 
 /// Result alias for tensor operations.

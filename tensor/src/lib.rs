@@ -18,6 +18,8 @@ mod storage;
 mod tensor;
 
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod nn;
 pub mod optim;

@@ -1,5 +1,5 @@
-//! Tensor storage: a reference-counted, lock-protected buffer of one dtype that many tensors
-//! (views) can share.
+//! Tensor storage: a reference-counted, lock-protected buffer of one dtype, in host memory or on
+//! a CUDA device, that many tensors (views) can share.
 //!
 //! Ownership protocol: ops read storages under a (recursive) read lock and always write their
 //! results into fresh storages, so sharing is safe. Only the explicit in-place methods
@@ -11,7 +11,10 @@
 use crate::pool;
 use half::bf16;
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
-use rtx_kernels::DType;
+#[cfg(feature = "cuda")]
+use crate::error::Error;
+use crate::error::Result;
+use rtx_kernels::{DType, Device};
 use std::sync::Arc;
 
 /// The elements of a CPU storage.
@@ -74,35 +77,100 @@ impl CpuData {
     }
 }
 
-/// A shared buffer of elements. Cloning shares it. When the last handle drops, the buffer goes
-/// back to the process's buffer pool for reuse by later ops (`crate::pool`).
+/// A shared buffer of elements, in host memory or (with the `cuda` feature) on a GPU. Cloning
+/// shares it. When the last handle of a host buffer drops, its elements go back to the process's
+/// buffer pool for reuse by later ops (`crate::pool`); a device buffer goes back to its device's
+/// caching allocator.
 #[derive(Clone, Debug)]
 pub struct Storage(Arc<Buffer>);
 
-/// The lock-protected elements behind a storage; returns them to the pool when dropped.
+/// The lock-protected elements behind a storage.
 #[derive(Debug)]
-struct Buffer(RwLock<CpuData>);
+enum Buffer {
+    Cpu(RwLock<CpuData>),
+    #[cfg(feature = "cuda")]
+    Cuda { device: Device, data: RwLock<crate::cuda::DeviceData> },
+}
 
 impl Drop for Buffer {
+    #[allow(irrefutable_let_patterns, reason = "the pattern is refutable with the cuda feature")]
     fn drop(&mut self) {
-        pool::give_data(std::mem::replace(self.0.get_mut(), CpuData::U32(Vec::new())));
+        if let Buffer::Cpu(data) = self {
+            pool::give_data(std::mem::replace(data.get_mut(), CpuData::U32(Vec::new())));
+        }
     }
 }
 
 impl Storage {
-    /// Wraps elements into a new storage.
+    /// Wraps host elements into a new storage.
     pub fn new(data: CpuData) -> Self {
-        Storage(Arc::new(Buffer(RwLock::new(data))))
+        Storage(Arc::new(Buffer::Cpu(RwLock::new(data))))
     }
 
-    /// Reads the elements (recursive read lock: nested reads of the same storage never block).
-    pub fn read(&self) -> RwLockReadGuard<'_, CpuData> {
-        self.0 .0.read_recursive()
+    /// Wraps device elements into a new storage on `device`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn new_cuda(device: Device, data: crate::cuda::DeviceData) -> Self {
+        Storage(Arc::new(Buffer::Cuda { device, data: RwLock::new(data) }))
     }
 
-    /// Writes the elements.
-    pub fn write(&self) -> RwLockWriteGuard<'_, CpuData> {
-        self.0 .0.write()
+    /// Where the elements live.
+    pub fn device(&self) -> Device {
+        match &*self.0 {
+            Buffer::Cpu(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda { device, .. } => *device,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match &*self.0 {
+            Buffer::Cpu(data) => data.read_recursive().len(),
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda { data, .. } => data.read_recursive().len(),
+        }
+    }
+
+    /// Whether the storage holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Reads host elements (recursive read lock: nested reads of the same storage never block).
+    /// A device storage is an error: move the tensor to the CPU first.
+    pub fn read(&self) -> Result<RwLockReadGuard<'_, CpuData>> {
+        match &*self.0 {
+            Buffer::Cpu(data) => Ok(data.read_recursive()),
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda { device, .. } => Err(Error::UnsupportedDevice { op: "read host elements", device: *device }),
+        }
+    }
+
+    /// Writes host elements (see [`Storage::read`]).
+    pub fn write(&self) -> Result<RwLockWriteGuard<'_, CpuData>> {
+        match &*self.0 {
+            Buffer::Cpu(data) => Ok(data.write()),
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda { device, .. } => Err(Error::UnsupportedDevice { op: "write host elements", device: *device }),
+        }
+    }
+
+    /// Reads device elements; a host storage is an error.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn read_cuda(&self, op: &'static str) -> Result<RwLockReadGuard<'_, crate::cuda::DeviceData>> {
+        match &*self.0 {
+            Buffer::Cuda { data, .. } => Ok(data.read_recursive()),
+            Buffer::Cpu(_) => Err(Error::UnsupportedDevice { op, device: Device::Cpu }),
+        }
+    }
+
+    /// Writes device elements; a host storage is an error.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn write_cuda(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, crate::cuda::DeviceData>> {
+        match &*self.0 {
+            Buffer::Cuda { data, .. } => Ok(data.write()),
+            Buffer::Cpu(_) => Err(Error::UnsupportedDevice { op, device: Device::Cpu }),
+        }
     }
 
     /// Whether two handles share one buffer.

@@ -132,13 +132,14 @@ impl Tensor {
     // ---------------------------------------------------------------- construction
 
     pub(crate) fn from_parts(storage: Storage, layout: Layout, dtype: DType, requires_grad: bool, node: Option<Node>) -> Tensor {
-        debug_assert!(layout.storage_extent() <= storage.read().len(), "layout reaches past storage");
+        debug_assert!(layout.storage_extent() <= storage.len(), "layout reaches past storage");
+        let device = storage.device();
         Tensor(Arc::new(Inner {
             id: TensorId::fresh(),
             storage,
             layout,
             dtype,
-            device: Device::Cpu,
+            device,
             requires_grad,
             node,
             grad: RwLock::new(None),
@@ -316,7 +317,11 @@ impl Tensor {
     /// Runs `f` on the elements as a contiguous compute slice (borrowed when already
     /// contiguous f32/f64, gathered or widened otherwise). Errors on integer tensors.
     pub fn with_float_slice<R>(&self, f: impl FnOnce(FloatSlice<'_>) -> R) -> Result<R> {
-        let data = self.0.storage.read();
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return self.to_device(Device::Cpu)?.with_float_slice(f);
+        }
+        let data = self.0.storage.read()?;
         let layout = &self.0.layout;
         let n = layout.numel();
         let contiguous = layout.is_contiguous();
@@ -346,7 +351,11 @@ impl Tensor {
 
     /// The elements of a u32 tensor, contiguous.
     pub fn to_u32_vec(&self) -> Result<Vec<u32>> {
-        let data = self.0.storage.read();
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return self.to_device(Device::Cpu)?.to_u32_vec();
+        }
+        let data = self.0.storage.read()?;
         match &*data {
             CpuData::U32(v) => Ok(gather(&self.0.layout, v)),
             other => Err(Error::DTypeMismatch { op: "to_u32_vec", lhs: other.dtype(), rhs: DType::U32 }),
@@ -390,15 +399,20 @@ impl Tensor {
     }
 
     /// A contiguous copy of the elements in storage form (for checkpoints and transports).
-    pub fn to_data(&self) -> CpuData {
-        let data = self.0.storage.read();
+    /// A device tensor is copied to the host.
+    pub fn to_data(&self) -> Result<CpuData> {
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return crate::cuda::download(self);
+        }
+        let data = self.0.storage.read()?;
         let l = &self.0.layout;
-        match &*data {
+        Ok(match &*data {
             CpuData::F32(v) => CpuData::F32(gather(l, v)),
             CpuData::F64(v) => CpuData::F64(gather(l, v)),
             CpuData::BF16(v) => CpuData::BF16(gather(l, v)),
             CpuData::U32(v) => CpuData::U32(gather(l, v)),
-        }
+        })
     }
 
     /// Builds an op's output from computed elements, recording the backward node when grad
@@ -424,7 +438,7 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        let data = self.to_data();
+        let data = self.to_data()?;
         let t = Tensor::with_node(Storage::new(data), Layout::contiguous(self.shape()), self.dtype(), "contiguous", &[self], |g: &Tensor, _: &Tensor| Ok(vec![Some(g.clone())]));
         Ok(t)
     }
@@ -433,6 +447,10 @@ impl Tensor {
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return Ok(self.clone());
+        }
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return crate::cuda::ops::cast(self, dtype);
         }
         if self.dtype() == DType::U32 {
             let v = self.to_u32_vec()?;
@@ -444,12 +462,27 @@ impl Tensor {
         Tensor::from_op(values, self.shape(), dtype, "to_dtype", &[self], move |g: &Tensor, _: &Tensor| Ok(vec![Some(g.to_dtype(from)?)]))
     }
 
-    /// Moves to `device`. Only the CPU exists without the `cuda` feature.
+    /// A copy on `device` (the same tensor when already there). Moving between devices is not
+    /// recorded by autograd: a leaf that requires grad gives a leaf that requires grad (move
+    /// parameters before building the optimizer). Only the CPU exists without the `cuda`
+    /// feature; reading a device tensor's elements on the host waits for its queued work.
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
-        match device {
-            Device::Cpu => Ok(self.clone()),
-            Device::Cuda(_) => Err(Error::DeviceUnavailable { device, reason: "this build has no CUDA backend (build with --features cuda)".into() }),
+        if device == self.device() {
+            return Ok(self.clone());
         }
+        #[cfg(feature = "cuda")]
+        {
+            let requires = self.is_requires_grad() && self.is_leaf();
+            match device {
+                Device::Cpu => Ok(Tensor::from_data(self.to_data()?, self.shape())?.requires_grad(requires)),
+                Device::Cuda(i) => {
+                    let host = if self.device() == Device::Cpu { self.clone() } else { self.to_device(Device::Cpu)? };
+                    crate::cuda::upload(&host, i)
+                }
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(Error::DeviceUnavailable { device, reason: "this build has no CUDA backend (build with --features cuda)".into() })
     }
 
     // ---------------------------------------------------------------- gradients
@@ -486,8 +519,18 @@ impl Tensor {
             Some(existing) => existing.add_assign_(g)?,
             None => {
                 let g = g.to_dtype(self.dtype())?;
-                let owned = g.is_contiguous() && g.layout().offset() == 0 && g.storage().is_unique() && g.storage().read().len() == g.numel();
-                *slot = Some(if owned { g.detach() } else { Tensor::from_data(g.to_data(), g.shape())? });
+                let owned = g.is_contiguous() && g.layout().offset() == 0 && g.storage().is_unique() && g.storage().len() == g.numel();
+                *slot = Some(if owned {
+                    g.detach()
+                } else {
+                    match g.device() {
+                        Device::Cpu => Tensor::from_data(g.to_data()?, g.shape())?,
+                        #[cfg(feature = "cuda")]
+                        Device::Cuda(_) => crate::cuda::ops::clone_dense(&g)?,
+                        #[cfg(not(feature = "cuda"))]
+                        device => return Err(Error::UnsupportedDevice { op: "accumulate_grad", device }),
+                    }
+                });
             }
         }
         Ok(())
@@ -499,7 +542,7 @@ impl Tensor {
     /// gradients and bucket views are). Not recorded by autograd.
     pub fn update_f32_(&self, f: impl FnOnce(&mut [f32])) -> Result<()> {
         let l = self.contiguous_range("update_")?;
-        let mut data = self.0.storage.write();
+        let mut data = self.0.storage.write()?;
         match &mut *data {
             CpuData::F32(v) => {
                 f(&mut v[l]);
@@ -519,7 +562,7 @@ impl Tensor {
     pub fn update_(&self, f32_fn: impl FnOnce(&mut [f32]), f64_fn: impl FnOnce(&mut [f64])) -> Result<()> {
         if self.dtype() == DType::F64 {
             let l = self.contiguous_range("update_")?;
-            let mut data = self.0.storage.write();
+            let mut data = self.0.storage.write()?;
             if let CpuData::F64(v) = &mut *data {
                 f64_fn(&mut v[l]);
             }
@@ -538,6 +581,10 @@ impl Tensor {
 
     /// `self += other` in place (other broadcast to self's shape). Not recorded by autograd.
     pub fn add_assign_(&self, other: &Tensor) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return crate::cuda::ops::add_assign(self, other);
+        }
         let src = self.prepare_source("add_assign_", other)?;
         match src {
             FloatVec::F32(s) => {
@@ -572,11 +619,19 @@ impl Tensor {
 
     /// Sets every element to zero in place.
     pub fn zero_(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return crate::cuda::ops::fill_(self, 0.0);
+        }
         self.update_(|d| d.fill(0.0), |d| d.fill(0.0))
     }
 
     /// Multiplies every element by `k` in place.
     pub fn scale_(&self, k: f64) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return crate::cuda::ops::scale_(self, k);
+        }
         self.update_(|d| elementwise::map_inplace(d, |x| x * k as f32), |d| elementwise::map_inplace(d, |x| x * k))
     }
 
@@ -587,7 +642,7 @@ impl Tensor {
         let want_f64 = self.dtype() == DType::F64;
         {
             // Same compute type: one (pooled) gather, no intermediate copy.
-            let data = other.storage().read();
+            let data = other.storage().read()?;
             match (&*data, want_f64) {
                 (CpuData::F32(v), false) => return Ok(FloatVec::F32(gather(other.layout(), v))),
                 (CpuData::F64(v), true) => return Ok(FloatVec::F64(gather(other.layout(), v))),

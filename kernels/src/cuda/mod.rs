@@ -6,16 +6,16 @@
 //! cudarc loads the driver and libraries at run time, so this compiles on machines without CUDA;
 //! a missing driver or library is a [`CudaError`], never a panic. The kernels here are the same
 //! operations as the CPU kernels of this crate, on device buffers; `kernels/examples/gpu_check.rs`
-//! checks each against its CPU twin (`scripts/gpu-check.sh` runs it on a GPU machine). Not here
-//! yet: tensors on the GPU (the `rtx-tensor` floor), bf16 variants of the elementwise, norm and
-//! cross-entropy kernels (bf16 is a GEMM and attention input and a cast target), several
-//! streams, and NCCL.
+//! checks each against its CPU twin (`scripts/gpu-check.sh` runs it on a GPU machine). The
+//! `mixed` module holds the f32/bf16 kernels GPU tensors in `rtx-tensor` train with. Not here yet:
+//! several streams.
 
 mod alloc;
 mod attention;
 mod blas;
 mod device;
 mod error;
+mod mixed;
 mod nvrtc;
 mod ops;
 
@@ -24,6 +24,7 @@ pub use attention::FlashSpec;
 pub use blas::{ColumnMajorCall, Gemm, GemmElem, GemmMath};
 pub use device::{probe_libraries, Device, STAGING_BYTES};
 pub use error::{CudaError, Result};
+pub use mixed::{HeadLayout, StorageElem};
 pub use ops::{broadcast_shape, AdamW, BinaryOp, UnaryOp, MAX_BROADCAST_DIMS};
 
 /// The cudarc crate this backend is built on, for callers that benchmark against raw cuBLAS.

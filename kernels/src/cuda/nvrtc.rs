@@ -1,6 +1,6 @@
 //! The built-in kernel modules and their process-wide NVRTC cache.
 //!
-//! Each module's CUDA C source (`core.cu`, `attention.cu`, `attention_bf16.cu` beside this file) is compiled by NVRTC
+//! Each module's CUDA C source (`core.cu`, `attention.cu`, `attention_bf16.cu`, `mixed.cu` beside this file) is compiled by NVRTC
 //! straight to a CUBIN for the device's real architecture (`sm_90` on the H100/H200) the first
 //! time any device of that architecture asks for it, once per process, and the CUBIN is kept
 //! here; each [`super::Device`] then loads it once (no driver JIT, since it is already machine
@@ -25,11 +25,13 @@ pub(crate) enum Module {
     Attention,
     /// Flash attention forward and backward on bf16 tensor cores.
     AttentionBf16,
+    /// Mixed-precision training kernels, f32 and bf16 storage.
+    Mixed,
 }
 
 impl Module {
     /// Every module, in load order.
-    pub(crate) const ALL: [Module; 3] = [Module::Core, Module::Attention, Module::AttentionBf16];
+    pub(crate) const ALL: [Module; 4] = [Module::Core, Module::Attention, Module::AttentionBf16, Module::Mixed];
 
     /// The module's name in errors.
     pub(crate) fn name(self) -> &'static str {
@@ -37,6 +39,7 @@ impl Module {
             Module::Core => "core",
             Module::Attention => "attention",
             Module::AttentionBf16 => "attention_bf16",
+            Module::Mixed => "mixed",
         }
     }
 
@@ -45,6 +48,7 @@ impl Module {
             Module::Core => include_str!("core.cu"),
             Module::Attention => include_str!("attention.cu"),
             Module::AttentionBf16 => include_str!("attention_bf16.cu"),
+            Module::Mixed => include_str!("mixed.cu"),
         }
     }
 }

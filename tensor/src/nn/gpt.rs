@@ -149,7 +149,7 @@ impl Gpt {
         let h = self.forward_hidden(ids, rng)?;
         match &self.lm_head {
             Some(head) => head.forward(&h),
-            None => h.matmul(&self.tok_emb.weight.t()?),
+            None => h.linear(&self.tok_emb.weight, None),
         }
     }
 

@@ -87,6 +87,11 @@ impl Tensor {
         }
         let (b, t, c) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
         let d = c / n_heads;
+        #[cfg(feature = "cuda")]
+        if qkv.device() != rtx_kernels::Device::Cpu {
+            let scale = scale.unwrap_or_else(|| 1.0 / (d.max(1) as f64).sqrt());
+            return crate::cuda::ops::attention_packed(qkv, n_heads, causal, scale);
+        }
         if !matches!(qkv.dtype(), DType::F32 | DType::F64) {
             let split = qkv.reshape(&[b, t, 3, n_heads, d])?.permute(&[2, 0, 3, 1, 4])?;
             let part = |i: usize| split.narrow(0, i, 1)?.squeeze(0);
@@ -120,7 +125,7 @@ fn packed<T: Compute + Element>(qkv: &Tensor, b: usize, t: usize, h: usize, d: u
     let mut out_heads = crate::pool::take::<T>(n_heads * t * d);
     let mut probs = crate::pool::take::<T>(n_heads * t * t);
     {
-        let data = qkv.storage().read();
+        let data = qkv.storage().read()?;
         let x = T::slice(&data).ok_or(Error::UnsupportedDType { op: OP, dtype: qkv.dtype() })?;
         attention::attention_forward(spec, packed_heads(x, &oq, 3 * c), packed_heads(x, &ok, 3 * c), packed_heads(x, &ov, 3 * c), &mut out_heads, &mut probs)?;
     }
@@ -139,8 +144,8 @@ fn packed<T: Compute + Element>(qkv: &Tensor, b: usize, t: usize, h: usize, d: u
         g.with_float_slice(|gs| -> Result<()> {
             let gs = T::pick(gs).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: g.dtype() })?;
             let og: Vec<usize> = (0..n_heads).map(|i| (i / h) * t * c + (i % h) * d).collect();
-            let data = x.storage().read();
-            let sp = probs.storage().read();
+            let data = x.storage().read()?;
+            let sp = probs.storage().read()?;
             let (Some(xs), Some(ps)) = (T::slice(&data), T::slice(&sp)) else {
                 return Err(Error::UnsupportedDType { op: OP, dtype });
             };
@@ -176,7 +181,7 @@ fn fused<T: Compute + Element>(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool,
     let mut out = crate::pool::take::<T>(n_heads * tq * dv);
     let mut probs = crate::pool::take::<T>(n_heads * tq * tk);
     {
-        let (dq, dk, dvd) = (q.storage().read(), k.storage().read(), v.storage().read());
+        let (dq, dk, dvd) = (q.storage().read()?, k.storage().read()?, v.storage().read()?);
         let (sq, sk, sv) = (T::slice(&dq), T::slice(&dk), T::slice(&dvd));
         let (Some(sq), Some(sk), Some(sv)) = (sq, sk, sv) else {
             return Err(Error::UnsupportedDType { op: OP, dtype: q.dtype() });
@@ -195,7 +200,7 @@ fn fused<T: Compute + Element>(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool,
         let g = compute_form(g)?;
         g.with_float_slice(|gs| -> Result<()> {
             let gs = T::pick(gs).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: g.dtype() })?;
-            let (sq, sk, sv, sp) = (qd.storage().read(), kd.storage().read(), vd.storage().read(), probs.storage().read());
+            let (sq, sk, sv, sp) = (qd.storage().read()?, kd.storage().read()?, vd.storage().read()?, probs.storage().read()?);
             let (Some(sq), Some(sk), Some(sv), Some(sp)) = (T::slice(&sq), T::slice(&sk), T::slice(&sv), T::slice(&sp)) else {
                 return Err(Error::UnsupportedDType { op: OP, dtype });
             };

@@ -77,7 +77,7 @@ pub(crate) fn broadcast_apply<F: ZipFn>(op: &'static str, a: &Tensor, b: &Tensor
     let la = a.layout().broadcast_to(&shape)?;
     let lb = b.layout().broadcast_to(&shape)?;
     let n: usize = shape.iter().product();
-    let (da, db) = (a.storage().read(), b.storage().read());
+    let (da, db) = (a.storage().read()?, b.storage().read()?);
     let out = match (&*da, &*db) {
         (CpuData::F32(x), CpuData::F32(y)) => {
             let mut o = crate::pool::take::<f32>(n);
@@ -103,7 +103,7 @@ fn compare<F: CmpFn>(op: &'static str, a: &Tensor, b: &Tensor, f: F) -> Result<T
     let lb = b.layout().broadcast_to(&shape)?;
     let n: usize = shape.iter().product();
     let mut o = crate::pool::take::<u32>(n);
-    let (da, db) = (a.storage().read(), b.storage().read());
+    let (da, db) = (a.storage().read()?, b.storage().read()?);
     match (&*da, &*db) {
         (CpuData::F32(x), CpuData::F32(y)) => broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q) as u32),
         (CpuData::F64(x), CpuData::F64(y)) => broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q) as u32),
@@ -115,6 +115,10 @@ fn compare<F: CmpFn>(op: &'static str, a: &Tensor, b: &Tensor, f: F) -> Result<T
 impl Tensor {
     /// `self + other` (broadcasting).
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::ops::any_cuda(&[self, other]) {
+            return crate::cuda::ops::add(self, other);
+        }
         let (v, shape) = broadcast_apply("add", self, other, AddFn)?;
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         Tensor::from_op(v, &shape, self.dtype(), "add", &[self, other], move |g: &Tensor, _: &Tensor| Ok(vec![Some(g.sum_to_shape(&sa)?), Some(g.sum_to_shape(&sb)?)]))

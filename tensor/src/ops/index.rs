@@ -25,6 +25,10 @@ impl Tensor {
         if weight.rank() != 2 {
             return Err(Error::BadShape { op: OP, shape: weight.shape().to_vec(), reason: "weight must be [num_embeddings, dim]".into() });
         }
+        #[cfg(feature = "cuda")]
+        if weight.device() != rtx_kernels::Device::Cpu {
+            return crate::cuda::ops::embedding(weight, ids);
+        }
         let idx = checked_indices(OP, ids, weight.shape()[0])?;
         let mut shape = ids.shape().to_vec();
         shape.push(weight.shape()[1]);
@@ -65,7 +69,7 @@ impl Tensor {
             CpuData::F64(v) => CpuData::F64(take(v, base, &offsets)),
             CpuData::BF16(v) => CpuData::BF16(take(v, base, &offsets)),
             CpuData::U32(v) => CpuData::U32(take(v, base, &offsets)),
-        });
+        })?;
         let out = Tensor::from_data(data, index.shape())?;
         let in_shape = self.shape().to_vec();
         let dtype = self.dtype();
@@ -101,12 +105,12 @@ fn checked_indices(op: &'static str, index: &Tensor, size: usize) -> Result<Vec<
 
 /// Runs `f` on the packed row-major elements of `t` and the offset of its first element: the
 /// storage itself when `t` is contiguous, a gathered copy otherwise.
-fn with_packed_data<R>(t: &Tensor, f: impl FnOnce(&CpuData, usize) -> R) -> R {
+fn with_packed_data<R>(t: &Tensor, f: impl FnOnce(&CpuData, usize) -> R) -> Result<R> {
     if t.is_contiguous() {
-        let data = t.storage().read();
-        f(&data, t.layout().offset())
+        let data = t.storage().read()?;
+        Ok(f(&data, t.layout().offset()))
     } else {
-        f(&t.to_data(), 0)
+        Ok(f(&t.to_data()?, 0))
     }
 }
 
@@ -121,7 +125,7 @@ fn select_along(op: &'static str, x: &Tensor, d: usize, idx: Vec<u32>, out_shape
         CpuData::F64(v) => CpuData::F64(take_rows(v, base, outer, size, inner, &idx)),
         CpuData::BF16(v) => CpuData::BF16(take_rows(v, base, outer, size, inner, &idx)),
         CpuData::U32(v) => CpuData::U32(take_rows(v, base, outer, size, inner, &idx)),
-    });
+    })?;
     let out = Tensor::from_data(data, out_shape)?;
     let in_shape = x.shape().to_vec();
     let dtype = x.dtype();

@@ -84,7 +84,7 @@ impl Tensor {
         let (a_rs, a_cs) = (la.strides()[ra - 2], la.strides()[ra - 1]);
         let (b_rs, b_cs) = (lb.strides()[rb - 2], lb.strides()[rb - 1]);
         let values = {
-            let (da, db) = (a.storage().read(), b.storage().read());
+            let (da, db) = (a.storage().read()?, b.storage().read()?);
             match (&*da, &*db) {
                 (CpuData::F32(x), CpuData::F32(y)) => FloatVec::F32(batched(m, n, k, x, &a_offs, a_rs, a_cs, y, &b_offs, b_rs, b_cs)?),
                 (CpuData::F64(x), CpuData::F64(y)) => FloatVec::F64(batched(m, n, k, x, &a_offs, a_rs, a_cs, y, &b_offs, b_rs, b_cs)?),
@@ -108,6 +108,10 @@ impl Tensor {
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         const OP: &str = "linear";
         check_same(OP, self, weight)?;
+        #[cfg(feature = "cuda")]
+        if self.device() != rtx_kernels::Device::Cpu && weight.rank() == 2 && self.rank() > 0 && self.shape()[self.rank() - 1] == weight.shape()[1] && bias.is_none_or(|b| b.shape() == [weight.shape()[0]]) {
+            return crate::cuda::ops::linear(self, weight, bias);
+        }
         super::check_float(OP, self)?;
         if weight.rank() != 2 || self.rank() == 0 || self.shape()[self.rank() - 1] != weight.shape()[1] {
             return Err(Error::ShapeMismatch { op: OP, lhs: self.shape().to_vec(), rhs: weight.shape().to_vec() });
@@ -155,13 +159,13 @@ impl Tensor {
 /// product into them.
 fn linear_forward<T: Float + crate::pool::Pooled + crate::tensor::Element>(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize, n_in: usize, n_out: usize) -> Result<Vec<T>> {
     let mut out = crate::pool::take::<T>(rows * n_out);
-    let (dx, dw) = (x.storage().read(), w.storage().read());
+    let (dx, dw) = (x.storage().read()?, w.storage().read()?);
     let (Some(xs), Some(ws)) = (T::slice(&dx), T::slice(&dw)) else {
         return Err(Error::DTypeMismatch { op: "linear", lhs: x.dtype(), rhs: w.dtype() });
     };
     let accumulate = match b {
         Some(b) => {
-            let db = b.storage().read();
+            let db = b.storage().read()?;
             let bs = T::slice(&db).ok_or(Error::DTypeMismatch { op: "linear", lhs: x.dtype(), rhs: b.dtype() })?;
             let bs = &bs[b.layout().offset()..b.layout().offset() + n_out];
             for row in out.chunks_mut(n_out.max(1)) {

@@ -19,6 +19,10 @@ impl Tensor {
     /// shape `[last dim]` and the dtype of `self`.
     pub fn layer_norm(&self, weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         let n = check_norm_args("layer_norm", self, &[weight, bias], eps)?;
+        #[cfg(feature = "cuda")]
+        if self.device() != rtx_kernels::Device::Cpu {
+            return crate::cuda::ops::layer_norm(self, weight, bias, eps);
+        }
         if self.dtype() == DType::F64 {
             layer_norm_typed::<f64>(self, n, weight, bias, eps)
         } else {

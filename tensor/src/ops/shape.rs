@@ -52,7 +52,7 @@ impl Tensor {
         }
         let outer: usize = first.shape()[..d].iter().product();
         let inner: Vec<usize> = tensors.iter().map(|t| t.shape()[d..].iter().product()).collect();
-        let parts: Vec<CpuData> = tensors.iter().map(|t| t.to_data()).collect();
+        let parts: Vec<CpuData> = tensors.iter().map(|t| t.to_data()).collect::<Result<_>>()?;
         let data = concat_data(&parts, outer, &inner);
         parts.into_iter().for_each(pool::give_data);
         let sizes: Vec<usize> = tensors.iter().map(|t| t.shape()[d]).collect();

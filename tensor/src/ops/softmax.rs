@@ -101,6 +101,13 @@ impl Tensor {
         if !(0.0..1.0).contains(&options.label_smoothing) {
             return Err(Error::InvalidArgument { op: "cross_entropy", reason: format!("label_smoothing {} outside [0, 1)", options.label_smoothing) });
         }
+        #[cfg(feature = "cuda")]
+        if self.device() != rtx_kernels::Device::Cpu {
+            if options != CrossEntropyOptions::default() || self.rank() != 2 {
+                return Err(Error::UnsupportedDevice { op: "cross_entropy (options other than mean over [N, V] logits)", device: self.device() });
+            }
+            return crate::cuda::ops::cross_entropy(self, targets);
+        }
         let c = self.shape()[self.rank() - 1];
         let t = targets.to_u32_vec()?;
         let spec = CrossEntropySpec { n_classes: c, ignore_index: options.ignore_index, label_smoothing: options.label_smoothing };

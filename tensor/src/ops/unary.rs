@@ -181,6 +181,10 @@ impl Tensor {
     }
     /// GELU, tanh approximation (as GPT-2).
     pub fn gelu(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.device() != rtx_kernels::Device::Cpu {
+            return crate::cuda::ops::gelu(self);
+        }
         unary(self, Gelu)
     }
     /// x·σ(x).

@@ -155,7 +155,7 @@ fn narrow_grad(g: &Tensor, dim: usize, start: usize, full: usize) -> Result<Tens
     let mut full_shape = shape.to_vec();
     full_shape[dim] = full;
     let (block, full_block, at) = (len * inner, full * inner, start * inner);
-    let src = g.to_data();
+    let src = g.to_data()?;
     let data = match &src {
         CpuData::F32(v) => CpuData::F32(pad_blocks(v, outer, block, full_block, at)),
         CpuData::F64(v) => CpuData::F64(pad_blocks(v, outer, block, full_block, at)),

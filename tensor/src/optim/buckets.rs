@@ -91,9 +91,9 @@ impl ParamBuckets {
             for &idx in &members {
                 let (name, t) = &named[idx];
                 let e = &entries[idx];
-                write_at(&mut params, e.offset, &t.to_data(), name)?;
+                write_at(&mut params, e.offset, &t.to_data()?, name)?;
                 if let Some(g) = t.grad() {
-                    write_at(&mut grads, e.offset, &g.to_dtype(dtype)?.to_data(), name)?;
+                    write_at(&mut grads, e.offset, &g.to_dtype(dtype)?.to_data()?, name)?;
                 }
             }
             built.push(Bucket { dtype, numel, params: Storage::new(params), grads: Storage::new(grads), entries: members });

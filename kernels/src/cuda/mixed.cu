@@ -1,0 +1,339 @@
+// rtx-kernels CUDA mixed-precision module: the kernels GPU tensors use for training in bf16 (and
+// f32), each in two instantiations, `_f32` (float storage) and `_bf16` (bf16 storage as raw
+// 16-bit words). Storage is read into f32 registers and every reduction accumulates in f32;
+// results round to the storage type on the way out. Compiled once per process by NVRTC (see
+// nvrtc.rs), no toolkit headers.
+//
+// Reductions over rows (bias and norm-parameter gradients) are two-pass and deterministic: the
+// first pass writes one f32 partial per (chunk of rows, column), the second sums the chunks in
+// order.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#define INFINITY __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float bf16_to_f32(u16 x) { return __uint_as_float(((u32)x) << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);  // NaN stays NaN
+    u32 rounding = 0x7fffu + ((u >> 16) & 1u);                             // round to nearest even
+    return (u16)((u + rounding) >> 16);
+}
+
+__device__ __forceinline__ float ldf(const float* p, i64 i) { return p[i]; }
+__device__ __forceinline__ float ldf(const u16* p, i64 i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void stf(float* p, i64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void stf(u16* p, i64 i, float v) { p[i] = f32_to_bf16(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+#define GRID_STRIDE(i, n) for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+// ---- elementwise ----
+
+// out[i] = a[i] + b[i % nb]: same shape (nb = n) or b broadcast over leading dimensions.
+template <typename T> __device__ void add_rows(const T* a, const T* b, T* out, i64 n, i64 nb) {
+    GRID_STRIDE(i, n) stf(out, i, ldf(a, i) + ldf(b, i % nb));
+}
+
+// out[r, j] = bias[j]: the C of a GEMM with beta = 1 that adds the bias.
+template <typename T> __device__ void fill_rows(const T* bias, T* out, i64 rows, int n) {
+    GRID_STRIDE(i, rows * n) out[i] = bias[i % n];
+}
+
+template <typename T> __device__ void fill(T* out, float v, i64 n) {
+    GRID_STRIDE(i, n) stf(out, i, v);
+}
+
+template <typename T> __device__ void scale(T* x, float k, i64 n) {
+    GRID_STRIDE(i, n) stf(x, i, ldf(x, i) * k);
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float k = 0.7978845608028654f;  // sqrt(2/pi)
+    float u = k * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+    const float k = 0.7978845608028654f;
+    float x2 = x * x;
+    float u = k * (x + 0.044715f * x2 * x);
+    float t = tanhf(u);
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x2);
+}
+
+template <typename T> __device__ void gelu_forward(const T* x, T* y, i64 n) {
+    GRID_STRIDE(i, n) stf(y, i, gelu_tanh(ldf(x, i)));
+}
+
+template <typename T> __device__ void gelu_backward(const T* x, const T* dy, T* dx, i64 n) {
+    GRID_STRIDE(i, n) stf(dx, i, ldf(dy, i) * gelu_tanh_grad(ldf(x, i)));
+}
+
+// ---- column sums (bias gradients, broadcast-add gradients) ----
+// Block (32, 8): column bx·32 + tx, rows of chunk by, strided by 8; partial[by·n + col].
+
+template <typename T> __device__ void col_sum_partial(const T* x, float* partial, i64 rows, int n, i64 rows_per_chunk) {
+    __shared__ float acc[8][33];
+    int col = blockIdx.x * 32 + threadIdx.x;
+    i64 r0 = blockIdx.y * rows_per_chunk;
+    i64 r1 = min(rows, r0 + rows_per_chunk);
+    float s = 0.0f;
+    if (col < n)
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) s += ldf(x, r * n + col);
+    acc[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < n) {
+        float t = 0.0f;
+        for (int k = 0; k < 8; ++k) t += acc[k][threadIdx.x];
+        partial[(i64)blockIdx.y * n + col] = t;
+    }
+}
+
+// out[j] (+)= Σ_c partial[c·n + j], chunks in order.
+template <typename T> __device__ void col_sum_finish(const float* partial, T* out, int chunks, int n, int accumulate) {
+    GRID_STRIDE(j, n) {
+        float t = accumulate ? ldf(out, j) : 0.0f;
+        for (int c = 0; c < chunks; ++c) t += partial[(i64)c * n + j];
+        stf(out, j, t);
+    }
+}
+
+// ---- layer norm: one warp per row, 8 rows per block ----
+
+template <typename T> __device__ void layer_norm_forward(const T* x, const T* w, const T* b, T* y, float* mean, float* rstd, i64 rows, int n, float eps) {
+    i64 row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    i64 off = row * n;
+    float s = 0.0f;
+    for (int j = lane; j < n; j += 32) s += ldf(x, off + j);
+    float mu = warp_sum(s) / n;
+    float v = 0.0f;
+    for (int j = lane; j < n; j += 32) { float d = ldf(x, off + j) - mu; v += d * d; }
+    float rs = rsqrtf(warp_sum(v) / n + eps);
+    if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
+    for (int j = lane; j < n; j += 32) {
+        float h = (ldf(x, off + j) - mu) * rs;
+        if (w) h *= ldf(w, j);
+        if (b) h += ldf(b, j);
+        stf(y, off + j, h);
+    }
+}
+
+template <typename T> __device__ void layer_norm_backward(const T* x, const T* w, const float* mean, const float* rstd, const T* dy, T* dx, i64 rows, int n) {
+    i64 row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    i64 off = row * n;
+    float mu = mean[row], rs = rstd[row];
+    float sg = 0.0f, sgx = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+        float g = ldf(dy, off + j) * (w ? ldf(w, j) : 1.0f);
+        sg += g;
+        sgx += g * (ldf(x, off + j) - mu) * rs;
+    }
+    float mg = warp_sum(sg) / n;
+    float mgx = warp_sum(sgx) / n;
+    for (int j = lane; j < n; j += 32) {
+        float g = ldf(dy, off + j) * (w ? ldf(w, j) : 1.0f);
+        float xh = (ldf(x, off + j) - mu) * rs;
+        stf(dx, off + j, rs * (g - mg - xh * mgx));
+    }
+}
+
+// Partials of dw = Σ dy·xhat and db = Σ dy, laid out as col_sum_partial's.
+template <typename T> __device__ void layer_norm_param_partial(const T* x, const float* mean, const float* rstd, const T* dy, float* pw, float* pb, i64 rows, int n, i64 rows_per_chunk) {
+    __shared__ float aw[8][33];
+    __shared__ float ab[8][33];
+    int col = blockIdx.x * 32 + threadIdx.x;
+    i64 r0 = blockIdx.y * rows_per_chunk;
+    i64 r1 = min(rows, r0 + rows_per_chunk);
+    float sw = 0.0f, sb = 0.0f;
+    if (col < n)
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) {
+            float g = ldf(dy, r * n + col);
+            sw += g * (ldf(x, r * n + col) - mean[r]) * rstd[r];
+            sb += g;
+        }
+    aw[threadIdx.y][threadIdx.x] = sw;
+    ab[threadIdx.y][threadIdx.x] = sb;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < n) {
+        float tw = 0.0f, tb = 0.0f;
+        for (int k = 0; k < 8; ++k) { tw += aw[k][threadIdx.x]; tb += ab[k][threadIdx.x]; }
+        pw[(i64)blockIdx.y * n + col] = tw;
+        pb[(i64)blockIdx.y * n + col] = tb;
+    }
+}
+
+// ---- embedding ----
+
+template <typename T> __device__ void embedding_forward(const T* table, const u32* ids, T* out, i64 n_ids, int dim) {
+    GRID_STRIDE(i, n_ids * dim) out[i] = table[(i64)ids[i / dim] * dim + (i % dim)];
+}
+
+// dtable (f32) += dout rows at ids (atomic adds).
+template <typename T> __device__ void embedding_backward(const T* dout, const u32* ids, float* dtable, i64 n_ids, int dim) {
+    GRID_STRIDE(i, n_ids * dim) atomicAdd(&dtable[(i64)ids[i / dim] * dim + (i % dim)], ldf(dout, i));
+}
+
+// ---- softmax cross-entropy: one warp per row, 8 rows per block ----
+
+template <typename T> __device__ void cross_entropy_forward(const T* logits, const u32* targets, float* losses, i64 rows, int c) {
+    i64 row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    i64 off = row * c;
+    float m = -INFINITY;
+    for (int j = lane; j < c; j += 32) m = fmaxf(m, ldf(logits, off + j));
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int j = lane; j < c; j += 32) s += expf(ldf(logits, off + j) - m);
+    s = warp_sum(s);
+    if (lane == 0) {
+        u32 t = targets[row];
+        losses[row] = (t < (u32)c) ? (logf(s) + m - ldf(logits, off + t)) : __int_as_float(0x7fc00000);
+    }
+}
+
+// dlogits = g · (softmax − onehot) · inv_rows, with g read from the device (the loss gradient).
+template <typename T> __device__ void cross_entropy_backward(const T* logits, const u32* targets, const float* g, float inv_rows, T* dlogits, i64 rows, int c) {
+    i64 row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    i64 off = row * c;
+    float m = -INFINITY;
+    for (int j = lane; j < c; j += 32) m = fmaxf(m, ldf(logits, off + j));
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int j = lane; j < c; j += 32) s += expf(ldf(logits, off + j) - m);
+    s = warp_sum(s);
+    float k = g[0] * inv_rows / s;
+    u32 t = targets[row];
+    for (int j = lane; j < c; j += 32) {
+        float p = expf(ldf(logits, off + j) - m) * k;
+        stf(dlogits, off + j, p - ((u32)j == t ? g[0] * inv_rows : 0.0f));
+    }
+}
+
+// out[0] = mean of x (one block; fixed order per thread, then a fixed tree: deterministic).
+extern "C" __global__ void mean_f32(const float* x, float* out, i64 n) {
+    __shared__ float scratch[32];
+    float s = 0.0f;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+    s = warp_sum(s);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    if (lane == 0) scratch[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < n_warps ? scratch[lane] : 0.0f;
+        t = warp_sum(t);
+        if (lane == 0) out[0] = n > 0 ? t / (float)n : 0.0f;
+    }
+}
+
+// ---- attention head layout ----
+// rows: [B, T, row_stride] with the heads at columns col_off + h·D; heads: [B, H, T, D].
+
+template <typename S, typename D_> __device__ void rows_to_heads(const S* src, D_* dst, int B, int T, int H, int D, int row_stride, int col_off) {
+    i64 n = (i64)B * H * T * D;
+    GRID_STRIDE(i, n) {
+        int d = i % D;
+        i64 r = i / D;
+        int t = r % T;
+        r /= T;
+        int h = r % H;
+        int b = r / H;
+        stf(dst, i, ldf(src, ((i64)b * T + t) * row_stride + col_off + (i64)h * D + d));
+    }
+}
+
+template <typename S, typename D_> __device__ void heads_to_rows(const S* src, D_* dst, int B, int T, int H, int D, int row_stride, int col_off) {
+    i64 n = (i64)B * H * T * D;
+    GRID_STRIDE(i, n) {
+        int d = i % D;
+        i64 r = i / D;
+        int t = r % T;
+        r /= T;
+        int h = r % H;
+        int b = r / H;
+        stf(dst, ((i64)b * T + t) * row_stride + col_off + (i64)h * D + d, ldf(src, i));
+    }
+}
+
+// ---- AdamW on f32 master weights, writing the storage-type parameter ----
+
+template <typename T> __device__ void adamw_master(float* master, T* param, const T* grad, float* m, float* v, i64 n, float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2) {
+    GRID_STRIDE(i, n) {
+        float g = ldf(grad, i);
+        float p = master[i] * (1.0f - lr * weight_decay);
+        float mi = beta1 * m[i] + (1.0f - beta1) * g;
+        float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        m[i] = mi;
+        v[i] = vi;
+        p -= lr * (mi / bc1) / (sqrtf(vi / bc2) + eps);
+        master[i] = p;
+        stf(param, i, p);
+    }
+}
+
+// ---- instantiations: `_f32` on float storage, `_bf16` on bf16 words ----
+
+#define BOTH(NAME, PARAMS, ARGS)                                           \
+    extern "C" __global__ void NAME##_f32 PARAMS(float) { NAME ARGS; }   \
+    extern "C" __global__ void NAME##_bf16 PARAMS(u16) { NAME ARGS; }
+
+#define P_ADD(T) (const T* a, const T* b, T* out, i64 n, i64 nb)
+BOTH(add_rows, P_ADD, (a, b, out, n, nb))
+#define P_FILL_ROWS(T) (const T* bias, T* out, i64 rows, int n)
+BOTH(fill_rows, P_FILL_ROWS, (bias, out, rows, n))
+#define P_FILL(T) (T* out, float v, i64 n)
+BOTH(fill, P_FILL, (out, v, n))
+#define P_SCALE(T) (T* x, float k, i64 n)
+BOTH(scale, P_SCALE, (x, k, n))
+#define P_GELU_F(T) (const T* x, T* y, i64 n)
+BOTH(gelu_forward, P_GELU_F, (x, y, n))
+#define P_GELU_B(T) (const T* x, const T* dy, T* dx, i64 n)
+BOTH(gelu_backward, P_GELU_B, (x, dy, dx, n))
+#define P_CSP(T) (const T* x, float* partial, i64 rows, int n, i64 rows_per_chunk)
+BOTH(col_sum_partial, P_CSP, (x, partial, rows, n, rows_per_chunk))
+#define P_CSF(T) (const float* partial, T* out, int chunks, int n, int accumulate)
+BOTH(col_sum_finish, P_CSF, (partial, out, chunks, n, accumulate))
+#define P_LNF(T) (const T* x, const T* w, const T* b, T* y, float* mean, float* rstd, i64 rows, int n, float eps)
+BOTH(layer_norm_forward, P_LNF, (x, w, b, y, mean, rstd, rows, n, eps))
+#define P_LNB(T) (const T* x, const T* w, const float* mean, const float* rstd, const T* dy, T* dx, i64 rows, int n)
+BOTH(layer_norm_backward, P_LNB, (x, w, mean, rstd, dy, dx, rows, n))
+#define P_LNP(T) (const T* x, const float* mean, const float* rstd, const T* dy, float* pw, float* pb, i64 rows, int n, i64 rows_per_chunk)
+BOTH(layer_norm_param_partial, P_LNP, (x, mean, rstd, dy, pw, pb, rows, n, rows_per_chunk))
+#define P_EMBF(T) (const T* table, const u32* ids, T* out, i64 n_ids, int dim)
+BOTH(embedding_forward, P_EMBF, (table, ids, out, n_ids, dim))
+#define P_EMBB(T) (const T* dout, const u32* ids, float* dtable, i64 n_ids, int dim)
+BOTH(embedding_backward, P_EMBB, (dout, ids, dtable, n_ids, dim))
+#define P_CEF(T) (const T* logits, const u32* targets, float* losses, i64 rows, int c)
+BOTH(cross_entropy_forward, P_CEF, (logits, targets, losses, rows, c))
+#define P_CEB(T) (const T* logits, const u32* targets, const float* g, float inv_rows, T* dlogits, i64 rows, int c)
+BOTH(cross_entropy_backward, P_CEB, (logits, targets, g, inv_rows, dlogits, rows, c))
+#define P_R2H(T) (const T* src, T* dst, int B, int T_, int H, int D, int row_stride, int col_off)
+BOTH(rows_to_heads, P_R2H, (src, dst, B, T_, H, D, row_stride, col_off))
+#define P_H2R(T) (const T* src, T* dst, int B, int T_, int H, int D, int row_stride, int col_off)
+BOTH(heads_to_rows, P_H2R, (src, dst, B, T_, H, D, row_stride, col_off))
+#define P_ADAM(T) (float* master, T* param, const T* grad, float* m, float* v, i64 n, float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2)
+BOTH(adamw_master, P_ADAM, (master, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2))
+
+// f32 head gradients (what the flash backward writes) into bf16 rows.
+extern "C" __global__ void heads_to_rows_f32_to_bf16(const float* src, u16* dst, int B, int T_, int H, int D, int row_stride, int col_off) {
+    heads_to_rows(src, dst, B, T_, H, D, row_stride, col_off);
+}

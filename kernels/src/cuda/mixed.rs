@@ -1,0 +1,489 @@
+//! The kernels of GPU training in mixed precision (the `mixed` NVRTC module, `mixed.cu`), each
+//! for f32 and bf16 storage ([`StorageElem`]): residual and broadcast adds, bias rows for a GEMM
+//! with `beta = 1`, tanh-GELU, deterministic column sums (bias and broadcast gradients), layer
+//! norm forward and backward (one warp per row) with its parameter gradients, embedding gather and
+//! scatter-add, softmax cross-entropy losses and gradients (the loss gradient read on the device,
+//! so backward never waits for the host), the attention head layouts, AdamW on f32 master weights
+//! writing the storage-type parameter.
+//!
+//! Storage is widened to f32 in registers; every sum accumulates in f32 and rounds once on the
+//! way out. These are what `rtx-tensor`'s CUDA tensors call; `rtx-tensor`'s
+//! `examples/gpt_gpu.rs` checks the tensor ops built on them against the CPU ops on the device.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::alloc::{Buffer, DeviceElem};
+use super::device::Device;
+use super::error::{check_len, CudaError, OpContext, Result};
+use super::nvrtc::Module;
+use super::ops::AdamW;
+
+/// Threads per block of the grid-stride kernels.
+const BLOCK: u32 = 256;
+/// Upper bound on grid-stride blocks.
+const MAX_BLOCKS: usize = 132 * 16;
+/// Rows (warps) per block of the row kernels; must match the kernels' `8`.
+const ROWS_PER_BLOCK: usize = 8;
+/// Rows per chunk of the column-sum partials.
+const ROWS_PER_CHUNK: usize = 128;
+
+/// A storage type of GPU tensors: f32 or bf16.
+pub trait StorageElem: DeviceElem {
+    /// Whether the storage is bf16 (picks the `_bf16` kernel instantiation).
+    const IS_BF16: bool;
+}
+
+impl StorageElem for f32 {
+    const IS_BF16: bool = false;
+}
+
+impl StorageElem for bf16 {
+    const IS_BF16: bool = true;
+}
+
+/// The kernel of the right instantiation: `kernel!(T, "name")`.
+macro_rules! kernel {
+    ($t:ty, $name:literal) => {
+        if <$t as StorageElem>::IS_BF16 {
+            concat!($name, "_bf16")
+        } else {
+            concat!($name, "_f32")
+        }
+    };
+}
+
+/// Where the heads of an attention input or output sit: rows `[B, T, row_stride]` with head `h`
+/// at columns `col_offset + h·D`; the head-major side is `[B, H, T, D]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadLayout {
+    /// Batch.
+    pub batch: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Head dim.
+    pub head_dim: usize,
+    /// Elements per row of the row-major side (`C` or `3·C`).
+    pub row_stride: usize,
+    /// Column where head 0 starts (`0`, `C` or `2·C` in packed QKV).
+    pub col_offset: usize,
+}
+
+impl HeadLayout {
+    fn head_elems(&self) -> usize {
+        self.batch * self.heads * self.seq * self.head_dim
+    }
+
+    fn row_elems(&self) -> usize {
+        self.batch * self.seq * self.row_stride
+    }
+
+    fn check(&self, op: &'static str) -> Result<[i32; 6]> {
+        if self.col_offset + self.heads * self.head_dim > self.row_stride {
+            return Err(CudaError::Unsupported { op, what: format!("heads end at column {} past the row of {}", self.col_offset + self.heads * self.head_dim, self.row_stride) });
+        }
+        Ok([int(op, self.batch)?, int(op, self.seq)?, int(op, self.heads)?, int(op, self.head_dim)?, int(op, self.row_stride)?, int(op, self.col_offset)?])
+    }
+}
+
+fn grid_stride(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn per_warp_rows(op: &'static str, rows: usize) -> Result<LaunchConfig> {
+    let blocks = u32::try_from(rows.div_ceil(ROWS_PER_BLOCK).max(1)).map_err(|_| CudaError::Unsupported { op, what: format!("{rows} rows") })?;
+    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((ROWS_PER_BLOCK * 32) as u32, 1, 1), shared_mem_bytes: 0 })
+}
+
+fn int(op: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CudaError::Unsupported { op, what: format!("{v} exceeds i32") })
+}
+
+fn rows_of(op: &'static str, len: usize, cols: usize) -> Result<usize> {
+    if cols == 0 || !len.is_multiple_of(cols) {
+        return Err(CudaError::Unsupported { op, what: format!("length {len} is not a whole number of rows of {cols}") });
+    }
+    Ok(len / cols)
+}
+
+/// Column-sum partials: `(chunks, launch)` for `rows × n`.
+fn partial_grid(op: &'static str, rows: usize, n: usize) -> Result<(usize, LaunchConfig)> {
+    let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (u32::try_from(n.div_ceil(32)).map_err(|_| CudaError::Unsupported { op, what: format!("{n} columns") })?, u32::try_from(chunks).map_err(|_| CudaError::Unsupported { op, what: format!("{rows} rows") })?, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    Ok((chunks, cfg))
+}
+
+impl Device {
+    /// `out = a + b`, with `b` either `a`'s length or broadcast over `a`'s leading dimensions
+    /// (`a.len()` a multiple of `b.len()`). `out` may be `a` itself only through
+    /// [`Device::add_rows_in_place`].
+    pub fn add_rows<T: StorageElem>(&self, a: &Buffer<T>, b: &Buffer<T>, out: &mut Buffer<T>) -> Result<()> {
+        const OP: &str = "add_rows";
+        check_len(OP, "out", out.len(), a.len())?;
+        self.launch_add::<T>(OP, a.device_ptr(), a.len(), b, out.device_ptr())
+    }
+
+    /// `a += b` (same broadcast rule as [`Device::add_rows`]).
+    pub fn add_rows_in_place<T: StorageElem>(&self, a: &mut Buffer<T>, b: &Buffer<T>) -> Result<()> {
+        let p = a.device_ptr();
+        self.launch_add::<T>("add_rows_in_place", p, a.len(), b, p)
+    }
+
+    fn launch_add<T: StorageElem>(&self, op: &'static str, a: u64, n: usize, b: &Buffer<T>, out: u64) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if b.is_empty() || !n.is_multiple_of(b.len()) {
+            return Err(CudaError::Unsupported { op, what: format!("cannot broadcast {} elements over {n}", b.len()) });
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "add_rows"))?;
+        let (bp, n64, nb) = (b.device_ptr(), n as i64, b.len() as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&a).arg(&bp).arg(&out).arg(&n64).arg(&nb);
+        // SAFETY: a and out hold n elements, b holds nb dividing n; indices stay below them.
+        unsafe { l.launch(grid_stride(n)) }.op(op)?;
+        Ok(())
+    }
+
+    /// Every row of `out` (`rows × bias.len()`) set to `bias`.
+    pub fn fill_rows<T: StorageElem>(&self, bias: &Buffer<T>, out: &mut Buffer<T>) -> Result<()> {
+        const OP: &str = "fill_rows";
+        let rows = rows_of(OP, out.len(), bias.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "fill_rows"))?;
+        let (bp, op_, r, n) = (bias.device_ptr(), out.device_ptr(), rows as i64, int(OP, bias.len())?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&bp).arg(&op_).arg(&r).arg(&n);
+        // SAFETY: out holds rows·n elements, bias n.
+        unsafe { l.launch(grid_stride(out.len())) }.op(OP)?;
+        Ok(())
+    }
+
+    /// Every element of `out` set to `value` (rounded to the storage type).
+    pub fn fill<T: StorageElem>(&self, out: &mut Buffer<T>, value: f32) -> Result<()> {
+        self.scalar_op::<T>(kernel!(T, "fill"), "fill", out, value)
+    }
+
+    /// `x *= k` in place.
+    pub fn scale_in_place<T: StorageElem>(&self, x: &mut Buffer<T>, k: f32) -> Result<()> {
+        self.scalar_op::<T>(kernel!(T, "scale"), "scale_in_place", x, k)
+    }
+
+    fn scalar_op<T: StorageElem>(&self, name: &'static str, op: &'static str, x: &mut Buffer<T>, v: f32) -> Result<()> {
+        if x.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, name)?;
+        let (p, n) = (x.device_ptr(), x.len() as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&p).arg(&v).arg(&n);
+        // SAFETY: x holds n elements.
+        unsafe { l.launch(grid_stride(x.len())) }.op(op)?;
+        Ok(())
+    }
+
+    /// `y = gelu(x)` (tanh approximation, as GPT-2).
+    pub fn gelu<T: StorageElem>(&self, x: &Buffer<T>, y: &mut Buffer<T>) -> Result<()> {
+        const OP: &str = "gelu";
+        check_len(OP, "y", y.len(), x.len())?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "gelu_forward"))?;
+        let (xp, yp, n) = (x.device_ptr(), y.device_ptr(), x.len() as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&yp).arg(&n);
+        // SAFETY: both hold n elements.
+        unsafe { l.launch(grid_stride(x.len())) }.op(OP)?;
+        Ok(())
+    }
+
+    /// `dx = dy · gelu'(x)`.
+    pub fn gelu_backward<T: StorageElem>(&self, x: &Buffer<T>, dy: &Buffer<T>, dx: &mut Buffer<T>) -> Result<()> {
+        const OP: &str = "gelu_backward";
+        check_len(OP, "dy", dy.len(), x.len())?;
+        check_len(OP, "dx", dx.len(), x.len())?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "gelu_backward"))?;
+        let (xp, gp, dp, n) = (x.device_ptr(), dy.device_ptr(), dx.device_ptr(), x.len() as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&gp).arg(&dp).arg(&n);
+        // SAFETY: all three hold n elements.
+        unsafe { l.launch(grid_stride(x.len())) }.op(OP)?;
+        Ok(())
+    }
+
+    /// `out[j] (+)= Σ_r x[r, j]` over the rows of `x` (`rows × out.len()`), in a fixed order.
+    pub fn column_sums<T: StorageElem>(&self, x: &Buffer<T>, out: &mut Buffer<T>, accumulate: bool) -> Result<()> {
+        const OP: &str = "column_sums";
+        let n = out.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let rows = rows_of(OP, x.len(), n)?;
+        let (chunks, cfg) = partial_grid(OP, rows, n)?;
+        let partial = self.alloc::<f32>(chunks * n)?;
+        let f = self.function(Module::Mixed, kernel!(T, "col_sum_partial"))?;
+        let (xp, pp, r, ni, per) = (x.device_ptr(), partial.device_ptr(), rows as i64, int(OP, n)?, ROWS_PER_CHUNK as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&pp).arg(&r).arg(&ni).arg(&per);
+        // SAFETY: x holds rows·n elements; partial holds chunks·n.
+        unsafe { l.launch(cfg) }.op(OP)?;
+        self.finish_columns::<T>(&partial, chunks, out, accumulate)
+    }
+
+    fn finish_columns<T: StorageElem>(&self, partial: &Buffer<f32>, chunks: usize, out: &mut Buffer<T>, accumulate: bool) -> Result<()> {
+        const OP: &str = "column_sums";
+        let f = self.function(Module::Mixed, kernel!(T, "col_sum_finish"))?;
+        let (pp, op_, c, n, acc) = (partial.device_ptr(), out.device_ptr(), int(OP, chunks)?, int(OP, out.len())?, accumulate as i32);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&pp).arg(&op_).arg(&c).arg(&n).arg(&acc);
+        // SAFETY: partial holds chunks·n f32s, out n elements.
+        unsafe { l.launch(grid_stride(out.len())) }.op(OP)?;
+        Ok(())
+    }
+
+    /// Layer norm over rows of `n`: `y = (x − mean)·rstd·w + b`, saving per-row `mean` and `rstd`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_forward<T: StorageElem>(&self, x: &Buffer<T>, n: usize, w: Option<&Buffer<T>>, b: Option<&Buffer<T>>, eps: f32, y: &mut Buffer<T>, mean: &mut Buffer<f32>, rstd: &mut Buffer<f32>) -> Result<()> {
+        const OP: &str = "norm_forward";
+        let rows = rows_of(OP, x.len(), n)?;
+        check_len(OP, "y", y.len(), x.len())?;
+        check_len(OP, "mean", mean.len(), rows)?;
+        check_len(OP, "rstd", rstd.len(), rows)?;
+        for (name, p) in [("weight", w), ("bias", b)] {
+            if let Some(p) = p {
+                check_len(OP, name, p.len(), n)?;
+            }
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "layer_norm_forward"))?;
+        let (xp, wp, bp, yp, mp, rp) = (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), b.map_or(0, |b| b.device_ptr()), y.device_ptr(), mean.device_ptr(), rstd.device_ptr());
+        let (r, ni) = (rows as i64, int(OP, n)?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&wp).arg(&bp).arg(&yp).arg(&mp).arg(&rp).arg(&r).arg(&ni).arg(&eps);
+        // SAFETY: lengths checked above; null w/b are allowed by the kernel.
+        unsafe { l.launch(per_warp_rows(OP, rows)?) }.op(OP)?;
+        Ok(())
+    }
+
+    /// Layer norm backward: `dx`, and the parameter gradients `dw`, `db` when asked (written,
+    /// not accumulated).
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_backward<T: StorageElem>(
+        &self,
+        x: &Buffer<T>,
+        n: usize,
+        w: Option<&Buffer<T>>,
+        mean: &Buffer<f32>,
+        rstd: &Buffer<f32>,
+        dy: &Buffer<T>,
+        dx: &mut Buffer<T>,
+        dw: Option<&mut Buffer<T>>,
+        db: Option<&mut Buffer<T>>,
+    ) -> Result<()> {
+        const OP: &str = "norm_backward";
+        let rows = rows_of(OP, x.len(), n)?;
+        check_len(OP, "dy", dy.len(), x.len())?;
+        check_len(OP, "dx", dx.len(), x.len())?;
+        check_len(OP, "mean", mean.len(), rows)?;
+        check_len(OP, "rstd", rstd.len(), rows)?;
+        if let Some(w) = w {
+            check_len(OP, "weight", w.len(), n)?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "layer_norm_backward"))?;
+        let (xp, wp, mp, rp, gp, dp) = (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), mean.device_ptr(), rstd.device_ptr(), dy.device_ptr(), dx.device_ptr());
+        let (r, ni) = (rows as i64, int(OP, n)?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&wp).arg(&mp).arg(&rp).arg(&gp).arg(&dp).arg(&r).arg(&ni);
+        // SAFETY: lengths checked above.
+        unsafe { l.launch(per_warp_rows(OP, rows)?) }.op(OP)?;
+        if dw.is_none() && db.is_none() {
+            return Ok(());
+        }
+        let (chunks, cfg) = partial_grid(OP, rows, n)?;
+        let pw = self.alloc::<f32>(chunks * n)?;
+        let pb = self.alloc::<f32>(chunks * n)?;
+        let f = self.function(Module::Mixed, kernel!(T, "layer_norm_param_partial"))?;
+        let (pwp, pbp, per) = (pw.device_ptr(), pb.device_ptr(), ROWS_PER_CHUNK as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&mp).arg(&rp).arg(&gp).arg(&pwp).arg(&pbp).arg(&r).arg(&ni).arg(&per);
+        // SAFETY: x, dy hold rows·n; mean, rstd rows; partials chunks·n.
+        unsafe { l.launch(cfg) }.op(OP)?;
+        if let Some(dw) = dw {
+            check_len(OP, "dw", dw.len(), n)?;
+            self.finish_columns::<T>(&pw, chunks, dw, false)?;
+        }
+        if let Some(db) = db {
+            check_len(OP, "db", db.len(), n)?;
+            self.finish_columns::<T>(&pb, chunks, db, false)?;
+        }
+        Ok(())
+    }
+
+    /// `out[r] = table[ids[r]]` for rows of `dim`. The caller guarantees every id is a row of the
+    /// table (the tensor layer checks ids on the host before they are uploaded).
+    pub fn gather_rows<T: StorageElem>(&self, table: &Buffer<T>, dim: usize, ids: &Buffer<u32>, out: &mut Buffer<T>) -> Result<()> {
+        const OP: &str = "gather_rows";
+        check_len(OP, "out", out.len(), ids.len() * dim)?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "embedding_forward"))?;
+        let (tp, ip, op_, n, d) = (table.device_ptr(), ids.device_ptr(), out.device_ptr(), ids.len() as i64, int(OP, dim)?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&tp).arg(&ip).arg(&op_).arg(&n).arg(&d);
+        // SAFETY: out holds ids·dim elements; ids index the table (caller's contract).
+        unsafe { l.launch(grid_stride(out.len())) }.op(OP)?;
+        Ok(())
+    }
+
+    /// `dtable[ids[r]] += dout[r]` into an f32 table (atomic adds: the order of additions into a
+    /// repeated row is not fixed).
+    pub fn scatter_add_rows<T: StorageElem>(&self, dout: &Buffer<T>, ids: &Buffer<u32>, dim: usize, dtable: &mut Buffer<f32>) -> Result<()> {
+        const OP: &str = "scatter_add_rows";
+        check_len(OP, "dout", dout.len(), ids.len() * dim)?;
+        if dout.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "embedding_backward"))?;
+        let (gp, ip, tp, n, d) = (dout.device_ptr(), ids.device_ptr(), dtable.device_ptr(), ids.len() as i64, int(OP, dim)?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&gp).arg(&ip).arg(&tp).arg(&n).arg(&d);
+        // SAFETY: dout holds ids·dim elements; ids index dtable (caller's contract).
+        unsafe { l.launch(grid_stride(dout.len())) }.op(OP)?;
+        Ok(())
+    }
+
+    /// Per-row softmax cross-entropy losses of `logits` (`rows × classes`) against `targets`
+    /// (a target outside the classes gives NaN; the tensor layer checks targets first).
+    pub fn cross_entropy_losses<T: StorageElem>(&self, logits: &Buffer<T>, classes: usize, targets: &Buffer<u32>, losses: &mut Buffer<f32>) -> Result<()> {
+        const OP: &str = "cross_entropy_losses";
+        let rows = rows_of(OP, logits.len(), classes)?;
+        check_len(OP, "targets", targets.len(), rows)?;
+        check_len(OP, "losses", losses.len(), rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "cross_entropy_forward"))?;
+        let (lp, tp, op_, r, c) = (logits.device_ptr(), targets.device_ptr(), losses.device_ptr(), rows as i64, int(OP, classes)?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&lp).arg(&tp).arg(&op_).arg(&r).arg(&c);
+        // SAFETY: lengths checked above.
+        unsafe { l.launch(per_warp_rows(OP, rows)?) }.op(OP)?;
+        Ok(())
+    }
+
+    /// `dlogits = g[0] · (softmax(logits) − onehot(targets)) · inv_rows`, with the loss gradient
+    /// `g` (one f32) read on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_grad<T: StorageElem>(&self, logits: &Buffer<T>, classes: usize, targets: &Buffer<u32>, g: &Buffer<f32>, inv_rows: f32, dlogits: &mut Buffer<T>) -> Result<()> {
+        const OP: &str = "cross_entropy_grad";
+        let rows = rows_of(OP, logits.len(), classes)?;
+        check_len(OP, "targets", targets.len(), rows)?;
+        check_len(OP, "dlogits", dlogits.len(), logits.len())?;
+        check_len(OP, "g", g.len(), 1)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "cross_entropy_backward"))?;
+        let (lp, tp, gp, dp, r, c) = (logits.device_ptr(), targets.device_ptr(), g.device_ptr(), dlogits.device_ptr(), rows as i64, int(OP, classes)?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&lp).arg(&tp).arg(&gp).arg(&inv_rows).arg(&dp).arg(&r).arg(&c);
+        // SAFETY: lengths checked above.
+        unsafe { l.launch(per_warp_rows(OP, rows)?) }.op(OP)?;
+        Ok(())
+    }
+
+    /// `out[0] = mean(x)` in a fixed order.
+    pub fn mean_f32(&self, x: &Buffer<f32>, out: &mut Buffer<f32>) -> Result<()> {
+        const OP: &str = "mean_f32";
+        check_len(OP, "out", out.len(), 1)?;
+        let f = self.function(Module::Mixed, "mean_f32")?;
+        let (xp, op_, n) = (x.device_ptr(), out.device_ptr(), x.len() as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&op_).arg(&n);
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: x holds n f32s, out one.
+        unsafe { l.launch(cfg) }.op(OP)?;
+        Ok(())
+    }
+
+    /// Copies the heads out of rows: `rows [B, T, row_stride]` → `heads [B, H, T, D]`.
+    pub fn rows_to_heads<T: StorageElem>(&self, rows: &Buffer<T>, layout: HeadLayout, heads: &mut Buffer<T>) -> Result<()> {
+        self.head_copy::<T, T>(kernel!(T, "rows_to_heads"), "rows_to_heads", rows, layout, heads, true)
+    }
+
+    /// Writes heads into rows: `heads [B, H, T, D]` → the head columns of `rows`.
+    pub fn heads_to_rows<T: StorageElem>(&self, heads: &Buffer<T>, layout: HeadLayout, rows: &mut Buffer<T>) -> Result<()> {
+        self.head_copy::<T, T>(kernel!(T, "heads_to_rows"), "heads_to_rows", heads, layout, rows, false)
+    }
+
+    /// [`Device::heads_to_rows`] from f32 heads (the flash backward's gradients) into bf16 rows.
+    pub fn heads_to_rows_f32_to_bf16(&self, heads: &Buffer<f32>, layout: HeadLayout, rows: &mut Buffer<bf16>) -> Result<()> {
+        self.head_copy::<f32, bf16>("heads_to_rows_f32_to_bf16", "heads_to_rows_f32_to_bf16", heads, layout, rows, false)
+    }
+
+    fn head_copy<S: DeviceElem, D: DeviceElem>(&self, name: &'static str, op: &'static str, src: &Buffer<S>, layout: HeadLayout, dst: &mut Buffer<D>, to_heads: bool) -> Result<()> {
+        let args = layout.check(op)?;
+        let (src_len, dst_len) = if to_heads { (layout.row_elems(), layout.head_elems()) } else { (layout.head_elems(), layout.row_elems()) };
+        check_len(op, "src", src.len(), src_len)?;
+        check_len(op, "dst", dst.len(), dst_len)?;
+        let n = layout.head_elems();
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, name)?;
+        let (sp, dp) = (src.device_ptr(), dst.device_ptr());
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&sp).arg(&dp);
+        for a in &args {
+            l.arg(a);
+        }
+        // SAFETY: both buffers were checked against the layout's extents.
+        unsafe { l.launch(grid_stride(n)) }.op(op)?;
+        Ok(())
+    }
+
+    /// One AdamW step on f32 `master` weights (moments `m`, `v`) from storage-type `grad`,
+    /// writing the rounded result into `param`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw_master<T: StorageElem>(&self, master: &mut Buffer<f32>, param: &mut Buffer<T>, grad: &Buffer<T>, m: &mut Buffer<f32>, v: &mut Buffer<f32>, hp: AdamW) -> Result<()> {
+        const OP: &str = "adamw_master";
+        let n = master.len();
+        for (name, len) in [("param", param.len()), ("grad", grad.len()), ("m", m.len()), ("v", v.len())] {
+            check_len(OP, name, len, n)?;
+        }
+        if hp.step == 0 {
+            return Err(CudaError::Unsupported { op: OP, what: "step 0 (steps start at 1)".into() });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let bc1 = (1.0 - (hp.beta1 as f64).powi(hp.step as i32)) as f32;
+        let bc2 = (1.0 - (hp.beta2 as f64).powi(hp.step as i32)) as f32;
+        let f = self.function(Module::Mixed, kernel!(T, "adamw_master"))?;
+        let (mp, pp, gp, m1, v1, n64) = (master.device_ptr(), param.device_ptr(), grad.device_ptr(), m.device_ptr(), v.device_ptr(), n as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&mp).arg(&pp).arg(&gp).arg(&m1).arg(&v1).arg(&n64).arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps).arg(&hp.weight_decay).arg(&bc1).arg(&bc2);
+        // SAFETY: all five buffers hold n elements.
+        unsafe { l.launch(grid_stride(n)) }.op(OP)?;
+        Ok(())
+    }
+}

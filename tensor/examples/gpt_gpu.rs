@@ -1,0 +1,298 @@
+//! GPU tensors end to end, on a CUDA machine (`scripts/gpu-check.sh` runs every mode):
+//!
+//! - `ops`: each tensor op GPT training uses (linear, layer norm, GELU, broadcast add, embedding,
+//!   packed causal attention, cross-entropy), forward and backward on the GPU against the CPU op
+//!   on fresh random inputs, in f32 (tolerance 1e-5, normwise relative: `max|gpu − cpu| /
+//!   max|cpu|`) and bf16 (1e-2, against the CPU op on the same bf16-rounded inputs).
+//! - `curve`: a small GPT trained 300 steps on the State of the Union bytes from one seed on the
+//!   CPU (f32), the GPU in f32, and the GPU in mixed precision (bf16 with f32 master weights);
+//!   the loss curves must match (10-step window means within 1% for f32, 3% for bf16).
+//! - `bench`: the GPT-2 124M shape (12 layers, C 768, 12 heads, context 1024, byte vocabulary
+//!   256, batch 16, bf16, AdamW) training steps: median step time, tokens/s and MFU against the
+//!   H200's 989 TFLOP/s dense bf16 peak, printed as one `RESULT` line for the comparison table.
+//!
+//! Usage: `gpt_gpu [ops|curve|bench|all]`; data from `$RTX_DATA` (default `data`), seed from
+//! `$RTX_SEED` (printed). Exits non-zero when a check fails.
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use rtx_tensor::cuda::{self, MixedAdamW};
+use rtx_tensor::data::TextCorpus;
+use rtx_tensor::nn::{Gpt, GptConfig, Module};
+use rtx_tensor::optim::{AdamW, AdamWConfig};
+use rtx_tensor::{CrossEntropyOptions, DType, Device, Generator, Optimizer, Tensor};
+
+type Res<T> = std::result::Result<T, Box<dyn Error>>;
+
+const GPU: Device = Device::Cuda(0);
+/// Dense bf16 tensor-core peak of an H200 (SXM), FLOP/s.
+const PEAK_BF16: f64 = 989e12;
+
+fn main() {
+    let mode = std::env::args().nth(1).unwrap_or_else(|| "all".into());
+    let seed = std::env::var("RTX_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261201u64);
+    println!("gpt_gpu {mode} seed={seed} (replay with RTX_SEED={seed})");
+    let run = || -> Res<bool> {
+        let dev = cuda::device(0)?;
+        dev.warm_up()?;
+        println!("device: {} ", dev.name());
+        let mut ok = true;
+        if mode == "ops" || mode == "all" {
+            ok &= ops(seed)?;
+        }
+        if mode == "curve" || mode == "all" {
+            ok &= curve(seed, &corpus()?)?;
+        }
+        if mode == "bench" || mode == "all" {
+            bench(seed, &corpus()?)?;
+        }
+        Ok(ok)
+    };
+    match run() {
+        Ok(true) => println!("gpt_gpu: all checks passed"),
+        Ok(false) => {
+            println!("gpt_gpu: CHECKS FAILED (replay with RTX_SEED={seed})");
+            std::process::exit(1);
+        }
+        Err(e) => {
+            eprintln!("gpt_gpu: error: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn corpus() -> Res<TextCorpus> {
+    let dir = PathBuf::from(std::env::var("RTX_DATA").unwrap_or_else(|_| "data".into())).join("sotu");
+    Ok(TextCorpus::load_dir(&dir).map_err(|e| format!("{}: {e} (run scripts/fetch-data.sh)", dir.display()))?)
+}
+
+// ------------------------------------------------------------------------------------- ops
+
+/// Normwise relative error `max|a − b| / max|b|`.
+fn rel_err(a: &Tensor, b: &Tensor) -> Res<f64> {
+    let (a, b) = (a.to_f64_vec()?, b.to_f64_vec()?);
+    if a.len() != b.len() {
+        return Err(format!("length {} vs {}", a.len(), b.len()).into());
+    }
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+    let err = a.iter().zip(&b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+    Ok(if a.iter().all(|v| v.is_finite()) { err / scale } else { f64::INFINITY })
+}
+
+/// Random values in [-1, 1) (never exactly zero) of `shape`.
+fn random(shape: &[usize], rng: &mut Generator) -> Res<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) as f32).max(-1.0)).map(|x| if x == 0.0 { 1e-3 } else { x }).collect();
+    Ok(Tensor::from_vec(v, shape)?)
+}
+
+/// An op under test: inputs (float leaves) and extra index inputs → output.
+type OpFn = fn(&[Tensor], &[Tensor]) -> rtx_tensor::Result<Tensor>;
+
+struct OpCase {
+    name: &'static str,
+    inputs: Vec<Vec<usize>>,
+    ids: Vec<(Vec<usize>, u64)>,
+    scalar_out: bool,
+    f: OpFn,
+}
+
+fn cases() -> Vec<OpCase> {
+    vec![
+        OpCase { name: "linear+bias", inputs: vec![vec![64, 96], vec![192, 96], vec![192]], ids: vec![], scalar_out: false, f: |x, _| x[0].linear(&x[1], Some(&x[2])) },
+        OpCase { name: "linear", inputs: vec![vec![2, 32, 128], vec![64, 128]], ids: vec![], scalar_out: false, f: |x, _| x[0].linear(&x[1], None) },
+        OpCase { name: "layer_norm", inputs: vec![vec![48, 200], vec![200], vec![200]], ids: vec![], scalar_out: false, f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5) },
+        OpCase { name: "gelu", inputs: vec![vec![37, 129]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu() },
+        OpCase { name: "add (same)", inputs: vec![vec![5, 77], vec![5, 77]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
+        OpCase { name: "add (broadcast)", inputs: vec![vec![4, 16, 32], vec![16, 32]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
+        OpCase { name: "embedding", inputs: vec![vec![50, 64]], ids: vec![(vec![3, 40], 50)], scalar_out: false, f: |x, i| Tensor::embedding(&x[0], &i[0]) },
+        OpCase {
+            name: "attention d64 causal",
+            inputs: vec![vec![2, 96, 3 * 128]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| Tensor::scaled_dot_product_attention_packed(&x[0], 2, true, None),
+        },
+        OpCase {
+            name: "attention d128 causal",
+            inputs: vec![vec![1, 130, 3 * 256]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| Tensor::scaled_dot_product_attention_packed(&x[0], 2, true, None),
+        },
+        OpCase {
+            name: "cross_entropy",
+            inputs: vec![vec![64, 50]],
+            ids: vec![(vec![64], 50)],
+            scalar_out: true,
+            f: |x, i| x[0].cross_entropy(&i[0], CrossEntropyOptions::default()),
+        },
+    ]
+}
+
+/// Runs one case on `device` in `dtype`; returns the output and the input gradients (f32, host).
+fn run_case(case: &OpCase, host_inputs: &[Tensor], ids: &[Tensor], grad_out: Option<&Tensor>, device: Device, dtype: DType) -> Res<(Tensor, Vec<Tensor>)> {
+    let inputs: Vec<Tensor> = host_inputs.iter().map(|t| Ok(t.to_dtype(dtype)?.to_device(device)?.requires_grad(true))).collect::<Res<_>>()?;
+    let y = (case.f)(&inputs, ids)?;
+    match grad_out {
+        Some(g) => y.backward_from(g.to_dtype(y.dtype())?.to_device(device)?, |_| {})?,
+        None => y.backward()?,
+    }
+    let grads = inputs.iter().map(|t| Ok(t.grad().ok_or("no gradient")?.to_device(Device::Cpu)?.to_dtype(DType::F32)?)).collect::<Res<_>>()?;
+    Ok((y.to_device(Device::Cpu)?.to_dtype(DType::F32)?, grads))
+}
+
+fn ops(seed: u64) -> Res<bool> {
+    let mut rng = Generator::new(seed);
+    let mut ok = true;
+    println!("{:<24} {:>6} {:>12} {:>12}  tol", "op", "dtype", "forward", "backward");
+    for case in cases() {
+        let host: Vec<Tensor> = case.inputs.iter().map(|s| random(s, &mut rng)).collect::<Res<_>>()?;
+        let ids: Vec<Tensor> = case.ids.iter().map(|(s, bound)| Ok(Tensor::from_vec((0..s.iter().product::<usize>()).map(|_| rng.below(*bound) as u32).collect::<Vec<u32>>(), s)?)).collect::<Res<_>>()?;
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+            // The reference sees the same (rounded) inputs as the GPU.
+            let rounded: Vec<Tensor> = host.iter().map(|t| Ok(t.to_dtype(dtype)?.to_dtype(DType::F32)?)).collect::<Res<_>>()?;
+            let out_shape = (case.f)(&rounded, &ids)?.shape().to_vec();
+            let grad_out = if case.scalar_out { None } else { Some(random(&out_shape, &mut rng)?.to_dtype(dtype)?.to_dtype(DType::F32)?) };
+            let (y_ref, g_ref) = run_case(&case, &rounded, &ids, grad_out.as_ref(), Device::Cpu, DType::F32)?;
+            let (y_gpu, g_gpu) = run_case(&case, &rounded, &ids, grad_out.as_ref(), GPU, dtype)?;
+            let fwd = rel_err(&y_gpu, &y_ref)?;
+            let mut bwd = 0.0f64;
+            for (a, b) in g_gpu.iter().zip(&g_ref) {
+                bwd = bwd.max(rel_err(a, b)?);
+            }
+            let pass = fwd <= tol && bwd <= tol;
+            ok &= pass;
+            println!("{:<24} {:>6} {:>12.3e} {:>12.3e}  {:.0e} {}", case.name, dtype.to_string(), fwd, bwd, tol, if pass { "ok" } else { "FAIL" });
+        }
+    }
+    // A bad index is a typed error, not a device fault.
+    let table = random(&[10, 8], &mut rng)?.to_device(GPU)?;
+    match Tensor::embedding(&table, &Tensor::from_vec(vec![3u32, 10], &[2])?) {
+        Err(e) => println!("embedding with id 10 of 10 rows: refused ({e})"),
+        Ok(_) => {
+            println!("embedding with an out-of-range id was accepted: FAIL");
+            ok = false;
+        }
+    }
+    Ok(ok)
+}
+
+// ------------------------------------------------------------------------------- training
+
+/// A batch of `b` windows of `t + 1` bytes at seeded offsets: inputs and next-byte targets.
+fn batch(bytes: &[u8], b: usize, t: usize, rng: &mut Generator) -> Res<(Tensor, Tensor)> {
+    let mut x = Vec::with_capacity(b * t);
+    let mut y = Vec::with_capacity(b * t);
+    for _ in 0..b {
+        let start = rng.below((bytes.len() - t - 1) as u64) as usize;
+        x.extend(bytes[start..start + t].iter().map(|&c| u32::from(c)));
+        y.extend(bytes[start + 1..start + t + 1].iter().map(|&c| u32::from(c)));
+    }
+    Ok((Tensor::from_vec(x, &[b, t])?, Tensor::from_vec(y, &[b, t])?))
+}
+
+/// A model and optimizer on one device in one precision.
+struct Trainer {
+    model: Gpt,
+    opt: Box<dyn Optimizer>,
+    device: Device,
+}
+
+impl Trainer {
+    fn new(config: GptConfig, seed: u64, device: Device, dtype: DType, adamw: AdamWConfig) -> Res<Trainer> {
+        let mut model = Gpt::new(config, &mut Generator::new(seed))?;
+        let opt: Box<dyn Optimizer> = match device {
+            Device::Cpu => Box::new(AdamW::with_decay_filter(model.named_parameters(), adamw, AdamW::decay_matrices)?),
+            Device::Cuda(i) => {
+                let masters = cuda::move_module(&mut model, i, dtype)?;
+                Box::new(MixedAdamW::new(model.named_parameters(), Some(&masters), adamw, AdamW::decay_matrices)?)
+            }
+        };
+        Ok(Trainer { model, opt, device })
+    }
+
+    /// One step; returns the loss tensor (on the device: reading it waits for the step).
+    fn step(&mut self, x: &Tensor, y: &Tensor) -> Res<Tensor> {
+        for (_, p) in self.model.named_parameters() {
+            p.set_grad(None)?;
+        }
+        let mut rng = Generator::new(0);
+        let (x, y) = match self.device {
+            Device::Cpu => (x.clone(), y.clone()),
+            d => (x.to_device(d)?, y.to_device(d)?),
+        };
+        let loss = self.model.loss(&x, &y, &mut rng)?;
+        loss.backward()?;
+        self.opt.step()?;
+        Ok(loss)
+    }
+}
+
+fn curve(seed: u64, corpus: &TextCorpus) -> Res<bool> {
+    let config = GptConfig { vocab_size: 256, context: 128, d_model: 128, n_layers: 2, n_heads: 2, ..GptConfig::default() };
+    let adamw = AdamWConfig { lr: 1e-3, weight_decay: 0.1, ..AdamWConfig::default() };
+    let (b, t, steps, window) = (8, 128, 300, 10);
+    let runs = [("cpu f32", Device::Cpu, DType::F32), ("gpu f32", GPU, DType::F32), ("gpu bf16", GPU, DType::BF16)];
+    let mut curves = Vec::new();
+    for (name, device, dtype) in runs {
+        let mut trainer = Trainer::new(config, seed, device, dtype, adamw)?;
+        let mut data_rng = Generator::new(seed ^ 0x5eed);
+        let start = Instant::now();
+        let mut losses = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            let (x, y) = batch(corpus.bytes(), b, t, &mut data_rng)?;
+            losses.push(trainer.step(&x, &y)?.item()?);
+        }
+        println!("curve {name}: {steps} steps in {:.1} s, first loss {:.4}, last {:.4}", start.elapsed().as_secs_f64(), losses[0], losses[steps - 1]);
+        curves.push(losses);
+    }
+    let means = |c: &[f64]| c.chunks(window).map(|w| w.iter().sum::<f64>() / w.len() as f64).collect::<Vec<f64>>();
+    let cpu = means(&curves[0]);
+    let mut ok = true;
+    for (run, tol) in [(1usize, 0.01), (2, 0.03)] {
+        let other = means(&curves[run]);
+        let worst = cpu.iter().zip(&other).map(|(a, b)| (a - b).abs() / a.abs().max(1e-12)).fold(0.0f64, f64::max);
+        let pass = worst <= tol;
+        ok &= pass;
+        println!("curve {} vs cpu f32: worst {window}-step window mean rel diff {:.4} (tol {tol}) {}", runs[run].0, worst, if pass { "ok" } else { "FAIL" });
+    }
+    println!("{:>6} {:>10} {:>10} {:>10}", "step", "cpu f32", "gpu f32", "gpu bf16");
+    for i in (0..cpu.len()).step_by(3) {
+        println!("{:>6} {:>10.4} {:>10.4} {:>10.4}", (i + 1) * window, cpu[i], means(&curves[1])[i], means(&curves[2])[i]);
+    }
+    Ok(ok)
+}
+
+fn bench(seed: u64, corpus: &TextCorpus) -> Res<()> {
+    let config = GptConfig { vocab_size: 256, context: 1024, d_model: 768, n_layers: 12, n_heads: 12, ..GptConfig::default() };
+    let (b, t) = (16usize, 1024usize);
+    let steps = std::env::var("RTX_BENCH_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(20usize);
+    let adamw = AdamWConfig { lr: 6e-4, weight_decay: 0.1, beta2: 0.95, ..AdamWConfig::default() };
+    let mut trainer = Trainer::new(config, seed, GPU, DType::BF16, adamw)?;
+    let n_params: usize = trainer.model.named_parameters().iter().map(|(_, p)| p.numel()).sum();
+    let mut data_rng = Generator::new(seed ^ 0xbe7c);
+    let mut times = Vec::new();
+    let mut last = 0.0;
+    for i in 0..steps + 3 {
+        let (x, y) = batch(corpus.bytes(), b, t, &mut data_rng)?;
+        let start = Instant::now();
+        last = trainer.step(&x, &y)?.item()?;
+        if i >= 3 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let tokens = (b * t) as f64;
+    let flops_per_token = 6.0 * n_params as f64 + 12.0 * (config.n_layers * config.d_model * t) as f64;
+    let tok_s = tokens / median;
+    let mfu = flops_per_token * tok_s / PEAK_BF16;
+    let stats = cuda::device(0)?.memory_stats();
+    println!("bench gpt2-124M shape: {n_params} parameters, B={b} T={t}, bf16 + f32 master AdamW, {steps} steps");
+    println!("bench step median {:.2} ms (min {:.2}), {:.0} tokens/s, MFU {:.1}%, final loss {last:.4}, peak device memory {:.2} GiB", median * 1e3, times[0] * 1e3, tok_s, mfu * 100.0, stats.peak_reserved as f64 / (1u64 << 30) as f64);
+    println!("RESULT rustytorch tok_s={tok_s:.0} step_ms={:.2} mfu={:.4} params={n_params}", median * 1e3, mfu);
+    Ok(())
+}

@@ -1,0 +1,524 @@
+//! The device side of the tensor ops a GPT training step runs, each with its backward written
+//! directly in device kernels (no host round trip, no sync): `linear` (cuBLAS, the bias as the
+//! GEMM's initial `C`), `layer_norm`, `gelu`, `add` (same shape, or the right operand broadcast
+//! over leading dimensions), `embedding`, causal attention on packed QKV (flash attention),
+//! `cross_entropy` (mean; the loss is an f32 scalar whatever the logits' dtype), casts, and the
+//! in-place updates of gradient accumulation. The generic CPU ops call these when an operand is
+//! on a CUDA device (`dispatch!` below picks the f32 or bf16 instantiation).
+
+use std::sync::Arc;
+
+use half::bf16;
+use rtx_kernels::cuda::{Buffer, FlashSpec, Gemm, HeadLayout};
+use rtx_kernels::{DType, Device};
+
+use super::{dense, dense_u32, device, device_of, tensor_from, DeviceData, GpuFloat};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Runs `$f::<T>(args)` for the float dtype `$dtype` (f32 or bf16).
+macro_rules! dispatch {
+    ($op:expr, $dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            other => Err(Error::UnsupportedDType { op: $op, dtype: other }),
+        }
+    };
+}
+
+/// Whether any operand lives on a CUDA device (then the op runs there).
+pub(crate) fn any_cuda(ts: &[&Tensor]) -> bool {
+    ts.iter().any(|t| matches!(t.device(), Device::Cuda(_)))
+}
+
+fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.device() != b.device() {
+        return Err(Error::DeviceMismatch { op, lhs: a.device(), rhs: b.device() });
+    }
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch { op, lhs: a.dtype(), rhs: b.dtype() });
+    }
+    Ok(())
+}
+
+fn wrap<T: GpuFloat>(ordinal: usize, buf: Buffer<T>, shape: &[usize]) -> Tensor {
+    tensor_from(ordinal, T::wrap(buf), shape)
+}
+
+// ------------------------------------------------------------------------------------ linear
+
+/// `x · wᵀ (+ b)` over the last dimension of `x`.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    const OP: &str = "linear";
+    same_device(OP, x, w)?;
+    if let Some(b) = b {
+        same_device(OP, x, b)?;
+    }
+    dispatch!(OP, x.dtype(), linear_t(x, w, b))
+}
+
+fn linear_t<T: GpuFloat>(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    const OP: &str = "linear";
+    let (ordinal, dev) = device_of(OP, x)?;
+    let (n_out, n_in) = (w.shape()[0], w.shape()[1]);
+    let rows = x.numel() / n_in.max(1);
+    let mut out = dev.alloc::<T>(rows * n_out)?;
+    let beta = match b {
+        Some(b) => {
+            dev.fill_rows(&*dense::<T>(OP, b)?, &mut out)?;
+            1.0
+        }
+        None => 0.0,
+    };
+    let spec = Gemm { m: rows, n: n_out, k: n_in, trans_b: true, beta, ..Gemm::new(rows, n_out, n_in) };
+    dev.gemm(&spec, &*dense::<T>(OP, x)?, &*dense::<T>(OP, w)?, &mut out)?;
+    let mut shape = x.shape().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = n_out;
+    }
+    let (xd, wd) = (x.detach(), w.detach());
+    let (want_x, want_w, want_b, has_b) = (x.is_requires_grad(), w.is_requires_grad(), b.is_some_and(|b| b.is_requires_grad()), b.is_some());
+    let mut inputs = vec![x, w];
+    inputs.extend(b);
+    let y = wrap(ordinal, out, &shape);
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as GpuFloat>::DTYPE, OP, &inputs, move |g: &Tensor, _: &Tensor| {
+        let dev = device(ordinal)?;
+        let gb_ = dense::<T>(OP, g)?;
+        let gx = if want_x {
+            let mut dx = dev.alloc::<T>(rows * n_in)?;
+            dev.gemm(&Gemm::new(rows, n_in, n_out), &gb_, &*dense::<T>(OP, &wd)?, &mut dx)?;
+            Some(wrap(ordinal, dx, xd.shape()))
+        } else {
+            None
+        };
+        let gw = if want_w {
+            let mut dw = dev.alloc::<T>(n_out * n_in)?;
+            let spec = Gemm { trans_a: true, ..Gemm::new(n_out, n_in, rows) };
+            dev.gemm(&spec, &gb_, &*dense::<T>(OP, &xd)?, &mut dw)?;
+            Some(wrap(ordinal, dw, &[n_out, n_in]))
+        } else {
+            None
+        };
+        let mut grads = vec![gx, gw];
+        if has_b {
+            grads.push(if want_b {
+                let mut db = dev.alloc::<T>(n_out)?;
+                dev.column_sums(&gb_, &mut db, false)?;
+                Some(wrap(ordinal, db, &[n_out]))
+            } else {
+                None
+            });
+        }
+        Ok(grads)
+    }))
+}
+
+// ------------------------------------------------------------------------------- layer norm
+
+/// Layer norm over the last dimension.
+pub(crate) fn layer_norm(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    const OP: &str = "layer_norm";
+    for p in [w, b].into_iter().flatten() {
+        same_device(OP, x, p)?;
+    }
+    dispatch!(OP, x.dtype(), layer_norm_t(x, w, b, eps))
+}
+
+fn layer_norm_t<T: GpuFloat>(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    const OP: &str = "layer_norm";
+    let (ordinal, dev) = device_of(OP, x)?;
+    let n = x.shape().last().copied().unwrap_or(0);
+    let rows = x.numel() / n.max(1);
+    let mut y = dev.alloc::<T>(x.numel())?;
+    let mut mean = dev.alloc::<f32>(rows)?;
+    let mut rstd = dev.alloc::<f32>(rows)?;
+    {
+        let wg = w.map(|w| dense::<T>(OP, w)).transpose()?;
+        let bg = b.map(|b| dense::<T>(OP, b)).transpose()?;
+        dev.norm_forward(&*dense::<T>(OP, x)?, n, wg.as_deref(), bg.as_deref(), eps as f32, &mut y, &mut mean, &mut rstd)?;
+    }
+    let (mean, rstd) = (Arc::new(mean), Arc::new(rstd));
+    let (xd, wd) = (x.detach(), w.map(Tensor::detach));
+    let (want_w, want_b) = (w.is_some_and(|w| w.is_requires_grad()), b.is_some_and(|b| b.is_requires_grad()));
+    let mut inputs = vec![x];
+    inputs.extend(w);
+    inputs.extend(b);
+    let has = (w.is_some(), b.is_some());
+    let out = wrap(ordinal, y, x.shape());
+    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), <T as GpuFloat>::DTYPE, OP, &inputs, move |g: &Tensor, _: &Tensor| {
+        let dev = device(ordinal)?;
+        let mut dx = dev.alloc::<T>(xd.numel())?;
+        let mut dw = if want_w { Some(dev.alloc::<T>(n)?) } else { None };
+        let mut db = if want_b { Some(dev.alloc::<T>(n)?) } else { None };
+        {
+            let wg = wd.as_ref().map(|w| dense::<T>(OP, w)).transpose()?;
+            dev.norm_backward(&*dense::<T>(OP, &xd)?, n, wg.as_deref(), &mean, &rstd, &*dense::<T>(OP, g)?, &mut dx, dw.as_mut(), db.as_mut())?;
+        }
+        let mut grads = vec![Some(wrap(ordinal, dx, xd.shape()))];
+        if has.0 {
+            grads.push(dw.map(|b| wrap(ordinal, b, &[n])));
+        }
+        if has.1 {
+            grads.push(db.map(|b| wrap(ordinal, b, &[n])));
+        }
+        Ok(grads)
+    }))
+}
+
+// ------------------------------------------------------------------------------------ gelu
+
+/// tanh-GELU.
+pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
+    dispatch!("gelu", x.dtype(), gelu_t(x))
+}
+
+fn gelu_t<T: GpuFloat>(x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "gelu";
+    let (ordinal, dev) = device_of(OP, x)?;
+    let mut y = dev.alloc::<T>(x.numel())?;
+    dev.gelu(&*dense::<T>(OP, x)?, &mut y)?;
+    let xd = x.detach();
+    let out = wrap(ordinal, y, x.shape());
+    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), <T as GpuFloat>::DTYPE, OP, &[x], move |g: &Tensor, _: &Tensor| {
+        let dev = device(ordinal)?;
+        let mut dx = dev.alloc::<T>(xd.numel())?;
+        dev.gelu_backward(&*dense::<T>(OP, &xd)?, &*dense::<T>(OP, g)?, &mut dx)?;
+        Ok(vec![Some(wrap(ordinal, dx, xd.shape()))])
+    }))
+}
+
+// ------------------------------------------------------------------------------------- add
+
+/// `a + b` where the shapes are equal or one is a suffix of the other (broadcast over leading
+/// dimensions, as a position embedding over a batch).
+pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "add";
+    same_device(OP, a, b)?;
+    if a.shape().ends_with(b.shape()) {
+        dispatch!(OP, a.dtype(), add_t(a, b))
+    } else if b.shape().ends_with(a.shape()) {
+        dispatch!(OP, a.dtype(), add_t(b, a))
+    } else {
+        Err(Error::UnsupportedDevice { op: "add (general broadcast)", device: a.device() })
+    }
+}
+
+/// `big + small`, `small`'s shape a suffix of `big`'s.
+fn add_t<T: GpuFloat>(big: &Tensor, small: &Tensor) -> Result<Tensor> {
+    const OP: &str = "add";
+    let (ordinal, dev) = device_of(OP, big)?;
+    let mut out = dev.alloc::<T>(big.numel())?;
+    dev.add_rows(&*dense::<T>(OP, big)?, &*dense::<T>(OP, small)?, &mut out)?;
+    let (want_big, want_small) = (big.is_requires_grad(), small.is_requires_grad());
+    let (small_shape, same) = (small.shape().to_vec(), big.shape() == small.shape());
+    let y = wrap(ordinal, out, big.shape());
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as GpuFloat>::DTYPE, OP, &[big, small], move |g: &Tensor, _: &Tensor| {
+        let gs = if !want_small {
+            None
+        } else if same {
+            Some(g.clone())
+        } else {
+            let dev = device(ordinal)?;
+            let mut s = dev.alloc::<T>(small_shape.iter().product())?;
+            dev.column_sums(&*dense::<T>(OP, g)?, &mut s, false)?;
+            Some(wrap(ordinal, s, &small_shape))
+        };
+        Ok(vec![want_big.then(|| g.clone()), gs])
+    }))
+}
+
+// ------------------------------------------------------------------------------- embedding
+
+/// Rows of `weight [V, C]` at `ids` (u32, host or device; host ids are checked against `V`,
+/// device ids are trusted).
+pub(crate) fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    const OP: &str = "embedding";
+    if ids.dtype() != DType::U32 {
+        return Err(Error::DTypeMismatch { op: OP, lhs: ids.dtype(), rhs: DType::U32 });
+    }
+    if weight.rank() != 2 {
+        return Err(Error::BadShape { op: OP, shape: weight.shape().to_vec(), reason: "weight must be [V, C]".into() });
+    }
+    let (ordinal, _) = device_of(OP, weight)?;
+    let ids = on_device_checked(OP, ids, ordinal, weight.shape()[0])?;
+    dispatch!(OP, weight.dtype(), embedding_t(weight, &ids))
+}
+
+/// `ids` on device `ordinal`: host ids are checked to be below `bound`, then uploaded.
+pub(crate) fn on_device_checked(op: &'static str, ids: &Tensor, ordinal: usize, bound: usize) -> Result<Tensor> {
+    match ids.device() {
+        Device::Cuda(i) if i == ordinal => Ok(ids.clone()),
+        Device::Cuda(_) => Err(Error::DeviceMismatch { op, lhs: Device::Cuda(ordinal), rhs: ids.device() }),
+        Device::Cpu => {
+            let v = ids.to_u32_vec()?;
+            if let Some(&bad) = v.iter().find(|&&i| i as usize >= bound) {
+                return Err(Error::IndexOutOfRange { op, index: bad as usize, size: bound });
+            }
+            super::upload(&Tensor::from_vec(v, ids.shape())?, ordinal)
+        }
+    }
+}
+
+fn embedding_t<T: GpuFloat>(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    const OP: &str = "embedding";
+    let (ordinal, dev) = device_of(OP, weight)?;
+    let (v, c) = (weight.shape()[0], weight.shape()[1]);
+    let mut out = dev.alloc::<T>(ids.numel() * c)?;
+    dev.gather_rows(&*dense::<T>(OP, weight)?, c, &*dense_u32(OP, ids)?, &mut out)?;
+    let mut shape = ids.shape().to_vec();
+    shape.push(c);
+    let ids_d = ids.clone();
+    let y = wrap(ordinal, out, &shape);
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as GpuFloat>::DTYPE, OP, &[weight], move |g: &Tensor, _: &Tensor| {
+        let dev = device(ordinal)?;
+        let mut table = dev.zeros::<f32>(v * c)?;
+        dev.scatter_add_rows(&*dense::<T>(OP, g)?, &*dense_u32(OP, &ids_d)?, c, &mut table)?;
+        let grad = tensor_from(ordinal, DeviceData::F32(table), &[v, c]);
+        Ok(vec![Some(cast(&grad, <T as GpuFloat>::DTYPE)?)])
+    }))
+}
+
+// ------------------------------------------------------------------------------- attention
+
+/// Attention on packed `qkv [B, T, 3·C]` with `h` heads, merged back to `[B, T, C]`, by flash
+/// attention (head dims 64 and 128).
+pub(crate) fn attention_packed(qkv: &Tensor, h: usize, causal: bool, scale: f64) -> Result<Tensor> {
+    dispatch!("scaled_dot_product_attention_packed", qkv.dtype(), attention_t(qkv, h, causal, scale))
+}
+
+/// The flash-attention entry points of one storage type.
+trait Flash: GpuFloat {
+    fn forward(dev: &rtx_kernels::cuda::Device, spec: FlashSpec, q: &Buffer<Self>, k: &Buffer<Self>, v: &Buffer<Self>, out: &mut Buffer<Self>, lse: &mut Buffer<f32>) -> Result<()>;
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        dev: &rtx_kernels::cuda::Device,
+        spec: FlashSpec,
+        q: &Buffer<Self>,
+        k: &Buffer<Self>,
+        v: &Buffer<Self>,
+        out: &Buffer<Self>,
+        lse: &Buffer<f32>,
+        dout: &Buffer<Self>,
+        grads: &mut [Buffer<f32>; 3],
+    ) -> Result<()>;
+    fn f32_heads_to_rows(dev: &rtx_kernels::cuda::Device, heads: &Buffer<f32>, layout: HeadLayout, rows: &mut Buffer<Self>) -> Result<()>;
+}
+
+impl Flash for f32 {
+    fn forward(dev: &rtx_kernels::cuda::Device, spec: FlashSpec, q: &Buffer<f32>, k: &Buffer<f32>, v: &Buffer<f32>, out: &mut Buffer<f32>, lse: &mut Buffer<f32>) -> Result<()> {
+        Ok(dev.flash_attention_forward(spec, q, k, v, out, lse)?)
+    }
+    fn backward(dev: &rtx_kernels::cuda::Device, spec: FlashSpec, q: &Buffer<f32>, k: &Buffer<f32>, v: &Buffer<f32>, out: &Buffer<f32>, lse: &Buffer<f32>, dout: &Buffer<f32>, grads: &mut [Buffer<f32>; 3]) -> Result<()> {
+        let [dq, dk, dv] = grads;
+        Ok(dev.flash_attention_backward(spec, q, k, v, out, lse, dout, dq, dk, dv)?)
+    }
+    fn f32_heads_to_rows(dev: &rtx_kernels::cuda::Device, heads: &Buffer<f32>, layout: HeadLayout, rows: &mut Buffer<f32>) -> Result<()> {
+        Ok(dev.heads_to_rows(heads, layout, rows)?)
+    }
+}
+
+impl Flash for bf16 {
+    fn forward(dev: &rtx_kernels::cuda::Device, spec: FlashSpec, q: &Buffer<bf16>, k: &Buffer<bf16>, v: &Buffer<bf16>, out: &mut Buffer<bf16>, lse: &mut Buffer<f32>) -> Result<()> {
+        Ok(dev.flash_attention_forward_bf16(spec, q, k, v, out, lse)?)
+    }
+    fn backward(dev: &rtx_kernels::cuda::Device, spec: FlashSpec, q: &Buffer<bf16>, k: &Buffer<bf16>, v: &Buffer<bf16>, out: &Buffer<bf16>, lse: &Buffer<f32>, dout: &Buffer<bf16>, grads: &mut [Buffer<f32>; 3]) -> Result<()> {
+        let [dq, dk, dv] = grads;
+        Ok(dev.flash_attention_backward_bf16(spec, q, k, v, out, lse, dout, dq, dk, dv)?)
+    }
+    fn f32_heads_to_rows(dev: &rtx_kernels::cuda::Device, heads: &Buffer<f32>, layout: HeadLayout, rows: &mut Buffer<bf16>) -> Result<()> {
+        Ok(dev.heads_to_rows_f32_to_bf16(heads, layout, rows)?)
+    }
+}
+
+/// What the attention backward keeps: the head-major q, k, v and output, and the row
+/// log-sum-exps.
+struct AttentionSaved<T: rtx_kernels::cuda::DeviceElem> {
+    q: Buffer<T>,
+    k: Buffer<T>,
+    v: Buffer<T>,
+    out: Buffer<T>,
+    lse: Buffer<f32>,
+}
+
+fn attention_t<T: Flash>(qkv: &Tensor, h: usize, causal: bool, scale: f64) -> Result<Tensor> {
+    const OP: &str = "scaled_dot_product_attention_packed";
+    let (ordinal, dev) = device_of(OP, qkv)?;
+    let (b, t, c) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
+    let d = c / h;
+    let heads = b * h * t * d;
+    let part = move |s: usize| HeadLayout { batch: b, seq: t, heads: h, head_dim: d, row_stride: 3 * c, col_offset: s * c };
+    let merged = HeadLayout { batch: b, seq: t, heads: h, head_dim: d, row_stride: c, col_offset: 0 };
+    let spec = FlashSpec { heads: b * h, tq: t, tk: t, d, causal, scale: scale as f32 };
+    let saved = {
+        let src = dense::<T>(OP, qkv)?;
+        let mut q = dev.alloc::<T>(heads)?;
+        let mut k = dev.alloc::<T>(heads)?;
+        let mut v = dev.alloc::<T>(heads)?;
+        dev.rows_to_heads(&src, part(0), &mut q)?;
+        dev.rows_to_heads(&src, part(1), &mut k)?;
+        dev.rows_to_heads(&src, part(2), &mut v)?;
+        let mut out = dev.alloc::<T>(heads)?;
+        let mut lse = dev.alloc::<f32>(b * h * t)?;
+        T::forward(&dev, spec, &q, &k, &v, &mut out, &mut lse)?;
+        Arc::new(AttentionSaved { q, k, v, out, lse })
+    };
+    let mut y = dev.alloc::<T>(b * t * c)?;
+    dev.heads_to_rows(&saved.out, merged, &mut y)?;
+    let y = wrap(ordinal, y, &[b, t, c]);
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as GpuFloat>::DTYPE, OP, &[qkv], move |g: &Tensor, _: &Tensor| {
+        let dev = device(ordinal)?;
+        let mut dout = dev.alloc::<T>(heads)?;
+        dev.rows_to_heads(&*dense::<T>(OP, g)?, merged, &mut dout)?;
+        let mut grads = [dev.alloc::<f32>(heads)?, dev.alloc::<f32>(heads)?, dev.alloc::<f32>(heads)?];
+        T::backward(&dev, spec, &saved.q, &saved.k, &saved.v, &saved.out, &saved.lse, &dout, &mut grads)?;
+        let mut dqkv = dev.alloc::<T>(b * t * 3 * c)?;
+        for (s, gpart) in grads.iter().enumerate() {
+            T::f32_heads_to_rows(&dev, gpart, part(s), &mut dqkv)?;
+        }
+        Ok(vec![Some(wrap(ordinal, dqkv, &[b, t, 3 * c]))])
+    }))
+}
+
+// --------------------------------------------------------------------------- cross-entropy
+
+/// Mean softmax cross-entropy of `logits [N, V]` against `targets [N]` (host targets are
+/// checked against `V`); an f32 scalar on the device.
+pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    const OP: &str = "cross_entropy";
+    if logits.rank() != 2 || targets.shape() != [logits.shape()[0]] {
+        return Err(Error::ShapeMismatch { op: OP, lhs: logits.shape().to_vec(), rhs: targets.shape().to_vec() });
+    }
+    let (ordinal, _) = device_of(OP, logits)?;
+    let targets = on_device_checked(OP, targets, ordinal, logits.shape()[1])?;
+    dispatch!(OP, logits.dtype(), cross_entropy_t(logits, &targets))
+}
+
+fn cross_entropy_t<T: GpuFloat>(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    const OP: &str = "cross_entropy";
+    let (ordinal, dev) = device_of(OP, logits)?;
+    let (n, v) = (logits.shape()[0], logits.shape()[1]);
+    let mut losses = dev.alloc::<f32>(n)?;
+    dev.cross_entropy_losses(&*dense::<T>(OP, logits)?, v, &*dense_u32(OP, targets)?, &mut losses)?;
+    let mut loss = dev.alloc::<f32>(1)?;
+    dev.mean_f32(&losses, &mut loss)?;
+    let (ld, td) = (logits.detach(), targets.clone());
+    let y = tensor_from(ordinal, DeviceData::F32(loss), &[]);
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), DType::F32, OP, &[logits], move |g: &Tensor, _: &Tensor| {
+        let dev = device(ordinal)?;
+        let g = if g.dtype() == DType::F32 { g.clone() } else { cast(g, DType::F32)? };
+        let mut dl = dev.alloc::<T>(n * v)?;
+        dev.cross_entropy_grad(&*dense::<T>(OP, &ld)?, v, &*dense_u32(OP, &td)?, &*dense::<f32>(OP, &g)?, 1.0 / n.max(1) as f32, &mut dl)?;
+        Ok(vec![Some(wrap(ordinal, dl, &[n, v]))])
+    }))
+}
+
+// ------------------------------------------------------------------------- casts, in place
+
+/// A copy in `dtype` (f32 ↔ bf16), differentiable.
+pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    const OP: &str = "to_dtype";
+    if x.dtype() == dtype {
+        return Ok(x.clone());
+    }
+    let (ordinal, dev) = device_of(OP, x)?;
+    let data = match (x.dtype(), dtype) {
+        (DType::F32, DType::BF16) => {
+            let mut y = dev.alloc::<bf16>(x.numel())?;
+            dev.cast_f32_to_bf16(&*dense::<f32>(OP, x)?, &mut y)?;
+            DeviceData::BF16(y)
+        }
+        (DType::BF16, DType::F32) => {
+            let mut y = dev.alloc::<f32>(x.numel())?;
+            dev.cast_bf16_to_f32(&*dense::<bf16>(OP, x)?, &mut y)?;
+            DeviceData::F32(y)
+        }
+        (from, _) => return Err(Error::UnsupportedDType { op: OP, dtype: from }),
+    };
+    let from = x.dtype();
+    let y = tensor_from(ordinal, data, x.shape());
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), dtype, OP, &[x], move |g: &Tensor, _: &Tensor| Ok(vec![Some(cast(g, from)?)])))
+}
+
+/// `dst += src` in place (same shape, or `src` broadcast over leading dimensions).
+pub(crate) fn add_assign(dst: &Tensor, src: &Tensor) -> Result<()> {
+    const OP: &str = "add_assign_";
+    let src = if src.dtype() == dst.dtype() { src.clone() } else { cast(src, dst.dtype())? };
+    same_device(OP, dst, &src)?;
+    let src = if src.storage().same(dst.storage()) { clone_dense(&src)? } else { src };
+    dispatch!(OP, dst.dtype(), add_assign_t(dst, &src))
+}
+
+fn add_assign_t<T: GpuFloat>(dst: &Tensor, src: &Tensor) -> Result<()> {
+    const OP: &str = "add_assign_";
+    let (_, dev) = device_of(OP, dst)?;
+    check_dense_mut(OP, dst)?;
+    let s = dense::<T>(OP, src)?;
+    let mut guard = dst.storage().write_cuda(OP)?;
+    let dtype = guard.dtype();
+    let d = T::buffer_mut(&mut guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: <T as GpuFloat>::DTYPE })?;
+    Ok(dev.add_rows_in_place(d, &s)?)
+}
+
+fn check_dense_mut(op: &'static str, x: &Tensor) -> Result<()> {
+    if !x.is_contiguous() || x.layout().offset() != 0 || x.storage().len() != x.numel() {
+        return Err(Error::NotContiguous { op, shape: x.shape().to_vec(), strides: x.layout().strides().to_vec() });
+    }
+    Ok(())
+}
+
+/// A dense copy of a device tensor's storage, viewed with the same layout.
+pub(crate) fn clone_dense(x: &Tensor) -> Result<Tensor> {
+    let (ordinal, dev) = device_of("clone", x)?;
+    let data = {
+        let g = x.storage().read_cuda("clone")?;
+        match &*g {
+            DeviceData::F32(b) => {
+                let mut c = dev.alloc::<f32>(b.len())?;
+                dev.copy_dtod(b, &mut c)?;
+                DeviceData::F32(c)
+            }
+            DeviceData::BF16(b) => {
+                let mut c = dev.alloc::<bf16>(b.len())?;
+                dev.copy_dtod(b, &mut c)?;
+                DeviceData::BF16(c)
+            }
+            DeviceData::U32(b) => {
+                let mut c = dev.alloc::<u32>(b.len())?;
+                dev.copy_dtod(b, &mut c)?;
+                DeviceData::U32(c)
+            }
+        }
+    };
+    let t = tensor_from(ordinal, data, &[x.storage().len()]);
+    Ok(Tensor::from_parts(t.storage().clone(), x.layout().clone(), x.dtype(), false, None))
+}
+
+/// Sets every element to `value` in place (dense tensors).
+pub(crate) fn fill_(x: &Tensor, value: f64) -> Result<()> {
+    dispatch!("fill_", x.dtype(), in_place_t(x, InPlace::Fill(value as f32)))
+}
+
+/// Multiplies every element by `k` in place (dense tensors).
+pub(crate) fn scale_(x: &Tensor, k: f64) -> Result<()> {
+    dispatch!("scale_", x.dtype(), in_place_t(x, InPlace::Scale(k as f32)))
+}
+
+enum InPlace {
+    Fill(f32),
+    Scale(f32),
+}
+
+fn in_place_t<T: GpuFloat>(x: &Tensor, what: InPlace) -> Result<()> {
+    const OP: &str = "in-place update";
+    let (_, dev) = device_of(OP, x)?;
+    check_dense_mut(OP, x)?;
+    let mut guard = x.storage().write_cuda(OP)?;
+    let dtype = guard.dtype();
+    let b = T::buffer_mut(&mut guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: <T as GpuFloat>::DTYPE })?;
+    match what {
+        InPlace::Fill(v) => dev.fill(b, v)?,
+        InPlace::Scale(k) => dev.scale_in_place(b, k)?,
+    }
+    Ok(())
+}
