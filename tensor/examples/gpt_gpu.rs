@@ -11,7 +11,10 @@
 //!   256, batch 16, bf16, AdamW) training steps: median step time, tokens/s and MFU against the
 //!   H200's 989 TFLOP/s dense bf16 peak, printed as one `RESULT` line for the comparison table.
 //!
-//! Usage: `gpt_gpu [ops|curve|bench|all]`; data from `$RTX_DATA` (default `data`), seed from
+//! - `profile`: where the bench step's time goes: forward, backward and optimizer phases, and
+//!   each op at the model's shapes (forward, forward + backward), timed on the device.
+//!
+//! Usage: `gpt_gpu [ops|curve|bench|profile|all]`; data from `$RTX_DATA` (default `data`), seed from
 //! `$RTX_SEED` (printed). Exits non-zero when a check fails.
 
 use std::error::Error;
@@ -47,6 +50,9 @@ fn main() {
         }
         if mode == "bench" || mode == "all" {
             bench(seed, &corpus()?)?;
+        }
+        if mode == "profile" || mode == "all" {
+            profile(seed, &corpus()?)?;
         }
         Ok(ok)
     };
@@ -294,5 +300,88 @@ fn bench(seed: u64, corpus: &TextCorpus) -> Res<()> {
     println!("bench gpt2-124M shape: {n_params} parameters, B={b} T={t}, bf16 + f32 master AdamW, {steps} steps");
     println!("bench step median {:.2} ms (min {:.2}), {:.0} tokens/s, MFU {:.1}%, final loss {last:.4}, peak device memory {:.2} GiB", median * 1e3, times[0] * 1e3, tok_s, mfu * 100.0, stats.peak_reserved as f64 / (1u64 << 30) as f64);
     println!("RESULT rustytorch tok_s={tok_s:.0} step_ms={:.2} mfu={:.4} params={n_params}", median * 1e3, mfu);
+    Ok(())
+}
+
+/// Milliseconds per call of `f` (after one warm-up call), waiting for the device at both ends.
+fn time_ms(iters: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+    let dev = cuda::device(0)?;
+    f()?;
+    dev.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    dev.synchronize()?;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / iters as f64)
+}
+
+fn profile(seed: u64, corpus: &TextCorpus) -> Res<()> {
+    let config = GptConfig { vocab_size: 256, context: 1024, d_model: 768, n_layers: 12, n_heads: 12, ..GptConfig::default() };
+    let (b, t, c) = (16usize, 1024usize, 768usize);
+    let adamw = AdamWConfig { lr: 6e-4, weight_decay: 0.1, beta2: 0.95, ..AdamWConfig::default() };
+    let mut trainer = Trainer::new(config, seed, GPU, DType::BF16, adamw)?;
+    let mut data_rng = Generator::new(seed ^ 0xbe7c);
+    let (x, y) = batch(corpus.bytes(), b, t, &mut data_rng)?;
+    let (x, y) = (x.to_device(GPU)?, y.to_device(GPU)?);
+    let mut rng = Generator::new(0);
+    let dev = cuda::device(0)?;
+    let forward = time_ms(5, || {
+        trainer.model.loss(&x, &y, &mut rng)?;
+        Ok(())
+    })?;
+    let fwd_bwd = time_ms(5, || {
+        for (_, p) in trainer.model.named_parameters() {
+            p.set_grad(None)?;
+        }
+        trainer.model.loss(&x, &y, &mut rng)?.backward()?;
+        Ok(())
+    })?;
+    let opt = time_ms(5, || Ok(trainer.opt.step()?))?;
+    println!("profile phases: forward {forward:.2} ms, backward {:.2} ms, optimizer {opt:.2} ms", fwd_bwd - forward);
+    dev.synchronize()?;
+
+    let mut r = Generator::new(seed);
+    let bf = |shape: &[usize], r: &mut Generator| -> Res<Tensor> { Ok(random(shape, r)?.to_dtype(DType::BF16)?.to_device(GPU)?.requires_grad(true)) };
+    let rows = b * t;
+    let cases: Vec<(&str, Vec<Tensor>, OpFn)> = vec![
+        ("attention [16,1024,3x768] h12", vec![bf(&[b, t, 3 * c], &mut r)?], |x, _| Tensor::scaled_dot_product_attention_packed(&x[0], 12, true, None)),
+        ("linear qkv 768->2304", vec![bf(&[rows, c], &mut r)?, bf(&[3 * c, c], &mut r)?, bf(&[3 * c], &mut r)?], |x, _| x[0].linear(&x[1], Some(&x[2]))),
+        ("linear proj 768->768", vec![bf(&[rows, c], &mut r)?, bf(&[c, c], &mut r)?, bf(&[c], &mut r)?], |x, _| x[0].linear(&x[1], Some(&x[2]))),
+        ("linear fc 768->3072", vec![bf(&[rows, c], &mut r)?, bf(&[4 * c, c], &mut r)?, bf(&[4 * c], &mut r)?], |x, _| x[0].linear(&x[1], Some(&x[2]))),
+        ("linear fc2 3072->768", vec![bf(&[rows, 4 * c], &mut r)?, bf(&[c, 4 * c], &mut r)?, bf(&[c], &mut r)?], |x, _| x[0].linear(&x[1], Some(&x[2]))),
+        ("lm head 768->256", vec![bf(&[rows, c], &mut r)?, bf(&[256, c], &mut r)?], |x, _| x[0].linear(&x[1], None)),
+        ("layer_norm 768", vec![bf(&[rows, c], &mut r)?, bf(&[c], &mut r)?, bf(&[c], &mut r)?], |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5)),
+        ("gelu [16384,3072]", vec![bf(&[rows, 4 * c], &mut r)?], |x, _| x[0].gelu()),
+        ("add residual", vec![bf(&[b, t, c], &mut r)?, bf(&[b, t, c], &mut r)?], |x, _| x[0].add(&x[1])),
+        ("add pos [B,T,C]+[T,C]", vec![bf(&[b, t, c], &mut r)?, bf(&[t, c], &mut r)?], |x, _| x[0].add(&x[1])),
+    ];
+    println!("{:<32} {:>10} {:>12} {:>10}", "op (bf16)", "fwd ms", "fwd+bwd ms", "x per step");
+    let per_step = [12usize, 12, 12, 12, 12, 1, 25, 12, 24, 1];
+    for ((name, inputs, f), n) in cases.into_iter().zip(per_step) {
+        let fwd = time_ms(10, || {
+            rtx_tensor::no_grad(|| f(&inputs, &[]))?;
+            Ok(())
+        })?;
+        let out_shape = rtx_tensor::no_grad(|| f(&inputs, &[]))?.shape().to_vec();
+        let g = random(&out_shape, &mut r)?.to_dtype(DType::BF16)?.to_device(GPU)?;
+        let both = time_ms(10, || {
+            for t in &inputs {
+                t.set_grad(None)?;
+            }
+            f(&inputs, &[])?.backward_from(g.clone(), |_| {})?;
+            Ok(())
+        })?;
+        println!("{name:<32} {fwd:>10.3} {both:>12.3} {n:>10}");
+    }
+    let table = bf(&[256, c], &mut r)?;
+    let ids = Tensor::from_vec((0..rows).map(|_| r.below(256) as u32).collect::<Vec<u32>>(), &[b, t])?.to_device(GPU)?;
+    let g = random(&[b, t, c], &mut r)?.to_dtype(DType::BF16)?.to_device(GPU)?;
+    let emb = time_ms(10, || {
+        table.set_grad(None)?;
+        Tensor::embedding(&table, &ids)?.backward_from(g.clone(), |_| {})?;
+        Ok(())
+    })?;
+    println!("{:<32} {:>10} {emb:>12.3} {:>10}", "embedding 256x768 fwd+bwd", "", 1);
     Ok(())
 }

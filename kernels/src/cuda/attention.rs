@@ -66,6 +66,9 @@ impl FlashSpec {
         }
         let tq = i32::try_from(self.tq).map_err(|_| CudaError::Unsupported { op, what: "tq exceeds i32".into() })?;
         let tk = i32::try_from(self.tk).map_err(|_| CudaError::Unsupported { op, what: "tk exceeds i32".into() })?;
+        if !(self.scale > 0.0 && self.scale.is_finite()) {
+            return Err(CudaError::Unsupported { op, what: format!("scale {} (must be positive and finite)", self.scale) });
+        }
         if self.heads > 65535 {
             return Err(CudaError::Unsupported { op, what: format!("{} heads (at most 65535)", self.heads) });
         }
@@ -305,6 +308,16 @@ impl Device {
 
 /// Lets `f` use `bytes` of dynamic shared memory (above 48 KiB a kernel must opt in).
 fn allow_smem(f: &cudarc::driver::CudaFunction, bytes: usize, op: &'static str) -> Result<()> {
+    // SAFETY: `f` is a loaded kernel; the attribute only asks for the largest shared-memory
+    // carve-out of the SM's unified L1, so more blocks of these shared-memory-heavy kernels fit.
+    unsafe {
+        cudarc::driver::result::function::set_function_attribute(
+            f.cu_function(),
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100,
+        )
+    }
+    .op(op)?;
     if bytes <= 48 * 1024 {
         return Ok(());
     }

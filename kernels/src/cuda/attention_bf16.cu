@@ -32,11 +32,11 @@ typedef unsigned int u32a;
 struct __align__(16) U4 { u32a x, y, z, w; };
 struct __align__(8) F2 { float x, y; };
 
+// Two f32 rounded to nearest-even bf16 in one instruction (sm_80+): `lo` in the low half.
 __device__ __forceinline__ u32a pack_bf16x2(float lo, float hi) {
-    u32a l = __float_as_uint(lo), h = __float_as_uint(hi);
-    l = (l + 0x7fffu + ((l >> 16) & 1u)) >> 16;
-    h = (h + 0x7fffu + ((h >> 16) & 1u)) >> 16;
-    return (h << 16) | (l & 0xffffu);
+    u32a r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 
 __device__ __forceinline__ void mma_bf16(float* c, const u32a* a, u32a b0, u32a b1) {
@@ -160,18 +160,28 @@ __device__ void flash_forward_bf16(const bf16raw* q, const bf16raw* k, const bf1
                 mma_bf16(sc[n], qf[s], b0, b1);
             }
         }
-        // Mask, scale and the running max per row.
+        // The running max per row, in raw score units (the scale is positive, so the order is
+        // the same); only tiles that cross the causal diagonal or the end of the keys are masked.
         float tma = -INFINITY, tmb = -INFINITY;
+        const bool need_mask = j0 + BF_KEYS > tk || (causal && j0 + BF_KEYS - 1 > row0);
+        if (need_mask) {
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
+            for (int n = 0; n < NT; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int j = j0 + n * 8 + 2 * t + (e & 1);
-                int i = e < 2 ? ra : rb;
-                bool ok = j < tk && (!causal || j <= i);
-                float s = ok ? sc[n][e] * sl2 : -INFINITY;
-                sc[n][e] = s;
-                if (e < 2) tma = fmaxf(tma, s); else tmb = fmaxf(tmb, s);
+                for (int e = 0; e < 4; ++e) {
+                    int j = j0 + n * 8 + 2 * t + (e & 1);
+                    int i = e < 2 ? ra : rb;
+                    bool ok = j < tk && (!causal || j <= i);
+                    float s = ok ? sc[n][e] : -INFINITY;
+                    sc[n][e] = s;
+                    if (e < 2) tma = fmaxf(tma, s); else tmb = fmaxf(tmb, s);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                tma = fmaxf(tma, fmaxf(sc[n][0], sc[n][1]));
+                tmb = fmaxf(tmb, fmaxf(sc[n][2], sc[n][3]));
             }
         }
         tma = fmaxf(tma, __shfl_xor_sync(0xffffffffu, tma, 1));
@@ -179,8 +189,9 @@ __device__ void flash_forward_bf16(const bf16raw* q, const bf16raw* k, const bf1
         tmb = fmaxf(tmb, __shfl_xor_sync(0xffffffffu, tmb, 1));
         tmb = fmaxf(tmb, __shfl_xor_sync(0xffffffffu, tmb, 2));
         float na = fmaxf(ma, tma), nb = fmaxf(mb, tmb);
-        float ua = na == -INFINITY ? 0.0f : na, ub = nb == -INFINITY ? 0.0f : nb;
-        float ca = exp2f(ma - ua), cb = exp2f(mb - ub);
+        // The new max in log2 units (scaled), and the factor that rescales what came before.
+        float ua = na == -INFINITY ? 0.0f : na * sl2, ub = nb == -INFINITY ? 0.0f : nb * sl2;
+        float ca = exp2f(ma * sl2 - ua), cb = exp2f(mb * sl2 - ub);
         ma = na;
         mb = nb;
         la *= ca;
@@ -194,10 +205,10 @@ __device__ void flash_forward_bf16(const bf16raw* q, const bf16raw* k, const bf1
         }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            sc[n][0] = exp2f(sc[n][0] - ua);
-            sc[n][1] = exp2f(sc[n][1] - ua);
-            sc[n][2] = exp2f(sc[n][2] - ub);
-            sc[n][3] = exp2f(sc[n][3] - ub);
+            sc[n][0] = exp2f(fmaf(sc[n][0], sl2, -ua));
+            sc[n][1] = exp2f(fmaf(sc[n][1], sl2, -ua));
+            sc[n][2] = exp2f(fmaf(sc[n][2], sl2, -ub));
+            sc[n][3] = exp2f(fmaf(sc[n][3], sl2, -ub));
             la += sc[n][0] + sc[n][1];
             lb += sc[n][2] + sc[n][3];
         }
@@ -233,12 +244,13 @@ __device__ void flash_forward_bf16(const bf16raw* q, const bf16raw* k, const bf1
     }
     if (t == 0) {
         const float ln2 = 0.6931471805599453f;
-        if (ra < tq) lse[(i64)h * tq + ra] = la > 0.0f ? (ma + log2f(la)) * ln2 : INFINITY;
-        if (rb < tq) lse[(i64)h * tq + rb] = lb > 0.0f ? (mb + log2f(lb)) * ln2 : INFINITY;
+        if (ra < tq) lse[(i64)h * tq + ra] = la > 0.0f ? (ma * sl2 + log2f(la)) * ln2 : INFINITY;
+        if (rb < tq) lse[(i64)h * tq + rb] = lb > 0.0f ? (mb * sl2 + log2f(lb)) * ln2 : INFINITY;
     }
 }
 
-extern "C" __global__ void __launch_bounds__(BF_WARPS * 32) flash_forward_bf16_d64(const bf16raw* q, const bf16raw* k, const bf16raw* v, bf16raw* o, float* lse, int tq, int tk, int causal, float scale) {
+// At most 128 registers, so four 4-warp blocks fit on an SM (133 registers left room for three).
+extern "C" __global__ void __launch_bounds__(BF_WARPS * 32, 4) flash_forward_bf16_d64(const bf16raw* q, const bf16raw* k, const bf16raw* v, bf16raw* o, float* lse, int tq, int tk, int causal, float scale) {
     flash_forward_bf16<64>(q, k, v, o, lse, tq, tk, causal, scale);
 }
 
@@ -353,14 +365,16 @@ __device__ void flash_backward_dq_bf16(const bf16raw* q, const bf16raw* k, const
                 mma_bf16(dp[n], gf[s], *(const u32a*)(vrow + s * 16), *(const u32a*)(vrow + s * 16 + 8));
             }
         }
+        // Only tiles crossing the causal diagonal or the end of the keys need the mask.
+        const bool need_mask = j0 + BF_KEYS > tk || (causal && j0 + BF_KEYS - 1 > row0);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 int j = j0 + n * 8 + 2 * t + (e & 1);
                 int i = e < 2 ? ra : rb;
-                bool ok = j < tk && (!causal || j <= i);
-                float p = ok ? exp2f(sc[n][e] * sl2 - (e < 2 ? l2a : l2b)) : 0.0f;
+                bool ok = !need_mask || (j < tk && (!causal || j <= i));
+                float p = ok ? exp2f(fmaf(sc[n][e], sl2, -(e < 2 ? l2a : l2b))) : 0.0f;
                 sc[n][e] = p * (dp[n][e] - (e < 2 ? dla : dlb));
             }
         }
@@ -471,6 +485,8 @@ __device__ void flash_backward_dkv_bf16(const bf16raw* q, const bf16raw* k, cons
                 mma_bf16(dpt[n], vf, *(const u32a*)grow, *(const u32a*)(grow + 8));
             }
         }
+        // Only tiles crossing the causal diagonal or the end of the queries or keys need the mask.
+        const bool need_mask = i0 + BF_KEYS > tq || jw + 16 > tk || (causal && jw + 15 > i0);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -478,8 +494,8 @@ __device__ void flash_backward_dkv_bf16(const bf16raw* q, const bf16raw* k, cons
                 int il = n * 8 + 2 * t + (e & 1);
                 int i = i0 + il;
                 int j = e < 2 ? ja : jb;
-                bool ok = i < tq && j < tk && (!causal || j <= i);
-                float p = ok ? exp2f(st[n][e] * sl2 - l2s[il]) : 0.0f;
+                bool ok = !need_mask || (i < tq && j < tk && (!causal || j <= i));
+                float p = ok ? exp2f(fmaf(st[n][e], sl2, -l2s[il])) : 0.0f;
                 st[n][e] = p;
                 dpt[n][e] = p * (dpt[n][e] - dls[il]);
             }

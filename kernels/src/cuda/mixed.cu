@@ -333,6 +333,43 @@ BOTH(heads_to_rows, P_H2R, (src, dst, B, T_, H, D, row_stride, col_off))
 #define P_ADAM(T) (float* master, T* param, const T* grad, float* m, float* v, i64 n, float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2)
 BOTH(adamw_master, P_ADAM, (master, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2))
 
+// Vectorized forms for bf16 with D, row_stride and col_off multiples of 8: each thread moves 8
+// elements (16 bytes), in head-major order, so both sides are read and written in 128-byte runs.
+struct __align__(16) V8 { u32 x, y, z, w; };
+
+__device__ __forceinline__ i64 row_index_v8(i64 i, int T_, int H, int D8, int row_stride, int col_off) {
+    int d8 = i % D8;
+    i64 r = i / D8;
+    int t = r % T_;
+    r /= T_;
+    int h = r % H;
+    i64 b = r / H;
+    return (b * T_ + t) * row_stride + col_off + (i64)h * D8 * 8 + d8 * 8;
+}
+
+extern "C" __global__ void rows_to_heads_v8_bf16(const u16* src, u16* dst, int B, int T_, int H, int D, int row_stride, int col_off) {
+    int D8 = D / 8;
+    GRID_STRIDE(i, (i64)B * H * T_ * D8) *(V8*)(dst + i * 8) = *(const V8*)(src + row_index_v8(i, T_, H, D8, row_stride, col_off));
+}
+
+extern "C" __global__ void heads_to_rows_v8_bf16(const u16* src, u16* dst, int B, int T_, int H, int D, int row_stride, int col_off) {
+    int D8 = D / 8;
+    GRID_STRIDE(i, (i64)B * H * T_ * D8) *(V8*)(dst + row_index_v8(i, T_, H, D8, row_stride, col_off)) = *(const V8*)(src + i * 8);
+}
+
+extern "C" __global__ void heads_to_rows_v8_f32_to_bf16(const float* src, u16* dst, int B, int T_, int H, int D, int row_stride, int col_off) {
+    int D8 = D / 8;
+    GRID_STRIDE(i, (i64)B * H * T_ * D8) {
+        const float* s = src + i * 8;
+        V8 v;
+        v.x = (u32)f32_to_bf16(s[0]) | ((u32)f32_to_bf16(s[1]) << 16);
+        v.y = (u32)f32_to_bf16(s[2]) | ((u32)f32_to_bf16(s[3]) << 16);
+        v.z = (u32)f32_to_bf16(s[4]) | ((u32)f32_to_bf16(s[5]) << 16);
+        v.w = (u32)f32_to_bf16(s[6]) | ((u32)f32_to_bf16(s[7]) << 16);
+        *(V8*)(dst + row_index_v8(i, T_, H, D8, row_stride, col_off)) = v;
+    }
+}
+
 // f32 head gradients (what the flash backward writes) into bf16 rows.
 extern "C" __global__ void heads_to_rows_f32_to_bf16(const float* src, u16* dst, int B, int T_, int H, int D, int row_stride, int col_off) {
     heads_to_rows(src, dst, B, T_, H, D, row_stride, col_off);

@@ -80,6 +80,11 @@ impl HeadLayout {
         self.batch * self.seq * self.row_stride
     }
 
+    /// Whether rows move in 8-element (16-byte) pieces: every offset a multiple of 8.
+    fn vectorizable(&self) -> bool {
+        self.head_dim.is_multiple_of(8) && self.row_stride.is_multiple_of(8) && self.col_offset.is_multiple_of(8)
+    }
+
     fn check(&self, op: &'static str) -> Result<[i32; 6]> {
         if self.col_offset + self.heads * self.head_dim > self.row_stride {
             return Err(CudaError::Unsupported { op, what: format!("heads end at column {} past the row of {}", self.col_offset + self.heads * self.head_dim, self.row_stride) });
@@ -427,17 +432,20 @@ impl Device {
 
     /// Copies the heads out of rows: `rows [B, T, row_stride]` → `heads [B, H, T, D]`.
     pub fn rows_to_heads<T: StorageElem>(&self, rows: &Buffer<T>, layout: HeadLayout, heads: &mut Buffer<T>) -> Result<()> {
-        self.head_copy::<T, T>(kernel!(T, "rows_to_heads"), "rows_to_heads", rows, layout, heads, true)
+        let name = if T::IS_BF16 && layout.vectorizable() { "rows_to_heads_v8_bf16" } else { kernel!(T, "rows_to_heads") };
+        self.head_copy::<T, T>(name, "rows_to_heads", rows, layout, heads, true)
     }
 
     /// Writes heads into rows: `heads [B, H, T, D]` → the head columns of `rows`.
     pub fn heads_to_rows<T: StorageElem>(&self, heads: &Buffer<T>, layout: HeadLayout, rows: &mut Buffer<T>) -> Result<()> {
-        self.head_copy::<T, T>(kernel!(T, "heads_to_rows"), "heads_to_rows", heads, layout, rows, false)
+        let name = if T::IS_BF16 && layout.vectorizable() { "heads_to_rows_v8_bf16" } else { kernel!(T, "heads_to_rows") };
+        self.head_copy::<T, T>(name, "heads_to_rows", heads, layout, rows, false)
     }
 
     /// [`Device::heads_to_rows`] from f32 heads (the flash backward's gradients) into bf16 rows.
     pub fn heads_to_rows_f32_to_bf16(&self, heads: &Buffer<f32>, layout: HeadLayout, rows: &mut Buffer<bf16>) -> Result<()> {
-        self.head_copy::<f32, bf16>("heads_to_rows_f32_to_bf16", "heads_to_rows_f32_to_bf16", heads, layout, rows, false)
+        let name = if layout.vectorizable() { "heads_to_rows_v8_f32_to_bf16" } else { "heads_to_rows_f32_to_bf16" };
+        self.head_copy::<f32, bf16>(name, "heads_to_rows_f32_to_bf16", heads, layout, rows, false)
     }
 
     fn head_copy<S: DeviceElem, D: DeviceElem>(&self, name: &'static str, op: &'static str, src: &Buffer<S>, layout: HeadLayout, dst: &mut Buffer<D>, to_heads: bool) -> Result<()> {
@@ -456,8 +464,11 @@ impl Device {
         for a in &args {
             l.arg(a);
         }
-        // SAFETY: both buffers were checked against the layout's extents.
-        unsafe { l.launch(grid_stride(n)) }.op(op)?;
+        let items = if name.contains("_v8_") { n / 8 } else { n };
+        // SAFETY: both buffers were checked against the layout's extents; the vectorized kernels
+        // are only picked when every 8-element piece is 16-byte aligned (buffers start 512-byte
+        // aligned).
+        unsafe { l.launch(grid_stride(items)) }.op(op)?;
         Ok(())
     }
 
