@@ -64,6 +64,8 @@ pub struct Device {
     staging: Mutex<Option<Staging>>,
     modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, Arc<CudaFunction>>>,
+    /// cuBLASLt handle, workspace and chosen algorithms, made on first use.
+    pub(crate) lt: Mutex<Option<super::blas_lt::LtState>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -115,6 +117,7 @@ impl Device {
             staging: Mutex::new(None),
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            lt: Mutex::new(None),
         })
     }
 

@@ -13,6 +13,7 @@
 mod alloc;
 mod attention;
 mod blas;
+mod blas_lt;
 mod device;
 mod error;
 mod mixed;
@@ -22,6 +23,7 @@ mod ops;
 pub use alloc::{Buffer, DeviceElem, MemoryStats, PinnedBuffer};
 pub use attention::FlashSpec;
 pub use blas::{ColumnMajorCall, Gemm, GemmElem, GemmMath};
+pub use blas_lt::Epilogue;
 pub use device::{probe_libraries, Device, STAGING_BYTES};
 pub use error::{CudaError, Result};
 pub use mixed::{HeadLayout, StorageElem};

@@ -1,15 +1,16 @@
 //! The device side of the tensor ops a GPT training step runs, each with its backward written
-//! directly in device kernels (no host round trip, no sync): `linear` (cuBLAS, the bias as the
-//! GEMM's initial `C`), `layer_norm`, `gelu`, `add` (same shape, or the right operand broadcast
+//! directly in device kernels (no host round trip, no sync): `linear` (cuBLAS; the bias in a cuBLASLt
+//! epilogue), `layer_norm`, `gelu`, `add` (same shape, or the right operand broadcast
 //! over leading dimensions), `embedding`, causal attention on packed QKV (flash attention),
 //! `cross_entropy` (mean; the loss is an f32 scalar whatever the logits' dtype), casts, and the
 //! in-place updates of gradient accumulation. The generic CPU ops call these when an operand is
-//! on a CUDA device (`dispatch!` below picks the f32 or bf16 instantiation).
+//! on a CUDA device (`dispatch!` below picks the f32 or bf16 instantiation). Linear layers put the
+//! bias (forward) and its gradient (backward) in cuBLASLt epilogues where cuBLASLt takes them.
 
 use std::sync::Arc;
 
 use half::bf16;
-use rtx_kernels::cuda::{Buffer, FlashSpec, Gemm, HeadLayout};
+use rtx_kernels::cuda::{Buffer, Epilogue, FlashSpec, Gemm, HeadLayout};
 use rtx_kernels::{DType, Device};
 
 use super::{dense, dense_u32, device, device_of, tensor_from, DeviceData, GpuFloat};
@@ -64,15 +65,22 @@ fn linear_t<T: GpuFloat>(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<T
     let (n_out, n_in) = (w.shape()[0], w.shape()[1]);
     let rows = x.numel() / n_in.max(1);
     let mut out = dev.alloc::<T>(rows * n_out)?;
-    let beta = match b {
+    let spec = Gemm { trans_b: true, ..Gemm::new(rows, n_out, n_in) };
+    let (xb, wb) = (dense::<T>(OP, x)?, dense::<T>(OP, w)?);
+    match b {
         Some(b) => {
-            dev.fill_rows(&*dense::<T>(OP, b)?, &mut out)?;
-            1.0
+            let bb = dense::<T>(OP, b)?;
+            // The bias in the GEMM's epilogue; where cuBLASLt refuses, the bias rows become the
+            // GEMM's initial C.
+            if let Err(e) = dev.gemm_epilogue(&spec, &xb, &wb, &mut out, Epilogue::Bias(&bb)) {
+                tracing::debug!(error = %e, "linear: no cuBLASLt bias epilogue, adding the bias through C");
+                dev.fill_rows(&bb, &mut out)?;
+                dev.gemm(&Gemm { beta: 1.0, ..spec }, &xb, &wb, &mut out)?;
+            }
         }
-        None => 0.0,
-    };
-    let spec = Gemm { m: rows, n: n_out, k: n_in, trans_b: true, beta, ..Gemm::new(rows, n_out, n_in) };
-    dev.gemm(&spec, &*dense::<T>(OP, x)?, &*dense::<T>(OP, w)?, &mut out)?;
+        None => dev.gemm(&spec, &xb, &wb, &mut out)?,
+    }
+    drop((xb, wb));
     let mut shape = x.shape().to_vec();
     if let Some(last) = shape.last_mut() {
         *last = n_out;
@@ -92,23 +100,33 @@ fn linear_t<T: GpuFloat>(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<T
         } else {
             None
         };
+        // The weight gradient, and the bias gradient in the same GEMM's epilogue when cuBLASLt
+        // takes it (else a column sum of g).
+        let mut db = if want_b { Some(dev.alloc::<T>(n_out)?) } else { None };
+        let mut db_done = false;
         let gw = if want_w {
             let mut dw = dev.alloc::<T>(n_out * n_in)?;
             let spec = Gemm { trans_a: true, ..Gemm::new(n_out, n_in, rows) };
-            dev.gemm(&spec, &gb_, &*dense::<T>(OP, &xd)?, &mut dw)?;
+            let xb = dense::<T>(OP, &xd)?;
+            if let Some(db) = db.as_mut() {
+                match dev.gemm_epilogue(&spec, &gb_, &xb, &mut dw, Epilogue::BiasGrad(db)) {
+                    Ok(()) => db_done = true,
+                    Err(e) => tracing::debug!(error = %e, "linear backward: no cuBLASLt bias-gradient epilogue"),
+                }
+            }
+            if !db_done {
+                dev.gemm(&spec, &gb_, &xb, &mut dw)?;
+            }
             Some(wrap(ordinal, dw, &[n_out, n_in]))
         } else {
             None
         };
+        if let (Some(db), false) = (db.as_mut(), db_done) {
+            dev.column_sums(&gb_, db, false)?;
+        }
         let mut grads = vec![gx, gw];
         if has_b {
-            grads.push(if want_b {
-                let mut db = dev.alloc::<T>(n_out)?;
-                dev.column_sums(&gb_, &mut db, false)?;
-                Some(wrap(ordinal, db, &[n_out]))
-            } else {
-                None
-            });
+            grads.push(db.map(|db| wrap(ordinal, db, &[n_out])));
         }
         Ok(grads)
     }))
