@@ -8,6 +8,8 @@
 #   SIZES=4K,1M,16M,64M scripts/bench-collectives.sh   # explicit sizes (K, M, G suffixes)
 #   GLOO=0 scripts/bench-collectives.sh                # rtx only (no torch venv needed)
 #   ROUNDS=3 scripts/bench-collectives.sh              # alternate rtx and gloo 3 times
+#   SKIP_BUILD=1 RTX_BENCH_BIN=/path/to/rtx scripts/bench-collectives.sh   # measure a given build
+#   RTX_ARGS="--chunk-bytes 256K" scripts/bench-collectives.sh           # extra `rtx bench` flags
 #
 # Needs the throwaway torch venv for Gloo (scripts/peer/setup-torch-venv.sh, ~3 GB; created on
 # first use). Not for CI. Raw JSON lines go to target/bench/collectives.jsonl (one file per
@@ -25,7 +27,12 @@ VENV="${RTX_TORCH_VENV:-/tmp/rtx-torch-venv}"
 PY="$VENV/bin/python"
 OUT_DIR=target/bench
 
-cargo build --release --locked -p rustytorch --bin rtx >&2
+SKIP_BUILD="${SKIP_BUILD:-0}"
+RTX_ARGS="${RTX_ARGS:-}"
+
+if [ "$SKIP_BUILD" != 1 ]; then
+    cargo build --release --locked -p rustytorch --bin rtx >&2
+fi
 RTX="${RTX_BENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/rtx}"
 if [ "$GLOO" = 1 ]; then
     RTX_TORCH_VENV="$VENV" scripts/peer/setup-torch-venv.sh >&2
@@ -54,7 +61,8 @@ for round in $(seq "$ROUNDS"); do
     out="$OUT_DIR/collectives-$round.jsonl"
     : > "$out"
     echo "round $round/$ROUNDS: rtx" >&2
-    "$RTX" bench collectives --worlds "$WORLDS" --sizes "$SIZES" --repeats "$REPEATS" | tee -a "$out" > /dev/null
+    # shellcheck disable=SC2086 # RTX_ARGS is a list of flags
+    "$RTX" bench collectives --worlds "$WORLDS" --sizes "$SIZES" --repeats "$REPEATS" $RTX_ARGS | tee -a "$out" > /dev/null
     if [ "$GLOO" = 1 ]; then
         echo "round $round/$ROUNDS: gloo" >&2
         "$PY" scripts/peer/gloo_bench.py --worlds "$WORLDS" --sizes "$SIZES" --repeats "$REPEATS" | tee -a "$out" >&2

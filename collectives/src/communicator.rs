@@ -25,8 +25,10 @@
 //! on 2 cores, QUIC and shared memory; BENCHMARKS.md): [`DEFAULT_SMALL_MESSAGE_BYTES`] is the
 //! all-reduce crossover, where recursive doubling stops beating the ring (at 256 KiB they tie or
 //! doubling is ahead for every transport and world size; from 1 MiB the ring is 0-30% ahead, and
-//! more with four ranks, where doubling moves twice the bytes). [`DEFAULT_CHUNK_BYTES`]: 256 KiB,
-//! 512 KiB, 1 MiB and 2 MiB frames were within noise of each other from 1 to 64 MiB.
+//! more with four ranks, where doubling moves twice the bytes). [`DEFAULT_CHUNK_BYTES`]: 512 KiB
+//! frames keep a ring step's received frame, local piece and send buffer within a 1 MiB L2; against
+//! 1 MiB frames they gave QUIC +0-10% busbw with 2 ranks and +10-15% with 4 (quiet machine), +20-25%
+//! under load, and shared memory the same or better (BENCHMARKS.md, 2026-12-01).
 //!
 //! Cancelling an operation (dropping its future) leaves the group's sequence numbers out of step
 //! with the peers; move the group to a new generation before using it again.
@@ -50,7 +52,7 @@ use crate::ReduceOp;
 /// see the module doc).
 pub const DEFAULT_SMALL_MESSAGE_BYTES: usize = 256 << 10;
 /// Default: most payload bytes per frame (pipelining granularity).
-pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
+pub const DEFAULT_CHUNK_BYTES: usize = 512 << 10;
 /// Default: the decoder refuses frames whose payload is larger than this.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 << 20;
 /// Default: how long an operation waits for any one frame.
