@@ -112,6 +112,7 @@ fn cases() -> Vec<OpCase> {
         OpCase { name: "linear", inputs: vec![vec![2, 32, 128], vec![64, 128]], ids: vec![], scalar_out: false, f: |x, _| x[0].linear(&x[1], None) },
         OpCase { name: "layer_norm", inputs: vec![vec![48, 200], vec![200], vec![200]], ids: vec![], scalar_out: false, f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5) },
         OpCase { name: "gelu", inputs: vec![vec![37, 129]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu() },
+        OpCase { name: "layer_norm (8-wide)", inputs: vec![vec![40, 256], vec![256], vec![256]], ids: vec![], scalar_out: false, f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5) },
         OpCase { name: "gelu (8-wide)", inputs: vec![vec![16, 256]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu() },
         OpCase { name: "add (same)", inputs: vec![vec![5, 77], vec![5, 77]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
         OpCase { name: "add (same, 8-wide)", inputs: vec![vec![8, 64], vec![8, 64]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },

@@ -417,6 +417,60 @@ extern "C" __global__ void gelu_backward_v8_bf16(const u16* x, const u16* dy, u1
     }
 }
 
+// Layer norm on bf16 rows with n a multiple of 8: one warp per row, 8 elements per lane access.
+extern "C" __global__ void layer_norm_forward_v8_bf16(const u16* x, const u16* w, const u16* b, u16* y, float* mean, float* rstd, i64 rows, int n, float eps) {
+    i64 row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const V8* xr = (const V8*)(x + row * n);
+    int n8 = n / 8;
+    float s = 0.0f;
+    for (int j = lane; j < n8; j += 32) { float v[8]; unpack8(xr[j], v); for (int e = 0; e < 8; ++e) s += v[e]; }
+    float mu = warp_sum(s) / n;
+    float q = 0.0f;
+    for (int j = lane; j < n8; j += 32) { float v[8]; unpack8(xr[j], v); for (int e = 0; e < 8; ++e) { float d = v[e] - mu; q += d * d; } }
+    float rs = rsqrtf(warp_sum(q) / n + eps);
+    if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
+    V8* yr = (V8*)(y + row * n);
+    for (int j = lane; j < n8; j += 32) {
+        float v[8], wv[8], bv[8];
+        unpack8(xr[j], v);
+        if (w) unpack8(((const V8*)w)[j], wv); else for (int e = 0; e < 8; ++e) wv[e] = 1.0f;
+        if (b) unpack8(((const V8*)b)[j], bv); else for (int e = 0; e < 8; ++e) bv[e] = 0.0f;
+        for (int e = 0; e < 8; ++e) v[e] = (v[e] - mu) * rs * wv[e] + bv[e];
+        yr[j] = pack8(v);
+    }
+}
+
+extern "C" __global__ void layer_norm_backward_v8_bf16(const u16* x, const u16* w, const float* mean, const float* rstd, const u16* dy, u16* dx, i64 rows, int n) {
+    i64 row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const V8* xr = (const V8*)(x + row * n);
+    const V8* gr = (const V8*)(dy + row * n);
+    int n8 = n / 8;
+    float mu = mean[row], rs = rstd[row];
+    float sg = 0.0f, sgx = 0.0f;
+    for (int j = lane; j < n8; j += 32) {
+        float v[8], g[8], wv[8];
+        unpack8(xr[j], v);
+        unpack8(gr[j], g);
+        if (w) unpack8(((const V8*)w)[j], wv); else for (int e = 0; e < 8; ++e) wv[e] = 1.0f;
+        for (int e = 0; e < 8; ++e) { float gg = g[e] * wv[e]; sg += gg; sgx += gg * (v[e] - mu) * rs; }
+    }
+    float mg = warp_sum(sg) / n;
+    float mgx = warp_sum(sgx) / n;
+    V8* dr = (V8*)(dx + row * n);
+    for (int j = lane; j < n8; j += 32) {
+        float v[8], g[8], wv[8];
+        unpack8(xr[j], v);
+        unpack8(gr[j], g);
+        if (w) unpack8(((const V8*)w)[j], wv); else for (int e = 0; e < 8; ++e) wv[e] = 1.0f;
+        for (int e = 0; e < 8; ++e) v[e] = rs * (g[e] * wv[e] - mg - (v[e] - mu) * rs * mgx);
+        dr[j] = pack8(v);
+    }
+}
+
 // f32 head gradients (what the flash backward writes) into bf16 rows.
 extern "C" __global__ void heads_to_rows_f32_to_bf16(const float* src, u16* dst, int B, int T_, int H, int D, int row_stride, int col_off) {
     heads_to_rows(src, dst, B, T_, H, D, row_stride, col_off);

@@ -282,7 +282,8 @@ impl Device {
         if rows == 0 {
             return Ok(());
         }
-        let f = self.function(Module::Mixed, kernel!(T, "layer_norm_forward"))?;
+        let name = if T::IS_BF16 && n.is_multiple_of(8) { "layer_norm_forward_v8_bf16" } else { kernel!(T, "layer_norm_forward") };
+        let f = self.function(Module::Mixed, name)?;
         let (xp, wp, bp, yp, mp, rp) = (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), b.map_or(0, |b| b.device_ptr()), y.device_ptr(), mean.device_ptr(), rstd.device_ptr());
         let (r, ni) = (rows as i64, int(OP, n)?);
         let mut l = self.stream().launch_builder(&f);
@@ -319,7 +320,8 @@ impl Device {
         if rows == 0 {
             return Ok(());
         }
-        let f = self.function(Module::Mixed, kernel!(T, "layer_norm_backward"))?;
+        let name = if T::IS_BF16 && n.is_multiple_of(8) { "layer_norm_backward_v8_bf16" } else { kernel!(T, "layer_norm_backward") };
+        let f = self.function(Module::Mixed, name)?;
         let (xp, wp, mp, rp, gp, dp) = (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), mean.device_ptr(), rstd.device_ptr(), dy.device_ptr(), dx.device_ptr());
         let (r, ni) = (rows as i64, int(OP, n)?);
         let mut l = self.stream().launch_builder(&f);
