@@ -1,13 +1,7 @@
 // rtx-kernels CUDA core module: elementwise, broadcast, unary, softmax, norms, cross-entropy,
 // embedding, AdamW and dtype casts. Compiled once per process by NVRTC (see nvrtc.rs); f32
-// compute, no toolkit headers (bf16 is handled as raw 16-bit words).
-
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef long long i64;
-
-// NVRTC compiles without the toolkit headers, so math.h constants are spelled out.
-#define INFINITY __int_as_float(0x7f800000)
+// compute, no toolkit headers; the shared prelude (types, bf16 words, warp sums, GELU) is
+// common.cu, which nvrtc.rs puts in front.
 
 #define MAX_DIMS 6
 
@@ -17,15 +11,6 @@ struct BroadcastShape {
     i64 a_strides[MAX_DIMS];
     i64 b_strides[MAX_DIMS];
 };
-
-__device__ __forceinline__ float bf16_to_f32(u16 x) { return __uint_as_float(((u32)x) << 16); }
-
-__device__ __forceinline__ u16 f32_to_bf16(float f) {
-    u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);  // NaN stays NaN
-    u32 rounding = 0x7fffu + ((u >> 16) & 1u);                             // round to nearest even
-    return (u16)((u + rounding) >> 16);
-}
 
 __device__ __forceinline__ float apply_binary(int op, float a, float b) {
     switch (op) {
@@ -56,20 +41,6 @@ extern "C" __global__ void binary_broadcast_f32(int op, const float* a, const fl
         }
         out[i] = apply_binary(op, a[ia], b[ib]);
     }
-}
-
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float k = 0.7978845608028654f;  // sqrt(2/pi)
-    float u = k * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.0f + tanhf(u));
-}
-
-__device__ __forceinline__ float gelu_tanh_grad(float x) {
-    const float k = 0.7978845608028654f;
-    float x2 = x * x;
-    float u = k * (x + 0.044715f * x2 * x);
-    float t = tanhf(u);
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x2);
 }
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -111,16 +82,6 @@ extern "C" __global__ void cast_bf16_f32(const u16* x, float* y, i64 n) {
 }
 
 // ---- block reductions (blockDim.x is a multiple of 32, at most 1024) ----
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 
 // Every thread gets the result. `scratch` holds 32 floats; the call ends with a barrier so
 // scratch can be reused right away.

@@ -2,41 +2,16 @@
 // f32), each in two instantiations, `_f32` (float storage) and `_bf16` (bf16 storage as raw
 // 16-bit words). Storage is read into f32 registers and every reduction accumulates in f32;
 // results round to the storage type on the way out. Compiled once per process by NVRTC (see
-// nvrtc.rs), no toolkit headers.
+// nvrtc.rs) after the common.cu prelude, no toolkit headers.
 //
 // Reductions over rows (bias and norm-parameter gradients) are two-pass and deterministic: the
 // first pass writes one f32 partial per (chunk of rows, column), the second sums the chunks in
 // order.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef long long i64;
-
-#define INFINITY __int_as_float(0x7f800000)
-
-__device__ __forceinline__ float bf16_to_f32(u16 x) { return __uint_as_float(((u32)x) << 16); }
-
-__device__ __forceinline__ u16 f32_to_bf16(float f) {
-    u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);  // NaN stays NaN
-    u32 rounding = 0x7fffu + ((u >> 16) & 1u);                             // round to nearest even
-    return (u16)((u + rounding) >> 16);
-}
-
 __device__ __forceinline__ float ldf(const float* p, i64 i) { return p[i]; }
 __device__ __forceinline__ float ldf(const u16* p, i64 i) { return bf16_to_f32(p[i]); }
 __device__ __forceinline__ void stf(float* p, i64 i, float v) { p[i] = v; }
 __device__ __forceinline__ void stf(u16* p, i64 i, float v) { p[i] = f32_to_bf16(v); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 
 #define GRID_STRIDE(i, n) for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
@@ -58,20 +33,6 @@ template <typename T> __device__ void fill(T* out, float v, i64 n) {
 
 template <typename T> __device__ void scale(T* x, float k, i64 n) {
     GRID_STRIDE(i, n) stf(x, i, ldf(x, i) * k);
-}
-
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float k = 0.7978845608028654f;  // sqrt(2/pi)
-    float u = k * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.0f + tanhf(u));
-}
-
-__device__ __forceinline__ float gelu_tanh_grad(float x) {
-    const float k = 0.7978845608028654f;
-    float x2 = x * x;
-    float u = k * (x + 0.044715f * x2 * x);
-    float t = tanhf(u);
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x2);
 }
 
 template <typename T> __device__ void gelu_forward(const T* x, T* y, i64 n) {

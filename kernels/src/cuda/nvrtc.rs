@@ -1,6 +1,7 @@
 //! The built-in kernel modules and their process-wide NVRTC cache.
 //!
-//! Each module's CUDA C source (`core.cu`, `attention.cu`, `attention_bf16.cu`, `mixed.cu` beside this file) is compiled by NVRTC
+//! Each module's CUDA C source (`core.cu`, `attention.cu`, `attention_bf16.cu`, `mixed.cu` beside this file; `core` and
+//! `mixed` start with the shared prelude `common.cu`) is compiled by NVRTC
 //! straight to a CUBIN for the device's real architecture (`sm_90` on the H100/H200) the first
 //! time any device of that architecture asks for it, once per process, and the CUBIN is kept
 //! here; each [`super::Device`] then loads it once (no driver JIT, since it is already machine
@@ -45,10 +46,10 @@ impl Module {
 
     fn source(self) -> &'static str {
         match self {
-            Module::Core => include_str!("core.cu"),
+            Module::Core => concat!(include_str!("common.cu"), include_str!("core.cu")),
             Module::Attention => include_str!("attention.cu"),
             Module::AttentionBf16 => include_str!("attention_bf16.cu"),
-            Module::Mixed => include_str!("mixed.cu"),
+            Module::Mixed => concat!(include_str!("common.cu"), include_str!("mixed.cu")),
         }
     }
 }

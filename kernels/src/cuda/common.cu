@@ -1,0 +1,44 @@
+// rtx-kernels CUDA common prelude: the types, constants and device helpers the `core` and `mixed`
+// modules share (nvrtc.rs puts this text in front of each; NVRTC compiles without the toolkit
+// headers, so there is no #include). bf16 is handled as raw 16-bit words.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+// NVRTC compiles without the toolkit headers, so math.h constants are spelled out.
+#define INFINITY __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float bf16_to_f32(u16 x) { return __uint_as_float(((u32)x) << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);  // NaN stays NaN
+    u32 rounding = 0x7fffu + ((u >> 16) & 1u);                             // round to nearest even
+    return (u16)((u + rounding) >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float k = 0.7978845608028654f;  // sqrt(2/pi)
+    float u = k * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+    const float k = 0.7978845608028654f;
+    float x2 = x * x;
+    float u = k * (x + 0.044715f * x2 * x);
+    float t = tanhf(u);
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x2);
+}
+
