@@ -299,16 +299,27 @@ async fn run(comm: &Communicator, job: &Job, timeout: Duration, scratch: &mut BT
 /// Moves the elements out of `storage`, leaving an empty buffer of the same dtype. The write guard
 /// is dropped before this returns.
 fn take(storage: &Storage) -> CpuData {
-    let mut guard = storage.write();
-    let empty = CpuData::zeros(guard.dtype(), 0);
-    std::mem::replace(&mut *guard, empty)
+    match storage.write() {
+        Ok(mut guard) => {
+            let empty = CpuData::zeros(guard.dtype(), 0);
+            std::mem::replace(&mut *guard, empty)
+        }
+        // Buckets are host storages made by `ParamBuckets` (device parameters are copied into
+        // them), so this does not happen; were it to, the empty buffer fails the length checks
+        // of the collective instead of reducing anything.
+        Err(e) => {
+            tracing::error!(error = %e, "reducer: bucket storage is not in host memory");
+            CpuData::F32(Vec::new())
+        }
+    }
 }
 
 /// Puts elements taken by [`take`] back.
 fn restore(storage: &Storage, data: CpuData) {
-    let mut guard = storage.write();
-    debug_assert!(guard.is_empty(), "reducer: nobody writes a bucket while it is taken");
-    *guard = data;
+    if let Ok(mut guard) = storage.write() {
+        debug_assert!(guard.is_empty(), "reducer: nobody writes a bucket while it is taken");
+        *guard = data;
+    }
 }
 
 async fn bounded(timeout: Duration, op: impl Future<Output = std::result::Result<(), Failure>>) -> std::result::Result<(), Failure> {
