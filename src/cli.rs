@@ -1,5 +1,5 @@
 //! Command-line interface of the `rtx` binary (clap): `rtx train`, `rtx launch`, `rtx supervisor`,
-//! `rtx worker`, `rtx status` and `rtx bench`.
+//! `rtx worker`, `rtx status`, `rtx sim` and `rtx bench`.
 //!
 //! Parsing only; [`crate::train`] and [`crate::bench`] do the work, so the binary stays thin.
 
@@ -29,8 +29,34 @@ pub enum Command {
     Worker(WorkerArgs),
     /// Show a running job: members, generation, step, throughput.
     Status(StatusArgs),
+    /// Simulate a whole elastic job (real supervisor and workers, faults) in virtual time, by seed.
+    Sim(SimArgs),
     /// Time rustytorch's CPU compute (JSON lines on stdout).
     Bench(crate::bench::BenchArgs),
+}
+
+/// Arguments of `rtx sim`.
+#[derive(Args, Debug, Clone)]
+pub struct SimArgs {
+    /// The scenario file, e.g. sim/scenarios/elastic_dp.toml.
+    #[arg(long)]
+    pub scenario: PathBuf,
+    /// Run this one seed (and print its trace hash).
+    #[arg(long, conflicts_with = "seeds")]
+    pub seed: Option<u64>,
+    /// Run the seeds A..B (B excluded) as a swarm across cores.
+    #[arg(long)]
+    pub seeds: Option<String>,
+    /// Threads of the swarm (default: available cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Data folder (default: $RTX_DATA_DIR, else ./data).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Test-only: plant a bug in the supervisor (a re-formed group retrains its newest step) to
+    /// see the invariants catch it.
+    #[arg(long, hide = true)]
+    pub planted_bug: bool,
 }
 
 /// Arguments of `rtx launch`.

@@ -13,12 +13,14 @@
 //! (`metrics.jsonl`), a loss curve (`loss.png`) and checkpoints. [`elastic`] runs the same configs
 //! as elastic data-parallel jobs (`rtx launch`, `rtx supervisor`, `rtx worker`, `rtx status`) on the
 //! actors, collectives and supervisor crates, re-exported as [`actors`], [`collectives`],
-//! [`pipelines`] and [`supervisor`].
+//! [`pipelines`] and [`supervisor`]. [`sim`] runs such a job in the deterministic simulator
+//! (`rtx sim`, on `rtx-sim`, re-exported as [`simulator`]).
 
 pub use rtx_actors as actors;
 pub use rtx_collectives as collectives;
 pub use rtx_kernels as kernels;
 pub use rtx_pipelines as pipelines;
+pub use rtx_sim as simulator;
 pub use rtx_supervisor as supervisor;
 pub use rtx_tensor as tensor;
 pub use rtx_tensor::{checkpoint, data, nn, optim, DType, Device, Generator, Tensor};
@@ -30,4 +32,5 @@ pub mod elastic;
 pub mod metrics;
 pub mod plot;
 pub mod progress;
+pub mod sim;
 pub mod train;

@@ -17,10 +17,12 @@ use rustytorch::train::{self, TrainOptions};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let cli = Cli::parse();
+    // A simulation injects faults on purpose: their warnings are noise unless asked for.
+    let default_filter = if matches!(cli.command, Command::Sim(_)) { "error" } else { "warn" };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
 
-    let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => {
             let data_root = DataRoot::resolve(args.data_dir.as_deref(), std::env::var_os(DATA_DIR_ENV).as_deref());
@@ -38,6 +40,10 @@ fn main() -> ExitCode {
         Command::Supervisor(args) => rustytorch::elastic::supervise(args),
         Command::Worker(args) => rustytorch::elastic::worker(args),
         Command::Status(args) => rustytorch::elastic::status(args),
+        Command::Sim(args) => {
+            let data_root = DataRoot::resolve(args.data_dir.as_deref(), std::env::var_os(DATA_DIR_ENV).as_deref());
+            rustytorch::sim::run(&args, data_root.path())
+        }
         Command::Bench(args) => rustytorch::bench::run(args),
     };
     match result {

@@ -5,6 +5,9 @@
 //! the world shrinks or grows no sample of an epoch is skipped or seen twice.
 //!
 //! The shard's mailbox holds one request: it works at most one batch ahead.
+//!
+//! [`DataShard::inline`] makes a shard without a thread that computes each batch when asked, for
+//! runtimes that must not start OS threads (the deterministic simulator); the batches are the same.
 
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::Arc;
@@ -25,6 +28,8 @@ type Key = (u64, usize, usize);
 
 /// A rank's data shard: one batch ahead, on its own thread.
 pub struct DataShard<S: BatchSource> {
+    /// Set for an inline shard: batches are computed on `get`, on the caller's thread.
+    inline: Option<Arc<S>>,
     requests: Option<SyncSender<Key>>,
     batches: Receiver<(Key, std::result::Result<S::Batch, String>)>,
     in_flight: Option<Key>,
@@ -47,12 +52,21 @@ impl<S: BatchSource> DataShard<S> {
                 }
             })
             .map_err(|e| ActorError::Failed { name: "data-shard".into(), reason: format!("cannot start its thread: {e}") })?;
-        Ok(DataShard { requests: Some(requests), batches, in_flight: None, thread: Some(thread) })
+        Ok(DataShard { inline: None, requests: Some(requests), batches, in_flight: None, thread: Some(thread) })
+    }
+
+    /// A shard without a thread: each batch is computed by `get` itself, nothing ahead.
+    pub fn inline(source: Arc<S>) -> Self {
+        let (_, batches) = mpsc::sync_channel(1);
+        DataShard { inline: Some(source), requests: None, batches, in_flight: None, thread: None }
     }
 
     /// This rank's part of global batch `step`, then starts preparing `step + 1`.
     pub fn get(&mut self, step: u64, rank: usize, world: usize) -> Result<S::Batch> {
         let key = (step, rank, world);
+        if let Some(source) = &self.inline {
+            return source.batch(step, rank, world).map_err(|reason| ActorError::Failed { name: "data-shard".into(), reason: format!("batch {step} (rank {rank} of {world}): {reason}") });
+        }
         if self.in_flight != Some(key) {
             if self.in_flight.take().is_some() {
                 // A prefetch for another step or world: drain it.
@@ -126,5 +140,15 @@ mod tests {
         assert!(err.to_string().contains("no such batch"), "{err}");
         drop(shard);
         assert!(source.0.load(Ordering::SeqCst) >= 5);
+    }
+
+    // Goal: an inline shard serves the same batches with no thread and no prefetch.
+    #[test]
+    fn inline_serves_the_same_batches() {
+        let source = Arc::new(Squares(AtomicUsize::new(0)));
+        let mut shard = DataShard::inline(source.clone());
+        assert_eq!(shard.get(0, 0, 2).unwrap(), vec![0, 1, 2, 3]);
+        assert_eq!(shard.get(2, 0, 1).unwrap(), (16..24).collect::<Vec<_>>());
+        assert_eq!(source.0.load(Ordering::SeqCst), 2);
     }
 }

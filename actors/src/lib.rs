@@ -27,6 +27,6 @@ mod wire;
 pub use actor::{spawn, Actor, ActorHandle, ActorRef, Context, Exit, Reply, DEFAULT_MAILBOX};
 pub use data_shard::{BatchSource, DataShard};
 pub use error::{ActorError, Result};
-pub use link::{Inbound, Link, LinkListener, LinkOptions, RemoteRef};
+pub use link::{Accepted, Inbound, Link, LinkListener, LinkOptions, RemoteRef, StreamConn};
 pub use registry::Registry;
 pub use wire::{decode, encode, MAX_ENVELOPE_BYTES};

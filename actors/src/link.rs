@@ -17,6 +17,11 @@
 //! Failure: a malformed envelope closes the link with a typed reason; a lost peer (closed
 //! connection, or no packet for [`LinkOptions::idle_timeout`]) fails every pending `ask` with
 //! `LinkClosed`, and the inbound receiver ends.
+//!
+//! Other carriers: the envelope protocol only needs an ordered byte stream each way, so
+//! [`Link::over_stream`] runs it over any `AsyncRead`/`AsyncWrite` pair with a [`StreamConn`]
+//! for closing and keying material, and [`LinkListener::channel`] accepts links a caller hands
+//! in. The simulator uses both to carry the very same envelopes over its virtual network.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -28,7 +33,8 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 
 use crate::error::{ActorError, Result};
 use crate::wire::{self, Envelope, Kind};
@@ -67,11 +73,36 @@ pub struct Link {
 
 struct LinkInner {
     peer: String,
-    connection: quinn::Connection,
+    connection: Conn,
     out: mpsc::Sender<Vec<u8>>,
     pending: Mutex<BTreeMap<u64, oneshot::Sender<Result<Vec<u8>>>>>,
     next_correlation: AtomicU64,
     closed: watch::Sender<Option<String>>,
+}
+
+/// The connection under a link.
+enum Conn {
+    Quic(quinn::Connection),
+    Stream(Arc<dyn StreamConn>),
+}
+
+/// The connection under a [`Link::over_stream`] link: what the byte streams themselves cannot do.
+pub trait StreamConn: Send + Sync + 'static {
+    /// Closes the connection: both ends' streams end (the peer sees its reads end).
+    fn close(&self, reason: &str);
+    /// 32 bytes both ends agree on and nobody else knows (see [`Link::export_keying_material`]).
+    fn export_keying_material(&self, label: &[u8]) -> [u8; 32];
+    /// The peer's address, as this carrier names it.
+    fn remote_address(&self) -> SocketAddr;
+}
+
+impl Conn {
+    fn close(&self, code: u32, reason: &[u8]) {
+        match self {
+            Conn::Quic(c) => c.close(code.into(), reason),
+            Conn::Stream(c) => c.close(&String::from_utf8_lossy(reason)),
+        }
+    }
 }
 
 /// A message for a local actor that arrived over a link.
@@ -90,8 +121,15 @@ pub struct RemoteRef<M> {
 
 /// Accepts links.
 pub struct LinkListener {
-    endpoint: quinn::Endpoint,
-    options: LinkOptions,
+    kind: ListenerKind,
+}
+
+/// A link handed to a [`LinkListener::channel`] listener, with its inbound receiver.
+pub type Accepted = (Link, mpsc::Receiver<Inbound>);
+
+enum ListenerKind {
+    Quic { endpoint: quinn::Endpoint, options: LinkOptions },
+    Channel { addr: SocketAddr, links: tokio::sync::Mutex<mpsc::Receiver<Accepted>>, closed: std::sync::atomic::AtomicBool, close: Notify },
 }
 
 impl std::fmt::Debug for Link {
@@ -125,21 +163,46 @@ impl LinkListener {
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         server.transport_config(Arc::new(transport_config(&options)?));
         let endpoint = quinn::Endpoint::server(server, addr).map_err(|e| connect(e.to_string()))?;
-        Ok(LinkListener { endpoint, options })
+        Ok(LinkListener { kind: ListenerKind::Quic { endpoint, options } })
+    }
+
+    /// A listener that accepts the links sent into the returned sender (made with
+    /// [`Link::over_stream`] by whoever dials), named `addr`. At most `capacity` wait unaccepted.
+    pub fn channel(addr: SocketAddr, capacity: usize) -> (LinkListener, mpsc::Sender<Accepted>) {
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        let kind = ListenerKind::Channel { addr, links: tokio::sync::Mutex::new(rx), closed: std::sync::atomic::AtomicBool::new(false), close: Notify::new() };
+        (LinkListener { kind }, tx)
     }
 
     /// The bound address.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        self.endpoint.local_addr().map_err(|e| ActorError::Connect { peer: "local".into(), reason: e.to_string() })
+        match &self.kind {
+            ListenerKind::Quic { endpoint, .. } => endpoint.local_addr().map_err(|e| ActorError::Connect { peer: "local".into(), reason: e.to_string() }),
+            ListenerKind::Channel { addr, .. } => Ok(*addr),
+        }
     }
 
     /// Waits for the next peer and its link. `None` once the listener is closed. A peer whose
     /// handshake fails is skipped (logged), not returned.
     pub async fn accept(&self) -> Option<(Link, mpsc::Receiver<Inbound>)> {
+        let (endpoint, options) = match &self.kind {
+            ListenerKind::Quic { endpoint, options } => (endpoint, options),
+            ListenerKind::Channel { links, closed, close, .. } => {
+                let mut links = links.lock().await;
+                if closed.load(Ordering::Acquire) {
+                    return None;
+                }
+                return tokio::select! {
+                    biased;
+                    link = links.recv() => link,
+                    () = close.notified() => None,
+                };
+            }
+        };
         loop {
-            let incoming = self.endpoint.accept().await?;
+            let incoming = endpoint.accept().await?;
             let peer = incoming.remote_address().to_string();
-            let options = self.options.clone();
+            let options = options.clone();
             let accepted = async {
                 let connection = incoming.await.map_err(|e| e.to_string())?;
                 let (send, mut recv) = connection.accept_bi().await.map_err(|e| e.to_string())?;
@@ -149,7 +212,7 @@ impl LinkListener {
                     connection.close(CLOSE_MALFORMED.into(), b"bad stream magic");
                     return Err("bad stream magic".to_string());
                 }
-                Ok(Link::start(peer.clone(), connection, send, recv))
+                Ok(Link::start(peer.clone(), Conn::Quic(connection), send, recv))
             };
             match tokio::time::timeout(options.connect_timeout, accepted).await {
                 Ok(Ok(link)) => return Some(link),
@@ -161,7 +224,13 @@ impl LinkListener {
 
     /// Stops accepting and closes every link made by this listener.
     pub fn close(&self) {
-        self.endpoint.close(CLOSE_NORMAL.into(), b"listener closed");
+        match &self.kind {
+            ListenerKind::Quic { endpoint, .. } => endpoint.close(CLOSE_NORMAL.into(), b"listener closed"),
+            ListenerKind::Channel { closed, close, .. } => {
+                closed.store(true, Ordering::Release);
+                close.notify_waiters();
+            }
+        }
     }
 }
 
@@ -188,7 +257,7 @@ impl Link {
             let connection = endpoint.connect(addr, SERVER_NAME).map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())?;
             let (mut send, recv) = connection.open_bi().await.map_err(|e| e.to_string())?;
             send.write_all(&STREAM_MAGIC).await.map_err(|e| e.to_string())?;
-            Ok::<_, String>(Link::start(peer.clone(), connection, send, recv))
+            Ok::<_, String>(Link::start(peer.clone(), Conn::Quic(connection), send, recv))
         };
         match tokio::time::timeout(options.connect_timeout, dialed).await {
             Ok(Ok(link)) => Ok(link),
@@ -197,7 +266,21 @@ impl Link {
         }
     }
 
-    fn start(peer: String, connection: quinn::Connection, mut send: quinn::SendStream, mut recv: quinn::RecvStream) -> (Link, mpsc::Receiver<Inbound>) {
+    /// A link over a caller's ordered byte streams (`reader` from the peer, `writer` to it),
+    /// speaking the same envelope protocol as a QUIC link. Both ends call this with their halves.
+    pub fn over_stream<R, W>(peer: String, conn: Arc<dyn StreamConn>, reader: R, writer: W) -> (Link, mpsc::Receiver<Inbound>)
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        Link::start(peer, Conn::Stream(conn), writer, reader)
+    }
+
+    fn start<R, W>(peer: String, connection: Conn, mut send: W, mut recv: R) -> (Link, mpsc::Receiver<Inbound>)
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
         let (out, mut out_rx) = mpsc::channel::<Vec<u8>>(QUEUE);
         let (inbound_tx, inbound_rx) = mpsc::channel(QUEUE);
         let link = Link {
@@ -218,7 +301,7 @@ impl Link {
                     return;
                 }
             }
-            let _ = send.finish();
+            let _ = send.shutdown().await;
         });
         // The reader holds only a weak reference so that dropping every `Link` closes the connection.
         let weak = Arc::downgrade(&link.inner);
@@ -238,7 +321,10 @@ impl Link {
 
     /// The peer's socket address.
     pub fn remote_address(&self) -> SocketAddr {
-        self.inner.connection.remote_address()
+        match &self.inner.connection {
+            Conn::Quic(c) => c.remote_address(),
+            Conn::Stream(c) => c.remote_address(),
+        }
     }
 
     /// A reference to the actor `to` on the other side.
@@ -250,7 +336,10 @@ impl Link {
     /// binding an authentication proof to the channel.
     pub fn export_keying_material(&self, label: &[u8]) -> Result<[u8; 32]> {
         let mut out = [0u8; 32];
-        self.inner.connection.export_keying_material(&mut out, label, b"rtx").map_err(|_| ActorError::Connect { peer: self.inner.peer.clone(), reason: "TLS exporter unavailable".into() })?;
+        match &self.inner.connection {
+            Conn::Quic(c) => c.export_keying_material(&mut out, label, b"rtx").map_err(|_| ActorError::Connect { peer: self.inner.peer.clone(), reason: "TLS exporter unavailable".into() })?,
+            Conn::Stream(c) => out = c.export_keying_material(label),
+        }
         Ok(out)
     }
 
@@ -301,7 +390,7 @@ impl Link {
 
     /// Closes the link; pending calls on both sides fail.
     pub fn close(&self, reason: &str) {
-        self.inner.connection.close(CLOSE_NORMAL.into(), reason.as_bytes());
+        self.inner.connection.close(CLOSE_NORMAL, reason.as_bytes());
         self.mark_closed(format!("closed locally: {reason}"));
     }
 
@@ -361,11 +450,11 @@ impl Link {
 
 impl Drop for LinkInner {
     fn drop(&mut self) {
-        self.connection.close(CLOSE_NORMAL.into(), b"link dropped");
+        self.connection.close(CLOSE_NORMAL, b"link dropped");
     }
 }
 
-async fn read_loop(link: &std::sync::Weak<LinkInner>, recv: &mut quinn::RecvStream, inbound: &mpsc::Sender<Inbound>) -> String {
+async fn read_loop<R: AsyncRead + Unpin>(link: &std::sync::Weak<LinkInner>, recv: &mut R, inbound: &mpsc::Sender<Inbound>) -> String {
     loop {
         let mut len = [0u8; 4];
         if let Err(e) = recv.read_exact(&mut len).await {
@@ -375,7 +464,7 @@ async fn read_loop(link: &std::sync::Weak<LinkInner>, recv: &mut quinn::RecvStre
         let this = Link { inner };
         let malformed = |reason: String| {
             tracing::warn!(peer = %this.inner.peer, %reason, "malformed envelope; closing the link");
-            this.inner.connection.close(CLOSE_MALFORMED.into(), b"malformed envelope");
+            this.inner.connection.close(CLOSE_MALFORMED, b"malformed envelope");
             format!("malformed envelope: {reason}")
         };
         let len = match Envelope::check_len(u32::from_le_bytes(len)) {

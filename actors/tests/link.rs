@@ -104,3 +104,64 @@ async fn a_malformed_envelope_closes_the_link_with_a_reason() -> anyhow::Result<
     assert!(reason.contains("unknown envelope kind"), "{reason}");
     Ok(())
 }
+
+// Goal: the envelope protocol runs over any ordered byte streams, as the simulator uses it.
+// Method: two in-memory pipes and a channel listener; tells, asks and keying material work as
+// over QUIC, closing reaches the connection object, and calls on a closed link fail typed.
+#[tokio::test]
+async fn links_run_over_in_memory_streams_and_a_channel_listener() -> anyhow::Result<()> {
+    struct Pipe(std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>);
+    impl rtx_actors::StreamConn for Pipe {
+        fn close(&self, _reason: &str) {
+            if let Some(tx) = self.0.lock().unwrap().take() {
+                let _ = tx.send(());
+            }
+        }
+        fn export_keying_material(&self, label: &[u8]) -> [u8; 32] {
+            let mut out = [7u8; 32];
+            out[..label.len().min(32)].copy_from_slice(&label[..label.len().min(32)]);
+            out
+        }
+        fn remote_address(&self) -> std::net::SocketAddr {
+            "10.0.0.1:1".parse().unwrap()
+        }
+    }
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+    let conn = std::sync::Arc::new(Pipe(std::sync::Mutex::new(Some(closed_tx))));
+    let (a_write, b_read) = tokio::io::duplex(1 << 16);
+    let (b_write, a_read) = tokio::io::duplex(1 << 16);
+    let (listener, accept) = LinkListener::channel("10.255.0.1:1".parse()?, 4);
+    let (server_link, server_inbound) = Link::over_stream("client".into(), conn.clone(), b_read, b_write);
+    accept.send((server_link, server_inbound)).await.map_err(|_| anyhow::anyhow!("listener gone"))?;
+    let server = tokio::spawn(async move {
+        let (link, mut inbound) = listener.accept().await.expect("a link");
+        let mut hellos = 0;
+        let mut closed_rx = closed_rx;
+        loop {
+            let msg = tokio::select! {
+                biased;
+                _ = &mut closed_rx => break,
+                msg = inbound.recv() => msg.expect("open until closed"),
+            };
+            match msg.decode::<Ping>().expect("valid") {
+                Ping::Hello { .. } => hellos += 1,
+                Ping::Add { a, b } => msg.reply(&(a + b)).await.expect("reply"),
+            }
+        }
+        link.close("server done");
+        hellos
+    });
+    let (link, _inbound) = Link::over_stream("server".into(), conn, a_read, a_write);
+    let calc = link.remote::<Ping>("calc");
+    calc.tell(&Ping::Hello { from: "c".into() }).await?;
+    let sum: u64 = calc.ask(&Ping::Add { a: 2, b: 40 }, Duration::from_secs(5)).await?;
+    assert_eq!(sum, 42);
+    assert_eq!(link.export_keying_material(b"x")?[0], b'x');
+    assert_eq!(link.remote_address(), "10.0.0.1:1".parse::<std::net::SocketAddr>()?);
+    link.close("client done");
+    assert!(link.closed_reason().is_some());
+    let err = calc.ask::<u64>(&Ping::Add { a: 1, b: 1 }, Duration::from_secs(5)).await.unwrap_err();
+    assert!(matches!(err, ActorError::LinkClosed { .. }), "{err}");
+    assert_eq!(server.await?, 1);
+    Ok(())
+}

@@ -50,6 +50,13 @@
 //! are out of step, and recovery (re-forming the group at a new generation, restoring state) is the
 //! supervisor's job. A step that panics leaves the engine refusing further steps the same way.
 //!
+//! # Inline mode
+//!
+//! [`DataParallel::new_inline`] and [`DataParallel::step_async`] run the same step without a
+//! communication thread: buckets are queued during backward and reduced, in the same order, when
+//! the step awaits their reports, as tasks of the caller's runtime. The deterministic simulator
+//! uses this; the results are the same bits.
+//!
 //! Teardown: dropping an engine stops its communication thread and (when `connect` formed the
 //! endpoint) drops its transport, which peers see as a lost peer. A peer that has not yet consumed
 //! the frames of the last collective then fails it, even though every frame had arrived (the
@@ -66,7 +73,7 @@ use rtx_tensor::optim::ParamBuckets;
 use rtx_tensor::{Module, Optimizer, Tensor};
 
 use crate::error::{Error, Result};
-use crate::reducer::{BucketOp, CommMonitor, Failure, Job, Reducer, Report};
+use crate::reducer::{block_on, BucketOp, CommMonitor, Failure, Job, Reducer, Report};
 use crate::shard::{self, BucketShard, ParamSlice};
 
 /// Default: most bytes per gradient bucket (PyTorch DDP's 25 MiB).
@@ -176,6 +183,26 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     {
         config.validate()?;
         let buckets = ParamBuckets::new(&mut model, config.bucket_bytes_max)?;
+        let reducer = Reducer::spawn(connect, config.queue_depth, config.collective_timeout)?;
+        block_on(Self::build(model, buckets, config, reducer, make_optimizer))
+    }
+
+    /// Like [`new`](Self::new) without a communication thread: every collective runs on the
+    /// calling task (see the module doc's "Inline mode"). Use [`step_async`](Self::step_async).
+    pub async fn new_inline<F>(mut model: M, config: DpConfig, comm: Communicator, make_optimizer: F) -> Result<Self>
+    where
+        F: FnOnce(&[ParamSlice]) -> rtx_tensor::Result<O>,
+    {
+        config.validate()?;
+        let buckets = ParamBuckets::new(&mut model, config.bucket_bytes_max)?;
+        let reducer = Reducer::inline(comm, config.collective_timeout);
+        Self::build(model, buckets, config, reducer, make_optimizer).await
+    }
+
+    async fn build<F>(model: M, buckets: ParamBuckets, config: DpConfig, reducer: Reducer, make_optimizer: F) -> Result<Self>
+    where
+        F: FnOnce(&[ParamSlice]) -> rtx_tensor::Result<O>,
+    {
         if let Some((bucket, b)) = buckets.buckets().iter().enumerate().find(|(_, b)| !b.dtype().is_float()) {
             return Err(Error::UnsupportedDType { bucket, dtype: b.dtype() });
         }
@@ -183,10 +210,9 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         for entry in buckets.entries() {
             params_per_bucket[entry.bucket] += 1;
         }
-        let reducer = Reducer::spawn(connect, config.queue_depth, config.collective_timeout)?;
         // Replicas start from rank 0's parameters, before any optimizer sees them.
         let broadcasts = (0..buckets.buckets().len()).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() } });
-        run_jobs(&reducer, 0, broadcasts)?;
+        run_jobs(&reducer, 0, broadcasts).await?;
         let (shards, slices) = match config.sharding {
             Sharding::Replicated => (None, shard::whole_slices(&buckets)),
             Sharding::Zero1 => {
@@ -208,16 +234,22 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     /// Collective: every rank must call it. Blocks the calling thread for the whole step (compute
     /// and communication); from async code, run it with `spawn_blocking`.
     pub fn step(&mut self, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
+        block_on(self.step_async(forward))
+    }
+
+    /// [`step`](Self::step) as a future. With a communication thread it still blocks the calling
+    /// thread while it waits for reports; an inline engine runs its collectives on this task.
+    pub async fn step_async(&mut self, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
         if let Some(failed_step) = self.failed_step {
             return Err(Error::Broken { failed_step });
         }
         let step = self.steps;
-        let _span = tracing::debug_span!("dp_step", step, rank = self.reducer.rank()).entered();
+        let span = tracing::debug_span!("dp_step", step, rank = self.reducer.rank());
         self.steps += 1;
         // Marked failed until it succeeds, so a step that panicked (leaving reports of its
         // collectives unread) also leaves the engine refusing further steps.
         self.failed_step = Some(step);
-        let result = self.run_step(step, forward);
+        let result = tracing::Instrument::instrument(self.run_step(step, forward), span).await;
         match &result {
             Ok(_) => self.failed_step = None,
             Err(error) => tracing::warn!(step, %error, "data-parallel step failed"),
@@ -301,7 +333,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         (model, buckets, optimizer)
     }
 
-    fn run_step(&mut self, step: u64, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
+    async fn run_step(&mut self, step: u64, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
         self.buckets.bind_grads()?;
         self.buckets.zero_grad()?;
         let loss = forward(&mut self.model)?;
@@ -339,7 +371,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             result.map(|()| handed_during_backward)
         };
         // Every submitted bucket comes back before anything else is decided.
-        let reports = wait_reports(&self.reducer, step, submitted);
+        let reports = wait_reports(&self.reducer, step, submitted).await;
         let handed_during_backward = backward?;
         if let Some(e) = submit_error {
             return Err(e);
@@ -351,7 +383,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         if let Some(shards) = &self.shards {
             let buckets = self.buckets.buckets();
             let gathers = shards.iter().enumerate().map(|(bucket, shard)| Job { step, bucket, op: BucketOp::AllGather { params: buckets[bucket].param_storage().clone(), own: shard.own.clone() } });
-            run_jobs(&self.reducer, step, gathers)?;
+            run_jobs(&self.reducer, step, gathers).await?;
         }
         Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets, flushed_buckets: n_buckets - handed_during_backward })
     }
@@ -402,11 +434,11 @@ impl BucketTracker {
 
 /// Receives `n` reports (all of them, even after a failure, so every buffer is back) and returns
 /// how many began during backward, or the first failure.
-fn wait_reports(reducer: &Reducer, step: u64, n: usize) -> Result<usize> {
+async fn wait_reports(reducer: &Reducer, step: u64, n: usize) -> Result<usize> {
     let mut first_failure = None;
     let mut during_backward = 0;
     for _ in 0..n {
-        let Report { step: report_step, bucket, op, outcome, during_backward: during } = reducer.next_report()?;
+        let Report { step: report_step, bucket, op, outcome, during_backward: during } = reducer.next_report().await?;
         debug_assert_eq!(report_step, step, "reports arrive in submission order");
         during_backward += usize::from(during);
         if let (Err(failure), None) = (outcome, &first_failure) {
@@ -425,7 +457,7 @@ fn wait_reports(reducer: &Reducer, step: u64, n: usize) -> Result<usize> {
 }
 
 /// Submits `jobs` and waits for all their reports (stopping early only if the thread is gone).
-fn run_jobs(reducer: &Reducer, step: u64, jobs: impl Iterator<Item = Job>) -> Result<()> {
+async fn run_jobs(reducer: &Reducer, step: u64, jobs: impl Iterator<Item = Job>) -> Result<()> {
     let mut submitted = 0;
     let mut submit_error = None;
     for job in jobs {
@@ -437,7 +469,7 @@ fn run_jobs(reducer: &Reducer, step: u64, jobs: impl Iterator<Item = Job>) -> Re
             }
         }
     }
-    wait_reports(reducer, step, submitted)?;
+    wait_reports(reducer, step, submitted).await?;
     submit_error.map_or(Ok(()), Err)
 }
 

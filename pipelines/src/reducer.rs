@@ -18,12 +18,17 @@
 //!   (a new generation) may talk again.
 //! - The thread ends when the engine drops the job sender; the runtime, the communicator and (when
 //!   it was formed here) the endpoint and its dispatcher task go with it.
+//!
+//! The **inline** mode ([`Reducer::inline`]) has no thread: `submit` only queues a job, and the
+//! caller's task runs each collective when it awaits its report, on whatever runtime it runs on
+//! (the deterministic simulator's single thread). Same jobs, same order, same bits; only the
+//! overlap with backward is gone.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc as std_mpsc, Arc};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -140,15 +145,26 @@ pub(crate) struct Report {
     pub(crate) during_backward: bool,
 }
 
-/// The compute thread's handle on the communication thread.
+/// The compute thread's handle on the communication thread (or the inline queue).
 #[derive(Debug)]
 pub(crate) struct Reducer {
-    jobs: Option<mpsc::Sender<Job>>,
-    reports: std_mpsc::Receiver<Report>,
-    thread: Option<JoinHandle<()>>,
+    mode: Mode,
     rank: usize,
     size: usize,
     monitor: CommMonitor,
+}
+
+#[derive(Debug)]
+enum Mode {
+    Thread { jobs: Option<mpsc::Sender<Job>>, reports: Mutex<std_mpsc::Receiver<Report>>, thread: Option<JoinHandle<()>> },
+    Inline { comm: Communicator, timeout: Duration, queue: Mutex<VecDeque<Job>>, state: tokio::sync::Mutex<Served> },
+}
+
+/// What `serve` carries from one job to the next.
+#[derive(Debug, Default)]
+struct Served {
+    broken: bool,
+    scratch: BTreeMap<usize, CpuData>,
 }
 
 impl Reducer {
@@ -195,7 +211,14 @@ impl Reducer {
             Ok(formed) => formed?,
             Err(_) => return Err(Error::ReducerGone { rank: usize::MAX }),
         };
-        Ok(Reducer { jobs: Some(job_tx), reports: report_rx, thread: Some(thread), rank, size, monitor })
+        Ok(Reducer { mode: Mode::Thread { jobs: Some(job_tx), reports: Mutex::new(report_rx), thread: Some(thread) }, rank, size, monitor })
+    }
+
+    /// A reducer without a thread over `comm`: collectives run on the caller's task as it awaits
+    /// their reports.
+    pub(crate) fn inline(comm: Communicator, collective_timeout: Duration) -> Reducer {
+        let (rank, size) = (comm.rank(), comm.size());
+        Reducer { mode: Mode::Inline { comm, timeout: collective_timeout, queue: Mutex::new(VecDeque::new()), state: tokio::sync::Mutex::new(Served::default()) }, rank, size, monitor: CommMonitor::default() }
     }
 
     /// Group rank of this engine.
@@ -212,56 +235,82 @@ impl Reducer {
         &self.monitor
     }
 
-    /// Queues a job; blocks while the queue is full.
+    /// Queues a job; blocks while the thread's queue is full (an inline queue is never full: the
+    /// engine submits at most one job per bucket before it collects the reports).
     pub(crate) fn submit(&self, job: Job) -> Result<()> {
         let gone = Error::ReducerGone { rank: self.rank };
-        let Some(jobs) = &self.jobs else { return Err(gone) };
-        block_on(jobs.send(job)).map_err(|_| gone)
+        match &self.mode {
+            Mode::Thread { jobs, .. } => {
+                let Some(jobs) = jobs else { return Err(gone) };
+                // Unconstrained: called inside a task (a worker future on `Handle::block_on`),
+                // tokio's cooperative budget would run out and the send would spin forever
+                // without ever returning to the scheduler that refills it.
+                block_on(tokio::task::unconstrained(jobs.send(job))).map_err(|_| gone)
+            }
+            Mode::Inline { queue, .. } => {
+                queue.lock().unwrap_or_else(PoisonError::into_inner).push_back(job);
+                Ok(())
+            }
+        }
     }
 
-    /// The next report, in submission order.
-    pub(crate) fn next_report(&self) -> Result<Report> {
-        self.reports.recv().map_err(|_| Error::ReducerGone { rank: self.rank })
+    /// The next report, in submission order. With a thread this blocks the calling thread; inline
+    /// it runs the next queued collective on the caller's task.
+    pub(crate) async fn next_report(&self) -> Result<Report> {
+        match &self.mode {
+            Mode::Thread { reports, .. } => reports.lock().unwrap_or_else(PoisonError::into_inner).recv().map_err(|_| Error::ReducerGone { rank: self.rank }),
+            Mode::Inline { comm, timeout, queue, state } => {
+                let job = queue.lock().unwrap_or_else(PoisonError::into_inner).pop_front().ok_or(Error::ReducerGone { rank: self.rank })?;
+                let mut served = state.lock().await;
+                Ok(serve_one(comm, job, &mut served, &self.monitor, *timeout).await)
+            }
+        }
     }
 }
 
 impl Drop for Reducer {
     fn drop(&mut self) {
-        // Closing the queue ends `serve` once in-flight jobs are done (each bounded by timeouts).
-        drop(self.jobs.take());
-        if let Some(thread) = self.thread.take() {
-            if thread.join().is_err() {
-                tracing::error!(rank = self.rank, "communication thread panicked");
+        if let Mode::Thread { jobs, thread, .. } = &mut self.mode {
+            // Closing the queue ends `serve` once in-flight jobs are done (each bounded by timeouts).
+            drop(jobs.take());
+            if let Some(thread) = thread.take() {
+                if thread.join().is_err() {
+                    tracing::error!(rank = self.rank, "communication thread panicked");
+                }
             }
         }
     }
 }
 
 async fn serve(comm: Communicator, mut jobs: mpsc::Receiver<Job>, reports: std_mpsc::Sender<Report>, monitor: CommMonitor, timeout: Duration) {
-    let mut broken = false;
-    let mut scratch: BTreeMap<usize, CpuData> = BTreeMap::new();
+    let mut served = Served::default();
     while let Some(job) = jobs.recv().await {
-        let op = job.op.name();
-        let (outcome, during_backward) = if broken {
-            (Err(Failure::Skipped), false)
-        } else {
-            let during_backward = monitor.begin();
-            let span = tracing::debug_span!("dp_bucket", op, step = job.step, bucket = job.bucket, during_backward);
-            let outcome = run(&comm, &job, timeout, &mut scratch).instrument(span).await;
-            monitor.finish();
-            (outcome, during_backward)
-        };
-        if let Err(failure) = &outcome {
-            if !broken {
-                tracing::warn!(op, step = job.step, bucket = job.bucket, ?failure, "bucket collective failed; skipping the rest");
-            }
-            broken = true;
-        }
-        let report = Report { step: job.step, bucket: job.bucket, op, outcome, during_backward };
+        let report = serve_one(&comm, job, &mut served, &monitor, timeout).await;
         if reports.send(report).is_err() {
             break;
         }
     }
+}
+
+/// Runs one job (or skips it after a failure) and makes its report.
+async fn serve_one(comm: &Communicator, job: Job, served: &mut Served, monitor: &CommMonitor, timeout: Duration) -> Report {
+    let op = job.op.name();
+    let (outcome, during_backward) = if served.broken {
+        (Err(Failure::Skipped), false)
+    } else {
+        let during_backward = monitor.begin();
+        let span = tracing::debug_span!("dp_bucket", op, step = job.step, bucket = job.bucket, during_backward);
+        let outcome = run(comm, &job, timeout, &mut served.scratch).instrument(span).await;
+        monitor.finish();
+        (outcome, during_backward)
+    };
+    if let Err(failure) = &outcome {
+        if !served.broken {
+            tracing::warn!(op, step = job.step, bucket = job.bucket, ?failure, "bucket collective failed; skipping the rest");
+        }
+        served.broken = true;
+    }
+    Report { step: job.step, bucket: job.bucket, op, outcome, during_backward }
 }
 
 async fn run(comm: &Communicator, job: &Job, timeout: Duration, scratch: &mut BTreeMap<usize, CpuData>) -> std::result::Result<(), Failure> {
@@ -379,7 +428,7 @@ async fn gather_into<T: WireElement>(comm: &Communicator, buf: &mut [T], own: Ra
 /// Unlike tokio's `blocking_send` this does not refuse threads that have a runtime handle entered
 /// (`spawn_blocking` threads): the future only waits on the queue, which the communication thread
 /// drains.
-fn block_on<F: Future>(future: F) -> F::Output {
+pub(crate) fn block_on<F: Future>(future: F) -> F::Output {
     struct Unpark(std::thread::Thread);
     impl Wake for Unpark {
         fn wake(self: Arc<Self>) {

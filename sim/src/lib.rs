@@ -1,20 +1,42 @@
-//! Deterministic simulation for rustytorch (first part of the simulator issue): a seeded,
-//! in-memory network ([`SimNetwork`]) whose [`SimTransport`]s implement the collectives
-//! `Transport` trait and carry the very frames production sends, under tokio's paused (virtual)
-//! clock on a single-thread runtime ([`run`]). Every delivery is folded into a [`TraceHash`], so
-//! two runs of one seed can be compared bit for bit and a failure replayed from its seed.
+//! Deterministic simulation for rustytorch: the **real** supervisor, node agents, workers,
+//! collectives and data-parallel trainer of an elastic job, in one process, on one single-thread
+//! tokio runtime with paused (virtual) time, with faults drawn from one master seed, so a failure
+//! found once replays from its seed.
 //!
-//! What is modelled per directed link ([`LinkModel`]): latency with uniform jitter, bandwidth
-//! (serialization delay), loss (a lost packet is retransmitted after a timeout, as QUIC would:
-//! the transport stays reliable and ordered, so loss shows up as delay), and partitions
-//! (symmetric or one-way) with healing: a partitioned link delivers nothing, and after
-//! [`SimConfig::loss_detect`] of silence both ends see `PeerLost`, as an idle timeout would report
-//! it; healing brings `PeerUp`. Duplicates and reordering below an ordered, reliable transport are
-//! invisible to its user, so they are not modelled separately. A crashed rank
-//! ([`SimNetwork::crash`]) stops sending and receiving at once.
+//! Start from [`run_seed`] (one seed of a [`Scenario`], returning an [`Outcome`] with its trace
+//! hash and the first broken invariant, if any) and [`swarm`] (many seeds across OS threads, each
+//! with its own runtime). The pieces underneath:
+//! - [`SimNetwork`] / [`SimTransport`]: a seeded in-memory network implementing the collectives
+//!   `Transport` and carrying production frames; per directed link latency with jitter,
+//!   bandwidth, loss (as retransmission delay), one-way and symmetric partitions, crashes.
+//!   [`ClusterWire`] makes one per generation and maps node slots to ranks.
+//! - [`ControlNet`]: the supervisor↔node control links, production `rtx_actors::Link` envelopes
+//!   over in-memory streams with seeded latency, isolation (hangs) and idle timeouts.
+//! - [`SimJob`]: a small MLP on real Fashion-MNIST images, and the [`Ledger`] of what was trained.
+//!
+//! Not modelled: duplication and reordering below an ordered reliable transport (invisible to
+//! its user), checkpoint write failures (simulated jobs write no checkpoints yet).
+//!
+//! Everything plugs into the runtime through traits the lower crates define (`Transport`,
+//! `GenerationWire`, `ControlDialer`, `LinkListener::channel`, the supervisor's launch channel,
+//! `Exec::Task`), never through `cfg` branches.
 
+mod cluster;
+mod control;
+mod error;
+mod job;
 mod network;
+mod scenario;
+mod swarm;
 mod trace;
+mod wire;
 
+pub use cluster::{run_seed, Outcome, RunOptions, Violation};
+pub use control::{ControlConfig, ControlNet, SlotDialer};
+pub use error::{Result, SimError};
+pub use job::{Dataset, JobShape, Ledger, SimJob, Trained};
 pub use network::{run, LinkModel, SimConfig, SimNetwork, SimTransport};
+pub use scenario::{ElasticShape, Fault, FaultKind, NetShape, RandomFaults, Scenario, Trigger};
+pub use swarm::{swarm, SwarmReport};
 pub use trace::TraceHash;
+pub use wire::{ClusterWire, SlotWire};

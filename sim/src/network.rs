@@ -4,7 +4,9 @@
 //!
 //! Each directed link has one delivery task that hands frames over in send order at their
 //! delivery instants: `max(link free, now) + size / bandwidth + latency + jitter (+ a retransmit
-//! timeout per lost packet)`, never before the previous frame on that link. Inboxes are unbounded:
+//! timeout per lost packet)`, never before the previous frame on that link. A cut link holds its
+//! frames (a reliable transport retransmits across a short partition) until it heals, or until
+//! the peers are reported lost after [`SimConfig::loss_detect`], when the held frames are dropped. Inboxes are unbounded:
 //! memory, not time, is the only thing back-pressure would change here.
 
 use std::collections::{BTreeSet, VecDeque};
@@ -19,6 +21,10 @@ use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
 use crate::trace::TraceHash;
+
+/// Where a frame header holds the group generation (little-endian u64; see `rtx_collectives`'
+/// frame layout).
+const GENERATION_FIELD: std::ops::Range<usize> = 16..24;
 
 /// The behaviour of one directed link.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -91,6 +97,10 @@ struct State {
     inboxes: Vec<Option<mpsc::UnboundedSender<TransportEvent>>>,
     trace: TraceHash,
     delivered: u64,
+    /// The group generation every frame on this network must carry, when set.
+    generation: Option<u64>,
+    /// Frames delivered whose header named another generation.
+    foreign_generation: u64,
 }
 
 impl SimNetwork {
@@ -116,6 +126,8 @@ impl SimNetwork {
             inboxes,
             trace: TraceHash::default(),
             delivered: 0,
+            generation: None,
+            foreign_generation: 0,
         };
         let shared = Arc::new(Shared { n, epoch: now, config, state: Mutex::new(state), wake: (0..n * n).map(|_| Notify::new()).collect() });
         for link in 0..n * n {
@@ -151,6 +163,10 @@ impl SimNetwork {
             let mut state = shared.lock();
             if state.cut.contains(&(a, b)) || state.cut.contains(&(b, a)) {
                 report_lost(&mut state, a, b);
+                drop(state);
+                // What was held for the lost peer is dropped now.
+                shared.wake[a * shared.n + b].notify_one();
+                shared.wake[b * shared.n + a].notify_one();
             }
         });
     }
@@ -168,6 +184,11 @@ impl SimNetwork {
             }
         }
         state.trace.absorb(b"heal");
+        drop(state);
+        // Held frames flow again.
+        let n = self.shared.n;
+        self.shared.wake[a * n + b].notify_one();
+        self.shared.wake[b * n + a].notify_one();
     }
 
     /// Crashes `rank`: it stops at once (its receive ends); the others see it lost after
@@ -189,6 +210,13 @@ impl SimNetwork {
                     report_lost(&mut state, peer, rank);
                 }
             }
+            drop(state);
+            for peer in 0..shared.n {
+                if peer != rank {
+                    shared.wake[peer * shared.n + rank].notify_one();
+                    shared.wake[rank * shared.n + peer].notify_one();
+                }
+            }
         });
     }
 
@@ -200,6 +228,18 @@ impl SimNetwork {
     /// Frames delivered so far.
     pub fn delivered(&self) -> u64 {
         self.shared.lock().delivered
+    }
+
+    /// Declares that every frame on this network belongs to group generation `generation`
+    /// (a network made for one generation): [`foreign_generation_frames`](Self::foreign_generation_frames)
+    /// counts deliveries whose header says otherwise.
+    pub fn expect_generation(&self, generation: u64) {
+        self.shared.lock().generation = Some(generation);
+    }
+
+    /// Frames delivered that carried a generation other than the expected one.
+    pub fn foreign_generation_frames(&self) -> u64 {
+        self.shared.lock().foreign_generation
     }
 }
 
@@ -230,15 +270,33 @@ async fn deliver(shared: Arc<Shared>, link: usize) {
             continue;
         };
         tokio::time::sleep_until(at).await;
+        let held = {
+            let state = shared.lock();
+            let dead = state.crashed[from] || state.crashed[to] || state.lost.contains(&(to, from));
+            !dead && state.cut.contains(&(from, to))
+        };
+        if held {
+            // Held, not dropped: a reliable transport retransmits across a short partition; only
+            // when the peer is reported lost (or crashes) is what is queued dropped.
+            shared.wake[link].notified().await;
+            continue;
+        }
         let mut state = shared.lock();
         let Some((_, frame)) = state.queues[link].pop_front() else { continue };
-        if state.cut.contains(&(from, to)) || state.crashed[from] || state.crashed[to] || state.lost.contains(&(to, from)) {
+        if state.crashed[from] || state.crashed[to] || state.lost.contains(&(to, from)) {
             continue;
         }
         state.trace.absorb_u64(at.duration_since(shared.epoch).as_nanos() as u64);
         state.trace.absorb_u64(link as u64);
         state.trace.absorb(&frame);
         state.delivered += 1;
+        if let (Some(expected), Some(field)) = (state.generation, frame.get(GENERATION_FIELD)) {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(field);
+            if u64::from_le_bytes(bytes) != expected {
+                state.foreign_generation += 1;
+            }
+        }
         if let Some(Some(tx)) = state.inboxes.get(to) {
             let _ = tx.send(TransportEvent::Frame { from, bytes: frame });
         }

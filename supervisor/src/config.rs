@@ -46,6 +46,21 @@ pub enum Wire {
     Quic,
     /// Always shared memory (every member must be on one machine).
     Shm,
+    /// The workers bring their own collectives transport (a `GenerationWire`, e.g. the
+    /// simulator's network): the supervisor issues no rank certificates and names no shm rings.
+    Injected,
+}
+
+/// A deliberately wrong behaviour, for proving that the simulator's invariants catch bugs.
+/// Test-only: never set in production, and not readable from a config file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PlantedBug {
+    /// Correct behaviour.
+    #[default]
+    None,
+    /// After a re-formation the group restarts at the newest completed step instead of the one
+    /// after it: that step is trained (its samples counted, its buckets reduced) twice.
+    ReplayLastStep,
 }
 
 /// Settings of an elastic job.
@@ -73,6 +88,8 @@ pub struct ElasticConfig {
     pub checkpoint_every: u64,
     /// Transport of the collectives.
     pub transport: Wire,
+    /// Test-only: a planted bug (see [`PlantedBug`]).
+    pub planted_bug: PlantedBug,
     /// ZeRO-1: optimizer state sharded across the workers. A lost worker takes its shard with it,
     /// so recovery rolls back to the last snapshot (every `snapshot_every` steps, and at every
     /// checkpoint), which gathers the full state on every rank.
@@ -100,6 +117,7 @@ impl Default for ElasticConfig {
             verify_every: 50,
             checkpoint_every: 0,
             transport: Wire::Auto,
+            planted_bug: PlantedBug::None,
             zero1: false,
             snapshot_every: 25,
             crash: shrink,

@@ -2,6 +2,12 @@
 //! one exits (the fastest crash detection there is), kills hung ones on request, and starts
 //! replacements. When its request channel closes it gives the children a grace period to exit
 //! on their own, then kills the rest: a finished or failed launch leaves no orphan processes.
+//!
+//! [`NodeLauncher`] is what any launcher does for the supervisor: start a node, kill one. The
+//! process launcher implements it with child processes; the simulator with node tasks on its
+//! runtime (a crash aborts every task of the node, a restart runs the real join path). Either
+//! way the supervisor talks to it only through [`LaunchRequest`]s ([`serve_request`]) and
+//! hears of exits as `SupervisorMsg::ProcessExited`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -13,6 +19,27 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{Result, SupervisorError};
 use crate::supervisor::{LaunchRequest, SupervisorMsg};
+
+/// Starts and kills the nodes of a job on the supervisor's behalf (see the module doc).
+pub trait NodeLauncher {
+    /// Starts one more node; returns its pid (a real one, or the simulator's).
+    fn spawn_node(&mut self) -> Result<u32>;
+    /// Kills node `pid` at once (SIGKILL, or aborting its tasks); its exit is reported to the
+    /// supervisor like any other.
+    fn kill_node(&mut self, pid: u32);
+}
+
+/// Carries out one of the supervisor's requests on `launcher`.
+pub fn serve_request<L: NodeLauncher + ?Sized>(launcher: &mut L, request: LaunchRequest) {
+    match request {
+        LaunchRequest::Spawn => {
+            if let Err(e) = launcher.spawn_node() {
+                tracing::error!(error = %e, "cannot start a replacement worker");
+            }
+        }
+        LaunchRequest::Kill { pid } => launcher.kill_node(pid),
+    }
+}
 
 /// How to start one worker process.
 #[derive(Clone, Debug)]
@@ -45,18 +72,11 @@ impl Launcher {
         let (pids_tx, pids) = tokio::sync::watch::channel(Vec::new());
         let mut state = LauncherState { options, next_index: 0, children: BTreeMap::new(), supervisor, pids: pids_tx };
         for _ in 0..initial {
-            state.spawn()?;
+            state.spawn_node()?;
         }
         let task = tokio::spawn(async move {
             while let Some(request) = rx.recv().await {
-                match request {
-                    LaunchRequest::Spawn => {
-                        if let Err(e) = state.spawn() {
-                            tracing::error!(error = %e, "cannot start a replacement worker");
-                        }
-                    }
-                    LaunchRequest::Kill { pid } => state.kill(pid),
-                }
+                serve_request(&mut state, request);
             }
             state.shutdown().await;
         });
@@ -83,8 +103,8 @@ struct LauncherState {
     pids: tokio::sync::watch::Sender<Vec<u32>>,
 }
 
-impl LauncherState {
-    fn spawn(&mut self) -> Result<()> {
+impl NodeLauncher for LauncherState {
+    fn spawn_node(&mut self) -> Result<u32> {
         let index = self.next_index;
         self.next_index += 1;
         let mut command = tokio::process::Command::new(&self.options.program);
@@ -117,10 +137,10 @@ impl LauncherState {
         });
         self.children.insert(pid, (kill_tx, watcher));
         self.publish();
-        Ok(())
+        Ok(pid)
     }
 
-    fn kill(&mut self, pid: u32) {
+    fn kill_node(&mut self, pid: u32) {
         if let Some((kill, watcher)) = self.children.remove(&pid) {
             let _ = kill.send(());
             // Keep the watcher running until the process is reaped.
@@ -130,7 +150,9 @@ impl LauncherState {
         }
         self.publish();
     }
+}
 
+impl LauncherState {
     fn publish(&mut self) {
         self.children.retain(|_, (_, watcher)| !watcher.is_finished());
         let _ = self.pids.send(self.children.keys().copied().collect());

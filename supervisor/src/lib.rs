@@ -10,6 +10,11 @@
 //! re-forms the group under a new generation from the newest surviving state, shrinking,
 //! replacing or growing as the [`ElasticConfig`] says. Rank 0 writes periodic checkpoints in the
 //! background ([`checkpoint`]).
+//!
+//! Everything a node or the supervisor needs from the outside world is handed in, so the same
+//! code runs in the deterministic simulator (`rtx-sim`): a [`NodeEnv`] ([`run_node`]: control
+//! dialer, collectives wire, [`Exec`] mode), a [`SupervisorEnv`] (listener, seed) and a
+//! [`NodeLauncher`].
 
 pub mod checkpoint;
 mod config;
@@ -22,9 +27,9 @@ pub mod state;
 pub mod supervisor;
 pub mod worker;
 
-pub use config::{ClassPolicy, ElasticConfig, FailureClass, OnFailure, Wire};
+pub use config::{ClassPolicy, ElasticConfig, FailureClass, OnFailure, PlantedBug, Wire};
 pub use error::{Result, SupervisorError};
 pub use job::TrainJob;
-pub use launch::{LaunchOptions, Launcher};
-pub use supervisor::{query_status, JobEvent, LaunchRequest, SupervisorHandle, SupervisorMsg, SupervisorOptions};
-pub use worker::{parameter_checksum, run_worker, JobSpec, WorkerOptions, WorkerOutcome};
+pub use launch::{serve_request, LaunchOptions, Launcher, NodeLauncher};
+pub use supervisor::{query_status, JobEvent, LaunchRequest, SupervisorEnv, SupervisorHandle, SupervisorMsg, SupervisorOptions};
+pub use worker::{parameter_checksum, run_node, run_worker, ControlDialer, Exec, GenerationWire, JobSpec, NodeEnv, WorkerOptions, WorkerOutcome};

@@ -35,7 +35,7 @@ fn split_field(name: &str) -> Result<(&str, &str)> {
 
 /// The full state from this rank's (possibly sharded) optimizer state; collective under ZeRO-1.
 /// `local` is the optimizer's `state_tensors()`, `slices` what it updates.
-pub fn gather_full_state(runtime: &tokio::runtime::Handle, comm: &Communicator, local: &[(String, Tensor)], slices: &[ParamSlice], template: &[(String, Tensor)]) -> Result<NamedTensors> {
+pub async fn gather_full_state(comm: &Communicator, local: &[(String, Tensor)], slices: &[ParamSlice], template: &[(String, Tensor)]) -> Result<NamedTensors> {
     let local: BTreeMap<&str, &Tensor> = local.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let owned: BTreeMap<&str, &ParamSlice> = slices.iter().map(|s| (s.name.as_str(), s)).collect();
     let mut values = Vec::new();
@@ -57,14 +57,14 @@ pub fn gather_full_state(runtime: &tokio::runtime::Handle, comm: &Communicator, 
         }
     }
     if comm.size() > 1 {
-        runtime.block_on(comm.all_reduce(&mut values, ReduceOp::Sum))?;
-        runtime.block_on(comm.all_reduce(&mut steps, ReduceOp::Max))?;
+        comm.all_reduce(&mut values, ReduceOp::Sum).await?;
+        comm.all_reduce(&mut steps, ReduceOp::Max).await?;
     }
     rebuild(template, &values, &steps)
 }
 
 /// Broadcasts `state` (full form, shaped like `template`) from `source`; returns it on every rank.
-pub fn broadcast_full_state(runtime: &tokio::runtime::Handle, comm: &Communicator, source: usize, state: Option<&[(String, Tensor)]>, template: &[(String, Tensor)]) -> Result<NamedTensors> {
+pub async fn broadcast_full_state(comm: &Communicator, source: usize, state: Option<&[(String, Tensor)]>, template: &[(String, Tensor)]) -> Result<NamedTensors> {
     let given = state.unwrap_or(template);
     let mut values = Vec::new();
     let mut steps = Vec::new();
@@ -81,8 +81,8 @@ pub fn broadcast_full_state(runtime: &tokio::runtime::Handle, comm: &Communicato
     if given.len() != template.len() {
         return Err(SupervisorError::Job(format!("carried optimizer state has {} tensors, this optimizer {}", given.len(), template.len())));
     }
-    runtime.block_on(comm.broadcast(&mut values, source))?;
-    runtime.block_on(comm.broadcast(&mut steps, source))?;
+    comm.broadcast(&mut values, source).await?;
+    comm.broadcast(&mut steps, source).await?;
     rebuild(template, &values, &steps)
 }
 
@@ -123,15 +123,14 @@ pub fn slice_full_state(full: &[(String, Tensor)], local: &[(String, Tensor)], s
     Ok(out)
 }
 
-/// Broadcasts every parameter from `source` (one flat f32 buffer). The source sends `values`
-/// when given (a snapshot), else its model's parameters.
-pub fn broadcast_parameters<M: Module>(runtime: &tokio::runtime::Handle, comm: &Communicator, source: usize, model: &M, values: Option<&[f32]>) -> Result<()> {
-    let params = model.named_parameters();
+/// Broadcasts every parameter from `source` (one flat f32 buffer; `params` is the model's
+/// `named_parameters()`). The source sends `values` when given (a snapshot), else `params`.
+pub async fn broadcast_parameters(comm: &Communicator, source: usize, params: &[(String, Tensor)], values: Option<&[f32]>) -> Result<()> {
     let mut flat = match values {
         Some(v) => v.to_vec(),
         None => {
             let mut flat = Vec::new();
-            for (_, p) in &params {
+            for (_, p) in params {
                 flat.extend(p.to_f32_vec()?);
             }
             flat
@@ -141,9 +140,9 @@ pub fn broadcast_parameters<M: Module>(runtime: &tokio::runtime::Handle, comm: &
     if flat.len() != total {
         return Err(SupervisorError::Job(format!("parameter snapshot of {} values for {total} parameters", flat.len())));
     }
-    runtime.block_on(comm.broadcast(&mut flat, source))?;
+    comm.broadcast(&mut flat, source).await?;
     let mut offset = 0;
-    for (_, p) in &params {
+    for (_, p) in params {
         let n = p.numel();
         p.copy_from_(&Tensor::from_vec(flat[offset..offset + n].to_vec(), p.shape())?)?;
         offset += n;

@@ -31,7 +31,7 @@ use rtx_collectives::ClusterCa;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::config::{ElasticConfig, FailureClass, OnFailure, Wire};
+use crate::config::{ElasticConfig, FailureClass, OnFailure, PlantedBug, Wire};
 use crate::error::{Result, SupervisorError};
 use crate::protocol::{self, JoinReply, MemberStatus, StatusReport, ToSupervisor, ToWorker, AGENT, EXPORTER_LABEL};
 
@@ -56,6 +56,16 @@ pub struct SupervisorOptions {
     pub resume_next_step: u64,
     /// Control-link tuning.
     pub link: LinkOptions,
+}
+
+/// Where a supervisor meets the world: its control listener and the seed of its random choices.
+/// [`SupervisorHandle::start`] binds QUIC and seeds from the OS; the simulator hands in a
+/// [`LinkListener::channel`] and a seed derived from its master seed.
+pub struct SupervisorEnv {
+    /// Accepts workers' control links.
+    pub listener: LinkListener,
+    /// Seeds every random choice of the supervisor (the run id that names shm rings).
+    pub seed: u64,
 }
 
 /// What happens in the job, for progress bars, metrics and tests.
@@ -150,7 +160,8 @@ enum Phase {
 
 struct ClusterSupervisor {
     options: SupervisorOptions,
-    ca: ClusterCa,
+    /// Made on first use: an injected wire needs no certificates.
+    ca: Option<ClusterCa>,
     events: mpsc::Sender<JobEvent>,
     launcher: Option<mpsc::Sender<LaunchRequest>>,
     connections: BTreeMap<u64, Link>,
@@ -171,14 +182,21 @@ impl SupervisorHandle {
     /// workers and kills hung children; feed it process exits with [`process_exited`](Self::process_exited).
     pub async fn start(options: SupervisorOptions, launcher: Option<mpsc::Sender<LaunchRequest>>) -> Result<SupervisorHandle> {
         options.elastic.validate()?;
-        let listener = Arc::new(LinkListener::bind(options.listen, options.link.clone())?);
+        let listener = LinkListener::bind(options.listen, options.link.clone())?;
+        let seed = protocol::generate_token().map_err(|reason| SupervisorError::JobFailed { reason })?.bytes().fold(0u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        SupervisorHandle::start_with(options, launcher, SupervisorEnv { listener, seed }).await
+    }
+
+    /// Starts the supervisor on the current runtime in `env` (see [`SupervisorEnv`]).
+    pub async fn start_with(options: SupervisorOptions, launcher: Option<mpsc::Sender<LaunchRequest>>, env: SupervisorEnv) -> Result<SupervisorHandle> {
+        options.elastic.validate()?;
+        let listener = Arc::new(env.listener);
         let addr = listener.local_addr()?;
-        let ca = ClusterCa::generate("rtx cluster CA")?;
         let (events_tx, events) = mpsc::channel(4096);
         let tick = options.elastic.heartbeat_interval.min(Duration::from_millis(100));
         let state = ClusterSupervisor {
             options,
-            ca,
+            ca: None,
             events: events_tx,
             launcher,
             connections: BTreeMap::new(),
@@ -190,7 +208,7 @@ impl SupervisorHandle {
             failures: BTreeMap::new(),
             exited: BTreeMap::new(),
             commit_times: Vec::new(),
-            run_id: protocol::generate_token().map_err(|reason| SupervisorError::JobFailed { reason })?.chars().take(16).collect(),
+            run_id: format!("{:016x}", splitmix64(env.seed)),
         };
         let (actor, handle) = spawn("supervisor", state, 4096);
         let mut tasks = Vec::new();
@@ -470,10 +488,19 @@ impl ClusterSupervisor {
         self.started = true;
         let generation = self.generation;
         let world = candidates.len();
+        let injected = self.options.elastic.transport == Wire::Injected;
+        if self.ca.is_none() && !injected {
+            self.ca = Some(ClusterCa::generate("rtx cluster CA")?);
+        }
         for (rank, node) in candidates.iter().enumerate() {
-            let identity = self.ca.issue(rank)?;
-            let (cert, key) = identity.to_der().ok_or_else(|| SupervisorError::JobFailed { reason: "issued identity is not DER".into() })?;
-            let ca = self.ca.certificate().to_vec();
+            let (ca, cert, key) = match &self.ca {
+                Some(ca) if !injected => {
+                    let identity = ca.issue(rank)?;
+                    let (cert, key) = identity.to_der().ok_or_else(|| SupervisorError::JobFailed { reason: "issued identity is not DER".into() })?;
+                    (ca.certificate().to_vec(), cert, key)
+                }
+                _ => (Vec::new(), Vec::new(), Vec::new()),
+            };
             if let Some(m) = self.members.get(node) {
                 let _ = m.agent.tell(&ToWorker::Prepare { generation, rank: rank as u32, world: world as u32, ca, cert, key }).await;
             }
@@ -501,12 +528,13 @@ impl ClusterSupervisor {
         // The newest state wins; ties go to the lowest rank.
         let (source, newest) = members.iter().enumerate().map(|(rank, n)| (rank, ready.get(n).and_then(|(_, c)| *c))).fold((0usize, None), |best, (rank, c)| if c > best.1 { (rank, c) } else { best });
         let next_step = match newest {
+            Some(c) if self.options.elastic.planted_bug == PlantedBug::ReplayLastStep && generation > 1 => c,
             Some(c) => c + 1,
             None => self.options.resume_next_step,
         };
         let hosts: std::collections::BTreeSet<&str> = members.iter().filter_map(|n| self.members.get(n).map(|m| m.host.as_str())).collect();
         let shm = match self.options.elastic.transport {
-            Wire::Quic => false,
+            Wire::Quic | Wire::Injected => false,
             Wire::Shm => true,
             Wire::Auto => hosts.len() == 1 && members.len() > 1,
         };
@@ -717,6 +745,14 @@ impl ClusterSupervisor {
         };
         StatusReport { phase: phase.into(), generation: self.generation, committed: self.committed, total_steps: self.options.total_steps, members, steps_per_sec, samples_per_sec, failures: self.failures.values().map(|&c| u64::from(c)).sum() }
     }
+}
+
+/// A 64-bit mix of `seed` (SplitMix64's finalizer): the run id from the supervisor's seed.
+fn splitmix64(seed: u64) -> u64 {
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49eb_133b_a133);
+    z ^ (z >> 31)
 }
 
 /// Asks the supervisor at `addr` for its status, proving the token.

@@ -1,0 +1,641 @@
+//! The scenario runner: one seed, one whole cluster, in one thread. It builds a single-thread
+//! tokio runtime with paused (virtual) time, starts the real `ClusterSupervisor` over a
+//! [`ControlNet`] listener and N real node agents and workers ([`rtx_supervisor::run_node`] in
+//! [`Exec::Task`] mode: compute inline, DP engine and data shard without threads) over a
+//! [`ClusterWire`], and acts as their node launcher: it starts nodes as tasks of a `LocalSet`,
+//! kills them (abort the task, close its connections, crash its ranks) when the plan or the
+//! supervisor says so, tells the supervisor about exits as a process launcher would, and restarts
+//! them through the real join path.
+//!
+//! Every job event is checked as it arrives ([`Checker`]) and folded into the trace hash together
+//! with the control and collectives traces, so the same seed must give the same hash.
+//!
+//! Invariants checked on every run:
+//! - `stale-generation`: no collectives frame of another generation reaches a rank (each
+//!   generation's network checks every frame header it delivers);
+//! - `replicas-identical`: every rank of a committed step started it from the same parameter
+//!   checksum, and the finished replicas are identical;
+//! - `committed-monotone`: committed steps strictly increase, generations too;
+//! - `samples-exactly-once`: each step's ranks trained exactly the global batch of that step
+//!   (none skipped, none twice), including steps completed but not committed before a failure,
+//!   and no step is trained again from a state that already holds it;
+//! - `liveness`: the job finishes within `max_virtual` (it never fails while enough workers can
+//!   come back, since every random fault heals or restarts);
+//! - `exact-recovery`: when every committed step ran at full world, the final parameters equal a
+//!   fault-free run's bit for bit.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use rtx_actors::LinkOptions;
+use rtx_supervisor::{
+    serve_request, ClassPolicy, ElasticConfig, Exec, JobEvent, NodeEnv, NodeLauncher, OnFailure, PlantedBug, SupervisorEnv, SupervisorHandle,
+    SupervisorOptions, Wire, WorkerOptions,
+};
+use rtx_tensor::data::Sampler;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::control::{ControlConfig, ControlNet};
+use crate::error::Result;
+use crate::job::{global_samples, sampler_of, Dataset, EpochCache, Ledger, SimJob};
+use crate::network::{LinkModel, SimConfig};
+use crate::scenario::{Fault, FaultKind, Scenario, Trigger};
+use crate::trace::TraceHash;
+use crate::wire::{derive, ClusterWire};
+
+/// Options of one run beyond the scenario.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunOptions {
+    /// Test-only: a bug planted in the supervisor, to prove the invariants catch it.
+    pub planted_bug: PlantedBug,
+    /// Skip the explicit and random faults (the fault-free reference run).
+    pub no_faults: bool,
+}
+
+/// What one run did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    /// The seed.
+    pub seed: u64,
+    /// The trace hash: events, control and collectives traffic, committed steps, checksums.
+    pub trace: u64,
+    /// The first broken invariant, if any.
+    pub violation: Option<Violation>,
+    /// Steps committed (the last one + 1 when the job finished).
+    pub committed: u64,
+    /// The final parameter checksum (0 if the job did not finish).
+    pub checksum: u64,
+    /// Virtual time the run took.
+    pub virtual_time: Duration,
+    /// Generations formed.
+    pub generations: u64,
+    /// Faults fired.
+    pub faults: usize,
+    /// Invariant checks that passed.
+    pub checks: u64,
+    /// Whether the final parameters were compared with the fault-free run's (every step ran on
+    /// all workers, so recovery had to be exact).
+    pub exact_recovery_checked: bool,
+    /// Job events seen.
+    pub events: usize,
+    /// Final evaluation (accuracy on held-out images).
+    pub eval: Vec<(String, f64)>,
+}
+
+/// A broken invariant: which one, what was seen, and the event where it broke.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Violation {
+    /// The invariant's name (see the module doc).
+    pub invariant: &'static str,
+    /// What was wrong.
+    pub detail: String,
+    /// Index of the job event where it was noticed.
+    pub event_index: usize,
+    /// Virtual time then.
+    pub at: Duration,
+    /// That event.
+    pub event: String,
+}
+
+/// Runs `scenario` with `seed` on a fresh single-thread runtime with virtual time; data from
+/// `data_root`. `Err` only when the run could not be set up; broken invariants are in the outcome.
+pub fn run_seed(scenario: &Scenario, seed: u64, data_root: &Path, options: &RunOptions) -> Result<Outcome> {
+    let data = Dataset::load(data_root)?;
+    let reference = if options.no_faults { None } else { Some(reference_checksum(scenario, data_root)?) };
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build()?;
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&runtime, simulate(scenario, seed, data, options, reference))
+}
+
+/// The final checksum of the fault-free run of `scenario` (computed once per process).
+fn reference_checksum(scenario: &Scenario, data_root: &Path) -> Result<u64> {
+    static CACHE: OnceLock<Mutex<Vec<(Scenario, u64)>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(Vec::new()));
+    if let Some((_, sum)) = cache.lock().unwrap_or_else(PoisonError::into_inner).iter().find(|(s, _)| s == scenario) {
+        return Ok(*sum);
+    }
+    let outcome = run_seed(scenario, 0, data_root, &RunOptions { no_faults: true, ..RunOptions::default() })?;
+    if let Some(v) = &outcome.violation {
+        return Err(crate::SimError::Scenario(format!("the fault-free reference run broke {}: {}", v.invariant, v.detail)));
+    }
+    cache.lock().unwrap_or_else(PoisonError::into_inner).push((scenario.clone(), outcome.checksum));
+    Ok(outcome.checksum)
+}
+
+struct Slot {
+    pid: u32,
+    task: Option<JoinHandle<()>>,
+}
+
+struct Cluster {
+    scenario: Scenario,
+    control: ControlNet,
+    wire: ClusterWire,
+    data: Arc<Dataset>,
+    ledger: Arc<Ledger>,
+    addr: std::net::SocketAddr,
+    /// The cluster token (`sim-<seed>`), proven by every joining node.
+    token: String,
+    slots: Vec<Slot>,
+    next_pid: u32,
+    exits: mpsc::UnboundedSender<(usize, u32, String)>,
+    /// Pids whose exit the supervisor was told of.
+    reported: std::collections::BTreeSet<u32>,
+    /// Restarts and heals due, by virtual time.
+    timers: BTreeMap<(Duration, u64), Action>,
+    next_timer: u64,
+    start: Instant,
+}
+
+#[derive(Clone, Debug)]
+enum Action {
+    Restart(usize),
+    Resume(usize),
+    Heal(usize, usize),
+}
+
+async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &RunOptions, reference: Option<u64>) -> Result<Outcome> {
+    let start = Instant::now();
+    let net = &scenario.net;
+    let (control, listener) =
+        ControlNet::new(ControlConfig { seed: derive(seed, 1), latency: net.control_latency, jitter: net.control_jitter, idle_timeout: net.idle_timeout });
+    let link = LinkModel {
+        latency: net.latency,
+        jitter: net.jitter,
+        bandwidth_bytes_per_s: net.bandwidth_bytes_per_s,
+        loss: net.loss,
+        retransmit_after: Duration::from_millis(1),
+    };
+    let wire = ClusterWire::new(derive(seed, 2), SimConfig { seed: 0, link, loss_detect: net.loss_detect });
+    let e = &scenario.elastic;
+    let policy = ClassPolicy { on_failure: OnFailure::Shrink, budget: e.failure_budget };
+    let elastic = ElasticConfig {
+        min_workers: scenario.min_workers,
+        max_workers: scenario.workers,
+        start_workers: scenario.workers,
+        heartbeat_interval: e.heartbeat_interval,
+        heartbeat_timeout: e.heartbeat_timeout,
+        rendezvous_timeout: e.rendezvous_timeout,
+        prepare_timeout: e.prepare_timeout,
+        verify_every: 1,
+        checkpoint_every: 0,
+        transport: Wire::Injected,
+        planted_bug: options.planted_bug,
+        crash: policy,
+        hang: policy,
+        network_loss: policy,
+        preemption: policy,
+        ..ElasticConfig::default()
+    };
+    let link_options = LinkOptions { idle_timeout: net.idle_timeout, keep_alive: net.idle_timeout / 4, connect_timeout: Duration::from_secs(10) };
+    let supervisor_options = SupervisorOptions {
+        listen: std::net::SocketAddr::from(([10, 255, 0, 1], 29500)),
+        token: format!("sim-{seed}"),
+        job: scenario.name.clone(),
+        total_steps: scenario.job.total_steps,
+        stop_at: None,
+        elastic,
+        resume: None,
+        resume_next_step: 0,
+        link: link_options,
+    };
+    let (launch_tx, mut launch_rx) = mpsc::channel(64);
+    let mut supervisor = SupervisorHandle::start_with(supervisor_options, Some(launch_tx), SupervisorEnv { listener, seed: derive(seed, 3) }).await?;
+    let addr = supervisor.addr;
+    let (exits, mut exit_rx) = mpsc::unbounded_channel();
+    let ledger = Arc::new(Ledger::default());
+    let mut cluster = Cluster {
+        scenario: scenario.clone(),
+        control,
+        wire,
+        data,
+        ledger: Arc::clone(&ledger),
+        addr,
+        token: format!("sim-{seed}"),
+        slots: Vec::new(),
+        next_pid: 1000,
+        exits,
+        reported: std::collections::BTreeSet::new(),
+        timers: BTreeMap::new(),
+        next_timer: 0,
+        start,
+    };
+    for slot in 0..scenario.workers {
+        cluster.slots.push(Slot { pid: 0, task: None });
+        let _ = cluster.start_node(slot);
+    }
+    let plan = if options.no_faults { Vec::new() } else { scenario.plan(seed) };
+    let mut timed: Vec<Fault> = plan.iter().filter(|f| matches!(f.when, Trigger::At(_))).cloned().collect();
+    timed.reverse();
+    let mut by_step: Vec<Fault> = plan.iter().filter(|f| matches!(f.when, Trigger::Step(_))).cloned().collect();
+    let sampler = sampler_of(&scenario.job)?;
+    let mut checker = Checker::new(scenario, sampler, ledger, reference);
+    let mut fired = 0usize;
+    let deadline = start + scenario.max_virtual;
+    let mut eval = Vec::new();
+
+    loop {
+        let next_fault = timed.last().map(|f| match f.when {
+            Trigger::At(t) => start + t,
+            Trigger::Step(_) => deadline,
+        });
+        let next_timer = cluster.timers.keys().next().map(|(t, _)| start + *t);
+        let wake = [next_fault, next_timer].into_iter().flatten().min().unwrap_or(deadline).min(deadline);
+        tokio::select! {
+            biased;
+            event = supervisor.events.recv() => {
+                let Some(event) = event else {
+                    checker.violate("liveness", "the supervisor stopped without finishing or failing".into(), "end of events".into(), start.elapsed());
+                    break;
+                };
+                let t = start.elapsed();
+                tracing::info!(virtual_time = ?t, ?event, "job event");
+                let ended = matches!(event, JobEvent::Finished { .. } | JobEvent::Failed { .. });
+                if let JobEvent::Finished { eval: e, .. } = &event {
+                    eval = e.clone();
+                }
+                let committed = if let JobEvent::Committed { step, .. } = &event { Some(*step) } else { None };
+                checker.check(&event, t);
+                if let Some(step) = committed {
+                    let due: Vec<Fault> = by_step.iter().filter(|f| f.when <= Trigger::Step(step)).cloned().collect();
+                    by_step.retain(|f| f.when > Trigger::Step(step));
+                    for fault in due {
+                        fired += 1;
+                        cluster.apply(&fault);
+                    }
+                }
+                if ended || checker.violation.is_some() {
+                    break;
+                }
+            }
+            request = launch_rx.recv() => {
+                if let Some(request) = request {
+                    serve_request(&mut cluster, request);
+                }
+            }
+            exit = exit_rx.recv() => {
+                if let Some((slot, pid, status)) = exit {
+                    if cluster.reported.insert(pid) {
+                        if cluster.slots[slot].pid == pid {
+                            cluster.slots[slot].task = None;
+                        }
+                        tracing::info!(slot, pid, %status, "simulated node ended");
+                        cluster.trace_note(&mut checker.trace, b"exit", slot as u64);
+                        supervisor.process_exited(pid, status).await;
+                    }
+                }
+            }
+            () = tokio::time::sleep_until(wake) => {
+                if Instant::now() >= deadline {
+                    checker.violate("liveness", format!("not finished after {:?} of virtual time (last committed step {:?}, {} workers configured, min {})", scenario.max_virtual, checker.last_committed, scenario.workers, scenario.min_workers), "deadline".into(), start.elapsed());
+                    break;
+                }
+                let now = start.elapsed();
+                while let Some(fault) = timed.last().filter(|f| matches!(f.when, Trigger::At(t) if t <= now)).cloned() {
+                    timed.pop();
+                    fired += 1;
+                    cluster.apply(&fault);
+                }
+                while let Some((&key, _)) = cluster.timers.iter().next().filter(|((t, _), _)| *t <= now) {
+                    if let Some(action) = cluster.timers.remove(&key) {
+                        cluster.timed(action);
+                    }
+                }
+            }
+        }
+    }
+    let foreign = cluster.wire.foreign_generation_frames();
+    checker.checks += 1;
+    if foreign > 0 {
+        checker.violate("stale-generation", format!("{foreign} collectives frame(s) of another generation reached a rank"), "end".into(), start.elapsed());
+    }
+    for slot in &mut cluster.slots {
+        if let Some(task) = slot.task.take() {
+            task.abort();
+        }
+    }
+    let virtual_time = start.elapsed();
+    let mut trace = checker.trace;
+    trace.absorb_u64(cluster.control.trace().value());
+    trace.absorb_u64(cluster.wire.trace().value());
+    drop(supervisor);
+    Ok(Outcome {
+        seed,
+        trace: trace.value(),
+        violation: checker.violation,
+        committed: checker.last_committed.map_or(0, |s| s + 1),
+        checksum: checker.final_checksum,
+        virtual_time,
+        generations: checker.last_generation,
+        faults: fired,
+        checks: checker.checks,
+        exact_recovery_checked: checker.exact_checked,
+        events: checker.events,
+        eval,
+    })
+}
+
+impl Cluster {
+    fn start_node(&mut self, slot: usize) -> u32 {
+        self.next_pid += 1;
+        let pid = self.next_pid;
+        let env = NodeEnv {
+            control: Some(self.control.dialer(slot)),
+            wire: Some(self.wire.slot(slot)),
+            exec: Exec::Task,
+            pid,
+            host: Some(format!("sim-host-{slot}")),
+            watch_sigterm: false,
+        };
+        let options = WorkerOptions::new(self.addr, self.token.clone(), format!("slot-{slot}"));
+        let (shape, data, ledger) = (self.scenario.job.clone(), Arc::clone(&self.data), Arc::clone(&self.ledger));
+        let exits = self.exits.clone();
+        let task = tokio::task::spawn_local(async move {
+            let result = rtx_supervisor::run_node(options, env, move |spec| SimJob::new(spec.node, shape, data, ledger).map_err(|e| e.to_string())).await;
+            let status = match result {
+                Ok(outcome) => format!("exited: {outcome:?}"),
+                Err(e) => format!("exited with error: {e}"),
+            };
+            let _ = exits.send((slot, pid, status));
+        });
+        self.slots[slot] = Slot { pid, task: Some(task) };
+        pid
+    }
+
+    /// Kills the node in `slot` as a process dies: every task it owns is aborted, its control
+    /// connections close, its ranks crash; the exit reaches the supervisor like any exit.
+    fn kill(&mut self, slot: usize, why: &str) {
+        let Some(task) = self.slots[slot].task.take() else { return };
+        task.abort();
+        self.control.kill(slot);
+        self.wire.crash(slot);
+        let _ = self.exits.send((slot, self.slots[slot].pid, why.to_string()));
+    }
+
+    fn after(&mut self, delay: Duration, action: Action) {
+        let at = self.start.elapsed() + delay;
+        self.next_timer += 1;
+        self.timers.insert((at, self.next_timer), action);
+    }
+
+    fn apply(&mut self, fault: &Fault) {
+        tracing::info!(virtual_time = ?self.start.elapsed(), ?fault, "fault");
+        let slot = fault.node;
+        match &fault.kind {
+            FaultKind::Crash { restart_after } => {
+                self.kill(slot, "crashed by the fault plan");
+                if let Some(delay) = restart_after {
+                    self.after(*delay, Action::Restart(slot));
+                }
+            }
+            FaultKind::Pause { duration } => {
+                self.control.isolate(slot);
+                for peer in 0..self.slots.len() {
+                    if peer != slot {
+                        self.wire.cut(slot, peer);
+                    }
+                }
+                self.after(*duration, Action::Resume(slot));
+            }
+            FaultKind::Slow { delay } => {
+                self.control.slow(slot, *delay);
+                self.wire.slow(slot, *delay);
+            }
+            FaultKind::Partition { peer, duration } => {
+                self.wire.cut(slot, *peer);
+                self.after(*duration, Action::Heal(slot, *peer));
+            }
+        }
+    }
+
+    fn timed(&mut self, action: Action) {
+        tracing::info!(virtual_time = ?self.start.elapsed(), ?action, "timer");
+        match action {
+            Action::Restart(slot) => {
+                if self.slots[slot].task.is_none() {
+                    let _ = self.start_node(slot);
+                }
+            }
+            Action::Resume(slot) => {
+                self.control.reconnect(slot);
+                for peer in 0..self.slots.len() {
+                    if peer != slot {
+                        self.wire.heal(slot, peer);
+                    }
+                }
+                // A hung node the supervisor killed meanwhile is restarted by its orchestrator.
+                if self.slots[slot].task.is_none() {
+                    let _ = self.start_node(slot);
+                }
+            }
+            Action::Heal(a, b) => self.wire.heal(a, b),
+        }
+    }
+
+    fn trace_note(&self, trace: &mut TraceHash, what: &[u8], v: u64) {
+        trace.absorb(what);
+        trace.absorb_u64(v);
+        trace.absorb_u64(self.start.elapsed().as_nanos() as u64);
+    }
+}
+
+/// The simulator is the job's node launcher: a replacement starts in the lowest free slot, a kill
+/// is a crash.
+impl NodeLauncher for Cluster {
+    fn spawn_node(&mut self) -> rtx_supervisor::Result<u32> {
+        let slot = self
+            .slots
+            .iter()
+            .position(|s| s.task.is_none())
+            .ok_or_else(|| rtx_supervisor::SupervisorError::Launch(format!("all {} simulated node slots are running", self.slots.len())))?;
+        Ok(self.start_node(slot))
+    }
+
+    fn kill_node(&mut self, pid: u32) {
+        if let Some(slot) = self.slots.iter().position(|s| s.pid == pid && s.task.is_some()) {
+            self.kill(slot, "killed by the launcher (SIGKILL)");
+        }
+    }
+}
+
+/// The invariant checker of one run; see the module doc.
+struct Checker {
+    workers: usize,
+    total_steps: u64,
+    global_batch: usize,
+    sampler: Sampler,
+    epochs: EpochCache,
+    ledger: Arc<Ledger>,
+    reference: Option<u64>,
+    trace: TraceHash,
+    violation: Option<Violation>,
+    last_committed: Option<u64>,
+    /// `(next_step, world)` of every generation started, in order.
+    generations: Vec<(u64, usize)>,
+    last_generation: u64,
+    full_world_throughout: bool,
+    exact_checked: bool,
+    /// Nodes the supervisor lost (their state died with them).
+    lost: std::collections::BTreeSet<u64>,
+    final_checksum: u64,
+    checks: u64,
+    events: usize,
+}
+
+impl Checker {
+    fn new(scenario: &Scenario, sampler: Sampler, ledger: Arc<Ledger>, reference: Option<u64>) -> Checker {
+        Checker {
+            workers: scenario.workers,
+            total_steps: scenario.job.total_steps,
+            global_batch: scenario.job.global_batch,
+            sampler,
+            epochs: EpochCache::default(),
+            ledger,
+            reference,
+            trace: TraceHash::default(),
+            violation: None,
+            last_committed: None,
+            generations: Vec::new(),
+            last_generation: 0,
+            full_world_throughout: true,
+            exact_checked: false,
+            lost: std::collections::BTreeSet::new(),
+            final_checksum: 0,
+            checks: 0,
+            events: 0,
+        }
+    }
+
+    fn violate(&mut self, invariant: &'static str, detail: String, event: String, at: Duration) {
+        if self.violation.is_none() {
+            self.violation = Some(Violation { invariant, detail, event_index: self.events, at, event });
+        }
+    }
+
+    fn check(&mut self, event: &JobEvent, at: Duration) {
+        self.events += 1;
+        let text = format!("{event:?}");
+        self.trace.absorb_u64(at.as_nanos() as u64);
+        self.trace.absorb(text.as_bytes());
+        let fail = |this: &mut Checker, invariant: &'static str, detail: String| this.violate(invariant, detail, text.clone(), at);
+        match event {
+            JobEvent::Generation { generation, world, next_step, .. } => {
+                self.checks += 1;
+                if *generation <= self.last_generation {
+                    fail(self, "committed-monotone", format!("generation {generation} after {}", self.last_generation));
+                }
+                self.last_generation = *generation;
+                self.generations.push((*next_step, *world));
+            }
+            JobEvent::Committed { step, samples, world, .. } => {
+                self.checks += 1;
+                if let Some((again, first, later)) = self.ledger.retrained(&self.lost) {
+                    fail(self, "samples-exactly-once", format!("step {again} was trained again from another state (parameter checksum {later:016x}, first {first:016x}): its samples are counted twice"));
+                    return;
+                }
+                self.checks += 1;
+                if let Some(last) = self.last_committed {
+                    if *step <= last {
+                        fail(self, "committed-monotone", format!("step {step} committed after step {last}: its samples are counted twice"));
+                        return;
+                    }
+                }
+                self.checks += 1;
+                if *samples != self.global_batch as u64 {
+                    fail(self, "samples-exactly-once", format!("step {step} counted {samples} samples, the global batch is {}", self.global_batch));
+                    return;
+                }
+                // Steps completed but not committed before a failure (a member died before
+                // reporting) were trained by the last earlier generation that started at or
+                // before them; the committed one by this event's.
+                let first = self.last_committed.map_or(0, |s| s + 1);
+                let earlier = self.generations[..self.generations.len().saturating_sub(1)].to_vec();
+                for s in first..=*step {
+                    let w = if s == *step { *world } else { earlier.iter().rev().find(|(next, _)| *next <= s).map_or(self.workers, |(_, w)| *w) };
+                    if w != self.workers {
+                        self.full_world_throughout = false;
+                    }
+                    if let Err(detail) = self.check_step(s, w) {
+                        fail(self, if detail.starts_with("replica") { "replicas-identical" } else { "samples-exactly-once" }, detail);
+                        return;
+                    }
+                }
+                self.last_committed = Some(*step);
+                self.trace.absorb(b"committed");
+                self.trace.absorb_u64(*step);
+            }
+            JobEvent::Finished { replicas_identical, checksum, .. } => {
+                self.checks += 1;
+                if let Some((again, first, later)) = self.ledger.retrained(&self.lost) {
+                    fail(self, "samples-exactly-once", format!("step {again} was trained again from another state (parameter checksum {later:016x}, first {first:016x}): its samples are counted twice"));
+                    return;
+                }
+                // Steps completed but never committed (their reports were lost with a member):
+                // trained by the last generation that started at or before them.
+                let first = self.last_committed.map_or(0, |s| s + 1);
+                let generations = self.generations.clone();
+                for s in first..self.total_steps {
+                    let w = generations.iter().rev().find(|(next, _)| *next <= s).map_or(self.workers, |(_, w)| *w);
+                    if w != self.workers {
+                        self.full_world_throughout = false;
+                    }
+                    if let Err(detail) = self.check_step(s, w) {
+                        fail(self, if detail.starts_with("replica") { "replicas-identical" } else { "samples-exactly-once" }, detail);
+                        return;
+                    }
+                }
+                self.final_checksum = *checksum;
+                self.trace.absorb_u64(*checksum);
+                if !replicas_identical {
+                    fail(self, "replicas-identical", "the finished replicas' checksums differ".into());
+                    return;
+                }
+                if let (Some(reference), true) = (self.reference, self.full_world_throughout) {
+                    self.checks += 1;
+                    self.exact_checked = true;
+                    if *checksum != reference {
+                        fail(
+                            self,
+                            "exact-recovery",
+                            format!(
+                                "every step ran on all {} workers, yet the final checksum {checksum:016x} differs from the fault-free run's {reference:016x}",
+                                self.workers
+                            ),
+                        );
+                    }
+                }
+            }
+            JobEvent::Failed { reason } => {
+                fail(self, "liveness", format!("the job failed: {reason}"));
+            }
+            JobEvent::Lost { node, .. } => {
+                self.lost.insert(*node);
+            }
+            JobEvent::Joined { .. } | JobEvent::Refused { .. } | JobEvent::Checkpointed { .. } => {}
+        }
+    }
+
+    /// Step `step` trained by `world` ranks: together exactly the global batch, from one state.
+    fn check_step(&mut self, step: u64, world: usize) -> std::result::Result<(), String> {
+        self.checks += 2;
+        let want = global_samples(&self.sampler, &self.epochs, self.global_batch, step);
+        let mut got = Vec::new();
+        let mut start_sums = Vec::new();
+        for rank in 0..world {
+            let trained = self.ledger.get(step, world, rank).ok_or_else(|| format!("step {step}: rank {rank} of {world} never trained it"))?;
+            got.extend(trained.samples);
+            start_sums.push(trained.start_checksum);
+        }
+        if got != want {
+            return Err(format!("step {step}: the ranks trained samples {got:?}, the global batch is {want:?}"));
+        }
+        if start_sums.windows(2).any(|w| w[0] != w[1]) {
+            return Err(format!("replicas differ at the start of step {step}: parameter checksums {start_sums:x?}"));
+        }
+        Ok(())
+    }
+}
