@@ -169,6 +169,9 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
         bandwidth_bytes_per_s: net.bandwidth_bytes_per_s,
         loss: net.loss,
         retransmit_after: Duration::from_millis(1),
+        duplicate: net.duplicate,
+        reorder: net.reorder,
+        reorder_delay: Duration::from_micros(200),
     };
     let wire = ClusterWire::new(derive(seed, 2), SimConfig { seed: 0, link, loss_detect: net.loss_detect });
     let e = &scenario.elastic;

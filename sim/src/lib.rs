@@ -8,14 +8,15 @@
 //! with its own runtime). The pieces underneath:
 //! - [`SimNetwork`] / [`SimTransport`]: a seeded in-memory network implementing the collectives
 //!   `Transport` and carrying production frames; per directed link latency with jitter,
-//!   bandwidth, loss (as retransmission delay), one-way and symmetric partitions, crashes.
+//!   bandwidth, loss (as retransmission delay), duplication (as lost bandwidth) and reordering
+//!   (as a delivery gap) below the ordered reliable transport, one-way and symmetric partitions,
+//!   crashes.
 //!   [`ClusterWire`] makes one per generation and maps node slots to ranks.
 //! - [`ControlNet`]: the supervisor↔node control links, production `rtx_actors::Link` envelopes
 //!   over in-memory streams with seeded latency, isolation (hangs) and idle timeouts.
 //! - [`SimJob`]: a small MLP on real Fashion-MNIST images, and the [`Ledger`] of what was trained.
 //!
-//! Not modelled: duplication and reordering below an ordered reliable transport (invisible to
-//! its user), checkpoint write failures (simulated jobs write no checkpoints yet).
+//! Not modelled yet: checkpoint write failures (simulated jobs write no checkpoints).
 //!
 //! Everything plugs into the runtime through traits the lower crates define (`Transport`,
 //! `GenerationWire`, `ControlDialer`, `LinkListener::channel`, the supervisor's launch channel,

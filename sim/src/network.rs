@@ -3,8 +3,8 @@
 //! runtime of [`run`], is itself deterministic); all time is tokio's virtual clock.
 //!
 //! Each directed link has one delivery task that hands frames over in send order at their
-//! delivery instants: `max(link free, now) + size / bandwidth + latency + jitter (+ a retransmit
-//! timeout per lost packet)`, never before the previous frame on that link. A cut link holds its
+//! delivery instants: `max(link free, now) + size / bandwidth (twice when duplicated) + latency +
+//! jitter (+ a retransmit timeout per lost packet, + a gap when reordered)`, never before the previous frame on that link. A cut link holds its
 //! frames (a reliable transport retransmits across a short partition) until it heals, or until
 //! the peers are reported lost after [`SimConfig::loss_detect`], when the held frames are dropped. Inboxes are unbounded:
 //! memory, not time, is the only thing back-pressure would change here.
@@ -39,11 +39,30 @@ pub struct LinkModel {
     pub loss: f64,
     /// Delay a retransmission adds.
     pub retransmit_after: Duration,
+    /// Probability that a frame's packets are duplicated on the wire: the copies take link time
+    /// (the receiving transport discards them, as QUIC does), so duplication shows as lost
+    /// bandwidth, never as a second delivery.
+    pub duplicate: f64,
+    /// Probability that a frame's packets arrive out of order: the ordered stream waits for the
+    /// gap, modelled as [`LinkModel::reorder_delay`] added to that frame (frames still leave the
+    /// link in send order, as the `Transport` contract promises).
+    pub reorder: f64,
+    /// How long a reordering gap holds delivery.
+    pub reorder_delay: Duration,
 }
 
 impl Default for LinkModel {
     fn default() -> Self {
-        LinkModel { latency: Duration::from_micros(50), jitter: Duration::from_micros(20), bandwidth_bytes_per_s: 1e9, loss: 0.0, retransmit_after: Duration::from_millis(1) }
+        LinkModel {
+            latency: Duration::from_micros(50),
+            jitter: Duration::from_micros(20),
+            bandwidth_bytes_per_s: 1e9,
+            loss: 0.0,
+            retransmit_after: Duration::from_millis(1),
+            duplicate: 0.0,
+            reorder: 0.0,
+            reorder_delay: Duration::from_micros(200),
+        }
     }
 }
 
@@ -326,13 +345,20 @@ impl Transport for SimTransport {
                 }
                 let model = state.links[link];
                 let now = Instant::now();
-                let transmit = if model.bandwidth_bytes_per_s > 0.0 { Duration::from_secs_f64(frame.len() as f64 / model.bandwidth_bytes_per_s) } else { Duration::ZERO };
+                let mut transmit = if model.bandwidth_bytes_per_s > 0.0 { Duration::from_secs_f64(frame.len() as f64 / model.bandwidth_bytes_per_s) } else { Duration::ZERO };
+                // Draws happen only for non-zero probabilities, so older traces replay unchanged.
+                if model.duplicate > 0.0 && state.rng.random::<f64>() < model.duplicate {
+                    transmit *= 2;
+                }
                 let start = state.busy_until[link].max(now);
                 state.busy_until[link] = start + transmit;
                 let jitter_ns = model.jitter.as_nanos() as u64;
                 let mut delay = model.latency + Duration::from_nanos(if jitter_ns > 0 { state.rng.random_range(0..=jitter_ns) } else { 0 });
                 while model.loss > 0.0 && state.rng.random::<f64>() < model.loss {
                     delay += model.retransmit_after;
+                }
+                if model.reorder > 0.0 && state.rng.random::<f64>() < model.reorder {
+                    delay += model.reorder_delay;
                 }
                 let at = (start + transmit + delay).max(state.last_delivery[link]);
                 state.last_delivery[link] = at;

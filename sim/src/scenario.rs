@@ -55,6 +55,10 @@ pub struct NetShape {
     pub bandwidth_bytes_per_s: f64,
     /// Collectives loss probability per frame (a retransmission delay).
     pub loss: f64,
+    /// Collectives duplication probability per frame (lost bandwidth).
+    pub duplicate: f64,
+    /// Collectives reordering probability per frame (a delivery gap).
+    pub reorder: f64,
     /// How long a silent collectives peer takes to be reported lost.
     pub loss_detect: Duration,
     /// Control link latency.
@@ -165,6 +169,8 @@ struct FileNet {
     jitter_us: u64,
     bandwidth_mb_s: f64,
     loss: f64,
+    duplicate: f64,
+    reorder: f64,
     loss_detect_ms: u64,
     control_latency_us: u64,
     control_jitter_us: u64,
@@ -211,6 +217,8 @@ impl Default for FileNet {
             jitter_us: 50,
             bandwidth_mb_s: 1000.0,
             loss: 0.0,
+            duplicate: 0.0,
+            reorder: 0.0,
             loss_detect_ms: 500,
             control_latency_us: 200,
             control_jitter_us: 100,
@@ -280,6 +288,8 @@ impl Scenario {
                 jitter: us(file.network.jitter_us),
                 bandwidth_bytes_per_s: file.network.bandwidth_mb_s * 1e6,
                 loss: file.network.loss,
+                duplicate: file.network.duplicate,
+                reorder: file.network.reorder,
                 loss_detect: ms(file.network.loss_detect_ms),
                 control_latency: us(file.network.control_latency_us),
                 control_jitter: us(file.network.control_jitter_us),
