@@ -252,7 +252,9 @@ fn a_stopped_and_resumed_launch_continues_bit_exactly() {
 fn with_the_replace_policy_a_killed_worker_is_replaced() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let out = tempfile::tempdir().expect("tempdir").keep().join("run");
-    let launch = Launch::start_in(out, &config_with(1500, "on_failure = \"replace\"\n"), 2, &[]);
+    // Long enough that the replacement process (start, join, rendezvous) arrives before the end
+    // even on a loaded 2-core machine: 1500 steps once ended 1.8 s after the kill, before it joined.
+    let launch = Launch::start_in(out, &config_with(12_000, "on_failure = \"replace\"\n"), 2, &[]);
     launch.wait_for("step 100", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 100));
     let victim = launch.pids()[1];
     signal(victim, "-9");

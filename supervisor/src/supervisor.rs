@@ -551,7 +551,9 @@ impl ClusterSupervisor {
             return self.finish(members).await;
         }
         self.phase = Phase::Running { generation, members, reports: BTreeMap::new(), failed_since: None };
-        Ok(())
+        // A worker that joined while this generation was being prepared (a replacement arriving
+        // right after the loss it replaces) was not in it: grow the group now.
+        self.maybe_form().await
     }
 
     async fn on_step_done(&mut self, node: u64, generation: u64, step: u64, loss: f64, samples: u64, checksum: Option<u64>) -> Result<()> {
