@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use half::bf16;
 use parking_lot::{MappedRwLockReadGuard, RwLockReadGuard};
-use rtx_kernels::cuda::{Buffer, Device as CudaDevice, StorageElem};
+use rtx_kernels::cuda::{Buffer, Device as CudaDevice, DeviceElem, StorageElem};
 use rtx_kernels::{DType, Device};
 
 use crate::error::{Error, Result};
@@ -82,8 +82,6 @@ impl std::fmt::Debug for DeviceData {
 
 /// A float storage type of device tensors (f32 or bf16).
 pub(crate) trait GpuFloat: StorageElem + rtx_kernels::cuda::GemmElem {
-    /// The dtype (the same as `DeviceElem::DTYPE`).
-    const DTYPE: DType;
     /// The buffer, when the data has this type.
     fn buffer(data: &DeviceData) -> Option<&Buffer<Self>>;
     /// The buffer, writable, when the data has this type.
@@ -93,7 +91,6 @@ pub(crate) trait GpuFloat: StorageElem + rtx_kernels::cuda::GemmElem {
 }
 
 impl GpuFloat for f32 {
-    const DTYPE: DType = DType::F32;
     fn buffer(data: &DeviceData) -> Option<&Buffer<f32>> {
         match data {
             DeviceData::F32(b) => Some(b),
@@ -112,7 +109,6 @@ impl GpuFloat for f32 {
 }
 
 impl GpuFloat for bf16 {
-    const DTYPE: DType = DType::BF16;
     fn buffer(data: &DeviceData) -> Option<&Buffer<bf16>> {
         match data {
             DeviceData::BF16(b) => Some(b),
@@ -196,7 +192,7 @@ pub(crate) fn dense<'a, T: GpuFloat>(op: &'static str, t: &'a Tensor) -> Result<
     check_dense(op, t)?;
     let guard = t.storage().read_cuda(op)?;
     let dtype = guard.dtype();
-    RwLockReadGuard::try_map(guard, |d| T::buffer(d)).map_err(|_| Error::DTypeMismatch { op, lhs: dtype, rhs: <T as GpuFloat>::DTYPE })
+    RwLockReadGuard::try_map(guard, |d| T::buffer(d)).map_err(|_| Error::DTypeMismatch { op, lhs: dtype, rhs: <T as DeviceElem>::DTYPE })
 }
 
 /// The u32 buffer of a dense device tensor.

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use half::bf16;
-use rtx_kernels::cuda::{Buffer, Epilogue, FlashSpec, Gemm, HeadLayout};
+use rtx_kernels::cuda::{Buffer, DeviceElem, Epilogue, FlashSpec, Gemm, HeadLayout};
 use rtx_kernels::{DType, Device};
 
 use super::{dense, dense_u32, device, device_of, tensor_from, DeviceData, GpuFloat};
@@ -90,7 +90,7 @@ fn linear_t<T: GpuFloat>(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<T
     let mut inputs = vec![x, w];
     inputs.extend(b);
     let y = wrap(ordinal, out, &shape);
-    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as GpuFloat>::DTYPE, OP, &inputs, move |g: &Tensor, _: &Tensor| {
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as DeviceElem>::DTYPE, OP, &inputs, move |g: &Tensor, _: &Tensor| {
         let dev = device(ordinal)?;
         let gb_ = dense::<T>(OP, g)?;
         let gx = if want_x {
@@ -164,7 +164,7 @@ fn layer_norm_t<T: GpuFloat>(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>,
     inputs.extend(b);
     let has = (w.is_some(), b.is_some());
     let out = wrap(ordinal, y, x.shape());
-    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), <T as GpuFloat>::DTYPE, OP, &inputs, move |g: &Tensor, _: &Tensor| {
+    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), <T as DeviceElem>::DTYPE, OP, &inputs, move |g: &Tensor, _: &Tensor| {
         let dev = device(ordinal)?;
         let mut dx = dev.alloc::<T>(xd.numel())?;
         let mut dw = if want_w { Some(dev.alloc::<T>(n)?) } else { None };
@@ -198,7 +198,7 @@ fn gelu_t<T: GpuFloat>(x: &Tensor) -> Result<Tensor> {
     dev.gelu(&*dense::<T>(OP, x)?, &mut y)?;
     let xd = x.detach();
     let out = wrap(ordinal, y, x.shape());
-    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), <T as GpuFloat>::DTYPE, OP, &[x], move |g: &Tensor, _: &Tensor| {
+    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), <T as DeviceElem>::DTYPE, OP, &[x], move |g: &Tensor, _: &Tensor| {
         let dev = device(ordinal)?;
         let mut dx = dev.alloc::<T>(xd.numel())?;
         dev.gelu_backward(&*dense::<T>(OP, &xd)?, &*dense::<T>(OP, g)?, &mut dx)?;
@@ -231,7 +231,7 @@ fn add_t<T: GpuFloat>(big: &Tensor, small: &Tensor) -> Result<Tensor> {
     let (want_big, want_small) = (big.is_requires_grad(), small.is_requires_grad());
     let (small_shape, same) = (small.shape().to_vec(), big.shape() == small.shape());
     let y = wrap(ordinal, out, big.shape());
-    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as GpuFloat>::DTYPE, OP, &[big, small], move |g: &Tensor, _: &Tensor| {
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as DeviceElem>::DTYPE, OP, &[big, small], move |g: &Tensor, _: &Tensor| {
         let gs = if !want_small {
             None
         } else if same {
@@ -288,12 +288,12 @@ fn embedding_t<T: GpuFloat>(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
     shape.push(c);
     let ids_d = ids.clone();
     let y = wrap(ordinal, out, &shape);
-    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as GpuFloat>::DTYPE, OP, &[weight], move |g: &Tensor, _: &Tensor| {
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as DeviceElem>::DTYPE, OP, &[weight], move |g: &Tensor, _: &Tensor| {
         let dev = device(ordinal)?;
         let mut table = dev.zeros::<f32>(v * c)?;
         dev.scatter_add_rows(&*dense::<T>(OP, g)?, &*dense_u32(OP, &ids_d)?, c, &mut table)?;
         let grad = tensor_from(ordinal, DeviceData::F32(table), &[v, c]);
-        Ok(vec![Some(cast(&grad, <T as GpuFloat>::DTYPE)?)])
+        Ok(vec![Some(cast(&grad, <T as DeviceElem>::DTYPE)?)])
     }))
 }
 
@@ -384,7 +384,7 @@ fn attention_t<T: Flash>(qkv: &Tensor, h: usize, causal: bool, scale: f64) -> Re
     let mut y = dev.alloc::<T>(b * t * c)?;
     dev.heads_to_rows(&saved.out, merged, &mut y)?;
     let y = wrap(ordinal, y, &[b, t, c]);
-    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as GpuFloat>::DTYPE, OP, &[qkv], move |g: &Tensor, _: &Tensor| {
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as DeviceElem>::DTYPE, OP, &[qkv], move |g: &Tensor, _: &Tensor| {
         let dev = device(ordinal)?;
         let mut dout = dev.alloc::<T>(heads)?;
         dev.rows_to_heads(&*dense::<T>(OP, g)?, merged, &mut dout)?;
@@ -474,7 +474,7 @@ fn add_assign_t<T: GpuFloat>(dst: &Tensor, src: &Tensor) -> Result<()> {
     let s = dense::<T>(OP, src)?;
     let mut guard = dst.storage().write_cuda(OP)?;
     let dtype = guard.dtype();
-    let d = T::buffer_mut(&mut guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: <T as GpuFloat>::DTYPE })?;
+    let d = T::buffer_mut(&mut guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: <T as DeviceElem>::DTYPE })?;
     Ok(dev.add_rows_in_place(d, &s)?)
 }
 
@@ -533,7 +533,7 @@ fn in_place_t<T: GpuFloat>(x: &Tensor, what: InPlace) -> Result<()> {
     check_dense_mut(OP, x)?;
     let mut guard = x.storage().write_cuda(OP)?;
     let dtype = guard.dtype();
-    let b = T::buffer_mut(&mut guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: <T as GpuFloat>::DTYPE })?;
+    let b = T::buffer_mut(&mut guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: <T as DeviceElem>::DTYPE })?;
     match what {
         InPlace::Fill(v) => dev.fill(b, v)?,
         InPlace::Scale(k) => dev.scale_in_place(b, k)?,

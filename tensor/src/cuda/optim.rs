@@ -9,7 +9,7 @@
 //! names (`exp_avg`, `exp_avg_sq`, `step`) plus `master` (the f32 weights).
 
 use half::bf16;
-use rtx_kernels::cuda::{AdamW as AdamWStep, Buffer};
+use rtx_kernels::cuda::{AdamW as AdamWStep, Buffer, DeviceElem};
 use rtx_kernels::{DType, Device};
 
 use super::{dense, device, device_of, tensor_from, DeviceData, GpuFloat};
@@ -95,7 +95,7 @@ fn update<T: GpuFloat>(slot: &mut Slot, grad: &Tensor, hp: AdamWStep) -> Result<
     let g = dense::<T>(OP, grad)?;
     let mut guard = slot.param.storage().write_cuda(OP)?;
     let dtype = guard.dtype();
-    let p = T::buffer_mut(&mut guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: <T as GpuFloat>::DTYPE })?;
+    let p = T::buffer_mut(&mut guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: <T as DeviceElem>::DTYPE })?;
     Ok(dev.adamw_master(&mut slot.master, p, &g, &mut slot.exp_avg, &mut slot.exp_avg_sq, hp)?)
 }
 
@@ -175,6 +175,15 @@ impl Optimizer for MixedAdamW {
                     _ => &mut s.exp_avg_sq,
                 };
                 dev.copy_htod(&host, dst)?;
+            }
+            // The parameter is the master rounded to its dtype, as after a step.
+            {
+                let mut guard = s.param.storage().write_cuda(OP)?;
+                match &mut *guard {
+                    DeviceData::F32(p) => dev.copy_dtod(&s.master, p)?,
+                    DeviceData::BF16(p) => dev.cast_f32_to_bf16(&s.master, p)?,
+                    DeviceData::U32(_) => return Err(Error::UnsupportedDType { op: OP, dtype: DType::U32 }),
+                }
             }
             let step = find(&format!("{}.step", s.name))?.item()?;
             s.step = u32::try_from(step as u64).map_err(|_| Error::InvalidArgument { op: OP, reason: format!("step {step} out of range") })?;
