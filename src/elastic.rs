@@ -279,6 +279,7 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
             JobEvent::Joined { name, pid, .. } => progress.line(&format!("{name} (pid {pid}) joined")),
             JobEvent::Refused { peer, reason } => progress.line(&format!("refused {peer}: {reason}")),
             JobEvent::Checkpointed { step, path } => progress.line(&format!("checkpoint after step {}: {path}", step + 1)),
+            JobEvent::CheckpointFailed { step, reason } => progress.line(&format!("checkpoint after step {} FAILED (the previous one stays valid): {reason}", step + 1)),
             JobEvent::Finished { eval, replicas_identical, overhead, outside_steps, .. } => finished = Some((eval.clone(), *replicas_identical, *overhead, *outside_steps)),
             JobEvent::Failed { reason } => failed = Some(reason.clone()),
         }
@@ -314,8 +315,9 @@ fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
         JobEvent::Refused { peer, reason } => json!({ "t": t, "event": "refused", "peer": peer, "reason": reason }),
         JobEvent::Lost { node, pid, class, reason } => json!({ "t": t, "event": "lost", "node": node, "pid": pid, "class": format!("{class:?}"), "reason": reason }),
         JobEvent::Generation { generation, world, next_step, source_node, pids } => json!({ "t": t, "event": "generation", "generation": generation, "world": world, "next_step": next_step, "source_node": source_node, "pids": pids }),
-        JobEvent::Committed { step, loss, samples, world, generation } => json!({ "t": t, "event": "committed", "step": step, "loss": loss, "samples": samples, "world": world, "generation": generation }),
+        JobEvent::Committed { step, loss, samples, world, generation, .. } => json!({ "t": t, "event": "committed", "step": step, "loss": loss, "samples": samples, "world": world, "generation": generation }),
         JobEvent::Checkpointed { step, path } => json!({ "t": t, "event": "checkpointed", "step": step, "path": path }),
+        JobEvent::CheckpointFailed { step, reason } => json!({ "t": t, "event": "checkpoint_failed", "step": step, "reason": reason }),
         JobEvent::Finished { eval, replicas_identical, checksum, overhead, outside_steps } => json!({ "t": t, "event": "finished", "eval": eval, "replicas_identical": replicas_identical, "checksum": format!("{checksum:016x}"), "runtime_overhead": overhead, "outside_steps": outside_steps }),
         JobEvent::Failed { reason } => json!({ "t": t, "event": "failed", "reason": reason }),
     }

@@ -44,7 +44,8 @@ pub fn run(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
             } else {
                 " (exact-recovery not applicable: some step ran on fewer workers)"
             };
-            println!("invariants held: stale-generation, replicas-identical, committed-monotone, samples-exactly-once, liveness{exact}");
+            let (written, failed) = outcome.checkpoints;
+            println!("invariants held: stale-generation, replicas-identical, committed-monotone, samples-exactly-once, liveness, checkpoint-intact ({written} checkpoints written, {failed} writes failed){exact}");
             Ok(())
         }
         (None, Some(range)) => {

@@ -22,7 +22,10 @@
 //! - `liveness`: the job finishes within `max_virtual` (it never fails while enough workers can
 //!   come back, since every random fault heals or restarts);
 //! - `exact-recovery`: when every committed step ran at full world, the final parameters equal a
-//!   fault-free run's bit for bit.
+//!   fault-free run's bit for bit;
+//! - `checkpoint-intact`: a failed checkpoint write leaves the newest good checkpoint as it was
+//!   (same bytes, still decodable) and training goes on; every stored checkpoint decodes and holds
+//!   exactly the replicas' parameters of the committed step it names.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -39,6 +42,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::checkpoints::SimCheckpoints;
 use crate::control::{ControlConfig, ControlNet};
 use crate::error::Result;
 use crate::job::{global_samples, sampler_of, Dataset, EpochCache, Ledger, SimJob};
@@ -82,6 +86,8 @@ pub struct Outcome {
     pub exact_recovery_checked: bool,
     /// Job events seen.
     pub events: usize,
+    /// Checkpoints written and checkpoint writes that failed.
+    pub checkpoints: (u64, u64),
     /// Final evaluation (accuracy on held-out images).
     pub eval: Vec<(String, f64)>,
 }
@@ -137,6 +143,7 @@ struct Cluster {
     wire: ClusterWire,
     data: Arc<Dataset>,
     ledger: Arc<Ledger>,
+    checkpoints: Arc<SimCheckpoints>,
     addr: std::net::SocketAddr,
     /// The cluster token (`sim-<seed>`), proven by every joining node.
     token: String,
@@ -185,7 +192,7 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
         rendezvous_timeout: e.rendezvous_timeout,
         prepare_timeout: e.prepare_timeout,
         verify_every: 1,
-        checkpoint_every: 0,
+        checkpoint_every: e.checkpoint_every,
         transport: Wire::Injected,
         planted_bug: options.planted_bug,
         crash: policy,
@@ -211,12 +218,14 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
     let addr = supervisor.addr;
     let (exits, mut exit_rx) = mpsc::unbounded_channel();
     let ledger = Arc::new(Ledger::default());
+    let checkpoints = Arc::new(SimCheckpoints::default());
     let mut cluster = Cluster {
         scenario: scenario.clone(),
         control,
         wire,
         data,
         ledger: Arc::clone(&ledger),
+        checkpoints: Arc::clone(&checkpoints),
         addr,
         token: format!("sim-{seed}"),
         slots: Vec::new(),
@@ -236,7 +245,7 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
     timed.reverse();
     let mut by_step: Vec<Fault> = plan.iter().filter(|f| matches!(f.when, Trigger::Step(_))).cloned().collect();
     let sampler = sampler_of(&scenario.job)?;
-    let mut checker = Checker::new(scenario, sampler, ledger, reference);
+    let mut checker = Checker::new(scenario, sampler, ledger, Arc::clone(&checkpoints), reference);
     let mut fired = 0usize;
     let deadline = start + scenario.max_virtual;
     let mut eval = Vec::new();
@@ -311,6 +320,7 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
             }
         }
     }
+    checker.check_stored_checkpoints(start.elapsed());
     let foreign = cluster.wire.foreign_generation_frames();
     checker.checks += 1;
     if foreign > 0 {
@@ -338,6 +348,7 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
         checks: checker.checks,
         exact_recovery_checked: checker.exact_checked,
         events: checker.events,
+        checkpoints: checkpoints.counts(),
         eval,
     })
 }
@@ -353,6 +364,7 @@ impl Cluster {
             pid,
             host: Some(format!("sim-host-{slot}")),
             watch_sigterm: false,
+            checkpoints: Some(Arc::clone(&self.checkpoints) as Arc<dyn rtx_supervisor::checkpoint::CheckpointStore>),
         };
         let options = WorkerOptions::new(self.addr, self.token.clone(), format!("slot-{slot}"));
         let (shape, data, ledger) = (self.scenario.job.clone(), Arc::clone(&self.data), Arc::clone(&self.ledger));
@@ -412,6 +424,7 @@ impl Cluster {
                 self.wire.cut(slot, *peer);
                 self.after(*duration, Action::Heal(slot, *peer));
             }
+            FaultKind::CheckpointFail => self.checkpoints.arm_failure(),
         }
     }
 
@@ -473,6 +486,12 @@ struct Checker {
     sampler: Sampler,
     epochs: EpochCache,
     ledger: Arc<Ledger>,
+    checkpoints: Arc<SimCheckpoints>,
+    job: crate::job::JobShape,
+    /// The replicas' parameter checksum after each committed step.
+    committed_sums: BTreeMap<u64, u64>,
+    /// The newest checkpoint the supervisor heard of: its step and bytes.
+    last_good: Option<(u64, Vec<u8>)>,
     reference: Option<u64>,
     trace: TraceHash,
     violation: Option<Violation>,
@@ -490,7 +509,7 @@ struct Checker {
 }
 
 impl Checker {
-    fn new(scenario: &Scenario, sampler: Sampler, ledger: Arc<Ledger>, reference: Option<u64>) -> Checker {
+    fn new(scenario: &Scenario, sampler: Sampler, ledger: Arc<Ledger>, checkpoints: Arc<SimCheckpoints>, reference: Option<u64>) -> Checker {
         Checker {
             workers: scenario.workers,
             total_steps: scenario.job.total_steps,
@@ -498,6 +517,10 @@ impl Checker {
             sampler,
             epochs: EpochCache::default(),
             ledger,
+            checkpoints,
+            job: scenario.job.clone(),
+            committed_sums: BTreeMap::new(),
+            last_good: None,
             reference,
             trace: TraceHash::default(),
             violation: None,
@@ -534,7 +557,10 @@ impl Checker {
                 self.last_generation = *generation;
                 self.generations.push((*next_step, *world));
             }
-            JobEvent::Committed { step, samples, world, .. } => {
+            JobEvent::Committed { step, samples, world, checksum, .. } => {
+                if let Some(sum) = checksum {
+                    self.committed_sums.insert(*step, *sum);
+                }
                 self.checks += 1;
                 if let Some((again, first, later)) = self.ledger.retrained(&self.lost) {
                     fail(self, "samples-exactly-once", format!("step {again} was trained again from another state (parameter checksum {later:016x}, first {first:016x}): its samples are counted twice"));
@@ -618,7 +644,58 @@ impl Checker {
             JobEvent::Lost { node, .. } => {
                 self.lost.insert(*node);
             }
-            JobEvent::Joined { .. } | JobEvent::Refused { .. } | JobEvent::Checkpointed { .. } => {}
+            JobEvent::Checkpointed { step, .. } => {
+                self.checks += 1;
+                let newest = self.checkpoints.newest();
+                match newest {
+                    Some((s, bytes)) if s == *step => self.last_good = Some((s, bytes)),
+                    other => fail(self, "checkpoint-intact", format!("the supervisor heard of the checkpoint of step {step}, the store's newest is {:?}", other.map(|(s, _)| s))),
+                }
+            }
+            JobEvent::CheckpointFailed { step, .. } => {
+                self.checks += 1;
+                let newest = self.checkpoints.newest();
+                let intact = match (&self.last_good, &newest) {
+                    (None, None) => Ok(()),
+                    (Some((good, before)), Some((s, now))) if good == s && before == now => {
+                        SimCheckpoints::read(&self.job, *s, now).map(|_| ()).map_err(|e| format!("the last good checkpoint (step {s}) no longer decodes: {e}"))
+                    }
+                    (good, now) => Err(format!("the last good checkpoint was step {:?}, the store's newest is now step {:?}", good.as_ref().map(|g| g.0), now.as_ref().map(|n| n.0))),
+                };
+                if let Err(detail) = intact {
+                    fail(self, "checkpoint-intact", format!("after the failed write of step {step}: {detail}"));
+                }
+            }
+            JobEvent::Joined { .. } | JobEvent::Refused { .. } => {}
+        }
+    }
+
+    /// Every stored checkpoint decodes and holds the replicas' parameters after the step it
+    /// names: the checksum of its commit, or (a step completed but never committed, its reports
+    /// lost with a member) the state the next step started from, or the final parameters.
+    fn check_stored_checkpoints(&mut self, at: Duration) {
+        if self.violation.is_some() || self.final_checksum == 0 {
+            return;
+        }
+        for (step, bytes) in self.checkpoints.all() {
+            self.checks += 1;
+            let after = self.committed_sums.get(&step).copied().or_else(|| {
+                if step + 1 == self.total_steps {
+                    return Some(self.final_checksum);
+                }
+                match self.ledger.start_states(step + 1, &self.lost)[..] {
+                    [sum] => Some(sum),
+                    _ => None,
+                }
+            });
+            let detail = match (SimCheckpoints::read(&self.job, step, &bytes), after.as_ref()) {
+                (Err(e), _) => format!("stored checkpoint of step {step} is unreadable: {e}"),
+                (Ok(sum), Some(&want)) if sum == want => continue,
+                (Ok(sum), Some(&want)) => format!("stored checkpoint of step {step} holds parameters {sum:016x}, the replicas had {want:016x} after that step"),
+                (Ok(_), None) => format!("a checkpoint of step {step} is stored, but the replicas' state after that step is unknown"),
+            };
+            self.violate("checkpoint-intact", detail, "end".into(), at);
+            return;
         }
     }
 

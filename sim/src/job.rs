@@ -113,6 +113,12 @@ impl Ledger {
         None
     }
 
+    /// The parameter checksums that nodes not in `lost` started `step` from.
+    pub fn start_states(&self, step: u64, lost: &std::collections::BTreeSet<u64>) -> Vec<u64> {
+        let state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        state.starts.get(&step).map(|starts| starts.iter().filter(|(_, nodes)| nodes.iter().any(|n| !lost.contains(n))).map(|(sum, _)| *sum).collect()).unwrap_or_default()
+    }
+
     fn record(&self, step: u64, world: usize, rank: usize, node: u64, trained: Trained) {
         let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         state.starts.entry(step).or_default().entry(trained.start_checksum).or_default().insert(node);
@@ -180,6 +186,11 @@ pub(crate) fn global_samples(sampler: &Sampler, cache: &EpochCache, global_batch
 #[derive(Default)]
 pub(crate) struct EpochCache(Mutex<Option<(u64, Vec<usize>)>>);
 
+/// The initial model of a job shape.
+pub(crate) fn build_model(shape: &JobShape) -> std::result::Result<Mlp, String> {
+    Mlp::new(&[784, shape.hidden, 10], Activation::Relu, DType::F32, &mut Generator::new(shape.data_seed)).map_err(|e| e.to_string())
+}
+
 /// The sampler of a job shape (for checking batches outside the job).
 pub(crate) fn sampler_of(shape: &JobShape) -> Result<Sampler> {
     Sampler::new(shape.n_train, shape.global_batch, shape.data_seed, true).map_err(|e| SimError::Data(e.to_string()))
@@ -202,7 +213,7 @@ impl TrainJob for SimJob {
     type Optim = AdamW;
 
     fn build_model(&self) -> std::result::Result<Mlp, String> {
-        Mlp::new(&[784, self.shape.hidden, 10], Activation::Relu, DType::F32, &mut Generator::new(self.shape.data_seed)).map_err(|e| e.to_string())
+        build_model(&self.shape)
     }
 
     fn build_optimizer(&self, slices: &[ParamSlice]) -> std::result::Result<AdamW, String> {

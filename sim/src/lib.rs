@@ -16,12 +16,14 @@
 //!   over in-memory streams with seeded latency, isolation (hangs) and idle timeouts.
 //! - [`SimJob`]: a small MLP on real Fashion-MNIST images, and the [`Ledger`] of what was trained.
 //!
-//! Not modelled yet: checkpoint write failures (simulated jobs write no checkpoints).
+//! - [`SimCheckpoints`]: the cluster's in-memory checkpoint storage (production encoding), which
+//!   a `checkpoint_fail` fault makes fail.
 //!
 //! Everything plugs into the runtime through traits the lower crates define (`Transport`,
 //! `GenerationWire`, `ControlDialer`, `LinkListener::channel`, the supervisor's launch channel,
 //! `Exec::Task`), never through `cfg` branches.
 
+mod checkpoints;
 mod cluster;
 mod control;
 mod error;
@@ -32,6 +34,7 @@ mod swarm;
 mod trace;
 mod wire;
 
+pub use checkpoints::SimCheckpoints;
 pub use cluster::{run_seed, Outcome, RunOptions, Violation};
 pub use control::{ControlConfig, ControlNet, SlotDialer};
 pub use error::{Result, SimError};

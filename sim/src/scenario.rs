@@ -7,8 +7,10 @@
 //! rejoins through the real join path), `pause` (the node hangs: every byte to and from it is
 //! held for `for_ms`), `slow` (a straggler: `delay_ms` more latency on all its links), `partition`
 //! (the collectives links between `node` and `peer` are cut for `for_ms`). A fault fires at
-//! `at_ms` of virtual time or when step `at_step` is committed. `checkpoint_fail` is refused:
-//! simulated jobs write no checkpoints yet.
+//! `at_ms` of virtual time or when step `at_step` is committed. `checkpoint_fail` makes the next
+//! checkpoint write fail (whichever node writes it, so it takes no `node`); checkpoints are
+//! written every `[elastic] checkpoint_every` steps into the cluster's in-memory store
+//! ([`crate::SimCheckpoints`]).
 
 use std::path::Path;
 use std::time::Duration;
@@ -82,6 +84,8 @@ pub struct ElasticShape {
     pub prepare_timeout: Duration,
     /// Failures of each class tolerated.
     pub failure_budget: u32,
+    /// Rank 0 writes a checkpoint every this many steps (0: none).
+    pub checkpoint_every: u64,
 }
 
 /// One fault.
@@ -115,6 +119,8 @@ pub enum FaultKind {
     Slow { delay: Duration },
     /// The collectives links between the node and `peer` are cut for `duration`.
     Partition { peer: usize, duration: Duration },
+    /// The next checkpoint write fails (the fault's node is not used).
+    CheckpointFail,
 }
 
 /// Random faults per seed.
@@ -128,6 +134,8 @@ pub struct RandomFaults {
     pub pauses: usize,
     /// Stragglers.
     pub slow: usize,
+    /// Failed checkpoint writes, each armed when a random step is committed.
+    pub checkpoint_failures: usize,
     /// Faults fire in this window of virtual time.
     pub window: (Duration, Duration),
 }
@@ -185,6 +193,7 @@ struct FileElastic {
     rendezvous_timeout_ms: u64,
     prepare_timeout_ms: u64,
     failure_budget: u32,
+    checkpoint_every: u64,
 }
 
 #[derive(Deserialize, Default)]
@@ -194,6 +203,7 @@ struct FileRandom {
     partitions: usize,
     pauses: usize,
     slow: usize,
+    checkpoint_failures: usize,
     window_ms: Option<[u64; 2]>,
 }
 
@@ -201,7 +211,7 @@ struct FileRandom {
 #[serde(deny_unknown_fields)]
 struct FileFault {
     kind: String,
-    node: usize,
+    node: Option<usize>,
     at_ms: Option<u64>,
     at_step: Option<u64>,
     restart_after_ms: Option<u64>,
@@ -229,7 +239,7 @@ impl Default for FileNet {
 
 impl Default for FileElastic {
     fn default() -> Self {
-        FileElastic { heartbeat_interval_ms: 100, heartbeat_timeout_ms: 1000, rendezvous_timeout_ms: 30_000, prepare_timeout_ms: 5000, failure_budget: 1000 }
+        FileElastic { heartbeat_interval_ms: 100, heartbeat_timeout_ms: 1000, rendezvous_timeout_ms: 30_000, prepare_timeout_ms: 5000, failure_budget: 1000, checkpoint_every: 0 }
     }
 }
 
@@ -250,7 +260,13 @@ impl Scenario {
             let when = match (f.at_ms, f.at_step) {
                 (Some(t), None) => Trigger::At(ms(t)),
                 (None, Some(s)) => Trigger::Step(s),
-                _ => return Err(SimError::Scenario(format!("fault {:?} on node {} needs exactly one of at_ms and at_step", f.kind, f.node))),
+                _ => return Err(SimError::Scenario(format!("fault {:?} needs exactly one of at_ms and at_step", f.kind))),
+            };
+            let node = match (f.kind.as_str(), f.node) {
+                ("checkpoint_fail", None) => 0,
+                ("checkpoint_fail", Some(_)) => return Err(SimError::Scenario("fault \"checkpoint_fail\" takes no node (it fails the next checkpoint write, whoever writes it)".into())),
+                (_, Some(node)) => node,
+                (kind, None) => return Err(SimError::Scenario(format!("fault {kind:?} needs node"))),
             };
             let need = |v: Option<u64>, key: &str| v.ok_or_else(|| SimError::Scenario(format!("fault {:?} needs {key}", f.kind)));
             let kind = match f.kind.as_str() {
@@ -261,12 +277,10 @@ impl Scenario {
                     peer: f.peer.ok_or_else(|| SimError::Scenario("fault \"partition\" needs peer".into()))?,
                     duration: ms(need(f.for_ms, "for_ms")?),
                 },
-                "checkpoint_fail" => {
-                    return Err(SimError::Scenario("fault \"checkpoint_fail\" is not supported yet: simulated jobs write no checkpoints".into()))
-                }
-                other => return Err(SimError::Scenario(format!("unknown fault kind {other:?} (known: crash, pause, slow, partition)"))),
+                "checkpoint_fail" => FaultKind::CheckpointFail,
+                other => return Err(SimError::Scenario(format!("unknown fault kind {other:?} (known: crash, pause, slow, partition, checkpoint_fail)"))),
             };
-            faults.push(Fault { node: f.node, when, kind });
+            faults.push(Fault { node, when, kind });
         }
         let window = file.random.window_ms.unwrap_or([200, 5000]);
         let scenario = Scenario {
@@ -301,6 +315,7 @@ impl Scenario {
                 rendezvous_timeout: ms(file.elastic.rendezvous_timeout_ms),
                 prepare_timeout: ms(file.elastic.prepare_timeout_ms),
                 failure_budget: file.elastic.failure_budget,
+                checkpoint_every: file.elastic.checkpoint_every,
             },
             faults,
             random: RandomFaults {
@@ -308,6 +323,7 @@ impl Scenario {
                 partitions: file.random.partitions,
                 pauses: file.random.pauses,
                 slow: file.random.slow,
+                checkpoint_failures: file.random.checkpoint_failures,
                 window: (ms(window[0]), ms(window[1])),
             },
         };
@@ -325,6 +341,10 @@ impl Scenario {
         }
         if self.random.partitions > 0 && self.workers < 2 {
             return bad("random partitions need two workers".into());
+        }
+        let fails_checkpoints = self.random.checkpoint_failures > 0 || self.faults.iter().any(|f| f.kind == FaultKind::CheckpointFail);
+        if fails_checkpoints && self.elastic.checkpoint_every == 0 {
+            return bad("checkpoint_fail faults need [elastic] checkpoint_every > 0 (the job writes no checkpoints)".into());
         }
         for f in &self.faults {
             let peer_ok = match f.kind {
@@ -365,6 +385,10 @@ impl Scenario {
             let when = at(&mut rng);
             let node = rng.random_range(0..self.workers);
             plan.push(Fault { node, when, kind: FaultKind::Slow { delay: Duration::from_micros(rng.random_range(500..5000)) } });
+        }
+        for _ in 0..self.random.checkpoint_failures {
+            let step = rng.random_range(0..self.job.total_steps.max(1));
+            plan.push(Fault { node: 0, when: Trigger::Step(step), kind: FaultKind::CheckpointFail });
         }
         // Stable: equal triggers keep their drawing order.
         plan.sort_by_key(|f| f.when);
@@ -415,6 +439,11 @@ restart_after_ms = 100
         let e = Scenario::parse(&TEXT.replace("node = 2", "node = 7")).unwrap_err();
         assert!(e.to_string().contains("outside"), "{e}");
         let e = Scenario::parse(&TEXT.replace("kind = \"crash\"", "kind = \"checkpoint_fail\"")).unwrap_err();
-        assert!(e.to_string().contains("not supported"), "{e}");
+        assert!(e.to_string().contains("takes no node"), "{e}");
+        let no_node = TEXT.replace("kind = \"crash\"\nnode = 2", "kind = \"checkpoint_fail\"");
+        let e = Scenario::parse(&no_node).unwrap_err();
+        assert!(e.to_string().contains("checkpoint_every"), "{e}");
+        let s = Scenario::parse(&no_node.replace("[random]", "[elastic]\ncheckpoint_every = 2\n[random]")).unwrap();
+        assert!(s.faults.iter().any(|f| f.kind == FaultKind::CheckpointFail && f.when == Trigger::Step(3)));
     }
 }

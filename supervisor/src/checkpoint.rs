@@ -1,14 +1,18 @@
 //! Periodic asynchronous checkpoints of an elastic job, in the tensor engine's format
-//! (`rtx_tensor::checkpoint`: safetensors with `optim.`-prefixed optimizer state, written
-//! atomically: a crash during a write never damages the last good file).
+//! (`rtx_tensor::checkpoint`: safetensors with `optim.`-prefixed optimizer state).
 //!
 //! Rank 0 snapshots parameters and optimizer state in memory (copies, so training goes on at
-//! once) and a background thread writes the file; at most one write is in flight (the next
-//! snapshot waits for it). Replicas are bit-identical, so one rank's snapshot is the job's state.
-//! The data cursor is the step number itself (batches are indexed by step), stored as `step`.
+//! once) and hands them to a [`CheckpointStore`]; replicas are bit-identical, so one rank's
+//! snapshot is the job's state. The data cursor is the step number itself (batches are indexed
+//! by step), stored as `step`. A store keeps a checkpoint whole or not at all: a failed write
+//! never damages the last good one, and training goes on (the supervisor hears
+//! `CheckpointFailed`). Production stores files ([`FileStore`]: temporary file, fsync, rename)
+//! from a background thread, at most one write in flight; an embedder (the simulator) injects
+//! its own store through the node's `NodeEnv`, called inline.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use rtx_actors::RemoteRef;
@@ -19,9 +23,49 @@ use rtx_tensor::{Module, Optimizer, Tensor};
 use crate::error::{Result, SupervisorError};
 use crate::protocol::ToSupervisor;
 
-/// Writes one checkpoint at a time in the background.
-#[derive(Default)]
+/// Where checkpoints go.
+pub trait CheckpointStore: Send + Sync + 'static {
+    /// Stores the checkpoint taken after `step`, whole or not at all (on an error the last good
+    /// checkpoint must be intact); returns where it went, or why it failed.
+    fn store(&self, step: u64, tensors: &[(String, Tensor)], metadata: &BTreeMap<String, String>) -> std::result::Result<String, String>;
+}
+
+/// Checkpoint files `step-NNNNNNNN.safetensors` in a folder, written atomically.
+#[derive(Clone, Debug)]
+pub struct FileStore {
+    dir: PathBuf,
+}
+
+impl FileStore {
+    /// A store writing into `dir` (created on the first write).
+    pub fn new(dir: PathBuf) -> FileStore {
+        FileStore { dir }
+    }
+}
+
+impl CheckpointStore for FileStore {
+    fn store(&self, step: u64, tensors: &[(String, Tensor)], metadata: &BTreeMap<String, String>) -> std::result::Result<String, String> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| format!("cannot create checkpoint folder {}: {e}", self.dir.display()))?;
+        let path = path_for(&self.dir, step);
+        save_tensors(&path, tensors, metadata).map_err(|e| e.to_string())?;
+        Ok(path.display().to_string())
+    }
+}
+
+/// How a [`CheckpointWriter`] calls its store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteMode {
+    /// On a background thread, one write in flight (production: the step loop never waits
+    /// for the disk).
+    Background,
+    /// Inline in the caller's task (the simulator: no threads).
+    Inline,
+}
+
+/// Snapshots training state and writes it to a store, one checkpoint at a time.
 pub struct CheckpointWriter {
+    store: Option<Arc<dyn CheckpointStore>>,
+    mode: WriteMode,
     in_flight: Option<JoinHandle<()>>,
 }
 
@@ -30,18 +74,59 @@ pub fn path_for(dir: &Path, step: u64) -> PathBuf {
     dir.join(format!("step-{step:08}.safetensors"))
 }
 
-/// The newest checkpoint in `dir`, if any.
+/// The newest checkpoint file in `dir`, if any.
 pub fn latest(dir: &Path) -> Option<PathBuf> {
-    let mut found: Vec<PathBuf> = std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "safetensors") && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-"))).collect();
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "safetensors") && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
+        .collect();
     found.sort();
     found.pop()
 }
 
+/// The metadata of the checkpoint taken after `step` by `optimizer`.
+pub fn metadata(step: u64, optimizer: &dyn Optimizer) -> BTreeMap<String, String> {
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), FORMAT.to_string());
+    meta.insert("step".to_string(), step.to_string());
+    meta.insert("rng".to_string(), "{}".to_string());
+    meta.insert("user".to_string(), format!("{{\"elastic\":true,\"completed_step\":{step}}}"));
+    meta.insert("optimizer".to_string(), format!("{{\"kind\":\"{}\",\"lr\":{}}}", optimizer.kind(), optimizer.lr()));
+    meta
+}
+
+/// The message that tells the supervisor how the write of `step` went.
+fn report(node: u64, step: u64, result: std::result::Result<String, String>) -> ToSupervisor {
+    match result {
+        Ok(path) => {
+            tracing::info!(step, %path, "checkpoint written");
+            ToSupervisor::Checkpointed { node, step, path }
+        }
+        Err(reason) => {
+            tracing::error!(step, %reason, "checkpoint write failed; the previous one stays valid");
+            ToSupervisor::CheckpointFailed { node, step, reason }
+        }
+    }
+}
+
 impl CheckpointWriter {
+    /// A writer into `store` (`None`: checkpoints are off).
+    pub fn new(store: Option<Arc<dyn CheckpointStore>>, mode: WriteMode) -> Self {
+        CheckpointWriter { store, mode, in_flight: None }
+    }
+
+    /// Whether checkpoints are on.
+    pub fn enabled(&self) -> bool {
+        self.store.is_some()
+    }
+
     /// Snapshots `model` and the full optimizer `state` (of `optimizer`'s kind) after `step` and
-    /// writes them in the background; reports the written path to the supervisor.
-    #[allow(clippy::too_many_arguments)]
-    pub fn write<M: Module, O: Optimizer>(&mut self, dir: &Path, step: u64, model: &M, state: Vec<(String, Tensor)>, optimizer: &O, supervisor: RemoteRef<ToSupervisor>, node: u64) -> Result<()> {
+    /// stores them. A failed write is reported to the supervisor, not returned: training goes on
+    /// from the last good checkpoint. In the background mode the writer thread reports; inline,
+    /// the report is returned for the caller to send.
+    pub fn write<M: Module, O: Optimizer>(&mut self, step: u64, model: &M, state: Vec<(String, Tensor)>, optimizer: &O, supervisor: RemoteRef<ToSupervisor>, node: u64) -> Result<Option<ToSupervisor>> {
+        let Some(store) = self.store.clone() else { return Ok(None) };
         self.wait();
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         for (name, p) in model.named_parameters() {
@@ -50,26 +135,21 @@ impl CheckpointWriter {
         for (name, t) in state {
             tensors.push((format!("{OPTIM_PREFIX}{name}"), t));
         }
-        let mut meta = BTreeMap::new();
-        meta.insert("format".to_string(), FORMAT.to_string());
-        meta.insert("step".to_string(), step.to_string());
-        meta.insert("rng".to_string(), "{}".to_string());
-        meta.insert("user".to_string(), format!("{{\"elastic\":true,\"completed_step\":{step}}}"));
-        meta.insert("optimizer".to_string(), format!("{{\"kind\":\"{}\",\"lr\":{}}}", optimizer.kind(), optimizer.lr()));
-        std::fs::create_dir_all(dir).map_err(|e| SupervisorError::Job(format!("cannot create checkpoint folder {}: {e}", dir.display())))?;
-        let path = path_for(dir, step);
-        let handle = std::thread::Builder::new()
-            .name("checkpoint".into())
-            .spawn(move || match save_tensors(&path, &tensors, &meta) {
-                Ok(()) => {
-                    tracing::info!(step, path = %path.display(), "checkpoint written");
-                    let _ = supervisor.blocking_tell(&ToSupervisor::Checkpointed { node, step, path: path.display().to_string() });
-                }
-                Err(e) => tracing::error!(step, error = %e, "checkpoint write failed; the previous one stays valid"),
-            })
-            .map_err(|e| SupervisorError::Job(format!("cannot start the checkpoint thread: {e}")))?;
-        self.in_flight = Some(handle);
-        Ok(())
+        let meta = metadata(step, optimizer);
+        match self.mode {
+            WriteMode::Inline => return Ok(Some(report(node, step, store.store(step, &tensors, &meta)))),
+            WriteMode::Background => {
+                let handle = std::thread::Builder::new()
+                    .name("checkpoint".into())
+                    .spawn(move || {
+                        let message = report(node, step, store.store(step, &tensors, &meta));
+                        let _ = supervisor.blocking_tell(&message);
+                    })
+                    .map_err(|e| SupervisorError::Job(format!("cannot start the checkpoint thread: {e}")))?;
+                self.in_flight = Some(handle);
+            }
+        }
+        Ok(None)
     }
 
     /// Waits for the write in flight.

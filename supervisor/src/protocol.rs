@@ -49,6 +49,8 @@ pub enum ToSupervisor {
     Finished { node: u64, checksum: u64, eval: Vec<(String, f64)>, compute_s: f64, control_s: f64, loop_s: f64 },
     /// A checkpoint was written.
     Checkpointed { node: u64, step: u64, path: String },
+    /// Writing the checkpoint of `step` failed; the previous one stays the last good one.
+    CheckpointFailed { node: u64, step: u64, reason: String },
     /// Asks for a [`StatusReport`] (an `ask`); the proof is the join proof of this connection.
     Status { proof: Vec<u8> },
 }

@@ -79,10 +79,14 @@ pub enum JobEvent {
     Lost { node: u64, pid: u32, class: FailureClass, reason: String },
     /// A generation started.
     Generation { generation: u64, world: usize, next_step: u64, source_node: u64, pids: Vec<u32> },
-    /// Every member completed `step`.
-    Committed { step: u64, loss: f64, samples: u64, world: usize, generation: u64 },
+    /// Every member completed `step`; `checksum` is the replicas' parameter checksum after it,
+    /// when every member verified this step (they agree, or the job fails).
+    Committed { step: u64, loss: f64, samples: u64, world: usize, generation: u64, checksum: Option<u64> },
     /// A checkpoint was written.
     Checkpointed { step: u64, path: String },
+    /// Writing the checkpoint of `step` failed (training goes on; the last good checkpoint is
+    /// untouched).
+    CheckpointFailed { step: u64, reason: String },
     /// The job completed. `overhead` is the share of the workers' step-loop time spent on the
     /// runtime's control path (command polling, step reports: its cost per step);
     /// `outside_steps` the share spent outside training steps altogether (also data waits,
@@ -390,6 +394,10 @@ impl ClusterSupervisor {
                 self.emit(JobEvent::Checkpointed { step, path }).await;
                 Ok(())
             }
+            ToSupervisor::CheckpointFailed { step, reason, .. } => {
+                self.emit(JobEvent::CheckpointFailed { step, reason }).await;
+                Ok(())
+            }
         }
     }
 
@@ -588,7 +596,8 @@ impl ClusterSupervisor {
             if self.commit_times.len() > 64 {
                 self.commit_times.remove(0);
             }
-            self.emit(JobEvent::Committed { step, loss, samples, world, generation }).await;
+            let checksum = if sums.len() == by_node.len() { sums.first().copied() } else { None };
+            self.emit(JobEvent::Committed { step, loss, samples, world, generation, checksum }).await;
             if step + 1 >= total {
                 return self.finish(members).await;
             }

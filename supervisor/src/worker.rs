@@ -41,7 +41,7 @@ use tracing::Instrument;
 use rtx_pipelines::{DataParallel, DpConfig, Sharding};
 use rtx_tensor::{Module, Optimizer, Tensor};
 
-use crate::checkpoint::{self, CheckpointWriter};
+use crate::checkpoint::{self, CheckpointStore, CheckpointWriter, FileStore, WriteMode};
 use crate::error::{Result, SupervisorError};
 use crate::job::TrainJob;
 use crate::state;
@@ -136,18 +136,21 @@ pub struct NodeEnv {
     pub host: Option<String>,
     /// Whether SIGTERM means a graceful leave.
     pub watch_sigterm: bool,
+    /// Where rank 0's checkpoints go; `None`: files in the job's checkpoint folder (if any).
+    /// An injected store is called inline in [`Exec::Task`] mode, on a thread otherwise.
+    pub checkpoints: Option<Arc<dyn CheckpointStore>>,
 }
 
 impl NodeEnv {
     /// A real worker process.
     pub fn process() -> NodeEnv {
-        NodeEnv { control: None, wire: None, exec: Exec::Thread, pid: std::process::id(), host: None, watch_sigterm: true }
+        NodeEnv { control: None, wire: None, exec: Exec::Thread, pid: std::process::id(), host: None, watch_sigterm: true, checkpoints: None }
     }
 }
 
 impl std::fmt::Debug for NodeEnv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NodeEnv").field("custom_control", &self.control.is_some()).field("custom_wire", &self.wire.is_some()).field("exec", &self.exec).field("pid", &self.pid).field("host", &self.host).finish()
+        f.debug_struct("NodeEnv").field("custom_control", &self.control.is_some()).field("custom_wire", &self.wire.is_some()).field("exec", &self.exec).field("pid", &self.pid).field("host", &self.host).field("custom_checkpoints", &self.checkpoints.is_some()).finish()
     }
 }
 
@@ -229,7 +232,7 @@ where
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(supervisor.clone(), node, heartbeat, Arc::clone(&shared))));
 
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::channel::<ToWorker>(COMMAND_QUEUE);
-    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), exec: env.exec, verify_every, checkpoint_every, zero1, snapshot_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
+    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, verify_every, checkpoint_every, zero1, snapshot_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
     let spec = JobSpec { node, job: job_text, resume };
     let worker = async move {
         let job = make_job(&spec).map_err(SupervisorError::Job)?;
@@ -357,6 +360,7 @@ struct WorkerCtx {
     bind_ip: IpAddr,
     quic: QuicOptions,
     wire: Option<Arc<dyn GenerationWire>>,
+    checkpoints: Option<Arc<dyn CheckpointStore>>,
     exec: Exec,
     verify_every: u64,
     checkpoint_every: u64,
@@ -399,7 +403,8 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
         Exec::Thread => DataShard::start(Arc::clone(&job))?,
         Exec::Task => DataShard::inline(Arc::clone(&job)),
     };
-    let mut writer = CheckpointWriter::default();
+    let store = ctx.checkpoints.clone().or_else(|| job.checkpoint_dir().map(|dir| Arc::new(FileStore::new(dir)) as Arc<dyn CheckpointStore>));
+    let mut writer = CheckpointWriter::new(store, if ctx.exec == Exec::Task { WriteMode::Inline } else { WriteMode::Background });
     let mut next: Option<ToWorker> = None;
     loop {
         let cmd = match next.take() {
@@ -589,11 +594,12 @@ async fn train<J: TrainJob>(
         if step >= total {
             // The end of the run (or of this part of it): a final checkpoint to resume from.
             if g.rank == 0 && total > g.next_step {
-                if let Some(dir) = job.checkpoint_dir() {
-                    let already = ctx.checkpoint_every > 0 && total % ctx.checkpoint_every == 0;
-                    if !already {
-                        let full = full_state_now(ctx, replica, engine.optimizer())?;
-                        writer.write(&dir, total - 1, engine.model(), full, engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
+                let already = ctx.checkpoint_every > 0 && total % ctx.checkpoint_every == 0;
+                if writer.enabled() && !already {
+                    let full = full_state_now(ctx, replica, engine.optimizer())?;
+                    let report = writer.write(total - 1, engine.model(), full, engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
+                    if let Some(report) = report {
+                        ctx.supervisor.tell(&report).await?;
                     }
                 }
             }
@@ -656,12 +662,11 @@ async fn train<J: TrainJob>(
                 let report_started = Instant::now();
                 ctx.supervisor.tell(&ToSupervisor::StepDone { node: ctx.node, generation: g.generation, step, loss: unscaled, samples: rows_seen as u64, checksum }).await?;
                 control += report_started.elapsed();
-                if g.rank == 0 {
-                    if let Some(dir) = job.checkpoint_dir() {
-                        if ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0 {
-                            let full = full_state_now(ctx, replica, engine.optimizer())?;
-                            writer.write(&dir, step, engine.model(), full, engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
-                        }
+                if g.rank == 0 && writer.enabled() && ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0 {
+                    let full = full_state_now(ctx, replica, engine.optimizer())?;
+                    let report = writer.write(step, engine.model(), full, engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
+                    if let Some(report) = report {
+                        ctx.supervisor.tell(&report).await?;
                     }
                 }
                 step += 1;

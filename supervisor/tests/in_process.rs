@@ -1,13 +1,15 @@
 //! The supervisor and two workers in one process (each worker with its own node agent and link),
 //! training softmax regression on the real Fashion-MNIST data over real QUIC on loopback: the job
 //! finishes with bit-identical replicas, `rtx status`'s query answers, and a wrong token is
-//! refused with a typed error. Needs `bash scripts/fetch-data.sh`.
+//! refused with a typed error; a checkpoint write that fails on the file system loses nothing.
+//! Needs `bash scripts/fetch-data.sh`.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use rtx_actors::BatchSource;
 use rtx_pipelines::ParamSlice;
+use rtx_supervisor::checkpoint;
 use rtx_supervisor::{query_status, run_worker, ElasticConfig, JobEvent, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, WorkerOptions, WorkerOutcome};
 use rtx_tensor::data::{load_fashion_mnist, DataRoot, ImageDataset, Split};
 use rtx_tensor::nn::Linear;
@@ -21,6 +23,7 @@ struct Fashion {
     data: ImageDataset,
     mean: f32,
     std: f32,
+    checkpoints: Option<PathBuf>,
 }
 
 impl Fashion {
@@ -29,7 +32,7 @@ impl Fashion {
         let root = if root.fashion_mnist().exists() { root } else { DataRoot::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data")) };
         let data = load_fashion_mnist(&root.fashion_mnist(), Split::Test).expect("Fashion-MNIST: run bash scripts/fetch-data.sh");
         let (mean, std) = data.pixel_mean_std();
-        Fashion { data, mean, std }
+        Fashion { data, mean, std, checkpoints: None }
     }
 
     fn rows(&self, indices: &[usize]) -> (Tensor, Tensor) {
@@ -87,7 +90,7 @@ impl TrainJob for Fashion {
     }
 
     fn checkpoint_dir(&self) -> Option<PathBuf> {
-        None
+        self.checkpoints.clone()
     }
 }
 
@@ -142,5 +145,58 @@ async fn a_wrong_token_is_refused_with_a_typed_error() -> anyhow::Result<()> {
         Err(SupervisorError::Refused { reason }) => assert!(reason.contains("wrong cluster token"), "{reason}"),
         other => panic!("expected a refusal, got {other:?}"),
     }
+    Ok(())
+}
+
+// Goal: a checkpoint write that fails on a real file system loses nothing. Method: checkpoints
+// every 50 steps into a fresh folder where the file of step 99 is blocked by a folder of that
+// name (the atomic rename fails). The job must finish with identical replicas, report
+// `CheckpointFailed` for step 99 and `Checkpointed` for 49 and 149, leave no temporary file,
+// keep step 49's checkpoint loadable, and `latest` must name step 149's file (not the folder).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_checkpoint_write_keeps_the_last_good_one_and_training_goes_on() -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!("rtx-ckpt-fail-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(checkpoint::path_for(&dir, 99))?;
+    let mut opts = options("secret");
+    opts.elastic.checkpoint_every = 50;
+    let mut supervisor = SupervisorHandle::start(opts, None).await?;
+    let addr = supervisor.addr;
+    let workers: Vec<_> = (0..2)
+        .map(|i| {
+            let dir = dir.clone();
+            tokio::spawn(run_worker(WorkerOptions::new(addr, "secret".into(), format!("worker-{i}")), move |_spec| Ok(Fashion { checkpoints: Some(dir), ..Fashion::load() })))
+        })
+        .collect();
+    let (mut written, mut failed) = (Vec::new(), Vec::new());
+    let identical = loop {
+        let event = tokio::time::timeout(Duration::from_secs(120), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))?;
+        match event {
+            JobEvent::Checkpointed { step, .. } => written.push(step),
+            JobEvent::CheckpointFailed { step, reason } => {
+                println!("checkpoint of step {step} failed: {reason}");
+                failed.push(step);
+            }
+            JobEvent::Finished { replicas_identical, .. } => break replicas_identical,
+            JobEvent::Failed { reason } => anyhow::bail!("job failed: {reason}"),
+            _ => {}
+        }
+    };
+    supervisor.join().await?;
+    for w in workers {
+        assert_eq!(w.await??, WorkerOutcome::Finished);
+    }
+    assert!(identical);
+    assert_eq!(failed, [99]);
+    assert_eq!(written, [49, 149]);
+    let names: Vec<String> = std::fs::read_dir(&dir)?.map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned())).collect::<Result<_, _>>()?;
+    assert!(!names.iter().any(|n| n.ends_with(".tmp")), "a temporary file was left: {names:?}");
+    assert_eq!(checkpoint::latest(&dir), Some(checkpoint::path_for(&dir, 149)));
+    let job = Fashion::load();
+    let model = job.build_model().map_err(anyhow::Error::msg)?;
+    let (state, step) = checkpoint::load(&checkpoint::path_for(&dir, 49), &model, |slices| job.build_optimizer(slices))?;
+    assert_eq!(step, 49);
+    assert!(!state.is_empty(), "the optimizer state is in the checkpoint");
+    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -138,14 +138,7 @@ pub fn read_meta(path: &Path) -> Result<CheckpointMeta> {
 /// Writes named tensors and string metadata to a safetensors file atomically (`<path>.tmp`,
 /// fsync, rename, fsync of the directory). Names must be unique.
 pub fn save_tensors(path: &Path, tensors: &[(String, Tensor)], metadata: &BTreeMap<String, String>) -> Result<()> {
-    let mut seen = BTreeSet::new();
-    let mut entries = Vec::with_capacity(tensors.len());
-    for (name, t) in tensors {
-        if !seen.insert(name.as_str()) {
-            return Err(bad(path, format!("tensor name {name} appears twice")));
-        }
-        entries.push((name.clone(), Entry { dtype: to_st_dtype(t.dtype()), shape: t.shape().to_vec(), data: t.to_data()? }));
-    }
+    let entries = entries(path, tensors)?;
     let tmp = tmp_path(path);
     let io = |p: &Path| {
         let p = p.display().to_string();
@@ -176,9 +169,23 @@ pub fn save_tensors(path: &Path, tensors: &[(String, Tensor)], metadata: &BTreeM
 /// F32, F64, BF16 and U32 tensors are supported.
 pub fn load_tensors(path: &Path) -> Result<(NamedTensors, BTreeMap<String, String>)> {
     let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
-    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(path, format!("not a valid safetensors file: {e}")))?;
+    decode_tensors(&bytes, path)
+}
+
+/// [`save_tensors`] into memory: the bytes of the safetensors file it would write.
+pub fn encode_tensors(tensors: &[(String, Tensor)], metadata: &BTreeMap<String, String>) -> Result<Vec<u8>> {
+    let origin = Path::new("<memory>");
+    let entries = entries(origin, tensors)?;
+    let info: HashMap<String, String> = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    safetensors::serialize(entries, Some(info)).map_err(|e| bad(origin, format!("cannot serialize: {e}")))
+}
+
+/// [`load_tensors`] from the bytes of a safetensors file; `origin` names them in errors.
+pub fn decode_tensors(bytes: &[u8], origin: &Path) -> Result<(NamedTensors, BTreeMap<String, String>)> {
+    let path = origin;
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| bad(path, format!("not a valid safetensors file: {e}")))?;
     let metadata: BTreeMap<String, String> = header.metadata().clone().unwrap_or_default().into_iter().collect();
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(path, format!("not a valid safetensors file: {e}")))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| bad(path, format!("not a valid safetensors file: {e}")))?;
     let mut views = st.tensors();
     views.sort_by(|a, b| a.0.cmp(&b.0));
     let mut out = Vec::with_capacity(views.len());
@@ -199,6 +206,19 @@ pub fn load_tensors(path: &Path) -> Result<(NamedTensors, BTreeMap<String, Strin
         out.push((name, Tensor::from_data(data, &shape)?));
     }
     Ok((out, metadata))
+}
+
+/// The serializable entries of `tensors`, refusing duplicate names.
+fn entries(path: &Path, tensors: &[(String, Tensor)]) -> Result<Vec<(String, Entry)>> {
+    let mut seen = BTreeSet::new();
+    let mut entries = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        if !seen.insert(name.as_str()) {
+            return Err(bad(path, format!("tensor name {name} appears twice")));
+        }
+        entries.push((name.clone(), Entry { dtype: to_st_dtype(t.dtype()), shape: t.shape().to_vec(), data: t.to_data()? }));
+    }
+    Ok(entries)
 }
 
 /// A tensor ready to serialize.

@@ -175,3 +175,28 @@ fn mismatches_name_the_tensor() {
     // Loading without an optimizer ignores optimizer tensors.
     checkpoint::load(&path, &model, None).unwrap();
 }
+
+#[test]
+fn in_memory_encoding_matches_the_file_and_rejects_torn_bytes() {
+    // Goal: `encode_tensors` gives the bytes `save_tensors` writes (one format for files and
+    // in-memory stores), `decode_tensors` reads them back bit-exactly, and a torn prefix of them
+    // is a typed error, never a panic or a partial result.
+    let tensors = vec![("a".to_string(), Tensor::from_vec(vec![1.5f32, -2.25, 3.0], &[3]).unwrap()), ("b".to_string(), Tensor::from_vec(vec![7u32, 9], &[2]).unwrap())];
+    let meta = BTreeMap::from([("step".to_string(), "12".to_string())]);
+    let bytes = checkpoint::encode_tensors(&tensors, &meta).unwrap();
+    let dir = std::env::temp_dir().join(format!("rtx-ckpt-mem-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("x.safetensors");
+    checkpoint::save_tensors(&path, &tensors, &meta).unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), bytes, "file and memory encodings differ");
+    let (back, back_meta) = checkpoint::decode_tensors(&bytes, Path::new("<memory>")).unwrap();
+    assert_eq!(bits(&back), bits(&tensors));
+    assert_eq!(back_meta.get("step").map(String::as_str), Some("12"));
+    for cut in [0, 7, bytes.len() / 2, bytes.len() - 1] {
+        let err = checkpoint::decode_tensors(&bytes[..cut], Path::new("<memory>")).unwrap_err();
+        assert!(matches!(err, Error::Checkpoint { .. }), "torn at {cut}: {err}");
+    }
+    let duplicate = vec![tensors[0].clone(), tensors[0].clone()];
+    assert!(checkpoint::encode_tensors(&duplicate, &meta).is_err(), "duplicate names must be refused");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
