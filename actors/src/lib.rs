@@ -9,7 +9,9 @@
 //!   table, so many nodes can live in one process (tests, the simulator).
 //! - [`link`]: remote actor references. A [`Link`] is one QUIC connection between two nodes
 //!   carrying length-prefixed envelopes whose bodies are rkyv-archived messages; [`RemoteRef`]
-//!   sends (`tell`) or calls (`ask`) a named actor on the other side.
+//!   sends (`tell`) or calls (`ask`) a named actor on the other side. [`Link::over_transport`]
+//!   runs the same envelopes on a side stream of the collectives' QUIC connection to a peer rank,
+//!   so one connection per peer pair carries control messages and tensors.
 //! - [`data_shard`]: the `DataShard` role: serves training batches, prefetching the next one.
 //!
 //! Why not ractor (DESIGN.md named it): its mailboxes are unbounded by design (ractor issue #84,
@@ -27,6 +29,6 @@ mod wire;
 pub use actor::{spawn, Actor, ActorHandle, ActorRef, Context, Exit, Reply, DEFAULT_MAILBOX};
 pub use data_shard::{BatchSource, DataShard};
 pub use error::{ActorError, Result};
-pub use link::{Accepted, Inbound, Link, LinkListener, LinkOptions, RemoteRef, StreamConn};
+pub use link::{Accepted, Inbound, Link, LinkListener, LinkOptions, RemoteRef, StreamConn, ACTOR_CHANNEL};
 pub use registry::Registry;
 pub use wire::{decode, encode, MAX_ENVELOPE_BYTES};

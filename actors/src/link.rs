@@ -22,18 +22,29 @@
 //! [`Link::over_stream`] runs it over any `AsyncRead`/`AsyncWrite` pair with a [`StreamConn`]
 //! for closing and keying material, and [`LinkListener::channel`] accepts links a caller hands
 //! in. The simulator uses both to carry the very same envelopes over its virtual network.
+//!
+//! Over the collectives connection: [`Link::over_transport`] and [`Link::accept_over_transport`]
+//! run the envelope protocol on a side stream of a [`QuicTransport`]'s connection to a peer rank
+//! (tagged with a channel, [`ACTOR_CHANNEL`] by convention), so one QUIC connection per peer pair
+//! carries both the collectives' frames and actor messages, under the cluster CA's mutual TLS.
+//! Such a link borrows the connection and never closes it: closing the link (or a malformed
+//! envelope) resets only its stream; the link is lost with the connection (the peer's transport
+//! dropped or closed, or the idle timeout), which fails pending `ask`s with `LinkClosed`.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use rtx_collectives::QuicTransport;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 
 use crate::error::{ActorError, Result};
@@ -47,6 +58,9 @@ const CLOSE_NORMAL: u32 = 0;
 const CLOSE_MALFORMED: u32 = 2;
 /// Envelopes queued for sending, and inbound messages waiting for their owner.
 const QUEUE: usize = 256;
+/// The side-stream channel of actor links over a collectives connection (the tag a
+/// [`QuicTransport`] side stream opens with; other protocols take other channels).
+pub const ACTOR_CHANNEL: u32 = 1;
 
 /// Link tuning.
 #[derive(Clone, Debug)]
@@ -84,7 +98,35 @@ struct LinkInner {
 enum Conn {
     Quic(quinn::Connection),
     Stream(Arc<dyn StreamConn>),
+    /// A side stream of a collectives connection: the link owns the stream, never the connection.
+    Side(SideConn),
 }
+
+/// A side stream of a [`QuicTransport`] connection, shared between the link's reader and writer
+/// tasks and whoever closes the link.
+struct SideConn {
+    transport: Weak<QuicTransport>,
+    peer: usize,
+    address: SocketAddr,
+    stream: Arc<SideStream>,
+}
+
+/// Both halves of a side stream. Each lock is held for one non-blocking poll or one close, never
+/// across an await.
+struct SideStream {
+    send: Mutex<quinn::SendStream>,
+    recv: Mutex<quinn::RecvStream>,
+    /// Set by `close`; the reader then ends at its next poll.
+    closed: std::sync::atomic::AtomicBool,
+    /// The waker of the reader's pending poll: stopping a stream locally does not wake it.
+    reader: Mutex<Option<std::task::Waker>>,
+}
+
+/// The reading half of a side stream, as the link's reader task holds it.
+struct SideRecv(Arc<SideStream>);
+
+/// The writing half of a side stream, as the link's writer task holds it.
+struct SideSend(Arc<SideStream>);
 
 /// The connection under a [`Link::over_stream`] link: what the byte streams themselves cannot do.
 pub trait StreamConn: Send + Sync + 'static {
@@ -101,7 +143,47 @@ impl Conn {
         match self {
             Conn::Quic(c) => c.close(code.into(), reason),
             Conn::Stream(c) => c.close(&String::from_utf8_lossy(reason)),
+            Conn::Side(side) => {
+                // Both directions end at once: the peer's reads fail (reset) and so do its writes
+                // (stop). Errors only say the direction had ended already.
+                let stream = &side.stream;
+                stream.closed.store(true, Ordering::Release);
+                let _ = stream.send.lock().unwrap_or_else(PoisonError::into_inner).reset(code.into());
+                let _ = stream.recv.lock().unwrap_or_else(PoisonError::into_inner).stop(code.into());
+                if let Some(reader) = stream.reader.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                    reader.wake();
+                }
+            }
         }
+    }
+}
+
+impl AsyncRead for SideRecv {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let stream = &self.0;
+        *stream.reader.lock().unwrap_or_else(PoisonError::into_inner) = Some(cx.waker().clone());
+        if stream.closed.load(Ordering::Acquire) {
+            return Poll::Ready(Err(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "link closed locally")));
+        }
+        let mut recv = stream.recv.lock().unwrap_or_else(PoisonError::into_inner);
+        Pin::new(&mut *recv).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for SideSend {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let mut send = self.0.send.lock().unwrap_or_else(PoisonError::into_inner);
+        AsyncWrite::poll_write(Pin::new(&mut *send), cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let mut send = self.0.send.lock().unwrap_or_else(PoisonError::into_inner);
+        AsyncWrite::poll_flush(Pin::new(&mut *send), cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let mut send = self.0.send.lock().unwrap_or_else(PoisonError::into_inner);
+        AsyncWrite::poll_shutdown(Pin::new(&mut *send), cx)
     }
 }
 
@@ -276,6 +358,36 @@ impl Link {
         Link::start(peer, Conn::Stream(conn), writer, reader)
     }
 
+    /// A link to rank `peer` on a side stream of `transport`'s connection to it, tagged
+    /// `channel` (the peer takes it with [`accept_over_transport`](Self::accept_over_transport) on
+    /// the same channel). Actor envelopes then share that one QUIC connection with the
+    /// collectives. The link holds the transport weakly: dropping the transport ends the link.
+    pub async fn over_transport(transport: &Arc<QuicTransport>, peer: usize, channel: u32) -> Result<(Link, mpsc::Receiver<Inbound>)> {
+        let name = side_peer_name(peer);
+        let connect = |reason: String| ActorError::Connect { peer: name.clone(), reason };
+        let (send, recv) = transport.open_stream(peer, channel).await.map_err(|e| connect(e.to_string()))?;
+        let address = transport.peer_address(peer).ok_or_else(|| connect("connection lost while opening the stream".into()))?;
+        tracing::debug!(peer, channel, %address, "actor link over the collectives connection opened");
+        Ok(Link::over_side(transport, peer, address, send, recv))
+    }
+
+    /// Waits for the next link a peer opened with [`over_transport`](Self::over_transport) on
+    /// `channel` and returns the peer's rank with it. Fails with `Connect` once the transport is
+    /// closed.
+    pub async fn accept_over_transport(transport: &Arc<QuicTransport>, channel: u32) -> Result<(usize, Link, mpsc::Receiver<Inbound>)> {
+        let (peer, send, recv) = transport.accept_stream(channel).await.map_err(|e| ActorError::Connect { peer: format!("channel {channel}"), reason: e.to_string() })?;
+        let address = transport.peer_address(peer).ok_or_else(|| ActorError::Connect { peer: side_peer_name(peer), reason: "connection lost while accepting the stream".into() })?;
+        tracing::debug!(peer, channel, %address, "actor link over the collectives connection accepted");
+        let (link, inbound) = Link::over_side(transport, peer, address, send, recv);
+        Ok((peer, link, inbound))
+    }
+
+    fn over_side(transport: &Arc<QuicTransport>, peer: usize, address: SocketAddr, send: quinn::SendStream, recv: quinn::RecvStream) -> (Link, mpsc::Receiver<Inbound>) {
+        let stream = Arc::new(SideStream { send: Mutex::new(send), recv: Mutex::new(recv), closed: std::sync::atomic::AtomicBool::new(false), reader: Mutex::new(None) });
+        let conn = SideConn { transport: Arc::downgrade(transport), peer, address, stream: Arc::clone(&stream) };
+        Link::start(side_peer_name(peer), Conn::Side(conn), SideSend(Arc::clone(&stream)), SideRecv(stream))
+    }
+
     fn start<R, W>(peer: String, connection: Conn, mut send: W, mut recv: R) -> (Link, mpsc::Receiver<Inbound>)
     where
         R: AsyncRead + Unpin + Send + 'static,
@@ -324,6 +436,7 @@ impl Link {
         match &self.inner.connection {
             Conn::Quic(c) => c.remote_address(),
             Conn::Stream(c) => c.remote_address(),
+            Conn::Side(side) => side.address,
         }
     }
 
@@ -339,6 +452,10 @@ impl Link {
         match &self.inner.connection {
             Conn::Quic(c) => c.export_keying_material(&mut out, label, b"rtx").map_err(|_| ActorError::Connect { peer: self.inner.peer.clone(), reason: "TLS exporter unavailable".into() })?,
             Conn::Stream(c) => out = c.export_keying_material(label),
+            Conn::Side(side) => {
+                let transport = side.transport.upgrade().ok_or_else(|| self.closed_error())?;
+                out = transport.export_keying_material(side.peer, label).map_err(|e| ActorError::Connect { peer: self.inner.peer.clone(), reason: e.to_string() })?;
+            }
         }
         Ok(out)
     }
@@ -571,6 +688,11 @@ where
         let bytes = self.link.ask_bytes(&self.to, wire::encode(msg)?, timeout).await?;
         wire::decode(&bytes)
     }
+}
+
+/// How a link over a collectives connection names its peer.
+fn side_peer_name(rank: usize) -> String {
+    format!("rank {rank}")
 }
 
 fn transport_config(options: &LinkOptions) -> Result<quinn::TransportConfig> {

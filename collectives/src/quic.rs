@@ -30,6 +30,19 @@
 //! cheapest TLS 1.3 suite with AES instructions (quinn's handshake suite anyway). Other links keep
 //! 1200-byte packets and quinn's path MTU discovery.
 //!
+//! Side streams: the same connection also carries bidirectional streams for other protocols (the
+//! actors' envelopes, so one connection per peer pair carries both control messages and tensors).
+//! [`QuicTransport::open_stream`] opens one to a peer, tagged with a `u32` channel written as the
+//! stream's first 8 bytes (`RTXS` + channel, LE); the peer's per-connection acceptor reads the tag
+//! and queues the stream for [`QuicTransport::accept_stream`] on that channel. Collective frames
+//! only ever travel on the two unidirectional streams, so a side stream can neither be mistaken
+//! for one nor stall one (QUIC flow control is per stream; an unread side stream holds at most
+//! one stream window of the connection's two). At most `SIDE_STREAMS_MAX` (16) side
+//! streams are open per connection and direction, and at most `SIDE_QUEUE` (16) wait unaccepted per
+//! channel; a stream beyond that, or with a bad tag, is refused (reset and stopped). What the
+//! streams carry is the caller's business: this crate only hands out quinn's halves, which are
+//! tokio `AsyncRead`/`AsyncWrite`. A side stream lives and dies with its connection.
+//!
 //! Peer loss is reported once per link, when its stream or connection ends (including the idle
 //! timeout, [`QuicOptions::idle_timeout`], for a peer that vanished without closing). Key generation
 //! uses the operating system's randomness; nothing else here draws randomness or reads clocks for
@@ -75,6 +88,19 @@ const INITIAL_WINDOW_PACKETS: u64 = 16;
 /// Largest UDP payload quinn accepts for `max_udp_payload_size`.
 const MAX_UDP_PAYLOAD: u16 = 65_527;
 const DIAL_RETRY: Duration = Duration::from_millis(50);
+/// First bytes of a side stream, followed by its channel (u32, LE).
+const SIDE_MAGIC: [u8; 4] = *b"RTXS";
+const SIDE_HEADER_LEN: usize = 8;
+/// Stream error code of a refused side stream (bad tag, or its channel's queue full).
+const SIDE_REFUSED: u32 = 1;
+/// How long the acceptor waits for a side stream's tag before refusing it.
+const SIDE_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most side streams a peer may have open at once on one connection (QUIC's bidirectional stream
+/// limit; collective frames use unidirectional streams only).
+pub(crate) const SIDE_STREAMS_MAX: u32 = 16;
+/// Most accepted side streams waiting per channel for [`QuicTransport::accept_stream`]; more are
+/// refused.
+pub(crate) const SIDE_QUEUE: usize = 16;
 /// Payloads from this size on are handed to the endpoint as quinn's pieces instead of being copied
 /// into one buffer; below it, the copy is cheaper than keeping a list of pieces.
 pub(crate) const CHUNKED_FRAME_MIN_BYTES: usize = 16 << 10;
@@ -149,6 +175,19 @@ struct QuicShared {
     pull_events: Mutex<Option<mpsc::Sender<TransportEvent>>>,
     pool: BufferPool,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+    /// Accepted side streams by channel, waiting for `accept_stream`; `None` once the transport
+    /// is closed or dropped, which ends every waiting `accept_stream`.
+    side: Mutex<Option<BTreeMap<u32, SideQueue>>>,
+}
+
+/// An accepted side stream: the peer's rank and quinn's two halves.
+type SideStream = (usize, quinn::SendStream, quinn::RecvStream);
+
+/// The queue of one side-stream channel.
+#[derive(Clone)]
+struct SideQueue {
+    tx: mpsc::Sender<SideStream>,
+    rx: Arc<tokio::sync::Mutex<mpsc::Receiver<SideStream>>>,
 }
 
 /// Where link tasks deliver events.
@@ -309,6 +348,7 @@ impl QuicTransport {
             pull_events: Mutex::new(Some(events)),
             pool: BufferPool::new(),
             tasks: Mutex::new(Vec::new()),
+            side: Mutex::new(Some(BTreeMap::new())),
         });
         let accept_task = tokio::spawn(accept_loop(Arc::clone(&shared))).abort_handle();
         Ok(QuicTransport { shared, inbox: tokio::sync::Mutex::new(inbox), accept_task })
@@ -367,6 +407,7 @@ impl QuicTransport {
             }
         };
         let _ = tokio::time::timeout(timeout, drain).await;
+        lock(&self.shared.side).take();
         self.shared.endpoint.close(0u32.into(), b"closed");
         let _ = tokio::time::timeout(timeout, self.shared.endpoint.wait_idle()).await;
     }
@@ -374,6 +415,79 @@ impl QuicTransport {
     /// Ranks with a live link now, in rank order.
     pub fn connected_peers(&self) -> Vec<usize> {
         lock(&self.shared.links).keys().copied().collect()
+    }
+
+    /// Opens a side stream to `peer` on the connection that carries the collectives, tagged
+    /// `channel` (see the module doc), and returns quinn's halves (tokio `AsyncWrite` and
+    /// `AsyncRead`). The peer gets it from [`accept_stream`](Self::accept_stream)`(channel)`.
+    /// Fails with `PeerLost` when there is no live connection to `peer`, and with `Timeout` when
+    /// the stream cannot be opened within [`QuicOptions::connect_timeout`] (the peer holds
+    /// `SIDE_STREAMS_MAX` (16) streams open already).
+    pub async fn open_stream(&self, peer: usize, channel: u32) -> Result<(quinn::SendStream, quinn::RecvStream)> {
+        let shared = &self.shared;
+        if peer >= shared.world {
+            return Err(Error::RankOutOfRange { rank: peer, size: shared.world });
+        }
+        if peer == shared.rank {
+            return Err(Error::SelfPeer { op: OpKind::Send, rank: peer });
+        }
+        let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
+        let Some(conn) = lock(&shared.links).get(&peer).map(|link| link.conn.clone()) else {
+            return Err(lost);
+        };
+        let span = tracing::debug_span!("side_stream", op = "open", rank = shared.rank, peer, channel);
+        let opened = async {
+            let (mut send, recv) = conn.open_bi().await.map_err(|_| lost.clone())?;
+            // The peer learns of the stream only when its first bytes arrive: the tag.
+            send.write_all(&side_header(channel)).await.map_err(|_| lost.clone())?;
+            Ok::<_, Error>((send, recv))
+        };
+        let timeout = shared.options.connect_timeout;
+        match tokio::time::timeout(timeout, tracing::Instrument::instrument(opened, span)).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::Timeout { op: OpKind::Send, waiting_for: peer, timeout_ms: millis(timeout) }),
+        }
+    }
+
+    /// Waits for the next side stream a peer opened on `channel` (in arrival order) and returns
+    /// the peer's rank with quinn's halves. Fails with `TransportClosed` once the transport is
+    /// dropped or closed. Streams that arrive before anyone waits are queued (at most
+    /// `SIDE_QUEUE` (16) per channel).
+    pub async fn accept_stream(&self, channel: u32) -> Result<(usize, quinn::SendStream, quinn::RecvStream)> {
+        let queue = self.shared.side_queue(channel).ok_or(Error::TransportClosed)?;
+        let mut rx = queue.rx.lock().await;
+        drop(queue.tx);
+        rx.recv().await.ok_or(Error::TransportClosed)
+    }
+
+    /// quinn's stable id of the connection to `peer`, while it is live. Collective frames and
+    /// side streams to `peer` share this one connection.
+    pub fn connection_id(&self, peer: usize) -> Option<usize> {
+        lock(&self.shared.links).get(&peer).map(|link| link.conn.stable_id())
+    }
+
+    /// The address of `peer`'s end of the connection, while it is live.
+    pub fn peer_address(&self, peer: usize) -> Option<SocketAddr> {
+        lock(&self.shared.links).get(&peer).map(|link| link.conn.remote_address())
+    }
+
+    /// 32 bytes of TLS keying material of the connection to `peer` (RFC 5705 exporter with
+    /// `label`), the same on both ends, for binding a proof to this channel.
+    pub fn export_keying_material(&self, peer: usize, label: &[u8]) -> Result<[u8; 32]> {
+        let conn = lock(&self.shared.links).get(&peer).map(|link| link.conn.clone()).ok_or(Error::PeerLost { rank: peer, op: OpKind::Send })?;
+        let mut out = [0u8; 32];
+        conn.export_keying_material(&mut out, label, b"rtx-collectives").map_err(|_| Error::Tls { reason: "TLS exporter unavailable".into() })?;
+        Ok(out)
+    }
+
+    /// Connections open on this rank's endpoint now (one per live peer when all is well).
+    pub fn open_connections(&self) -> usize {
+        self.shared.endpoint.open_connections()
+    }
+
+    /// The endpoint's handshake counters (accepted, dialed, refused) over its life.
+    pub fn endpoint_stats(&self) -> quinn::EndpointStats {
+        self.shared.endpoint.stats()
     }
 }
 
@@ -453,6 +567,8 @@ impl Drop for QuicTransport {
         for task in lock(&self.shared.tasks).drain(..) {
             task.abort();
         }
+        // Ends every waiting `accept_stream`; queued streams are dropped (the peers see them end).
+        lock(&self.shared.side).take();
         let links: Vec<Link> = lock(&self.shared.links).values().cloned().collect();
         let endpoint = self.shared.endpoint.clone();
         let linger = self.shared.options.idle_timeout;
@@ -495,6 +611,7 @@ impl QuicShared {
     /// Installs the link to `peer` and starts reading its frames.
     fn register(self: &Arc<Self>, peer: usize, conn: quinn::Connection, send: quinn::SendStream, recv: quinn::RecvStream) {
         let link = Link { conn: conn.clone(), send: Arc::new(tokio::sync::Mutex::new(send)) };
+        let conn_for_side = conn.clone();
         lock(&self.links).insert(peer, link);
         let came_back = lock(&self.lost).remove(&peer);
         let shared = Arc::clone(self);
@@ -508,8 +625,23 @@ impl QuicShared {
             shared.link_down(&route, peer, &conn).await;
         });
         lock(&self.tasks).push(task.abort_handle());
+        let side = tokio::spawn(accept_side_streams(Arc::clone(self), peer, conn_for_side));
+        lock(&self.tasks).push(side.abort_handle());
         self.links_changed.send_replace(());
         tracing::debug!(rank = self.rank, peer, "quic link up");
+    }
+
+    /// The queue of `channel`, made on first use; `None` once the transport is dropped.
+    fn side_queue(&self, channel: u32) -> Option<SideQueue> {
+        let mut side = lock(&self.side);
+        let side = side.as_mut()?;
+        if let Some(queue) = side.get(&channel) {
+            return Some(queue.clone());
+        }
+        let (tx, rx) = mpsc::channel(SIDE_QUEUE);
+        let queue = SideQueue { tx, rx: Arc::new(tokio::sync::Mutex::new(rx)) };
+        side.insert(channel, queue.clone());
+        Some(queue)
     }
 
     /// The delivery route, once the endpoint has attached or polled.
@@ -667,7 +799,8 @@ fn transport_config(options: &QuicOptions, datagram: Option<u16>) -> Result<quin
     let idle = quinn::IdleTimeout::try_from(options.idle_timeout).map_err(|_| Error::InvalidConfig { reason: "idle_timeout out of range" })?;
     config.max_idle_timeout(Some(idle));
     config.keep_alive_interval(Some(options.keep_alive));
-    config.max_concurrent_bidi_streams(0u32.into());
+    // Bidirectional streams are side streams only (see the module doc).
+    config.max_concurrent_bidi_streams(SIDE_STREAMS_MAX.into());
     config.max_concurrent_uni_streams(8u32.into());
     let window = quinn::VarInt::from_u32(options.stream_window_bytes);
     config.stream_receive_window(window);
@@ -893,6 +1026,46 @@ async fn read_frames(shared: &QuicShared, route: &Route, peer: usize, conn: &qui
             return;
         }
     }
+}
+
+/// Accepts the side streams `peer` opens on `conn` for as long as the connection lives: reads
+/// each one's tag and queues it on its channel, or refuses it.
+async fn accept_side_streams(shared: Arc<QuicShared>, peer: usize, conn: quinn::Connection) {
+    while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+        let mut header = [0u8; SIDE_HEADER_LEN];
+        let channel = match tokio::time::timeout(SIDE_HEADER_TIMEOUT, recv.read_exact(&mut header)).await {
+            Ok(Ok(())) if header[..4] == SIDE_MAGIC => u32::from_le_bytes([header[4], header[5], header[6], header[7]]),
+            outcome => {
+                tracing::warn!(rank = shared.rank, peer, timed_out = outcome.is_err(), "side stream without a valid tag; refused");
+                refuse_side(&mut send, &mut recv);
+                continue;
+            }
+        };
+        let Some(queue) = shared.side_queue(channel) else {
+            refuse_side(&mut send, &mut recv);
+            return;
+        };
+        match queue.tx.try_send((peer, send, recv)) {
+            Ok(()) => tracing::debug!(rank = shared.rank, peer, channel, "side stream accepted"),
+            Err(mpsc::error::TrySendError::Full((_, mut send, mut recv)) | mpsc::error::TrySendError::Closed((_, mut send, mut recv))) => {
+                tracing::warn!(rank = shared.rank, peer, channel, queue = SIDE_QUEUE, "side stream queue full or closed; refused");
+                refuse_side(&mut send, &mut recv);
+            }
+        }
+    }
+}
+
+fn side_header(channel: u32) -> [u8; SIDE_HEADER_LEN] {
+    let mut out = [0u8; SIDE_HEADER_LEN];
+    out[..4].copy_from_slice(&SIDE_MAGIC);
+    out[4..].copy_from_slice(&channel.to_le_bytes());
+    out
+}
+
+/// Ends both directions of a refused side stream at once: the opener's reads and writes fail.
+fn refuse_side(send: &mut quinn::SendStream, recv: &mut quinn::RecvStream) {
+    let _ = send.reset(SIDE_REFUSED.into());
+    let _ = recv.stop(SIDE_REFUSED.into());
 }
 
 fn hello(rank: usize) -> [u8; HELLO_LEN] {

@@ -15,17 +15,20 @@
 //! 4. After backward, buckets whose parameters were never used by the loss (so never reported) are
 //!    handed over too; their gradients are the zeros of step 1. Then the compute thread waits for one
 //!    report per bucket.
-//! 5. The optimizer steps. Under ZeRO-1 it holds state only for this rank's segments and updates
-//!    only them; then every bucket's parameters are `all_gather`ed so all replicas are identical.
+//! 5. The optimizer steps. Under ZeRO-1 this rank's [`ParamShard`] (the ZeRO-1 role, see
+//!    [`crate::param_shard`]) applies the step: it owns the rank's segment of every bucket and the
+//!    optimizer state for those segments only; the reduce-scatter wrote the averaged gradient
+//!    straight into its gradient segments. The updated parameter segments are copied into the
+//!    buckets and every bucket's parameters are `all_gather`ed so all replicas are identical.
 //!
 //! # Who owns a bucket buffer when
 //!
-//! | phase | bucket gradient storage | bucket parameter storage | ZeRO-1 shard gradient |
-//! |---|---|---|---|
-//! | forward; backward until the bucket is complete | compute (backward accumulates) | compute (reads) | idle |
-//! | submitted, until its report is received | **communication thread** (`Vec` taken out, storage empty) | compute (reads) | **communication thread** |
-//! | after its report | compute (averaged, or stale under ZeRO-1) | compute (optimizer writes) | compute (optimizer reads) |
-//! | ZeRO-1 all-gather, until its report | idle | **communication thread** | idle |
+//! | phase | bucket gradient storage | bucket parameter storage | ZeRO-1 shard gradient segment | ZeRO-1 shard parameter segment |
+//! |---|---|---|---|---|
+//! | forward; backward until the bucket is complete | compute (backward accumulates) | compute (reads) | idle | idle |
+//! | submitted, until its report is received | **communication thread** (`Vec` taken out, storage empty) | compute (reads) | **communication thread** | idle |
+//! | after its report | compute (averaged, or stale under ZeRO-1) | compute (optimizer writes; ZeRO-1: segment copied in) | shard (optimizer reads) | shard (optimizer writes) |
+//! | ZeRO-1 all-gather, until its report | idle | **communication thread** | idle | idle |
 //!
 //! A bucket passes to the communication thread only through `Reducer::submit` (once per phase per
 //! step) and comes back only with its report; the compute thread does not touch that storage in
@@ -64,7 +67,6 @@
 //! finish together should therefore meet out of band (a process join, a supervisor message)
 //! before dropping their engines.
 
-use std::collections::BTreeSet;
 use std::ops::Range;
 use std::time::Duration;
 
@@ -73,8 +75,9 @@ use rtx_tensor::optim::ParamBuckets;
 use rtx_tensor::{Module, Optimizer, Tensor};
 
 use crate::error::{Error, Result};
+use crate::param_shard::{check_optimizer_params, ParamShard};
 use crate::reducer::{block_on, BucketOp, CommMonitor, Failure, Job, Reducer, Report};
-use crate::shard::{self, BucketShard, ParamSlice};
+use crate::shard::{self, ParamSlice};
 
 /// Default: most bytes per gradient bucket (PyTorch DDP's 25 MiB).
 pub const DEFAULT_BUCKET_BYTES_MAX: usize = 25 << 20;
@@ -126,14 +129,18 @@ pub struct StepStats {
 pub struct DataParallel<M, O> {
     model: M,
     buckets: ParamBuckets,
-    optimizer: O,
-    shards: Option<Vec<BucketShard>>,
-    slices: Vec<ParamSlice>,
+    updater: Updater<O>,
     params_per_bucket: Vec<usize>,
     config: DpConfig,
     steps: u64,
     failed_step: Option<u64>,
     reducer: Reducer,
+}
+
+/// Who runs the optimizer step: this engine over whole parameters, or this rank's ZeRO-1 shard.
+enum Updater<O> {
+    Replicated { optimizer: O, slices: Vec<ParamSlice> },
+    Zero1(ParamShard<O>),
 }
 
 /// Counts pending parameters per bucket during one backward and says which buckets may be handed
@@ -213,19 +220,17 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         // Replicas start from rank 0's parameters, before any optimizer sees them.
         let broadcasts = (0..buckets.buckets().len()).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() } });
         run_jobs(&reducer, 0, broadcasts).await?;
-        let (shards, slices) = match config.sharding {
-            Sharding::Replicated => (None, shard::whole_slices(&buckets)),
-            Sharding::Zero1 => {
-                let (shards, slices) = shard::shard_slices(&buckets, reducer.rank(), reducer.size())?;
-                (Some(shards), slices)
+        let updater = match config.sharding {
+            Sharding::Replicated => {
+                let slices = shard::whole_slices(&buckets);
+                let optimizer = make_optimizer(&slices)?;
+                check_optimizer_params(&optimizer, &slices)?;
+                Updater::Replicated { optimizer, slices }
             }
+            // After the broadcast: the shard copies this rank's segments of rank 0's parameters.
+            Sharding::Zero1 => Updater::Zero1(ParamShard::new(&buckets, reducer.rank(), reducer.size(), make_optimizer)?),
         };
-        let optimizer = make_optimizer(&slices)?;
-        let given: BTreeSet<_> = slices.iter().map(|s| s.tensor.id()).collect();
-        if let Some((name, _)) = optimizer.parameters().into_iter().find(|(_, t)| !given.contains(&t.id())) {
-            return Err(Error::ForeignOptimizerParam { name });
-        }
-        Ok(DataParallel { model, buckets, optimizer, shards, slices, params_per_bucket, config, steps: 0, failed_step: None, reducer })
+        Ok(DataParallel { model, buckets, updater, params_per_bucket, config, steps: 0, failed_step: None, reducer })
     }
 
     /// Runs one training step: `forward(model)` returns the loss of this rank's batch (a mean over
@@ -273,14 +278,28 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         &self.buckets
     }
 
-    /// The optimizer.
+    /// The optimizer (under ZeRO-1, the one this rank's [`ParamShard`] owns).
     pub fn optimizer(&self) -> &O {
-        &self.optimizer
+        match &self.updater {
+            Updater::Replicated { optimizer, .. } => optimizer,
+            Updater::Zero1(shard) => shard.optimizer(),
+        }
     }
 
     /// The optimizer, mutably (to set the learning rate; it must be the same on every rank).
     pub fn optimizer_mut(&mut self) -> &mut O {
-        &mut self.optimizer
+        match &mut self.updater {
+            Updater::Replicated { optimizer, .. } => optimizer,
+            Updater::Zero1(shard) => shard.optimizer_mut(),
+        }
+    }
+
+    /// Under ZeRO-1, this rank's parameter shard (its segments, optimizer and next step).
+    pub fn param_shard(&self) -> Option<&ParamShard<O>> {
+        match &self.updater {
+            Updater::Replicated { .. } => None,
+            Updater::Zero1(shard) => Some(shard),
+        }
     }
 
     /// Counters of the communication thread.
@@ -317,19 +336,26 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     /// the parts of them in this rank's segments. After a step each slice's `.grad()` is the
     /// gradient averaged over the group (under ZeRO-1 only these parts are averaged locally).
     pub fn param_slices(&self) -> &[ParamSlice] {
-        &self.slices
+        match &self.updater {
+            Updater::Replicated { slices, .. } => slices,
+            Updater::Zero1(shard) => shard.slices(),
+        }
     }
 
     /// Under ZeRO-1, the element range of each bucket this rank owns.
     pub fn owned_segments(&self) -> Option<Vec<Range<usize>>> {
-        self.shards.as_ref().map(|s| s.iter().map(|s| s.own.clone()).collect())
+        self.param_shard().map(ParamShard::segments)
     }
 
     /// Stops the communication thread and returns the model (still holding bucket views), the
     /// buckets and the optimizer.
     pub fn into_parts(self) -> (M, ParamBuckets, O) {
-        let DataParallel { model, buckets, optimizer, reducer, .. } = self;
+        let DataParallel { model, buckets, updater, reducer, .. } = self;
         drop(reducer);
+        let optimizer = match updater {
+            Updater::Replicated { optimizer, .. } => optimizer,
+            Updater::Zero1(shard) => shard.into_optimizer(),
+        };
         (model, buckets, optimizer)
     }
 
@@ -349,10 +375,14 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         let monitor = self.reducer.monitor().clone();
         monitor.set_backward_running(true);
         let backward = {
-            let (buckets, shards, reducer) = (&self.buckets, self.shards.as_deref(), &self.reducer);
+            let shard = match &self.updater {
+                Updater::Replicated { .. } => None,
+                Updater::Zero1(shard) => Some(shard),
+            };
+            let (buckets, reducer) = (&self.buckets, &self.reducer);
             let mut hand_over = |bucket: usize| {
                 if submit_error.is_none() {
-                    match reducer.submit(gradient_job(step, bucket, buckets, shards)) {
+                    match reducer.submit(gradient_job(step, bucket, buckets, shard)) {
                         Ok(()) => submitted += 1,
                         Err(e) => submit_error = Some(e),
                     }
@@ -379,11 +409,16 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         let overlapped_buckets = reports?;
         debug_assert_eq!(submitted, n_buckets, "every bucket is reduced once per step");
 
-        self.optimizer.step()?;
-        if let Some(shards) = &self.shards {
-            let buckets = self.buckets.buckets();
-            let gathers = shards.iter().enumerate().map(|(bucket, shard)| Job { step, bucket, op: BucketOp::AllGather { params: buckets[bucket].param_storage().clone(), own: shard.own.clone() } });
-            run_jobs(&self.reducer, step, gathers).await?;
+        match &mut self.updater {
+            Updater::Replicated { optimizer, .. } => optimizer.step()?,
+            Updater::Zero1(shard) => {
+                // The reduce-scatter left the averaged gradients in the shard's own segments.
+                shard.apply_reduced(step)?;
+                shard.write_into(&self.buckets)?;
+                let buckets = self.buckets.buckets();
+                let gathers = shard.segments().into_iter().enumerate().map(|(bucket, own)| Job { step, bucket, op: BucketOp::AllGather { params: buckets[bucket].param_storage().clone(), own } });
+                run_jobs(&self.reducer, step, gathers).await?;
+            }
         }
         Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets, flushed_buckets: n_buckets - handed_during_backward })
     }
@@ -473,12 +508,13 @@ async fn run_jobs(reducer: &Reducer, step: u64, jobs: impl Iterator<Item = Job>)
     submit_error.map_or(Ok(()), Err)
 }
 
-/// The gradient collective of `bucket`.
-fn gradient_job(step: u64, bucket: usize, buckets: &ParamBuckets, shards: Option<&[BucketShard]>) -> Job {
+/// The gradient collective of `bucket`: an all-reduce, or under ZeRO-1 a reduce-scatter into the
+/// shard's gradient segment.
+fn gradient_job<O: Optimizer>(step: u64, bucket: usize, buckets: &ParamBuckets, shard: Option<&ParamShard<O>>) -> Job {
     let grads = buckets.buckets()[bucket].grad_storage().clone();
-    let op = match shards {
+    let op = match shard {
         None => BucketOp::AllReduce { grads },
-        Some(shards) => BucketOp::ReduceScatter { grads, shard: shards[bucket].grads.storage().clone() },
+        Some(shard) => BucketOp::ReduceScatter { grads, shard: shard.grad_storage(bucket).clone() },
     };
     Job { step, bucket, op }
 }

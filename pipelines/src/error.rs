@@ -1,6 +1,7 @@
 //! The crate's error type: one enum whose variants name the failed operation and carry its facts
 //! (step, bucket, collective), wrapping tensor and collective errors instead of stringifying them.
 
+use std::ops::Range;
 use std::time::Duration;
 
 use rtx_kernels::DType;
@@ -79,6 +80,65 @@ pub enum Error {
         /// The parameter's name in the optimizer.
         name: String,
     },
+    /// A parameter shard was given a step that is not its next one (an old step replayed, or one
+    /// skipped); nothing was applied.
+    #[error("param shard expects step {expected}, got step {got}")]
+    StaleStep {
+        /// The shard's next step.
+        expected: u64,
+        /// The step given.
+        got: u64,
+    },
+    /// A parameter shard was given the wrong number of segments (one per bucket is expected).
+    #[error("param shard has {expected} segments, got {got}")]
+    SegmentCount {
+        /// The shard's number of segments (buckets).
+        expected: usize,
+        /// The number given.
+        got: usize,
+    },
+    /// A segment given to a parameter shard does not have the owned length.
+    #[error("param shard segment of bucket {bucket} has {expected} elements, got {got}")]
+    SegmentLength {
+        /// The bucket index.
+        bucket: usize,
+        /// The owned length.
+        expected: usize,
+        /// The length given.
+        got: usize,
+    },
+    /// A segment given to a parameter shard does not have the bucket's dtype.
+    #[error("param shard segment of bucket {bucket} is {expected}, got {got}")]
+    SegmentDType {
+        /// The bucket index.
+        bucket: usize,
+        /// The bucket's dtype.
+        expected: DType,
+        /// The dtype given.
+        got: DType,
+    },
+    /// A shard state to import owns other elements of a bucket than this shard (another rank or
+    /// group size).
+    #[error("param shard owns elements {expected:?} of bucket {bucket}, the state holds {got:?}")]
+    SegmentLayout {
+        /// The bucket index.
+        bucket: usize,
+        /// This shard's range.
+        expected: Range<usize>,
+        /// The state's range.
+        got: Range<usize>,
+    },
+    /// A shard state to import has optimizer state that does not fit this shard's optimizer.
+    #[error("param shard optimizer state `{name}`: {reason}")]
+    ShardStateMismatch {
+        /// The state tensor's name.
+        name: String,
+        /// What is wrong (missing, extra, shape or dtype).
+        reason: String,
+    },
+    /// A message to a spawned actor (a `ParamShard`) was not delivered or not answered.
+    #[error(transparent)]
+    Actor(#[from] rtx_actors::ActorError),
     /// A configuration value is out of range.
     #[error("invalid data-parallel configuration: {reason}")]
     InvalidConfig {

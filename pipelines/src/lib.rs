@@ -4,17 +4,21 @@
 //! buckets ([`rtx_tensor::optim::ParamBuckets`]), an optimizer and a communication thread holding
 //! the rank's [`rtx_collectives::Communicator`]. [`DataParallel::step`] runs the caller's forward,
 //! then backward while each completed gradient bucket is averaged across the group, then the
-//! optimizer. [`Sharding::Zero1`] shards optimizer state and updates ZeRO-1 style. The engine does
+//! optimizer. [`Sharding::Zero1`] shards optimizer state and updates ZeRO-1 style, through the
+//! rank's [`ParamShard`] (the ZeRO-1 role: owns its segments of the parameters and their optimizer
+//! state; an [`rtx_actors::Actor`] with typed messages, export and import). The engine does
 //! not pick batches, detect failures beyond what its collectives report, or recover: a failed step
 //! leaves it [`Error::Broken`] for the supervisor to replace. Tensor, pipeline and federated
 //! parallelism and the trainers are not written yet.
 
 mod data_parallel;
 mod error;
+mod param_shard;
 mod reducer;
 mod shard;
 
 pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
 pub use error::{Error, Result};
+pub use param_shard::{ParamShard, ParamShardMsg, ShardState, PARAM_SHARD_MAILBOX};
 pub use reducer::CommMonitor;
 pub use shard::{adamw, named_slices, ParamSlice};

@@ -2,13 +2,9 @@
 //! parallelism or, under ZeRO-1, the parts of parameters that fall in this rank's segment of each
 //! flat bucket.
 //!
-//! ZeRO-1 layout: bucket `b` of `numel` elements is split with
-//! [`rtx_collectives::segment_range`]`(numel, n_ranks, rank)`, the same split `reduce_scatter` and
-//! `all_gather` use, so the segment this rank owns is exactly the one the collective leaves
-//! reduced on it. The averaged gradient segment lands in a buffer of its own (one per bucket); each
-//! slice is a 1-d view of the bucket's parameter storage whose gradient slot is bound to the
-//! matching view of that buffer. A parameter meets a contiguous segment in at most one contiguous
-//! run, so each rank gets at most one slice per parameter and slices keep the parameter's name.
+//! ZeRO-1 slices are cut by the [`crate::ParamShard`] that owns the segments (see
+//! `param_shard.rs`): views of its own parameter segments, not of the buckets. This module holds
+//! the slice type, the whole-parameter slices of plain data parallelism and the AdamW factory.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -52,15 +48,6 @@ pub fn adamw(config: AdamWConfig, decay: impl Fn(&str, &[usize]) -> bool) -> imp
     }
 }
 
-/// This rank's segment of one bucket under ZeRO-1.
-#[derive(Clone, Debug)]
-pub(crate) struct BucketShard {
-    /// Elements of the flat bucket this rank owns.
-    pub(crate) own: Range<usize>,
-    /// The averaged gradient of `own` (1-d, its own storage; written by `reduce_scatter`).
-    pub(crate) grads: Tensor,
-}
-
 /// Whole-parameter slices (plain data parallelism): the bucket views the module holds, whose
 /// gradient slots `ParamBuckets` already bound.
 pub(crate) fn whole_slices(buckets: &ParamBuckets) -> Vec<ParamSlice> {
@@ -70,35 +57,4 @@ pub(crate) fn whole_slices(buckets: &ParamBuckets) -> Vec<ParamSlice> {
         .zip(buckets.entries())
         .map(|((name, tensor), entry)| ParamSlice { name, tensor, param_shape: entry.shape.clone(), elements: 0..entry.numel })
         .collect()
-}
-
-/// The ZeRO-1 segments of every bucket for `rank` of `n_ranks`, and the slices they cut, in
-/// parameter visit order.
-pub(crate) fn shard_slices(buckets: &ParamBuckets, rank: usize, n_ranks: usize) -> rtx_tensor::Result<(Vec<BucketShard>, Vec<ParamSlice>)> {
-    assert!(rank < n_ranks, "shard: rank inside the group");
-    let shards: Vec<BucketShard> = buckets
-        .buckets()
-        .iter()
-        .map(|b| {
-            let own = rtx_collectives::segment_range(b.numel(), n_ranks, rank);
-            BucketShard { grads: Tensor::zeros(&[own.len()], b.dtype()), own }
-        })
-        .collect();
-    let mut slices = Vec::new();
-    for entry in buckets.entries() {
-        let shard = &shards[entry.bucket];
-        let start = entry.offset.max(shard.own.start);
-        let end = (entry.offset + entry.numel).min(shard.own.end);
-        if start >= end {
-            continue;
-        }
-        let bucket = &buckets.buckets()[entry.bucket];
-        let tensor = bucket.params().narrow(0, start, end - start)?;
-        let grad = shard.grads.narrow(0, start - shard.own.start, end - start)?;
-        debug_assert!(tensor.is_contiguous() && grad.is_contiguous());
-        tensor.set_grad(Some(grad))?;
-        slices.push(ParamSlice { name: entry.name.clone(), tensor, param_shape: entry.shape.clone(), elements: start - entry.offset..end - entry.offset });
-    }
-    debug_assert_eq!(slices.iter().map(|s| s.elements.len()).sum::<usize>(), shards.iter().map(|s| s.own.len()).sum::<usize>(), "shard: slices cover the owned segments exactly");
-    Ok((shards, slices))
 }

@@ -1,0 +1,273 @@
+//! Actor links over the collectives' QUIC connection (`Link::over_transport`): one connection per
+//! peer pair carries both all_reduce frames and actor envelopes, asks go both ways while
+//! all_reduces run, and a peer whose transport is dropped fails the pending ask with a typed error
+//! instead of a hang.
+//!
+//! Method: two real `QuicTransport`s on 127.0.0.1 with certificates from one `ClusterCa` (mutual
+//! TLS, as the collectives' own QUIC tests set them up), each wrapped in an `Endpoint` for
+//! collectives and used for one side-stream link. "One connection" is checked three ways: the
+//! endpoints' open connections (one each), their handshake counters (no handshake after the
+//! collectives' connection was made), and quinn's connection id, the same before and after.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rtx_actors::{ActorError, Inbound, Link, ACTOR_CHANNEL};
+use rtx_collectives::{ClusterCa, CommConfig, Communicator, Endpoint, QuicOptions, QuicTransport, ReduceOp, Transport};
+use tokio::sync::mpsc;
+
+/// Wall-clock bound on each test body.
+const TEST_TIMEOUT: Duration = Duration::from_secs(60);
+const ASK_TIMEOUT: Duration = Duration::from_secs(10);
+const ROUNDS: usize = 12;
+const ASKS_PER_ROUND: u64 = 10;
+/// Elements of each all_reduce: large enough for the ring path and frames of many packets.
+const ELEMS: usize = 1 << 18;
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, PartialEq, Clone)]
+enum Calc {
+    /// Answered with `a * 1000 + b + rank of the answering side`.
+    Mix { a: u64, b: u64 },
+    /// Taken and never answered.
+    Hold,
+}
+
+fn options() -> QuicOptions {
+    QuicOptions {
+        connect_timeout: Duration::from_secs(20),
+        idle_timeout: Duration::from_secs(3),
+        keep_alive: Duration::from_millis(500),
+        ..QuicOptions::default()
+    }
+}
+
+/// Two connected ranks on loopback.
+async fn pair(ca: &ClusterCa) -> Vec<Arc<QuicTransport>> {
+    let transports: Vec<Arc<QuicTransport>> =
+        (0..2).map(|r| Arc::new(QuicTransport::bind(&ca.issue(r).unwrap(), 2, "127.0.0.1:0".parse().unwrap(), options()).unwrap())).collect();
+    let addrs: Vec<SocketAddr> = transports.iter().map(|t| t.local_addr().unwrap()).collect();
+    let tasks: Vec<_> = transports
+        .iter()
+        .map(|t| {
+            let (t, addrs) = (Arc::clone(t), addrs.clone());
+            tokio::spawn(async move { t.connect(&addrs).await })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap().unwrap();
+    }
+    transports
+}
+
+fn communicator(transport: &Arc<QuicTransport>) -> Communicator {
+    let t: Arc<dyn Transport> = Arc::clone(transport) as Arc<dyn Transport>;
+    Endpoint::new(t, CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() }).unwrap().world().unwrap()
+}
+
+/// Rank 0 opens the actor link, rank 1 accepts it; returns each rank's link and inbound queue.
+async fn links(transports: &[Arc<QuicTransport>]) -> [(Link, mpsc::Receiver<Inbound>); 2] {
+    let acceptor = Arc::clone(&transports[1]);
+    let accepted = tokio::spawn(async move { Link::accept_over_transport(&acceptor, ACTOR_CHANNEL).await });
+    let opened = Link::over_transport(&transports[0], 1, ACTOR_CHANNEL).await.unwrap();
+    let (peer, link1, inbound1) = accepted.await.unwrap().unwrap();
+    assert_eq!(peer, 0);
+    [opened, (link1, inbound1)]
+}
+
+/// Serves `Calc` asks for `rank` until the link ends; returns how many it answered.
+fn serve(rank: u64, mut inbound: mpsc::Receiver<Inbound>) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let mut answered = 0;
+        let mut held = Vec::new();
+        while let Some(msg) = inbound.recv().await {
+            assert_eq!(msg.to(), "calc");
+            match msg.decode::<Calc>().unwrap() {
+                Calc::Mix { a, b } => {
+                    msg.reply(&(a * 1000 + b + rank)).await.unwrap();
+                    answered += 1;
+                }
+                Calc::Hold => held.push(msg),
+            }
+        }
+        answered
+    })
+}
+
+// Goal: actor asks in both directions and all_reduces share one QUIC connection per peer pair and
+// all complete correctly while running at the same time. Method: each rank runs ROUNDS
+// all_reduces of ELEMS floats while a second task per rank issues asks to the other rank; the
+// replies encode the answering rank, the sums are exact; then the connection counters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asks_and_all_reduce_share_one_connection() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let ca = ClusterCa::generate("rtx actor-link test cluster").unwrap();
+        let transports = pair(&ca).await;
+        let ids: Vec<usize> = vec![transports[0].connection_id(1).unwrap(), transports[1].connection_id(0).unwrap()];
+        let handshakes = |t: &QuicTransport| {
+            let stats = t.endpoint_stats();
+            (stats.outgoing_handshakes, stats.accepted_handshakes)
+        };
+        let handshakes_before: Vec<(u64, u64)> = transports.iter().map(|t| handshakes(t)).collect();
+        // Rank 0 dialed rank 1 (a failed first attempt would add a retry, never an accept).
+        assert!(handshakes_before[0].0 >= 1 && handshakes_before[0].1 == 0, "{handshakes_before:?}");
+        assert!(handshakes_before[1].0 == 0 && handshakes_before[1].1 >= 1, "{handshakes_before:?}");
+        let comms: Vec<Communicator> = transports.iter().map(communicator).collect();
+        let [(link0, inbound0), (link1, inbound1)] = links(&transports).await;
+        let servers = [serve(0, inbound0), serve(1, inbound1)];
+
+        let mut tasks = Vec::new();
+        for (rank, comm) in comms.iter().enumerate() {
+            let comm = comm.clone();
+            tasks.push(tokio::spawn(async move {
+                for round in 0..ROUNDS {
+                    let mut buf: Vec<f32> = (0..ELEMS).map(|i| ((i + round) % 13) as f32 + rank as f32).collect();
+                    comm.all_reduce(&mut buf, ReduceOp::Sum).await.unwrap();
+                    assert!(buf.iter().enumerate().all(|(i, &x)| x == 2.0 * ((i + round) % 13) as f32 + 1.0), "round {round} of rank {rank}");
+                }
+                ROUNDS as u64
+            }));
+        }
+        for (rank, link) in [(0u64, link0.clone()), (1u64, link1.clone())] {
+            tasks.push(tokio::spawn(async move {
+                let calc = link.remote::<Calc>("calc");
+                let other = 1 - rank;
+                let mut asked = 0;
+                for round in 0..ROUNDS as u64 {
+                    for i in 0..ASKS_PER_ROUND {
+                        let answer: u64 = calc.ask(&Calc::Mix { a: round, b: i }, ASK_TIMEOUT).await.unwrap();
+                        assert_eq!(answer, round * 1000 + i + other);
+                        asked += 1;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                asked
+            }));
+        }
+        let done: Vec<u64> = futures_join(tasks).await;
+        assert_eq!(done, vec![ROUNDS as u64, ROUNDS as u64, ROUNDS as u64 * ASKS_PER_ROUND, ROUNDS as u64 * ASKS_PER_ROUND]);
+
+        // Exactly one connection per peer pair: the same connection throughout, and no other was
+        // ever dialed or accepted.
+        assert_eq!(transports[0].connection_id(1), Some(ids[0]));
+        assert_eq!(transports[1].connection_id(0), Some(ids[1]));
+        for t in &transports {
+            assert_eq!(t.open_connections(), 1);
+        }
+        let handshakes_after: Vec<(u64, u64)> = transports.iter().map(|t| handshakes(t)).collect();
+        assert_eq!(handshakes_after, handshakes_before, "the actor link made a connection of its own");
+        // Both ends of the side stream see the same TLS channel.
+        assert_eq!(link0.export_keying_material(b"test").unwrap(), link1.export_keying_material(b"test").unwrap());
+
+        // Closing the actor link ends only its stream: the collectives keep working.
+        link0.close("done");
+        drop((link0, link1));
+        let answered: Vec<u64> = futures_join(servers.into_iter().collect()).await;
+        assert_eq!(answered, vec![ROUNDS as u64 * ASKS_PER_ROUND; 2]);
+        let sums = futures_join(
+            comms
+                .iter()
+                .map(|c| {
+                    let c = c.clone();
+                    tokio::spawn(async move {
+                        let mut one = vec![1.0f32; 100];
+                        c.all_reduce(&mut one, ReduceOp::Sum).await.unwrap();
+                        one[0] as u64
+                    })
+                })
+                .collect(),
+        )
+        .await;
+        assert_eq!(sums, vec![2, 2]);
+        assert_eq!(transports[0].connection_id(1), Some(ids[0]));
+    })
+    .await
+    .expect("test body timed out");
+}
+
+// Goal: a peer whose transport goes away fails the pending ask with a typed error, promptly.
+// Method: rank 1 takes an ask and holds it; then rank 1's communicator, link and transport are
+// dropped. Rank 0's ask (30 s timeout) must end with LinkClosed well before that; a later ask
+// fails at once, and the side-stream opener reports the lost peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_peer_transport_fails_the_pending_ask() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let ca = ClusterCa::generate("rtx actor-link test cluster").unwrap();
+        let mut transports = pair(&ca).await;
+        let mut comms: Vec<Communicator> = transports.iter().map(communicator).collect();
+        let [(link0, _inbound0), (link1, mut inbound1)] = links(&transports).await;
+
+        // One all_reduce and one answered ask first: the link works.
+        let warm = futures_join(
+            comms
+                .iter()
+                .map(|c| {
+                    let c = c.clone();
+                    tokio::spawn(async move {
+                        let mut v = vec![c.rank() as f32; 1000];
+                        c.all_reduce(&mut v, ReduceOp::Sum).await.unwrap();
+                        v[0] as u64
+                    })
+                })
+                .collect(),
+        )
+        .await;
+        assert_eq!(warm, vec![1, 1]);
+        let calc = link0.remote::<Calc>("calc");
+        let asked = tokio::spawn({
+            let calc = calc.clone();
+            async move { calc.ask::<u64>(&Calc::Mix { a: 1, b: 2 }, ASK_TIMEOUT).await }
+        });
+        let msg = inbound1.recv().await.unwrap();
+        msg.reply(&7u64).await.unwrap();
+        assert_eq!(asked.await.unwrap().unwrap(), 7);
+
+        // Now an ask rank 1 takes and never answers.
+        let pending = tokio::spawn({
+            let calc = calc.clone();
+            async move {
+                let started = tokio::time::Instant::now();
+                (calc.ask::<u64>(&Calc::Hold, Duration::from_secs(30)).await, started.elapsed())
+            }
+        });
+        let held = inbound1.recv().await.unwrap();
+        assert_eq!(held.decode::<Calc>().unwrap(), Calc::Hold);
+
+        // Rank 1's transport goes away (with its communicator and endpoint). Rank 1's link object
+        // stays alive, so only the transport's end can be what fails the ask.
+        drop(comms.pop());
+        drop((held, inbound1));
+        let gone = transports.pop().unwrap();
+        // The endpoint's dispatcher lets go of its transport as it winds down.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while Arc::strong_count(&gone) > 1 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(Arc::strong_count(&gone), 1, "nothing else holds rank 1's transport");
+        drop(gone);
+
+        let (answer, waited) = pending.await.unwrap();
+        assert!(matches!(answer, Err(ActorError::LinkClosed { .. })), "{answer:?}");
+        assert!(waited < Duration::from_secs(15), "the loss took {waited:?} to reach the pending ask");
+        let again = calc.ask::<u64>(&Calc::Mix { a: 0, b: 0 }, ASK_TIMEOUT).await;
+        assert!(matches!(again, Err(ActorError::LinkClosed { .. })), "{again:?}");
+        // No link to a lost peer can be opened either.
+        let reopened = Link::over_transport(&transports[0], 1, ACTOR_CHANNEL).await;
+        assert!(matches!(reopened, Err(ActorError::Connect { .. })), "{reopened:?}");
+        // Rank 1's link saw the loss too, and its keying material is gone with the transport.
+        assert!(link1.closed_reason().is_some());
+        assert!(link1.export_keying_material(b"test").is_err());
+    })
+    .await
+    .expect("test body timed out");
+}
+
+/// Awaits every task, in order.
+async fn futures_join<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
+    let mut out = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        out.push(task.await.unwrap());
+    }
+    out
+}

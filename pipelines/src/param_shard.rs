@@ -1,0 +1,382 @@
+//! The `ParamShard` role (ZeRO-1): owns one rank's segment of every flat parameter bucket, the
+//! optimizer over those segments and its state, and the number of the next step it will apply.
+//! Given the group-averaged gradient of its segments for step `s` it runs the optimizer and hands
+//! back the updated parameter segments, which the trainer all-gathers into every replica.
+//!
+//! # What it owns
+//!
+//! Per bucket `b`, the shard owns the elements `segment_range(numel_b, n_ranks, rank)` (the split
+//! `reduce_scatter` and `all_gather` use) as two 1-d tensors over storages of its own: the
+//! parameter segment (copied from the bucket when the shard is made) and the gradient segment.
+//! The optimizer is built over [`ParamSlice`]s that view the parameter segments (a parameter meets
+//! a contiguous segment in at most one run, so each rank gets at most one slice per parameter, and
+//! slices keep the parameter's name), with their gradient slots bound to the matching views of the
+//! gradient segments. Nobody else writes these storages, except the data-parallel engine's
+//! reduce-scatter, which fills the gradient segments while the shard waits for that step.
+//!
+//! # Messages and their contract
+//!
+//! [`ParamShardMsg::Apply`] takes step `s` and one gradient segment per bucket; it is accepted only
+//! when `s` is the shard's next step and every segment has the owned length and the bucket's
+//! dtype. Otherwise the answer is a typed error ([`Error::StaleStep`], [`Error::SegmentCount`],
+//! [`Error::SegmentLength`], [`Error::SegmentDType`]) and nothing has changed: validation runs
+//! before the first write. [`ParamShardMsg::Export`] copies the whole state ([`ShardState`]: next
+//! step, segments, parameter values, the optimizer's named state tensors) for checkpoints and
+//! elastic recovery; [`ParamShardMsg::Import`] restores one, checked against this shard's layout
+//! and optimizer state names, shapes and dtypes first ([`Error::SegmentLayout`],
+//! [`Error::ShardStateMismatch`]). Bad input never stops the actor; it answers and waits for the
+//! next message. The mailbox holds [`PARAM_SHARD_MAILBOX`] messages (back-pressure on senders).
+//!
+//! # Decision: how `DataParallel` drives it
+//!
+//! Constraint: `DataParallel`'s public API lends out the optimizer between steps
+//! (`optimizer()`, `optimizer_mut()` for the learning-rate schedule, `into_parts()`), and the
+//! supervisor's elastic ZeRO-1 path reads it for its snapshots; a tokio task cannot lend `&O`.
+//! The tensors themselves are no obstacle (`Tensor` is `Send + Sync`), and a `ParamShard` is an
+//! [`Actor`]: spawn it with [`rtx_actors::spawn`] to serve the messages above. Choice: the engine
+//! owns its shard in place and calls the same handlers ([`ParamShard::apply_reduced`], the
+//! zero-copy form of `Apply` whose gradients the reduce-scatter already wrote into the shard's
+//! gradient segments) between its collectives, as `DataShard::inline` serves batches without a
+//! thread. Pros: the public API, the step's timing and its bits are unchanged (the same AdamW
+//! arithmetic on the same values); no extra copy of gradients. Cons: an in-place shard lives on the
+//! trainer's thread; a remote shard (another process) needs the messages carried over a link
+//! (`rtx_actors::Link::over_transport`) and a serialisable `ShardState`, not written yet.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use rtx_actors::{Actor, Context, Reply};
+use rtx_kernels::DType;
+use rtx_tensor::optim::ParamBuckets;
+use rtx_tensor::{CpuData, Optimizer, Storage, Tensor};
+
+use crate::error::{Error, Result};
+use crate::shard::ParamSlice;
+
+/// Mailbox capacity of a spawned [`ParamShard`]: the trainer has at most one step in flight, plus
+/// room for an export or a learning-rate change.
+pub const PARAM_SHARD_MAILBOX: usize = 4;
+
+/// One rank's ZeRO-1 segments, their optimizer and its state (see the module doc).
+pub struct ParamShard<O> {
+    rank: usize,
+    n_ranks: usize,
+    segments: Vec<Segment>,
+    slices: Vec<ParamSlice>,
+    optimizer: O,
+    next_step: u64,
+}
+
+/// A copy of a shard's whole state: what [`ParamShard::export`] returns and
+/// [`ParamShard::import`] restores.
+#[derive(Clone, Debug)]
+pub struct ShardState {
+    /// The next step the shard will apply (steps applied so far, counted from the shard's start).
+    pub step: u64,
+    /// The owned element range of each bucket.
+    pub segments: Vec<Range<usize>>,
+    /// The parameter values of each segment.
+    pub params: Vec<CpuData>,
+    /// The optimizer's named state tensors ([`Optimizer::state_tensors`]).
+    pub optimizer: Vec<(String, Tensor)>,
+}
+
+/// Messages of a spawned [`ParamShard`].
+#[derive(Debug)]
+pub enum ParamShardMsg {
+    /// Apply the averaged gradient segments (one per bucket) of `step`; answers the updated
+    /// parameter segments.
+    Apply {
+        /// The step these gradients belong to; must be the shard's next step.
+        step: u64,
+        /// One averaged gradient segment per bucket, of the owned length and the bucket's dtype.
+        grads: Vec<CpuData>,
+        /// The updated parameter segments, or why nothing was applied.
+        reply: Reply<Result<Vec<CpuData>>>,
+    },
+    /// Copy the whole state.
+    Export {
+        /// The state.
+        reply: Reply<Result<ShardState>>,
+    },
+    /// Replace the whole state (checked first; nothing changes on an error).
+    Import {
+        /// The state to restore.
+        state: ShardState,
+        /// Done, or why not.
+        reply: Reply<Result<()>>,
+    },
+    /// Set the optimizer's learning rate (before the next `Apply`).
+    SetLr {
+        /// The new base learning rate.
+        lr: f64,
+    },
+}
+
+/// One bucket's owned segment.
+struct Segment {
+    own: Range<usize>,
+    dtype: DType,
+    /// 1-d, its own storage: the owned parameter elements.
+    params: Tensor,
+    /// 1-d, its own storage: the averaged gradient of the owned elements.
+    grads: Tensor,
+}
+
+impl<O: Optimizer> ParamShard<O> {
+    /// The shard of `rank` in a group of `n_ranks` over `buckets`: copies the rank's segment of
+    /// every bucket's parameters, cuts the [`ParamSlice`]s and builds the optimizer over them with
+    /// `make_optimizer` (which may load state into it). The optimizer must update only the given
+    /// slices.
+    pub fn new<F>(buckets: &ParamBuckets, rank: usize, n_ranks: usize, make_optimizer: F) -> Result<Self>
+    where
+        F: FnOnce(&[ParamSlice]) -> rtx_tensor::Result<O>,
+    {
+        if n_ranks == 0 || rank >= n_ranks {
+            return Err(Error::InvalidConfig { reason: "param shard: rank must be inside the group" });
+        }
+        let mut segments = Vec::with_capacity(buckets.buckets().len());
+        for bucket in buckets.buckets() {
+            let own = rtx_collectives::segment_range(bucket.numel(), n_ranks, rank);
+            let values = bucket.params().narrow(0, own.start, own.len())?.to_data()?;
+            let params = Tensor::from_data(values, &[own.len()])?;
+            let grads = Tensor::zeros(&[own.len()], bucket.dtype());
+            segments.push(Segment { own, dtype: bucket.dtype(), params, grads });
+        }
+        let mut slices = Vec::new();
+        for entry in buckets.entries() {
+            let segment = &segments[entry.bucket];
+            let start = entry.offset.max(segment.own.start);
+            let end = (entry.offset + entry.numel).min(segment.own.end);
+            if start >= end {
+                continue;
+            }
+            let tensor = segment.params.narrow(0, start - segment.own.start, end - start)?;
+            let grad = segment.grads.narrow(0, start - segment.own.start, end - start)?;
+            debug_assert!(tensor.is_contiguous() && grad.is_contiguous());
+            tensor.set_grad(Some(grad))?;
+            slices.push(ParamSlice { name: entry.name.clone(), tensor, param_shape: entry.shape.clone(), elements: start - entry.offset..end - entry.offset });
+        }
+        debug_assert_eq!(
+            slices.iter().map(|s| s.elements.len()).sum::<usize>(),
+            segments.iter().map(|s| s.own.len()).sum::<usize>(),
+            "param shard: slices cover the owned segments exactly"
+        );
+        let optimizer = make_optimizer(&slices)?;
+        check_optimizer_params(&optimizer, &slices)?;
+        Ok(ParamShard { rank, n_ranks, segments, slices, optimizer, next_step: 0 })
+    }
+
+    /// Applies `grads` (one averaged gradient segment per bucket) as step `step` and returns the
+    /// updated parameter segments. Nothing changes when it fails validation (see the module doc).
+    pub fn apply(&mut self, step: u64, grads: Vec<CpuData>) -> Result<Vec<CpuData>> {
+        let _span = tracing::debug_span!("param_shard", actor = "param_shard", msg = "apply", rank = self.rank, step).entered();
+        self.check_step(step)?;
+        self.check_segments(&grads)?;
+        for (segment, grad) in self.segments.iter().zip(grads) {
+            let mut slot = segment.grads.storage().write()?;
+            debug_assert_eq!(slot.len(), grad.len(), "param shard: validated length");
+            *slot = grad;
+        }
+        self.run_optimizer(step)?;
+        self.segments.iter().map(|s| Ok(s.params.storage().read()?.clone())).collect()
+    }
+
+    /// Applies step `step` with the averaged gradients already in the shard's gradient segments
+    /// (written there by the engine's reduce-scatter, see [`grad_storage`](Self::grad_storage)).
+    /// The parameter segments are updated in place.
+    pub(crate) fn apply_reduced(&mut self, step: u64) -> Result<()> {
+        let _span = tracing::debug_span!("param_shard", actor = "param_shard", msg = "apply_reduced", rank = self.rank, step).entered();
+        self.check_step(step)?;
+        for (bucket, segment) in self.segments.iter().enumerate() {
+            let got = segment.grads.storage().len();
+            if got != segment.own.len() {
+                return Err(Error::SegmentLength { bucket, expected: segment.own.len(), got });
+            }
+        }
+        self.run_optimizer(step)
+    }
+
+    /// A copy of the whole state.
+    pub fn export(&self) -> Result<ShardState> {
+        let _span = tracing::debug_span!("param_shard", actor = "param_shard", msg = "export", rank = self.rank, step = self.next_step).entered();
+        let params = self.segments.iter().map(|s| Ok(s.params.storage().read()?.clone())).collect::<Result<Vec<_>>>()?;
+        Ok(ShardState { step: self.next_step, segments: self.segments(), params, optimizer: self.optimizer.state_tensors()? })
+    }
+
+    /// Replaces the whole state by `state`, after checking that it fits this shard (segments,
+    /// parameter lengths and dtypes, optimizer state names, shapes and dtypes).
+    pub fn import(&mut self, state: ShardState) -> Result<()> {
+        let _span = tracing::debug_span!("param_shard", actor = "param_shard", msg = "import", rank = self.rank, step = state.step).entered();
+        if state.segments.len() != self.segments.len() {
+            return Err(Error::SegmentCount { expected: self.segments.len(), got: state.segments.len() });
+        }
+        for (bucket, (segment, got)) in self.segments.iter().zip(&state.segments).enumerate() {
+            if segment.own != *got {
+                return Err(Error::SegmentLayout { bucket, expected: segment.own.clone(), got: got.clone() });
+            }
+        }
+        self.check_segments(&state.params)?;
+        let expected: BTreeMap<String, (Vec<usize>, DType)> =
+            self.optimizer.state_tensors()?.into_iter().map(|(name, t)| (name, (t.shape().to_vec(), t.dtype()))).collect();
+        let mut given = BTreeMap::new();
+        for (name, t) in &state.optimizer {
+            if given.insert(name.clone(), (t.shape().to_vec(), t.dtype())).is_some() {
+                return Err(Error::ShardStateMismatch { name: name.clone(), reason: "appears twice".into() });
+            }
+        }
+        for (name, want) in &expected {
+            match given.get(name) {
+                None => return Err(Error::ShardStateMismatch { name: name.clone(), reason: "missing".into() }),
+                Some(got) if got != want => {
+                    return Err(Error::ShardStateMismatch {
+                        name: name.clone(),
+                        reason: format!("shape {:?} {}, expected {:?} {}", got.0, got.1, want.0, want.1),
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some(name) = given.keys().find(|name| !expected.contains_key(*name)) {
+            return Err(Error::ShardStateMismatch { name: name.clone(), reason: "not a state tensor of this optimizer".into() });
+        }
+        // Checked above; the optimizer checks again (and validates before writing).
+        self.optimizer.load_state(&state.optimizer)?;
+        for (segment, values) in self.segments.iter().zip(state.params) {
+            *segment.params.storage().write()? = values;
+        }
+        self.next_step = state.step;
+        Ok(())
+    }
+
+    /// The next step the shard will apply.
+    pub fn next_step(&self) -> u64 {
+        self.next_step
+    }
+
+    /// The owned element range of each bucket.
+    pub fn segments(&self) -> Vec<Range<usize>> {
+        self.segments.iter().map(|s| s.own.clone()).collect()
+    }
+
+    /// This shard's rank and group size.
+    pub fn placement(&self) -> (usize, usize) {
+        (self.rank, self.n_ranks)
+    }
+
+    /// What the optimizer updates, in parameter order (views of the parameter segments, gradient
+    /// slots bound to the gradient segments).
+    pub fn slices(&self) -> &[ParamSlice] {
+        &self.slices
+    }
+
+    /// The optimizer.
+    pub fn optimizer(&self) -> &O {
+        &self.optimizer
+    }
+
+    /// The optimizer, mutably (to set the learning rate).
+    pub fn optimizer_mut(&mut self) -> &mut O {
+        &mut self.optimizer
+    }
+
+    /// Ends the shard and returns its optimizer.
+    pub fn into_optimizer(self) -> O {
+        self.optimizer
+    }
+
+    /// The storage of bucket `bucket`'s gradient segment, for a reduce-scatter to write into.
+    pub(crate) fn grad_storage(&self, bucket: usize) -> &Storage {
+        self.segments[bucket].grads.storage()
+    }
+
+    /// Copies every parameter segment into its place in the buckets' parameter storages (before
+    /// the all-gather that sends them to every replica).
+    pub(crate) fn write_into(&self, buckets: &ParamBuckets) -> Result<()> {
+        for (bucket, segment) in buckets.buckets().iter().zip(&self.segments) {
+            let src = segment.params.storage().read()?;
+            let mut dst = bucket.param_storage().write()?;
+            copy_at(&mut dst, segment.own.start, &src);
+        }
+        Ok(())
+    }
+
+    fn check_step(&self, step: u64) -> Result<()> {
+        if step != self.next_step {
+            return Err(Error::StaleStep { expected: self.next_step, got: step });
+        }
+        Ok(())
+    }
+
+    /// One segment per bucket, each of the owned length and the bucket's dtype.
+    fn check_segments(&self, given: &[CpuData]) -> Result<()> {
+        if given.len() != self.segments.len() {
+            return Err(Error::SegmentCount { expected: self.segments.len(), got: given.len() });
+        }
+        for (bucket, (segment, data)) in self.segments.iter().zip(given).enumerate() {
+            if data.len() != segment.own.len() {
+                return Err(Error::SegmentLength { bucket, expected: segment.own.len(), got: data.len() });
+            }
+            if data.dtype() != segment.dtype {
+                return Err(Error::SegmentDType { bucket, expected: segment.dtype, got: data.dtype() });
+            }
+        }
+        Ok(())
+    }
+
+    fn run_optimizer(&mut self, step: u64) -> Result<()> {
+        debug_assert_eq!(step, self.next_step, "param shard: step checked before running");
+        self.optimizer.step()?;
+        self.next_step += 1;
+        Ok(())
+    }
+}
+
+impl<O: Optimizer + Send + 'static> Actor for ParamShard<O> {
+    type Msg = ParamShardMsg;
+
+    async fn handle(&mut self, msg: ParamShardMsg, _ctx: &mut Context<ParamShardMsg>) -> rtx_actors::Result<()> {
+        // Typed errors go back to the caller; the shard keeps serving.
+        match msg {
+            ParamShardMsg::Apply { step, grads, reply } => reply.send(self.apply(step, grads)),
+            ParamShardMsg::Export { reply } => reply.send(self.export()),
+            ParamShardMsg::Import { state, reply } => reply.send(self.import(state)),
+            ParamShardMsg::SetLr { lr } => self.optimizer.set_lr(lr),
+        }
+        Ok(())
+    }
+}
+
+impl<O> std::fmt::Debug for ParamShard<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParamShard")
+            .field("rank", &self.rank)
+            .field("n_ranks", &self.n_ranks)
+            .field("segments", &self.segments.iter().map(|s| s.own.clone()).collect::<Vec<_>>())
+            .field("next_step", &self.next_step)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Fails with `ForeignOptimizerParam` when `optimizer` updates a tensor that is not one of
+/// `slices`.
+pub(crate) fn check_optimizer_params<O: Optimizer>(optimizer: &O, slices: &[ParamSlice]) -> Result<()> {
+    let given: std::collections::BTreeSet<_> = slices.iter().map(|s| s.tensor.id()).collect();
+    match optimizer.parameters().into_iter().find(|(_, t)| !given.contains(&t.id())) {
+        Some((name, _)) => Err(Error::ForeignOptimizerParam { name }),
+        None => Ok(()),
+    }
+}
+
+/// Copies `src` into `dst[offset..]`; the caller checked dtypes and bounds (the segment lies in
+/// its bucket and has its dtype).
+fn copy_at(dst: &mut CpuData, offset: usize, src: &CpuData) {
+    let n = src.len();
+    match (dst, src) {
+        (CpuData::F32(d), CpuData::F32(s)) => d[offset..offset + n].copy_from_slice(s),
+        (CpuData::F64(d), CpuData::F64(s)) => d[offset..offset + n].copy_from_slice(s),
+        (CpuData::BF16(d), CpuData::BF16(s)) => d[offset..offset + n].copy_from_slice(s),
+        (CpuData::U32(d), CpuData::U32(s)) => d[offset..offset + n].copy_from_slice(s),
+        (d, s) => unreachable!("param shard: segment dtype {} in a bucket of {}", s.dtype(), d.dtype()),
+    }
+}
