@@ -9,7 +9,9 @@
 //! tolerances of issue #6: f32 ≤ 1e-5, TF32 ≤ 5e-4, bf16 ≤ 1e-2.
 //!
 //! Run: `cargo build --release -p rtx-kernels --features cuda --example gpu_check`, then the
-//! binary on a GPU machine (`scripts/gpu-check.sh`).
+//! binary on a GPU machine (`scripts/gpu-check.sh`). `GPU_CHECK_ONLY=attention,attention_bench`
+//! runs only the steps named; `GPU_CHECK_ATTN_SHAPES=1` times only the GPT-2 attention shape
+//! (for profiler runs).
 #![allow(clippy::unwrap_used)]
 
 use std::error::Error;
@@ -20,7 +22,7 @@ use half::bf16;
 use rtx_kernels::attention::{attention_backward, attention_forward, AttentionSpec, Heads};
 use rtx_kernels::cross_entropy::{cross_entropy_rows, CrossEntropySpec};
 use rtx_kernels::cuda::cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
-use rtx_kernels::cuda::{AdamW, BinaryOp, Device, FlashSpec, Gemm, GemmMath, UnaryOp};
+use rtx_kernels::cuda::{AdamW, BinaryOp, Buffer, Device, FlashSpec, Gemm, GemmMath, HeadLayout, UnaryOp};
 use rtx_kernels::matmul::{matmul, Operand};
 use rtx_kernels::{convert, elementwise, norm, softmax};
 
@@ -141,7 +143,7 @@ fn main() {
     report.bench("second device: load cached PTX", format!("{:.0} ms ({})", tw.elapsed().as_secs_f64() * 1e3, if d2.is_ok() { "ok" } else { "failed" }));
     drop(d2);
 
-    let steps: [Step; 12] = [
+    let steps: [Step; 13] = [
         ("memory", check_memory),
         ("gemm", check_gemm),
         ("binary", check_binary),
@@ -154,8 +156,12 @@ fn main() {
         ("casts", check_casts),
         ("attention", check_attention),
         ("benchmarks", benchmarks),
+        ("attention_bench", bench_attention),
     ];
     let mut errors = 0;
+    // `GPU_CHECK_ONLY=attention,benchmarks` runs only the steps named (for profiling runs).
+    let only = std::env::var("GPU_CHECK_ONLY").ok();
+    let steps = steps.into_iter().filter(|(name, _)| only.as_deref().is_none_or(|o| o.split(',').any(|s| s == *name)));
     for (name, step) in steps {
         if let Err(e) = step(&dev, &mut rng, &mut report) {
             println!("ERROR in {name}: {e}");
@@ -549,10 +555,93 @@ fn check_attention(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
         attention_backward(spec, hq, hk, hv, &probs, Heads { data: &gr, offsets: &oq, row_stride: d }, &mut dq64, &mut dk64, &mut dv64)?;
         let (dqb, dkb, dvb) = (dev.htod(&qb)?, dev.htod(&kb)?, dev.htod(&vb)?);
         dev.flash_attention_forward_bf16(fs, &dqb, &dkb, &dvb, &mut ob, &mut lse)?;
-        dev.flash_attention_backward_bf16(fs, &dqb, &dkb, &dvb, &ob, &lse, &dev.htod(&gb)?, &mut gq, &mut gk, &mut gv)?;
-        rep.check(&format!("flash attention bf16 dq {tag}"), &dev.dtoh(&gq)?, &dq64, BF16_TOL);
-        rep.check(&format!("flash attention bf16 dk {tag}"), &dev.dtoh(&gk)?, &dk64, BF16_TOL);
-        rep.check(&format!("flash attention bf16 dv {tag}"), &dev.dtoh(&gv)?, &dv64, BF16_TOL);
+        let gbd = dev.htod(&gb)?;
+        let [gq, gk, gv] = bf16_backward_heads(dev, fs, [&dqb, &dkb, &dvb], &ob, &lse, &gbd)?;
+        rep.check(&format!("flash attention bf16 dq {tag}"), &gq, &dq64, BF16_TOL);
+        rep.check(&format!("flash attention bf16 dk {tag}"), &gk, &dk64, BF16_TOL);
+        rep.check(&format!("flash attention bf16 dv {tag}"), &gv, &dv64, BF16_TOL);
+        // The same backward again must give the same bits (ordered dQ accumulation).
+        let again = bf16_backward_heads(dev, fs, [&dqb, &dkb, &dvb], &ob, &lse, &gbd)?;
+        rep.pass(&format!("flash attention bf16 bwd bit-identical rerun {tag}"), again == [gq, gk, gv]);
+    }
+    check_attention_packed(dev, rng, rep)
+}
+
+/// The bf16 backward on contiguous `[heads, t, d]` operands; returns dQ, dK, dV widened to f32.
+/// The gradients share one `[heads, max(tq, tk), 3·d]` buffer (dQ, dK, dV side by side in each
+/// row), which also exercises the strided gradient layouts.
+fn bf16_backward_heads(dev: &Device, fs: FlashSpec, qkv: [&Buffer<bf16>; 3], out: &Buffer<bf16>, lse: &Buffer<f32>, dout: &Buffer<bf16>) -> Res<[Vec<f32>; 3]> {
+    let FlashSpec { heads, tq, tk, d, .. } = fs;
+    let (lq, lk) = (fs.heads_layout(tq), fs.heads_layout(tk));
+    let side = |t: usize, s: usize| HeadLayout { row_stride: 3 * d, col_offset: s * d, ..fs.heads_layout(t) };
+    let mut grads = dev.alloc::<bf16>(heads * tq.max(tk) * 3 * d)?;
+    dev.flash_attention_backward_bf16(
+        fs,
+        (qkv[0], lq),
+        (qkv[1], lk),
+        (qkv[2], lk),
+        (out, lq),
+        lse,
+        (dout, lq),
+        &mut grads,
+        [side(tq, 0), side(tk, 1), side(tk, 2)],
+    )?;
+    let all = convert::bf16_vec_to_f32(&dev.dtoh(&grads)?);
+    let pick = |t: usize, s: usize| -> Vec<f32> { (0..heads * t).flat_map(|r| all[r * 3 * d + s * d..r * 3 * d + (s + 1) * d].iter().copied()).collect() };
+    Ok([pick(tq, 0), pick(tk, 1), pick(tk, 2)])
+}
+
+/// The bf16 forward and backward reading Q, K, V in place from packed `[B, T, 3·C]` rows and
+/// writing O into `[B, T, C]` and the gradients into packed `[B, T, 3·C]` must give exactly the
+/// bits of the contiguous head-major path.
+fn check_attention_packed(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
+    for &(d, causal, b, h, t) in &[(64, true, 2, 3, 200), (64, false, 2, 2, 130), (128, true, 1, 2, 96)] {
+        let c = h * d;
+        let fs = FlashSpec { heads: b * h, tq: t, tk: t, d, causal, scale: 1.0 / (d as f32).sqrt() };
+        let packed = convert::f32_vec_to_bf16(&rng.vec(b * t * 3 * c, 1.5));
+        let gmerged = convert::f32_vec_to_bf16(&rng.vec(b * t * c, 1.0));
+        let part = |s: usize| HeadLayout { batch: b, seq: t, heads: h, head_dim: d, row_stride: 3 * c, col_offset: s * c };
+        let merged = HeadLayout { batch: b, seq: t, heads: h, head_dim: d, row_stride: c, col_offset: 0 };
+        // Strided: in place.
+        let (pd, gd) = (dev.htod(&packed)?, dev.htod(&gmerged)?);
+        let (mut y, mut lse) = (dev.alloc::<bf16>(b * t * c)?, dev.alloc::<f32>(b * h * t)?);
+        dev.flash_attention_forward_bf16_strided(fs, (&pd, part(0)), (&pd, part(1)), (&pd, part(2)), (&mut y, merged), &mut lse)?;
+        let mut dqkv = dev.alloc::<bf16>(b * t * 3 * c)?;
+        dev.flash_attention_backward_bf16(
+            fs,
+            (&pd, part(0)),
+            (&pd, part(1)),
+            (&pd, part(2)),
+            (&y, merged),
+            &lse,
+            (&gd, merged),
+            &mut dqkv,
+            [part(0), part(1), part(2)],
+        )?;
+        let (y_rows, g_rows) = (dev.dtoh(&y)?, dev.dtoh(&dqkv)?);
+        // Head-major: copies on the host.
+        let to_heads = |src: &[bf16], stride: usize, off: usize| -> Vec<bf16> {
+            let mut out = Vec::with_capacity(b * h * t * d);
+            for bi in 0..b {
+                for hi in 0..h {
+                    for ti in 0..t {
+                        let row = (bi * t + ti) * stride + off + hi * d;
+                        out.extend_from_slice(&src[row..row + d]);
+                    }
+                }
+            }
+            out
+        };
+        let (q, k, v) = (dev.htod(&to_heads(&packed, 3 * c, 0))?, dev.htod(&to_heads(&packed, 3 * c, c))?, dev.htod(&to_heads(&packed, 3 * c, 2 * c))?);
+        let mut o = dev.alloc::<bf16>(b * h * t * d)?;
+        dev.flash_attention_forward_bf16(fs, &q, &k, &v, &mut o, &mut lse)?;
+        let go = dev.htod(&to_heads(&gmerged, c, 0))?;
+        let grads = bf16_backward_heads(dev, fs, [&q, &k, &v], &o, &lse, &go)?;
+        let tag = format!("d{d} {} {b}x{h}x{t}", if causal { "causal" } else { "full" });
+        let same = |x: &[bf16], y: &[bf16]| x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits());
+        rep.pass(&format!("flash attention bf16 packed fwd = heads {tag}"), same(&to_heads(&y_rows, c, 0), &dev.dtoh(&o)?));
+        let ok = (0..3).all(|s| convert::bf16_vec_to_f32(&to_heads(&g_rows, 3 * c, s * c)) == grads[s]);
+        rep.pass(&format!("flash attention bf16 packed bwd = heads {tag}"), ok);
     }
     Ok(())
 }
@@ -665,8 +754,19 @@ fn benchmarks(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
         let s = t.elapsed().as_secs_f64();
         rep.bench("dtoh 256 MiB into pinned", format!("{:.1} GB/s", (len * 4) as f64 / s / 1e9));
     }
-    // Flash attention (f32) at GPT-2 shapes.
-    for &(batch_heads, t, d) in &[(16 * 12, 1024, 64), (4 * 12, 4096, 64), (16 * 6, 1024, 128)] {
+    Ok(())
+}
+
+/// Flash attention at GPT-2 shapes: f32, and bf16 on tensor cores (with the backward's timing
+/// probes, and a full-size bit-identical rerun check).
+fn bench_attention(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
+    // `GPU_CHECK_ATTN_SHAPES=1` times only the first (GPT-2) shape, for profiler runs.
+    let shapes: &[(usize, usize, usize)] = if std::env::var("GPU_CHECK_ATTN_SHAPES").is_ok_and(|v| v == "1") {
+        &[(16 * 12, 1024, 64)]
+    } else {
+        &[(16 * 12, 1024, 64), (4 * 12, 4096, 64), (16 * 6, 1024, 128)]
+    };
+    for &(batch_heads, t, d) in shapes {
         for causal in [true, false] {
             let fs = FlashSpec { heads: batch_heads, tq: t, tk: t, d, causal, scale: 1.0 / (d as f32).sqrt() };
             let len = batch_heads * t * d;
@@ -686,10 +786,30 @@ fn benchmarks(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
             let fb = dev.time_ms(10, || dev.flash_attention_forward_bf16(fs, &qb, &kb, &vb, &mut ob, &mut lse))?;
             let mut gob = dev.alloc::<bf16>(len)?;
             dev.cast_f32_to_bf16(&go, &mut gob)?;
-            let bb = dev.time_ms(10, || dev.flash_attention_backward_bf16(fs, &qb, &kb, &vb, &ob, &lse, &gob, &mut dq, &mut dk, &mut dv))?;
+            let lh = fs.heads_layout(t);
+            let side = |s: usize| HeadLayout { row_stride: 3 * d, col_offset: s * d, ..lh };
+            let mut grads = dev.alloc::<bf16>(3 * len)?;
+            let bwd_bf16 = |grads: &mut Buffer<bf16>| {
+                dev.flash_attention_backward_bf16(fs, (&qb, lh), (&kb, lh), (&vb, lh), (&ob, lh), &lse, (&gob, lh), grads, [side(0), side(1), side(2)])
+            };
+            let bb = dev.time_ms(10, || bwd_bf16(&mut grads))?;
+            let mut probes = String::new();
+            for (probe, what) in [(1, "dQ unordered"), (2, "no dQ"), (4, "dQ not added"), (8, "dQ added, no products")] {
+                dev.set_flash_backward_bf16_probe(probe);
+                let ms = dev.time_ms(10, || bwd_bf16(&mut grads));
+                dev.set_flash_backward_bf16_probe(0);
+                probes += &format!("; probe {what} {:.3} ms", ms?);
+            }
+            // Bit-identical across runs at full size (the dQ order is fixed).
+            bwd_bf16(&mut grads)?;
+            let first = dev.dtoh(&grads)?;
+            bwd_bf16(&mut grads)?;
+            let second = dev.dtoh(&grads)?;
+            let tag = format!("{}×T{t}×d{d} {}", batch_heads, if causal { "causal" } else { "full" });
+            rep.pass(&format!("flash attn bf16 bwd bit-identical rerun {tag}"), first.iter().zip(&second).all(|(a, b)| a.to_bits() == b.to_bits()));
             rep.bench(
-                &format!("flash attn bf16 {}×T{t}×d{d} {}", batch_heads, if causal { "causal" } else { "full" }),
-                format!("fwd {fb:.3} ms ({:.0} TFLOP/s), bwd {bb:.3} ms ({:.0} TFLOP/s at 2.5× fwd flops)", ff / fb / 1e9, 2.5 * ff / bb / 1e9),
+                &format!("flash attn bf16 {tag}"),
+                format!("fwd {fb:.3} ms ({:.0} TFLOP/s), bwd {bb:.3} ms ({:.0} TFLOP/s at 2.5× fwd flops){probes}", ff / fb / 1e9, 2.5 * ff / bb / 1e9),
             );
             rep.bench(
                 &format!("flash attn f32 {}×T{t}×d{d} {}", batch_heads, if causal { "causal" } else { "full" }),

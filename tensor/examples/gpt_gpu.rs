@@ -4,6 +4,9 @@
 //!   packed causal attention, cross-entropy), forward and backward on the GPU against the CPU op
 //!   on fresh random inputs, in f32 (tolerance 1e-5, normwise relative: `max|gpu − cpu| /
 //!   max|cpu|`) and bf16 (1e-2, against the CPU op on the same bf16-rounded inputs).
+//! - `optim`: the [`MixedAdamW`] state round trip: a few steps, `state_tensors`, `load_state` into
+//!   a fresh optimizer over a differently initialised model, then one more step of both on the
+//!   same gradients; parameters and state must be bit-identical.
 //! - `curve`: a small GPT trained 300 steps on the State of the Union bytes from one seed on the
 //!   CPU (f32), the GPU in f32, and the GPU in mixed precision (bf16 with f32 master weights);
 //!   the loss curves must match (10-step window means within 1% for f32, 5% for bf16: bf16
@@ -15,7 +18,7 @@
 //! - `profile`: where the bench step's time goes: forward, backward and optimizer phases, and
 //!   each op at the model's shapes (forward, forward + backward), timed on the device.
 //!
-//! Usage: `gpt_gpu [ops|curve|bench|profile|all]`; data from `$RTX_DATA` (default `data`), seed from
+//! Usage: `gpt_gpu [ops|optim|curve|bench|profile|all]`; data from `$RTX_DATA` (default `data`), seed from
 //! `$RTX_SEED` (printed). Exits non-zero when a check fails.
 
 use std::error::Error;
@@ -45,6 +48,9 @@ fn main() {
         let mut ok = true;
         if mode == "ops" || mode == "all" {
             ok &= ops(seed)?;
+        }
+        if mode == "optim" || mode == "all" {
+            ok &= optim_round_trip(seed)?;
         }
         if mode == "curve" || mode == "all" {
             ok &= curve(seed, &corpus()?)?;
@@ -108,11 +114,29 @@ struct OpCase {
 
 fn cases() -> Vec<OpCase> {
     vec![
-        OpCase { name: "linear+bias", inputs: vec![vec![64, 96], vec![192, 96], vec![192]], ids: vec![], scalar_out: false, f: |x, _| x[0].linear(&x[1], Some(&x[2])) },
+        OpCase {
+            name: "linear+bias",
+            inputs: vec![vec![64, 96], vec![192, 96], vec![192]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| x[0].linear(&x[1], Some(&x[2])),
+        },
         OpCase { name: "linear", inputs: vec![vec![2, 32, 128], vec![64, 128]], ids: vec![], scalar_out: false, f: |x, _| x[0].linear(&x[1], None) },
-        OpCase { name: "layer_norm", inputs: vec![vec![48, 200], vec![200], vec![200]], ids: vec![], scalar_out: false, f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5) },
+        OpCase {
+            name: "layer_norm",
+            inputs: vec![vec![48, 200], vec![200], vec![200]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5),
+        },
         OpCase { name: "gelu", inputs: vec![vec![37, 129]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu() },
-        OpCase { name: "layer_norm (8-wide)", inputs: vec![vec![40, 256], vec![256], vec![256]], ids: vec![], scalar_out: false, f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5) },
+        OpCase {
+            name: "layer_norm (8-wide)",
+            inputs: vec![vec![40, 256], vec![256], vec![256]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5),
+        },
         OpCase { name: "gelu (8-wide)", inputs: vec![vec![16, 256]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu() },
         OpCase { name: "add (same)", inputs: vec![vec![5, 77], vec![5, 77]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
         OpCase { name: "add (same, 8-wide)", inputs: vec![vec![8, 64], vec![8, 64]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
@@ -160,7 +184,11 @@ fn ops(seed: u64) -> Res<bool> {
     println!("{:<24} {:>6} {:>12} {:>12}  tol", "op", "dtype", "forward", "backward");
     for case in cases() {
         let host: Vec<Tensor> = case.inputs.iter().map(|s| random(s, &mut rng)).collect::<Res<_>>()?;
-        let ids: Vec<Tensor> = case.ids.iter().map(|(s, bound)| Ok(Tensor::from_vec((0..s.iter().product::<usize>()).map(|_| rng.below(*bound) as u32).collect::<Vec<u32>>(), s)?)).collect::<Res<_>>()?;
+        let ids: Vec<Tensor> = case
+            .ids
+            .iter()
+            .map(|(s, bound)| Ok(Tensor::from_vec((0..s.iter().product::<usize>()).map(|_| rng.below(*bound) as u32).collect::<Vec<u32>>(), s)?))
+            .collect::<Res<_>>()?;
         for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
             // The reference sees the same (rounded) inputs as the GPU.
             let rounded: Vec<Tensor> = host.iter().map(|t| Ok(t.to_dtype(dtype)?.to_dtype(DType::F32)?)).collect::<Res<_>>()?;
@@ -187,6 +215,65 @@ fn ops(seed: u64) -> Res<bool> {
             ok = false;
         }
     }
+    Ok(ok)
+}
+
+// ---------------------------------------------------------------------- optimizer state
+
+/// The bits of every parameter (as f32, exact for bf16) of `model`.
+fn param_bits(model: &Gpt) -> Res<Vec<Vec<u32>>> {
+    model
+        .named_parameters()
+        .iter()
+        .map(|(_, p)| Ok(p.to_device(Device::Cpu)?.to_dtype(DType::F32)?.to_f32_vec()?.iter().map(|v| v.to_bits()).collect()))
+        .collect()
+}
+
+/// The bits of every state tensor of `opt` (as f32), by name.
+fn state_bits(opt: &dyn Optimizer) -> Res<Vec<(String, Vec<u32>)>> {
+    opt.state_tensors()?.into_iter().map(|(n, t)| Ok((n, t.to_dtype(DType::F32)?.to_f32_vec()?.iter().map(|v| v.to_bits()).collect()))).collect()
+}
+
+/// [`MixedAdamW`] save → load → step: a bf16 model takes three steps on random gradients, its
+/// optimizer state goes into a fresh optimizer over a differently initialised model, then both
+/// take one more step on the same gradients. Parameters must match bit for bit after the load
+/// (the parameter is the master rounded) and after the step, and so must the states.
+fn optim_round_trip(seed: u64) -> Res<bool> {
+    let config = GptConfig { vocab_size: 256, context: 64, d_model: 128, n_layers: 2, n_heads: 2, ..GptConfig::default() };
+    let adamw = AdamWConfig { lr: 1e-3, weight_decay: 0.1, ..AdamWConfig::default() };
+    let mut rng = Generator::new(seed ^ 0x0971);
+    let mut grads = |model: &Gpt| -> Res<Vec<Tensor>> {
+        model.named_parameters().iter().map(|(_, p)| Ok(random(p.shape(), &mut rng)?.to_dtype(DType::BF16)?.to_device(GPU)?)).collect()
+    };
+    let set = |model: &Gpt, g: &[Tensor]| -> Res<()> {
+        for ((_, p), g) in model.named_parameters().iter().zip(g) {
+            p.set_grad(Some(g.clone()))?;
+        }
+        Ok(())
+    };
+    let mut a = Trainer::new(config, seed, GPU, DType::BF16, adamw)?;
+    for _ in 0..3 {
+        let g = grads(&a.model)?;
+        set(&a.model, &g)?;
+        a.opt.step()?;
+    }
+    let saved = a.opt.state_tensors()?;
+    let mut b = Trainer::new(config, seed ^ 0xfeed, GPU, DType::BF16, adamw)?;
+    let differed = param_bits(&a.model)? != param_bits(&b.model)?;
+    b.opt.load_state(&saved)?;
+    let after_load = param_bits(&a.model)? == param_bits(&b.model)?;
+    let g = grads(&a.model)?;
+    set(&a.model, &g)?;
+    set(&b.model, &g)?;
+    a.opt.step()?;
+    b.opt.step()?;
+    let after_step = param_bits(&a.model)? == param_bits(&b.model)?;
+    let states = state_bits(a.opt.as_ref())? == state_bits(b.opt.as_ref())?;
+    let ok = differed && after_load && after_step && states;
+    println!(
+        "optim MixedAdamW save/load round trip: models differed before load {differed}, params bit-identical after load {after_load}, after one more step {after_step}, states bit-identical {states}: {}",
+        if ok { "ok" } else { "FAIL" }
+    );
     Ok(ok)
 }
 
@@ -264,10 +351,18 @@ fn curve(seed: u64, corpus: &TextCorpus) -> Res<bool> {
     let mut ok = true;
     for (run, tol) in [(1usize, 0.01), (2, 0.05)] {
         let other = means(&curves[run]);
-        let (at, worst) = cpu.iter().zip(&other).map(|(a, b)| (a - b).abs() / a.abs().max(1e-12)).enumerate().fold((0, 0.0f64), |m, (i, d)| if d > m.1 { (i, d) } else { m });
+        let (at, worst) =
+            cpu.iter().zip(&other).map(|(a, b)| (a - b).abs() / a.abs().max(1e-12)).enumerate().fold((0, 0.0f64), |m, (i, d)| if d > m.1 { (i, d) } else { m });
         let pass = worst <= tol;
         ok &= pass;
-        println!("curve {} vs cpu f32: worst {window}-step window mean rel diff {:.4} at steps {}..{} (tol {tol}) {}", runs[run].0, worst, at * window + 1, (at + 1) * window, if pass { "ok" } else { "FAIL" });
+        println!(
+            "curve {} vs cpu f32: worst {window}-step window mean rel diff {:.4} at steps {}..{} (tol {tol}) {}",
+            runs[run].0,
+            worst,
+            at * window + 1,
+            (at + 1) * window,
+            if pass { "ok" } else { "FAIL" }
+        );
     }
     println!("{:>6} {:>10} {:>10} {:>10}", "step", "cpu f32", "gpu f32", "gpu bf16");
     for i in (0..cpu.len()).step_by(3) {
@@ -302,7 +397,14 @@ fn bench(seed: u64, corpus: &TextCorpus) -> Res<()> {
     let mfu = flops_per_token * tok_s / PEAK_BF16;
     let stats = cuda::device(0)?.memory_stats();
     println!("bench gpt2-124M shape: {n_params} parameters, B={b} T={t}, bf16 + f32 master AdamW, {steps} steps");
-    println!("bench step median {:.2} ms (min {:.2}), {:.0} tokens/s, MFU {:.1}%, final loss {last:.4}, peak device memory {:.2} GiB", median * 1e3, times[0] * 1e3, tok_s, mfu * 100.0, stats.peak_reserved as f64 / (1u64 << 30) as f64);
+    println!(
+        "bench step median {:.2} ms (min {:.2}), {:.0} tokens/s, MFU {:.1}%, final loss {last:.4}, peak device memory {:.2} GiB",
+        median * 1e3,
+        times[0] * 1e3,
+        tok_s,
+        mfu * 100.0,
+        stats.peak_reserved as f64 / (1u64 << 30) as f64
+    );
     println!("RESULT rustytorch tok_s={tok_s:.0} step_ms={:.2} mfu={:.4} params={n_params}", median * 1e3, mfu);
     Ok(())
 }

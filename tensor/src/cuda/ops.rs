@@ -302,12 +302,64 @@ fn embedding_t<T: GpuFloat>(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// Attention on packed `qkv [B, T, 3·C]` with `h` heads, merged back to `[B, T, C]`, by flash
 /// attention (head dims 64 and 128).
 pub(crate) fn attention_packed(qkv: &Tensor, h: usize, causal: bool, scale: f64) -> Result<Tensor> {
-    dispatch!("scaled_dot_product_attention_packed", qkv.dtype(), attention_t(qkv, h, causal, scale))
+    match qkv.dtype() {
+        DType::F32 => attention_t::<f32>(qkv, h, causal, scale),
+        DType::BF16 => attention_bf16(qkv, h, causal, scale),
+        other => Err(Error::UnsupportedDType { op: "scaled_dot_product_attention_packed", dtype: other }),
+    }
 }
 
-/// The flash-attention entry points of one storage type.
+/// The bf16 path: the tensor-core kernels read Q, K and V in place from the packed rows and write
+/// the output straight into the merged `[B, T, C]` rows; the backward reads O and dO there too
+/// and writes dQ, dK and dV as bf16 straight into the packed gradient (no head copies, no casts).
+fn attention_bf16(qkv: &Tensor, h: usize, causal: bool, scale: f64) -> Result<Tensor> {
+    const OP: &str = "scaled_dot_product_attention_packed";
+    let (ordinal, dev) = device_of(OP, qkv)?;
+    let (b, t, c) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
+    let d = c / h;
+    let part = move |s: usize| HeadLayout { batch: b, seq: t, heads: h, head_dim: d, row_stride: 3 * c, col_offset: s * c };
+    let merged = HeadLayout { batch: b, seq: t, heads: h, head_dim: d, row_stride: c, col_offset: 0 };
+    let spec = FlashSpec { heads: b * h, tq: t, tk: t, d, causal, scale: scale as f32 };
+    let mut y = dev.alloc::<bf16>(b * t * c)?;
+    let mut lse = dev.alloc::<f32>(b * h * t)?;
+    {
+        let src = dense::<bf16>(OP, qkv)?;
+        dev.flash_attention_forward_bf16_strided(spec, (&*src, part(0)), (&*src, part(1)), (&*src, part(2)), (&mut y, merged), &mut lse)?;
+    }
+    let y = wrap(ordinal, y, &[b, t, c]);
+    // The backward reads the packed input and the output where they are (as `linear` keeps its
+    // input); neither is written in place during a training step.
+    let (qkv_saved, y_saved) = (qkv.detach(), y.detach());
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), DType::BF16, OP, &[qkv], move |g: &Tensor, _: &Tensor| {
+        let dev = device(ordinal)?;
+        let (src, out, gd) = (dense::<bf16>(OP, &qkv_saved)?, dense::<bf16>(OP, &y_saved)?, dense::<bf16>(OP, g)?);
+        let mut dqkv = dev.alloc::<bf16>(b * t * 3 * c)?;
+        dev.flash_attention_backward_bf16(
+            spec,
+            (&*src, part(0)),
+            (&*src, part(1)),
+            (&*src, part(2)),
+            (&*out, merged),
+            &lse,
+            (&*gd, merged),
+            &mut dqkv,
+            [part(0), part(1), part(2)],
+        )?;
+        Ok(vec![Some(wrap(ordinal, dqkv, &[b, t, 3 * c]))])
+    }))
+}
+
+/// The flash-attention entry points of one storage type (f32; bf16 has its own path above).
 trait Flash: GpuFloat {
-    fn forward(dev: &rtx_kernels::cuda::Device, spec: FlashSpec, q: &Buffer<Self>, k: &Buffer<Self>, v: &Buffer<Self>, out: &mut Buffer<Self>, lse: &mut Buffer<f32>) -> Result<()>;
+    fn forward(
+        dev: &rtx_kernels::cuda::Device,
+        spec: FlashSpec,
+        q: &Buffer<Self>,
+        k: &Buffer<Self>,
+        v: &Buffer<Self>,
+        out: &mut Buffer<Self>,
+        lse: &mut Buffer<f32>,
+    ) -> Result<()>;
     #[allow(clippy::too_many_arguments)]
     fn backward(
         dev: &rtx_kernels::cuda::Device,
@@ -324,28 +376,33 @@ trait Flash: GpuFloat {
 }
 
 impl Flash for f32 {
-    fn forward(dev: &rtx_kernels::cuda::Device, spec: FlashSpec, q: &Buffer<f32>, k: &Buffer<f32>, v: &Buffer<f32>, out: &mut Buffer<f32>, lse: &mut Buffer<f32>) -> Result<()> {
+    fn forward(
+        dev: &rtx_kernels::cuda::Device,
+        spec: FlashSpec,
+        q: &Buffer<f32>,
+        k: &Buffer<f32>,
+        v: &Buffer<f32>,
+        out: &mut Buffer<f32>,
+        lse: &mut Buffer<f32>,
+    ) -> Result<()> {
         Ok(dev.flash_attention_forward(spec, q, k, v, out, lse)?)
     }
-    fn backward(dev: &rtx_kernels::cuda::Device, spec: FlashSpec, q: &Buffer<f32>, k: &Buffer<f32>, v: &Buffer<f32>, out: &Buffer<f32>, lse: &Buffer<f32>, dout: &Buffer<f32>, grads: &mut [Buffer<f32>; 3]) -> Result<()> {
+    fn backward(
+        dev: &rtx_kernels::cuda::Device,
+        spec: FlashSpec,
+        q: &Buffer<f32>,
+        k: &Buffer<f32>,
+        v: &Buffer<f32>,
+        out: &Buffer<f32>,
+        lse: &Buffer<f32>,
+        dout: &Buffer<f32>,
+        grads: &mut [Buffer<f32>; 3],
+    ) -> Result<()> {
         let [dq, dk, dv] = grads;
         Ok(dev.flash_attention_backward(spec, q, k, v, out, lse, dout, dq, dk, dv)?)
     }
     fn f32_heads_to_rows(dev: &rtx_kernels::cuda::Device, heads: &Buffer<f32>, layout: HeadLayout, rows: &mut Buffer<f32>) -> Result<()> {
         Ok(dev.heads_to_rows(heads, layout, rows)?)
-    }
-}
-
-impl Flash for bf16 {
-    fn forward(dev: &rtx_kernels::cuda::Device, spec: FlashSpec, q: &Buffer<bf16>, k: &Buffer<bf16>, v: &Buffer<bf16>, out: &mut Buffer<bf16>, lse: &mut Buffer<f32>) -> Result<()> {
-        Ok(dev.flash_attention_forward_bf16(spec, q, k, v, out, lse)?)
-    }
-    fn backward(dev: &rtx_kernels::cuda::Device, spec: FlashSpec, q: &Buffer<bf16>, k: &Buffer<bf16>, v: &Buffer<bf16>, out: &Buffer<bf16>, lse: &Buffer<f32>, dout: &Buffer<bf16>, grads: &mut [Buffer<f32>; 3]) -> Result<()> {
-        let [dq, dk, dv] = grads;
-        Ok(dev.flash_attention_backward_bf16(spec, q, k, v, out, lse, dout, dq, dk, dv)?)
-    }
-    fn f32_heads_to_rows(dev: &rtx_kernels::cuda::Device, heads: &Buffer<f32>, layout: HeadLayout, rows: &mut Buffer<bf16>) -> Result<()> {
-        Ok(dev.heads_to_rows_f32_to_bf16(heads, layout, rows)?)
     }
 }
 
