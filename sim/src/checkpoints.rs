@@ -48,6 +48,16 @@ impl SimCheckpoints {
         self.lock().stored.last_key_value().map(|(s, b)| (*s, b.clone()))
     }
 
+    /// The stored checkpoint of `step`.
+    pub fn get(&self, step: u64) -> Option<Vec<u8>> {
+        self.lock().stored.get(&step).cloned()
+    }
+
+    /// How many stored checkpoints are newer than `step`.
+    pub fn newer_than(&self, step: u64) -> usize {
+        self.lock().stored.range(step + 1..).count()
+    }
+
     /// Every stored checkpoint, oldest first.
     pub fn all(&self) -> Vec<(u64, Vec<u8>)> {
         self.lock().stored.iter().map(|(s, b)| (*s, b.clone())).collect()

@@ -411,7 +411,7 @@ impl Cluster {
                 self.control.isolate(slot);
                 for peer in 0..self.slots.len() {
                     if peer != slot {
-                        self.wire.cut(slot, peer);
+                        self.wire.cut(slot, peer, true);
                     }
                 }
                 self.after(*duration, Action::Resume(slot));
@@ -420,8 +420,8 @@ impl Cluster {
                 self.control.slow(slot, *delay);
                 self.wire.slow(slot, *delay);
             }
-            FaultKind::Partition { peer, duration } => {
-                self.wire.cut(slot, *peer);
+            FaultKind::Partition { peer, duration, one_way } => {
+                self.wire.cut(slot, *peer, !*one_way);
                 self.after(*duration, Action::Heal(slot, *peer));
             }
             FaultKind::CheckpointFail => self.checkpoints.arm_failure(),
@@ -645,25 +645,33 @@ impl Checker {
                 self.lost.insert(*node);
             }
             JobEvent::Checkpointed { step, .. } => {
+                // Reports can arrive late (a node's held control bytes): a checkpoint the store
+                // no longer holds must have been superseded by newer ones.
                 self.checks += 1;
-                let newest = self.checkpoints.newest();
-                match newest {
-                    Some((s, bytes)) if s == *step => self.last_good = Some((s, bytes)),
-                    other => fail(self, "checkpoint-intact", format!("the supervisor heard of the checkpoint of step {step}, the store's newest is {:?}", other.map(|(s, _)| s))),
+                match (self.checkpoints.get(*step), self.checkpoints.newest()) {
+                    (Some(bytes), _) => {
+                        if self.last_good.as_ref().is_none_or(|(good, _)| good <= step) {
+                            self.last_good = Some((*step, bytes));
+                        }
+                    }
+                    (None, Some((newest, _))) if newest > *step => {}
+                    (None, newest) => fail(self, "checkpoint-intact", format!("the supervisor heard of the checkpoint of step {step}, the store does not hold it (newest {:?})", newest.map(|(s, _)| s))),
                 }
             }
             JobEvent::CheckpointFailed { step, .. } => {
+                // The last good checkpoint the supervisor heard of is still there, byte for byte,
+                // and decodes (unless newer checkpoints have replaced it since).
                 self.checks += 1;
-                let newest = self.checkpoints.newest();
-                let intact = match (&self.last_good, &newest) {
-                    (None, None) => Ok(()),
-                    (Some((good, before)), Some((s, now))) if good == s && before == now => {
-                        SimCheckpoints::read(&self.job, *s, now).map(|_| ()).map_err(|e| format!("the last good checkpoint (step {s}) no longer decodes: {e}"))
+                if let Some((good, before)) = self.last_good.clone() {
+                    let intact = match self.checkpoints.get(good) {
+                        Some(now) if now == before => SimCheckpoints::read(&self.job, good, &now).map(|_| ()).map_err(|e| format!("the last good checkpoint (step {good}) no longer decodes: {e}")),
+                        _ if self.checkpoints.newer_than(good) > 0 => Ok(()),
+                        Some(_) => Err(format!("the last good checkpoint (step {good}) changed")),
+                        None => Err(format!("the last good checkpoint (step {good}) is gone")),
+                    };
+                    if let Err(detail) = intact {
+                        fail(self, "checkpoint-intact", format!("after the failed write of step {step}: {detail}"));
                     }
-                    (good, now) => Err(format!("the last good checkpoint was step {:?}, the store's newest is now step {:?}", good.as_ref().map(|g| g.0), now.as_ref().map(|n| n.0))),
-                };
-                if let Err(detail) = intact {
-                    fail(self, "checkpoint-intact", format!("after the failed write of step {step}: {detail}"));
                 }
             }
             JobEvent::Joined { .. } | JobEvent::Refused { .. } => {}

@@ -6,7 +6,8 @@
 //! Fault kinds: `crash` (the node's process dies; with `restart_after_ms` it comes back and
 //! rejoins through the real join path), `pause` (the node hangs: every byte to and from it is
 //! held for `for_ms`), `slow` (a straggler: `delay_ms` more latency on all its links), `partition`
-//! (the collectives links between `node` and `peer` are cut for `for_ms`). A fault fires at
+//! (the collectives links between `node` and `peer` are cut for `for_ms`; with `one_way = true` only
+//! the direction `node → peer`: both ends still detect the loss). A fault fires at
 //! `at_ms` of virtual time or when step `at_step` is committed. `checkpoint_fail` makes the next
 //! checkpoint write fail (whichever node writes it, so it takes no `node`); checkpoints are
 //! written every `[elastic] checkpoint_every` steps into the cluster's in-memory store
@@ -117,8 +118,9 @@ pub enum FaultKind {
     Pause { duration: Duration },
     /// The node's links get this much more latency from now on.
     Slow { delay: Duration },
-    /// The collectives links between the node and `peer` are cut for `duration`.
-    Partition { peer: usize, duration: Duration },
+    /// The collectives links between the node and `peer` are cut for `duration` (with
+    /// `one_way`, only the node → peer direction).
+    Partition { peer: usize, duration: Duration, one_way: bool },
     /// The next checkpoint write fails (the fault's node is not used).
     CheckpointFail,
 }
@@ -128,7 +130,7 @@ pub enum FaultKind {
 pub struct RandomFaults {
     /// Crashes, each followed by a restart.
     pub crashes: usize,
-    /// Collectives partitions between two nodes, each healed.
+    /// Collectives partitions between two nodes (symmetric or, half of them, one-way), each healed.
     pub partitions: usize,
     /// Hangs.
     pub pauses: usize,
@@ -218,6 +220,7 @@ struct FileFault {
     for_ms: Option<u64>,
     delay_ms: Option<u64>,
     peer: Option<usize>,
+    one_way: Option<bool>,
 }
 
 impl Default for FileNet {
@@ -276,6 +279,7 @@ impl Scenario {
                 "partition" => FaultKind::Partition {
                     peer: f.peer.ok_or_else(|| SimError::Scenario("fault \"partition\" needs peer".into()))?,
                     duration: ms(need(f.for_ms, "for_ms")?),
+                    one_way: f.one_way.unwrap_or(false),
                 },
                 "checkpoint_fail" => FaultKind::CheckpointFail,
                 other => return Err(SimError::Scenario(format!("unknown fault kind {other:?} (known: crash, pause, slow, partition, checkpoint_fail)"))),
@@ -373,7 +377,9 @@ impl Scenario {
             let when = at(&mut rng);
             let node = rng.random_range(0..self.workers);
             let peer = (node + rng.random_range(1..self.workers)) % self.workers;
-            plan.push(Fault { node, when, kind: FaultKind::Partition { peer, duration: Duration::from_millis(rng.random_range(50..2000)) } });
+            let duration = Duration::from_millis(rng.random_range(50..2000));
+            let one_way = rng.random_bool(0.5);
+            plan.push(Fault { node, when, kind: FaultKind::Partition { peer, duration, one_way } });
         }
         for _ in 0..self.random.pauses {
             let when = at(&mut rng);

@@ -32,7 +32,8 @@ struct State {
     seed: u64,
     config: SimConfig,
     generations: BTreeMap<u64, Generation>,
-    cuts: BTreeSet<(usize, usize)>,
+    /// Cut links `(from, to, symmetric)` between slots (a symmetric cut is stored once).
+    cuts: BTreeSet<(usize, usize, bool)>,
     slow: BTreeMap<usize, Duration>,
 }
 
@@ -69,13 +70,15 @@ impl ClusterWire {
         }
     }
 
-    /// Cuts the collectives links between slots `a` and `b` (both ways) until [`heal`](Self::heal).
-    pub fn cut(&self, a: usize, b: usize) {
+    /// Cuts the collectives link from slot `a` to slot `b` (with `symmetric`, both ways) until
+    /// [`heal`](Self::heal), in this and later generations.
+    pub fn cut(&self, a: usize, b: usize, symmetric: bool) {
         let mut state = self.lock();
-        state.cuts.insert((a.min(b), a.max(b)));
+        let key = if symmetric { (a.min(b), a.max(b), true) } else { (a, b, false) };
+        state.cuts.insert(key);
         for g in state.generations.values() {
             if let (Some(net), Some(ra), Some(rb)) = (&g.net, rank_of(g, a), rank_of(g, b)) {
-                net.partition(ra, rb, true);
+                net.partition(ra, rb, symmetric);
             }
         }
     }
@@ -83,7 +86,7 @@ impl ClusterWire {
     /// Heals a [`cut`](Self::cut).
     pub fn heal(&self, a: usize, b: usize) {
         let mut state = self.lock();
-        state.cuts.remove(&(a.min(b), a.max(b)));
+        state.cuts.retain(|&(x, y, _)| (x, y) != (a, b) && (x, y) != (b, a));
         for g in state.generations.values() {
             if let (Some(net), Some(ra), Some(rb)) = (&g.net, rank_of(g, a), rank_of(g, b)) {
                 net.heal(ra, rb);
@@ -168,9 +171,9 @@ impl GenerationWire for SlotWire {
                 let net_config = SimConfig { seed: derive(*seed, generation), ..config.clone() };
                 let (net, transports) = SimNetwork::new(world, net_config);
                 net.expect_generation(generation);
-                for &(a, b) in cuts.iter() {
+                for &(a, b, symmetric) in cuts.iter() {
                     if let (Some(ra), Some(rb)) = (rank_of(g, a), rank_of(g, b)) {
-                        net.partition(ra, rb, true);
+                        net.partition(ra, rb, symmetric);
                     }
                 }
                 apply_slow(&net, g, slow, config.link);

@@ -124,8 +124,10 @@ pub fn slice_full_state(full: &[(String, Tensor)], local: &[(String, Tensor)], s
 }
 
 /// Broadcasts every parameter from `source` (one flat f32 buffer; `params` is the model's
-/// `named_parameters()`). The source sends `values` when given (a snapshot), else `params`.
-pub async fn broadcast_parameters(comm: &Communicator, source: usize, params: &[(String, Tensor)], values: Option<&[f32]>) -> Result<()> {
+/// `named_parameters()`) and returns the source's values, without installing them (see
+/// [`install_parameters`]: a sync that fails later must leave the replica as it was). The
+/// source sends `values` when given (a snapshot), else `params`.
+pub async fn broadcast_parameters(comm: &Communicator, source: usize, params: &[(String, Tensor)], values: Option<&[f32]>) -> Result<Vec<f32>> {
     let mut flat = match values {
         Some(v) => v.to_vec(),
         None => {
@@ -141,6 +143,15 @@ pub async fn broadcast_parameters(comm: &Communicator, source: usize, params: &[
         return Err(SupervisorError::Job(format!("parameter snapshot of {} values for {total} parameters", flat.len())));
     }
     comm.broadcast(&mut flat, source).await?;
+    Ok(flat)
+}
+
+/// Writes `flat` (every parameter, in visit order) into `params`.
+pub fn install_parameters(params: &[(String, Tensor)], flat: &[f32]) -> Result<()> {
+    let total: usize = params.iter().map(|(_, p)| p.numel()).sum();
+    if flat.len() != total {
+        return Err(SupervisorError::Job(format!("{} parameter values for {total} parameters", flat.len())));
+    }
     let mut offset = 0;
     for (_, p) in params {
         let n = p.numel();

@@ -537,8 +537,17 @@ async fn train<J: TrainJob>(
     let params = model.named_parameters();
     let synced = async {
         let template = template?;
-        state::broadcast_parameters(comm, g.source, &params, replica.snapshot_params.as_deref()).await?;
+        let flat = state::broadcast_parameters(comm, g.source, &params, replica.snapshot_params.as_deref()).await?;
         let full = state::broadcast_full_state(comm, g.source, replica.optimizer_state.as_deref(), &template).await?;
+        // Nobody moves on until every member holds the state: a generation formed at the last
+        // step has nothing to train, so its members finish at once, and a source that exited
+        // with its broadcast still in flight left a member at an older state (found by the
+        // simulator's swarm once partitions could be one-way).
+        comm.barrier().await?;
+        // Only now does the replica take the source's parameters: a sync that failed halfway
+        // must leave them matching the step this worker reports (installing them at once left a
+        // worker at the source's step while it reported its own; found by the swarm too).
+        state::install_parameters(&params, &flat)?;
         Ok::<_, SupervisorError>((template, full))
     }
     .await;
