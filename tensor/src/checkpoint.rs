@@ -147,7 +147,9 @@ pub fn save_tensors(path: &Path, tensors: &[(String, Tensor)], metadata: &BTreeM
     let result = (|| {
         let info: HashMap<String, String> = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         safetensors::serialize_to_file(entries, Some(info), &tmp).map_err(|e| bad(path, format!("cannot write {}: {e}", tmp.display())))?;
-        File::open(&tmp).and_then(|f| f.sync_all()).map_err(io(&tmp))?;
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&tmp).map_err(io(&tmp))?;
+        canonicalize_file_header(&file).map_err(io(&tmp))?;
+        file.sync_all().map_err(io(&tmp))?;
         std::fs::rename(&tmp, path).map_err(io(path))?;
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -177,7 +179,51 @@ pub fn encode_tensors(tensors: &[(String, Tensor)], metadata: &BTreeMap<String, 
     let origin = Path::new("<memory>");
     let entries = entries(origin, tensors)?;
     let info: HashMap<String, String> = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    safetensors::serialize(entries, Some(info)).map_err(|e| bad(origin, format!("cannot serialize: {e}")))
+    let mut bytes = safetensors::serialize(entries, Some(info)).map_err(|e| bad(origin, format!("cannot serialize: {e}")))?;
+    if let Some(header) = header_len(&bytes).and_then(|n| bytes.get_mut(8..8 + n)) {
+        if let Some(canonical) = canonical_header(header) {
+            header.copy_from_slice(&canonical);
+        }
+    }
+    Ok(bytes)
+}
+
+/// The header length a safetensors buffer starts with.
+fn header_len(bytes: &[u8]) -> Option<usize> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    usize::try_from(n).ok().filter(|n| bytes.len() >= 8 + n)
+}
+
+/// The header JSON with every object's keys in sorted order, padded to the same length, or `None`
+/// when it does not parse or would not fit. safetensors writes `__metadata__` from a `HashMap`,
+/// whose order changes from one map to the next, so the same checkpoint gave different bytes;
+/// sorting keeps the length and every offset (they are relative to the data section).
+fn canonical_header(header: &[u8]) -> Option<Vec<u8>> {
+    let value: serde_json::Value = serde_json::from_slice(header.trim_ascii_end()).ok()?;
+    let mut out = serde_json::to_vec(&value).ok()?;
+    if out.len() > header.len() {
+        return None;
+    }
+    out.resize(header.len(), b' ');
+    Some(out)
+}
+
+/// Rewrites the header of the safetensors file `file` in canonical order (see
+/// [`canonical_header`]); leaves the file alone when its header does not parse.
+fn canonicalize_file_header(file: &File) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut f = file;
+    f.seek(SeekFrom::Start(0))?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)?;
+    let Ok(n) = usize::try_from(u64::from_le_bytes(len)) else { return Ok(()) };
+    let mut header = vec![0u8; n];
+    f.read_exact(&mut header)?;
+    if let Some(canonical) = canonical_header(&header) {
+        f.seek(SeekFrom::Start(8))?;
+        f.write_all(&canonical)?;
+    }
+    Ok(())
 }
 
 /// [`load_tensors`] from the bytes of a safetensors file; `origin` names them in errors.

@@ -179,11 +179,16 @@ fn mismatches_name_the_tensor() {
 #[test]
 fn in_memory_encoding_matches_the_file_and_rejects_torn_bytes() {
     // Goal: `encode_tensors` gives the bytes `save_tensors` writes (one format for files and
-    // in-memory stores), `decode_tensors` reads them back bit-exactly, and a torn prefix of them
-    // is a typed error, never a panic or a partial result.
+    // in-memory stores), the same bytes every time, `decode_tensors` reads them back bit-exactly,
+    // and a torn prefix of them is a typed error, never a panic or a partial result.
     let tensors = vec![("a".to_string(), Tensor::from_vec(vec![1.5f32, -2.25, 3.0], &[3]).unwrap()), ("b".to_string(), Tensor::from_vec(vec![7u32, 9], &[2]).unwrap())];
-    let meta = BTreeMap::from([("step".to_string(), "12".to_string())]);
+    // Several metadata keys: safetensors writes them from a HashMap, whose order changes from one
+    // map to the next; the encoding must not.
+    let meta: BTreeMap<String, String> = ["step", "format", "rng", "user", "optimizer", "a", "b", "c"].iter().map(|k| (k.to_string(), if *k == "step" { "12".into() } else { format!("v-{k}") })).collect();
     let bytes = checkpoint::encode_tensors(&tensors, &meta).unwrap();
+    for _ in 0..8 {
+        assert_eq!(checkpoint::encode_tensors(&tensors, &meta).unwrap(), bytes, "the same checkpoint encoded to other bytes");
+    }
     let dir = std::env::temp_dir().join(format!("rtx-ckpt-mem-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("x.safetensors");
