@@ -33,11 +33,19 @@ struct StoreState {
     stored: BTreeMap<u64, Vec<u8>>,
     /// Writes that will fail.
     armed: u32,
+    /// Test-only: a failed write also truncates the newest stored checkpoint.
+    torn: bool,
     written: u64,
     failed: u64,
 }
 
 impl SimCheckpoints {
+    /// Test-only: from now on a failed write also truncates the newest stored checkpoint, as a
+    /// store that writes in place would.
+    pub fn plant_torn_writes(&self) {
+        self.lock().torn = true;
+    }
+
     /// Makes the next write fail.
     pub fn arm_failure(&self) {
         self.lock().armed += 1;
@@ -105,6 +113,12 @@ impl CheckpointStore for SimCheckpoints {
         if state.armed > 0 {
             state.armed -= 1;
             state.failed += 1;
+            if state.torn {
+                if let Some(mut newest) = state.stored.last_entry() {
+                    let half = newest.get().len() / 2;
+                    newest.get_mut().truncate(half);
+                }
+            }
             return Err(format!("simulated storage failure: the write of step {step} broke off after {} of {} bytes", bytes.len() / 2, bytes.len()));
         }
         state.written += 1;

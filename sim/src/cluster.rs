@@ -58,6 +58,9 @@ pub struct RunOptions {
     pub planted_bug: PlantedBug,
     /// Skip the explicit and random faults (the fault-free reference run).
     pub no_faults: bool,
+    /// Test-only: the simulated checkpoint storage tears the newest good checkpoint when a write
+    /// fails (a non-atomic store), to prove `checkpoint-intact` catches it.
+    pub torn_checkpoints: bool,
 }
 
 /// What one run did.
@@ -219,6 +222,9 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
     let (exits, mut exit_rx) = mpsc::unbounded_channel();
     let ledger = Arc::new(Ledger::default());
     let checkpoints = Arc::new(SimCheckpoints::default());
+    if options.torn_checkpoints {
+        checkpoints.plant_torn_writes();
+    }
     let mut cluster = Cluster {
         scenario: scenario.clone(),
         control,

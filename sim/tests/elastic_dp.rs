@@ -154,3 +154,17 @@ fn one_way_partition_recovers() {
     assert_eq!(outcome.committed, s.job.total_steps);
     assert!(outcome.generations >= 2, "the cut must force a re-formation: {} generations", outcome.generations);
 }
+
+// Goal: the `checkpoint-intact` invariant can fail. Method: the same faults as above with a
+// planted non-atomic store (a failed write truncates the newest good checkpoint): the run must
+// report `checkpoint-intact` at the second failed write (the first has no good checkpoint yet).
+#[test]
+fn a_store_that_tears_the_last_good_checkpoint_is_caught() {
+    let faults = "[[fault]]\nkind = \"checkpoint_fail\"\nat_step = 3\n\n[[fault]]\nkind = \"checkpoint_fail\"\nat_step = 25\n";
+    let s = explicit(2, faults);
+    let outcome = run_seed(&s, 3, &data_root(), &RunOptions { torn_checkpoints: true, ..RunOptions::default() }).unwrap();
+    println!("{outcome:?}");
+    let violation = outcome.violation.expect("the torn checkpoint must be caught");
+    assert_eq!(violation.invariant, "checkpoint-intact", "{violation:?}");
+    assert!(violation.detail.contains("changed") || violation.detail.contains("decode"), "{violation:?}");
+}
