@@ -15,6 +15,7 @@ pub fn layer_norm_forward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, b: Optio
     assert_eq!(mean.len() * n, x.len());
     assert_eq!(rstd.len(), mean.len());
     let nf = T::from_usize(n).unwrap_or(T::one());
+    #[allow(clippy::type_complexity)]
     let row = |(((xr, yr), m), r): (((&[T], &mut [T]), &mut T), &mut T)| {
         let mu = sum(xr) / nf;
         let var = sum_sq_dev(xr, mu) / nf;
@@ -75,6 +76,7 @@ pub fn layer_norm_backward<T: Float>(
             }
         }
     }
+    #[allow(clippy::type_complexity)]
     let row = |(i, (dxr, (xr, gr))): (usize, (&mut [T], (&[T], &[T])))| {
         let (mu, rs) = (mean[i], rstd[i]);
         // g = dy ⊙ w; dx = rstd · (g − mean(g) − xhat · mean(g ⊙ xhat))
@@ -123,20 +125,21 @@ pub fn rms_norm_forward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, eps: T, y:
 }
 
 /// RMS norm backward. Writes `dx`; adds into `dw` when given.
-pub fn rms_norm_backward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, rstd: &[T], dy: &[T], dx: &mut [T], mut dw: Option<&mut [T]>) {
+pub fn rms_norm_backward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, rstd: &[T], dy: &[T], dx: &mut [T], dw: Option<&mut [T]>) {
     assert_eq!(x.len(), dy.len());
     assert_eq!(x.len(), dx.len());
     if n == 0 {
         return;
     }
     let nf = T::from_usize(n).unwrap_or(T::one());
-    if let Some(dw) = dw.as_deref_mut() {
+    if let Some(dw) = dw {
         for (i, (xr, gr)) in x.chunks(n).zip(dy.chunks(n)).enumerate() {
             for j in 0..n {
                 dw[j] = dw[j] + gr[j] * xr[j] * rstd[i];
             }
         }
     }
+    #[allow(clippy::type_complexity)]
     let row = |(i, (dxr, (xr, gr))): (usize, (&mut [T], (&[T], &[T])))| {
         let rs = rstd[i];
         // g = dy ⊙ w; dx = rs · g − x · rs³ · mean(g ⊙ x)

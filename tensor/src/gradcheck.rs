@@ -55,7 +55,8 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], eps
             report.max_abs_error = report.max_abs_error.max(abs);
             report.max_rel_error = report.max_rel_error.max(rel);
             report.checked += 1;
-            if !(rel <= tolerance) {
+            // Fails on NaN too.
+            if !matches!(rel.partial_cmp(&tolerance), Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)) {
                 return Err(Error::InvalidArgument {
                     op: "gradcheck",
                     reason: format!("input {i} element {j}: analytic {} vs numeric {numeric} (rel error {rel:.3e} > {tolerance:.1e})", analytic[j]),

@@ -596,10 +596,10 @@ fn scaled_dot_product_attention() {
                 let part = |i: usize| qkv.narrow(0, i, 1)?.squeeze(0);
                 Tensor::scaled_dot_product_attention(&part(0)?, &part(1)?, &part(2)?, None, true, None)?.transpose(1, 2)?.reshape(&[b, t, h * hd])
             },
-            &[packed.clone()],
+            std::slice::from_ref(&packed),
         )?;
         for causal in [false, true] {
-            c.check(&format!("scaled_dot_product_attention_packed causal {causal}"), move |x| Tensor::scaled_dot_product_attention_packed(&x[0], h, causal, None), &[packed.clone()])?;
+            c.check(&format!("scaled_dot_product_attention_packed causal {causal}"), move |x| Tensor::scaled_dot_product_attention_packed(&x[0], h, causal, None), std::slice::from_ref(&packed))?;
         }
         Ok(())
     });

@@ -395,6 +395,7 @@ mod tests {
     use crate::rng::Generator;
 
     /// Reference attention computed element by element in f64.
+    #[allow(clippy::too_many_arguments)]
     fn naive(q: &[f64], k: &[f64], v: &[f64], tq: usize, tk: usize, d: usize, dv: usize, allowed: impl Fn(usize, usize) -> bool) -> Vec<f64> {
         let mut out = vec![0.0; tq * dv];
         for i in 0..tq {

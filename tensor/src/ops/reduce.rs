@@ -48,6 +48,7 @@ fn as_rows(x: &Tensor, dims: &[usize]) -> Result<(Tensor, usize, usize)> {
     Ok((arranged, n_rows, row_len))
 }
 
+#[allow(clippy::assign_op_pattern)] // the element types implement `Mul`, not `MulAssign`
 fn reduce_values(op_name: &'static str, x: &Tensor, dims: &[usize], op: RowOp) -> Result<crate::tensor::FloatVec> {
     let rank = x.rank();
     let leading = dims.iter().enumerate().all(|(i, &d)| i == d);

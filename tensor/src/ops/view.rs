@@ -131,7 +131,7 @@ fn infer_shape(t: &Tensor, shape: &[usize]) -> Result<Vec<usize>> {
         0 => {}
         1 => {
             let known: usize = shape.iter().filter(|&&s| s != usize::MAX).product();
-            if known == 0 || numel % known != 0 {
+            if known == 0 || (numel / known) * known != numel {
                 return Err(bad(format!("cannot infer a dimension of {shape:?}")));
             }
             out[unknown[0]] = numel / known;
