@@ -255,8 +255,13 @@ async fn a_dropped_peer_transport_fails_the_pending_ask() {
         // No link to a lost peer can be opened either.
         let reopened = Link::over_transport(&transports[0], 1, ACTOR_CHANNEL).await;
         assert!(matches!(reopened, Err(ActorError::Connect { .. })), "{reopened:?}");
-        // Rank 1's link saw the loss too, and its keying material is gone with the transport.
-        assert!(link1.closed_reason().is_some());
+        // Rank 1's link sees the loss too (its reader task notices asynchronously: wait, bounded),
+        // and its keying material is gone with the transport.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while link1.closed_reason().is_none() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(link1.closed_reason().is_some(), "rank 1's link never saw its transport go");
         assert!(link1.export_keying_material(b"test").is_err());
     })
     .await
