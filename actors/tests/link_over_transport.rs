@@ -10,7 +10,6 @@
 //! collectives' connection was made), and quinn's connection id, the same before and after.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,20 +44,7 @@ fn options() -> QuicOptions {
 
 /// Two connected ranks on loopback.
 async fn pair(ca: &ClusterCa) -> Vec<Arc<QuicTransport>> {
-    let transports: Vec<Arc<QuicTransport>> =
-        (0..2).map(|r| Arc::new(QuicTransport::bind(&ca.issue(r).unwrap(), 2, "127.0.0.1:0".parse().unwrap(), options()).unwrap())).collect();
-    let addrs: Vec<SocketAddr> = transports.iter().map(|t| t.local_addr().unwrap()).collect();
-    let tasks: Vec<_> = transports
-        .iter()
-        .map(|t| {
-            let (t, addrs) = (Arc::clone(t), addrs.clone());
-            tokio::spawn(async move { t.connect(&addrs).await })
-        })
-        .collect();
-    for task in tasks {
-        task.await.unwrap().unwrap();
-    }
-    transports
+    QuicTransport::loopback_world(ca, 2, options()).await.unwrap()
 }
 
 fn communicator(transport: &Arc<QuicTransport>) -> Communicator {

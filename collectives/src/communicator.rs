@@ -28,7 +28,9 @@
 //! more with four ranks, where doubling moves twice the bytes). [`DEFAULT_CHUNK_BYTES`]: 512 KiB
 //! frames keep a ring step's received frame, local piece and send buffer within a 1 MiB L2; against
 //! 1 MiB frames they gave QUIC +0-10% busbw with 2 ranks and +10-15% with 4 (quiet machine), +20-25%
-//! under load, and shared memory the same or better (BENCHMARKS.md, 2026-12-01).
+//! under load (BENCHMARKS.md, 2026-12-01). A transport may prefer its own frame size when the config
+//! leaves it unset: shared memory takes a sixteenth of its ring (256 KiB for the default 4 MiB
+//! ring), 1.4-1.9x faster than 512 KiB frames in 16 MiB rings (BENCHMARKS.md, 2026-12-01 evening).
 //!
 //! Cancelling an operation (dropping its future) leaves the group's sequence numbers out of step
 //! with the peers; move the group to a new generation before using it again.
@@ -70,8 +72,11 @@ pub struct CommConfig {
     pub op_timeout: Duration,
     /// Buffers up to this many bytes use recursive doubling / trees; larger ones ring / chain.
     pub small_message_bytes: usize,
-    /// Most payload bytes per frame; at least 8 (one f64).
-    pub chunk_bytes: usize,
+    /// Most payload bytes per frame; at least 8 (one f64). `None` (the default): the transport's
+    /// preference ([`crate::Transport::preferred_chunk_bytes`]; shared memory: a sixteenth of its
+    /// ring), else [`DEFAULT_CHUNK_BYTES`]. An [`crate::Endpoint`] resolves it when it is made, so
+    /// its communicators' configs always hold `Some`.
+    pub chunk_bytes: Option<usize>,
     /// Frames with a larger payload are refused by the decoder; at least `chunk_bytes`.
     pub max_payload_bytes: usize,
     /// Most frames parked per group waiting for their operation.
@@ -110,7 +115,7 @@ impl Default for CommConfig {
         CommConfig {
             op_timeout: DEFAULT_OP_TIMEOUT,
             small_message_bytes: DEFAULT_SMALL_MESSAGE_BYTES,
-            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            chunk_bytes: None,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             max_stored_frames: DEFAULT_MAX_STORED_FRAMES,
             host_of: Vec::new(),
@@ -119,15 +124,20 @@ impl Default for CommConfig {
 }
 
 impl CommConfig {
+    /// The frame payload limit in force: `chunk_bytes`, or [`DEFAULT_CHUNK_BYTES`] when unset.
+    pub fn effective_chunk_bytes(&self) -> usize {
+        self.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES)
+    }
+
     /// Checks the relationships between the fields.
     pub fn validate(&self) -> Result<()> {
         if self.op_timeout.is_zero() {
             return Err(Error::InvalidConfig { reason: "op_timeout must be positive" });
         }
-        if self.chunk_bytes < 8 {
+        if self.effective_chunk_bytes() < 8 {
             return Err(Error::InvalidConfig { reason: "chunk_bytes must hold one f64" });
         }
-        if self.chunk_bytes > self.max_payload_bytes {
+        if self.effective_chunk_bytes() > self.max_payload_bytes {
             return Err(Error::InvalidConfig { reason: "chunk_bytes over max_payload_bytes" });
         }
         if self.max_stored_frames == 0 {

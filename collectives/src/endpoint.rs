@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use tracing::Instrument;
 
-use crate::communicator::{CommConfig, Communicator};
+use crate::communicator::{CommConfig, Communicator, DEFAULT_CHUNK_BYTES};
 use crate::error::{Error, Result};
 use crate::frame::Frame;
 use crate::group::{Delivery, GroupState};
@@ -71,8 +71,11 @@ impl std::fmt::Debug for EndpointShared {
 
 impl Endpoint {
     /// Attaches to `transport` and starts the dispatcher task on the current tokio runtime.
-    pub fn new(transport: Arc<dyn Transport>, config: CommConfig) -> Result<Endpoint> {
+    pub fn new(transport: Arc<dyn Transport>, mut config: CommConfig) -> Result<Endpoint> {
         config.validate_for(transport.world_size())?;
+        if config.chunk_bytes.is_none() {
+            config.chunk_bytes = Some(transport.preferred_chunk_bytes().unwrap_or(DEFAULT_CHUNK_BYTES).max(8).min(config.max_payload_bytes));
+        }
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::InvalidConfig { reason: "endpoint must be created inside a tokio runtime" })?;
         let rank = transport.rank();
         let shared =

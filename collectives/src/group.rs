@@ -293,7 +293,17 @@ impl GroupState {
     /// [`crate::Transport::poll_incoming`]), which may deliver the frame from this thread; `poll`
     /// returning `None` ends the spin at once. The spin is bounded by a count of polls, not a clock,
     /// so it behaves the same under a paused test clock.
-    pub(crate) async fn wait_slot(&self, key: Key, slot: Slot, op: OpKind, timeout: Duration, mut poll: impl FnMut() -> Option<usize>) -> Result<Frame> {
+    /// `poll_ended` runs once if the spin ends without the frame, before the task sleeps (the
+    /// transport's [`crate::Transport::poll_ended`]).
+    pub(crate) async fn wait_slot(
+        &self,
+        key: Key,
+        slot: Slot,
+        op: OpKind,
+        timeout: Duration,
+        mut poll: impl FnMut() -> Option<usize>,
+        poll_ended: impl FnOnce(),
+    ) -> Result<Frame> {
         let mut rx = match slot {
             Slot::Ready(frame) => return Ok(frame),
             Slot::Waiting(rx) => rx,
@@ -316,6 +326,7 @@ impl GroupState {
                 }
             }
         }
+        poll_ended();
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(result)) => result,
             // The sender half lives in `waiters`; it is only dropped with the group itself.

@@ -124,7 +124,7 @@ impl<'a> OpCtx<'a> {
 
     /// Elements per frame for element type `T`.
     pub(crate) fn piece_elems<T>(&self) -> usize {
-        (self.comm.config().chunk_bytes / std::mem::size_of::<T>()).max(1)
+        (self.comm.config().effective_chunk_bytes() / std::mem::size_of::<T>()).max(1)
     }
 
     /// Sends one frame with `payload` to group rank `to`.
@@ -189,7 +189,7 @@ impl<'a> OpCtx<'a> {
             }
         };
         let transport = &self.comm.endpoint().shared().transport;
-        let frame = group.wait_slot(key, slot, self.op, self.comm.config().op_timeout, || transport.poll_incoming()).await;
+        let frame = group.wait_slot(key, slot, self.op, self.comm.config().op_timeout, || transport.poll_incoming(), || transport.poll_ended()).await;
         let frame = self.watch(frame)?;
         let h = frame.header;
         if h.op != self.op {

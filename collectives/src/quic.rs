@@ -392,6 +392,27 @@ impl QuicTransport {
         Ok(())
     }
 
+    /// Binds all `world_size` ranks in this process on `127.0.0.1` with certificates issued by `ca`,
+    /// and connects them to each other: a whole QUIC world over real loopback sockets, for
+    /// single-process multi-rank runs, tests and benchmarks. Fails like [`bind`](Self::bind) and
+    /// [`connect`](Self::connect) do; every rank is connected when it returns.
+    pub async fn loopback_world(ca: &ClusterCa, world_size: usize, options: QuicOptions) -> Result<Vec<Arc<QuicTransport>>> {
+        let listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        let transports = (0..world_size)
+            .map(|rank| Ok(Arc::new(QuicTransport::bind(&ca.issue(rank)?, world_size, listen, options.clone())?)))
+            .collect::<Result<Vec<_>>>()?;
+        let addrs = transports.iter().map(|t| t.local_addr()).collect::<Result<Vec<_>>>()?;
+        let mut connecting = tokio::task::JoinSet::new();
+        for transport in &transports {
+            let (transport, addrs) = (Arc::clone(transport), addrs.clone());
+            connecting.spawn(async move { transport.connect(&addrs).await });
+        }
+        while let Some(joined) = connecting.join_next().await {
+            joined.map_err(|e| Error::Io { op: "connect loopback world", reason: e.to_string() })??;
+        }
+        Ok(transports)
+    }
+
     /// Shuts down gracefully: finishes this rank's streams, waits (at most `timeout`) until every
     /// peer has read all that was sent on them, then closes the endpoint. Dropping the transport
     /// does the same in the background (see its `Drop`); `close` lets the caller wait for it.
@@ -918,6 +939,70 @@ pub async fn quic_stream_throughput(options: &QuicOptions, bytes: u64, duplex: b
         return Err(failed(&format!("received {received} of {bytes} bytes")));
     }
     Ok(bytes as f64 / seconds)
+}
+
+/// Single-core throughput of the transport's packet protection, in bytes per second: the AEAD
+/// that rustls hands quinn for this transport's one cipher suite (AES-128-GCM with the `ring`
+/// provider), run exactly as quinn runs it, in place on packets of `packet_bytes` payload bytes.
+///
+/// This is the cost TLS adds to every byte on the wire, whatever the transport around it does.
+/// A benchmark uses it to bound what any encrypting transport can reach on CPUs that are busy
+/// anyway: a rank that moves `B` bytes each way must also spend `B / seal + B / open` seconds in
+/// the cipher (see `rtx bench collectives`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CipherThroughput {
+    /// Encryption (sender side), bytes per second.
+    pub seal_bps: f64,
+    /// Decryption and tag check (receiver side), bytes per second.
+    pub open_bps: f64,
+}
+
+/// Measures [`CipherThroughput`] on the calling thread over `total_bytes` bytes (rounded up to
+/// whole packets), after a warm-up of the same size. Keys are QUIC initial keys derived for the
+/// transport's suite; the cipher and its implementation are those of 1-RTT packets.
+pub fn tls_packet_cipher_throughput(packet_bytes: usize, total_bytes: u64) -> Result<CipherThroughput> {
+    use rustls::quic::{Keys, Version};
+    use rustls::Side;
+    let failed = |what: &str| Error::Io { op: "TLS cipher probe", reason: what.to_string() };
+    if packet_bytes == 0 {
+        return Err(Error::InvalidConfig { reason: "cipher probe packet size must be positive" });
+    }
+    let provider = crypto_provider();
+    let (suite, quic) = provider
+        .cipher_suites
+        .iter()
+        .find_map(|s| s.tls13().and_then(|t| t.quic.map(|q| (t, q))))
+        .ok_or_else(|| failed("the provider has no TLS 1.3 QUIC suite"))?;
+    let connection_id = [0x52u8, 0x54, 0x58, 0x21, 0x00, 0x01, 0x02, 0x03];
+    let client = Keys::initial(Version::V1, suite, quic, &connection_id, Side::Client);
+    let server = Keys::initial(Version::V1, suite, quic, &connection_id, Side::Server);
+    let (sealer, opener) = (&client.local.packet, &server.remote.packet);
+    let tag_len = sealer.tag_len();
+    let header = [0x40u8, 0x52, 0x54, 0x58, 0x21, 0x00, 0x01, 0x02, 0x03, 0x00, 0x00];
+    let packets = total_bytes.div_ceil(packet_bytes as u64).max(1);
+    let mut packet = vec![0x5Au8; packet_bytes + tag_len];
+    let mut run = |count: u64| -> Result<(f64, f64)> {
+        let (mut seal, mut open) = (Duration::ZERO, Duration::ZERO);
+        for number in 0..count {
+            let start = std::time::Instant::now();
+            let (payload, tag_out) = packet.split_at_mut(packet_bytes);
+            let tag = sealer.encrypt_in_place(number, &header, payload).map_err(|e| failed(&e.to_string()))?;
+            tag_out.copy_from_slice(tag.as_ref());
+            let sealed = start.elapsed();
+            let start = std::time::Instant::now();
+            let plain = opener.decrypt_in_place(number, &header, &mut packet).map_err(|e| failed(&e.to_string()))?;
+            if plain.len() != packet_bytes {
+                return Err(failed("decrypted length differs"));
+            }
+            open += start.elapsed();
+            seal += sealed;
+        }
+        let bytes = (count * packet_bytes as u64) as f64;
+        Ok((bytes / seal.as_secs_f64().max(1e-9), bytes / open.as_secs_f64().max(1e-9)))
+    };
+    run(packets)?;
+    let (seal_bps, open_bps) = run(packets)?;
+    Ok(CipherThroughput { seal_bps, open_bps })
 }
 
 async fn accept_loop(shared: Arc<QuicShared>) {

@@ -15,7 +15,11 @@
 //! done.
 //!
 //! Reading: whoever holds a ring's read lock takes the next frame: an operation waiting for a frame
-//! ([`Transport::poll_incoming`], for a short spin), or else the ring's reader thread. The header is
+//! ([`Transport::poll_incoming`], for a short spin), or else the ring's reader thread. While
+//! operations poll, the reader threads stand back: they park off the futex (so writers see no
+//! sleeper and make no wake-up calls) until an operation stops polling to sleep or to wait for ring
+//! space ([`Transport::poll_ended`], which wakes them), or a short nap passes with no poll. On two
+//! cores this halved the time spent in wake-ups and context switches. The header is
 //! validated (including the payload cap) before anything is delivered. A complete slot is lent to
 //! the endpoint when the ring space pinned behind lent slots stays within half the ring (see
 //! `lend_max` for why the writer then always has room); otherwise the payload is copied into a
@@ -69,8 +73,11 @@ use crate::transport::{BoxFuture, EventSink, Lender, LentBytes, Transport, Trans
 /// Most received frames waiting for a polling dispatcher before readers stop draining rings (only
 /// when the endpoint polls instead of attaching).
 pub const SHM_INBOX_FRAMES: usize = 256;
-/// Default [`ShmOptions::ring_bytes`]: frames of the default chunk size are read in place.
-pub const DEFAULT_RING_BYTES: usize = 16 << 20;
+/// Default [`ShmOptions::ring_bytes`]. Measured (`rtx bench collectives`, 2 and 4 ranks): 4 MiB
+/// rings with 256 KiB frames ([`Transport::preferred_chunk_bytes`] is a sixteenth of the ring) beat
+/// 16 MiB rings with 512 KiB frames by 1.4-1.9x from 1 MiB up, because both directions' rings stay
+/// in the last-level cache (BENCHMARKS.md).
+pub const DEFAULT_RING_BYTES: usize = 4 << 20;
 /// Most bytes a writer copies into a ring before publishing them, so the reader copies out while
 /// the writer still copies in.
 const WRITE_STEP: usize = 256 << 10;
@@ -100,6 +107,9 @@ const OFF_WRITER_SLEEPING: usize = 452;
 const OPEN_RETRY: Duration = Duration::from_millis(5);
 /// Longest a sleeping writer waits before it re-checks the link (lost peer, closed reader).
 const WRITER_NAP: Duration = Duration::from_millis(20);
+/// Longest a reader thread stands back while operations poll the rings themselves, before it
+/// looks again (operations that stop polling wake it at once, see `ShmShared::wake_readers`).
+const POLLED_NAP: Duration = Duration::from_millis(5);
 /// Smallest ring: room for a header slot and a pad record.
 const MIN_RING_BYTES: usize = 4096;
 const _: () = assert!(OFF_WRITER_SLEEPING + 4 <= CONTROL_BYTES);
@@ -112,9 +122,9 @@ pub struct ShmOptions {
     pub dir: PathBuf,
     /// Job name, unique per run; part of every ring's file name.
     pub job: String,
-    /// Data bytes per ring; a power of two of at least 4096. Frames up to an eighth of it are
-    /// read in place; keep it above 8 × [`crate::CommConfig::chunk_bytes`] (larger frames are
-    /// copied out).
+    /// Data bytes per ring; a power of two of at least 4096, equal on every rank. Frames up to an
+    /// eighth of it are read in place; endpoints over this transport send frames of a sixteenth of
+    /// it unless their config says otherwise ([`Transport::preferred_chunk_bytes`]).
     pub ring_bytes: usize,
     /// How long [`ShmTransport::connect`] waits for the peers' rings.
     pub connect_timeout: Duration,
@@ -149,6 +159,15 @@ struct ShmShared {
     pool: BufferPool,
     /// Set when the transport is dropped; reader threads exit.
     stop: AtomicBool,
+    /// Calls of `poll_incoming` so far: while it moves and `polling` is set, an operation is
+    /// taking frames itself and the reader threads stand back (off the futex, so writers make no
+    /// wake-up calls for them).
+    polls: AtomicU64,
+    /// Set by `poll_incoming`, cleared when an operation stops polling to sleep or to wait for
+    /// ring space (`stop_polling`).
+    polling: AtomicBool,
+    /// The reader threads, to wake when operations stop polling.
+    readers: Mutex<Vec<std::thread::Thread>>,
 }
 
 /// Where frames are delivered.
@@ -276,6 +295,9 @@ impl ShmTransport {
             route: OnceLock::new(),
             pool: BufferPool::new(),
             stop: AtomicBool::new(false),
+            polls: AtomicU64::new(0),
+            polling: AtomicBool::new(false),
+            readers: Mutex::new(Vec::new()),
         });
         let heartbeat = tokio::spawn(heartbeat(Arc::clone(&shared))).abort_handle();
         Ok(ShmTransport { shared, inbox: tokio::sync::Mutex::new(inbox), events: Mutex::new(Some(events)), heartbeat })
@@ -291,9 +313,12 @@ impl ShmTransport {
             let (shared, inbound, route) = (Arc::clone(&self.shared), Arc::clone(inbound), route.clone());
             let spawned =
                 std::thread::Builder::new().name(format!("rtx-shm-{}<-{peer}", self.shared.rank)).spawn(move || read_frames(&shared, &inbound, &route));
-            if let Err(e) = spawned {
-                tracing::error!(rank = self.shared.rank, peer, error = %e, "could not start a shared-memory reader thread");
-                lock(&self.shared.lost).insert(peer);
+            match spawned {
+                Ok(handle) => lock(&self.shared.readers).push(handle.thread().clone()),
+                Err(e) => {
+                    tracing::error!(rank = self.shared.rank, peer, error = %e, "could not start a shared-memory reader thread");
+                    lock(&self.shared.lost).insert(peer);
+                }
             }
         }
     }
@@ -333,6 +358,10 @@ impl Transport for ShmTransport {
     fn poll_incoming(&self) -> Option<usize> {
         // Only with push delivery: a polled transport's frames must go through its channel.
         let route @ Route::Push(_) = self.shared.route.get()? else { return None };
+        self.shared.polls.fetch_add(1, Ordering::Relaxed);
+        if !self.shared.polling.load(Ordering::Relaxed) {
+            self.shared.polling.store(true, Ordering::Relaxed);
+        }
         let mut delivered = 0;
         for inbound in self.shared.incoming.values() {
             if inbound.available() < HEADER_LEN {
@@ -361,6 +390,14 @@ impl Transport for ShmTransport {
         Some(delivered)
     }
 
+    fn preferred_chunk_bytes(&self) -> Option<usize> {
+        Some(self.shared.options.ring_bytes / 16)
+    }
+
+    fn poll_ended(&self) {
+        self.shared.stop_polling();
+    }
+
     fn attach(&self, sink: Weak<dyn EventSink>) -> bool {
         if lock(&self.events).take().is_none() {
             // Already being polled.
@@ -385,6 +422,7 @@ impl Drop for ShmTransport {
             futex_wake(inbound.ring.word(OFF_DATA_SEQ));
             inbound.ring.wake_writer();
         }
+        self.shared.wake_readers();
     }
 }
 
@@ -442,6 +480,20 @@ impl ShmShared {
         lock(&self.lost).contains(&peer)
     }
 
+    /// An operation stops polling (to sleep, or to wait for ring space): the reader threads must
+    /// read again.
+    fn stop_polling(&self) {
+        self.polling.store(false, Ordering::SeqCst);
+        self.wake_readers();
+    }
+
+    /// Wakes reader threads that stand back for polling operations.
+    fn wake_readers(&self) {
+        for reader in lock(&self.readers).iter() {
+            reader.unpark();
+        }
+    }
+
     /// Writes the concatenation of `parts` (one frame) into the ring towards `peer`, in a slot
     /// that does not wrap if it fits in half the ring.
     async fn write_frame(&self, peer: usize, parts: &[&[u8]]) -> Result<()> {
@@ -493,6 +545,8 @@ impl ShmShared {
             if self.is_lost(peer) || ring.flag(OFF_READER_CLOSED) {
                 return Err(Error::PeerLost { rank: peer, op: OpKind::Send });
             }
+            // This operation stops polling while it waits: the readers must drain our rings.
+            self.stop_polling();
             wait_for_space(ring).await;
         }
         Ok(())
@@ -771,8 +825,24 @@ async fn heartbeat(shared: Arc<ShmShared>) {
 /// between.
 fn read_frames(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route) {
     let mut watch = Liveness::new(&inbound.ring, shared.options.liveness_timeout);
+    let mut polls_seen = shared.polls.load(Ordering::Relaxed);
     let end = loop {
-        if let Err(end) = wait_for_data(shared, inbound, &mut watch) {
+        let polls = shared.polls.load(Ordering::Relaxed);
+        let polled = polls != polls_seen;
+        polls_seen = polls;
+        if polled && shared.polling.load(Ordering::SeqCst) {
+            // An operation takes frames itself: stand back until it stops (it wakes this thread)
+            // or a nap passes without a poll, watching the writer's liveness meanwhile.
+            if shared.stop.load(Ordering::Relaxed) {
+                break LinkEnd::Stopped;
+            }
+            std::thread::park_timeout(POLLED_NAP);
+            if !watch.alive(&inbound.ring) {
+                break LinkEnd::Silent;
+            }
+            continue;
+        }
+        if let Err(end) = wait_for_data(shared, inbound, &mut watch, Some(polls_seen)) {
             break end;
         }
         let _reading = lock(&inbound.read);
@@ -834,7 +904,7 @@ fn take_frame(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route, mut wat
     loop {
         if inbound.available() < HEADER_LEN {
             match watch.as_deref_mut() {
-                Some(watch) => wait_until(shared, inbound, HEADER_LEN, watch)?,
+                Some(watch) => wait_until(shared, inbound, HEADER_LEN, watch, None)?,
                 None => return Ok(None),
             }
         }
@@ -851,7 +921,7 @@ fn take_frame(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route, mut wat
             }
             if inbound.available() < pad {
                 match watch.as_deref_mut() {
-                    Some(watch) => wait_until(shared, inbound, pad, watch)?,
+                    Some(watch) => wait_until(shared, inbound, pad, watch, None)?,
                     None => return Ok(None),
                 }
             }
@@ -871,7 +941,7 @@ fn take_frame(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route, mut wat
         if lendable {
             if inbound.available() < slot {
                 match watch.as_deref_mut() {
-                    Some(watch) => wait_until(shared, inbound, slot, watch)?,
+                    Some(watch) => wait_until(shared, inbound, slot, watch, None)?,
                     None => return Ok(None),
                 }
             }
@@ -893,7 +963,7 @@ fn take_frame(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route, mut wat
         while filled < payload_len {
             let n = inbound.available().min(payload_len - filled);
             if n == 0 {
-                wait_until(shared, inbound, 1, watch)?;
+                wait_until(shared, inbound, 1, watch, None)?;
                 continue;
             }
             ring.copy_out(inbound.rpos(), &mut buf.spare_capacity_mut()[filled..filled + n]);
@@ -904,7 +974,7 @@ fn take_frame(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route, mut wat
         unsafe { buf.set_len(HEADER_LEN + payload_len) };
         let gap = slot - HEADER_LEN - payload_len;
         if gap > 0 {
-            wait_until(shared, inbound, gap, watch)?;
+            wait_until(shared, inbound, gap, watch, None)?;
             inbound.consume(gap, false);
         }
         return Ok(Some(Taken::Copied(buf)));
@@ -948,18 +1018,23 @@ impl Liveness {
     }
 }
 
-/// Waits (without the read lock) until the ring has unread data.
-fn wait_for_data(shared: &ShmShared, inbound: &Inbound, watch: &mut Liveness) -> std::result::Result<(), LinkEnd> {
-    wait_until(shared, inbound, 1, watch)
+/// Waits (without the read lock) until the ring has unread data, or (with `polls_seen`) until an
+/// operation polls: the reader thread then stands back (see `read_frames`).
+fn wait_for_data(shared: &ShmShared, inbound: &Inbound, watch: &mut Liveness, polls_seen: Option<u64>) -> std::result::Result<(), LinkEnd> {
+    wait_until(shared, inbound, 1, watch, polls_seen)
 }
 
 /// Waits until at least `want` unread bytes are published: spins briefly, then sleeps on the
-/// futex, waking at the heartbeat period to check liveness.
-fn wait_until(shared: &ShmShared, inbound: &Inbound, want: usize, watch: &mut Liveness) -> std::result::Result<(), LinkEnd> {
+/// futex, waking at the heartbeat period to check liveness. Returns early, with nothing new, when
+/// `polls_seen` is given and `poll_incoming` was called since.
+fn wait_until(shared: &ShmShared, inbound: &Inbound, want: usize, watch: &mut Liveness, polls_seen: Option<u64>) -> std::result::Result<(), LinkEnd> {
     let ring = &inbound.ring;
     let mut idle = 0u32;
     loop {
         if inbound.available() >= want {
+            return Ok(());
+        }
+        if polls_seen.is_some_and(|seen| shared.polls.load(Ordering::Relaxed) != seen) {
             return Ok(());
         }
         if shared.stop.load(Ordering::Relaxed) {

@@ -93,6 +93,19 @@ pub trait Transport: Send + Sync + 'static {
         None
     }
 
+    /// The frame payload size this transport moves best, if it has one: an [`crate::Endpoint`]
+    /// whose [`crate::CommConfig::chunk_bytes`] is unset uses it. It must be the same on every
+    /// rank, like the config. Shared memory asks for a sixteenth of its ring, so both directions'
+    /// rings stay in cache; the default (`None`) means [`crate::DEFAULT_CHUNK_BYTES`].
+    fn preferred_chunk_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// The operation that was calling [`poll_incoming`](Self::poll_incoming) stops and sleeps until
+    /// its frame is delivered: a transport whose reader threads stand back while operations poll
+    /// (shared memory) must have them take over now. The default does nothing.
+    fn poll_ended(&self) {}
+
     /// Offers push delivery: a transport that returns `true` hands every later event to `sink`
     /// (from whichever thread read it, in the order [`recv`](Self::recv) would have returned them,
     /// per peer) and calls [`EventSink::closed`] when it shuts down; the endpoint then does not call

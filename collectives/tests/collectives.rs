@@ -472,7 +472,7 @@ async fn ring_order_case<T: TestElem>(n: usize, seed: u64) {
         })
         .collect();
     let want: Vec<T> = (0..n).flat_map(|c| rtx_collectives::segment_range(len, n, c).map(|i| ring_order_sum(&inputs, c, i)).collect::<Vec<_>>()).collect();
-    let (_net, comms) = world(n, CommConfig { small_message_bytes: 0, chunk_bytes: 24, ..CommConfig::default() });
+    let (_net, comms) = world(n, CommConfig { small_message_bytes: 0, chunk_bytes: Some(24), ..CommConfig::default() });
     let out = run_ranks(&comms, |c| {
         let (inputs, want) = (inputs.clone(), want.clone());
         async move {

@@ -14,7 +14,7 @@ use common::*;
 use rtx_collectives::{CommConfig, Error, ReduceOp, WORLD_GROUP_ID};
 
 fn config() -> CommConfig {
-    CommConfig { op_timeout: Duration::from_secs(20), chunk_bytes: 64, ..CommConfig::default() }
+    CommConfig { op_timeout: Duration::from_secs(20), chunk_bytes: Some(64), ..CommConfig::default() }
 }
 
 // Goal: set_generation aborts operations blocked in the old generation, on every rank that bumps,

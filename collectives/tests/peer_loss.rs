@@ -18,7 +18,7 @@ const OP_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn config() -> CommConfig {
     // Tiny frames and the ring, so an all_reduce takes many steps and can be cut in the middle.
-    CommConfig { op_timeout: OP_TIMEOUT, chunk_bytes: 64, small_message_bytes: 0, ..CommConfig::default() }
+    CommConfig { op_timeout: OP_TIMEOUT, chunk_bytes: Some(64), small_message_bytes: 0, ..CommConfig::default() }
 }
 
 // Goal: a disconnect during a ring all_reduce fails every survivor with PeerLost naming the rank,

@@ -139,7 +139,7 @@ fn rank_process() {
     let mismatches = rt.block_on(async move {
         // Small frames: a 30 000-element f32 buffer takes dozens of frames per step.
         let host_of: Vec<u32> = std::env::var(HOSTS_ENV).unwrap().split(',').filter(|h| !h.is_empty()).map(|h| h.parse().unwrap()).collect();
-        let config = CommConfig { op_timeout: Duration::from_secs(30), chunk_bytes: 2048, small_message_bytes: 1024, host_of, ..CommConfig::default() };
+        let config = CommConfig { op_timeout: Duration::from_secs(30), chunk_bytes: Some(2048), small_message_bytes: 1024, host_of, ..CommConfig::default() };
         let (t, quic): (Arc<dyn Transport>, Option<Arc<QuicTransport>>) = if transport == "quic" {
             let q = Arc::new(quic_rank(rank, world, &dir).await);
             (Arc::clone(&q) as Arc<dyn Transport>, Some(q))

@@ -17,7 +17,8 @@ use std::time::Duration;
 use common::*;
 use quinn::crypto::rustls::QuicClientConfig;
 use rtx_collectives::{
-    client_tls_config, rank_name, ClusterCa, CommConfig, Endpoint, Error, NodeIdentity, OpKind, QuicOptions, QuicTransport, ReduceOp, Transport, ALPN,
+    client_tls_config, rank_name, tls_packet_cipher_throughput, ClusterCa, CommConfig, Endpoint, Error, NodeIdentity, OpKind, QuicOptions, QuicTransport,
+    ReduceOp, Transport, ALPN,
 };
 
 const LOOPBACK: &str = "127.0.0.1:0";
@@ -27,20 +28,7 @@ fn options() -> QuicOptions {
 }
 
 async fn cluster(ca: &ClusterCa, n: usize) -> Vec<Arc<QuicTransport>> {
-    let transports: Vec<Arc<QuicTransport>> =
-        (0..n).map(|r| Arc::new(QuicTransport::bind(&ca.issue(r).unwrap(), n, LOOPBACK.parse().unwrap(), options()).unwrap())).collect();
-    let addrs: Vec<SocketAddr> = transports.iter().map(|t| t.local_addr().unwrap()).collect();
-    let tasks: Vec<_> = transports
-        .iter()
-        .map(|t| {
-            let (t, addrs) = (Arc::clone(t), addrs.clone());
-            tokio::spawn(async move { t.connect(&addrs).await })
-        })
-        .collect();
-    for task in tasks {
-        task.await.unwrap().unwrap();
-    }
-    transports
+    QuicTransport::loopback_world(ca, n, options()).await.unwrap()
 }
 
 // Goal: collectives over QUIC give correct results (large ring and small doubling paths), and a
@@ -188,4 +176,15 @@ async fn connect_times_out_with_missing_peer() {
     drop(silent);
     let err = t0.connect(&addrs).await.unwrap_err();
     assert!(matches!(err, Error::Connect { peer: 1, timeout_ms: 500, .. }), "{err}");
+}
+
+// Goal: the cipher probe behind the benchmark's TLS bound measures the transport's cipher (both
+// directions positive and finite) and refuses a packet size of zero with a typed error.
+#[test]
+fn tls_cipher_probe_measures_and_validates() {
+    let rate = tls_packet_cipher_throughput(65_000, 4 << 20).unwrap();
+    assert!(rate.seal_bps.is_finite() && rate.seal_bps > 0.0, "{rate:?}");
+    assert!(rate.open_bps.is_finite() && rate.open_bps > 0.0, "{rate:?}");
+    let err = tls_packet_cipher_throughput(0, 1 << 20).unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
 }

@@ -9,7 +9,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,20 +25,7 @@ fn options() -> QuicOptions {
 }
 
 async fn cluster(ca: &ClusterCa, n: usize) -> Vec<Arc<QuicTransport>> {
-    let transports: Vec<Arc<QuicTransport>> =
-        (0..n).map(|r| Arc::new(QuicTransport::bind(&ca.issue(r).unwrap(), n, "127.0.0.1:0".parse().unwrap(), options()).unwrap())).collect();
-    let addrs: Vec<SocketAddr> = transports.iter().map(|t| t.local_addr().unwrap()).collect();
-    let tasks: Vec<_> = transports
-        .iter()
-        .map(|t| {
-            let (t, addrs) = (Arc::clone(t), addrs.clone());
-            tokio::spawn(async move { t.connect(&addrs).await })
-        })
-        .collect();
-    for task in tasks {
-        task.await.unwrap().unwrap();
-    }
-    transports
+    QuicTransport::loopback_world(ca, n, options()).await.unwrap()
 }
 
 // Goal: streams reach the acceptor of their own channel with the opener's rank, carry bytes both

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use rtx_collectives::{CommConfig, Communicator, Endpoint, Error, OpKind, ReduceOp, ShmOptions, ShmTransport, Transport};
+use rtx_collectives::{CommConfig, Communicator, Endpoint, Error, OpKind, ReduceOp, ShmOptions, ShmTransport, Transport, DEFAULT_CHUNK_BYTES};
 
 const CHILD_ENV: &str = "RTX_SHM_CHILD_JOB";
 const LIVENESS: Duration = Duration::from_secs(2);
@@ -33,7 +33,8 @@ fn options(job: &str) -> ShmOptions {
 
 async fn communicator(rank: usize, job: &str) -> Communicator {
     let t: Arc<dyn Transport> = Arc::new(ShmTransport::connect(rank, 2, options(job)).await.unwrap());
-    let config = CommConfig { op_timeout: Duration::from_secs(30), ..CommConfig::default() };
+    // Frames of the default size, larger than an eighth of the small ring: they stream through it.
+    let config = CommConfig { op_timeout: Duration::from_secs(30), chunk_bytes: Some(DEFAULT_CHUNK_BYTES), ..CommConfig::default() };
     Endpoint::new(t, config).unwrap().world().unwrap()
 }
 
@@ -111,4 +112,59 @@ async fn shm_connect_times_out_with_missing_peer() {
     let opts = ShmOptions { connect_timeout: Duration::from_millis(200), ..options(&job) };
     let err = ShmTransport::connect(0, 2, opts).await.unwrap_err();
     assert!(matches!(err, Error::Connect { peer: 1, timeout_ms: 200, .. }), "{err}");
+}
+
+/// Two ranks of one process over shared memory, each with its own endpoint made with `config`.
+async fn in_process_pair(job: &str, ring_bytes: usize, config: CommConfig) -> Vec<Communicator> {
+    let opts = ShmOptions { ring_bytes, ..options(job) };
+    let (a, b) = tokio::join!(ShmTransport::connect(0, 2, opts.clone()), ShmTransport::connect(1, 2, opts));
+    [a.unwrap(), b.unwrap()]
+        .into_iter()
+        .map(|t| {
+            let t: Arc<dyn Transport> = Arc::new(t);
+            Endpoint::new(t, config.clone()).unwrap().world().unwrap()
+        })
+        .collect()
+}
+
+// Goal: an unset chunk size takes the transport's preference (a sixteenth of the ring), an explicit
+// one wins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_frames_default_to_a_sixteenth_of_the_ring() {
+    let job = format!("test-chunk-{}", std::process::id());
+    let comms = in_process_pair(&job, 4 << 20, CommConfig::default()).await;
+    assert!(comms.iter().all(|c| c.config().chunk_bytes == Some(256 << 10)));
+    let job = format!("test-chunk-explicit-{}", std::process::id());
+    let explicit = CommConfig { chunk_bytes: Some(1000), ..CommConfig::default() };
+    let comms = in_process_pair(&job, 4 << 20, explicit).await;
+    assert!(comms.iter().all(|c| c.config().chunk_bytes == Some(1000)));
+}
+
+// Goal: results stay exact when operations alternate between taking frames themselves (polling)
+// and sleeping while the reader threads deliver: rank 1 starts every other operation late, so
+// rank 0's spin runs out and its readers must take over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_operations_that_stop_polling_still_get_their_frames() {
+    let job = format!("test-standback-{}", std::process::id());
+    let config = CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() };
+    let comms = in_process_pair(&job, 1 << 20, config).await;
+    let tasks: Vec<_> = comms
+        .into_iter()
+        .map(|c| {
+            tokio::spawn(async move {
+                for round in 0..6u64 {
+                    if c.rank() == 1 && round % 2 == 1 {
+                        tokio::time::sleep(Duration::from_millis(30)).await;
+                    }
+                    let inputs = exact_inputs::<f32>(round, 3, 2, 1_000_003);
+                    let mut buf = inputs[c.rank()].clone();
+                    c.all_reduce(&mut buf, ReduceOp::Sum).await.unwrap();
+                    assert_eq!(bits(&buf), bits(&reference(ReduceOp::Sum, &inputs)), "round {round}, rank {}", c.rank());
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(60), task).await.unwrap().unwrap();
+    }
 }

@@ -20,7 +20,7 @@ use rtx_collectives::{CommConfig, Communicator, Error, OpKind, ReduceOp};
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn config(small_message_bytes: usize, chunk_bytes: usize) -> CommConfig {
-    CommConfig { op_timeout: OP_TIMEOUT, small_message_bytes, chunk_bytes, ..CommConfig::default() }
+    CommConfig { op_timeout: OP_TIMEOUT, small_message_bytes, chunk_bytes: Some(chunk_bytes), ..CommConfig::default() }
 }
 
 /// Runs the same all-reduce on every rank; rank `leaver` drops its communicator (the only handle
@@ -125,7 +125,6 @@ async fn leaving_early_still_fails_peers_fast() {
 
 #[cfg(feature = "quic")]
 mod quic {
-    use std::net::SocketAddr;
 
     use rtx_collectives::{ClusterCa, Endpoint, QuicOptions, QuicTransport, Transport};
 
@@ -134,19 +133,7 @@ mod quic {
     async fn quic_world(n: usize, config: CommConfig) -> Vec<Communicator> {
         let ca = ClusterCa::generate("rtx shutdown test").unwrap();
         let options = QuicOptions { connect_timeout: Duration::from_secs(20), ..QuicOptions::default() };
-        let transports: Vec<Arc<QuicTransport>> =
-            (0..n).map(|r| Arc::new(QuicTransport::bind(&ca.issue(r).unwrap(), n, "127.0.0.1:0".parse().unwrap(), options.clone()).unwrap())).collect();
-        let addrs: Vec<SocketAddr> = transports.iter().map(|t| t.local_addr().unwrap()).collect();
-        let tasks: Vec<_> = transports
-            .iter()
-            .map(|t| {
-                let (t, addrs) = (Arc::clone(t), addrs.clone());
-                tokio::spawn(async move { t.connect(&addrs).await })
-            })
-            .collect();
-        for task in tasks {
-            task.await.unwrap().unwrap();
-        }
+        let transports = QuicTransport::loopback_world(&ca, n, options).await.unwrap();
         transports
             .into_iter()
             .map(|t| {

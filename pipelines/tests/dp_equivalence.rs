@@ -195,7 +195,7 @@ fn comm_config(n_ranks: usize) -> CommConfig {
     let base = CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() };
     if n_ranks >= 4 {
         // Ring all-reduce in small pipelined frames (the default picks recursive doubling here).
-        CommConfig { small_message_bytes: 0, chunk_bytes: 256, ..base }
+        CommConfig { small_message_bytes: 0, chunk_bytes: Some(256), ..base }
     } else {
         base
     }

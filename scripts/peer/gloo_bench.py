@@ -78,6 +78,7 @@ def table(path):
             elif r.get("algo") == "auto":
                 rtx[(r["transport"], r["world"], r["bytes"])] = r
     transports = sorted({t for t, _, _ in rtx})
+    cipher = refs.get("tls_cipher")
     print("all_reduce f32, busbw GB/s (median); ratio = rtx / gloo; 4K rows also show time in us")
     head = f"{'n':>2} {'size':>6} {'gloo':>8}" + "".join(f" {t:>8} {t + '/gloo':>10}" for t in transports)
     print(head)
@@ -95,6 +96,21 @@ def table(path):
         if nbytes <= 4096:
             row = row.replace(f"{g['busbw_gbps']:>8.3f}", f"{g['time_us']:>6.0f}us", 1)
         print(row)
+    if cipher and "quic" in transports:
+        # What Gloo could reach if it also had to run the TLS packet cipher on the same cores:
+        # each rank seals and opens the busbw bytes it moves (see `rtx bench collectives`).
+        print(f"TLS cipher bound (AES-128-GCM as quinn runs it: seal {cipher['seal_gbps']:.2f}, "
+              f"open {cipher['open_gbps']:.2f} GB/s on one core; {cipher['cores']} cores)")
+        print(f"{'n':>2} {'size':>6} {'gloo':>8} {'gloo+tls':>9} {'quic':>8} {'quic/bound':>11}")
+        for (world, nbytes) in sorted(gloo):
+            r = rtx.get(("quic", world, nbytes))
+            if r is None or nbytes <= 4096:
+                continue
+            g = gloo[(world, nbytes)]["busbw_gbps"]
+            share = max(1.0, world / cipher["cores"])
+            bound = 1.0 / (1.0 / g + share / cipher["seal_gbps"] + share / cipher["open_gbps"])
+            print(f"{world:>2} {human(nbytes):>6} {g:>8.3f} {bound:>9.3f} {r['busbw_gbps']:>8.3f} "
+                  f"{r['busbw_gbps'] / bound:>11.2f}")
     if "tcp_rtt_64b" in refs:
         print(f"loopback TCP 64 B round trip: {refs['tcp_rtt_64b']['us']:.1f} us; "
               f"for 4K rows the ratio is gloo time / rtx time (higher is better)")

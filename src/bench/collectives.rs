@@ -19,6 +19,14 @@
 //! memory, the two-way raw quinn rate for QUIC (a two-rank ring sends and receives at once, so that is
 //! the cipher-and-quinn bound of its bus bandwidth). JSON lines go to stdout, a table to stderr.
 //! `scripts/bench-collectives.sh` adds PyTorch Gloo on the same sizes.
+//!
+//! One more reference bounds what any TLS transport can reach where the CPUs are the limit: the
+//! single-core seal and open rates of the transport's packet cipher
+//! ([`rtx_collectives::tls_packet_cipher_throughput`]). A ring rank moving `B = busbw · t` bytes
+//! each way spends at least `B / seal + B / open` seconds in the cipher on top of what a
+//! plaintext transport spends, so Gloo made to encrypt could reach at most
+//! `1 / (1 / gloo + k / seal + k / open)` busbw, with `k = max(1, ranks / cores)` ranks sharing a
+//! core. `scripts/peer/gloo_bench.py --table` prints that bound and our ratio to it.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -29,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rtx_collectives::{
-    quic_stream_throughput, segment_range, ClusterCa, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, ReduceOp, ShmOptions,
+    quic_stream_throughput, segment_range, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, ReduceOp, ShmOptions,
     ShmTransport, Transport,
 };
 use serde_json::json;
@@ -127,6 +135,8 @@ struct References {
     tcp_rtt_us: f64,
     quic_one_way_gbps: f64,
     quic_duplex_gbps: f64,
+    /// The TLS packet cipher on one core: (seal, open) GB/s.
+    tls_cipher_gbps: Option<(f64, f64)>,
 }
 
 const GB: f64 = 1e9;
@@ -293,6 +303,16 @@ fn references(args: &CollectivesArgs, sizes: &[usize]) -> anyhow::Result<Referen
                 refs.quic_one_way_gbps = gbps;
             }
         }
+        let packet = usize::from(options.loopback_datagram_bytes);
+        let samples = (0..3)
+            .map(|_| tls_packet_cipher_throughput(packet, STREAM_REFERENCE_BYTES as u64 / 4))
+            .collect::<Result<Vec<_>, _>>()?;
+        let seal = median(samples.iter().map(|c| c.seal_bps / GB).collect());
+        let open = median(samples.iter().map(|c| c.open_bps / GB).collect());
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        note(&format!("  TLS packet cipher (AES-128-GCM as quinn runs it, {packet}-byte packets), one core: seal {seal:.2} GB/s, open {open:.2} GB/s ({cores} cores)"));
+        emit(json!({"bench": "collectives", "reference": "tls_cipher", "packet_bytes": packet, "seal_gbps": round3(seal), "open_gbps": round3(open), "cores": cores}));
+        refs.tls_cipher_gbps = Some((seal, open));
     }
     Ok(refs)
 }
@@ -544,7 +564,7 @@ fn comm_config(args: &CollectivesArgs) -> CommConfig {
         config.small_message_bytes = s;
     }
     if let Some(c) = args.chunk_bytes {
-        config.chunk_bytes = c;
+        config.chunk_bytes = Some(c);
         config.max_payload_bytes = config.max_payload_bytes.max(c);
     }
     config

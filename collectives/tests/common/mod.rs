@@ -46,8 +46,8 @@ pub fn world(n: usize, config: CommConfig) -> (InProcessNetwork, Vec<Communicato
 pub fn configs() -> Vec<(&'static str, CommConfig)> {
     let base = CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() };
     vec![
-        ("ring", CommConfig { small_message_bytes: 0, chunk_bytes: 24, ..base.clone() }),
-        ("doubling", CommConfig { small_message_bytes: usize::MAX, chunk_bytes: 40, ..base.clone() }),
+        ("ring", CommConfig { small_message_bytes: 0, chunk_bytes: Some(24), ..base.clone() }),
+        ("doubling", CommConfig { small_message_bytes: usize::MAX, chunk_bytes: Some(40), ..base.clone() }),
         ("default", base),
     ]
 }
