@@ -318,19 +318,6 @@ extern "C" __global__ void heads_to_rows_v8_bf16(const u16* src, u16* dst, int B
     GRID_STRIDE(i, (i64)B * H * T_ * D8) *(V8*)(dst + row_index_v8(i, T_, H, D8, row_stride, col_off)) = *(const V8*)(src + i * 8);
 }
 
-extern "C" __global__ void heads_to_rows_v8_f32_to_bf16(const float* src, u16* dst, int B, int T_, int H, int D, int row_stride, int col_off) {
-    int D8 = D / 8;
-    GRID_STRIDE(i, (i64)B * H * T_ * D8) {
-        const float* s = src + i * 8;
-        V8 v;
-        v.x = (u32)f32_to_bf16(s[0]) | ((u32)f32_to_bf16(s[1]) << 16);
-        v.y = (u32)f32_to_bf16(s[2]) | ((u32)f32_to_bf16(s[3]) << 16);
-        v.z = (u32)f32_to_bf16(s[4]) | ((u32)f32_to_bf16(s[5]) << 16);
-        v.w = (u32)f32_to_bf16(s[6]) | ((u32)f32_to_bf16(s[7]) << 16);
-        *(V8*)(dst + row_index_v8(i, T_, H, D8, row_stride, col_off)) = v;
-    }
-}
-
 // Vectorized bf16 elementwise kernels (8 elements, 16 bytes per thread per step) for lengths
 // that are multiples of 8: `n8 = n / 8`, `nb8 = nb / 8`.
 __device__ __forceinline__ void unpack8(V8 v, float* f) {
@@ -432,7 +419,3 @@ extern "C" __global__ void layer_norm_backward_v8_bf16(const u16* x, const u16* 
     }
 }
 
-// f32 head gradients (what the flash backward writes) into bf16 rows.
-extern "C" __global__ void heads_to_rows_f32_to_bf16(const float* src, u16* dst, int B, int T_, int H, int D, int row_stride, int col_off) {
-    heads_to_rows(src, dst, B, T_, H, D, row_stride, col_off);
-}

@@ -451,12 +451,6 @@ impl Device {
         self.head_copy::<T, T>(name, "heads_to_rows", heads, layout, rows, false)
     }
 
-    /// [`Device::heads_to_rows`] from f32 heads (the flash backward's gradients) into bf16 rows.
-    pub fn heads_to_rows_f32_to_bf16(&self, heads: &Buffer<f32>, layout: HeadLayout, rows: &mut Buffer<bf16>) -> Result<()> {
-        let name = if layout.vectorizable() { "heads_to_rows_v8_f32_to_bf16" } else { "heads_to_rows_f32_to_bf16" };
-        self.head_copy::<f32, bf16>(name, "heads_to_rows_f32_to_bf16", heads, layout, rows, false)
-    }
-
     fn head_copy<S: DeviceElem, D: DeviceElem>(&self, name: &'static str, op: &'static str, src: &Buffer<S>, layout: HeadLayout, dst: &mut Buffer<D>, to_heads: bool) -> Result<()> {
         let args = layout.check(op)?;
         let (src_len, dst_len) = if to_heads { (layout.row_elems(), layout.head_elems()) } else { (layout.head_elems(), layout.row_elems()) };
