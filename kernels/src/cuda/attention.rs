@@ -18,7 +18,7 @@
 //! atomics). The causal mask and the scale match [`crate::attention`] (query `i` sees keys
 //! `j ≤ i`).
 
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::Ordering;
 
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -28,9 +28,6 @@ use super::device::Device;
 use super::error::{check_len, CudaError, OpContext, Result};
 use super::mixed::HeadLayout;
 use super::nvrtc::Module;
-
-/// Timing probe of the bf16 backward (0 = none; see `AttnArgs.probe` in attention_bf16.cu).
-static BWD_PROBE: AtomicI32 = AtomicI32::new(0);
 
 /// Query rows per block of the bf16 tensor-core forward; must match `BF_ROWS` in attention_bf16.cu.
 const BF_ROWS: usize = 64;
@@ -235,7 +232,7 @@ impl Device {
         (a.delta, a.counters, a.dq_acc) = (delta.device_ptr(), counters.device_ptr(), dq_acc.device_ptr());
         // Rotating the walk needs one head's key blocks resident together (attention_bf16.cu).
         let sms = self.stream().context().attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).op(OP)?;
-        a.probe = BWD_PROBE.load(Ordering::Relaxed);
+        a.probe = self.bwd_probe.load(Ordering::Relaxed);
         a.rotate = i32::from(!spec.causal && nq == nk && nk <= usize::try_from(sms).unwrap_or(0));
         if rows > 0 {
             let f = self.function(Module::AttentionBf16, "flash_backward_delta_bf16")?;
@@ -271,10 +268,11 @@ impl Device {
 
     /// Makes the bf16 backward skip parts of its work so a benchmark can time the rest: 1 = add
     /// the dQ parts in no order (races), 2 = no dQ at all, 4 = form the dQ parts but do not add
-    /// them, 8 = add without forming them. The results are wrong; 0 restores.
+    /// them, 8 = add without forming them. The results are wrong; 0 restores. It affects only this
+    /// device (see `AttnArgs.probe` in attention_bf16.cu).
     #[doc(hidden)]
     pub fn set_flash_backward_bf16_probe(&self, probe: i32) {
-        BWD_PROBE.store(probe, Ordering::Relaxed);
+        self.bwd_probe.store(probe, Ordering::Relaxed);
     }
 
     /// Backward from the forward's `out` and `lse` and the output gradient `dout`; writes `dq`,

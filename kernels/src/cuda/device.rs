@@ -66,6 +66,9 @@ pub struct Device {
     functions: Mutex<HashMap<&'static str, Arc<CudaFunction>>>,
     /// cuBLASLt handle, workspace and chosen algorithms, made on first use.
     pub(crate) lt: Mutex<Option<super::blas_lt::LtState>>,
+    /// Timing probe of this device's bf16 attention backward (0 = none; see
+    /// `Device::set_flash_backward_bf16_probe`).
+    pub(crate) bwd_probe: std::sync::atomic::AtomicI32,
 }
 
 impl std::fmt::Debug for Device {
@@ -118,6 +121,7 @@ impl Device {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             lt: Mutex::new(None),
+            bwd_probe: std::sync::atomic::AtomicI32::new(0),
         })
     }
 
