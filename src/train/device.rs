@@ -103,13 +103,14 @@ steps = 1
         // panic. Method: resolve on this machine; a build without the feature must say so, a CUDA
         // build without a usable device must say that (a GPU machine checks the placement).
         let config = TrainConfig::from_toml_str(&GPT.replace("steps = 1", "steps = 1\ndevice = \"cuda\"")).expect("valid");
+        let cuda_build = cfg!(feature = "cuda");
         match resolve_device(&config, 3) {
             Err(e @ DeviceError::NotCompiled) => {
-                assert!(!cfg!(feature = "cuda"));
+                assert!(!cuda_build, "a CUDA build said it has no CUDA");
                 assert!(e.to_string().contains("--features cuda"), "{e}");
             }
             Err(e @ DeviceError::NoDevice { .. }) => {
-                assert!(cfg!(feature = "cuda"));
+                assert!(cuda_build, "a build without CUDA probed for devices");
                 assert!(e.to_string().contains("no CUDA device is usable"), "{e}");
             }
             Ok(Placement::Cuda { ordinal, dtype }) => {
