@@ -8,6 +8,16 @@
 //! Parsing is two-step on purpose: serde reads flat sections (`RawModel`, `RawOptim`) that keep
 //! the TOML line/column in its errors, then validation turns them into the typed
 //! [`ModelConfig`] / [`OptimConfig`] enums and reports keys that do not belong to the chosen kind.
+//!
+//! # Device and precision (`[train] device`, `[train] precision`)
+//! `device = "cpu"` (the default) trains on host tensors in f32. `device = "cuda"` puts each
+//! worker's replica on one GPU: under `rtx launch` worker `i` takes `cuda:(i mod visible
+//! devices)`, so several workers may share a GPU; gradients are averaged through host buffers
+//! by the same communicator as on the CPU. On the GPU, `precision = "bf16"` (the default there)
+//! keeps parameters, activations and gradients in bf16 with f32 master weights and moments in the
+//! optimizer; `"f32"` keeps everything in f32. The GPU path supports what its kernels cover: a GPT
+//! without dropout, trained with AdamW. Whether a GPU is really there is checked when a job starts
+//! ([`crate::train::resolve_device`]), not here: a config is valid on any machine.
 
 use std::path::{Path, PathBuf};
 
@@ -216,6 +226,34 @@ pub struct LoopConfig {
     /// evaluation always uses the whole split.
     #[serde(default)]
     pub eval_batches: Option<usize>,
+    /// Where each worker trains (see the module doc).
+    #[serde(default)]
+    pub device: DeviceKind,
+    /// Element type of parameters and activations on the GPU (see the module doc); `None` takes
+    /// the device's default ([`TrainConfig::precision`]).
+    #[serde(default)]
+    pub precision: Option<Precision>,
+}
+
+/// `[train] device`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// Host tensors (f32).
+    #[default]
+    Cpu,
+    /// One CUDA GPU per worker (shared when there are more workers than GPUs).
+    Cuda,
+}
+
+/// `[train] precision`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in f32.
+    F32,
+    /// bf16 parameters, activations and gradients; f32 master weights and moments (GPU only).
+    Bf16,
 }
 
 /// `[sample]`: what a GPT run generates at the end.
@@ -366,6 +404,14 @@ impl TrainConfig {
         v.validate(raw)
     }
 
+    /// The effective precision: `[train] precision`, else bf16 on the GPU and f32 on the CPU.
+    pub fn precision(&self) -> Precision {
+        self.train.precision.unwrap_or(match self.train.device {
+            DeviceKind::Cpu => Precision::F32,
+            DeviceKind::Cuda => Precision::Bf16,
+        })
+    }
+
     /// The output folder: `[output] dir`, else `runs/<stem of config_path>`.
     pub fn default_output_dir(&self, config_path: Option<&Path>) -> PathBuf {
         if let Some(dir) = &self.output_dir {
@@ -463,6 +509,7 @@ impl Validator<'_> {
                 ScheduleConfig { warmup_steps: s.warmup_steps, total_steps, min_lr: if cosine { s.min_lr } else { optim.lr }, cosine }
             }
         };
+        self.device(&model, &optim, &train)?;
         let is_gpt = matches!(model, ModelConfig::Gpt { .. });
         if raw.sample.is_some() && !is_gpt {
             return Err(self.invalid("sample", "(section)", "only allowed with model.kind = \"gpt\""));
@@ -475,6 +522,33 @@ impl Validator<'_> {
             }
         }
         Ok(TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample, elastic: raw.elastic })
+    }
+
+    /// `[train] device` and `precision` against what the GPU path supports.
+    fn device(&self, model: &ModelConfig, optim: &OptimConfig, train: &LoopConfig) -> Result<(), ConfigError> {
+        match train.device {
+            DeviceKind::Cpu => {
+                if train.precision == Some(Precision::Bf16) {
+                    return Err(self.invalid("train.precision", "\"bf16\"", "bf16 needs train.device = \"cuda\"; CPU training is f32"));
+                }
+            }
+            DeviceKind::Cuda => match model {
+                ModelConfig::Mlp { .. } => return Err(self.invalid("train.device", "\"cuda\"", "the GPU path trains model.kind = \"gpt\" (its kernels cover GPT training); use train.device = \"cpu\" for an MLP")),
+                ModelConfig::Gpt { dropout, d_model, n_heads, .. } => {
+                    let head_dim = d_model / n_heads;
+                    if head_dim != 64 && head_dim != 128 {
+                        return Err(self.invalid("model.n_heads", n_heads, format!("with train.device = \"cuda\", d_model / n_heads must be 64 or 128 (the GPU's flash attention head sizes); it is {head_dim}")));
+                    }
+                    if *dropout > 0.0 {
+                        return Err(self.invalid("model.dropout", dropout, "must be 0 with train.device = \"cuda\" (dropout has no GPU kernel yet)"));
+                    }
+                    if !matches!(optim.kind, OptimKind::AdamW { .. }) {
+                        return Err(self.invalid("optim.kind", "\"sgd\"", "train.device = \"cuda\" trains with \"adamw\" (f32 master weights on the GPU)"));
+                    }
+                }
+            },
+        }
+        Ok(())
     }
 
     fn model(&self, m: RawModel) -> Result<ModelConfig, ConfigError> {
@@ -607,6 +681,56 @@ steps = 10
         assert!(e.contains("`data.dataset`") && e.contains("fashion-mnist"), "{e}");
         let e = err(&MLP.replace("lr = 1e-3", "lr = 1e-3\nmomentum = 0.9"));
         assert!(e.contains("`optim.momentum`") && e.contains("sgd"), "{e}");
+    }
+
+    const GPT_CUDA: &str = r#"
+[model]
+kind = "gpt"
+n_layers = 2
+d_model = 128
+n_heads = 2
+context = 16
+[data]
+dataset = "sotu"
+batch_size = 4
+[optim]
+kind = "adamw"
+lr = 1e-3
+[train]
+steps = 5
+device = "cuda"
+"#;
+
+    #[test]
+    fn device_and_precision_default_and_parse() {
+        // Goal: the device keys are optional, default to the CPU in f32, and bf16 is the GPU's
+        // default precision. Method: parse with and without them.
+        let c = TrainConfig::from_toml_str(MLP).expect("valid");
+        assert_eq!((c.train.device, c.precision()), (DeviceKind::Cpu, Precision::F32));
+        let c = TrainConfig::from_toml_str(GPT_CUDA).expect("valid");
+        assert_eq!((c.train.device, c.precision()), (DeviceKind::Cuda, Precision::Bf16));
+        let c = TrainConfig::from_toml_str(&GPT_CUDA.replace("device = \"cuda\"", "device = \"cuda\"\nprecision = \"f32\"")).expect("valid");
+        assert_eq!(c.precision(), Precision::F32);
+    }
+
+    #[test]
+    fn device_combinations_the_gpu_cannot_train_are_rejected() {
+        // Goal: every combination the GPU path does not support is a typed error naming the key.
+        // Method: one bad value at a time.
+        let e = err(&GPT_CUDA.replace("device = \"cuda\"", "device = \"tpu\""));
+        assert!(e.contains("unknown variant `tpu`") && e.contains("`cpu`") && e.contains("`cuda`"), "{e}");
+        let e = err(&GPT_CUDA.replace("device = \"cuda\"", "precision = \"bf16\""));
+        assert!(e.contains("`train.precision`") && e.contains("cuda"), "{e}");
+        let e = err(&GPT_CUDA.replace("device = \"cuda\"", "device = \"cuda\"\nprecision = \"fp8\""));
+        assert!(e.contains("unknown variant `fp8`") && e.contains("`bf16`"), "{e}");
+        let e = err(&GPT_CUDA.replace("context = 16", "context = 16\ndropout = 0.1"));
+        assert!(e.contains("`model.dropout` = 0.1") && e.contains("cuda"), "{e}");
+        let e = err(&GPT_CUDA.replace("n_heads = 2", "n_heads = 4"));
+        assert!(e.contains("`model.n_heads` = 4") && e.contains("64 or 128") && e.contains("it is 32"), "{e}");
+        let e = err(&GPT_CUDA.replace("kind = \"adamw\"", "kind = \"sgd\""));
+        assert!(e.contains("`optim.kind`") && e.contains("adamw"), "{e}");
+        let e = err(&MLP.replace("steps = 10", "steps = 10\ndevice = \"cuda\""));
+        assert!(e.contains("`train.device`") && e.contains("gpt"), "{e}");
     }
 
     #[test]

@@ -119,8 +119,11 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     if !join.ip().is_loopback() {
         options.bind_ip = local_ip_towards(join).unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
     }
+    // The process's index on this machine picks its GPU (`cuda:(index mod devices)`): `rtx launch`
+    // numbers its workers, torchrun and Slurm give a local rank.
+    let local_rank = std::env::var("RTX_WORKER_INDEX").ok().and_then(|i| i.parse::<usize>().ok()).or(env.as_ref().map(|e| e.local_rank)).unwrap_or(0);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let outcome = runtime.block_on(rtx_supervisor::run_worker(options, move |spec| ElasticJob::for_worker(spec, &data_root, checkpoint_dir)));
+    let outcome = runtime.block_on(rtx_supervisor::run_worker(options, move |spec| ElasticJob::for_worker(spec, &data_root, checkpoint_dir, local_rank)));
     match outcome {
         Ok(WorkerOutcome::Finished) => Ok(()),
         Ok(WorkerOutcome::Evicted(reason)) => {
@@ -169,7 +172,8 @@ impl JobFiles {
         let data_root = DataRoot::resolve(data_dir, std::env::var_os(DATA_DIR_ENV).as_deref());
         let data_root = DataRoot::new(std::path::absolute(data_root.path()).unwrap_or_else(|_| data_root.path().to_path_buf()));
         // Fail here, with the fetch command, rather than in every worker.
-        ElasticJob::new(&text, &data_root, None).map_err(|e| anyhow!(e))?;
+        // Also fails here, before any worker starts, when `device = "cuda"` cannot run.
+        ElasticJob::new(&text, &data_root, None, 0).map_err(|e| anyhow!(e))?;
         std::fs::create_dir_all(&out_dir).with_context(|| format!("cannot create output folder {}", out_dir.display()))?;
         let checkpoint = elastic_checkpoint::latest(&out_dir.join("checkpoints"));
         let resume = match (resume, checkpoint) {
@@ -197,6 +201,9 @@ impl JobFiles {
             elastic.max_workers = m;
         }
         elastic.max_workers = elastic.max_workers.max(nproc);
+        if elastic.zero1 && self.config.train.device == crate::config::DeviceKind::Cuda {
+            bail!("elastic.sharding = \"zero1\" shards host buckets; with train.device = \"cuda\" use the replicated default (gradients are staged through host buffers)");
+        }
         Ok(elastic)
     }
 

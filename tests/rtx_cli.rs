@@ -162,6 +162,35 @@ fn missing_data_names_the_fetch_command() {
     }
 }
 
+#[test]
+fn cuda_without_a_gpu_fails_before_any_worker_starts() {
+    // Goal: `[train] device = "cuda"` on a machine (or build) without CUDA is a non-zero exit with
+    // a message saying what is missing, before any data is read or worker started; `rtx train`
+    // points at `rtx launch`. Method: a GPU config and an empty data folder on this CPU machine.
+    let s = setup();
+    let empty = s.root.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let gpu = "[model]\nkind = \"gpt\"\nn_layers = 1\nd_model = 64\nn_heads = 1\ncontext = 8\n[data]\ndataset = \"sotu\"\nbatch_size = 2\n[optim]\nkind = \"adamw\"\nlr = 0.001\n[train]\nsteps = 1\ndevice = \"cuda\"\n";
+    let config = write_config(&s.root, "gpu.toml", gpu);
+    let out_dir = s.root.join("gpu-run");
+    let out = rtx(&["launch", "--nproc", "2", "--no-progress", config.to_str().unwrap(), "--data-dir", empty.to_str().unwrap(), "--out", out_dir.to_str().unwrap()], &s.root);
+    let (_, stderr) = text(&out);
+    if stderr.contains("job:") {
+        // A machine with a GPU and a CUDA build: nothing to check here (scripts/gpu-dp-check.sh).
+        return;
+    }
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("train.device = \"cuda\""), "{stderr}");
+    assert!(stderr.contains("--features cuda") || stderr.contains("no CUDA device is usable"), "{stderr}");
+    assert!(!stderr.contains("fetch-data"), "the device is checked before the data: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!out_dir.join("logs").exists(), "no worker was started");
+    let out = rtx(&["train", config.to_str().unwrap(), "--data-dir", empty.to_str().unwrap(), "--out", s.root.join("gpu-train").to_str().unwrap()], &s.root);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("rtx launch"), "{stderr}");
+}
+
 fn read_jsonl(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }

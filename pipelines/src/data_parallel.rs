@@ -44,6 +44,19 @@
 //! deterministic; ZeRO-1 copies the owners' bits everywhere. Construction broadcasts group rank 0's
 //! parameters, as DDP does, so replicas start identical even from different initialisations.
 //!
+//! # Parameters on a device
+//!
+//! When the model's parameters live on a CUDA device (or [`DpConfig::host_staging`] asks for it
+//! on the host), they stay in the module and the buckets are a host **mirror** of them
+//! ([`crate::staging`]): after backward, bucket by bucket in index order, the gradients are copied
+//! into the mirror and all-reduced by the same communication thread over the same host
+//! communicator (QUIC or shared memory, so several workers can share one GPU), then copied back as
+//! the parameters' gradients, and the optimizer steps on the device. Collectives, their order and
+//! their bits are those of the bucket path, so replicas stay bit-identical; what is lost is the
+//! overlap with backward (the copies wait for the device), which the all-reduce of bucket `i`
+//! regains partly by running while bucket `i + 1` is copied. ZeRO-1 needs host buckets and is
+//! refused for staged parameters ([`Error::ShardedDevice`]).
+//!
 //! # Failure
 //!
 //! A failed or timed-out collective fails the step on that rank; the other ranks' collectives fail
@@ -72,12 +85,13 @@ use std::time::Duration;
 
 use rtx_collectives::Communicator;
 use rtx_tensor::optim::ParamBuckets;
-use rtx_tensor::{Module, Optimizer, Tensor};
+use rtx_tensor::{Device, Module, Optimizer, Tensor};
 
 use crate::error::{Error, Result};
 use crate::param_shard::{check_optimizer_params, ParamShard};
 use crate::reducer::{block_on, BucketOp, CommMonitor, Failure, Job, Reducer, Report};
 use crate::shard::{self, ParamSlice};
+use crate::staging::{self, Staging};
 
 /// Default: most bytes per gradient bucket (PyTorch DDP's 25 MiB).
 pub const DEFAULT_BUCKET_BYTES_MAX: usize = 25 << 20;
@@ -108,6 +122,10 @@ pub struct DpConfig {
     pub queue_depth: usize,
     /// Bound on one bucket collective, on top of the communicator's per-frame `op_timeout`.
     pub collective_timeout: Duration,
+    /// Keep host parameters in the module and stage gradients through host mirror buckets, the
+    /// path parameters on a device always take (see the module doc); for host models this only
+    /// costs copies, and lets CPU tests run the device path's logic.
+    pub host_staging: bool,
 }
 
 /// What one step did.
@@ -135,6 +153,8 @@ pub struct DataParallel<M, O> {
     steps: u64,
     failed_step: Option<u64>,
     reducer: Reducer,
+    /// The host mirror, when the parameters stay in the module (on a device).
+    staging: Option<Staging>,
 }
 
 /// Who runs the optimizer step: this engine over whole parameters, or this rank's ZeRO-1 shard.
@@ -153,7 +173,7 @@ pub(crate) struct BucketTracker {
 
 impl Default for DpConfig {
     fn default() -> Self {
-        DpConfig { bucket_bytes_max: DEFAULT_BUCKET_BYTES_MAX, sharding: Sharding::Replicated, queue_depth: DEFAULT_QUEUE_DEPTH, collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT }
+        DpConfig { bucket_bytes_max: DEFAULT_BUCKET_BYTES_MAX, sharding: Sharding::Replicated, queue_depth: DEFAULT_QUEUE_DEPTH, collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT, host_staging: false }
     }
 }
 
@@ -189,9 +209,9 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         F: FnOnce(&[ParamSlice]) -> rtx_tensor::Result<O>,
     {
         config.validate()?;
-        let buckets = ParamBuckets::new(&mut model, config.bucket_bytes_max)?;
+        let (buckets, staging) = Self::layout(&mut model, &config)?;
         let reducer = Reducer::spawn(connect, config.queue_depth, config.collective_timeout)?;
-        block_on(Self::build(model, buckets, config, reducer, make_optimizer))
+        block_on(Self::build(model, buckets, staging, config, reducer, make_optimizer))
     }
 
     /// Like [`new`](Self::new) without a communication thread: every collective runs on the
@@ -201,12 +221,27 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         F: FnOnce(&[ParamSlice]) -> rtx_tensor::Result<O>,
     {
         config.validate()?;
-        let buckets = ParamBuckets::new(&mut model, config.bucket_bytes_max)?;
+        let (buckets, staging) = Self::layout(&mut model, &config)?;
         let reducer = Reducer::inline(comm, config.collective_timeout);
-        Self::build(model, buckets, config, reducer, make_optimizer).await
+        Self::build(model, buckets, staging, config, reducer, make_optimizer).await
     }
 
-    async fn build<F>(model: M, buckets: ParamBuckets, config: DpConfig, reducer: Reducer, make_optimizer: F) -> Result<Self>
+    /// Host parameters move into buckets; parameters on a device (or with `host_staging`) stay
+    /// and get a host mirror.
+    fn layout(model: &mut M, config: &DpConfig) -> Result<(ParamBuckets, Option<Staging>)> {
+        let device = staging::placement(&model.named_parameters())?;
+        if device == Device::Cpu && !config.host_staging {
+            return Ok((ParamBuckets::new(model, config.bucket_bytes_max)?, None));
+        }
+        if config.sharding == Sharding::Zero1 {
+            return Err(Error::ShardedDevice { device });
+        }
+        let staging = Staging::new(model, config.bucket_bytes_max)?;
+        debug_assert_eq!(staging.device(), device, "staging: the mirror's device is the model's");
+        Ok((staging.buckets().clone(), Some(staging)))
+    }
+
+    async fn build<F>(model: M, buckets: ParamBuckets, staging: Option<Staging>, config: DpConfig, reducer: Reducer, make_optimizer: F) -> Result<Self>
     where
         F: FnOnce(&[ParamSlice]) -> rtx_tensor::Result<O>,
     {
@@ -220,9 +255,15 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         // Replicas start from rank 0's parameters, before any optimizer sees them.
         let broadcasts = (0..buckets.buckets().len()).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() } });
         run_jobs(&reducer, 0, broadcasts).await?;
+        if let Some(staging) = &staging {
+            staging.install_params()?;
+        }
         let updater = match config.sharding {
             Sharding::Replicated => {
-                let slices = shard::whole_slices(&buckets);
+                let slices = match &staging {
+                    Some(staging) => staging.slices(),
+                    None => shard::whole_slices(&buckets),
+                };
                 let optimizer = make_optimizer(&slices)?;
                 check_optimizer_params(&optimizer, &slices)?;
                 Updater::Replicated { optimizer, slices }
@@ -230,7 +271,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             // After the broadcast: the shard copies this rank's segments of rank 0's parameters.
             Sharding::Zero1 => Updater::Zero1(ParamShard::new(&buckets, reducer.rank(), reducer.size(), make_optimizer)?),
         };
-        Ok(DataParallel { model, buckets, updater, params_per_bucket, config, steps: 0, failed_step: None, reducer })
+        Ok(DataParallel { model, buckets, updater, params_per_bucket, config, steps: 0, failed_step: None, reducer, staging })
     }
 
     /// Runs one training step: `forward(model)` returns the loss of this rank's batch (a mean over
@@ -359,7 +400,15 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         (model, buckets, optimizer)
     }
 
+    /// Where the parameters live (the host, unless they stay on a device).
+    pub fn device(&self) -> Device {
+        self.staging.as_ref().map_or(Device::Cpu, Staging::device)
+    }
+
     async fn run_step(&mut self, step: u64, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
+        if self.staging.is_some() {
+            return self.run_staged_step(step, forward).await;
+        }
         self.buckets.bind_grads()?;
         self.buckets.zero_grad()?;
         let loss = forward(&mut self.model)?;
@@ -421,6 +470,56 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             }
         }
         Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets, flushed_buckets: n_buckets - handed_during_backward })
+    }
+}
+
+impl<M: Module, O: Optimizer> DataParallel<M, O> {
+    /// A step of staged parameters (see the module doc, "Parameters on a device").
+    async fn run_staged_step(&mut self, step: u64, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
+        let Some(staging) = self.staging.as_ref() else { return Err(Error::InvalidConfig { reason: "staged step without a host mirror" }) };
+        staging.clear_grads()?;
+        let loss = forward(&mut self.model)?;
+        if loss.numel() != 1 {
+            return Err(Error::NonScalarLoss { shape: loss.shape().to_vec() });
+        }
+        let loss_value = loss.item()?;
+        loss.backward()?;
+        drop(loss);
+        let n_buckets = self.buckets.buckets().len();
+        if self.reducer.size() == 1 {
+            // A group of one: the gradients are their own average; nothing to copy or reduce.
+            return match &mut self.updater {
+                Updater::Replicated { optimizer, .. } => {
+                    optimizer.step()?;
+                    Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets: 0, flushed_buckets: 0 })
+                }
+                Updater::Zero1(_) => Err(Error::ShardedDevice { device: staging.device() }),
+            };
+        }
+        // Bucket i is reduced by the communication thread while bucket i + 1 is copied.
+        let mut submitted = 0;
+        let mut failure = None;
+        for bucket in 0..n_buckets {
+            let handed = staging.download_bucket(bucket).and_then(|()| self.reducer.submit(gradient_job::<O>(step, bucket, &self.buckets, None)));
+            match handed {
+                Ok(()) => submitted += 1,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let reports = wait_reports(&self.reducer, step, submitted).await;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        reports?;
+        staging.upload_grads()?;
+        match &mut self.updater {
+            Updater::Replicated { optimizer, .. } => optimizer.step()?,
+            Updater::Zero1(_) => return Err(Error::ShardedDevice { device: staging.device() }),
+        }
+        Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets: 0, flushed_buckets: 0 })
     }
 }
 

@@ -4,7 +4,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use rtx_kernels::DType;
+use rtx_kernels::{DType, Device};
 
 /// Result alias for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -144,5 +144,32 @@ pub enum Error {
     InvalidConfig {
         /// What is wrong.
         reason: &'static str,
+    },
+    /// The model's parameters do not all live on one device.
+    #[error("parameters on different devices: {first} on {first_device:?}, {other} on {other_device:?}; data parallelism needs every parameter of a replica on one device")]
+    MixedDevices {
+        /// The first parameter.
+        first: String,
+        /// Its device.
+        first_device: Device,
+        /// A parameter elsewhere.
+        other: String,
+        /// Its device.
+        other_device: Device,
+    },
+    /// ZeRO-1 was asked for a model whose parameters live on a device (its shards are host
+    /// segments of the buckets; device parameters take the host-staged replicated path).
+    #[error("ZeRO-1 sharding needs host parameters; the model's live on {device:?} (use replicated data parallelism)")]
+    ShardedDevice {
+        /// Where the parameters live.
+        device: Device,
+    },
+    /// Staging a parameter's gradient through its host mirror failed a check.
+    #[error("staging the gradient of {name}: {reason}")]
+    Staging {
+        /// The parameter.
+        name: String,
+        /// What did not fit.
+        reason: String,
     },
 }

@@ -16,6 +16,7 @@ mod error;
 mod param_shard;
 mod reducer;
 mod shard;
+mod staging;
 
 pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
 pub use error::{Error, Result};

@@ -8,6 +8,16 @@
 //! global batch of a step never depends on the world size, and after a shrink or grow no sample
 //! of an epoch is skipped or seen twice. Dropout draws from a generator seeded by
 //! `(seed, step, rank)`.
+//!
+//! With `[train] device = "cuda"` the replica lives on the worker's GPU ([`Placement`]): the model
+//! is built on the host from the seed (so every worker starts from the same values), moved to the
+//! device in the configured precision, and trained with `rtx_tensor::cuda::MixedAdamW` (f32 master weights and
+//! moments on the device). Batches are assembled on the host exactly as for the CPU and uploaded
+//! in [`TrainJob::loss`]; evaluation runs on the device with mean losses weighted by their
+//! targets. The optimizer state leaves the device in host tensors (`<param>.master`,
+//! `exp_avg`, `exp_avg_sq`, `step`), which is what elastic state sync and checkpoints carry. A
+//! fresh optimizer's master weights are the device parameters widened to f32 (the initial values
+//! rounded to bf16 once), so every replica and every re-formation agree on them.
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -17,10 +27,11 @@ use rtx_pipelines::ParamSlice;
 use rtx_supervisor::{JobSpec, TrainJob};
 use rtx_tensor::data::DataRoot;
 use rtx_tensor::optim::{self, LrSchedule};
-use rtx_tensor::{no_grad, Generator, Reduction, Tensor};
+use rtx_tensor::{no_grad, Device, Generator, Reduction, Tensor};
 
 use crate::config::{ModelConfig, TrainConfig};
 
+use super::device::{resolve_device, Placement};
 use super::model::Model;
 use super::optimizer::{build_inner, build_schedule};
 use super::task::{Batch, EvalSplit, TaskData};
@@ -33,6 +44,7 @@ pub(crate) struct ElasticJob {
     schedule: Box<dyn LrSchedule + Send + Sync>,
     epoch_order: Mutex<Option<(u64, Vec<usize>)>>,
     checkpoint_dir: Option<PathBuf>,
+    placement: Placement,
 }
 
 /// One rank's part of a global batch.
@@ -51,20 +63,44 @@ pub(crate) struct JobOptimizer {
 
 impl ElasticJob {
     /// Builds the job from the description the supervisor handed over; data from `data_root`.
-    pub(crate) fn new(spec_text: &str, data_root: &DataRoot, checkpoint_dir: Option<PathBuf>) -> Result<ElasticJob, String> {
+    /// `local_rank` is this process's index among the workers of its machine (it picks the GPU).
+    pub(crate) fn new(spec_text: &str, data_root: &DataRoot, checkpoint_dir: Option<PathBuf>, local_rank: usize) -> Result<ElasticJob, String> {
         let config = TrainConfig::from_toml_str(spec_text).map_err(|e| e.to_string())?;
+        let placement = resolve_device(&config, local_rank).map_err(|e| e.to_string())?;
         let context = match &config.model {
             ModelConfig::Gpt { context, .. } => Some(*context),
             ModelConfig::Mlp { .. } => None,
         };
         let data = TaskData::load(&config, data_root, context).map_err(|e| e.to_string())?;
         let schedule = build_schedule(&config.optim, &config.schedule);
-        Ok(ElasticJob { config, data, schedule, epoch_order: Mutex::new(None), checkpoint_dir })
+        Ok(ElasticJob { config, data, schedule, epoch_order: Mutex::new(None), checkpoint_dir, placement })
     }
 
-    /// Builds the job of a worker process.
-    pub(crate) fn for_worker(spec: &JobSpec, data_root: &DataRoot, checkpoint_dir: Option<PathBuf>) -> Result<ElasticJob, String> {
-        ElasticJob::new(&spec.job, data_root, checkpoint_dir)
+    /// Builds the job of a worker process (`local_rank`: see [`ElasticJob::new`]).
+    pub(crate) fn for_worker(spec: &JobSpec, data_root: &DataRoot, checkpoint_dir: Option<PathBuf>, local_rank: usize) -> Result<ElasticJob, String> {
+        let job = ElasticJob::new(&spec.job, data_root, checkpoint_dir, local_rank)?;
+        tracing::info!(placement = ?job.placement, local_rank, "replica placement");
+        Ok(job)
+    }
+
+    /// The device of the replica.
+    fn device(&self) -> Device {
+        match self.placement {
+            Placement::Cpu => Device::Cpu,
+            Placement::Cuda { ordinal, .. } => Device::Cuda(ordinal),
+        }
+    }
+
+    /// `batch` on the replica's device (the same tensors on the host).
+    fn on_device(&self, batch: &Batch) -> Result<Batch, String> {
+        match self.device() {
+            Device::Cpu => Ok(Batch { inputs: batch.inputs.clone(), targets: batch.targets.clone(), rows: batch.rows, tokens: batch.tokens }),
+            device => {
+                let inputs = batch.inputs.to_device(device).map_err(|e| e.to_string())?;
+                let targets = batch.targets.to_device(device).map_err(|e| e.to_string())?;
+                Ok(Batch { inputs, targets, rows: batch.rows, tokens: batch.tokens })
+            }
+        }
     }
 
     /// What one step counts (`samples` or `tokens`) and how many per global batch.
@@ -120,20 +156,27 @@ impl TrainJob for ElasticJob {
         let mut init_rng = Generator::new(self.config.train.seed);
         let mut model = Model::build(&self.config.model, self.data.input_features(), self.data.n_classes(), &mut init_rng).map_err(|e| e.to_string())?;
         model.module_mut().set_training(true);
+        if let Placement::Cuda { ordinal, dtype } = self.placement {
+            move_to_device(&mut model, ordinal, dtype)?;
+        }
         Ok(model)
     }
 
     fn build_optimizer(&self, slices: &[ParamSlice]) -> Result<JobOptimizer, String> {
         let named: Vec<(String, Tensor)> = slices.iter().map(|s| (s.name.clone(), s.tensor.clone())).collect();
         let params = named.iter().map(|(_, t)| t.clone()).collect();
-        let (inner, _) = build_inner(&self.config.optim, named).map_err(|e| e.to_string())?;
+        let inner = match self.placement {
+            Placement::Cpu => build_inner(&self.config.optim, named).map_err(|e| e.to_string())?.0,
+            Placement::Cuda { .. } => device_optimizer(&self.config, named)?,
+        };
         Ok(JobOptimizer { inner, grad_clip: self.config.optim.grad_clip, params })
     }
 
     fn loss(&self, model: &mut Model, batch: &RankBatch, step: u64) -> rtx_tensor::Result<(Tensor, usize)> {
         let seed = self.config.train.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (batch.rank as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
         let mut rng = Generator::with_stream(seed, DROPOUT_STREAM);
-        let out = model.loss(&batch.batch, &mut rng, Reduction::Mean, false).map_err(|e| rtx_tensor::Error::InvalidArgument { op: "loss", reason: e.to_string() })?;
+        let local = self.on_device(&batch.batch).map_err(|reason| rtx_tensor::Error::InvalidArgument { op: "loss", reason })?;
+        let out = model.loss(&local, &mut rng, Reduction::Mean, false).map_err(|e| rtx_tensor::Error::InvalidArgument { op: "loss", reason: e.to_string() })?;
         Ok((out.loss, batch.batch.rows))
     }
 
@@ -162,11 +205,18 @@ impl TrainJob for ElasticJob {
                 let (mut loss_sum, mut targets, mut correct, mut rows) = (0.0, 0usize, 0usize, 0usize);
                 for i in 0..n {
                     let Some(batch) = self.data.eval_batch(*split, i, IMAGE_EVAL_BATCH).map_err(|e| e.to_string())? else { break };
-                    let out = model.loss(&batch, &mut scratch, Reduction::Sum, is_image).map_err(|e| e.to_string())?;
-                    loss_sum += out.loss.item().map_err(|e| e.to_string())?;
+                    let loss = if self.placement == Placement::Cpu {
+                        let out = model.loss(&batch, &mut scratch, Reduction::Sum, is_image).map_err(|e| e.to_string())?;
+                        correct += out.correct.unwrap_or(0);
+                        out.loss.item().map_err(|e| e.to_string())?
+                    } else {
+                        // The device computes mean losses (GPT only, no accuracy): weight by targets.
+                        let out = model.loss(&self.on_device(&batch)?, &mut scratch, Reduction::Mean, false).map_err(|e| e.to_string())?;
+                        out.loss.item().map_err(|e| e.to_string())? * batch.targets.numel() as f64
+                    };
+                    loss_sum += loss;
                     targets += batch.targets.numel();
                     rows += batch.rows;
-                    correct += out.correct.unwrap_or(0);
                 }
                 Ok((loss_sum, targets, correct, rows))
             })?;
@@ -185,6 +235,34 @@ impl TrainJob for ElasticJob {
     fn checkpoint_dir(&self) -> Option<PathBuf> {
         self.checkpoint_dir.clone()
     }
+}
+
+/// Moves `model`'s parameters to CUDA device `ordinal` in `dtype`.
+#[cfg(feature = "cuda")]
+fn move_to_device(model: &mut Model, ordinal: usize, dtype: rtx_tensor::DType) -> Result<(), String> {
+    rtx_tensor::cuda::move_module(model.module_mut(), ordinal, dtype).map(|_masters| ()).map_err(|e| format!("moving the model to cuda:{ordinal}: {e}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn move_to_device(_model: &mut Model, _ordinal: usize, _dtype: rtx_tensor::DType) -> Result<(), String> {
+    Err(super::DeviceError::NotCompiled.to_string())
+}
+
+/// AdamW with f32 master weights on the device, over `named` device parameters (weight decay on
+/// matrices and embeddings, as on the CPU).
+#[cfg(feature = "cuda")]
+fn device_optimizer(config: &TrainConfig, named: Vec<(String, Tensor)>) -> Result<Box<dyn optim::Optimizer + Send>, String> {
+    let crate::config::OptimKind::AdamW { betas, eps } = config.optim.kind else {
+        return Err("train.device = \"cuda\" trains with optim.kind = \"adamw\"".into());
+    };
+    let cfg = optim::AdamWConfig { lr: config.optim.lr, beta1: betas.0, beta2: betas.1, eps, weight_decay: config.optim.weight_decay };
+    let adamw = rtx_tensor::cuda::MixedAdamW::new(named, None, cfg, optim::AdamW::decay_matrices).map_err(|e| e.to_string())?;
+    Ok(Box::new(adamw))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_optimizer(_config: &TrainConfig, _named: Vec<(String, Tensor)>) -> Result<Box<dyn optim::Optimizer + Send>, String> {
+    Err(super::DeviceError::NotCompiled.to_string())
 }
 
 impl optim::Optimizer for JobOptimizer {

@@ -32,6 +32,7 @@
 //! bit-identical parameters.
 
 mod ckpt;
+mod device;
 pub(crate) mod elastic_job;
 mod model;
 mod optimizer;
@@ -50,6 +51,7 @@ use crate::plot::{self, PlotError};
 use crate::progress::{human, Progress, Verbosity};
 
 pub use ckpt::CHECKPOINT_DIR;
+pub use device::{resolve_device, DeviceError, Placement};
 pub use model::Model;
 
 use optimizer::Optimizer;
@@ -108,6 +110,12 @@ pub enum TrainError {
         /// The loss value.
         loss: f64,
     },
+    /// `[train] device` cannot be used here.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// `[train] device = "cuda"` was given to the single-process trainer.
+    #[error("train.device = \"cuda\" trains under `rtx launch` (one worker process per GPU; `--nproc 1` for one); `rtx train` trains on the CPU")]
+    CudaNeedsLaunch,
     /// A broken assumption inside the trainer.
     #[error("internal error: {0}")]
     Internal(String),
@@ -238,6 +246,9 @@ impl Trainer {
     /// newest checkpoint of the output folder.
     pub fn new(config: TrainConfig, options: TrainOptions) -> Result<Trainer> {
         let started = Instant::now();
+        if config.train.device == crate::config::DeviceKind::Cuda {
+            return Err(TrainError::CudaNeedsLaunch);
+        }
         let out_dir = options.out_dir.clone().unwrap_or_else(|| config.default_output_dir(None));
         std::fs::create_dir_all(&out_dir).map_err(|source| TrainError::Io { what: "cannot create output folder", path: out_dir.clone(), source })?;
         let latest = ckpt::latest(&out_dir)?;

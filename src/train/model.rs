@@ -2,7 +2,7 @@
 //! so the loop does not care which.
 
 use rtx_tensor::nn::{self, Mlp, Module};
-use rtx_tensor::{CrossEntropyOptions, DType, Generator, Reduction, Tensor};
+use rtx_tensor::{CrossEntropyOptions, DType, Device, Generator, Reduction, Tensor};
 
 use crate::config::{Activation, ModelConfig};
 
@@ -74,7 +74,14 @@ impl Model {
             }
             Model::Gpt(m) => {
                 let logits = m.forward(&batch.inputs, rng)?;
-                let loss = logits.cross_entropy(&batch.targets, options)?;
+                let loss = match logits.device() {
+                    Device::Cpu => logits.cross_entropy(&batch.targets, options)?,
+                    // The device kernel takes [N, V] logits (a view: no copy).
+                    _ => {
+                        let (n, v) = (batch.targets.numel(), logits.shape()[logits.rank() - 1]);
+                        logits.reshape(&[n, v])?.cross_entropy(&batch.targets.reshape(&[n])?, options)?
+                    }
+                };
                 Ok(BatchLoss { loss, correct: None })
             }
         }

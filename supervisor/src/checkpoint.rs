@@ -9,6 +9,12 @@
 //! `CheckpointFailed`). Production stores files ([`FileStore`]: temporary file, fsync, rename)
 //! from a background thread, at most one write in flight; an embedder (the simulator) injects
 //! its own store through the node's `NodeEnv`, called inline.
+//!
+//! Checkpoints are host data whatever device trained them, and one model's checkpoints load on
+//! either: when the optimizer keeps f32 master weights (`<param>.master`, a GPU run in bf16) the
+//! parameters are stored as those masters, so a CPU run of the same model resumes at full
+//! precision (it ignores the extra state); a GPU run resuming a checkpoint without masters (a
+//! CPU run's) starts its masters from the stored parameters.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -69,6 +75,9 @@ pub struct CheckpointWriter {
     in_flight: Option<JoinHandle<()>>,
 }
 
+/// The optimizer state field holding f32 master weights (`rtx_tensor::cuda::MixedAdamW`).
+const MASTER_SUFFIX: &str = ".master";
+
 /// The file of `step` in `dir`.
 pub fn path_for(dir: &Path, step: u64) -> PathBuf {
     dir.join(format!("step-{step:08}.safetensors"))
@@ -128,13 +137,7 @@ impl CheckpointWriter {
     pub fn write<M: Module, O: Optimizer>(&mut self, step: u64, model: &M, state: Vec<(String, Tensor)>, optimizer: &O, supervisor: RemoteRef<ToSupervisor>, node: u64) -> Result<Option<ToSupervisor>> {
         let Some(store) = self.store.clone() else { return Ok(None) };
         self.wait();
-        let mut tensors: Vec<(String, Tensor)> = Vec::new();
-        for (name, p) in model.named_parameters() {
-            tensors.push((name, Tensor::from_vec(p.to_f32_vec()?, p.shape())?.to_dtype(p.dtype())?));
-        }
-        for (name, t) in state {
-            tensors.push((format!("{OPTIM_PREFIX}{name}"), t));
-        }
+        let tensors = checkpoint_tensors(model, state)?;
         let meta = metadata(step, optimizer);
         match self.mode {
             WriteMode::Inline => return Ok(Some(report(node, step, store.store(step, &tensors, &meta)))),
@@ -160,6 +163,25 @@ impl CheckpointWriter {
     }
 }
 
+/// What a checkpoint of `model` with the full optimizer `state` holds, in host memory: every
+/// parameter (as its f32 master weights when `state` has them, else as it is), then the state
+/// under [`OPTIM_PREFIX`].
+pub fn checkpoint_tensors<M: Module>(model: &M, state: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+    let masters: BTreeMap<String, Tensor> = state.iter().filter_map(|(n, t)| n.strip_suffix(MASTER_SUFFIX).map(|p| (p.to_string(), t.clone()))).collect();
+    let mut tensors: Vec<(String, Tensor)> = Vec::new();
+    for (name, p) in model.named_parameters() {
+        let stored = match masters.get(&name) {
+            Some(master) if master.shape() == p.shape() => Tensor::from_vec(master.to_f32_vec()?, p.shape())?,
+            _ => Tensor::from_vec(p.to_f32_vec()?, p.shape())?.to_dtype(p.dtype())?,
+        };
+        tensors.push((name, stored));
+    }
+    for (name, t) in state {
+        tensors.push((format!("{OPTIM_PREFIX}{name}"), t));
+    }
+    Ok(tensors)
+}
+
 /// Loads a checkpoint into `model`; returns the optimizer state (for an optimizer built by
 /// `build_optimizer` over whole parameters) and the step it was taken after.
 pub fn load<M: Module, O: Optimizer>(path: &Path, model: &M, build_optimizer: impl FnOnce(&[ParamSlice]) -> std::result::Result<O, String>) -> Result<(Vec<(String, Tensor)>, u64)> {
@@ -175,14 +197,106 @@ pub fn load<M: Module, O: Optimizer>(path: &Path, model: &M, build_optimizer: im
         p.copy_from_(t)?;
     }
     let template = crate::state::full_template(model, build_optimizer)?;
+    Ok((optimizer_state(path, &by_name, template)?, step))
+}
+
+/// The optimizer state shaped like `template`, read from a checkpoint's tensors `by_name`
+/// (master weights missing there start from the stored parameters).
+fn optimizer_state(path: &Path, by_name: &BTreeMap<&str, &Tensor>, template: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
     let mut state = Vec::new();
     for (name, want) in template {
         let full = format!("{OPTIM_PREFIX}{name}");
-        let t = by_name.get(full.as_str()).ok_or_else(|| SupervisorError::Job(format!("checkpoint {} lacks optimizer state {full}", path.display())))?;
+        // Master weights missing (a checkpoint of a run without them): the stored parameter.
+        let fallback = name.strip_suffix(MASTER_SUFFIX).and_then(|param| by_name.get(param));
+        let t = by_name.get(full.as_str()).or(fallback).ok_or_else(|| SupervisorError::Job(format!("checkpoint {} lacks optimizer state {full}", path.display())))?;
         if t.shape() != want.shape() {
             return Err(SupervisorError::Job(format!("checkpoint {}: {full} has shape {:?}, expected {:?}", path.display(), t.shape(), want.shape())));
         }
         state.push((name, (*t).clone()));
     }
-    Ok((state, step))
+    Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rtx_tensor::nn::{Activation, Mlp};
+    use rtx_tensor::optim::{AdamW, AdamWConfig};
+    use rtx_tensor::{DType, Generator};
+
+    /// A fresh folder for this test under the system's temporary folder.
+    fn scratch_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("rtx-checkpoint-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        dir
+    }
+
+    fn mlp(seed: u64) -> Mlp {
+        Mlp::new(&[3, 4, 2], Activation::Relu, DType::F32, &mut Generator::new(seed)).expect("mlp")
+    }
+
+    fn adamw(slices: &[ParamSlice]) -> std::result::Result<AdamW, String> {
+        AdamW::new(slices.iter().map(|s| (s.name.clone(), s.tensor.clone())).collect(), AdamWConfig::default()).map_err(|e| e.to_string())
+    }
+
+    /// The full state of a fresh AdamW over `model`, plus `<param>.master` = `master_of(param)`
+    /// (what a GPU run's optimizer carries).
+    fn state_with_masters(model: &Mlp, master_of: impl Fn(&Tensor) -> Tensor) -> Vec<(String, Tensor)> {
+        let mut state = crate::state::full_template(model, adamw).expect("template");
+        for (name, p) in model.named_parameters() {
+            state.push((format!("{name}.master"), master_of(&p)));
+        }
+        state
+    }
+
+    #[test]
+    fn master_weights_become_the_stored_parameters_and_a_cpu_model_loads_them() {
+        // Goal: a checkpoint of a run whose optimizer keeps f32 master weights stores them as the
+        // parameters, and a CPU model with a plain AdamW loads it (ignoring the extra state).
+        // Method: masters = parameters + 0.5; write, then load into a differently initialised model.
+        let model = mlp(1);
+        let state = state_with_masters(&model, |p| p.add_scalar(0.5).expect("add"));
+        let tensors = checkpoint_tensors(&model, state).expect("tensors");
+        for (name, p) in model.named_parameters() {
+            let stored = &tensors.iter().find(|(n, _)| *n == name).expect("stored").1;
+            let want: Vec<f32> = p.to_f32_vec().expect("p").iter().map(|v| v + 0.5).collect();
+            assert_eq!(stored.to_f32_vec().expect("stored"), want, "{name}");
+        }
+        let dir = scratch_dir("masters");
+        let path = path_for(&dir, 4);
+        save_tensors(&path, &tensors, &metadata(4, &adamw(&[]).expect("optimizer"))).expect("save");
+        let cpu = mlp(2);
+        let (state, step) = load(&path, &cpu, adamw).expect("a CPU model loads a checkpoint with masters");
+        assert_eq!(step, 4);
+        assert!(state.iter().all(|(n, _)| !n.ends_with(".master")), "the CPU optimizer's state has no masters");
+        for (name, p) in cpu.named_parameters() {
+            let stored = &tensors.iter().find(|(n, _)| *n == name).expect("stored").1;
+            assert_eq!(p.to_f32_vec().expect("p"), stored.to_f32_vec().expect("stored"), "{name}");
+        }
+    }
+
+    #[test]
+    fn missing_master_weights_start_from_the_stored_parameters() {
+        // Goal: an optimizer that wants master weights resumes a checkpoint written without them
+        // (a CPU run's) from the stored parameters; any other missing state is an error.
+        // Method: a template asking for masters, against a checkpoint of a plain AdamW.
+        let model = mlp(3);
+        let plain = crate::state::full_template(&model, adamw).expect("template");
+        let tensors = checkpoint_tensors(&model, plain).expect("tensors");
+        let dir = scratch_dir("no-masters");
+        let path = path_for(&dir, 9);
+        save_tensors(&path, &tensors, &metadata(9, &adamw(&[]).expect("optimizer"))).expect("save");
+        let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let template = state_with_masters(&model, |p| p.zeros_like());
+        let state = optimizer_state(&path, &by_name, template).expect("masters fall back to the parameters");
+        for (name, p) in model.named_parameters() {
+            let master = &state.iter().find(|(n, _)| *n == format!("{name}.master")).expect("master").1;
+            assert_eq!(master.to_f32_vec().expect("master"), p.to_f32_vec().expect("p"), "{name}");
+        }
+        let mut missing = state_with_masters(&model, |p| p.zeros_like());
+        missing.push(("0.weight.other".into(), Tensor::scalar(0.0, DType::F64)));
+        let e = optimizer_state(&path, &by_name, missing).expect_err("unknown state is missing");
+        assert!(e.to_string().contains("lacks optimizer state optim.0.weight.other"), "{e}");
+    }
 }

@@ -31,5 +31,5 @@ pub use config::{ClassPolicy, ElasticConfig, FailureClass, OnFailure, PlantedBug
 pub use error::{Result, SupervisorError};
 pub use job::TrainJob;
 pub use launch::{serve_request, LaunchOptions, Launcher, NodeLauncher};
-pub use supervisor::{query_status, JobEvent, LaunchRequest, SupervisorEnv, SupervisorHandle, SupervisorMsg, SupervisorOptions};
+pub use supervisor::{query_status, JobEvent, LaunchRequest, SupervisorEnv, SupervisorHandle, SupervisorMsg, SupervisorOptions, MAX_STALLED_REFORMS};
 pub use worker::{parameter_checksum, run_node, run_worker, ControlDialer, Exec, GenerationWire, JobSpec, NodeEnv, WorkerOptions, WorkerOutcome};

@@ -66,20 +66,27 @@ pub async fn gather_full_state(comm: &Communicator, local: &[(String, Tensor)], 
 /// Broadcasts `state` (full form, shaped like `template`) from `source`; returns it on every rank.
 pub async fn broadcast_full_state(comm: &Communicator, source: usize, state: Option<&[(String, Tensor)]>, template: &[(String, Tensor)]) -> Result<NamedTensors> {
     let given = state.unwrap_or(template);
-    let mut values = Vec::new();
-    let mut steps = Vec::new();
+    if given.len() != template.len() {
+        return Err(SupervisorError::Job(format!("carried optimizer state has {} tensors, this optimizer {}", given.len(), template.len())));
+    }
     for ((name, want), (given_name, t)) in template.iter().zip(given) {
         if name != given_name || want.numel() != t.numel() {
             return Err(SupervisorError::Job(format!("carried optimizer state {given_name} does not match {name} of this optimizer")));
         }
+    }
+    if comm.size() == 1 {
+        // Nobody to send to: the same values, copied without the f64 round trip (a large model's
+        // state on a GPU is hundreds of millions of elements).
+        return template.iter().zip(given).map(|((name, want), (_, t))| Ok((name.clone(), Tensor::from_data(t.to_data()?, want.shape())?.to_dtype(want.dtype())?))).collect();
+    }
+    let mut values = Vec::new();
+    let mut steps = Vec::new();
+    for (name, t) in given {
         if split_field(name)?.1 == "step" {
             steps.push(t.item()?);
         } else {
             values.extend(t.to_f64_vec()?);
         }
-    }
-    if given.len() != template.len() {
-        return Err(SupervisorError::Job(format!("carried optimizer state has {} tensors, this optimizer {}", given.len(), template.len())));
     }
     comm.broadcast(&mut values, source).await?;
     comm.broadcast(&mut steps, source).await?;
@@ -111,6 +118,12 @@ pub fn slice_full_state(full: &[(String, Tensor)], local: &[(String, Tensor)], s
     for (name, want) in local {
         let (param, field) = split_field(name)?;
         let source = full.get(name.as_str()).ok_or_else(|| SupervisorError::Job(format!("the full optimizer state lacks {name}")))?;
+        let whole = owned.get(param).is_some_and(|slice| slice.is_whole() && source.numel() == want.numel());
+        if field != "step" && whole {
+            // Replicated: the whole tensor, copied in its own dtype (no f64 round trip).
+            out.push((name.clone(), Tensor::from_data(source.to_data()?, want.shape())?.to_dtype(want.dtype())?));
+            continue;
+        }
         let values = if field == "step" {
             source.to_f64_vec()?
         } else {

@@ -179,7 +179,16 @@ struct ClusterSupervisor {
     commit_times: Vec<(Instant, u64, u64)>,
     /// Random name of this run (shared-memory ring names).
     run_id: String,
+    /// Re-formations of the same members after failed steps with nobody lost, while the
+    /// committed step stayed `.0`; and the last failed step's reason.
+    stalled: (Option<u64>, u32),
+    last_step_failure: Option<String>,
 }
+
+/// Most re-formations of the same members after a step failed with nobody lost, without any step
+/// committed in between, before the job fails: a step that fails the same way every time (a
+/// model or kernel error on every worker) would otherwise be retried forever.
+pub const MAX_STALLED_REFORMS: u32 = 10;
 
 impl SupervisorHandle {
     /// Starts the supervisor on the current runtime. With `launcher`, it asks for replacement
@@ -213,6 +222,8 @@ impl SupervisorHandle {
             exited: BTreeMap::new(),
             commit_times: Vec::new(),
             run_id: format!("{:016x}", splitmix64(env.seed)),
+            stalled: (None, 0),
+            last_step_failure: None,
         };
         let (actor, handle) = spawn("supervisor", state, 4096);
         let mut tasks = Vec::new();
@@ -366,6 +377,7 @@ impl ClusterSupervisor {
             ToSupervisor::StepDone { node, generation, step, loss, samples, checksum } => self.on_step_done(node, generation, step, loss, samples, checksum).await,
             ToSupervisor::StepFailed { node, generation, step, reason } => {
                 tracing::info!(node, generation, step, %reason, "step failed on a worker");
+                self.last_step_failure = Some(reason);
                 if let Phase::Running { generation: g, failed_since, .. } = &mut self.phase {
                     if *g == generation && failed_since.is_none() {
                         *failed_since = Some(Instant::now());
@@ -716,6 +728,13 @@ impl ClusterSupervisor {
             }
             Phase::Running { failed_since: Some(t), .. } if now.duration_since(*t) > timeout => {
                 tracing::warn!("a step failed and no member was found lost; re-forming the same members");
+                let at = self.committed;
+                self.stalled = if self.stalled.0 == at { (at, self.stalled.1 + 1) } else { (at, 1) };
+                if self.stalled.1 > MAX_STALLED_REFORMS {
+                    let next = at.map_or(0, |s| s + 1);
+                    let why = self.last_step_failure.clone().unwrap_or_else(|| "no reason given".into());
+                    return Err(SupervisorError::JobFailed { reason: format!("step {next} failed {} times in a row with no worker lost: {why}", self.stalled.1) });
+                }
                 self.reform().await?;
             }
             Phase::Finishing { since, .. } if now.duration_since(*since) > self.options.elastic.prepare_timeout => {

@@ -24,6 +24,8 @@ struct Fashion {
     mean: f32,
     std: f32,
     checkpoints: Option<PathBuf>,
+    /// Every step from this one fails on every worker (a deterministic model error).
+    fail_from: Option<u64>,
 }
 
 impl Fashion {
@@ -32,7 +34,7 @@ impl Fashion {
         let root = if root.fashion_mnist().exists() { root } else { DataRoot::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data")) };
         let data = load_fashion_mnist(&root.fashion_mnist(), Split::Test).expect("Fashion-MNIST: run bash scripts/fetch-data.sh");
         let (mean, std) = data.pixel_mean_std();
-        Fashion { data, mean, std, checkpoints: None }
+        Fashion { data, mean, std, checkpoints: None, fail_from: None }
     }
 
     fn rows(&self, indices: &[usize]) -> (Tensor, Tensor) {
@@ -65,7 +67,10 @@ impl TrainJob for Fashion {
         AdamW::new(named, AdamWConfig { lr: 0.01, ..AdamWConfig::default() }).map_err(|e| e.to_string())
     }
 
-    fn loss(&self, model: &mut Linear, batch: &Self::Batch, _step: u64) -> rtx_tensor::Result<(Tensor, usize)> {
+    fn loss(&self, model: &mut Linear, batch: &Self::Batch, step: u64) -> rtx_tensor::Result<(Tensor, usize)> {
+        if self.fail_from.is_some_and(|from| step >= from) {
+            return Err(rtx_tensor::Error::InvalidArgument { op: "test loss", reason: format!("planted failure at step {step}") });
+        }
         let logits = model.forward(&batch.0)?;
         Ok((logits.cross_entropy(&batch.1, CrossEntropyOptions::default())?, batch.2))
     }
@@ -133,6 +138,36 @@ async fn two_in_process_workers_train_to_identical_replicas() -> anyhow::Result<
     supervisor.join().await?;
     for w in workers {
         assert_eq!(w.await??, WorkerOutcome::Finished);
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_that_fails_on_every_worker_fails_the_job_instead_of_retrying_forever() -> anyhow::Result<()> {
+    // Goal: a step that fails the same way on every worker (no worker lost) is retried a bounded
+    // number of times, then the job fails with the step's error. Method: a loss that errors from
+    // step 5 on; short heartbeats so each retry takes a fraction of a second.
+    let mut opts = options("secret");
+    opts.elastic.heartbeat_interval = Duration::from_millis(50);
+    opts.elastic.heartbeat_timeout = Duration::from_millis(200);
+    let mut supervisor = SupervisorHandle::start(opts, None).await?;
+    let addr = supervisor.addr;
+    let workers: Vec<_> = (0..2).map(|i| tokio::spawn(run_worker(WorkerOptions::new(addr, "secret".into(), format!("worker-{i}")), |_spec| Ok(Fashion { fail_from: Some(5), ..Fashion::load() })))).collect();
+    let mut committed = 0;
+    let reason = loop {
+        let event = tokio::time::timeout(Duration::from_secs(60), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))?;
+        match event {
+            JobEvent::Committed { step, .. } => committed = step + 1,
+            JobEvent::Failed { reason } => break reason,
+            JobEvent::Finished { .. } => anyhow::bail!("the job finished although every step from 5 fails"),
+            _ => {}
+        }
+    };
+    assert_eq!(committed, 5, "steps before the failing one commit");
+    assert!(reason.contains(&format!("step 5 failed {} times in a row", rtx_supervisor::MAX_STALLED_REFORMS + 1)) && reason.contains("planted failure at step 5"), "{reason}");
+    assert!(supervisor.join().await.is_err(), "the supervisor ends with the failure");
+    for w in workers {
+        let _ = tokio::time::timeout(Duration::from_secs(30), w).await?;
     }
     Ok(())
 }

@@ -600,8 +600,14 @@ impl Tensor {
         }
     }
 
-    /// Copies `other` (broadcast to self's shape) into self in place.
+    /// Copies `other` (broadcast to self's shape) into self in place. Into a CUDA tensor, `other`
+    /// must have self's shape and live on the host or the same device; it is rounded to self's
+    /// dtype.
     pub fn copy_from_(&self, other: &Tensor) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return crate::cuda::ops::copy_(self, other);
+        }
         let src = self.prepare_source("copy_from_", other)?;
         match src {
             FloatVec::F32(s) => {

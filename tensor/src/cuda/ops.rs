@@ -569,6 +569,55 @@ pub(crate) fn clone_dense(x: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_parts(t.storage().clone(), x.layout().clone(), x.dtype(), false, None))
 }
 
+/// Copies `src` (same shape, on the host or the same device, any float dtype) into the dense
+/// device tensor `dst` in place, rounded to `dst`'s dtype: the buffer keeps its identity, so
+/// optimizers and other holders of `dst` see the new values. A host source is converted on the
+/// host and uploaded once.
+pub(crate) fn copy_(dst: &Tensor, src: &Tensor) -> Result<()> {
+    const OP: &str = "copy_from_";
+    if src.shape() != dst.shape() {
+        return Err(Error::ShapeMismatch { op: OP, lhs: dst.shape().to_vec(), rhs: src.shape().to_vec() });
+    }
+    let (ordinal, _) = device_of(OP, dst)?;
+    let src = match src.device() {
+        Device::Cpu => super::upload(&src.to_dtype(dst.dtype())?, ordinal)?,
+        _ => {
+            let same = if src.dtype() == dst.dtype() { src.clone() } else { cast(src, dst.dtype())? };
+            if !same.is_contiguous() || same.layout().offset() != 0 || same.storage().len() != same.numel() || same.storage().same(dst.storage()) {
+                clone_dense(&same)?
+            } else {
+                same
+            }
+        }
+    };
+    same_device(OP, dst, &src)?;
+    dispatch!(OP, dst.dtype(), copy_t(dst, &src))
+}
+
+fn copy_t<T: GpuFloat>(dst: &Tensor, src: &Tensor) -> Result<()> {
+    const OP: &str = "copy_from_";
+    let (_, dev) = device_of(OP, dst)?;
+    check_dense_mut(OP, dst)?;
+    let s = dense::<T>(OP, src)?;
+    let mut guard = dst.storage().write_cuda(OP)?;
+    let dtype = guard.dtype();
+    let d = T::buffer_mut(&mut guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: <T as DeviceElem>::DTYPE })?;
+    Ok(dev.copy_dtod(&s, d)?)
+}
+
+/// `x · k` for a dense device tensor (the scaled loss of a data-parallel rank), differentiable.
+pub(crate) fn mul_scalar(x: &Tensor, k: f64) -> Result<Tensor> {
+    const OP: &str = "mul_scalar";
+    check_dense_mut(OP, x)?;
+    let y = clone_dense(&x.detach())?;
+    scale_(&y, k)?;
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), x.dtype(), OP, &[x], move |g: &Tensor, _: &Tensor| {
+        let dx = clone_dense(&g.detach())?;
+        scale_(&dx, k)?;
+        Ok(vec![Some(dx)])
+    }))
+}
+
 /// Sets every element to `value` in place (dense tensors).
 pub(crate) fn fill_(x: &Tensor, value: f64) -> Result<()> {
     dispatch!("fill_", x.dtype(), in_place_t(x, InPlace::Fill(value as f32)))

@@ -203,6 +203,10 @@ impl Tensor {
 
     /// x · c.
     pub fn mul_scalar(&self, c: f64) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.device() != rtx_kernels::Device::Cpu {
+            return crate::cuda::ops::mul_scalar(self, c);
+        }
         self.mul(&self.scalar_like(c))
     }
 

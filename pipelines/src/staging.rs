@@ -1,0 +1,177 @@
+//! Host staging of gradients for parameters that stay where they are: the data-parallel path of
+//! models on a CUDA device (and, for tests, of host models with [`crate::DpConfig::host_staging`]).
+//!
+//! Plain data parallelism moves every parameter into flat host buckets and lets backward write
+//! into them (see [`rtx_tensor::optim::ParamBuckets`]). A parameter on a GPU cannot live in a host
+//! bucket, so instead the engine keeps a **mirror**: [`ParamBuckets`] built over host copies of the
+//! parameters (same layout rule: reverse visit order, one dtype per bucket, `bucket_bytes_max`),
+//! while the module keeps its own tensors. Per step:
+//!
+//! 1. every parameter's gradient is cleared (`set_grad(None)`); forward and backward run where
+//!    the parameters are;
+//! 2. bucket by bucket in index order, each parameter's gradient is copied device → host into the
+//!    bucket's gradient storage ([`Staging::download_bucket`]; a parameter the loss did not use
+//!    contributes zeros) and the bucket is handed to the communication thread at once, so the
+//!    all-reduce of bucket `i` overlaps the copies of bucket `i + 1`;
+//! 3. once every report is in, each averaged gradient goes back host → device as the parameter's
+//!    gradient ([`Staging::upload_grads`]) and the optimizer steps where the parameters are.
+//!
+//! The collectives are the host communicator's, in the same order with the same bits as the
+//! bucket path, so replicas stay bit-identical and nothing depends on timing; the copies are
+//! exact (same dtype both ways). The mirror's parameter storage serves the engine's opening
+//! broadcast of rank 0's parameters, which [`Staging::install_params`] then writes into the
+//! module's tensors in place (so an optimizer built afterwards, or anyone else holding them,
+//! sees them).
+//!
+//! Ownership: the mirror's gradient storage belongs to the compute thread except while its bucket
+//! is handed to the communication thread (between `submit` and its report), exactly as in the
+//! bucket path; the module's tensors and their gradients are never touched by the communication
+//! thread.
+
+use rtx_tensor::optim::ParamBuckets;
+use rtx_tensor::{CpuData, Device, Module, Storage, Tensor};
+
+use crate::error::{Error, Result};
+use crate::shard::ParamSlice;
+
+/// The mirror of a module whose parameters stay in place.
+pub(crate) struct Staging {
+    /// Host buckets over copies of the parameters.
+    mirror: ParamBuckets,
+    /// The module's own parameters, in visit order (index = mirror entry index).
+    params: Vec<(String, Tensor)>,
+    /// Where the parameters live.
+    device: Device,
+}
+
+/// A module holding host copies of another module's parameters, for [`ParamBuckets::new`].
+struct HostCopies(Vec<(String, Tensor)>);
+
+impl Module for HostCopies {
+    fn visit_params(&self, _prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        for (name, t) in &self.0 {
+            f(name, t);
+        }
+    }
+
+    fn visit_params_mut(&mut self, _prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
+        for (name, t) in &mut self.0 {
+            f(name, t);
+        }
+    }
+}
+
+impl Staging {
+    /// Mirrors `model`'s parameters (all on one device) in host buckets of at most
+    /// `bucket_bytes_max` bytes. Reads every parameter once (a device → host copy).
+    pub(crate) fn new<M: Module>(model: &M, bucket_bytes_max: usize) -> Result<Staging> {
+        let params = model.named_parameters();
+        let device = placement(&params)?;
+        let mut copies = Vec::with_capacity(params.len());
+        for (name, p) in &params {
+            copies.push((name.clone(), Tensor::from_data(p.to_data()?, p.shape())?.requires_grad(true)));
+        }
+        let mut host = HostCopies(copies);
+        let mirror = ParamBuckets::new(&mut host, bucket_bytes_max)?;
+        debug_assert_eq!(mirror.entries().len(), params.len(), "staging: one mirror entry per parameter");
+        Ok(Staging { mirror, params, device })
+    }
+
+    /// The host buckets (their storages are what the collectives reduce).
+    pub(crate) fn buckets(&self) -> &ParamBuckets {
+        &self.mirror
+    }
+
+    /// Where the parameters live.
+    pub(crate) fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Whole-parameter slices over the module's own tensors (what the optimizer updates).
+    pub(crate) fn slices(&self) -> Vec<ParamSlice> {
+        self.params.iter().zip(self.mirror.entries()).map(|((name, tensor), entry)| ParamSlice { name: name.clone(), tensor: tensor.clone(), param_shape: entry.shape.clone(), elements: 0..entry.numel }).collect()
+    }
+
+    /// Clears every parameter's gradient, so backward allocates fresh ones where the parameters
+    /// are (an unused parameter keeps none).
+    pub(crate) fn clear_grads(&self) -> Result<()> {
+        for (_, p) in &self.params {
+            p.set_grad(None)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the gradients of bucket `bucket`'s parameters into its host gradient storage
+    /// (zeros for a parameter without a gradient). Waits for the device's queued work.
+    pub(crate) fn download_bucket(&self, bucket: usize) -> Result<()> {
+        let b = &self.mirror.buckets()[bucket];
+        for &idx in b.entries() {
+            let entry = &self.mirror.entries()[idx];
+            let (name, p) = &self.params[idx];
+            let data = match p.grad() {
+                Some(g) => {
+                    let g = if g.dtype() == b.dtype() { g } else { g.to_dtype(b.dtype())? };
+                    g.to_data()?
+                }
+                None => CpuData::zeros(b.dtype(), entry.numel),
+            };
+            if data.len() != entry.numel {
+                return Err(Error::Staging { name: name.clone(), reason: format!("gradient of {} elements for a parameter of {}", data.len(), entry.numel) });
+            }
+            write_at(b.grad_storage(), entry.offset, &data, name)?;
+        }
+        Ok(())
+    }
+
+    /// Sets every parameter's gradient to its averaged value from the mirror (host → device).
+    pub(crate) fn upload_grads(&self) -> Result<()> {
+        for ((_, p), entry) in self.params.iter().zip(self.mirror.entries()) {
+            let g = self.host_value(self.mirror.buckets()[entry.bucket].grads(), entry)?;
+            let g = if self.device == Device::Cpu { g } else { g.to_device(self.device)? };
+            p.set_grad(Some(g))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the mirror's parameter values (after the opening broadcast) into the module's
+    /// tensors, in place.
+    pub(crate) fn install_params(&self) -> Result<()> {
+        for ((_, p), entry) in self.params.iter().zip(self.mirror.entries()) {
+            let v = self.host_value(self.mirror.buckets()[entry.bucket].params(), entry)?;
+            p.copy_from_(&v)?;
+        }
+        Ok(())
+    }
+
+    /// A fresh contiguous host tensor holding `entry`'s elements of the flat bucket `flat`.
+    fn host_value(&self, flat: Tensor, entry: &rtx_tensor::optim::BucketEntry) -> Result<Tensor> {
+        let view = flat.narrow(0, entry.offset, entry.numel)?;
+        Ok(Tensor::from_data(view.to_data()?, &entry.shape)?)
+    }
+}
+
+/// The one device all `params` live on (the host for none); mixed placements are an error.
+pub(crate) fn placement(params: &[(String, Tensor)]) -> Result<Device> {
+    let Some((first, p0)) = params.first() else { return Ok(Device::Cpu) };
+    let device = p0.device();
+    match params.iter().find(|(_, p)| p.device() != device) {
+        Some((other, p)) => Err(Error::MixedDevices { first: first.clone(), first_device: device, other: other.clone(), other_device: p.device() }),
+        None => Ok(device),
+    }
+}
+
+/// Copies `src` into `storage[offset..]`; same dtype.
+fn write_at(storage: &Storage, offset: usize, src: &CpuData, name: &str) -> Result<()> {
+    let mut guard = storage.write()?;
+    let n = src.len();
+    if offset + n > guard.len() {
+        return Err(Error::Staging { name: name.to_string(), reason: format!("elements {offset}..{} beyond the bucket's {}", offset + n, guard.len()) });
+    }
+    match (&mut *guard, src) {
+        (CpuData::F32(d), CpuData::F32(s)) => d[offset..offset + n].copy_from_slice(s),
+        (CpuData::F64(d), CpuData::F64(s)) => d[offset..offset + n].copy_from_slice(s),
+        (CpuData::BF16(d), CpuData::BF16(s)) => d[offset..offset + n].copy_from_slice(s),
+        (d, s) => return Err(Error::Staging { name: name.to_string(), reason: format!("gradient dtype {} in a bucket of {}", s.dtype(), d.dtype()) }),
+    }
+    Ok(())
+}
