@@ -305,16 +305,21 @@ fn under_zero1_a_killed_worker_rolls_back_to_the_last_snapshot() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let out = tempfile::tempdir().expect("tempdir").keep().join("run");
     let launch = Launch::start_in(out, &config_with(600, "sharding = \"zero1\"\nsnapshot_every = 20\n"), 2, &[]);
-    let events = launch.wait_for("step 150", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 150));
-    let before = Launch::committed(&events).expect("committed");
+    launch.wait_for("step 150", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 150));
     signal(launch.pids()[1], "-9");
     let (summary, events) = launch.finish();
-    let generation = events.iter().rev().find(|g| g["event"] == "generation").expect("generation");
-    let next = generation["next_step"].as_u64().expect("next_step");
+    let at = events.iter().rposition(|g| g["event"] == "generation").expect("generation");
+    let next = events[at]["next_step"].as_u64().expect("next_step");
+    // The newest step committed before the recovery generation (steps keep committing between
+    // the test seeing step 150 and the kill landing, more of them the faster the machine).
+    let before = Launch::committed(&events[..at]).expect("committed");
     // The lost rank's optimizer shard is gone: training resumes after the last snapshot, a
-    // multiple of snapshot_every, at most snapshot_every + 1 steps back.
+    // multiple of snapshot_every, at most snapshot_every + 1 steps back. The snapshot may be one
+    // step ahead of the last commit the supervisor recorded: every rank finished the step and
+    // snapshotted after it, but the kill landed before the step's commit (seen: committed 158,
+    // resumed at 160).
     assert_eq!(next % 20, 0, "resumed at {next}");
-    assert!(next <= before + 1 && before + 1 - next <= 21, "committed {before}, resumed at {next}");
+    assert!(next <= before + 2 && before + 1 <= next + 21, "committed {before}, resumed at {next}");
     let acc = summary["eval"]["test_acc"].as_f64().expect("test_acc");
     assert!(acc > 0.80, "test accuracy {acc} after a ZeRO-1 recovery");
 }
