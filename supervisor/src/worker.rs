@@ -163,29 +163,52 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// The current generation's abort handle, shared by agent and worker.
+/// The current generation's abort handle, shared by agent and worker: its communicator and the
+/// transport under it, whatever the wire (QUIC, shared memory, an embedder's), and the newest
+/// generation the agent was told about. A generation registered after the agent already moved
+/// past it is aborted on registration (the `Prepare` overtook the `Start` on the compute path).
 #[derive(Default)]
-struct AbortSlot(Mutex<Option<(Communicator, Option<Arc<QuicTransport>>)>>);
+struct AbortSlot(Mutex<SlotState>);
+
+#[derive(Default)]
+struct SlotState {
+    current: Option<(Communicator, Arc<dyn Transport>)>,
+    newest: u64,
+}
+
+impl SlotState {
+    fn abort_current(&self) {
+        if let Some((comm, transport)) = &self.current {
+            if self.newest > comm.generation() {
+                let _ = comm.set_generation(self.newest);
+            }
+            transport.abort();
+        }
+    }
+}
 
 impl AbortSlot {
-    fn set(&self, comm: Communicator, transport: Option<Arc<QuicTransport>>) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some((comm, transport));
+    fn set(&self, comm: Communicator, transport: Arc<dyn Transport>) {
+        let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let stale = slot.newest > comm.generation();
+        slot.current = Some((comm, transport));
+        if stale {
+            slot.abort_current();
+        }
     }
 
     fn clear(&self) {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).take();
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).current.take();
     }
 
-    /// Fails the current generation's operations now.
+    /// Fails the current generation's operations now: receives through the generation bump,
+    /// sends (a writer waiting for ring space or flow control of a dead or stopped peer) through
+    /// the transport's abort. Never waits on the compute path.
     fn abort(&self, generation: u64) {
-        if let Some((comm, transport)) = self.0.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
-            if generation > comm.generation() {
-                let _ = comm.set_generation(generation);
-            }
-            if let Some(transport) = transport {
-                let transport = Arc::clone(transport);
-                tokio::spawn(async move { transport.close(Duration::from_millis(50)).await });
-            }
+        let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        slot.newest = slot.newest.max(generation);
+        if slot.current.as_ref().is_some_and(|(comm, _)| generation > comm.generation()) {
+            slot.abort_current();
         }
     }
 }
@@ -506,9 +529,9 @@ async fn run_generation<J: TrainJob>(
         }
     };
     tracing::info!(transport = if quic.is_some() { "quic" } else if ctx.wire.is_some() { "injected" } else { "shm" }, "collectives connected");
-    let endpoint = Endpoint::new(wire, CommConfig::default())?;
+    let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig::default())?;
     let comm = endpoint.group(WORLD_GROUP_ID, (0..g.world).collect(), g.generation)?;
-    ctx.shared.abort.set(comm.clone(), quic.clone());
+    ctx.shared.abort.set(comm.clone(), Arc::clone(&wire));
     let result = train(ctx, job, g, &comm, replica, shard, writer, cmds).await;
     ctx.shared.abort.clear();
     drop(comm);
