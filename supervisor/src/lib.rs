@@ -23,9 +23,11 @@ mod error;
 mod job;
 pub mod launch;
 pub mod protocol;
+pub mod recovery;
 pub mod state;
 pub mod supervisor;
 pub mod worker;
+pub mod zero1;
 
 pub use config::{ClassPolicy, ElasticConfig, FailureClass, OnFailure, PlantedBug, Wire};
 pub use error::{Result, SupervisorError};

@@ -45,7 +45,8 @@ use crate::checkpoint::{self, CheckpointStore, CheckpointWriter, FileStore, Writ
 use crate::error::{Result, SupervisorError};
 use crate::job::TrainJob;
 use crate::state;
-use crate::protocol::{self, JoinReply, ToSupervisor, ToWorker, EXPORTER_LABEL, SUPERVISOR};
+use crate::protocol::{self, JoinReply, StateSource, ToSupervisor, ToWorker, EXPORTER_LABEL, SUPERVISOR};
+use crate::zero1::{self, BuddyCopies};
 
 /// How a worker process joins and behaves.
 #[derive(Clone, Debug)]
@@ -405,6 +406,9 @@ struct Replica<M> {
     rank: Option<usize>,
     optimizer_state: Option<Vec<(String, Tensor)>>,
     completed: Option<u64>,
+    /// Under ZeRO-1, the segment states of the last two exchanged steps (this rank's and its
+    /// buddy's): the state of a step no single rank holds whole.
+    zero1: BuddyCopies,
 }
 
 /// This generation's collectives endpoint between `Prepare` and `Start`.
@@ -414,7 +418,7 @@ enum Bound {
 }
 
 async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>, mut cmds: Receiver<ToWorker>) -> Result<WorkerOutcome> {
-    let mut replica = Replica { model: Some(job.build_model().map_err(SupervisorError::Job)?), snapshot_params: None, rank: None, optimizer_state: None, completed: None };
+    let mut replica = Replica { model: Some(job.build_model().map_err(SupervisorError::Job)?), snapshot_params: None, rank: None, optimizer_state: None, completed: None, zero1: BuddyCopies::default() };
     if let Some(path) = &resume {
         let (state, step) = checkpoint::load(path, replica.model.as_ref().ok_or_else(internal)?, |slices| job.build_optimizer(slices))?;
         replica.optimizer_state = Some(state);
@@ -445,7 +449,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                         (Bound::Quic(transport), addr)
                     }
                 };
-                ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed }).await?;
+                ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed, zero1: replica.zero1.held() }).await?;
                 let start = loop {
                     match cmds.recv().await.ok_or_else(lost)? {
                         ToWorker::Start { generation: g, addrs, source, next_step, stop_step, shm_job } if g == generation => break Some((addrs, source, next_step, stop_step, shm_job)),
@@ -457,7 +461,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                     }
                 };
                 let Some((addrs, source, next_step, stop_step, shm_job)) = start else { continue };
-                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source as usize, next_step, stop_step, addrs, shm_job };
+                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source, next_step, stop_step, addrs, shm_job };
                 let span = tracing::info_span!("generation", generation = generation_run.generation, rank = generation_run.rank, world = generation_run.world);
                 match run_generation(&ctx, &job, &generation_run, bound, &mut replica, &mut shard, &mut writer, &mut cmds).instrument(span).await {
                     Ok(interrupt) => next = interrupt,
@@ -492,7 +496,7 @@ struct Generation {
     generation: u64,
     rank: usize,
     world: usize,
-    source: usize,
+    source: StateSource,
     next_step: u64,
     stop_step: u64,
     addrs: Vec<String>,
@@ -557,11 +561,32 @@ async fn train<J: TrainJob>(
     // The newest restorable state, from the source rank: parameters and full optimizer state.
     // (No borrow of the model lives across an await: the worker future must be `Send`.)
     let template = state::full_template(&model, |slices| job.build_optimizer(slices));
+    let layout = template.as_ref().ok().map(|t| zero1::Layout::new(&model, t)).transpose();
     let params = model.named_parameters();
+    // A checkpoint source: rank 0 reads it into a fresh model and sends it like a member's state.
+    let loaded = match &g.source {
+        StateSource::Checkpoint { location, .. } if g.rank == 0 => load_checkpoint_state(job.as_ref(), location).map(Some),
+        _ => Ok(None),
+    };
+    let (snapshot_params, optimizer_state, copies) = (replica.snapshot_params.as_deref(), replica.optimizer_state.as_deref(), &replica.zero1);
     let synced = async {
         let template = template?;
-        let flat = state::broadcast_parameters(comm, g.source, &params, replica.snapshot_params.as_deref()).await?;
-        let full = state::broadcast_full_state(comm, g.source, replica.optimizer_state.as_deref(), &template).await?;
+        let layout = layout?.ok_or_else(internal)?;
+        let loaded = loaded?;
+        let (flat, full) = match &g.source {
+            StateSource::Zero1Segments { step, world, holders } => zero1::rebuild_from_segments(comm, copies, &layout, &template, *step, *world, holders).await?,
+            StateSource::Member { rank } => take_member_state(comm, *rank as usize, &params, snapshot_params, optimizer_state, &template).await?,
+            // Every member built the same state at boot (initial parameters, or the `--resume`
+            // checkpoint each one loaded): rank 0's is everyone's.
+            StateSource::Initial => take_member_state(comm, 0, &params, snapshot_params, optimizer_state, &template).await?,
+            StateSource::Checkpoint { .. } => {
+                let (values, state) = match &loaded {
+                    Some((values, state)) => (Some(values.as_slice()), Some(state.as_slice())),
+                    None => (None, None),
+                };
+                take_member_state(comm, 0, &params, values, state, &template).await?
+            }
+        };
         // Nobody moves on until every member holds the state: a generation formed at the last
         // step has nothing to train, so its members finish at once, and a source that exited
         // with its broadcast still in flight left a member at an older state (found by the
@@ -571,11 +596,11 @@ async fn train<J: TrainJob>(
         // must leave them matching the step this worker reports (installing them at once left a
         // worker at the source's step while it reported its own; found by the swarm too).
         state::install_parameters(&params, &flat)?;
-        Ok::<_, SupervisorError>((template, full))
+        Ok::<_, SupervisorError>((template, full, layout))
     }
     .await;
     drop(params);
-    let (template, full) = match synced {
+    let (template, full, layout) = match synced {
         Ok(v) => v,
         Err(e) => {
             replica.model = Some(model);
@@ -587,6 +612,8 @@ async fn train<J: TrainJob>(
     // really is (reporting this worker's own older step made the group train a step twice; found
     // by the simulator's seed swarm).
     let synced_params = state::flat_parameters(&model)?;
+    // Every member holds the whole state now: older segment copies are of no more use.
+    replica.zero1.clear();
     replica.completed = g.next_step.checked_sub(1);
     replica.optimizer_state = Some(full.clone());
     replica.snapshot_params = if ctx.zero1 { Some(synced_params.clone()) } else { None };
@@ -615,7 +642,12 @@ async fn train<J: TrainJob>(
             return Err(e.into());
         }
     };
-    tracing::info!(next_step = g.next_step, source = g.source, "generation started");
+    tracing::info!(next_step = g.next_step, source = ?g.source, "generation started");
+    if ctx.zero1 {
+        log_zero1_memory(&engine, &layout, &template, g.world)?;
+    }
+    // Time spent exchanging segment states with the buddies, and the number of exchanges.
+    let mut exchanged = (Duration::ZERO, 0u32);
 
     let total = job.total_steps().min(g.stop_step);
     let global = job.global_batch().max(1) as f64;
@@ -668,9 +700,28 @@ async fn train<J: TrainJob>(
         let compute = loop_started.elapsed();
         match result {
             Ok(_) => {
+                if ctx.zero1 {
+                    // A rank holds only its segment of the optimizer state: the step is restorable
+                    // (and reported done) once its segment state is also held by its buddy.
+                    let started = Instant::now();
+                    replica.zero1.drop_previous();
+                    // (Encoded before the await: no borrow of the engine lives across it.)
+                    let own = engine.optimizer().state_tensors().map_err(SupervisorError::from).and_then(|local| layout.encode(step, engine.param_slices(), &local));
+                    let exchanged_now = match own {
+                        Ok(own) => replica.zero1.exchange_step(comm, g.generation, step, own).await,
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = exchanged_now {
+                        tracing::warn!(step, error = %e, "segment exchange failed");
+                        let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
+                        break cmds.recv().await.map(Some).ok_or_else(lost);
+                    }
+                    exchanged.0 += started.elapsed();
+                    exchanged.1 += 1;
+                }
                 *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
-                // Under ZeRO-1 a rank holds only part of the optimizer state: the restorable point
-                // is the last snapshot, which gathers the full state on every rank.
+                // Under ZeRO-1 the restorable point without the buddies (a rank lost with its
+                // buddy) is the last snapshot, which gathers the full state on every rank.
                 let snapshot_due = (step + 1) % ctx.snapshot_every.max(1) == 0 || step + 1 == total || (ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0);
                 if !ctx.zero1 {
                     replica.completed = Some(step);
@@ -717,6 +768,9 @@ async fn train<J: TrainJob>(
             }
         }
     };
+    if exchanged.1 > 0 {
+        tracing::info!(exchanges = exchanged.1, mean_ms = exchanged.0.as_secs_f64() * 1e3 / f64::from(exchanged.1), "zero1 buddy exchanges");
+    }
     let (model, _buckets, optimizer) = engine.into_parts();
     if !ctx.zero1 {
         // Plain data parallelism: the optimizer holds the full state of the last completed step.
@@ -725,6 +779,41 @@ async fn train<J: TrainJob>(
     }
     replica.model = Some(model);
     outcome
+}
+
+/// Takes the whole state of member `source`: parameters (`values`, or its model's own) and full
+/// optimizer state (`optimizer_state`, or a fresh optimizer's).
+async fn take_member_state(comm: &Communicator, source: usize, params: &[(String, Tensor)], values: Option<&[f32]>, optimizer_state: Option<&[(String, Tensor)]>, template: &[(String, Tensor)]) -> Result<(Vec<f32>, state::NamedTensors)> {
+    let flat = state::broadcast_parameters(comm, source, params, values).await?;
+    let full = state::broadcast_full_state(comm, source, optimizer_state, template).await?;
+    Ok((flat, full))
+}
+
+/// The parameters and full optimizer state of the checkpoint at `location` (a file path).
+fn load_checkpoint_state<J: TrainJob>(job: &J, location: &str) -> Result<(Vec<f32>, state::NamedTensors)> {
+    let model = job.build_model().map_err(SupervisorError::Job)?;
+    let (full, step) = checkpoint::load(std::path::Path::new(location), &model, |slices| job.build_optimizer(slices))?;
+    tracing::info!(step, location, "took the state of a checkpoint");
+    Ok((state::flat_parameters(&model)?, full))
+}
+
+/// Logs what the buddy copies cost per rank, next to the ZeRO-1 shard itself and a replica.
+fn log_zero1_memory<M: Module, O: Optimizer>(engine: &DataParallel<M, O>, layout: &zero1::Layout, template: &[(String, Tensor)], world: usize) -> Result<()> {
+    let local = engine.optimizer().state_tensors()?;
+    let (shard_bytes, replica_bytes) = zero1::shard_and_replica_bytes(engine.param_slices(), &local, layout.param_count(), template);
+    // Own and buddy segment states of two steps (see `zero1`); the snapshot fallback keeps the
+    // whole state besides (a replica's worth).
+    let copies_bytes = 4 * shard_bytes;
+    tracing::info!(
+        world,
+        shard_bytes,
+        copies_bytes,
+        replica_bytes,
+        snapshot_bytes = replica_bytes,
+        copies_per_replica = copies_bytes as f64 / replica_bytes.max(1) as f64,
+        "zero1 buddy copies: memory per rank"
+    );
+    Ok(())
 }
 
 /// A fresh model holding `flat` (every parameter, in `named_parameters` order).
