@@ -156,7 +156,7 @@ type StepReport = (f64, u64, Option<u64>);
 
 enum Phase {
     Waiting { since: Instant },
-    Preparing { generation: u64, members: Vec<u64>, ready: BTreeMap<u64, (String, Option<u64>, Vec<crate::protocol::Zero1Held>)>, since: Instant },
+    Preparing { generation: u64, members: Vec<u64>, ready: BTreeMap<u64, (String, Option<u64>)>, since: Instant },
     Running { generation: u64, members: Vec<u64>, reports: BTreeMap<u64, BTreeMap<u64, StepReport>>, failed_since: Option<Instant> },
     Finishing { members: Vec<u64>, since: Instant },
     Done,
@@ -373,8 +373,7 @@ impl ClusterSupervisor {
                 Ok(())
             }
             ToSupervisor::Heartbeat { .. } => Ok(()),
-            ToSupervisor::Ready { node, generation, addr, completed, zero1 } => self.on_ready(node, generation, addr, completed, zero1).await,
-            ToSupervisor::Preparing { .. } => Ok(()),
+            ToSupervisor::Ready { node, generation, addr, completed } => self.on_ready(node, generation, addr, completed).await,
             ToSupervisor::StepDone { node, generation, step, loss, samples, checksum } => self.on_step_done(node, generation, step, loss, samples, checksum).await,
             ToSupervisor::StepFailed { node, generation, step, reason } => {
                 tracing::info!(node, generation, step, %reason, "step failed on a worker");
@@ -531,12 +530,12 @@ impl ClusterSupervisor {
         Ok(())
     }
 
-    async fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Vec<crate::protocol::Zero1Held>) -> Result<()> {
+    async fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>) -> Result<()> {
         let Phase::Preparing { generation: g, members, ready, .. } = &mut self.phase else { return Ok(()) };
         if *g != generation || !members.contains(&node) {
             return Ok(());
         }
-        ready.insert(node, (addr, completed, zero1));
+        ready.insert(node, (addr, completed));
         if let Some(m) = self.members.get_mut(&node) {
             m.completed = completed;
         }
@@ -545,11 +544,14 @@ impl ClusterSupervisor {
         }
         let members = members.clone();
         let ready = std::mem::take(ready);
-        let addrs: Vec<String> = members.iter().map(|n| ready.get(n).map(|(a, _, _)| a.clone()).unwrap_or_default()).collect();
-        // SCAFFOLD (zero1 branch, until the lead's recovery commit): the plan without checkpoints.
-        let holdings: Vec<crate::recovery::Holding> = members.iter().map(|n| ready.get(n).map(|(_, c, z)| crate::recovery::Holding { completed: *c, zero1: z.clone() }).unwrap_or_default()).collect();
-        let plan = crate::recovery::plan_recovery(&holdings, None, self.options.resume_next_step, None, self.options.elastic.planted_bug == PlantedBug::ReplayLastStep && generation > 1);
-        let (source, next_step, state_source) = (plan.source_rank(), plan.next_step, plan.source);
+        let addrs: Vec<String> = members.iter().map(|n| ready.get(n).map(|(a, _)| a.clone()).unwrap_or_default()).collect();
+        // The newest state wins; ties go to the lowest rank.
+        let (source, newest) = members.iter().enumerate().map(|(rank, n)| (rank, ready.get(n).and_then(|(_, c)| *c))).fold((0usize, None), |best, (rank, c)| if c > best.1 { (rank, c) } else { best });
+        let next_step = match newest {
+            Some(c) if self.options.elastic.planted_bug == PlantedBug::ReplayLastStep && generation > 1 => c,
+            Some(c) => c + 1,
+            None => self.options.resume_next_step,
+        };
         let hosts: std::collections::BTreeSet<&str> = members.iter().filter_map(|n| self.members.get(n).map(|m| m.host.as_str())).collect();
         let shm = match self.options.elastic.transport {
             Wire::Quic | Wire::Injected => false,
@@ -559,7 +561,7 @@ impl ClusterSupervisor {
         let shm_job = shm.then(|| format!("{}-g{generation}", self.run_id));
         for node in &members {
             if let Some(m) = self.members.get(node) {
-                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: state_source.clone(), next_step, stop_step: self.end_step(), shm_job: shm_job.clone() }).await;
+                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: source as u32, next_step, stop_step: self.end_step(), shm_job: shm_job.clone() }).await;
             }
         }
         let pids = members.iter().filter_map(|n| self.members.get(n).map(|m| m.pid)).collect();
