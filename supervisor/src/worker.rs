@@ -45,7 +45,7 @@ use crate::checkpoint::{self, CheckpointStore, CheckpointWriter, FileStore, Writ
 use crate::error::{Result, SupervisorError};
 use crate::job::TrainJob;
 use crate::state;
-use crate::protocol::{self, JoinReply, ToSupervisor, ToWorker, EXPORTER_LABEL, SUPERVISOR};
+use crate::protocol::{self, JoinReply, StateSource, ToSupervisor, ToWorker, EXPORTER_LABEL, SUPERVISOR};
 
 /// How a worker process joins and behaves.
 #[derive(Clone, Debug)]
@@ -276,7 +276,7 @@ where
         }
     };
 
-    let outcome = agent_loop(&link, &mut inbound, cmd_tx, done, &shared, env.watch_sigterm).await;
+    let outcome = agent_loop(AgentCtx { link: &link, supervisor: &supervisor, node, shared: &shared, watch_sigterm: env.watch_sigterm }, &mut inbound, cmd_tx, done).await;
     drop(heartbeats);
     // Let the last reports leave before the connection closes.
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -304,14 +304,19 @@ async fn heartbeat_loop(supervisor: RemoteRef<ToSupervisor>, node: u64, every: D
     }
 }
 
-async fn agent_loop(
-    link: &Link,
-    inbound: &mut Receiver<Inbound>,
-    cmd_tx: Sender<ToWorker>,
-    mut done: Pin<Box<dyn Future<Output = Result<WorkerOutcome>> + Send>>,
-    shared: &Shared,
+/// What the node agent's loop works with.
+struct AgentCtx<'a> {
+    link: &'a Link,
+    supervisor: &'a RemoteRef<ToSupervisor>,
+    node: u64,
+    shared: &'a Shared,
     watch_sigterm: bool,
-) -> Result<WorkerOutcome> {
+}
+
+/// The node agent: the control path. It never waits on the compute path: commands are aborts
+/// and acknowledgements here, and queued for the worker.
+async fn agent_loop(agent: AgentCtx<'_>, inbound: &mut Receiver<Inbound>, cmd_tx: Sender<ToWorker>, mut done: Pin<Box<dyn Future<Output = Result<WorkerOutcome>> + Send>>) -> Result<WorkerOutcome> {
+    let AgentCtx { link, supervisor, node, shared, watch_sigterm } = agent;
     let mut sigterm = if watch_sigterm { Some(tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(|e| SupervisorError::Launch(format!("cannot watch SIGTERM: {e}")))?) } else { None };
     let mut cmd_tx = Some(cmd_tx);
     loop {
@@ -352,6 +357,10 @@ async fn agent_loop(
                     ToWorker::Prepare { generation, .. } | ToWorker::Pause { generation } => {
                         *shared.generation.lock().unwrap_or_else(PoisonError::into_inner) = *generation;
                         shared.abort.abort(*generation);
+                        if matches!(cmd, ToWorker::Prepare { .. }) {
+                            // The control path answers at once: alive, old generation aborted.
+                            let _ = supervisor.tell(&ToSupervisor::Preparing { node, generation: *generation }).await;
+                        }
                     }
                     ToWorker::Evict { .. } => shared.abort.abort(u64::MAX),
                     // Not aborted: `Finish` comes after the last step, or right after a `Start`
@@ -445,7 +454,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                         (Bound::Quic(transport), addr)
                     }
                 };
-                ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed }).await?;
+                ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed, zero1: None }).await?;
                 let start = loop {
                     match cmds.recv().await.ok_or_else(lost)? {
                         ToWorker::Start { generation: g, addrs, source, next_step, stop_step, shm_job } if g == generation => break Some((addrs, source, next_step, stop_step, shm_job)),
@@ -457,7 +466,29 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                     }
                 };
                 let Some((addrs, source, next_step, stop_step, shm_job)) = start else { continue };
-                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source as usize, next_step, stop_step, addrs, shm_job };
+                let source_rank = match &source {
+                    StateSource::Initial => 0,
+                    StateSource::Member { rank } => *rank as usize,
+                    StateSource::Zero1Segments { .. } => {
+                        let e = SupervisorError::Job("internal: ZeRO-1 segment recovery is not supported by this worker".into());
+                        let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: next_step, reason: e.to_string() }).await;
+                        continue;
+                    }
+                    StateSource::Checkpoint { location, step } => {
+                        // Every holder of newer state is gone: rank 0 takes the checkpoint and
+                        // broadcasts it like a replica would.
+                        if rank == 0 {
+                            if let Err(e) = load_checkpoint_into(&ctx, job.as_ref(), &mut replica, location) {
+                                tracing::error!(%location, error = %e, "cannot load the recovery checkpoint");
+                                let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: next_step, reason: e.to_string() }).await;
+                                continue;
+                            }
+                            tracing::warn!(%location, step, "recovering from the newest checkpoint: no member holds newer state");
+                        }
+                        0
+                    }
+                };
+                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source_rank, next_step, stop_step, addrs, shm_job };
                 let span = tracing::info_span!("generation", generation = generation_run.generation, rank = generation_run.rank, world = generation_run.world);
                 match run_generation(&ctx, &job, &generation_run, bound, &mut replica, &mut shard, &mut writer, &mut cmds).instrument(span).await {
                     Ok(interrupt) => next = interrupt,
@@ -486,6 +517,22 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
             }
         }
     }
+}
+
+/// Loads the checkpoint at the store's `location` into `replica` (parameters, full optimizer
+/// state, step), for a generation that recovers from it.
+fn load_checkpoint_into<J: TrainJob>(ctx: &WorkerCtx, job: &J, replica: &mut Replica<J::Model>, location: &str) -> Result<()> {
+    let store: Arc<dyn CheckpointStore> = match &ctx.checkpoints {
+        Some(store) => Arc::clone(store),
+        None => Arc::new(FileStore::new(job.checkpoint_dir().unwrap_or_default())),
+    };
+    let model = replica.model.as_ref().ok_or_else(internal)?;
+    let (state, step) = checkpoint::load_from(store.as_ref(), location, model, |slices| job.build_optimizer(slices))?;
+    replica.optimizer_state = Some(state);
+    replica.snapshot_params = None;
+    replica.completed = Some(step);
+    *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
+    Ok(())
 }
 
 struct Generation {
