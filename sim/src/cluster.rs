@@ -680,7 +680,7 @@ impl Checker {
                     }
                 }
             }
-            JobEvent::Joined { .. } | JobEvent::Refused { .. } => {}
+            JobEvent::Joined { .. } | JobEvent::Refused { .. } | JobEvent::Suspect { .. } => {}
         }
     }
 

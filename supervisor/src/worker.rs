@@ -277,7 +277,7 @@ where
         }
     };
 
-    let outcome = agent_loop(&link, &mut inbound, cmd_tx, done, &shared, env.watch_sigterm).await;
+    let outcome = agent_loop(AgentCtx { link: &link, supervisor: &supervisor, node, shared: &shared, watch_sigterm: env.watch_sigterm }, &mut inbound, cmd_tx, done).await;
     drop(heartbeats);
     // Let the last reports leave before the connection closes.
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -305,14 +305,19 @@ async fn heartbeat_loop(supervisor: RemoteRef<ToSupervisor>, node: u64, every: D
     }
 }
 
-async fn agent_loop(
-    link: &Link,
-    inbound: &mut Receiver<Inbound>,
-    cmd_tx: Sender<ToWorker>,
-    mut done: Pin<Box<dyn Future<Output = Result<WorkerOutcome>> + Send>>,
-    shared: &Shared,
+/// What the node agent's loop works with.
+struct AgentCtx<'a> {
+    link: &'a Link,
+    supervisor: &'a RemoteRef<ToSupervisor>,
+    node: u64,
+    shared: &'a Shared,
     watch_sigterm: bool,
-) -> Result<WorkerOutcome> {
+}
+
+/// The node agent: the control path. It never waits on the compute path: commands are aborts
+/// and acknowledgements here, and queued for the worker.
+async fn agent_loop(agent: AgentCtx<'_>, inbound: &mut Receiver<Inbound>, cmd_tx: Sender<ToWorker>, mut done: Pin<Box<dyn Future<Output = Result<WorkerOutcome>> + Send>>) -> Result<WorkerOutcome> {
+    let AgentCtx { link, supervisor, node, shared, watch_sigterm } = agent;
     let mut sigterm = if watch_sigterm { Some(tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(|e| SupervisorError::Launch(format!("cannot watch SIGTERM: {e}")))?) } else { None };
     let mut cmd_tx = Some(cmd_tx);
     loop {
@@ -353,6 +358,10 @@ async fn agent_loop(
                     ToWorker::Prepare { generation, .. } | ToWorker::Pause { generation } => {
                         *shared.generation.lock().unwrap_or_else(PoisonError::into_inner) = *generation;
                         shared.abort.abort(*generation);
+                        if matches!(cmd, ToWorker::Prepare { .. }) {
+                            // The control path answers at once: alive, old generation aborted.
+                            let _ = supervisor.tell(&ToSupervisor::Preparing { node, generation: *generation }).await;
+                        }
                     }
                     ToWorker::Evict { .. } => shared.abort.abort(u64::MAX),
                     // Not aborted: `Finish` comes after the last step, or right after a `Start`
@@ -461,7 +470,30 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                     }
                 };
                 let Some((addrs, source, next_step, stop_step, shm_job)) = start else { continue };
-                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source, next_step, stop_step, addrs, shm_job };
+                let source_rank = match &source {
+                    StateSource::Initial => 0,
+                    StateSource::Member { rank } => *rank as usize,
+                    // Every holder sends its segments (see `zero1`); the first one names the source.
+                    StateSource::Zero1Segments { holders, .. } => holders.first().map_or(0, |&h| h as usize),
+                    StateSource::Checkpoint { location, step } => {
+                        // Every holder of newer state is gone: rank 0 takes the checkpoint and
+                        // broadcasts it like a replica would.
+                        if rank == 0 {
+                            if let Err(e) = load_checkpoint_into(&ctx, job.as_ref(), &mut replica, location) {
+                                tracing::error!(%location, error = %e, "cannot load the recovery checkpoint");
+                                let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: next_step, reason: e.to_string() }).await;
+                                continue;
+                            }
+                            tracing::warn!(%location, step, "recovering from the newest checkpoint: no member holds newer state");
+                        }
+                        0
+                    }
+                };
+                let segments = match source {
+                    StateSource::Zero1Segments { step, world, holders } => Some(SegmentSource { step, world, holders }),
+                    _ => None,
+                };
+                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source_rank, segments, next_step, stop_step, addrs, shm_job };
                 let span = tracing::info_span!("generation", generation = generation_run.generation, rank = generation_run.rank, world = generation_run.world);
                 match run_generation(&ctx, &job, &generation_run, bound, &mut replica, &mut shard, &mut writer, &mut cmds).instrument(span).await {
                     Ok(interrupt) => next = interrupt,
@@ -492,11 +524,38 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
     }
 }
 
+/// Loads the checkpoint at the store's `location` into `replica` (parameters, full optimizer
+/// state, step), for a generation that recovers from it.
+fn load_checkpoint_into<J: TrainJob>(ctx: &WorkerCtx, job: &J, replica: &mut Replica<J::Model>, location: &str) -> Result<()> {
+    let store: Arc<dyn CheckpointStore> = match &ctx.checkpoints {
+        Some(store) => Arc::clone(store),
+        None => Arc::new(FileStore::new(job.checkpoint_dir().unwrap_or_default())),
+    };
+    let model = replica.model.as_ref().ok_or_else(internal)?;
+    let (state, step) = checkpoint::load_from(store.as_ref(), location, model, |slices| job.build_optimizer(slices))?;
+    replica.optimizer_state = Some(state);
+    replica.snapshot_params = None;
+    replica.completed = Some(step);
+    *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
+    Ok(())
+}
+
+/// `StateSource::Zero1Segments`: the state of `step`, from the segments of the layout of `world`
+/// ranks, old segment `i` sent by new rank `holders[i]`.
+struct SegmentSource {
+    step: u64,
+    world: u32,
+    holders: Vec<u32>,
+}
+
 struct Generation {
     generation: u64,
     rank: usize,
     world: usize,
-    source: StateSource,
+    source: usize,
+    /// Under ZeRO-1, when the state is rebuilt from the members' segment copies instead of taken
+    /// from `source`.
+    segments: Option<SegmentSource>,
     next_step: u64,
     stop_step: u64,
     addrs: Vec<String>,
@@ -563,28 +622,16 @@ async fn train<J: TrainJob>(
     let template = state::full_template(&model, |slices| job.build_optimizer(slices));
     let layout = template.as_ref().ok().map(|t| zero1::Layout::new(&model, t)).transpose();
     let params = model.named_parameters();
-    // A checkpoint source: rank 0 reads it into a fresh model and sends it like a member's state.
-    let loaded = match &g.source {
-        StateSource::Checkpoint { location, .. } if g.rank == 0 => load_checkpoint_state(job.as_ref(), location).map(Some),
-        _ => Ok(None),
-    };
     let (snapshot_params, optimizer_state, copies) = (replica.snapshot_params.as_deref(), replica.optimizer_state.as_deref(), &replica.zero1);
     let synced = async {
         let template = template?;
         let layout = layout?.ok_or_else(internal)?;
-        let loaded = loaded?;
-        let (flat, full) = match &g.source {
-            StateSource::Zero1Segments { step, world, holders } => zero1::rebuild_from_segments(comm, copies, &layout, &template, *step, *world, holders).await?,
-            StateSource::Member { rank } => take_member_state(comm, *rank as usize, &params, snapshot_params, optimizer_state, &template).await?,
-            // Every member built the same state at boot (initial parameters, or the `--resume`
-            // checkpoint each one loaded): rank 0's is everyone's.
-            StateSource::Initial => take_member_state(comm, 0, &params, snapshot_params, optimizer_state, &template).await?,
-            StateSource::Checkpoint { .. } => {
-                let (values, state) = match &loaded {
-                    Some((values, state)) => (Some(values.as_slice()), Some(state.as_slice())),
-                    None => (None, None),
-                };
-                take_member_state(comm, 0, &params, values, state, &template).await?
+        let (flat, full) = match &g.segments {
+            // Under ZeRO-1, from the segment copies of a step no member holds whole.
+            Some(s) => zero1::rebuild_from_segments(comm, copies, &layout, &template, s.step, s.world, &s.holders).await?,
+            None => {
+                let flat = state::broadcast_parameters(comm, g.source, &params, snapshot_params).await?;
+                (flat, state::broadcast_full_state(comm, g.source, optimizer_state, &template).await?)
             }
         };
         // Nobody moves on until every member holds the state: a generation formed at the last
@@ -642,7 +689,7 @@ async fn train<J: TrainJob>(
             return Err(e.into());
         }
     };
-    tracing::info!(next_step = g.next_step, source = ?g.source, "generation started");
+    tracing::info!(next_step = g.next_step, source = g.source, from_segments = g.segments.is_some(), "generation started");
     if ctx.zero1 {
         log_zero1_memory(&engine, &layout, &template, g.world)?;
     }
@@ -779,22 +826,6 @@ async fn train<J: TrainJob>(
     }
     replica.model = Some(model);
     outcome
-}
-
-/// Takes the whole state of member `source`: parameters (`values`, or its model's own) and full
-/// optimizer state (`optimizer_state`, or a fresh optimizer's).
-async fn take_member_state(comm: &Communicator, source: usize, params: &[(String, Tensor)], values: Option<&[f32]>, optimizer_state: Option<&[(String, Tensor)]>, template: &[(String, Tensor)]) -> Result<(Vec<f32>, state::NamedTensors)> {
-    let flat = state::broadcast_parameters(comm, source, params, values).await?;
-    let full = state::broadcast_full_state(comm, source, optimizer_state, template).await?;
-    Ok((flat, full))
-}
-
-/// The parameters and full optimizer state of the checkpoint at `location` (a file path).
-fn load_checkpoint_state<J: TrainJob>(job: &J, location: &str) -> Result<(Vec<f32>, state::NamedTensors)> {
-    let model = job.build_model().map_err(SupervisorError::Job)?;
-    let (full, step) = checkpoint::load(std::path::Path::new(location), &model, |slices| job.build_optimizer(slices))?;
-    tracing::info!(step, location, "took the state of a checkpoint");
-    Ok((state::flat_parameters(&model)?, full))
 }
 
 /// Logs what the buddy copies cost per rank, next to the ZeRO-1 shard itself and a replica.
