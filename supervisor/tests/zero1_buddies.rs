@@ -5,6 +5,7 @@
 //! must be bit-identical to an uninterrupted run's. Losing a rank with its buddy leaves a hole, and
 //! the plan falls back to the last snapshot. Data, model and optimizer are seeded: no randomness
 //! beyond the fixed seeds below.
+#![allow(clippy::unwrap_used)] // helpers of a test
 
 use std::time::{Duration, Instant};
 
