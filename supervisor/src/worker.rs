@@ -753,9 +753,10 @@ async fn train<J: TrainJob>(
                     let started = Instant::now();
                     replica.zero1.drop_previous();
                     // (Encoded before the await: no borrow of the engine lives across it.)
-                    let own = engine.optimizer().state_tensors().map_err(SupervisorError::from).and_then(|local| layout.encode(step, engine.param_slices(), &local));
-                    let exchanged_now = match own {
-                        Ok(own) => replica.zero1.exchange_step(comm, g.generation, step, own).await,
+                    let mut own = replica.zero1.spare();
+                    let encoded = engine.optimizer().state_tensors().map_err(SupervisorError::from).and_then(|local| layout.encode_into(&mut own, step, engine.param_slices(), &local));
+                    let exchanged_now = match encoded {
+                        Ok(()) => replica.zero1.exchange_step(comm, g.generation, step, own).await,
                         Err(e) => Err(e),
                     };
                     if let Err(e) = exchanged_now {
