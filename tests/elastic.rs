@@ -306,12 +306,14 @@ fn under_zero1_a_killed_worker_reruns_at_most_the_step_in_flight() {
     let out = tempfile::tempdir().expect("tempdir").keep().join("run");
     // No snapshot before the end: resuming past the last commit can only come from the buddy
     // copies of the segment states (a fallback to the snapshot would restart from the beginning).
-    let launch = Launch::start_in(out, &config_with(600, "sharding = \"zero1\"\nsnapshot_every = 1000\n"), 2, &[]);
+    // Three workers: the lost rank's segment survives at its buddy, the others' at their owners.
+    let launch = Launch::start_in(out, &config_with(600, "sharding = \"zero1\"\nsnapshot_every = 1000\n"), 3, &[]);
     launch.wait_for("step 150", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 150));
     signal(launch.pids()[1], "-9");
     let (summary, events) = launch.finish();
     let at = events.iter().rposition(|g| g["event"] == "generation").expect("generation");
     let next = events[at]["next_step"].as_u64().expect("next_step");
+    assert_eq!(events[at]["world"], 2, "{:?}", events[at]);
     // The newest step committed before the recovery generation (steps keep committing between
     // the test seeing step 150 and the kill landing, more of them the faster the machine).
     let before = Launch::committed(&events[..at]).expect("committed");
