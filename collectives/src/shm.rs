@@ -692,7 +692,7 @@ impl Ring {
         let staging = path.with_extension("staging");
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&staging).map_err(|e| io("create ring", e))?;
         if !try_flock(&file, libc::LOCK_EX) {
-            return Err(Error::InvalidConfig { reason: "a live process holds a ring of this job name: job names must be unique per run" });
+            return Err(Error::InvalidConfig { reason: "another process is creating a ring of this job name: job names must be unique per run" });
         }
         file.set_len((CONTROL_BYTES + capacity) as u64).map_err(|e| io("size ring", e))?;
         // SAFETY: the file was just created by us at a private staging name; other processes map
@@ -1262,3 +1262,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Each critical section is a few field updates; a panic cannot leave them half-done.
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
+
+#[cfg(test)]
+mod tests;
