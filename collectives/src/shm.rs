@@ -28,25 +28,55 @@
 //! given back, in stream order; the reader's own position runs ahead of it.
 //!
 //! Ring layout: a 4 KiB control page (magic, capacity, then `head`, `tail`, the writer's heartbeat
-//! and closed flag, the reader's closed flag, and two wake-up words, each on its own cache line)
-//! followed by `ring_bytes` of data. `head` is written only by the reader and `tail` only by the
-//! writer; both count bytes since creation. A side publishes data or space with a release store and
-//! observes the other's with an acquire load. The writer creates the file under a temporary name and
-//! renames it once initialised, so a reader never maps a half-made ring.
+//! and closed flag, the reader's closed flag, two wake-up words, and the writer's and reader's
+//! process ids for diagnostics, each on its own cache line) followed by `ring_bytes` of data. `head`
+//! is written only by the reader and `tail` only by the writer; both count bytes since creation.
+//! The writer creates the file under a temporary name and renames it once initialised (and
+//! locked, see Liveness), so a reader never maps a half-made ring.
 //!
-//! Waiting (an event count on a futex per direction): a side that finds the ring empty (reader) or
-//! full (writer) spins briefly ([`SPIN_ROUNDS`]), then reads the wake-up sequence word, announces
-//! that it sleeps, re-checks the ring, and sleeps in `FUTEX_WAIT` on that word. The other side,
-//! after publishing, bumps the word and calls `FUTEX_WAKE` only if a sleeper is announced, so a busy
-//! link makes no system calls. Futex words live in the shared file (not `FUTEX_PRIVATE`), so the
-//! kernel matches waiters across processes. Reader threads block in the futex directly; a writer is
-//! an async task, so its (rare) sleep for space runs on tokio's blocking pool.
+//! Synchronisation ([`crate::shm_ring`], which loom model-checks): a side publishes data or space
+//! with a release store and observes the other's with an acquire load; waiting is an event count
+//! on a futex per direction. A side that finds the ring empty (reader) or full (writer) spins
+//! briefly ([`SPIN_ROUNDS`]), then reads the wake-up sequence word, announces that it sleeps,
+//! re-checks the ring and the closed flags, and sleeps in `FUTEX_WAIT` on that word. The other
+//! side, after publishing, bumps the word and calls `FUTEX_WAKE` only if a sleeper is announced, so
+//! a busy link makes no system calls. Futex words live in the shared file (not `FUTEX_PRIVATE`), so
+//! the kernel matches waiters across processes. Reader threads block in the futex directly; a
+//! writer is an async task, so its (rare) sleep for space runs on tokio's blocking pool, in naps of
+//! at most [`WRITER_NAP`].
 //!
-//! Liveness: every rank bumps the heartbeat of its outgoing rings every [`ShmOptions::heartbeat`];
-//! a sleeping reader wakes at that period to look. A reader that sees the writer's closed flag, or no
-//! heartbeat change for [`ShmOptions::liveness_timeout`], reports [`TransportEvent::PeerLost`], and
-//! writers to that peer fail. A send cancelled in the middle of a frame closes the link (the stream
-//! cannot be resynchronised), which the peer sees as the writer closing.
+//! Liveness: what detects what, and how fast.
+//! - A peer that closes its transport (drop or [`Transport::abort`]) sets its closed flags and
+//!   wakes both sides of every ring: its peers' readers report [`TransportEvent::PeerLost`] and
+//!   their writers fail at once (microseconds).
+//! - A peer process that dies (SIGKILL, crash, exit without dropping the transport) cannot set a
+//!   flag, so each ring's writer holds an exclusive `flock` on the ring file for its life, taken
+//!   before the file is published; the reader keeps its own descriptor of the file (the name is
+//!   removed, the lock stays with the open file). The kernel drops the lock when the process's files
+//!   are closed at exit, before it is even reaped, so a reader whose `flock(LOCK_SH | LOCK_NB)`
+//!   succeeds knows the writer is gone: everything it published is final, complete frames are still
+//!   delivered, and a frame it died in the middle of is dropped and the loss reported (never a
+//!   partial frame). A reader probes only when it is about to sleep, which includes its wake-ups
+//!   every [`ShmOptions::heartbeat`] (100 ms by default) and its naps while operations poll, and at
+//!   most once per [`PROBE_INTERVAL`]; a writer waiting for space probes the same peer's lock
+//!   between its naps. So a killed peer is reported within about one heartbeat period, and a send
+//!   blocked on its full ring fails within a nap or two (tens of milliseconds), while a busy link
+//!   makes no probe at all. Chosen over a pid check (pids are reused, and a zombie still has its
+//!   pid) and over the heartbeat alone (a timeout long enough for a loaded machine is seconds): a
+//!   lock is released exactly when the process dies, and the probe is one cheap system call.
+//! - A peer process that is stopped (SIGSTOP, a debugger) or hung keeps its lock: only the
+//!   heartbeat finds it. Every rank bumps the heartbeat of its outgoing rings every
+//!   [`ShmOptions::heartbeat`]; a reader that sees no change for [`ShmOptions::liveness_timeout`]
+//!   (3 s by default) reports the peer lost and writers to it then fail. A peer resumed within the
+//!   timeout is not affected.
+//! - This rank's [`Transport::abort`] (the worker calls it on every generation change) closes all
+//!   of its rings as above, which wakes every sleeper, its own included: writers waiting for space
+//!   fail with [`Error::TransportClosed`] (as does every later send), reader threads exit (also in
+//!   the middle of a frame), `recv` ends, an attached endpoint is told the transport closed (which
+//!   fails its waiting operations), and `poll_incoming` stops taking frames. It never blocks.
+//!
+//! A send cancelled in the middle of a frame closes the link (the stream cannot be
+//! resynchronised), which the peer sees as the writer closing.
 //!
 //! The reader removes a ring's file name as soon as it has mapped it (the writer removes it on drop
 //! if no reader came), so crashed runs leave no files behind once connected. The job name must
@@ -576,12 +606,14 @@ impl ShmShared {
     }
 
     /// Why sends to `peer` fail now, if they do.
+    /// After an abort that is `TransportClosed`, whatever the peers did since (they close their
+    /// ends when they see ours close).
     fn send_error(&self, peer: usize, ring: &Ring) -> Option<Error> {
-        if self.is_lost(peer) || ring.reader_closed() {
-            return Some(Error::PeerLost { rank: peer, op: OpKind::Send });
-        }
-        if self.aborted.load(Ordering::SeqCst) || ring.writer_closed() {
+        if self.aborted.load(Ordering::SeqCst) {
             return Some(Error::TransportClosed);
+        }
+        if self.is_lost(peer) || ring.reader_closed() || ring.writer_closed() {
+            return Some(Error::PeerLost { rank: peer, op: OpKind::Send });
         }
         None
     }
@@ -650,7 +682,12 @@ impl ShmShared {
                 writer.next_probe = now + PROBE_INTERVAL;
                 if let Some(inbound) = self.incoming.get(&peer) {
                     if inbound.ring.writer_gone() {
-                        tracing::info!(rank = self.rank, peer, pid = inbound.ring.writer_pid(), "shared-memory peer exited while this rank waits for ring space");
+                        tracing::info!(
+                            rank = self.rank,
+                            peer,
+                            pid = inbound.ring.writer_pid(),
+                            "shared-memory peer exited while this rank waits for ring space"
+                        );
                         lock(&self.lost).insert(peer);
                         return Err(Error::PeerLost { rank: peer, op: OpKind::Send });
                     }

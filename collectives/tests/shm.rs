@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use rtx_collectives::frame::{encode_header_only_checksum, FrameHeader};
-use rtx_collectives::{BufferPool, CommConfig, Communicator, DType, Endpoint, Error, OpKind, ReduceOp, ShmOptions, ShmTransport, Transport, TransportEvent, DEFAULT_CHUNK_BYTES};
+use rtx_collectives::{
+    BufferPool, CommConfig, Communicator, DType, Endpoint, Error, OpKind, ReduceOp, ShmOptions, ShmTransport, Transport, TransportEvent, DEFAULT_CHUNK_BYTES,
+};
 
 const CHILD_ENV: &str = "RTX_SHM_CHILD_JOB";
 const LIVENESS: Duration = Duration::from_secs(2);
@@ -96,9 +98,7 @@ async fn shm_between_processes() {
     c.send(&[1u32], 1).await.unwrap();
     let inputs = exact_inputs::<f32>(seed, 3, 2, 4099);
     let mut buf = inputs[0].clone();
-    let reduce = tokio::spawn(async move {
-        c.all_reduce(&mut buf, ReduceOp::Sum).await.map(|()| buf).map(|buf| (c, buf))
-    });
+    let reduce = tokio::spawn(async move { c.all_reduce(&mut buf, ReduceOp::Sum).await.map(|()| buf).map(|buf| (c, buf)) });
     tokio::time::sleep(LIVENESS / 2).await;
     assert!(!reduce.is_finished(), "the all-reduce cannot finish while the peer is stopped");
     signal(pid, libc::SIGCONT);
@@ -250,6 +250,8 @@ async fn shm_abort_releases_a_writer_blocked_on_a_full_ring() {
     // frame, and reports the link lost (never the partial frame).
     let event = tokio::time::timeout(Duration::from_secs(1), b.recv()).await.expect("the peer did not see the link end");
     assert!(matches!(event, Some(TransportEvent::PeerLost(0))), "{event:?}");
+    // Still TransportClosed now that the peer closed its end too.
+    assert_eq!(a.send_parts(1, &frame_header(0, 64), &payload, &BufferPool::new()).await, Err(Error::TransportClosed));
 }
 
 // Goal: abort fails operations waiting for frames (in their polling spin or asleep) with
