@@ -61,7 +61,7 @@ async fn abort_stops_a_reader_in_the_middle_of_a_frame() {
     let stopped = within(Duration::from_secs(2), || readers_running(&a) == 0).await;
     eprintln!("abort returned in {abort_took:?}; reader thread stopped after {stopped:?}");
     assert!(abort_took < Duration::from_millis(20), "abort blocked for {abort_took:?}");
-    assert!(stopped.is_some_and(|t| t < Duration::from_millis(100)), "reader stopped after {stopped:?}");
+    assert!(stopped.is_some_and(|t| t < Duration::from_millis(250)), "reader stopped after {stopped:?}");
     let received = tokio::time::timeout(Duration::from_millis(100), receiver).await.unwrap().unwrap();
     assert_eq!(received, None, "recv must end after abort");
     // The peer sees the link end: its pending send fails once polled again.

@@ -348,6 +348,7 @@ fn model_finds_a_lost_wake_up_without_the_fence() {
             self.0.futex_wake(word);
         }
     }
+    eprintln!("model_finds_a_lost_wake_up_without_the_fence: loom's deadlock report below is the expected finding");
     let found = std::panic::catch_unwind(|| {
         let mut builder = loom::model::Builder::new();
         builder.preemption_bound = Some(2);
