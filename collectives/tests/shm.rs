@@ -302,14 +302,16 @@ async fn communicator_of(rank: usize, world: usize, job: &str) -> Communicator {
 
 // Goal: a peer killed (SIGKILL) in the middle of writing a large frame that this rank is reading
 // fails the pending receive with PeerLost within a second (no hang, no partial frame delivered),
-// sends to it fail the same way, and the survivors then work over a new transport.
+// a send blocked on the dead peer's full ring fails the same way, later sends too, and the
+// survivors then work over a new transport.
 //
 // Method: three processes over one job: this one (rank 0), a victim (rank 1) and a survivor (rank
-// 2). The victim sends rank 0 a 1 MiB frame through the 64 KiB ring, and stops driving the send
-// once it blocks (the send stays pending, so nothing closes the link), then prints MIDFRAME. Rank 0
-// then starts receiving: its reader takes the first ring-full and waits for the rest. Rank 0 kills
-// the victim and times the receive's failure. Then rank 0 and the survivor run an all-reduce over
-// a new job.
+// 2). The victim (a bare transport: nothing reads its incoming rings) sends rank 0 a 1 MiB frame
+// through the 64 KiB ring, and stops driving the send once it blocks (the send stays pending, so
+// nothing closes the link), then prints MIDFRAME. Rank 0 then starts receiving (its reader takes
+// the first ring-full and waits for the rest) and sends the victim a 1 MiB frame (which blocks on
+// the full ring). Rank 0 kills the victim and times both failures. Then rank 0 and the survivor run
+// an all-reduce over a new job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_peer_killed_in_the_middle_of_a_frame() {
     let seed = seed();
@@ -331,15 +333,21 @@ async fn shm_peer_killed_in_the_middle_of_a_frame() {
     let midframe = tokio::task::spawn_blocking(move || std::io::BufReader::new(victim_out).lines().map_while(|l| l.ok()).any(|l| l.contains("MIDFRAME")));
     assert!(tokio::time::timeout(Duration::from_secs(60), midframe).await.unwrap().unwrap(), "the victim did not report blocking mid-frame");
 
-    let endpoint = Endpoint::new(t, midframe_config()).unwrap();
+    let endpoint = Endpoint::new(Arc::clone(&t), midframe_config()).unwrap();
     let c = endpoint.world().unwrap();
     let receive = tokio::spawn(async move {
         let mut buf = vec![0.0f32; MIDFRAME_FLOATS];
         let result = c.recv(&mut buf, 1).await;
         (result, Instant::now(), c)
     });
+    let blocked_send = tokio::spawn(async move {
+        let payload = vec![5u8; 1 << 20];
+        let result = t.send_parts(1, &frame_header(0, payload.len()), &payload, &BufferPool::new()).await;
+        (result, Instant::now())
+    });
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!receive.is_finished(), "the frame is incomplete: the receive must wait");
+    assert!(!blocked_send.is_finished(), "nobody reads the victim's rings: the send must wait");
     // SIGKILL; not reaped yet (a zombie holds no locks either).
     victim.0.kill().unwrap();
     let killed = Instant::now();
@@ -347,6 +355,11 @@ async fn shm_peer_killed_in_the_middle_of_a_frame() {
     let took = failed.duration_since(killed);
     eprintln!("receive from a peer killed mid-frame failed {took:?} after the kill: {result:?}");
     assert!(matches!(result, Err(Error::PeerLost { rank: 1, .. })), "{result:?}");
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+    let (sent, failed) = tokio::time::timeout(Duration::from_secs(10), blocked_send).await.expect("the send hung").unwrap();
+    let took = failed.duration_since(killed);
+    eprintln!("send blocked on the full ring of a peer killed failed {took:?} after the kill: {sent:?}");
+    assert_eq!(sent, Err(Error::PeerLost { rank: 1, op: OpKind::Send }));
     assert!(took < Duration::from_secs(1), "took {took:?}");
     assert_eq!(endpoint.malformed_frames(), 0, "a partial frame was delivered");
     assert!(matches!(c.send(&[1.0f32], 1).await, Err(Error::PeerLost { rank: 1, .. })));
@@ -373,9 +386,11 @@ async fn shm_midframe_child() {
     let (role, job) = spec.split_once(':').unwrap();
     let seed = seed();
     if role == "victim" {
-        let c = communicator_of(1, 3, job).await;
-        let data = vec![1.5f32; MIDFRAME_FLOATS];
-        let send = c.send(&data, 0);
+        let t = ShmTransport::connect(1, 3, options(job)).await.unwrap();
+        let payload = vec![7u8; MIDFRAME_FLOATS * 4];
+        let pool = BufferPool::new();
+        let header = frame_header(1, payload.len());
+        let send = t.send_parts(0, &header, &payload, &pool);
         tokio::pin!(send);
         // Rank 0 does not read yet: the send fills the ring and blocks in the middle of the frame.
         assert!(tokio::time::timeout(Duration::from_millis(300), &mut send).await.is_err(), "a 1 MiB frame cannot fit a 64 KiB ring");
