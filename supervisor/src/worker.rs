@@ -168,8 +168,13 @@ impl Drop for AbortOnDrop {
 /// transport under it, whatever the wire (QUIC, shared memory, an embedder's), and the newest
 /// generation the agent was told about. A generation registered after the agent already moved
 /// past it is aborted on registration (the `Prepare` overtook the `Start` on the compute path).
-#[derive(Default)]
-struct AbortSlot(Mutex<SlotState>);
+struct AbortSlot(Mutex<SlotState>, tokio::sync::watch::Sender<u64>);
+
+impl Default for AbortSlot {
+    fn default() -> Self {
+        AbortSlot(Mutex::new(SlotState::default()), tokio::sync::watch::Sender::new(0))
+    }
+}
 
 #[derive(Default)]
 struct SlotState {
@@ -202,12 +207,32 @@ impl AbortSlot {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).current.take();
     }
 
+    /// Runs `work` for `generation` unless the agent moves past it first: then the work is
+    /// dropped (a transport still connecting to a peer that died is abandoned, not waited for)
+    /// and the answer is [`SupervisorError::Superseded`].
+    async fn unless_superseded<T>(&self, generation: u64, work: impl Future<Output = Result<T>>) -> Result<T> {
+        let mut newest = self.1.subscribe();
+        let superseded = async {
+            let newer = newest.wait_for(|&n| n > generation).await.map(|n| *n);
+            match newer {
+                Ok(n) => n,
+                Err(_) => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            newer = superseded => Err(SupervisorError::Superseded { generation, newer }),
+            result = work => result,
+        }
+    }
+
     /// Fails the current generation's operations now: receives through the generation bump,
     /// sends (a writer waiting for ring space or flow control of a dead or stopped peer) through
     /// the transport's abort. Never waits on the compute path.
     fn abort(&self, generation: u64) {
         let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         slot.newest = slot.newest.max(generation);
+        self.1.send_replace(slot.newest);
         if slot.current.as_ref().is_some_and(|(comm, _)| generation > comm.generation()) {
             slot.abort_current();
         }
@@ -575,7 +600,25 @@ async fn run_generation<J: TrainJob>(
     cmds: &mut Receiver<ToWorker>,
 ) -> Result<Option<ToWorker>> {
     replica.rank = Some(g.rank);
-    let (wire, quic): (Arc<dyn Transport>, Option<Arc<QuicTransport>>) = match (bound, &g.shm_job, &ctx.wire) {
+    let (wire, quic) = ctx.shared.abort.unless_superseded(g.generation, connect_generation(ctx, g, bound)).await?;
+    tracing::info!(transport = if quic.is_some() { "quic" } else if ctx.wire.is_some() { "injected" } else { "shm" }, "collectives connected");
+    let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig::default())?;
+    let comm = endpoint.group(WORLD_GROUP_ID, (0..g.world).collect(), g.generation)?;
+    ctx.shared.abort.set(comm.clone(), Arc::clone(&wire));
+    let result = train(ctx, job, g, &comm, replica, shard, writer, cmds).await;
+    ctx.shared.abort.clear();
+    drop(comm);
+    drop(endpoint);
+    if let Some(closing) = quic {
+        tokio::spawn(async move { closing.close(Duration::from_millis(100)).await });
+    }
+    result
+}
+
+/// Connects this generation's collectives transport: the injected wire, shared-memory rings
+/// (every member on this machine), or the QUIC endpoint bound at `Prepare`.
+async fn connect_generation(ctx: &WorkerCtx, g: &Generation, bound: Bound) -> Result<(Arc<dyn Transport>, Option<Arc<QuicTransport>>)> {
+    Ok(match (bound, &g.shm_job, &ctx.wire) {
         (Bound::Injected, _, Some(wire)) => (wire.connect(ctx.node, g.generation, g.rank, &g.addrs).await?, None),
         (Bound::Injected, _, None) => return Err(SupervisorError::Job("internal: an injected endpoint without its wire".into())),
         // Every member on this machine: shared-memory rings instead of QUIC.
@@ -590,19 +633,7 @@ async fn run_generation<J: TrainJob>(
             transport.connect(&addrs).await?;
             (Arc::clone(&transport) as Arc<dyn Transport>, Some(transport))
         }
-    };
-    tracing::info!(transport = if quic.is_some() { "quic" } else if ctx.wire.is_some() { "injected" } else { "shm" }, "collectives connected");
-    let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig::default())?;
-    let comm = endpoint.group(WORLD_GROUP_ID, (0..g.world).collect(), g.generation)?;
-    ctx.shared.abort.set(comm.clone(), Arc::clone(&wire));
-    let result = train(ctx, job, g, &comm, replica, shard, writer, cmds).await;
-    ctx.shared.abort.clear();
-    drop(comm);
-    drop(endpoint);
-    if let Some(closing) = quic {
-        tokio::spawn(async move { closing.close(Duration::from_millis(100)).await });
-    }
-    result
+    })
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -146,10 +146,12 @@ async fn two_in_process_workers_train_to_identical_replicas() -> anyhow::Result<
 async fn a_step_that_fails_on_every_worker_fails_the_job_instead_of_retrying_forever() -> anyhow::Result<()> {
     // Goal: a step that fails the same way on every worker (no worker lost) is retried a bounded
     // number of times, then the job fails with the step's error. Method: a loss that errors from
-    // step 5 on; short heartbeats so each retry takes a fraction of a second.
+    // step 5 on; short heartbeats so each retry takes a fraction of a second (but a timeout long
+    // enough that a CPU-starved machine does not declare both workers hung: with nobody left the
+    // job waits for workers instead, and the test saw no event for a minute).
     let mut opts = options("secret");
     opts.elastic.heartbeat_interval = Duration::from_millis(50);
-    opts.elastic.heartbeat_timeout = Duration::from_millis(200);
+    opts.elastic.heartbeat_timeout = Duration::from_millis(600);
     let mut supervisor = SupervisorHandle::start(opts, None).await?;
     let addr = supervisor.addr;
     let workers: Vec<_> = (0..2).map(|i| tokio::spawn(run_worker(WorkerOptions::new(addr, "secret".into(), format!("worker-{i}")), |_spec| Ok(Fashion { fail_from: Some(5), ..Fashion::load() })))).collect();
