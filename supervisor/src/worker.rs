@@ -864,9 +864,9 @@ async fn train<J: TrainJob>(
 fn log_zero1_memory<M: Module, O: Optimizer>(engine: &DataParallel<M, O>, layout: &zero1::Layout, template: &[(String, Tensor)], world: usize) -> Result<()> {
     let local = engine.optimizer().state_tensors()?;
     let (shard_bytes, replica_bytes) = zero1::shard_and_replica_bytes(engine.param_slices(), &local, layout.param_count(), template);
-    // Own and buddy segment states of two steps (see `zero1`); the snapshot fallback keeps the
-    // whole state besides (a replica's worth).
-    let copies_bytes = 4 * shard_bytes;
+    // Own and buddy segment states of two steps (see `zero1`; alone, no buddy's); the snapshot
+    // fallback keeps the whole state besides (a replica's worth).
+    let copies_bytes = if world == 1 { 2 } else { 4 } * shard_bytes;
     tracing::info!(
         world,
         shard_bytes,

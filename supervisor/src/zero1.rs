@@ -291,7 +291,7 @@ pub struct HeldCopies {
     pub step: u64,
     /// Segment `rank`'s state.
     pub own: Vec<u32>,
-    /// Segment `(rank + world - 1) % world`'s state (the same as `own` in a world of one).
+    /// Segment `(rank + world - 1) % world`'s state (empty in a world of one, where it is `own`).
     pub buddy: Vec<u32>,
 }
 
@@ -353,12 +353,18 @@ impl BuddyCopies {
     /// buddies ([`exchange`]) and commits the copies; `comm` is the group of `generation`. On an
     /// error nothing new is committed.
     pub async fn exchange_step(&mut self, comm: &Communicator, generation: u64, step: u64, own: Vec<u32>) -> Result<()> {
-        let into = self.spare();
-        let buddy = exchange(comm, &own, into).await?;
-        let got = encoded_step(&buddy)?;
-        if got != step {
-            return Err(bad(format!("the buddy sent its state of step {got} in the exchange of step {step}")));
-        }
+        // In a group of one the own copy is the buddy's too: nothing to send or keep twice.
+        let buddy = if comm.size() == 1 {
+            Vec::new()
+        } else {
+            let into = self.spare();
+            let buddy = exchange(comm, &own, into).await?;
+            let got = encoded_step(&buddy)?;
+            if got != step {
+                return Err(bad(format!("the buddy sent its state of step {got} in the exchange of step {step}")));
+            }
+            buddy
+        };
         let copies = HeldCopies { generation, world: comm.size() as u32, rank: comm.rank() as u32, step, own, buddy };
         self.previous = self.latest.replace(copies);
         Ok(())
