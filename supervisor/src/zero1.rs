@@ -313,7 +313,11 @@ pub struct BuddyCopies {
 impl BuddyCopies {
     /// What this member holds, newest first, for `Ready`.
     pub fn held(&self) -> Vec<Zero1Held> {
-        [&self.latest, &self.previous].into_iter().flatten().map(|c| Zero1Held { generation: c.generation, world: c.world, rank: c.rank, step: c.step }).collect()
+        [&self.latest, &self.previous]
+            .into_iter()
+            .flatten()
+            .map(|c| Zero1Held { generation: c.generation, world: c.world, rank: c.rank, step: c.step })
+            .collect()
     }
 
     /// The newest exchanged step.
@@ -412,7 +416,15 @@ pub async fn exchange(comm: &Communicator, own: &[u32], mut into: Vec<u32>) -> R
 /// Rebuilds the state of `step` from the segments of the layout of `world` ranks: old segment
 /// `i` is broadcast by the member of rank `holders[i]` (which must hold it in `copies`) and placed
 /// by everyone. Returns the flat parameters and the full-form optimizer state on every rank.
-pub async fn rebuild_from_segments(comm: &Communicator, copies: &BuddyCopies, layout: &Layout, template: &[(String, Tensor)], step: u64, world: u32, holders: &[u32]) -> Result<(Vec<f32>, NamedTensors)> {
+pub async fn rebuild_from_segments(
+    comm: &Communicator,
+    copies: &BuddyCopies,
+    layout: &Layout,
+    template: &[(String, Tensor)],
+    step: u64,
+    world: u32,
+    holders: &[u32],
+) -> Result<(Vec<f32>, NamedTensors)> {
     if holders.len() != world as usize {
         return Err(bad(format!("{} holders for a layout of {world} segments", holders.len())));
     }
@@ -421,7 +433,10 @@ pub async fn rebuild_from_segments(comm: &Communicator, copies: &BuddyCopies, la
         let holder = holder as usize;
         let mine = holder == comm.rank();
         let mut buf = if mine {
-            copies.segment(world, step, segment as u32).ok_or_else(|| bad(format!("asked to send segment {segment} of {world} as of step {step}, which this member does not hold")))?.to_vec()
+            copies
+                .segment(world, step, segment as u32)
+                .ok_or_else(|| bad(format!("asked to send segment {segment} of {world} as of step {step}, which this member does not hold")))?
+                .to_vec()
         } else {
             Vec::new()
         };

@@ -70,7 +70,10 @@ struct Rank {
 
 fn comms(world: usize, generation: u64) -> (InProcessNetwork, Vec<Communicator>) {
     let (network, transports) = InProcessNetwork::new(world);
-    let comms = transports.into_iter().map(|t| Endpoint::new(std::sync::Arc::new(t), CommConfig::default()).unwrap().group(WORLD_GROUP_ID, (0..world).collect(), generation).unwrap()).collect();
+    let comms = transports
+        .into_iter()
+        .map(|t| Endpoint::new(std::sync::Arc::new(t), CommConfig::default()).unwrap().group(WORLD_GROUP_ID, (0..world).collect(), generation).unwrap())
+        .collect();
     (network, comms)
 }
 
@@ -152,7 +155,8 @@ async fn gathered(ranks: &[Rank]) -> (Vec<f32>, NamedTensors) {
     let tasks: Vec<_> = ranks
         .iter()
         .map(|r| {
-            let (comm, local, slices, template) = (r.comm.clone(), r.engine.optimizer().state_tensors().unwrap(), r.engine.param_slices().to_vec(), template.clone());
+            let (comm, local, slices, template) =
+                (r.comm.clone(), r.engine.optimizer().state_tensors().unwrap(), r.engine.param_slices().to_vec(), template.clone());
             tokio::spawn(async move { state::gather_full_state(&comm, &local, &slices, &template).await.unwrap() })
         })
         .collect();
