@@ -53,7 +53,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # `long` is the acceptance run with the bars enforced; `sample` is a small version of `long`.
 PRESETS = {
     "short": dict(workers=3, kills=2, stops=1, stop_seconds=1.6, garbage=20000, seeds="7", transports="quic,shm", policies="shrink,replace",
-                  sharding="replicated,zero1", matrix="pairwise", steps=2000, checkpoint_every=200, acc_tol=0.05, run_timeout=90.0, enforce_bars=False),
+                  sharding="replicated,zero1", matrix="pairwise", steps=1200, checkpoint_every=200, acc_tol=0.05, run_timeout=90.0, enforce_bars=False),
     "long": dict(workers=8, kills=7, stops=1, stop_seconds=2.0, garbage=20000, seeds="1,2,3", transports="quic,shm", policies="shrink,replace",
                  sharding="replicated,zero1", matrix="full", steps=6000, checkpoint_every=500, acc_tol=0.03, run_timeout=600.0, enforce_bars=True),
     "sample": dict(workers=4, kills=6, stops=1, stop_seconds=2.0, garbage=20000, seeds="1", transports="quic,shm", policies="shrink,replace",
@@ -432,7 +432,7 @@ class Run:
 
     def execute(self):
         pending = None  # the last kill or stop, until it is repaired
-        settle_step = 0
+        base = 0
         if not self.wait_until(lambda: self.ev.committed >= 0, 120, "the first committed step"):
             self.fail("job_started", "no committed step " + ("(launcher exited)" if self.exited() else "within 120 s"))
             return
@@ -445,9 +445,11 @@ class Run:
                 p = pending
                 if not self.wait_until(lambda: self.settled(p), self.args.settle_timeout, "the previous recovery") and not self.exited():
                     self.fail("recovered", f"action {a['i']} ({a['kind']}): the previous disturbance ({p['kind']} of pid {p['victim']}) was not repaired within {self.args.settle_timeout:.0f} s")
-                settle_step = max(settle_step, self.ev.committed)
                 pending = None
-            target = settle_step + a["gap"]
+            # Gaps count from where the previous action left the job (after its recovery).
+            self.observe()
+            base = max(base, self.ev.committed)
+            target = base + a["gap"]
             if not self.wait_until(lambda: self.ev.committed >= target, self.args.settle_timeout, f"step {target}"):
                 act["skipped"] = "the job ended first" if self.exited() else f"step {target} not reached"
                 log(f"    action {a['i']} {a['kind']}: skipped ({act['skipped']})")
@@ -491,6 +493,9 @@ class Run:
                 self.garbage(act)
             elif a["kind"] == "wrong_token":
                 self.wrong_token(act)
+            if a["kind"] not in ("kill", "stop"):
+                self.observe()
+                base = max(base, self.ev.committed)
 
     def garbage(self, act):
         with open(os.path.join(self.out, "cluster.json")) as f:
@@ -677,12 +682,15 @@ def analyse(run, reference_acc):
             continue
         last = max((e["step"] for e in ev[:rg["_i"]] if e["event"] == "committed"), default=-1)
         r.update(generation=rg["generation"], world=rg["world"], next_step=rg["next_step"], last_committed=last, rerun=max(0, last + 1 - rg["next_step"]))
-        nc = next((e for e in ev[rg["_i"]:] if e["event"] == "committed" and e["generation"] == rg["generation"]), None)
+        # The next committed step, in the recovery generation or a later one (with `replace`, the
+        # replacement may join and re-form the group before the shrunk one commits anything).
+        nc = next((e for e in ev[rg["_i"]:] if e["event"] == "committed"), None)
+        r["generation_s"] = round(rg["unix_s"] - t, 4)
         if nc is not None:
             r["recovery_s"] = round(nc["unix_s"] - t, 4)
-            r["generation_s"] = round(rg["unix_s"] - t, 4)
-        elif rg["next_step"] < (committed_max + 1):
-            run.fail("recovered", f"{act['kind']} {act['i']}: generation {rg['generation']} never committed a step")
+            r["recovery_generation"] = nc["generation"]
+        elif rg["next_step"] < (committed_max + 1) or not fin:
+            run.fail("recovered", f"{act['kind']} {act['i']}: no step committed after generation {rg['generation']}")
         if act["kind"] == "kill" and r.get("class") != "Crash":
             run.notes.append(f"kill {act['i']} was classed {r.get('class')}, not Crash")
         (kills if act["kind"] == "kill" else stops).append(r)
@@ -839,6 +847,95 @@ def bars(rows):
     return out
 
 
+# ----------------------------------------------------------------------------- self-test
+
+
+def self_test():
+    """Feeds the analysis synthetic event logs with known faults (a regression to step 0, a
+    ZeRO-1 resume below its snapshot, a loss nobody caused, replicas that differ, a wrong token
+    let in, accuracy off) and a clean one, and checks that exactly the planted faults are named;
+    then checks that the orphan scan finds a process that carries the run's folder."""
+    cfg = make_config("[train]\nsteps = 100\n[elastic]\nheartbeat_interval_ms = 100\n", 100, {"sharding": "replicated", "checkpoint_every": 50})
+    assert "steps = 100" in cfg and 'sharding = "replicated"' in cfg and cfg.count("[elastic]") == 1, cfg
+
+    def fake(events, sharding="replicated", actions=None, acc=0.85, identical=True, extra_actions=()):
+        r = Run.__new__(Run)
+        r.args = argparse.Namespace(workers=3, steps=100, acc_tol=0.03, garbage=10, enforce_bars=False)
+        r.key, r.transport, r.policy, r.sharding, r.seed, r.disturbed = "self-test", "quic", "shrink", sharding, 0, True
+        r.out, r.dir, r.rc, r.wall_s, r.timed_out = "/nonexistent", "/nonexistent", 0, 1.0, False
+        r.config_text = make_config("[train]\nsteps = 100\n", 100, {"sharding": sharding, "snapshot_every": 25})
+        r.orphans, r.pids_seen, r.rings_left, r.notes, r.failures = [], set(), [], [], []
+        evs = list(events) + [{"event": "finished", "eval": [["test_acc", acc]], "replicas_identical": identical, "unix_s": 999.0}]
+        for i, e in enumerate(evs):
+            e["_i"] = i
+        r.ev = argparse.Namespace(all=evs)
+        r.actions = list(actions or [{"i": 0, "kind": "kill", "victim": 2, "rank": 1, "t": 100.0, "committed_seen": 60}]) + list(extra_actions)
+        return r
+
+    def log_with(next_step, lost_pid=2, ckpt=None):
+        evs = [{"event": "generation", "generation": 1, "next_step": 0, "pids": [1, 2, 3], "world": 3, "unix_s": 1.0}]
+        evs += [{"event": "committed", "step": s, "generation": 1, "unix_s": 2.0 + s / 100} for s in range(61)]
+        if ckpt is not None:
+            evs.append({"event": "checkpointed", "step": ckpt, "unix_s": 2.5})
+        evs.append({"event": "lost", "pid": lost_pid, "class": "Crash", "unix_s": 100.01})
+        evs.append({"event": "generation", "generation": 2, "next_step": next_step, "pids": [p for p in (1, 2, 3) if p != lost_pid], "world": 2, "unix_s": 100.2})
+        evs += [{"event": "committed", "step": s, "generation": 2, "unix_s": 100.3 + (s - next_step) / 1000} for s in range(next_step, 100)]
+        return evs
+
+    def checks(run):
+        return sorted({f["check"] for f in run.failures})
+
+    cases = []
+    clean = fake(log_with(61))
+    rec = analyse(clean, 0.85)
+    cases.append(("clean run", checks(clean), []))
+    assert abs(rec["kills"][0]["recovery_s"] - 0.3) < 1e-6 and rec["kills"][0]["rerun"] == 0 and abs(rec["kills"][0]["detect_s"] - 0.01) < 1e-6, rec["kills"]
+    back = fake(log_with(0))
+    rec = analyse(back, 0.85)
+    cases.append(("regression to step 0", checks(back), ["no_regression"]))
+    assert rec["kills"][0]["rerun"] == 61
+    z = fake(log_with(40), sharding="zero1")
+    cases.append(("ZeRO-1 below its snapshot", (analyse(z, 0.85), checks(z))[1], ["no_regression"]))
+    z = fake(log_with(50), sharding="zero1")
+    rec = analyse(z, 0.85)
+    cases.append(("ZeRO-1 at its snapshot", checks(z), []))
+    assert rec["kills"][0]["rerun"] == 11
+    c = fake(log_with(61, ckpt=59)[:-39] + [{"event": "generation", "generation": 3, "next_step": 55, "pids": [4], "world": 1, "unix_s": 101.0}])
+    cases.append(("resume below the newest checkpoint", (analyse(c, 0.85), checks(c))[1], ["no_regression"]))
+    col = fake(log_with(61), extra_actions=())
+    col.ev.all.insert(-1, {"event": "lost", "pid": 3, "class": "Hang", "unix_s": 200.0, "_i": -1})
+    for i, e in enumerate(col.ev.all):
+        e["_i"] = i
+    cases.append(("a loss nobody caused", (analyse(col, 0.85), checks(col))[1], ["no_collateral_loss"]))
+    diff = fake(log_with(61), identical=False, acc=0.70)
+    cases.append(("replicas differ, accuracy off", (analyse(diff, 0.85), checks(diff))[1], ["accuracy", "replicas_identical"]))
+    wt = {"i": 1, "kind": "wrong_token", "result": {"status": {"rc": 0, "says_wrong_token": False, "tail": ""}, "worker": {"rc": 1, "says_wrong_token": True, "tail": ""},
+                                                     "status_right_token": {"rc": 0, "tail": ""}, "refused_events": 0}}
+    let_in = fake(log_with(61), extra_actions=[wt])
+    cases.append(("wrong token let in", (analyse(let_in, 0.85), checks(let_in))[1], ["wrong_token_refused"]))
+    skipped = fake(log_with(61), extra_actions=[{"i": 2, "kind": "kill", "skipped": "the job ended first"}])
+    cases.append(("plan not carried out", (analyse(skipped, 0.85), checks(skipped))[1], ["plan_complete"]))
+    bad = [(name, got, want) for name, got, want in cases if got != want]
+    for name, got, want in cases:
+        log(f"self-test: {name}: flagged {got or 'nothing'}" + ("" if got == want else f"  <-- expected {want or 'nothing'}"))
+    # The orphan scan finds a process by the run folder in its environment.
+    folder = f"/tmp/rtx-chaos-self-test-{os.getpid()}"
+    child = subprocess.Popen(["sleep", "30"], env=dict(os.environ, RTX_RUN_DIR=folder))
+    try:
+        time.sleep(0.05)
+        found = processes_of_run(folder)
+    finally:
+        child.kill()
+        child.wait()
+    log(f"self-test: orphan scan found {sorted(found)} (planted {child.pid})")
+    if child.pid not in found:
+        bad.append(("orphan scan", sorted(found), [child.pid]))
+    if proc_alive(child.pid):
+        bad.append(("reaped process still alive", [child.pid], []))
+    log("self-test: " + ("OK" if not bad else f"FAILED: {[b[0] for b in bad]}"))
+    return 0 if not bad else 1
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog="Presets: " + "; ".join(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items()) for k, v in PRESETS.items()))
     ap.add_argument("--preset", choices=sorted(PRESETS), default="short")
@@ -866,7 +963,10 @@ def main():
     ap.add_argument("--enforce-bars", dest="enforce_bars", action="store_true", default=None, help="a failed bar fails the harness (default with --preset long/sample)")
     ap.add_argument("--no-enforce-bars", dest="enforce_bars", action="store_false")
     ap.add_argument("--plan-only", action="store_true", help="print the plans and exit")
+    ap.add_argument("--self-test", action="store_true", help="check the analysis on synthetic faults, and the orphan scan, then exit")
     args = ap.parse_args()
+    if args.self_test:
+        return self_test()
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
