@@ -45,6 +45,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,7 +54,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # `long` is the acceptance run with the bars enforced; `sample` is a small version of `long`.
 PRESETS = {
     "short": dict(workers=3, kills=2, stops=1, stop_seconds=1.6, garbage=20000, seeds="7", transports="quic,shm", policies="shrink,replace",
-                  sharding="replicated,zero1", matrix="pairwise", steps=1200, checkpoint_every=200, acc_tol=0.05, run_timeout=90.0, enforce_bars=False),
+                  sharding="replicated,zero1", matrix="pairwise", steps=1600, checkpoint_every=200, acc_tol=0.05, run_timeout=90.0, enforce_bars=False),
     "long": dict(workers=8, kills=7, stops=1, stop_seconds=2.0, garbage=20000, seeds="1,2,3", transports="quic,shm", policies="shrink,replace",
                  sharding="replicated,zero1", matrix="full", steps=6000, checkpoint_every=500, acc_tol=0.03, run_timeout=600.0, enforce_bars=True),
     "sample": dict(workers=4, kills=6, stops=1, stop_seconds=2.0, garbage=20000, seeds="1", transports="quic,shm", policies="shrink,replace",
@@ -344,6 +345,7 @@ class Run:
         self.notes = []
         self.proc = None
         self.finished_launcher = False
+        self.threads = []
 
     # -- helpers
 
@@ -497,6 +499,14 @@ class Run:
                 self.observe()
                 base = max(base, self.ev.committed)
 
+    # Garbage and wrong tokens run on threads beside the training (they must not hold up the
+    # plan: on two cores, 20,000 datagrams take up to seconds); `finish` joins them.
+
+    def background(self, act, work):
+        t = threading.Thread(target=work, args=(act,), daemon=True)
+        t.start()
+        self.threads.append(t)
+
     def garbage(self, act):
         with open(os.path.join(self.out, "cluster.json")) as f:
             cluster = json.load(f)
@@ -505,13 +515,18 @@ class Run:
         workers = [p for p in self.current_generation()["pids"] if proc_alive(p)]
         worker_ports = udp_ports_of(workers)
         targets += [t for t in worker_ports if t not in targets]
-        rng = random.Random(f"garbage:{self.seed}")
-        t0 = time.time()
-        sent, errors = garbage_datagrams(rng, targets, self.args.garbage)
-        act.update(targets=[f"{h}:{p}" for h, p in targets], worker_ports=len(worker_ports), sent=sent, send_errors=errors, seconds=round(time.time() - t0, 3))
-        log(f"    [{time.time() - self.t_start:6.1f}s] {sent} garbage datagrams at the supervisor {cluster['supervisor']} and {len(worker_ports)} worker UDP port(s) in {act['seconds']:.2f} s")
+        act.update(targets=[f"{h}:{p}" for h, p in targets], worker_ports=len(worker_ports), t=time.time())
+        log(f"    [{time.time() - self.t_start:6.1f}s] {self.args.garbage} garbage datagrams at the supervisor {cluster['supervisor']} and {len(worker_ports)} worker UDP port(s)")
         if not worker_ports:
             self.notes.append("no worker UDP port found for the garbage datagrams")
+
+        def send(act):
+            rng = random.Random(f"garbage:{self.seed}")
+            t0 = time.time()
+            sent, errors = garbage_datagrams(rng, targets, self.args.garbage)
+            act.update(sent=sent, send_errors=errors, seconds=round(time.time() - t0, 3))
+
+        self.background(act, send)
 
     def wrong_token(self, act):
         with open(os.path.join(self.out, "cluster.json")) as f:
@@ -522,26 +537,27 @@ class Run:
         if wrong == token:
             wrong = "0" + wrong[1:]
         env = dict(os.environ, RTX_TOKEN=wrong, RTX_DATA_DIR=self.args.data_dir)
-        refused_before = sum(1 for e in self.ev.of("refused") if "wrong cluster token" in e.get("reason", ""))
-        res = {}
-        for name, cmd in (("status", [self.args.rtx, "status", addr]), ("worker", [self.args.rtx, "worker", "--join", addr])):
+        act["t"] = time.time()
+        log(f"    [{time.time() - self.t_start:6.1f}s] rtx status and rtx worker --join with a wrong token")
+
+        def attempt(act):
+            res = {}
+            for name, cmd in (("status", [self.args.rtx, "status", addr]), ("worker", [self.args.rtx, "worker", "--join", addr])):
+                try:
+                    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60, cwd=self.dir)
+                    text = (p.stdout + p.stderr).decode(errors="replace")
+                    res[name] = {"rc": p.returncode, "says_wrong_token": "wrong cluster token" in text, "tail": text.strip()[-300:]}
+                except subprocess.TimeoutExpired:
+                    res[name] = {"rc": None, "says_wrong_token": False, "tail": "timed out after 60 s"}
+            # The right token still works (so the refusal is about the token, not a dead supervisor).
             try:
-                p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60, cwd=self.dir)
-                text = (p.stdout + p.stderr).decode(errors="replace")
-                res[name] = {"rc": p.returncode, "says_wrong_token": "wrong cluster token" in text, "tail": text.strip()[-300:]}
+                p = subprocess.run([self.args.rtx, "status", addr], env=dict(env, RTX_TOKEN=token), stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+                res["status_right_token"] = {"rc": p.returncode, "tail": (p.stdout + p.stderr).decode(errors="replace").strip()[-400:]}
             except subprocess.TimeoutExpired:
-                res[name] = {"rc": None, "says_wrong_token": False, "tail": "timed out after 60 s"}
-        # The right token still works (so the refusal is about the token, not a dead supervisor).
-        try:
-            p = subprocess.run([self.args.rtx, "status", addr], env=dict(env, RTX_TOKEN=token), stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
-            res["status_right_token"] = {"rc": p.returncode, "tail": (p.stdout + p.stderr).decode(errors="replace").strip()[-400:]}
-        except subprocess.TimeoutExpired:
-            res["status_right_token"] = {"rc": None, "tail": "timed out"}
-        self.wait_until(lambda: sum(1 for e in self.ev.of("refused") if "wrong cluster token" in e.get("reason", "")) > refused_before, 10, "the refused event")
-        refused_after = sum(1 for e in self.ev.of("refused") if "wrong cluster token" in e.get("reason", ""))
-        res["refused_events"] = refused_after - refused_before
-        act.update(result=res)
-        log(f"    [{time.time() - self.t_start:6.1f}s] wrong token: status rc {res['status']['rc']}, worker rc {res['worker']['rc']}, refused events +{res['refused_events']}, right-token status rc {res['status_right_token']['rc']}")
+                res["status_right_token"] = {"rc": None, "tail": "timed out"}
+            act["result"] = res
+
+        self.background(act, attempt)
 
     def finish(self):
         deadline = self.t_start + self.args.run_timeout
@@ -551,6 +567,8 @@ class Run:
                 self.scan_processes()
             time.sleep(0.02)
         self.timed_out = self.proc.poll() is None
+        for t in self.threads:
+            t.join(timeout=120)
         if self.timed_out:
             self.fail("launcher_exit", f"rtx launch still running after {self.args.run_timeout:.0f} s")
         self.rc = self.proc.returncode
@@ -691,6 +709,8 @@ def analyse(run, reference_acc):
             r["recovery_generation"] = nc["generation"]
         elif rg["next_step"] < (committed_max + 1) or not fin:
             run.fail("recovered", f"{act['kind']} {act['i']}: no step committed after generation {rg['generation']}")
+        if a.stall_limit and r.get("recovery_s", 0) > a.stall_limit:
+            run.fail("recovery_stalled", f"{act['kind']} {act['i']} of pid {victim}: next committed step only after {r['recovery_s']:.1f} s (limit {a.stall_limit:.0f} s)")
         if act["kind"] == "kill" and r.get("class") != "Crash":
             run.notes.append(f"kill {act['i']} was classed {r.get('class')}, not Crash")
         (kills if act["kind"] == "kill" else stops).append(r)
@@ -716,7 +736,13 @@ def analyse(run, reference_acc):
             if act.get("sent", 0) < a.garbage * 0.99:
                 run.fail("garbage_sent", f"only {act.get('sent')} of {a.garbage} datagrams sent")
         if act["kind"] == "wrong_token" and not act.get("skipped"):
-            res = act["result"]
+            res = act.get("result")
+            if res is None:
+                run.fail("wrong_token_refused", "the wrong-token attempts did not complete")
+                continue
+            # The worker's attempt must be a `refused` event (the status query is refused by an
+            # error reply, which is not an event).
+            res["refused_events"] = sum(1 for e in ev if e["event"] == "refused" and "wrong cluster token" in e.get("reason", "") and e["unix_s"] >= act["t"] - 0.05)
             rec["wrong_token"] = res
             for name in ("status", "worker"):
                 if res[name]["rc"] in (0, None) or not res[name]["says_wrong_token"]:
@@ -860,7 +886,7 @@ def self_test():
 
     def fake(events, sharding="replicated", actions=None, acc=0.85, identical=True, extra_actions=()):
         r = Run.__new__(Run)
-        r.args = argparse.Namespace(workers=3, steps=100, acc_tol=0.03, garbage=10, enforce_bars=False)
+        r.args = argparse.Namespace(workers=3, steps=100, acc_tol=0.03, garbage=10, enforce_bars=False, stall_limit=15.0)
         r.key, r.transport, r.policy, r.sharding, r.seed, r.disturbed = "self-test", "quic", "shrink", sharding, 0, True
         r.out, r.dir, r.rc, r.wall_s, r.timed_out = "/nonexistent", "/nonexistent", 0, 1.0, False
         r.config_text = make_config("[train]\nsteps = 100\n", 100, {"sharding": sharding, "snapshot_every": 25})
@@ -909,10 +935,20 @@ def self_test():
     cases.append(("a loss nobody caused", (analyse(col, 0.85), checks(col))[1], ["no_collateral_loss"]))
     diff = fake(log_with(61), identical=False, acc=0.70)
     cases.append(("replicas differ, accuracy off", (analyse(diff, 0.85), checks(diff))[1], ["accuracy", "replicas_identical"]))
-    wt = {"i": 1, "kind": "wrong_token", "result": {"status": {"rc": 0, "says_wrong_token": False, "tail": ""}, "worker": {"rc": 1, "says_wrong_token": True, "tail": ""},
+    wt = {"i": 1, "kind": "wrong_token", "t": 0.0, "result": {"status": {"rc": 0, "says_wrong_token": False, "tail": ""}, "worker": {"rc": 1, "says_wrong_token": True, "tail": ""},
                                                      "status_right_token": {"rc": 0, "tail": ""}, "refused_events": 0}}
     let_in = fake(log_with(61), extra_actions=[wt])
     cases.append(("wrong token let in", (analyse(let_in, 0.85), checks(let_in))[1], ["wrong_token_refused"]))
+    ok_wt = {"i": 1, "kind": "wrong_token", "t": 0.0, "result": {"status": {"rc": 1, "says_wrong_token": True, "tail": ""}, "worker": {"rc": 1, "says_wrong_token": True, "tail": ""},
+                                                                "status_right_token": {"rc": 0, "tail": ""}}}
+    refused = fake([{"event": "refused", "reason": "wrong cluster token", "unix_s": 50.0}] + log_with(61), extra_actions=[ok_wt])
+    cases.append(("wrong token refused", (analyse(refused, 0.85), checks(refused))[1], []))
+    slow = log_with(61)
+    for e in slow:
+        if e["event"] == "committed" and e["generation"] == 2:
+            e["unix_s"] += 30.0
+    stalled = fake(slow)
+    cases.append(("a 30 s recovery", (analyse(stalled, 0.85), checks(stalled))[1], ["recovery_stalled"]))
     skipped = fake(log_with(61), extra_actions=[{"i": 2, "kind": "kill", "skipped": "the job ended first"}])
     cases.append(("plan not carried out", (analyse(skipped, 0.85), checks(skipped))[1], ["plan_complete"]))
     bad = [(name, got, want) for name, got, want in cases if got != want]
@@ -958,7 +994,8 @@ def main():
     ap.add_argument("--checkpoint-every", type=int)
     ap.add_argument("--acc-tol", type=float, help="allowed |test accuracy - undisturbed|")
     ap.add_argument("--run-timeout", type=float, help="seconds one run may take")
-    ap.add_argument("--settle-timeout", type=float, default=60.0)
+    ap.add_argument("--settle-timeout", type=float, default=60.0, help="seconds to wait for a recovery before the next action")
+    ap.add_argument("--stall-limit", type=float, default=15.0, help="a recovery slower than this fails the run, on any machine (0: off)")
     ap.add_argument("--no-reference", action="store_true", help="skip the undisturbed runs")
     ap.add_argument("--enforce-bars", dest="enforce_bars", action="store_true", default=None, help="a failed bar fails the harness (default with --preset long/sample)")
     ap.add_argument("--no-enforce-bars", dest="enforce_bars", action="store_false")
