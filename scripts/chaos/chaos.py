@@ -58,7 +58,7 @@ PRESETS = {
     "long": dict(workers=8, kills=7, stops=1, stop_seconds=2.0, garbage=20000, seeds="1,2,3", transports="quic,shm", policies="shrink,replace",
                  sharding="replicated,zero1", matrix="full", steps=6000, checkpoint_every=500, acc_tol=0.03, run_timeout=600.0, enforce_bars=True),
     "sample": dict(workers=4, kills=6, stops=1, stop_seconds=2.0, garbage=20000, seeds="1", transports="quic,shm", policies="shrink,replace",
-                   sharding="replicated,zero1", matrix="full", steps=4000, checkpoint_every=500, acc_tol=0.03, run_timeout=300.0, enforce_bars=True),
+                   sharding="replicated,zero1", matrix="full", steps=2500, checkpoint_every=500, acc_tol=0.03, run_timeout=300.0, enforce_bars=True),
 }
 
 # Bars of the long variant (issue 19).
@@ -245,18 +245,31 @@ def udp_ports_of(pids):
     return sorted(ports)
 
 
-def shm_rings_of(pids):
-    """Shared-memory ring files the processes map (`/dev/shm/rtx-<run>-g<gen>-<src>-<dst>.ring`)."""
-    rings = set()
+def shm_jobs_of(pids):
+    """Run ids of the shared-memory rings the processes map (`<dir>/rtx-<run>-g<gen>-<src>-<dst>.ring`;
+    the files are unlinked once both ends have mapped them, so the maps say "(deleted)")."""
+    jobs = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
-                    if line.rstrip().endswith(".ring"):
-                        rings.add(line.split()[-1])
+                    m = re.search(r"(/\S+)/rtx-([0-9a-f]+)-g\d+-\d+-\d+\.ring", line)
+                    if m:
+                        jobs.add((m.group(1), m.group(2)))
         except OSError:
             continue
-    return rings
+    return jobs
+
+
+def shm_files_left(jobs):
+    """Ring files of the run ids `jobs` still on disk (a ring a peer never came to map)."""
+    left = []
+    for d, run_id in sorted(jobs):
+        try:
+            left += [os.path.join(d, n) for n in sorted(os.listdir(d)) if n.startswith(f"rtx-{run_id}-")]
+        except OSError:
+            continue
+    return left
 
 
 def garbage_datagrams(rng, targets, count):
@@ -372,7 +385,7 @@ class Run:
         procs.discard(self.proc.pid)
         self.pids_seen.update(procs)
         if self.transport == "shm":
-            self.rings.update(shm_rings_of(procs))
+            self.rings.update(shm_jobs_of(procs))
 
     def wait_until(self, pred, timeout, what):
         """Pumps events until `pred()` holds; False on timeout or when the launcher has exited."""
@@ -601,7 +614,7 @@ class Run:
                 pass
             self.proc.wait()
         self.log_file.close()
-        self.rings_left = sorted(r for r in self.rings if os.path.exists(r))
+        self.rings_left = shm_files_left(self.rings)
 
 
 def analyse(run, reference_acc):
@@ -758,9 +771,10 @@ def analyse(run, reference_acc):
         run.fail("plan_complete", f"{len(skipped)} action(s) not carried out ({'; '.join(str(s['i']) + ' ' + s['kind'] + ': ' + s['skipped'] for s in skipped)}); raise --steps")
     rec["orphans"] = run.orphans
     rec["pids_seen"] = len(run.pids_seen)
+    rec["shm_run_ids"] = sorted(r for _, r in run.rings)
     rec["shm_rings_left"] = run.rings_left
     if run.rings_left:
-        run.notes.append(f"{len(run.rings_left)} shm ring file(s) left in /dev/shm after the run (e.g. {run.rings_left[0]})")
+        run.fail("no_shm_leak", f"{len(run.rings_left)} shared-memory ring file(s) of the run left after it: {run.rings_left[:3]}")
     rec["notes"] = run.notes
     rec["failures"] = run.failures
     return rec
@@ -890,7 +904,7 @@ def self_test():
         r.key, r.transport, r.policy, r.sharding, r.seed, r.disturbed = "self-test", "quic", "shrink", sharding, 0, True
         r.out, r.dir, r.rc, r.wall_s, r.timed_out = "/nonexistent", "/nonexistent", 0, 1.0, False
         r.config_text = make_config("[train]\nsteps = 100\n", 100, {"sharding": sharding, "snapshot_every": 25})
-        r.orphans, r.pids_seen, r.rings_left, r.notes, r.failures = [], set(), [], [], []
+        r.orphans, r.pids_seen, r.rings, r.rings_left, r.notes, r.failures = [], set(), set(), [], [], []
         evs = list(events) + [{"event": "finished", "eval": [["test_acc", acc]], "replicas_identical": identical, "unix_s": 999.0}]
         for i, e in enumerate(evs):
             e["_i"] = i
