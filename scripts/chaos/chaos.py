@@ -22,11 +22,13 @@ Per run it measures and checks (from `events.jsonl`, `cluster.json`, `/proc`):
     checkpoint + 1; the last committed step + 1 when a survivor of the previous generation is in
     it, replicated; under ZeRO-1 the last restorable snapshot: a multiple of snapshot_every, a
     checkpoint, or the previous generation's start);
-  - losses nobody caused (a worker lost that was neither killed nor stopped);
+  - losses nobody caused (a worker lost that was neither killed nor stopped), and recoveries
+    slower than --stall-limit (a hang, on any machine);
   - the job finished (launcher exit 0, `finished` event), replicas bit-identical, test accuracy
     within a tolerance of the undisturbed run;
   - no orphans: no process of the run alive once the launcher has exited (every pid it ever had,
-    and any process whose command line or RTX_RUN_DIR names the run's folder);
+    and any process whose command line or RTX_RUN_DIR names the run's folder), and no
+    shared-memory ring file of the run left behind;
   - wrong tokens refused: `rtx status` and `rtx worker --join` exit non-zero saying "wrong
     cluster token", the worker's attempt is a `refused` event, and the right token still works.
 
