@@ -36,7 +36,7 @@ use rand::{Rng, RngCore};
 use rand_chacha::ChaCha8Rng;
 use rtx_actors::{ActorError, Link, LinkListener, LinkOptions, StreamConn};
 use rtx_supervisor::protocol::{self, JoinReply, StatusReport, ToSupervisor};
-use rtx_supervisor::{ElasticConfig, SupervisorEnv, SupervisorHandle, SupervisorOptions};
+use rtx_supervisor::{ClassPolicy, ElasticConfig, JobEvent, OnFailure, SupervisorEnv, SupervisorHandle, SupervisorOptions};
 use tokio::io::{AsyncRead, ReadBuf};
 
 const TOKEN: &str = "5f0c1e0d9a7b3c2e4f6a8b0c1d2e3f405162738495a6b7c8d9e0f1a2b3c4d5e6";
@@ -263,7 +263,11 @@ fn a_real_supervisor_answers_hostile_asks() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let addr = SocketAddr::from(([10, 255, 0, 1], 29500));
     let (listener, accept) = LinkListener::channel(addr, 16);
-    let elastic = ElasticConfig { min_workers: 1, start_workers: 1_000_000, max_workers: 1_000_000, ..ElasticConfig::default() };
+    // Every admitted ask's link is closed right after its answer: a lost member each time, so
+    // the failure budgets must outlast the run (with the default of 100 the job fails, as it
+    // should, and the supervisor stops answering).
+    let endless = ClassPolicy { on_failure: OnFailure::Shrink, budget: u32::MAX };
+    let elastic = ElasticConfig { min_workers: 1, start_workers: 1_000_000, max_workers: 1_000_000, crash: endless, hang: endless, network_loss: endless, preemption: endless, ..ElasticConfig::default() };
     let options = SupervisorOptions {
         listen: addr,
         token: TOKEN.into(),
@@ -278,7 +282,15 @@ fn a_real_supervisor_answers_hostile_asks() {
     let mut handle = rt.block_on(SupervisorHandle::start_with(options, None, SupervisorEnv { listener, seed })).unwrap();
     // Someone must read the job's events, as `rtx launch` does.
     let mut events = std::mem::replace(&mut handle.events, tokio::sync::mpsc::channel(1).1);
-    rt.spawn(async move { while events.recv().await.is_some() {} });
+    let failed = Arc::new(Mutex::new(None));
+    let failed_in = Arc::clone(&failed);
+    rt.spawn(async move {
+        while let Some(event) = events.recv().await {
+            if let JobEvent::Failed { reason } = event {
+                *failed_in.lock().unwrap() = Some(reason);
+            }
+        }
+    });
     let ask = |input: &[u8]| {
         let (ekm, bytes) = split(input);
         rt.block_on(async {
@@ -307,7 +319,8 @@ fn a_real_supervisor_answers_hostile_asks() {
             _ => false,
         };
         if !ok {
-            return Err(format!("the supervisor answered {answer:?} to an ask whose verdict is {verdict:?}"));
+            let failed = failed.lock().unwrap().clone();
+            return Err(format!("the supervisor answered {answer:?} to an ask whose verdict is {verdict:?} (job failed: {failed:?})"));
         }
         Ok(matches!(verdict, Verdict::Admit))
     });
@@ -318,4 +331,5 @@ fn a_real_supervisor_answers_hostile_asks() {
     let input = [&ekm[..], &rtx_actors::encode(&join).unwrap()].concat();
     let reply = ask(&input).unwrap().unwrap();
     assert!(matches!(rtx_actors::decode::<JoinReply>(&reply), Ok(JoinReply::Accepted { .. })));
+    assert_eq!(*failed.lock().unwrap(), None, "the job failed");
 }
