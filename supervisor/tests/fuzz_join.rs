@@ -14,8 +14,10 @@
 //! decode: undecodable or not-joined messages close the link, a wrong proof is refused, the right
 //! one admitted with an authentic supervisor proof; nothing hangs and the supervisor survives.
 //!
-//! `cargo test -p rtx-supervisor --test fuzz_join` runs CI-sized counts; the full run is
-//! `RTX_FUZZ_INPUTS=1000000 RTX_FUZZ_E2E_INPUTS=20000 cargo test --release -p rtx-supervisor --test fuzz_join -- --nocapture`.
+//! `cargo test -p rtx-supervisor --test fuzz_join` runs the full 1,000,000 asks and 1,000,000
+//! replies (a few seconds of CPU in the debug test build) and 3,000 asks to the real supervisor;
+//! `RTX_FUZZ_INPUTS` and `RTX_FUZZ_E2E_INPUTS` change the counts (`RTX_FUZZ_E2E_INPUTS=1000000`
+//! takes about 80 s in release) and `RTX_FUZZ_SEED` replays a run.
 #![allow(clippy::unwrap_used)]
 
 #[path = "../../actors/tests/fuzz_support/mod.rs"]
@@ -143,7 +145,7 @@ fn supervisor_verdict(ekm: &[u8; 32], bytes: &[u8]) -> Result<Verdict, String> {
 fn join_asks_verify_exactly_the_right_proof() {
     let seed = fuzz_support::seed("fuzz_join_asks");
     let mut admitted = 0u64;
-    let summary = fuzz_support::run("fuzz_join_asks", seed, fuzz_support::inputs(40_000), |rng| ask_input(rng, false), |input| {
+    let summary = fuzz_support::run("fuzz_join_asks", seed, fuzz_support::inputs(1_000_000), |rng| ask_input(rng, false), |input| {
         let (ekm, bytes) = split(input);
         let verdict = supervisor_verdict(&ekm, bytes)?;
         admitted += u64::from(matches!(verdict, Verdict::Admit | Verdict::Status));
@@ -163,7 +165,7 @@ fn join_replies_verify_exactly_the_right_proof() {
     let summary = fuzz_support::run(
         "fuzz_join_replies",
         seed,
-        fuzz_support::inputs(40_000),
+        fuzz_support::inputs(1_000_000),
         |rng| {
             let ekm = ekm(rng);
             let right = protocol::supervisor_proof(TOKEN, &ekm);

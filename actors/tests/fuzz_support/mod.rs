@@ -15,7 +15,7 @@
 //! its relative pointers and lengths, and where envelopes keep their length prefix), insertion and
 //! deletion of ranges, splicing two encodings, stacked mutations, and fully random bytes.
 //!
-//! Knobs (environment): `RTX_FUZZ_INPUTS` (inputs per target; each test has a small default that
+//! Knobs (environment): `RTX_FUZZ_INPUTS` (inputs per target; each test picks a default that
 //! keeps `cargo test` cheap), `RTX_FUZZ_SEED` (replay a run), `RTX_FUZZ_STALL_MS` (hang limit).
 #![allow(dead_code)]
 
