@@ -317,7 +317,7 @@ fn check_binary(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
         };
         for op in [BinaryOp::Add, BinaryOp::Div] {
             let mut reference = vec![0.0f64; total];
-            elementwise::broadcast_zip_map(&shape, &f64v(&a), 0, &strides(&sa), &f64v(&b), 0, &strides(&sb), &mut reference, |x, y| binary_ref(op, x, y));
+            elementwise::broadcast_zip_map(&shape, &f64v(&a), 0, &strides(&sa), &f64v(&b), 0, &strides(&sb), &mut reference, |x, y| binary_ref(op, x, y))?;
             let mut out = dev.alloc::<f32>(total)?;
             dev.broadcast_binary(op, &dev.htod(&a)?, &sa, &dev.htod(&b)?, &sb, &mut out)?;
             rep.check(&format!("broadcast {op:?} {sa:?} with {sb:?}"), &dev.dtoh(&out)?, &reference, F32_TOL);
@@ -353,7 +353,7 @@ fn check_unary(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
     for op in [UnaryOp::Exp, UnaryOp::GeluTanh, UnaryOp::Silu, UnaryOp::Relu] {
         dev.unary(op, &dx_, &mut y)?;
         let mut fwd = vec![0.0f64; n];
-        elementwise::map(&f64v(&x), &mut fwd, |v| unary_ref(op, v).0);
+        elementwise::map(&f64v(&x), &mut fwd, |v| unary_ref(op, v).0)?;
         rep.check(&format!("unary {op:?} forward"), &dev.dtoh(&y)?, &fwd, F32_TOL);
         dev.unary_backward(op, &dx_, &ddy, &mut dx)?;
         let bwd: Vec<f64> = x.iter().zip(&dy).map(|(&v, &g)| g as f64 * unary_ref(op, v as f64).1).collect();
@@ -367,13 +367,13 @@ fn check_softmax(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
         let x = rng.vec(rows * cols, 5.0);
         let dy = rng.vec(rows * cols, 1.0);
         let mut y64 = vec![0.0f64; rows * cols];
-        softmax::softmax_rows(&f64v(&x), cols, &mut y64);
+        softmax::softmax_rows(&f64v(&x), cols, &mut y64)?;
         let dx_ = dev.htod(&x)?;
         let mut y = dev.alloc::<f32>(rows * cols)?;
         dev.softmax_rows(&dx_, cols, &mut y)?;
         rep.check(&format!("softmax rows {rows}x{cols}"), &dev.dtoh(&y)?, &y64, F32_TOL);
         let mut dx64 = vec![0.0f64; rows * cols];
-        softmax::softmax_backward_rows(&y64, &f64v(&dy), cols, &mut dx64);
+        softmax::softmax_backward_rows(&y64, &f64v(&dy), cols, &mut dx64)?;
         let mut dx = dev.alloc::<f32>(rows * cols)?;
         dev.softmax_backward_rows(&y, &dev.htod(&dy)?, cols, &mut dx)?;
         rep.check(&format!("softmax backward {rows}x{cols}"), &dev.dtoh(&dx)?, &dx64, F32_TOL);
@@ -391,13 +391,13 @@ fn check_norms(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
         let (x64, w64, b64, dy64) = (f64v(&x), f64v(&w), f64v(&b), f64v(&dy));
         // Layer norm.
         let (mut y64, mut mean64, mut rstd64) = (vec![0.0; rows * n], vec![0.0; rows], vec![0.0; rows]);
-        norm::layer_norm_forward(&x64, n, Some(&w64), Some(&b64), eps, &mut y64, &mut mean64, &mut rstd64);
+        norm::layer_norm_forward(&x64, n, Some(&w64), Some(&b64), eps, &mut y64, &mut mean64, &mut rstd64)?;
         let (dx_, dw_, db_, ddy) = (dev.htod(&x)?, dev.htod(&w)?, dev.htod(&b)?, dev.htod(&dy)?);
         let (mut y, mut mean, mut rstd) = (dev.alloc::<f32>(rows * n)?, dev.alloc::<f32>(rows)?, dev.alloc::<f32>(rows)?);
         dev.layer_norm_forward(&dx_, n, Some(&dw_), Some(&db_), eps as f32, &mut y, &mut mean, &mut rstd)?;
         rep.check(&format!("layer norm forward {rows}x{n}"), &dev.dtoh(&y)?, &y64, F32_TOL);
         let (mut dx64, mut dw64, mut db64) = (vec![0.0; rows * n], vec![0.0; n], vec![0.0; n]);
-        norm::layer_norm_backward(&x64, n, Some(&w64), &mean64, &rstd64, &dy64, &mut dx64, Some(&mut dw64), Some(&mut db64));
+        norm::layer_norm_backward(&x64, n, Some(&w64), &mean64, &rstd64, &dy64, &mut dx64, Some(&mut dw64), Some(&mut db64))?;
         let (mut dx, mut dw, mut db) = (dev.alloc::<f32>(rows * n)?, dev.zeros::<f32>(n)?, dev.zeros::<f32>(n)?);
         dev.layer_norm_backward(&dx_, n, Some(&dw_), &mean, &rstd, &ddy, &mut dx, Some(&mut dw), Some(&mut db))?;
         rep.check(&format!("layer norm backward dx {rows}x{n}"), &dev.dtoh(&dx)?, &dx64, F32_TOL);
@@ -405,11 +405,11 @@ fn check_norms(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
         rep.check(&format!("layer norm backward db {rows}x{n}"), &dev.dtoh(&db)?, &db64, F32_TOL);
         // RMS norm.
         let (mut y64, mut rstd64) = (vec![0.0; rows * n], vec![0.0; rows]);
-        norm::rms_norm_forward(&x64, n, Some(&w64), eps, &mut y64, &mut rstd64);
+        norm::rms_norm_forward(&x64, n, Some(&w64), eps, &mut y64, &mut rstd64)?;
         dev.rms_norm_forward(&dx_, n, Some(&dw_), eps as f32, &mut y, &mut rstd)?;
         rep.check(&format!("rms norm forward {rows}x{n}"), &dev.dtoh(&y)?, &y64, F32_TOL);
         let (mut dx64, mut dw64) = (vec![0.0; rows * n], vec![0.0; n]);
-        norm::rms_norm_backward(&x64, n, Some(&w64), &rstd64, &dy64, &mut dx64, Some(&mut dw64));
+        norm::rms_norm_backward(&x64, n, Some(&w64), &rstd64, &dy64, &mut dx64, Some(&mut dw64))?;
         let mut dw = dev.zeros::<f32>(n)?;
         dev.rms_norm_backward(&dx_, n, Some(&dw_), &rstd, &ddy, &mut dx, Some(&mut dw))?;
         rep.check(&format!("rms norm backward dx {rows}x{n}"), &dev.dtoh(&dx)?, &dx64, F32_TOL);

@@ -13,7 +13,7 @@
 //! `q.row_stride` apart, with unit column stride (a view of a packed `[B, T, 3, H, D]` projection
 //! needs no copy). Outputs are contiguous.
 
-use crate::error::{check_len, Error, Result};
+use crate::error::{check_len, product, Error, Result};
 use crate::float::Float;
 use crate::threading::should_parallelize;
 use rayon::prelude::*;
@@ -67,8 +67,8 @@ pub fn attention_forward<T: Float>(spec: AttentionSpec, q: Heads<'_, T>, k: Head
     const OP: &str = "attention_forward";
     let n_heads = check_operands(OP, &spec, &q, &k, &v)?;
     let AttentionSpec { tq, tk, d, dv, .. } = spec;
-    check_len(OP, "out", out, n_heads * tq * dv)?;
-    check_len(OP, "probs", probs, n_heads * tq * tk)?;
+    check_len(OP, "out", out, product(&[n_heads, tq, dv]))?;
+    check_len(OP, "probs", probs, product(&[n_heads, tq, tk]))?;
     if n_heads == 0 || tq == 0 {
         return Ok(());
     }
@@ -121,17 +121,17 @@ pub fn attention_backward<T: Float>(
     const OP: &str = "attention_backward";
     let n_heads = check_operands(OP, &spec, &q, &k, &v)?;
     let AttentionSpec { tq, tk, d, dv, .. } = spec;
-    check_len(OP, "probs", probs, n_heads * tq * tk)?;
+    check_len(OP, "probs", probs, product(&[n_heads, tq, tk]))?;
     if dout.offsets.len() != n_heads {
         return Err(Error::BufferTooSmall { op: OP, buffer: "dout offsets", needed: n_heads, actual: dout.offsets.len() });
     }
     if tq > 0 && dv > 0 {
-        let needed = dout.offsets.iter().map(|&o| o + (tq - 1) * dout.row_stride + dv).max().unwrap_or(0);
+        let needed = dout.offsets.iter().map(|&o| o.saturating_add((tq - 1).saturating_mul(dout.row_stride)).saturating_add(dv)).max().unwrap_or(0);
         check_len(OP, "dout", dout.data, needed)?;
     }
-    check_len(OP, "dq", dq, n_heads * tq * d)?;
-    check_len(OP, "dk", dk, n_heads * tk * d)?;
-    check_len(OP, "dv", dv_out, n_heads * tk * dv)?;
+    check_len(OP, "dq", dq, product(&[n_heads, tq, d]))?;
+    check_len(OP, "dk", dk, product(&[n_heads, tk, d]))?;
+    check_len(OP, "dv", dv_out, product(&[n_heads, tk, dv]))?;
     if n_heads == 0 {
         return Ok(());
     }
@@ -204,8 +204,8 @@ fn check_operands<T>(op: &'static str, spec: &AttentionSpec, q: &Heads<'_, T>, k
         if rows == 0 || cols == 0 {
             continue;
         }
-        let span = (rows - 1) * heads.row_stride + cols;
-        let needed = heads.offsets.iter().map(|&o| o + span).max().unwrap_or(0);
+        let span = (rows - 1).saturating_mul(heads.row_stride).saturating_add(cols);
+        let needed = heads.offsets.iter().map(|&o| o.saturating_add(span)).max().unwrap_or(0);
         check_len(op, name, heads.data, needed)?;
     }
     Ok(n_heads)
@@ -448,5 +448,38 @@ mod tests {
         let a = run(&packed, &oq, &packed, &ok, &packed, &ov, rs);
         let b = run(&cq, &dense, &ck, &dense, &cv, &dense, d);
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn wrong_lengths_are_typed_errors() {
+        // Two heads of 3 rows × 2 columns, dense.
+        let (tq, tk, d, n) = (3usize, 3usize, 2usize, 2usize);
+        let spec = AttentionSpec { tq, tk, d, dv: d, causal: false, scale: 1.0 };
+        let data = &vec![0.5f64; n * tq * d][..];
+        let offs = &[0, tq * d][..];
+        fn heads<'a>(data: &'a [f64], offsets: &'a [usize]) -> Heads<'a, f64> {
+            Heads { data, offsets, row_stride: 2 }
+        }
+        let short = |op, buffer, needed, actual| Err(Error::BufferTooSmall { op, buffer, needed, actual });
+        let (mut out, mut probs) = (vec![0.0; n * tq * d], vec![0.0; n * tq * tk]);
+        let op = "attention_forward";
+        assert_eq!(attention_forward(spec, heads(data, offs), heads(data, offs), heads(data, offs), &mut out[..11], &mut probs), short(op, "out", 12, 11));
+        assert_eq!(attention_forward(spec, heads(data, offs), heads(data, offs), heads(data, offs), &mut out, &mut probs[..17]), short(op, "probs", 18, 17));
+        assert_eq!(attention_forward(spec, heads(&data[..11], offs), heads(data, offs), heads(data, offs), &mut out, &mut probs), short(op, "q", 12, 11));
+        assert_eq!(attention_forward(spec, heads(data, offs), heads(data, &offs[..1]), heads(data, offs), &mut out, &mut probs), short(op, "k offsets", 2, 1));
+        assert_eq!(attention_forward(spec, heads(data, offs), heads(data, offs), heads(data, &[0, 7]), &mut out, &mut probs), short(op, "v", 13, 12));
+        let huge = Heads { data, offsets: offs, row_stride: usize::MAX };
+        assert_eq!(attention_forward(spec, heads(data, offs), huge, heads(data, offs), &mut out, &mut probs), short(op, "k", usize::MAX, 12));
+        attention_forward(spec, heads(data, offs), heads(data, offs), heads(data, offs), &mut out, &mut probs).unwrap();
+        let op = "attention_backward";
+        let (mut dq, mut dk, mut dv) = (vec![0.0; 12], vec![0.0; 12], vec![0.0; 12]);
+        let back = |probs: &[f64], dout: Heads<'_, f64>, dq: &mut [f64], dk: &mut [f64], dv: &mut [f64]| attention_backward(spec, heads(data, offs), heads(data, offs), heads(data, offs), probs, dout, dq, dk, dv);
+        assert_eq!(back(&probs[..5], heads(data, offs), &mut dq, &mut dk, &mut dv), short(op, "probs", 18, 5));
+        assert_eq!(back(&probs, heads(data, &offs[..1]), &mut dq, &mut dk, &mut dv), short(op, "dout offsets", 2, 1));
+        assert_eq!(back(&probs, heads(&data[..10], offs), &mut dq, &mut dk, &mut dv), short(op, "dout", 12, 10));
+        assert_eq!(back(&probs, heads(data, offs), &mut dq[..1], &mut dk, &mut dv), short(op, "dq", 12, 1));
+        assert_eq!(back(&probs, heads(data, offs), &mut dq, &mut dk[..2], &mut dv), short(op, "dk", 12, 2));
+        assert_eq!(back(&probs, heads(data, offs), &mut dq, &mut dk, &mut dv[..3]), short(op, "dv", 12, 3));
+        assert_eq!(back(&probs, heads(data, offs), &mut dq, &mut dk, &mut dv), Ok(()));
     }
 }

@@ -25,8 +25,12 @@ pub struct CrossEntropySpec {
 pub fn cross_entropy_rows<T: Float>(logits: &[T], targets: &[u32], spec: CrossEntropySpec, losses: &mut [T], mut grad: Option<&mut [T]>) -> Result<usize> {
     let c = spec.n_classes;
     let n = targets.len();
-    crate::error::check_len("cross_entropy", "logits", logits, n * c)?;
+    let needed = n.saturating_mul(c);
+    crate::error::check_len("cross_entropy", "logits", logits, needed)?;
     crate::error::check_len("cross_entropy", "losses", losses, n)?;
+    if let Some(g) = grad.as_deref() {
+        crate::error::check_len("cross_entropy", "grad", g, needed)?;
+    }
     let eps = T::from_f64_lossy(spec.label_smoothing);
     let cf = T::from_usize(c.max(1)).unwrap_or(T::one());
     let mut counted = 0usize;
@@ -94,5 +98,16 @@ mod tests {
         let spec = CrossEntropySpec { n_classes: 3, ignore_index: None, label_smoothing: 0.0 };
         let err = cross_entropy_rows(&[0.0f32; 3], &[3], spec, &mut [0.0], None);
         assert!(matches!(err, Err(Error::TargetOutOfRange { target: 3, .. })));
+    }
+
+    #[test]
+    fn wrong_lengths_are_typed_errors() {
+        let spec = CrossEntropySpec { n_classes: 3, ignore_index: None, label_smoothing: 0.0 };
+        let short = |buffer, needed, actual| Err(Error::BufferTooSmall { op: "cross_entropy", buffer, needed, actual });
+        assert_eq!(cross_entropy_rows(&[0.0f32; 5], &[0, 1], spec, &mut [0.0; 2], None), short("logits", 6, 5));
+        assert_eq!(cross_entropy_rows(&[0.0f32; 6], &[0, 1], spec, &mut [0.0; 1], None), short("losses", 2, 1));
+        assert_eq!(cross_entropy_rows(&[0.0f32; 6], &[0, 1], spec, &mut [0.0; 2], Some(&mut [0.0; 4])), short("grad", 6, 4));
+        let huge = CrossEntropySpec { n_classes: usize::MAX, ..spec };
+        assert_eq!(cross_entropy_rows(&[0.0f32; 6], &[0, 1], huge, &mut [0.0; 2], None), short("logits", usize::MAX, 6));
     }
 }

@@ -4,13 +4,22 @@
 //! The closures are generic and inlined, so each op becomes a plain loop the compiler
 //! vectorizes; large inputs are split across the shared pool in fixed chunks (the split never
 //! changes results, since every element is computed independently).
+//!
+//! Lengths are checked up front: a slice of the wrong length is a typed [`Error`], never a panic.
 
+use crate::error::{check_eq, product, Error, Result};
 use crate::threading::{chunk_len, should_parallelize};
 use rayon::prelude::*;
 
-/// `dst[i] = f(src[i])`.
-pub fn map<A: Copy + Send + Sync, B: Copy + Send + Sync>(src: &[A], dst: &mut [B], f: impl Fn(A) -> B + Sync + Send) {
-    assert_eq!(src.len(), dst.len(), "map length mismatch");
+/// `dst[i] = f(src[i])`; `src` and `dst` must have the same length.
+pub fn map<A: Copy + Send + Sync, B: Copy + Send + Sync>(src: &[A], dst: &mut [B], f: impl Fn(A) -> B + Sync + Send) -> Result<()> {
+    check_eq("map", "dst", dst, src.len())?;
+    map_zipped(src, dst, f);
+    Ok(())
+}
+
+/// [`map`] over the common prefix of `src` and `dst` (callers that made them equal).
+pub(crate) fn map_zipped<A: Copy + Send + Sync, B: Copy + Send + Sync>(src: &[A], dst: &mut [B], f: impl Fn(A) -> B + Sync + Send) {
     let run = |s: &[A], d: &mut [B]| {
         for (o, i) in d.iter_mut().zip(s) {
             *o = f(*i);
@@ -39,10 +48,10 @@ pub fn map_inplace<T: Copy + Send + Sync>(dst: &mut [T], f: impl Fn(T) -> T + Sy
     }
 }
 
-/// `dst[i] = f(a[i], b[i])`.
-pub fn zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync>(a: &[T], b: &[T], dst: &mut [U], f: impl Fn(T, T) -> U + Sync + Send) {
-    assert_eq!(a.len(), dst.len(), "zip_map length mismatch");
-    assert_eq!(b.len(), dst.len(), "zip_map length mismatch");
+/// `dst[i] = f(a[i], b[i])`; the three slices must have the same length.
+pub fn zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync>(a: &[T], b: &[T], dst: &mut [U], f: impl Fn(T, T) -> U + Sync + Send) -> Result<()> {
+    check_eq("zip_map", "a", a, dst.len())?;
+    check_eq("zip_map", "b", b, dst.len())?;
     let run = |a: &[T], b: &[T], d: &mut [U]| {
         for ((o, x), y) in d.iter_mut().zip(a).zip(b) {
             *o = f(*x, *y);
@@ -54,11 +63,12 @@ pub fn zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync>(a: &[T], b: &[T], d
     } else {
         run(a, b, dst);
     }
+    Ok(())
 }
 
-/// `dst[i] = f(dst[i], src[i])` in place.
-pub fn zip_map_inplace<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T + Sync + Send) {
-    assert_eq!(src.len(), dst.len(), "zip_map_inplace length mismatch");
+/// `dst[i] = f(dst[i], src[i])` in place; `src` must have the length of `dst`.
+pub fn zip_map_inplace<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T + Sync + Send) -> Result<()> {
+    check_eq("zip_map_inplace", "src", src, dst.len())?;
     let run = |d: &mut [T], s: &[T]| {
         for (o, x) in d.iter_mut().zip(s) {
             *o = f(*o, *x);
@@ -70,6 +80,7 @@ pub fn zip_map_inplace<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], f: impl 
     } else {
         run(dst, src);
     }
+    Ok(())
 }
 
 /// Strided binary map over an output of `shape` (row-major, contiguous), reading
@@ -77,6 +88,9 @@ pub fn zip_map_inplace<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], f: impl 
 ///
 /// The innermost dimension is a tight loop specialised for the common stride patterns
 /// (1/1, 1/0, 0/1) so bias adds and row scalings vectorize.
+///
+/// Errors: a stride list whose length is not the rank, a `dst` that is not `shape`'s size, or an
+/// operand whose furthest element (`offset + Σ (shape[d] − 1)·strides[d]`) lies past its slice.
 #[allow(clippy::too_many_arguments)]
 pub fn broadcast_zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync + Default>(
     shape: &[usize],
@@ -88,18 +102,21 @@ pub fn broadcast_zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync + Default>
     b_strides: &[usize],
     dst: &mut [U],
     f: impl Fn(T, T) -> U + Sync + Send,
-) {
+) -> Result<()> {
+    const OP: &str = "broadcast_zip_map";
     let rank = shape.len();
-    assert_eq!(a_strides.len(), rank);
-    assert_eq!(b_strides.len(), rank);
-    let total: usize = shape.iter().product();
-    assert_eq!(dst.len(), total, "broadcast_zip_map dst length");
+    check_eq(OP, "a_strides", a_strides, rank)?;
+    check_eq(OP, "b_strides", b_strides, rank)?;
+    let total = product(shape);
+    check_eq(OP, "dst", dst, total)?;
     if total == 0 {
-        return;
+        return Ok(());
     }
+    check_reach(OP, "a", a.len(), shape, a_offset, a_strides)?;
+    check_reach(OP, "b", b.len(), shape, b_offset, b_strides)?;
     if rank == 0 {
         dst[0] = f(a[a_offset], b[b_offset]);
-        return;
+        return Ok(());
     }
     let inner = shape[rank - 1];
     let (sa, sb) = (a_strides[rank - 1], b_strides[rank - 1]);
@@ -151,17 +168,33 @@ pub fn broadcast_zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync + Default>
             row(ri, out);
         }
     }
+    Ok(())
+}
+
+/// Checks that the furthest element a strided view of the non-empty `shape` reads,
+/// `offset + Σ (shape[d] − 1)·strides[d]`, lies inside a slice of `len` (saturating, so huge
+/// strides are refused instead of overflowing). `strides` has `shape`'s rank.
+fn check_reach(op: &'static str, arg: &'static str, len: usize, shape: &[usize], offset: usize, strides: &[usize]) -> Result<()> {
+    let last = shape.iter().zip(strides).fold(offset, |acc, (&n, &s)| acc.saturating_add(n.saturating_sub(1).saturating_mul(s)));
+    if last >= len {
+        return Err(Error::BufferTooSmall { op, buffer: arg, needed: last.saturating_add(1), actual: len });
+    }
+    Ok(())
 }
 
 /// Gathers a strided view into a contiguous buffer: `dst[i] = src[offset + Σ idx·strides]`.
-pub fn strided_copy<T: Copy + Send + Sync + Default>(shape: &[usize], src: &[T], offset: usize, strides: &[usize], dst: &mut [T]) {
+/// Errors as [`broadcast_zip_map`] does.
+pub fn strided_copy<T: Copy + Send + Sync + Default>(shape: &[usize], src: &[T], offset: usize, strides: &[usize], dst: &mut [T]) -> Result<()> {
     let zero = [0usize; 8];
     let rank = shape.len();
+    if strides.len() != rank {
+        return Err(Error::LengthMismatch { op: "strided_copy", arg: "strides", expected: rank, actual: strides.len() });
+    }
     if rank <= 8 {
-        broadcast_zip_map(shape, src, offset, strides, src, 0, &zero[..rank], dst, |x, _| x);
+        broadcast_zip_map(shape, src, offset, strides, src, 0, &zero[..rank], dst, |x, _| x)
     } else {
         let z = vec![0usize; rank];
-        broadcast_zip_map(shape, src, offset, strides, src, 0, &z, dst, |x, _| x);
+        broadcast_zip_map(shape, src, offset, strides, src, 0, &z, dst, |x, _| x)
     }
 }
 
@@ -175,11 +208,11 @@ mod tests {
         let a = [1.0f32, 2., 3., 4., 5., 6.];
         let b = [10.0f32, 20., 30.];
         let mut out = [0.0f32; 6];
-        broadcast_zip_map(&[2, 3], &a, 0, &[3, 1], &b, 0, &[0, 1], &mut out, |x, y| x + y);
+        broadcast_zip_map(&[2, 3], &a, 0, &[3, 1], &b, 0, &[0, 1], &mut out, |x, y| x + y).unwrap();
         assert_eq!(out, [11., 22., 33., 14., 25., 36.]);
         // transpose of a viewed as [3,2]
         let mut t = [0.0f32; 6];
-        strided_copy(&[3, 2], &a, 0, &[1, 3], &mut t);
+        strided_copy(&[3, 2], &a, 0, &[1, 3], &mut t).unwrap();
         assert_eq!(t, [1., 4., 2., 5., 3., 6.]);
     }
 
@@ -188,8 +221,36 @@ mod tests {
         let n = 3 * crate::threading::PARALLEL_MIN_ELEMS + 17;
         let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
         let mut par = vec![0.0f32; n];
-        map(&a, &mut par, |x| x.sin());
+        map(&a, &mut par, |x| x.sin()).unwrap();
         let serial: Vec<f32> = a.iter().map(|x| x.sin()).collect();
         assert_eq!(par, serial);
+    }
+
+    #[test]
+    fn wrong_lengths_are_typed_errors() {
+        let a = [1.0f32, 2., 3., 4., 5., 6.];
+        let mut short = [0.0f32; 5];
+        assert_eq!(map(&a, &mut short, |x| x), Err(Error::LengthMismatch { op: "map", arg: "dst", expected: 6, actual: 5 }));
+        assert_eq!(zip_map(&a[..5], &a, &mut [0.0f32; 6], |x, y| x + y), Err(Error::LengthMismatch { op: "zip_map", arg: "a", expected: 6, actual: 5 }));
+        assert_eq!(zip_map(&a, &a[..4], &mut [0.0f32; 6], |x, y| x + y), Err(Error::LengthMismatch { op: "zip_map", arg: "b", expected: 6, actual: 4 }));
+        assert_eq!(zip_map_inplace(&mut short, &a, |x, y| x + y), Err(Error::LengthMismatch { op: "zip_map_inplace", arg: "src", expected: 5, actual: 6 }));
+        let mut out = [0.0f32; 6];
+        let op = "broadcast_zip_map";
+        assert_eq!(broadcast_zip_map(&[2, 3], &a, 0, &[3], &a, 0, &[3, 1], &mut out, |x, y| x + y), Err(Error::LengthMismatch { op, arg: "a_strides", expected: 2, actual: 1 }));
+        assert_eq!(broadcast_zip_map(&[2, 3], &a, 0, &[3, 1], &a, 0, &[3, 1, 0], &mut out, |x, y| x + y), Err(Error::LengthMismatch { op, arg: "b_strides", expected: 2, actual: 3 }));
+        assert_eq!(broadcast_zip_map(&[2, 3], &a, 0, &[3, 1], &a, 0, &[3, 1], &mut short, |x, y| x + y), Err(Error::LengthMismatch { op, arg: "dst", expected: 6, actual: 5 }));
+        // An offset or stride reaching past the operand: every code path (1/1, 1/0, 0/1, general).
+        assert_eq!(broadcast_zip_map(&[2, 3], &a, 1, &[3, 1], &a, 0, &[3, 1], &mut out, |x, y| x + y), Err(Error::BufferTooSmall { op, buffer: "a", needed: 7, actual: 6 }));
+        assert_eq!(broadcast_zip_map(&[2, 3], &a, 0, &[3, 1], &a, 0, &[4, 0], &mut out, |x, y| x + y), Ok(()));
+        assert_eq!(broadcast_zip_map(&[2, 3], &a, 0, &[3, 1], &a, 2, &[4, 0], &mut out, |x, y| x + y), Err(Error::BufferTooSmall { op, buffer: "b", needed: 7, actual: 6 }));
+        assert_eq!(broadcast_zip_map(&[2, 3], &a, 0, &[3, 1], &a, 3, &[0, 2], &mut out, |x, y| x + y), Err(Error::BufferTooSmall { op, buffer: "b", needed: 8, actual: 6 }));
+        assert_eq!(broadcast_zip_map(&[2, 3], &a, 0, &[0, 1], &a, 0, &[usize::MAX, 1], &mut out, |x, y| x + y), Err(Error::BufferTooSmall { op, buffer: "b", needed: usize::MAX, actual: 6 }));
+        assert_eq!(broadcast_zip_map(&[], &a, 6, &[], &a, 0, &[], &mut [0.0f32], |x, y| x + y), Err(Error::BufferTooSmall { op, buffer: "a", needed: 7, actual: 6 }));
+        // Empty outputs read nothing, so any offset is fine.
+        assert_eq!(broadcast_zip_map(&[2, 0], &a, 99, &[3, 1], &a, 99, &[3, 1], &mut [0.0f32; 0], |x, y| x + y), Ok(()));
+        let mut t = [0.0f32; 6];
+        assert_eq!(strided_copy(&[3, 2], &a, 0, &[1, 3, 1], &mut t), Err(Error::LengthMismatch { op: "strided_copy", arg: "strides", expected: 2, actual: 3 }));
+        assert_eq!(strided_copy(&[3, 2], &a, 1, &[1, 3], &mut t), Err(Error::BufferTooSmall { op, buffer: "a", needed: 7, actual: 6 }));
+        assert_eq!(strided_copy(&[3, 2], &a, 0, &[1, 3], &mut t[..4]), Err(Error::LengthMismatch { op, arg: "dst", expected: 6, actual: 4 }));
     }
 }

@@ -15,6 +15,28 @@ pub enum Error {
         /// Elements present.
         actual: usize,
     },
+    /// A slice's length differs from the one the other arguments imply.
+    #[error("{op}: `{arg}` holds {actual} elements but {expected} were expected")]
+    LengthMismatch {
+        /// The kernel.
+        op: &'static str,
+        /// Which argument.
+        arg: &'static str,
+        /// Elements expected.
+        expected: usize,
+        /// Elements present.
+        actual: usize,
+    },
+    /// An argument the kernel cannot work with (its value, not its length).
+    #[error("{op}: `{arg}` {reason}")]
+    InvalidArgument {
+        /// The kernel.
+        op: &'static str,
+        /// Which argument.
+        arg: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// A class index is outside the number of classes.
     #[error("{op}: target {target} at row {row} is out of range for {n_classes} classes")]
     TargetOutOfRange {
@@ -32,7 +54,24 @@ pub enum Error {
 /// Result alias for kernel calls.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Checks that `buffer` holds exactly `expected` elements.
+#[inline]
+pub(crate) fn check_eq<T>(op: &'static str, arg: &'static str, buffer: &[T], expected: usize) -> Result<()> {
+    if buffer.len() != expected {
+        return Err(Error::LengthMismatch { op, arg, expected, actual: buffer.len() });
+    }
+    Ok(())
+}
+
+/// The product of `xs`, saturating at `usize::MAX` (a saturated size is never a real slice's
+/// length, so a length check against it fails instead of overflowing).
+#[inline]
+pub(crate) fn product(xs: &[usize]) -> usize {
+    xs.iter().fold(1usize, |acc, &x| acc.saturating_mul(x))
+}
+
 /// Checks that `buffer` holds at least `needed` elements.
+#[inline]
 pub(crate) fn check_len<T>(op: &'static str, name: &'static str, buffer: &[T], needed: usize) -> Result<()> {
     if buffer.len() < needed {
         return Err(Error::BufferTooSmall { op, buffer: name, needed, actual: buffer.len() });

@@ -30,7 +30,8 @@ impl Operand {
         if rows == 0 || cols == 0 {
             return self.offset;
         }
-        self.offset + (rows - 1) * self.row_stride + (cols - 1) * self.col_stride
+        // Saturating: strides from a caller's mistake are refused, never wrap around.
+        self.offset.saturating_add((rows - 1).saturating_mul(self.row_stride)).saturating_add((cols - 1).saturating_mul(self.col_stride))
     }
 }
 
@@ -57,7 +58,7 @@ pub fn matmul<T: Float>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let dst_needed = dst_offset + m * n;
+    let dst_needed = dst_offset.saturating_add(m.saturating_mul(n));
     if dst.len() < dst_needed {
         return Err(Error::BufferTooSmall { op: "matmul", buffer: "dst", needed: dst_needed, actual: dst.len() });
     }
@@ -67,15 +68,20 @@ pub fn matmul<T: Float>(
         }
         return Ok(());
     }
-    let lhs_needed = lhs_op.last_index(m, k) + 1;
+    for (arg, op) in [("lhs", &lhs_op), ("rhs", &rhs_op)] {
+        if isize::try_from(op.row_stride.max(op.col_stride)).is_err() {
+            return Err(Error::InvalidArgument { op: "matmul", arg, reason: "has a stride over isize::MAX" });
+        }
+    }
+    let lhs_needed = lhs_op.last_index(m, k).saturating_add(1);
     if lhs.len() < lhs_needed {
         return Err(Error::BufferTooSmall { op: "matmul", buffer: "lhs", needed: lhs_needed, actual: lhs.len() });
     }
-    let rhs_needed = rhs_op.last_index(k, n) + 1;
+    let rhs_needed = rhs_op.last_index(k, n).saturating_add(1);
     if rhs.len() < rhs_needed {
         return Err(Error::BufferTooSmall { op: "matmul", buffer: "rhs", needed: rhs_needed, actual: rhs.len() });
     }
-    let parallelism = if m * n * k >= PARALLEL_MIN_FLOPS && num_threads() > 1 {
+    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MIN_FLOPS && num_threads() > 1 {
         gemm::Parallelism::Rayon(num_threads())
     } else {
         gemm::Parallelism::None
@@ -155,5 +161,23 @@ mod tests {
         let mut c = vec![0.0f32; 6];
         let err = matmul(2, 3, 3, &a, Operand::row_major(0, 3), &b, Operand::row_major(0, 3), &mut c, 0, false);
         assert!(matches!(err, Err(Error::BufferTooSmall { buffer: "lhs", .. })));
+    }
+
+    #[test]
+    fn every_bad_length_is_a_typed_error() {
+        let (a, b) = (vec![1.0f32; 6], vec![1.0f32; 6]);
+        let mut c = vec![0.0f32; 4];
+        let rm = Operand::row_major;
+        let short = |buffer, needed, actual| Err(Error::BufferTooSmall { op: "matmul", buffer, needed, actual });
+        assert_eq!(matmul(2, 2, 3, &a, rm(0, 3), &b, rm(0, 2), &mut c[..3], 0, false), short("dst", 4, 3));
+        assert_eq!(matmul(2, 2, 3, &a, rm(0, 3), &b, rm(0, 2), &mut c, 1, false), short("dst", 5, 4));
+        assert_eq!(matmul(2, 2, 3, &a, rm(1, 3), &b, rm(0, 2), &mut c, 0, false), short("lhs", 7, 6));
+        assert_eq!(matmul(2, 2, 3, &a, rm(0, 3), &b, rm(1, 2), &mut c, 0, false), short("rhs", 7, 6));
+        // Sizes and strides that would overflow are refused, not wrapped.
+        assert_eq!(matmul(usize::MAX, 2, 3, &a, rm(0, 3), &b, rm(0, 2), &mut c, 0, false), short("dst", usize::MAX, 4));
+        assert_eq!(matmul(2, 2, 3, &a, Operand { offset: 0, row_stride: usize::MAX / 2, col_stride: 1 }, &b, rm(0, 2), &mut c, 0, false), short("lhs", usize::MAX / 2 + 3, 6));
+        assert!(matches!(matmul(1, 2, 3, &a, Operand { offset: 0, row_stride: usize::MAX, col_stride: 1 }, &b, rm(0, 2), &mut c, 0, false), Err(Error::InvalidArgument { arg: "lhs", .. })));
+        assert_eq!(matmul(2, 2, 3, &a, rm(0, 3), &b, rm(0, 2), &mut c, 0, false), Ok(()));
+        assert_eq!(c, [3.0; 4]);
     }
 }

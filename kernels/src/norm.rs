@@ -2,18 +2,24 @@
 //! forward and backward. The forward saves per-row statistics (mean and reciprocal standard
 //! deviation) that the backward reuses.
 
+use crate::error::{check_eq, Error, Result};
 use crate::float::Float;
 use crate::reduce::sum;
 use crate::threading::should_parallelize;
 use rayon::prelude::*;
 
 /// Layer norm forward: `y = (x − mean) · rstd · w + b` per row of `n`; writes `mean` and `rstd`
-/// (one per row). `w` and `b` are optional affine parameters of length `n`.
+/// (one per row). `w` and `b` are optional affine parameters of length `n`. Errors when a
+/// length does not match: `y` as `x`, `mean` and `rstd` one per row.
 #[allow(clippy::too_many_arguments)]
-pub fn layer_norm_forward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, b: Option<&[T]>, eps: T, y: &mut [T], mean: &mut [T], rstd: &mut [T]) {
-    assert_eq!(x.len(), y.len());
-    assert_eq!(mean.len() * n, x.len());
-    assert_eq!(rstd.len(), mean.len());
+pub fn layer_norm_forward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, b: Option<&[T]>, eps: T, y: &mut [T], mean: &mut [T], rstd: &mut [T]) -> Result<()> {
+    const OP: &str = "layer_norm_forward";
+    check_eq(OP, "y", y, x.len())?;
+    let rows = check_rows(OP, x, n)?;
+    check_eq(OP, "mean", mean, rows)?;
+    check_eq(OP, "rstd", rstd, rows)?;
+    check_param(OP, "w", w, n)?;
+    check_param(OP, "b", b, n)?;
     let nf = T::from_usize(n).unwrap_or(T::one());
     #[allow(clippy::type_complexity)]
     let row = |(((xr, yr), m), r): (((&[T], &mut [T]), &mut T), &mut T)| {
@@ -34,16 +40,38 @@ pub fn layer_norm_forward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, b: Optio
         }
     };
     if n == 0 {
-        return;
+        return Ok(());
     }
     if should_parallelize(x.len()) {
         x.par_chunks(n).zip(y.par_chunks_mut(n)).zip(mean.par_iter_mut()).zip(rstd.par_iter_mut()).for_each(row);
     } else {
         x.chunks(n).zip(y.chunks_mut(n)).zip(mean.iter_mut()).zip(rstd.iter_mut()).for_each(row);
     }
+    Ok(())
+}
+
+/// Checks that `x` is whole rows of `n` and returns how many (`x` must be empty when `n` is 0).
+fn check_rows<T>(op: &'static str, x: &[T], n: usize) -> Result<usize> {
+    if n == 0 {
+        check_eq(op, "x", x, 0)?;
+        return Ok(0);
+    }
+    if !x.len().is_multiple_of(n) {
+        return Err(Error::InvalidArgument { op, arg: "x", reason: "is not a whole number of rows of n elements" });
+    }
+    Ok(x.len() / n)
+}
+
+/// Checks that an optional per-column parameter (or its gradient) has `n` elements.
+fn check_param<T>(op: &'static str, arg: &'static str, p: Option<&[T]>, n: usize) -> Result<()> {
+    match p {
+        Some(p) => check_eq(op, arg, p, n),
+        None => Ok(()),
+    }
 }
 
 /// Layer norm backward. Writes `dx`; adds this call's contribution to `dw` and `db` when given.
+/// Errors when a length does not match the forward's.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward<T: Float>(
     x: &[T],
@@ -55,11 +83,18 @@ pub fn layer_norm_backward<T: Float>(
     dx: &mut [T],
     mut dw: Option<&mut [T]>,
     mut db: Option<&mut [T]>,
-) {
-    assert_eq!(x.len(), dy.len());
-    assert_eq!(x.len(), dx.len());
+) -> Result<()> {
+    const OP: &str = "layer_norm_backward";
+    check_eq(OP, "dy", dy, x.len())?;
+    check_eq(OP, "dx", dx, x.len())?;
+    let rows = check_rows(OP, x, n)?;
+    check_eq(OP, "mean", mean, rows)?;
+    check_eq(OP, "rstd", rstd, rows)?;
+    check_param(OP, "w", w, n)?;
+    check_param(OP, "dw", dw.as_deref(), n)?;
+    check_param(OP, "db", db.as_deref(), n)?;
     if n == 0 {
-        return;
+        return Ok(());
     }
     let nf = T::from_usize(n).unwrap_or(T::one());
     // Parameter gradients: column sums, row order fixed.
@@ -96,14 +131,19 @@ pub fn layer_norm_backward<T: Float>(
     } else {
         dx.chunks_mut(n).zip(x.chunks(n).zip(dy.chunks(n))).enumerate().for_each(row);
     }
+    Ok(())
 }
 
 /// RMS norm forward: `y = x · rstd · w`, `rstd = 1/sqrt(mean(x²) + eps)` per row; writes `rstd`.
-pub fn rms_norm_forward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, eps: T, y: &mut [T], rstd: &mut [T]) {
-    assert_eq!(x.len(), y.len());
-    assert_eq!(rstd.len() * n, x.len());
+/// Errors when a length does not match: `y` as `x`, `rstd` one per row, `w` of `n`.
+pub fn rms_norm_forward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, eps: T, y: &mut [T], rstd: &mut [T]) -> Result<()> {
+    const OP: &str = "rms_norm_forward";
+    check_eq(OP, "y", y, x.len())?;
+    let rows = check_rows(OP, x, n)?;
+    check_eq(OP, "rstd", rstd, rows)?;
+    check_param(OP, "w", w, n)?;
     if n == 0 {
-        return;
+        return Ok(());
     }
     let nf = T::from_usize(n).unwrap_or(T::one());
     let row = |((xr, yr), r): ((&[T], &mut [T]), &mut T)| {
@@ -122,14 +162,21 @@ pub fn rms_norm_forward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, eps: T, y:
     } else {
         x.chunks(n).zip(y.chunks_mut(n)).zip(rstd.iter_mut()).for_each(row);
     }
+    Ok(())
 }
 
-/// RMS norm backward. Writes `dx`; adds into `dw` when given.
-pub fn rms_norm_backward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, rstd: &[T], dy: &[T], dx: &mut [T], dw: Option<&mut [T]>) {
-    assert_eq!(x.len(), dy.len());
-    assert_eq!(x.len(), dx.len());
+/// RMS norm backward. Writes `dx`; adds into `dw` when given. Errors when a length does not
+/// match the forward's.
+pub fn rms_norm_backward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, rstd: &[T], dy: &[T], dx: &mut [T], dw: Option<&mut [T]>) -> Result<()> {
+    const OP: &str = "rms_norm_backward";
+    check_eq(OP, "dy", dy, x.len())?;
+    check_eq(OP, "dx", dx, x.len())?;
+    let rows = check_rows(OP, x, n)?;
+    check_eq(OP, "rstd", rstd, rows)?;
+    check_param(OP, "w", w, n)?;
+    check_param(OP, "dw", dw.as_deref(), n)?;
     if n == 0 {
-        return;
+        return Ok(());
     }
     let nf = T::from_usize(n).unwrap_or(T::one());
     if let Some(dw) = dw {
@@ -165,6 +212,7 @@ pub fn rms_norm_backward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, rstd: &[T
     } else {
         dx.chunks_mut(n).zip(x.chunks(n).zip(dy.chunks(n))).enumerate().for_each(row);
     }
+    Ok(())
 }
 
 /// Σ (x − mu)² in eight fixed lanes: deterministic, and the loop vectorizes (a single running
@@ -263,9 +311,9 @@ mod tests {
             let w: Vec<f32> = (0..n).map(|j| 0.5 + (j % 7) as f32 / 7.0).collect();
             for weight in [Some(w.as_slice()), None] {
                 let (mut y, mut mean, mut rstd) = (vec![0f32; rows * n], vec![0f32; rows], vec![0f32; rows]);
-                layer_norm_forward(&x, n, weight, None, 1e-5, &mut y, &mut mean, &mut rstd);
+                layer_norm_forward(&x, n, weight, None, 1e-5, &mut y, &mut mean, &mut rstd).unwrap();
                 let mut dx = vec![0f32; rows * n];
-                layer_norm_backward(&x, n, weight, &mean, &rstd, &dy, &mut dx, None, None);
+                layer_norm_backward(&x, n, weight, &mean, &rstd, &dy, &mut dx, None, None).unwrap();
                 for r in 0..rows {
                     let row = |v: &[f32]| v[r * n..(r + 1) * n].iter().map(|&a| f64::from(a)).collect::<Vec<f64>>();
                     let w64 = weight.map_or(vec![1.0; n], |w| w.iter().map(|&a| f64::from(a)).collect());
@@ -277,5 +325,41 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn wrong_lengths_are_typed_errors() {
+        let x = [1.0f32; 6];
+        let (n, w, b) = (3, [1.0f32; 3], [0.0f32; 3]);
+        let (mut y, mut mean, mut rstd, mut dx, mut dw, mut db) = ([0f32; 6], [0f32; 2], [0f32; 2], [0f32; 6], [0f32; 3], [0f32; 3]);
+        let mismatch = |op, arg, expected, actual| Err(Error::LengthMismatch { op, arg, expected, actual });
+        let op = "layer_norm_forward";
+        assert_eq!(layer_norm_forward(&x, n, Some(&w), Some(&b), 1e-5, &mut y[..5], &mut mean, &mut rstd), mismatch(op, "y", 6, 5));
+        assert_eq!(layer_norm_forward(&x, n, Some(&w), Some(&b), 1e-5, &mut y, &mut mean[..1], &mut rstd), mismatch(op, "mean", 2, 1));
+        assert_eq!(layer_norm_forward(&x, n, Some(&w), Some(&b), 1e-5, &mut y, &mut mean, &mut [0f32; 3]), mismatch(op, "rstd", 2, 3));
+        assert_eq!(layer_norm_forward(&x, n, Some(&w[..2]), Some(&b), 1e-5, &mut y, &mut mean, &mut rstd), mismatch(op, "w", 3, 2));
+        assert_eq!(layer_norm_forward(&x, n, Some(&w), Some(&b[..1]), 1e-5, &mut y, &mut mean, &mut rstd), mismatch(op, "b", 3, 1));
+        assert!(matches!(layer_norm_forward(&x, 4, None, None, 1e-5, &mut y, &mut mean, &mut rstd), Err(Error::InvalidArgument { arg: "x", .. })));
+        assert_eq!(layer_norm_forward(&x, 0, None, None, 1e-5, &mut y, &mut [], &mut []), mismatch(op, "x", 0, 6));
+        layer_norm_forward(&x, n, Some(&w), Some(&b), 1e-5, &mut y, &mut mean, &mut rstd).unwrap();
+        let op = "layer_norm_backward";
+        assert_eq!(layer_norm_backward(&x, n, Some(&w), &mean, &rstd, &x[..3], &mut dx, None, None), mismatch(op, "dy", 6, 3));
+        assert_eq!(layer_norm_backward(&x, n, Some(&w), &mean, &rstd, &x, &mut dx[..4], None, None), mismatch(op, "dx", 6, 4));
+        assert_eq!(layer_norm_backward(&x, n, Some(&w), &mean[..1], &rstd, &x, &mut dx, None, None), mismatch(op, "mean", 2, 1));
+        assert_eq!(layer_norm_backward(&x, n, Some(&w), &mean, &[], &x, &mut dx, None, None), mismatch(op, "rstd", 2, 0));
+        assert_eq!(layer_norm_backward(&x, n, Some(&x), &mean, &rstd, &x, &mut dx, None, None), mismatch(op, "w", 3, 6));
+        assert_eq!(layer_norm_backward(&x, n, Some(&w), &mean, &rstd, &x, &mut dx, Some(&mut dw[..2]), None), mismatch(op, "dw", 3, 2));
+        assert_eq!(layer_norm_backward(&x, n, Some(&w), &mean, &rstd, &x, &mut dx, Some(&mut dw), Some(&mut db[..1])), mismatch(op, "db", 3, 1));
+        let op = "rms_norm_forward";
+        assert_eq!(rms_norm_forward(&x, n, Some(&w), 1e-5, &mut y[..1], &mut rstd), mismatch(op, "y", 6, 1));
+        assert_eq!(rms_norm_forward(&x, n, Some(&w), 1e-5, &mut y, &mut rstd[..1]), mismatch(op, "rstd", 2, 1));
+        assert_eq!(rms_norm_forward(&x, n, Some(&w[..1]), 1e-5, &mut y, &mut rstd), mismatch(op, "w", 3, 1));
+        let op = "rms_norm_backward";
+        assert_eq!(rms_norm_backward(&x, n, Some(&w), &rstd, &x[..5], &mut dx, None), mismatch(op, "dy", 6, 5));
+        assert_eq!(rms_norm_backward(&x, n, Some(&w), &rstd, &x, &mut dx[..5], None), mismatch(op, "dx", 6, 5));
+        assert_eq!(rms_norm_backward(&x, n, Some(&w), &rstd[..1], &x, &mut dx, None), mismatch(op, "rstd", 2, 1));
+        assert_eq!(rms_norm_backward(&x, n, Some(&w[..2]), &rstd, &x, &mut dx, None), mismatch(op, "w", 3, 2));
+        assert_eq!(rms_norm_backward(&x, n, None, &rstd, &x, &mut dx, Some(&mut dw[..1])), mismatch(op, "dw", 3, 1));
+        assert_eq!(rms_norm_backward(&x, n, None, &rstd, &x, &mut dx, Some(&mut dw)), Ok(()));
     }
 }

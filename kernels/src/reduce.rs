@@ -5,6 +5,7 @@
 //! row ([`sum_cols`]). Sums use eight fixed lanes, so results are deterministic (independent of
 //! threading) and the loop vectorizes.
 
+use crate::error::{check_eq, Error, Result};
 use crate::float::Float;
 use crate::threading::should_parallelize;
 use rayon::prelude::*;
@@ -77,8 +78,10 @@ fn reduce_row<T: Float>(row: &[T], op: RowOp) -> T {
     }
 }
 
-/// Reduces each row of `src` (rows of `row_len`) into one element of `dst`.
-pub fn rows<T: Float>(src: &[T], row_len: usize, dst: &mut [T], op: RowOp) {
+/// Reduces each row of `src` (rows of `row_len`) into one element of `dst`; `src` must hold
+/// `row_len · dst.len()` elements.
+pub fn rows<T: Float>(src: &[T], row_len: usize, dst: &mut [T], op: RowOp) -> Result<()> {
+    check_eq("rows", "src", src, row_len.saturating_mul(dst.len()))?;
     if row_len == 0 {
         let fill = match op {
             RowOp::Sum => T::zero(),
@@ -87,9 +90,8 @@ pub fn rows<T: Float>(src: &[T], row_len: usize, dst: &mut [T], op: RowOp) {
             RowOp::Mean | RowOp::Var { .. } => T::nan(),
         };
         dst.fill(fill);
-        return;
+        return Ok(());
     }
-    assert_eq!(src.len(), row_len * dst.len(), "rows: length mismatch");
     if should_parallelize(src.len()) && dst.len() > 1 {
         dst.par_iter_mut().zip(src.par_chunks(row_len)).for_each(|(o, r)| *o = reduce_row(r, op));
     } else {
@@ -97,12 +99,20 @@ pub fn rows<T: Float>(src: &[T], row_len: usize, dst: &mut [T], op: RowOp) {
             *o = reduce_row(r, op);
         }
     }
+    Ok(())
 }
 
 /// Index of the first maximum (or minimum when `min`) of each row; NaN counts as the maximum.
-pub fn arg_rows<T: Float>(src: &[T], row_len: usize, dst: &mut [u32], min: bool) {
-    assert!(row_len > 0, "arg_rows over empty rows");
-    assert_eq!(src.len(), row_len * dst.len(), "arg_rows: length mismatch");
+/// `src` must hold `row_len · dst.len()` elements, and rows must not be empty (unless there are
+/// none).
+pub fn arg_rows<T: Float>(src: &[T], row_len: usize, dst: &mut [u32], min: bool) -> Result<()> {
+    if row_len == 0 && !dst.is_empty() {
+        return Err(Error::InvalidArgument { op: "arg_rows", arg: "row_len", reason: "is 0: an empty row has no extremum" });
+    }
+    check_eq("arg_rows", "src", src, row_len.saturating_mul(dst.len()))?;
+    if dst.is_empty() {
+        return Ok(());
+    }
     for (o, r) in dst.iter_mut().zip(src.chunks(row_len)) {
         let mut best = 0usize;
         for (i, &x) in r.iter().enumerate() {
@@ -117,13 +127,14 @@ pub fn arg_rows<T: Float>(src: &[T], row_len: usize, dst: &mut [u32], min: bool)
         }
         *o = best as u32;
     }
+    Ok(())
 }
 
 /// Sums the `n_rows` rows of a `n_rows × n_cols` matrix into `dst[n_cols]` (column sums),
 /// in row order, so the result is deterministic.
-pub fn sum_cols<T: Float>(src: &[T], n_rows: usize, n_cols: usize, dst: &mut [T]) {
-    assert_eq!(src.len(), n_rows * n_cols, "sum_cols: length mismatch");
-    assert_eq!(dst.len(), n_cols, "sum_cols: dst length");
+pub fn sum_cols<T: Float>(src: &[T], n_rows: usize, n_cols: usize, dst: &mut [T]) -> Result<()> {
+    check_eq("sum_cols", "src", src, n_rows.saturating_mul(n_cols))?;
+    check_eq("sum_cols", "dst", dst, n_cols)?;
     let run = |col0: usize, out: &mut [T]| {
         out.fill(T::zero());
         let w = out.len();
@@ -140,6 +151,7 @@ pub fn sum_cols<T: Float>(src: &[T], n_rows: usize, n_cols: usize, dst: &mut [T]
     } else {
         run(0, dst);
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -150,19 +162,19 @@ mod tests {
     fn row_reductions() {
         let x = [1.0f64, 2., 3., 4., 10., -1., 5., 0.];
         let mut out = [0.0f64; 2];
-        rows(&x, 4, &mut out, RowOp::Sum);
+        rows(&x, 4, &mut out, RowOp::Sum).unwrap();
         assert_eq!(out, [10., 14.]);
-        rows(&x, 4, &mut out, RowOp::Max);
+        rows(&x, 4, &mut out, RowOp::Max).unwrap();
         assert_eq!(out, [4., 10.]);
-        rows(&x, 4, &mut out, RowOp::Min);
+        rows(&x, 4, &mut out, RowOp::Min).unwrap();
         assert_eq!(out, [1., -1.]);
-        rows(&x, 4, &mut out, RowOp::Var { correction: 1 });
+        rows(&x, 4, &mut out, RowOp::Var { correction: 1 }).unwrap();
         assert!((out[0] - 5.0 / 3.0).abs() < 1e-12);
         let mut idx = [0u32; 2];
-        arg_rows(&x, 4, &mut idx, false);
+        arg_rows(&x, 4, &mut idx, false).unwrap();
         assert_eq!(idx, [3, 0]);
         let mut cols = [0.0f64; 4];
-        sum_cols(&x, 2, 4, &mut cols);
+        sum_cols(&x, 2, 4, &mut cols).unwrap();
         assert_eq!(cols, [11., 1., 8., 4.]);
     }
 
@@ -170,7 +182,24 @@ mod tests {
     fn nan_propagates_through_max() {
         let x = [1.0f32, f32::NAN, 3.0];
         let mut out = [0.0f32];
-        rows(&x, 3, &mut out, RowOp::Max);
+        rows(&x, 3, &mut out, RowOp::Max).unwrap();
         assert!(out[0].is_nan());
+    }
+
+    #[test]
+    fn wrong_lengths_are_typed_errors() {
+        let x = [1.0f64; 8];
+        let mut out = [0.0f64; 3];
+        assert_eq!(rows(&x, 4, &mut out, RowOp::Sum), Err(Error::LengthMismatch { op: "rows", arg: "src", expected: 12, actual: 8 }));
+        assert_eq!(rows(&x, 0, &mut out, RowOp::Sum), Err(Error::LengthMismatch { op: "rows", arg: "src", expected: 0, actual: 8 }));
+        assert_eq!(rows(&x, usize::MAX, &mut out, RowOp::Sum), Err(Error::LengthMismatch { op: "rows", arg: "src", expected: usize::MAX, actual: 8 }));
+        assert_eq!(rows(&[], 0, &mut out, RowOp::Sum), Ok(()));
+        let mut idx = [0u32; 3];
+        assert_eq!(arg_rows(&x, 4, &mut idx, true), Err(Error::LengthMismatch { op: "arg_rows", arg: "src", expected: 12, actual: 8 }));
+        assert!(matches!(arg_rows(&[] as &[f64], 0, &mut idx, true), Err(Error::InvalidArgument { op: "arg_rows", arg: "row_len", .. })));
+        assert_eq!(arg_rows(&[] as &[f64], 0, &mut [], true), Ok(()));
+        let mut cols = [0.0f64; 4];
+        assert_eq!(sum_cols(&x, 3, 4, &mut cols), Err(Error::LengthMismatch { op: "sum_cols", arg: "src", expected: 12, actual: 8 }));
+        assert_eq!(sum_cols(&x, 2, 4, &mut cols[..3]), Err(Error::LengthMismatch { op: "sum_cols", arg: "dst", expected: 4, actual: 3 }));
     }
 }

@@ -128,6 +128,31 @@ macro_rules! float_map {
     };
 }
 
+/// [`float_map!`] with a fallible body: `try_float_map!(t, |x: T| body)` where `body` produces a
+/// `Result<Vec<T>, E>` (`E` converts into [`crate::Error`], e.g. a kernel's error); the first error
+/// is returned.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! try_float_map {
+    ($t:expr, |$x:ident : $T:ident| $body:expr) => {
+        $t.with_float_slice(|__s| -> $crate::Result<$crate::FloatVec> {
+            match __s {
+                $crate::FloatSlice::F32($x) => {
+                    #[allow(dead_code)]
+                    type $T = f32;
+                    Ok($crate::FloatVec::F32($body?))
+                }
+                $crate::FloatSlice::F64($x) => {
+                    #[allow(dead_code)]
+                    type $T = f64;
+                    Ok($crate::FloatVec::F64($body?))
+                }
+            }
+        })
+        .and_then(|r| r)
+    };
+}
+
 impl Tensor {
     // ---------------------------------------------------------------- construction
 
@@ -330,19 +355,19 @@ impl Tensor {
             CpuData::F32(v) if contiguous => Ok(f(FloatSlice::F32(&v[range]))),
             CpuData::F64(v) if contiguous => Ok(f(FloatSlice::F64(&v[range]))),
             CpuData::F32(v) => {
-                let g = gather(layout, v);
+                let g = gather(layout, v)?;
                 let r = f(FloatSlice::F32(&g));
                 crate::pool::give(g);
                 Ok(r)
             }
             CpuData::F64(v) => {
-                let g = gather(layout, v);
+                let g = gather(layout, v)?;
                 let r = f(FloatSlice::F64(&g));
                 crate::pool::give(g);
                 Ok(r)
             }
             CpuData::BF16(v) => {
-                let g = if contiguous { convert::bf16_vec_to_f32(&v[range]) } else { convert::bf16_vec_to_f32(&gather(layout, v)) };
+                let g = if contiguous { convert::bf16_vec_to_f32(&v[range]) } else { convert::bf16_vec_to_f32(&gather(layout, v)?) };
                 Ok(f(FloatSlice::F32(&g)))
             }
             CpuData::U32(_) => Err(Error::UnsupportedDType { op: "float op", dtype: DType::U32 }),
@@ -357,7 +382,7 @@ impl Tensor {
         }
         let data = self.0.storage.read()?;
         match &*data {
-            CpuData::U32(v) => Ok(gather(&self.0.layout, v)),
+            CpuData::U32(v) => gather(&self.0.layout, v),
             other => Err(Error::DTypeMismatch { op: "to_u32_vec", lhs: other.dtype(), rhs: DType::U32 }),
         }
     }
@@ -408,10 +433,10 @@ impl Tensor {
         let data = self.0.storage.read()?;
         let l = &self.0.layout;
         Ok(match &*data {
-            CpuData::F32(v) => CpuData::F32(gather(l, v)),
-            CpuData::F64(v) => CpuData::F64(gather(l, v)),
-            CpuData::BF16(v) => CpuData::BF16(gather(l, v)),
-            CpuData::U32(v) => CpuData::U32(gather(l, v)),
+            CpuData::F32(v) => CpuData::F32(gather(l, v)?),
+            CpuData::F64(v) => CpuData::F64(gather(l, v)?),
+            CpuData::BF16(v) => CpuData::BF16(gather(l, v)?),
+            CpuData::U32(v) => CpuData::U32(gather(l, v)?),
         })
     }
 
@@ -551,7 +576,7 @@ impl Tensor {
             CpuData::BF16(v) => {
                 let mut tmp = convert::bf16_vec_to_f32(&v[l.clone()]);
                 f(&mut tmp);
-                convert::f32_to_bf16(&tmp, &mut v[l]);
+                convert::f32_to_bf16(&tmp, &mut v[l])?;
                 Ok(())
             }
             other => Err(Error::DTypeMismatch { op: "update_f32_", lhs: other.dtype(), rhs: DType::F32 }),
@@ -588,14 +613,16 @@ impl Tensor {
         let src = self.prepare_source("add_assign_", other)?;
         match src {
             FloatVec::F32(s) => {
-                let r = self.update_(|d| elementwise::zip_map_inplace(d, &s, |a, b| a + b), |_| {});
+                let mut added = Ok(());
+                let r = self.update_(|d| added = elementwise::zip_map_inplace(d, &s, |a, b| a + b), |_| {});
                 crate::pool::give(s);
-                r
+                r.and(added.map_err(Error::from))
             }
             FloatVec::F64(s) => {
-                let r = self.update_(|_| {}, |d| elementwise::zip_map_inplace(d, &s, |a, b| a + b));
+                let mut added = Ok(());
+                let r = self.update_(|_| {}, |d| added = elementwise::zip_map_inplace(d, &s, |a, b| a + b));
                 crate::pool::give(s);
-                r
+                r.and(added.map_err(Error::from))
             }
         }
     }
@@ -650,8 +677,8 @@ impl Tensor {
             // Same compute type: one (pooled) gather, no intermediate copy.
             let data = other.storage().read()?;
             match (&*data, want_f64) {
-                (CpuData::F32(v), false) => return Ok(FloatVec::F32(gather(other.layout(), v))),
-                (CpuData::F64(v), true) => return Ok(FloatVec::F64(gather(other.layout(), v))),
+                (CpuData::F32(v), false) => return Ok(FloatVec::F32(gather(other.layout(), v)?)),
+                (CpuData::F64(v), true) => return Ok(FloatVec::F64(gather(other.layout(), v)?)),
                 _ => {}
             }
         }
@@ -665,15 +692,20 @@ impl Tensor {
     }
 }
 
-/// Gathers the elements a layout selects into a contiguous vector.
-pub(crate) fn gather<T: crate::pool::Pooled + Sync>(layout: &Layout, src: &[T]) -> Vec<T> {
+/// Gathers the elements a layout selects into a contiguous vector; a layout reaching past `src`
+/// is a kernel error.
+pub(crate) fn gather<T: crate::pool::Pooled + Sync>(layout: &Layout, src: &[T]) -> Result<Vec<T>> {
     let n = layout.numel();
     if layout.is_contiguous() {
-        return crate::pool::copied(&src[layout.offset()..layout.offset() + n]);
+        let range = layout.offset()..layout.offset() + n;
+        let Some(contiguous) = src.get(range) else {
+            return Err(Error::Kernel(rtx_kernels::Error::BufferTooSmall { op: "gather", buffer: "src", needed: layout.offset() + n, actual: src.len() }));
+        };
+        return Ok(crate::pool::copied(contiguous));
     }
     let mut out = crate::pool::take::<T>(n);
-    elementwise::strided_copy(layout.shape(), src, layout.offset(), layout.strides(), &mut out);
-    out
+    elementwise::strided_copy(layout.shape(), src, layout.offset(), layout.strides(), &mut out)?;
+    Ok(out)
 }
 
 impl fmt::Debug for Tensor {

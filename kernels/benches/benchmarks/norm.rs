@@ -21,13 +21,13 @@ fn bench_layer_norm(c: &mut Criterion) {
         group.throughput(Throughput::Elements((rows * n) as u64));
         group.bench_function(BenchmarkId::new("forward", format!("{rows}x{n}")), |bench| {
             bench.iter(|| {
-                layer_norm_forward(&x, n, Some(&w), Some(&b), 1e-5, &mut y, &mut mean, &mut rstd);
+                layer_norm_forward(&x, n, Some(&w), Some(&b), 1e-5, &mut y, &mut mean, &mut rstd).unwrap();
                 black_box(&y);
             })
         });
         group.bench_function(BenchmarkId::new("backward", format!("{rows}x{n}")), |bench| {
             bench.iter(|| {
-                layer_norm_backward(&x, n, Some(&w), &mean, &rstd, &dy, &mut dx, Some(&mut dw), Some(&mut db));
+                layer_norm_backward(&x, n, Some(&w), &mean, &rstd, &dy, &mut dx, Some(&mut dw), Some(&mut db)).unwrap();
                 black_box(&dx);
             })
         });

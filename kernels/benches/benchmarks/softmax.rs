@@ -19,14 +19,14 @@ fn bench_softmax(c: &mut Criterion) {
         group.throughput(Throughput::Elements((rows * cols) as u64));
         group.bench_function(BenchmarkId::new("forward", format!("{rows}x{cols}")), |bench| {
             bench.iter(|| {
-                softmax_rows(&x, cols, &mut y);
+                softmax_rows(&x, cols, &mut y).unwrap();
                 black_box(&y);
             })
         });
-        softmax_rows(&x, cols, &mut y);
+        softmax_rows(&x, cols, &mut y).unwrap();
         group.bench_function(BenchmarkId::new("backward", format!("{rows}x{cols}")), |bench| {
             bench.iter(|| {
-                softmax_backward_rows(&y, &dy, cols, &mut dx);
+                softmax_backward_rows(&y, &dy, cols, &mut dx).unwrap();
                 black_box(&dx);
             })
         });

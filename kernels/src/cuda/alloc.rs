@@ -113,10 +113,13 @@ impl<T: DeviceElem> Buffer<T> {
         self.ptr
     }
 
-    /// The device address of element `idx` (which may be `len`, one past the end).
-    pub fn device_ptr_at(&self, idx: usize) -> sys::CUdeviceptr {
-        assert!(idx <= self.len, "device_ptr_at: index {idx} past length {}", self.len);
-        self.ptr + (idx * std::mem::size_of::<T>()) as u64
+    /// The device address of element `idx` (which may be `len`, one past the end); an index
+    /// past that is a `BufferTooSmall` error.
+    pub fn device_ptr_at(&self, idx: usize) -> Result<sys::CUdeviceptr> {
+        if idx > self.len {
+            return Err(CudaError::BufferTooSmall { op: "device_ptr_at", buffer: "self", needed: idx, actual: self.len });
+        }
+        Ok(self.ptr + (idx * std::mem::size_of::<T>()) as u64)
     }
 }
 

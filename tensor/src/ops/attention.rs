@@ -131,7 +131,7 @@ fn packed<T: Compute + Element>(qkv: &Tensor, b: usize, t: usize, h: usize, d: u
     }
     // [B, H, T, D] -> [B, T, H, D].
     let mut out = crate::pool::take::<T>(n_heads * t * d);
-    strided_copy(&[b, t, h, d], &out_heads, 0, &[h * t * d, d, t * d, 1], &mut out);
+    strided_copy(&[b, t, h, d], &out_heads, 0, &[h * t * d, d, t * d, 1], &mut out)?;
     crate::pool::give(out_heads);
     let probs = Tensor::from_vec(probs, &[n_heads * t * t])?;
     let dtype = qkv.dtype();
@@ -155,7 +155,7 @@ fn packed<T: Compute + Element>(qkv: &Tensor, b: usize, t: usize, h: usize, d: u
             Ok(())
         })??;
         let mut dqkv = crate::pool::take::<T>(3 * per);
-        strided_copy(&[b, t, 3, h, d], &grads, 0, &[h * t * d, d, per, t * d, 1], &mut dqkv);
+        strided_copy(&[b, t, 3, h, d], &grads, 0, &[h * t * d, d, per, t * d, 1], &mut dqkv)?;
         crate::pool::give(grads);
         Ok(vec![Some(Tensor::from_data(T::wrap(dqkv).into_data(dtype), &[b, t, 3 * c])?)])
     })

@@ -81,12 +81,12 @@ pub(crate) fn broadcast_apply<F: ZipFn>(op: &'static str, a: &Tensor, b: &Tensor
     let out = match (&*da, &*db) {
         (CpuData::F32(x), CpuData::F32(y)) => {
             let mut o = crate::pool::take::<f32>(n);
-            broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q));
+            broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q))?;
             FloatVec::F32(o)
         }
         (CpuData::F64(x), CpuData::F64(y)) => {
             let mut o = crate::pool::take::<f64>(n);
-            broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q));
+            broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q))?;
             FloatVec::F64(o)
         }
         (x, y) => return Err(Error::DTypeMismatch { op, lhs: x.dtype(), rhs: y.dtype() }),
@@ -105,8 +105,8 @@ fn compare<F: CmpFn>(op: &'static str, a: &Tensor, b: &Tensor, f: F) -> Result<T
     let mut o = crate::pool::take::<u32>(n);
     let (da, db) = (a.storage().read()?, b.storage().read()?);
     match (&*da, &*db) {
-        (CpuData::F32(x), CpuData::F32(y)) => broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q) as u32),
-        (CpuData::F64(x), CpuData::F64(y)) => broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q) as u32),
+        (CpuData::F32(x), CpuData::F32(y)) => broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q) as u32)?,
+        (CpuData::F64(x), CpuData::F64(y)) => broadcast_zip_map(&shape, x, la.offset(), la.strides(), y, lb.offset(), lb.strides(), &mut o, move |p, q| f.apply(p, q) as u32)?,
         (x, y) => return Err(Error::DTypeMismatch { op, lhs: x.dtype(), rhs: y.dtype() }),
     }
     Tensor::from_vec(o, &shape)

@@ -135,10 +135,10 @@ fn layer_norm_typed<T: Compute>(x: &Tensor, n: usize, weight: Option<&Tensor>, b
     let y = x.with_float_slice(|s| {
         T::pick(s).map(|xs| {
             let mut y = crate::pool::take::<T>(xs.len());
-            k::layer_norm_forward(xs, n, w.as_deref(), b.as_deref(), T::from_f64_lossy(eps), &mut y, &mut mean, &mut rstd);
-            y
+            k::layer_norm_forward(xs, n, w.as_deref(), b.as_deref(), T::from_f64_lossy(eps), &mut y, &mut mean, &mut rstd).map(|()| y)
         })
-    })?;
+    })?
+    .transpose()?;
     let y = y.ok_or(Error::UnsupportedDType { op: OP, dtype: x.dtype() })?;
     debug_assert_eq!(y.len(), x.numel());
 
@@ -154,9 +154,8 @@ fn layer_norm_typed<T: Compute>(x: &Tensor, n: usize, weight: Option<&Tensor>, b
             let mut dx = crate::pool::take::<T>(xs.len());
             let mut dw = want_w.then(|| vec![T::zero(); n]);
             let mut db = want_b.then(|| vec![T::zero(); n]);
-            k::layer_norm_backward(xs, n, w.as_deref(), &mean, &rstd, gs, &mut dx, dw.as_deref_mut(), db.as_deref_mut());
-            (dx, dw, db)
-        })?;
+            k::layer_norm_backward(xs, n, w.as_deref(), &mean, &rstd, gs, &mut dx, dw.as_deref_mut(), db.as_deref_mut()).map(|()| (dx, dw, db))
+        })??;
         let mut grads = vec![Some(grad_tensor(dx, dtype, input.shape())?)];
         if has_w {
             grads.push(dw.map(|v| grad_tensor(v, dtype, &[n])).transpose()?);
@@ -176,10 +175,10 @@ fn rms_norm_typed<T: Compute>(x: &Tensor, n: usize, weight: Option<&Tensor>, eps
     let y = x.with_float_slice(|s| {
         T::pick(s).map(|xs| {
             let mut y = crate::pool::take::<T>(xs.len());
-            k::rms_norm_forward(xs, n, w.as_deref(), T::from_f64_lossy(eps), &mut y, &mut rstd);
-            y
+            k::rms_norm_forward(xs, n, w.as_deref(), T::from_f64_lossy(eps), &mut y, &mut rstd).map(|()| y)
         })
-    })?;
+    })?
+    .transpose()?;
     let y = y.ok_or(Error::UnsupportedDType { op: OP, dtype: x.dtype() })?;
     debug_assert_eq!(y.len(), x.numel());
 
@@ -193,9 +192,8 @@ fn rms_norm_typed<T: Compute>(x: &Tensor, n: usize, weight: Option<&Tensor>, eps
         let (dx, dw) = with_two_slices::<T, _>(OP, &input, g, |xs, gs| {
             let mut dx = crate::pool::take::<T>(xs.len());
             let mut dw = want_w.then(|| vec![T::zero(); n]);
-            k::rms_norm_backward(xs, n, w.as_deref(), &rstd, gs, &mut dx, dw.as_deref_mut());
-            (dx, dw)
-        })?;
+            k::rms_norm_backward(xs, n, w.as_deref(), &rstd, gs, &mut dx, dw.as_deref_mut()).map(|()| (dx, dw))
+        })??;
         let mut grads = vec![Some(grad_tensor(dx, dtype, input.shape())?)];
         if has_w {
             grads.push(dw.map(|v| grad_tensor(v, dtype, &[n])).transpose()?);

@@ -58,24 +58,23 @@ fn reduce_values(op_name: &'static str, x: &Tensor, dims: &[usize], op: RowOp) -
         let n_rows: usize = dims.iter().map(|&d| x.shape()[d]).product();
         let n_cols = x.numel() / n_rows.max(1);
         let mean = matches!(op, RowOp::Mean);
-        return crate::float_map!(x, |s: T| {
+        return crate::try_float_map!(x, |s: T| {
             let mut out = crate::pool::zeroed::<T>(n_cols);
             if n_rows > 0 {
-                reduce::sum_cols(s, n_rows, n_cols, &mut out);
+                reduce::sum_cols(s, n_rows, n_cols, &mut out)?;
             }
             if mean {
                 let k = T::from_f64_lossy(1.0 / n_rows as f64);
                 out.iter_mut().for_each(|v| *v = *v * k);
             }
-            out
+            Ok::<_, Error>(out)
         });
     }
     let _ = op_name;
     let (rows, n_rows, row_len) = as_rows(x, dims)?;
-    crate::float_map!(rows, |s: T| {
+    crate::try_float_map!(rows, |s: T| {
         let mut out = crate::pool::zeroed::<T>(n_rows);
-        reduce::rows(s, row_len, &mut out, op);
-        out
+        reduce::rows(s, row_len, &mut out, op).map(|()| out)
     })
 }
 
@@ -175,7 +174,7 @@ impl Tensor {
         rows.with_float_slice(|s| match s {
             crate::tensor::FloatSlice::F32(x) => reduce::arg_rows(x, row_len, &mut out, min),
             crate::tensor::FloatSlice::F64(x) => reduce::arg_rows(x, row_len, &mut out, min),
-        })?;
+        })??;
         Tensor::from_vec(out, &reduced_shape(self.shape(), &[d], keepdim))
     }
 

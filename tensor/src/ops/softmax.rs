@@ -57,14 +57,14 @@ impl Tensor {
             return self.transpose(d as isize, last as isize)?.softmax_impl(-1, log)?.transpose(d as isize, last as isize);
         }
         let n = self.shape()[last];
-        let values = crate::float_map!(self, |x: T| {
+        let values = crate::try_float_map!(self, |x: T| {
             let mut out = crate::pool::take::<T>(x.len());
             if log {
-                k::log_softmax_rows(x, n, &mut out);
+                k::log_softmax_rows(x, n, &mut out)
             } else {
-                k::softmax_rows(x, n, &mut out);
+                k::softmax_rows(x, n, &mut out)
             }
-            out
+            .map(|()| out)
         })?;
         let dtype = self.dtype();
         Tensor::from_op(values, self.shape(), dtype, name, &[self], move |g: &Tensor, y: &Tensor| {
@@ -73,17 +73,15 @@ impl Tensor {
                 g.with_float_slice(|gs| match (ys, gs) {
                     (FloatSlice::F32(a), FloatSlice::F32(b)) => {
                         let mut o = crate::pool::take::<f32>(a.len());
-                        if log { k::log_softmax_backward_rows(a, b, n, &mut o) } else { k::softmax_backward_rows(a, b, n, &mut o) }
-                        FloatVec::F32(o)
+                        if log { k::log_softmax_backward_rows(a, b, n, &mut o) } else { k::softmax_backward_rows(a, b, n, &mut o) }.map(|()| FloatVec::F32(o))
                     }
                     (FloatSlice::F64(a), FloatSlice::F64(b)) => {
                         let mut o = crate::pool::take::<f64>(a.len());
-                        if log { k::log_softmax_backward_rows(a, b, n, &mut o) } else { k::softmax_backward_rows(a, b, n, &mut o) }
-                        FloatVec::F64(o)
+                        if log { k::log_softmax_backward_rows(a, b, n, &mut o) } else { k::softmax_backward_rows(a, b, n, &mut o) }.map(|()| FloatVec::F64(o))
                     }
-                    _ => FloatVec::F64(Vec::new()),
+                    _ => Ok(FloatVec::F64(Vec::new())),
                 })
-            })??;
+            })???;
             Ok(vec![Some(Tensor::from_data(dx.into_data(dtype), y.shape())?)])
         })
     }

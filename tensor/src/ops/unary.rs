@@ -75,10 +75,9 @@ map_fn!(
 /// Applies a [`MapFn`] and records its backward `g ⊙ f'(x, y)`.
 pub(crate) fn unary<F: MapFn>(x: &Tensor, f: F) -> Result<Tensor> {
     check_float(F::NAME, x)?;
-    let values = crate::float_map!(x, |s: T| {
+    let values = crate::try_float_map!(x, |s: T| {
         let mut out = crate::pool::take::<T>(s.len());
-        elementwise::map(s, &mut out, move |v| f.f(v));
-        out
+        elementwise::map(s, &mut out, move |v| f.f(v)).map(|()| out)
     })?;
     let input = x.detach();
     Tensor::from_op(values, x.shape(), x.dtype(), F::NAME, &[x], move |g: &Tensor, out: &Tensor| {
@@ -135,14 +134,13 @@ fn derivative<F: MapFn>(x: &Tensor, y: &Tensor, f: F) -> Result<Tensor> {
         ys.with_float_slice(|yv| match (xv, yv) {
             (FloatSlice::F32(a), FloatSlice::F32(b)) => {
                 let mut o = crate::pool::take::<f32>(a.len());
-                elementwise::zip_map(a, b, &mut o, move |p, q| f.df(p, q));
-                FloatVec::F32(o)
+                elementwise::zip_map(a, b, &mut o, move |p, q| f.df(p, q)).map(|()| FloatVec::F32(o))
             }
-            (FloatSlice::F64(a), FloatSlice::F64(b)) => FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p, q)).collect()),
-            (FloatSlice::F32(a), FloatSlice::F64(b)) => FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p as f64, q)).collect()),
-            (FloatSlice::F64(a), FloatSlice::F32(b)) => FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p, q as f64)).collect()),
+            (FloatSlice::F64(a), FloatSlice::F64(b)) => Ok(FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p, q)).collect())),
+            (FloatSlice::F32(a), FloatSlice::F64(b)) => Ok(FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p as f64, q)).collect())),
+            (FloatSlice::F64(a), FloatSlice::F32(b)) => Ok(FloatVec::F64(a.iter().zip(b).map(|(&p, &q)| f.df(p, q as f64)).collect())),
         })
-    })??;
+    })???;
     Tensor::from_data(values.into_data(x.dtype()), x.shape())
 }
 
