@@ -39,7 +39,7 @@ pub use cluster::{run_seed, Outcome, RunOptions, Violation};
 pub use control::{ControlConfig, ControlNet, SlotDialer};
 pub use error::{Result, SimError};
 pub use job::{Dataset, JobShape, Ledger, SimJob, Trained};
-pub use network::{run, LinkModel, SimConfig, SimNetwork, SimTransport};
+pub use network::{run, LinkModel, SimConfig, SimNetwork, SimTransport, WireModel};
 pub use scenario::{ElasticShape, Fault, FaultKind, NetShape, RandomFaults, Scenario, Trigger};
 pub use swarm::{swarm, SwarmReport};
 pub use trace::TraceHash;
