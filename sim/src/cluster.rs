@@ -424,7 +424,11 @@ impl Cluster {
         let options = WorkerOptions::new(self.addr, self.token.clone(), format!("slot-{slot}"));
         let (shape, data, ledger) = (self.scenario.job.clone(), Arc::clone(&self.data), Arc::clone(&self.ledger));
         let exits = self.exits.clone();
+        let startup = if self.start.elapsed().is_zero() { Duration::ZERO } else { self.scenario.startup };
         let task = tokio::task::spawn_local(async move {
+            if !startup.is_zero() {
+                tokio::time::sleep(startup).await;
+            }
             let result = rtx_supervisor::run_node(options, env, move |spec| SimJob::new(spec.node, shape, data, ledger).map_err(|e| e.to_string())).await;
             let status = match result {
                 Ok(outcome) => format!("exited: {outcome:?}"),

@@ -477,8 +477,11 @@ async fn deliver(shared: Arc<Shared>, link: usize) {
         if let (Some(expected), Some(field)) = (state.generation, frame.get(GENERATION_FIELD)) {
             let mut bytes = [0u8; 8];
             bytes.copy_from_slice(field);
-            if u64::from_le_bytes(bytes) != expected {
+            let generation = u64::from_le_bytes(bytes);
+            if generation != expected {
                 state.foreign_generation += 1;
+                let op = frame.get(6).copied();
+                tracing::warn!(from, to, generation, expected, op, len = frame.len(), "a frame of another generation was delivered");
             }
         }
         if let Some(Some(tx)) = state.inboxes.get(to) {

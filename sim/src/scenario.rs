@@ -16,7 +16,9 @@
 //! it is in, for `for_ms` or until its transport is aborted; its heartbeats and control messages
 //! flow as ever). `join` (a new worker joins: it starts in `node`'s slot if that one is free, else
 //! in the lowest free slot — a spare (`spares` slots exist beyond `workers`, idle at the start) or
-//! a dead node's; nothing happens if every slot runs).
+//! a dead node's; nothing happens if every slot runs; the supervisor refuses it if the job already
+//! has `workers` members). A node process started after time zero (restart, replacement, join)
+//! takes `startup_ms` (top level, default 0) before it dials the supervisor.
 //!
 //! Besides `at_ms` and `at_step`, a fault may fire `after_ms` (default 0) after the `at_loss`-th
 //! member loss the supervisor reports (1 = the first): the supervisor re-forms the group right
@@ -60,6 +62,8 @@ pub struct Scenario {
     pub workers: usize,
     /// Further node slots, idle at the start: replacements and `join` faults start there.
     pub spares: usize,
+    /// How long a started node process takes before it dials the supervisor (0 at time zero).
+    pub startup: Duration,
     /// Fewest workers that may train.
     pub min_workers: usize,
     /// Liveness bound: the job must finish within this much virtual time.
@@ -195,6 +199,8 @@ struct File {
     workers: usize,
     #[serde(default)]
     spares: usize,
+    #[serde(default)]
+    startup_ms: u64,
     min_workers: usize,
     max_virtual_s: f64,
     job: FileJob,
@@ -368,6 +374,7 @@ impl Scenario {
             name: file.name,
             workers: file.workers,
             spares: file.spares,
+            startup: ms(file.startup_ms),
             min_workers: file.min_workers,
             max_virtual: Duration::from_secs_f64(file.max_virtual_s),
             job: JobShape {
