@@ -289,6 +289,7 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
             JobEvent::CheckpointFailed { step, reason } => progress.line(&format!("checkpoint after step {} FAILED (the previous one stays valid): {reason}", step + 1)),
             JobEvent::Finished { eval, replicas_identical, overhead, outside_steps, .. } => finished = Some((eval.clone(), *replicas_identical, *overhead, *outside_steps)),
             JobEvent::Failed { reason } => failed = Some(reason.clone()),
+            JobEvent::Suspect { reason } => progress.line(&format!("suspect: {reason}")),
         }
     }
     progress.finish();
@@ -327,6 +328,7 @@ fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
         JobEvent::CheckpointFailed { step, reason } => json!({ "t": t, "event": "checkpoint_failed", "step": step, "reason": reason }),
         JobEvent::Finished { eval, replicas_identical, checksum, overhead, outside_steps } => json!({ "t": t, "event": "finished", "eval": eval, "replicas_identical": replicas_identical, "checksum": format!("{checksum:016x}"), "runtime_overhead": overhead, "outside_steps": outside_steps }),
         JobEvent::Failed { reason } => json!({ "t": t, "event": "failed", "reason": reason }),
+        JobEvent::Suspect { reason } => json!({ "t": t, "event": "suspect", "reason": reason }),
     }
 }
 

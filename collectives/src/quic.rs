@@ -560,6 +560,11 @@ impl Transport for QuicTransport {
         self.shared.route.send_replace(Some(Route::Push(sink)));
         true
     }
+
+    fn abort(&self) {
+        lock(&self.shared.side).take();
+        self.shared.endpoint.close(1u32.into(), b"aborted");
+    }
 }
 
 /// Closes the connection if a frame write is abandoned half-way (the future dropped): the peer

@@ -106,6 +106,14 @@ pub trait Transport: Send + Sync + 'static {
     /// (shared memory) must have them take over now. The default does nothing.
     fn poll_ended(&self) {}
 
+    /// Aborts the transport at once, without draining: every send that waits (for ring space or
+    /// flow control) and every later send fails with [`crate::Error::TransportClosed`], reading
+    /// stops, and peers see the link end. The worker calls it when the supervisor starts a new
+    /// generation, so that no operation of the old one can stay blocked on a dead or stopped peer.
+    /// Must not block. The default does nothing: for a transport none of whose operations can
+    /// block past a generation change (the group's generation bump already fails its receives).
+    fn abort(&self) {}
+
     /// Offers push delivery: a transport that returns `true` hands every later event to `sink`
     /// (from whichever thread read it, in the order [`recv`](Self::recv) would have returned them,
     /// per peer) and calls [`EventSink::closed`] when it shuts down; the endpoint then does not call

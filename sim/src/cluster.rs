@@ -852,7 +852,7 @@ impl Checker {
                     }
                 }
             }
-            JobEvent::Joined { .. } | JobEvent::Refused { .. } => {}
+            JobEvent::Joined { .. } | JobEvent::Refused { .. } | JobEvent::Suspect { .. } => {}
         }
     }
 

@@ -34,6 +34,13 @@ pub trait CheckpointStore: Send + Sync + 'static {
     /// Stores the checkpoint taken after `step`, whole or not at all (on an error the last good
     /// checkpoint must be intact); returns where it went, or why it failed.
     fn store(&self, step: u64, tensors: &[(String, Tensor)], metadata: &BTreeMap<String, String>) -> std::result::Result<String, String>;
+
+    /// Reads back the checkpoint `store` returned `location` for: its tensors and metadata. The
+    /// default reads a safetensors file at that path (what [`FileStore`] writes). The
+    /// supervisor hands a location to a new generation when every holder of newer state is gone.
+    fn load(&self, location: &str) -> std::result::Result<(Vec<(String, Tensor)>, BTreeMap<String, String>), String> {
+        load_tensors(Path::new(location)).map_err(|e| format!("cannot read checkpoint {location}: {e}"))
+    }
 }
 
 /// Checkpoint files `step-NNNNNNNN.safetensors` in a folder, written atomically.
@@ -186,6 +193,18 @@ pub fn checkpoint_tensors<M: Module>(model: &M, state: Vec<(String, Tensor)>) ->
 /// `build_optimizer` over whole parameters) and the step it was taken after.
 pub fn load<M: Module, O: Optimizer>(path: &Path, model: &M, build_optimizer: impl FnOnce(&[ParamSlice]) -> std::result::Result<O, String>) -> Result<(Vec<(String, Tensor)>, u64)> {
     let (tensors, meta) = load_tensors(path)?;
+    install(path, &tensors, &meta, model, build_optimizer)
+}
+
+/// [`load`] from a store's `location` (see [`CheckpointStore::load`]).
+pub fn load_from<M: Module, O: Optimizer>(store: &dyn CheckpointStore, location: &str, model: &M, build_optimizer: impl FnOnce(&[ParamSlice]) -> std::result::Result<O, String>) -> Result<(Vec<(String, Tensor)>, u64)> {
+    let (tensors, meta) = store.load(location).map_err(SupervisorError::Job)?;
+    install(Path::new(location), &tensors, &meta, model, build_optimizer)
+}
+
+/// Installs checkpoint `tensors` (read from `path`) into `model`; returns the optimizer state
+/// and the step.
+fn install<M: Module, O: Optimizer>(path: &Path, tensors: &[(String, Tensor)], meta: &BTreeMap<String, String>, model: &M, build_optimizer: impl FnOnce(&[ParamSlice]) -> std::result::Result<O, String>) -> Result<(Vec<(String, Tensor)>, u64)> {
     let step: u64 = meta.get("step").and_then(|s| s.parse().ok()).ok_or_else(|| SupervisorError::Job(format!("checkpoint {} has no step", path.display())))?;
     let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let params = model.named_parameters();

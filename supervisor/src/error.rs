@@ -19,6 +19,10 @@ pub enum SupervisorError {
     /// A configuration value is wrong.
     #[error("invalid configuration: {reason}")]
     InvalidConfig { reason: String },
+    /// The supervisor started a newer generation while this one was still connecting or
+    /// syncing: it was abandoned at once.
+    #[error("generation {generation} was superseded by generation {newer} while it was starting")]
+    Superseded { generation: u64, newer: u64 },
     /// The training job (model, data, loss) failed.
     #[error("training job: {0}")]
     Job(String),

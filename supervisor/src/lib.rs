@@ -7,7 +7,8 @@
 //! ([`protocol`]), receive rank certificates from the cluster CA, and train the [`TrainJob`] with
 //! the data-parallel engine of `rtx-pipelines` over mutually authenticated QUIC collectives.
 //! The supervisor detects crashes, hangs, network loss and preemption ([`FailureClass`]), and
-//! re-forms the group under a new generation from the newest surviving state, shrinking,
+//! re-forms the group under a new generation from the newest surviving state (never from less
+//! than the newest durable state: [`recovery`]), shrinking,
 //! replacing or growing as the [`ElasticConfig`] says. Rank 0 writes periodic checkpoints in the
 //! background ([`checkpoint`]).
 //!
@@ -23,6 +24,7 @@ mod error;
 mod job;
 pub mod launch;
 pub mod protocol;
+pub mod recovery;
 pub mod state;
 pub mod supervisor;
 pub mod worker;

@@ -34,8 +34,14 @@ pub enum ToSupervisor {
     Join { name: String, pid: u32, host: String, proof: Vec<u8> },
     /// Liveness and progress, every heartbeat interval.
     Heartbeat { node: u64, generation: u64, completed: Option<u64> },
-    /// Answer to `Prepare`: bound at `addr`, last completed step.
-    Ready { node: u64, generation: u64, addr: String, completed: Option<u64> },
+    /// The node agent got `Prepare` for `generation` and aborted the old one: sent by the control
+    /// path at once, whatever the compute thread is doing, so the supervisor can tell a stuck
+    /// compute thread (acknowledged, no `Ready`) from a dead or stopped process (neither).
+    Preparing { node: u64, generation: u64 },
+    /// Answer to `Prepare`: bound at `addr`; `completed` is the newest step whose whole state
+    /// (parameters and full optimizer state) this member holds alone; `zero1` what it holds of a
+    /// ZeRO-1 layout (its own and its buddy's segment states), if anything.
+    Ready { node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Option<Zero1Held> },
     /// A step finished on this worker. `checksum` (of the parameter bits) on verification steps.
     StepDone { node: u64, generation: u64, step: u64, loss: f64, samples: u64, checksum: Option<u64> },
     /// A step failed on this worker (usually because a peer failed).
@@ -71,15 +77,42 @@ pub enum ToWorker {
     /// certificate (DER: CA, leaf, PKCS#8 key), then answer `Ready`.
     Prepare { generation: u64, rank: u32, world: u32, ca: Vec<u8>, cert: Vec<u8>, key: Vec<u8> },
     /// Connect to `addrs` (by rank) — or, with `shm_job`, through shared-memory rings of that
-    /// name (every member on one machine) — take the state of rank `source`, train from
+    /// name (every member on one machine) — take the state from `source`, train from
     /// `next_step` up to (not including) `stop_step`.
-    Start { generation: u64, addrs: Vec<String>, source: u32, next_step: u64, stop_step: u64, shm_job: Option<String> },
+    Start { generation: u64, addrs: Vec<String>, source: StateSource, next_step: u64, stop_step: u64, shm_job: Option<String> },
     /// Too few workers: abort generation < `generation` and wait for the next `Prepare`.
     Pause { generation: u64 },
     /// Training is complete: report `Finished` and exit.
     Finish,
     /// Leave the job now (evicted after a hang, or the answer to `Leaving`).
     Evict { reason: String },
+}
+
+/// What a ZeRO-1 member holds between generations: the segment states (parameter and optimizer
+/// segments) of segments `rank` (its own) and `(rank + world - 1) % world` (its buddy's) of the
+/// layout of `world` ranks it trained in during `generation`, both as of `step`.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Zero1Held {
+    pub generation: u64,
+    pub world: u32,
+    pub rank: u32,
+    pub step: u64,
+}
+
+/// Where a new generation takes its state from (decided by [`crate::recovery::plan_recovery`]).
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq, Eq)]
+pub enum StateSource {
+    /// Nothing to restore: every member starts from what it built at boot (initial parameters, or
+    /// the `--resume` checkpoint every worker loaded).
+    Initial,
+    /// Member `rank` (of the new generation) holds the whole state: it broadcasts it.
+    Member { rank: u32 },
+    /// Rebuild the state of `step` from the segments of the ZeRO-1 layout of `world` ranks: old
+    /// segment `i` is sent by the member of new rank `holders[i]`.
+    Zero1Segments { step: u64, world: u32, holders: Vec<u32> },
+    /// Every holder of newer state is gone: rank 0 loads the checkpoint at `location` (of step
+    /// `step`) through its checkpoint store and broadcasts it.
+    Checkpoint { location: String, step: u64 },
 }
 
 /// One member in a [`StatusReport`].

@@ -16,9 +16,21 @@
 //! the launcher). A step failure reported by a worker with no member found lost within
 //! `heartbeat_timeout` re-forms the same members under a new generation.
 //!
-//! Recovery point: the new generation starts from the newest step any member completed
-//! (a step completes on a rank only when every rank's gradients were combined, so that state is
-//! the job's), taken from that member by broadcast. At most the step in flight is lost.
+//! Recovery point: the new generation starts from the newest durable state ([`crate::recovery`]):
+//! the newest step any member holds whole (a step completes on a rank only when every rank's
+//! gradients were combined, so that state is the job's), ZeRO-1 segment copies that cover a
+//! layout, or the newest good checkpoint, whichever is newest; at most the step in flight is lost
+//! while a holder survives, and losing every holder at once resumes from the newest checkpoint,
+//! never from initial parameters.
+//!
+//! Stuck compute versus a dead process: the node agent acknowledges `Prepare` from its control
+//! path at once (`Preparing`), and answers `Ready` when its compute thread has left the old
+//! generation (the transport abort makes that milliseconds). A member that acknowledged but is not
+//! ready by `prepare_timeout` has a live control path and a stuck compute path; when that is true
+//! of half the members or more at once, the verdict is suspect (the cause is more likely shared:
+//! the supervisor, the network, the filesystem) and it is logged and reported as such
+//! ([`JobEvent::Suspect`]), and they get one more `prepare_timeout` before they are evicted.
+//! Either way the recovery rule above keeps what is durable.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -33,7 +45,8 @@ use tokio::time::Instant;
 
 use crate::config::{ElasticConfig, FailureClass, OnFailure, PlantedBug, Wire};
 use crate::error::{Result, SupervisorError};
-use crate::protocol::{self, JoinReply, MemberStatus, StatusReport, ToSupervisor, ToWorker, AGENT, EXPORTER_LABEL};
+use crate::protocol::{self, JoinReply, MemberStatus, StatusReport, ToSupervisor, ToWorker, Zero1Held, AGENT, EXPORTER_LABEL};
+use crate::recovery::{plan_recovery, Holding};
 
 /// How the supervisor is set up.
 #[derive(Clone, Debug)]
@@ -94,6 +107,9 @@ pub enum JobEvent {
     Finished { eval: Vec<(String, f64)>, replicas_identical: bool, checksum: u64, overhead: f64, outside_steps: f64 },
     /// The job failed.
     Failed { reason: String },
+    /// Something the supervisor decided on evidence it distrusts (a mass hang verdict), or a
+    /// fall back to older durable state because every holder of the newer state was lost.
+    Suspect { reason: String },
 }
 
 /// Requests to the process launcher.
@@ -156,7 +172,7 @@ type StepReport = (f64, u64, Option<u64>);
 
 enum Phase {
     Waiting { since: Instant },
-    Preparing { generation: u64, members: Vec<u64>, ready: BTreeMap<u64, (String, Option<u64>)>, since: Instant },
+    Preparing { generation: u64, members: Vec<u64>, ready: BTreeMap<u64, (String, Holding)>, acknowledged: Vec<u64>, since: Instant, extended: bool },
     Running { generation: u64, members: Vec<u64>, reports: BTreeMap<u64, BTreeMap<u64, StepReport>>, failed_since: Option<Instant> },
     Finishing { members: Vec<u64>, since: Instant },
     Done,
@@ -183,6 +199,8 @@ struct ClusterSupervisor {
     /// committed step stayed `.0`; and the last failed step's reason.
     stalled: (Option<u64>, u32),
     last_step_failure: Option<String>,
+    /// The newest good checkpoint: (step, location).
+    checkpoint: Option<(u64, String)>,
 }
 
 /// Most re-formations of the same members after a step failed with nobody lost, without any step
@@ -224,6 +242,7 @@ impl SupervisorHandle {
             run_id: format!("{:016x}", splitmix64(env.seed)),
             stalled: (None, 0),
             last_step_failure: None,
+            checkpoint: None,
         };
         let (actor, handle) = spawn("supervisor", state, 4096);
         let mut tasks = Vec::new();
@@ -373,7 +392,15 @@ impl ClusterSupervisor {
                 Ok(())
             }
             ToSupervisor::Heartbeat { .. } => Ok(()),
-            ToSupervisor::Ready { node, generation, addr, completed } => self.on_ready(node, generation, addr, completed).await,
+            ToSupervisor::Preparing { node, generation } => {
+                if let Phase::Preparing { generation: g, members, acknowledged, .. } = &mut self.phase {
+                    if *g == generation && members.contains(&node) && !acknowledged.contains(&node) {
+                        acknowledged.push(node);
+                    }
+                }
+                Ok(())
+            }
+            ToSupervisor::Ready { node, generation, addr, completed, zero1 } => self.on_ready(node, generation, addr, completed, zero1).await,
             ToSupervisor::StepDone { node, generation, step, loss, samples, checksum } => self.on_step_done(node, generation, step, loss, samples, checksum).await,
             ToSupervisor::StepFailed { node, generation, step, reason } => {
                 tracing::info!(node, generation, step, %reason, "step failed on a worker");
@@ -403,6 +430,9 @@ impl ClusterSupervisor {
                 self.check_finished().await
             }
             ToSupervisor::Checkpointed { step, path, .. } => {
+                if self.checkpoint.as_ref().is_none_or(|(s, _)| step >= *s) {
+                    self.checkpoint = Some((step, path.clone()));
+                }
                 self.emit(JobEvent::Checkpointed { step, path }).await;
                 Ok(())
             }
@@ -526,16 +556,16 @@ impl ClusterSupervisor {
             }
         }
         tracing::info!(generation, world, "preparing generation");
-        self.phase = Phase::Preparing { generation, members: candidates, ready: BTreeMap::new(), since: Instant::now() };
+        self.phase = Phase::Preparing { generation, members: candidates, ready: BTreeMap::new(), acknowledged: Vec::new(), since: Instant::now(), extended: false };
         Ok(())
     }
 
-    async fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>) -> Result<()> {
+    async fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Option<Zero1Held>) -> Result<()> {
         let Phase::Preparing { generation: g, members, ready, .. } = &mut self.phase else { return Ok(()) };
         if *g != generation || !members.contains(&node) {
             return Ok(());
         }
-        ready.insert(node, (addr, completed));
+        ready.insert(node, (addr, Holding { completed, zero1 }));
         if let Some(m) = self.members.get_mut(&node) {
             m.completed = completed;
         }
@@ -545,13 +575,16 @@ impl ClusterSupervisor {
         let members = members.clone();
         let ready = std::mem::take(ready);
         let addrs: Vec<String> = members.iter().map(|n| ready.get(n).map(|(a, _)| a.clone()).unwrap_or_default()).collect();
-        // The newest state wins; ties go to the lowest rank.
-        let (source, newest) = members.iter().enumerate().map(|(rank, n)| (rank, ready.get(n).and_then(|(_, c)| *c))).fold((0usize, None), |best, (rank, c)| if c > best.1 { (rank, c) } else { best });
-        let next_step = match newest {
-            Some(c) if self.options.elastic.planted_bug == PlantedBug::ReplayLastStep && generation > 1 => c,
-            Some(c) => c + 1,
-            None => self.options.resume_next_step,
-        };
+        let holdings: Vec<Holding> = members.iter().map(|n| ready.get(n).map(|(_, h)| h.clone()).unwrap_or_default()).collect();
+        let replay = self.options.elastic.planted_bug == PlantedBug::ReplayLastStep && generation > 1;
+        let recovery = plan_recovery(&holdings, self.checkpoint.as_ref().map(|(s, l)| (*s, l.as_str())), self.options.resume_next_step, self.committed, replay);
+        if let Some(from) = recovery.regressed_from {
+            let reason = format!("generation {generation}: every holder of committed step {from} is gone; resuming from {:?} at step {}", recovery.source, recovery.next_step);
+            tracing::warn!(generation, from, next_step = recovery.next_step, "{reason}");
+            self.emit(JobEvent::Suspect { reason }).await;
+        }
+        let next_step = recovery.next_step;
+        let source = recovery.source_rank();
         let hosts: std::collections::BTreeSet<&str> = members.iter().filter_map(|n| self.members.get(n).map(|m| m.host.as_str())).collect();
         let shm = match self.options.elastic.transport {
             Wire::Quic | Wire::Injected => false,
@@ -561,12 +594,12 @@ impl ClusterSupervisor {
         let shm_job = shm.then(|| format!("{}-g{generation}", self.run_id));
         for node in &members {
             if let Some(m) = self.members.get(node) {
-                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: source as u32, next_step, stop_step: self.end_step(), shm_job: shm_job.clone() }).await;
+                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: recovery.source.clone(), next_step, stop_step: self.end_step(), shm_job: shm_job.clone() }).await;
             }
         }
         let pids = members.iter().filter_map(|n| self.members.get(n).map(|m| m.pid)).collect();
-        tracing::info!(generation, world = members.len(), next_step, source, "generation started");
-        self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members[source], pids }).await;
+        tracing::info!(generation, world = members.len(), next_step, source, from = ?recovery.source, "generation started");
+        self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members.get(source).copied().unwrap_or_default(), pids }).await;
         if next_step >= self.end_step() {
             return self.finish(members).await;
         }
@@ -720,10 +753,28 @@ impl ClusterSupervisor {
                 let have = self.live_members().count();
                 return Err(SupervisorError::JobFailed { reason: format!("only {have} worker(s) after waiting {:?}; need {}", self.options.elastic.rendezvous_timeout, if self.started { self.options.elastic.min_workers } else { self.options.elastic.start_workers }) });
             }
-            Phase::Preparing { members, ready, since, .. } if now.duration_since(*since) > self.options.elastic.prepare_timeout => {
+            Phase::Preparing { members, ready, acknowledged, since, extended, .. } if now.duration_since(*since) > self.options.elastic.prepare_timeout => {
                 let late: Vec<u64> = members.iter().copied().filter(|n| !ready.contains_key(n)).collect();
+                // Late members whose control path is alive (they acknowledged, and are heard
+                // from) have a compute thread stuck in the old generation, not a dead process.
+                let alive: Vec<u64> = late.iter().copied().filter(|n| acknowledged.contains(n) && self.members.get(n).is_some_and(|m| now.duration_since(m.last_heard) <= timeout)).collect();
+                let mass = late.len() > 1 && late.len() * 2 >= members.len();
+                if mass {
+                    let reason = format!("{} of {} members did not answer Prepare within {:?} ({} of them with a live control path): a mass hang verdict is suspect{}", late.len(), members.len(), self.options.elastic.prepare_timeout, alive.len(), if *extended { "; evicting them now, the newest durable state is kept" } else { "; waiting once more" });
+                    tracing::warn!(late = late.len(), members = members.len(), alive = alive.len(), "{reason}");
+                    let first = !*extended;
+                    self.emit(JobEvent::Suspect { reason }).await;
+                    if first && !alive.is_empty() {
+                        if let Phase::Preparing { since, extended, .. } = &mut self.phase {
+                            *since = now;
+                            *extended = true;
+                        }
+                        return Ok(());
+                    }
+                }
                 for node in late {
-                    self.lose(node, FailureClass::Hang, "no answer to Prepare".into()).await?;
+                    let why = if alive.contains(&node) { "no answer to Prepare: compute stuck (its control path is alive)" } else { "no answer to Prepare" };
+                    self.lose(node, FailureClass::Hang, why.into()).await?;
                 }
             }
             Phase::Running { failed_since: Some(t), .. } if now.duration_since(*t) > timeout => {

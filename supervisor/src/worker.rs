@@ -45,7 +45,7 @@ use crate::checkpoint::{self, CheckpointStore, CheckpointWriter, FileStore, Writ
 use crate::error::{Result, SupervisorError};
 use crate::job::TrainJob;
 use crate::state;
-use crate::protocol::{self, JoinReply, ToSupervisor, ToWorker, EXPORTER_LABEL, SUPERVISOR};
+use crate::protocol::{self, JoinReply, StateSource, ToSupervisor, ToWorker, EXPORTER_LABEL, SUPERVISOR};
 
 /// How a worker process joins and behaves.
 #[derive(Clone, Debug)]
@@ -163,29 +163,77 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// The current generation's abort handle, shared by agent and worker.
+/// The current generation's abort handle, shared by agent and worker: its communicator and the
+/// transport under it, whatever the wire (QUIC, shared memory, an embedder's), and the newest
+/// generation the agent was told about. A generation registered after the agent already moved
+/// past it is aborted on registration (the `Prepare` overtook the `Start` on the compute path).
+struct AbortSlot(Mutex<SlotState>, tokio::sync::watch::Sender<u64>);
+
+impl Default for AbortSlot {
+    fn default() -> Self {
+        AbortSlot(Mutex::new(SlotState::default()), tokio::sync::watch::Sender::new(0))
+    }
+}
+
 #[derive(Default)]
-struct AbortSlot(Mutex<Option<(Communicator, Option<Arc<QuicTransport>>)>>);
+struct SlotState {
+    current: Option<(Communicator, Arc<dyn Transport>)>,
+    newest: u64,
+}
+
+impl SlotState {
+    fn abort_current(&self) {
+        if let Some((comm, transport)) = &self.current {
+            if self.newest > comm.generation() {
+                let _ = comm.set_generation(self.newest);
+            }
+            transport.abort();
+        }
+    }
+}
 
 impl AbortSlot {
-    fn set(&self, comm: Communicator, transport: Option<Arc<QuicTransport>>) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some((comm, transport));
+    fn set(&self, comm: Communicator, transport: Arc<dyn Transport>) {
+        let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let stale = slot.newest > comm.generation();
+        slot.current = Some((comm, transport));
+        if stale {
+            slot.abort_current();
+        }
     }
 
     fn clear(&self) {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).take();
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).current.take();
     }
 
-    /// Fails the current generation's operations now.
+    /// Runs `work` for `generation` unless the agent moves past it first: then the work is
+    /// dropped (a transport still connecting to a peer that died is abandoned, not waited for)
+    /// and the answer is [`SupervisorError::Superseded`].
+    async fn unless_superseded<T>(&self, generation: u64, work: impl Future<Output = Result<T>>) -> Result<T> {
+        let mut newest = self.1.subscribe();
+        let superseded = async {
+            let newer = newest.wait_for(|&n| n > generation).await.map(|n| *n);
+            match newer {
+                Ok(n) => n,
+                Err(_) => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            newer = superseded => Err(SupervisorError::Superseded { generation, newer }),
+            result = work => result,
+        }
+    }
+
+    /// Fails the current generation's operations now: receives through the generation bump,
+    /// sends (a writer waiting for ring space or flow control of a dead or stopped peer) through
+    /// the transport's abort. Never waits on the compute path.
     fn abort(&self, generation: u64) {
-        if let Some((comm, transport)) = self.0.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
-            if generation > comm.generation() {
-                let _ = comm.set_generation(generation);
-            }
-            if let Some(transport) = transport {
-                let transport = Arc::clone(transport);
-                tokio::spawn(async move { transport.close(Duration::from_millis(50)).await });
-            }
+        let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        slot.newest = slot.newest.max(generation);
+        self.1.send_replace(slot.newest);
+        if slot.current.as_ref().is_some_and(|(comm, _)| generation > comm.generation()) {
+            slot.abort_current();
         }
     }
 }
@@ -253,7 +301,7 @@ where
         }
     };
 
-    let outcome = agent_loop(&link, &mut inbound, cmd_tx, done, &shared, env.watch_sigterm).await;
+    let outcome = agent_loop(AgentCtx { link: &link, supervisor: &supervisor, node, shared: &shared, watch_sigterm: env.watch_sigterm }, &mut inbound, cmd_tx, done).await;
     drop(heartbeats);
     // Let the last reports leave before the connection closes.
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -281,14 +329,19 @@ async fn heartbeat_loop(supervisor: RemoteRef<ToSupervisor>, node: u64, every: D
     }
 }
 
-async fn agent_loop(
-    link: &Link,
-    inbound: &mut Receiver<Inbound>,
-    cmd_tx: Sender<ToWorker>,
-    mut done: Pin<Box<dyn Future<Output = Result<WorkerOutcome>> + Send>>,
-    shared: &Shared,
+/// What the node agent's loop works with.
+struct AgentCtx<'a> {
+    link: &'a Link,
+    supervisor: &'a RemoteRef<ToSupervisor>,
+    node: u64,
+    shared: &'a Shared,
     watch_sigterm: bool,
-) -> Result<WorkerOutcome> {
+}
+
+/// The node agent: the control path. It never waits on the compute path: commands are aborts
+/// and acknowledgements here, and queued for the worker.
+async fn agent_loop(agent: AgentCtx<'_>, inbound: &mut Receiver<Inbound>, cmd_tx: Sender<ToWorker>, mut done: Pin<Box<dyn Future<Output = Result<WorkerOutcome>> + Send>>) -> Result<WorkerOutcome> {
+    let AgentCtx { link, supervisor, node, shared, watch_sigterm } = agent;
     let mut sigterm = if watch_sigterm { Some(tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(|e| SupervisorError::Launch(format!("cannot watch SIGTERM: {e}")))?) } else { None };
     let mut cmd_tx = Some(cmd_tx);
     loop {
@@ -329,6 +382,10 @@ async fn agent_loop(
                     ToWorker::Prepare { generation, .. } | ToWorker::Pause { generation } => {
                         *shared.generation.lock().unwrap_or_else(PoisonError::into_inner) = *generation;
                         shared.abort.abort(*generation);
+                        if matches!(cmd, ToWorker::Prepare { .. }) {
+                            // The control path answers at once: alive, old generation aborted.
+                            let _ = supervisor.tell(&ToSupervisor::Preparing { node, generation: *generation }).await;
+                        }
                     }
                     ToWorker::Evict { .. } => shared.abort.abort(u64::MAX),
                     // Not aborted: `Finish` comes after the last step, or right after a `Start`
@@ -422,7 +479,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                         (Bound::Quic(transport), addr)
                     }
                 };
-                ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed }).await?;
+                ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed, zero1: None }).await?;
                 let start = loop {
                     match cmds.recv().await.ok_or_else(lost)? {
                         ToWorker::Start { generation: g, addrs, source, next_step, stop_step, shm_job } if g == generation => break Some((addrs, source, next_step, stop_step, shm_job)),
@@ -434,7 +491,29 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                     }
                 };
                 let Some((addrs, source, next_step, stop_step, shm_job)) = start else { continue };
-                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source as usize, next_step, stop_step, addrs, shm_job };
+                let source_rank = match &source {
+                    StateSource::Initial => 0,
+                    StateSource::Member { rank } => *rank as usize,
+                    StateSource::Zero1Segments { .. } => {
+                        let e = SupervisorError::Job("internal: ZeRO-1 segment recovery is not supported by this worker".into());
+                        let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: next_step, reason: e.to_string() }).await;
+                        continue;
+                    }
+                    StateSource::Checkpoint { location, step } => {
+                        // Every holder of newer state is gone: rank 0 takes the checkpoint and
+                        // broadcasts it like a replica would.
+                        if rank == 0 {
+                            if let Err(e) = load_checkpoint_into(&ctx, job.as_ref(), &mut replica, location) {
+                                tracing::error!(%location, error = %e, "cannot load the recovery checkpoint");
+                                let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: next_step, reason: e.to_string() }).await;
+                                continue;
+                            }
+                            tracing::warn!(%location, step, "recovering from the newest checkpoint: no member holds newer state");
+                        }
+                        0
+                    }
+                };
+                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source_rank, next_step, stop_step, addrs, shm_job };
                 let span = tracing::info_span!("generation", generation = generation_run.generation, rank = generation_run.rank, world = generation_run.world);
                 match run_generation(&ctx, &job, &generation_run, bound, &mut replica, &mut shard, &mut writer, &mut cmds).instrument(span).await {
                     Ok(interrupt) => next = interrupt,
@@ -465,6 +544,22 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
     }
 }
 
+/// Loads the checkpoint at the store's `location` into `replica` (parameters, full optimizer
+/// state, step), for a generation that recovers from it.
+fn load_checkpoint_into<J: TrainJob>(ctx: &WorkerCtx, job: &J, replica: &mut Replica<J::Model>, location: &str) -> Result<()> {
+    let store: Arc<dyn CheckpointStore> = match &ctx.checkpoints {
+        Some(store) => Arc::clone(store),
+        None => Arc::new(FileStore::new(job.checkpoint_dir().unwrap_or_default())),
+    };
+    let model = replica.model.as_ref().ok_or_else(internal)?;
+    let (state, step) = checkpoint::load_from(store.as_ref(), location, model, |slices| job.build_optimizer(slices))?;
+    replica.optimizer_state = Some(state);
+    replica.snapshot_params = None;
+    replica.completed = Some(step);
+    *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
+    Ok(())
+}
+
 struct Generation {
     generation: u64,
     rank: usize,
@@ -489,7 +584,25 @@ async fn run_generation<J: TrainJob>(
     cmds: &mut Receiver<ToWorker>,
 ) -> Result<Option<ToWorker>> {
     replica.rank = Some(g.rank);
-    let (wire, quic): (Arc<dyn Transport>, Option<Arc<QuicTransport>>) = match (bound, &g.shm_job, &ctx.wire) {
+    let (wire, quic) = ctx.shared.abort.unless_superseded(g.generation, connect_generation(ctx, g, bound)).await?;
+    tracing::info!(transport = if quic.is_some() { "quic" } else if ctx.wire.is_some() { "injected" } else { "shm" }, "collectives connected");
+    let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig::default())?;
+    let comm = endpoint.group(WORLD_GROUP_ID, (0..g.world).collect(), g.generation)?;
+    ctx.shared.abort.set(comm.clone(), Arc::clone(&wire));
+    let result = train(ctx, job, g, &comm, replica, shard, writer, cmds).await;
+    ctx.shared.abort.clear();
+    drop(comm);
+    drop(endpoint);
+    if let Some(closing) = quic {
+        tokio::spawn(async move { closing.close(Duration::from_millis(100)).await });
+    }
+    result
+}
+
+/// Connects this generation's collectives transport: the injected wire, shared-memory rings
+/// (every member on this machine), or the QUIC endpoint bound at `Prepare`.
+async fn connect_generation(ctx: &WorkerCtx, g: &Generation, bound: Bound) -> Result<(Arc<dyn Transport>, Option<Arc<QuicTransport>>)> {
+    Ok(match (bound, &g.shm_job, &ctx.wire) {
         (Bound::Injected, _, Some(wire)) => (wire.connect(ctx.node, g.generation, g.rank, &g.addrs).await?, None),
         (Bound::Injected, _, None) => return Err(SupervisorError::Job("internal: an injected endpoint without its wire".into())),
         // Every member on this machine: shared-memory rings instead of QUIC.
@@ -504,19 +617,7 @@ async fn run_generation<J: TrainJob>(
             transport.connect(&addrs).await?;
             (Arc::clone(&transport) as Arc<dyn Transport>, Some(transport))
         }
-    };
-    tracing::info!(transport = if quic.is_some() { "quic" } else if ctx.wire.is_some() { "injected" } else { "shm" }, "collectives connected");
-    let endpoint = Endpoint::new(wire, CommConfig::default())?;
-    let comm = endpoint.group(WORLD_GROUP_ID, (0..g.world).collect(), g.generation)?;
-    ctx.shared.abort.set(comm.clone(), quic.clone());
-    let result = train(ctx, job, g, &comm, replica, shard, writer, cmds).await;
-    ctx.shared.abort.clear();
-    drop(comm);
-    drop(endpoint);
-    if let Some(closing) = quic {
-        tokio::spawn(async move { closing.close(Duration::from_millis(100)).await });
-    }
-    result
+    })
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -146,10 +146,12 @@ async fn two_in_process_workers_train_to_identical_replicas() -> anyhow::Result<
 async fn a_step_that_fails_on_every_worker_fails_the_job_instead_of_retrying_forever() -> anyhow::Result<()> {
     // Goal: a step that fails the same way on every worker (no worker lost) is retried a bounded
     // number of times, then the job fails with the step's error. Method: a loss that errors from
-    // step 5 on; short heartbeats so each retry takes a fraction of a second.
+    // step 5 on; short heartbeats so each retry takes a fraction of a second (but a timeout long
+    // enough that a CPU-starved machine does not declare both workers hung: with nobody left the
+    // job waits for workers instead, and the test saw no event for a minute).
     let mut opts = options("secret");
     opts.elastic.heartbeat_interval = Duration::from_millis(50);
-    opts.elastic.heartbeat_timeout = Duration::from_millis(200);
+    opts.elastic.heartbeat_timeout = Duration::from_millis(600);
     let mut supervisor = SupervisorHandle::start(opts, None).await?;
     let addr = supervisor.addr;
     let workers: Vec<_> = (0..2).map(|i| tokio::spawn(run_worker(WorkerOptions::new(addr, "secret".into(), format!("worker-{i}")), |_spec| Ok(Fashion { fail_from: Some(5), ..Fashion::load() })))).collect();
@@ -233,5 +235,71 @@ async fn a_failed_checkpoint_write_keeps_the_last_good_one_and_training_goes_on(
     assert_eq!(step, 49);
     assert!(!state.is_empty(), "the optimizer state is in the checkpoint");
     std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+// Goal: losing every holder of the newest state at once resumes from the newest checkpoint, never
+// from initial parameters (the run that lost its whole history: every survivor evicted, a fresh
+// replacement alone, `next_step = 0`). Method: two workers checkpoint every 40 steps; once step 79's
+// checkpoint is written and a few more steps are committed, both are killed (their tasks dropped:
+// links gone), then a fresh worker joins. Its generation must start at 80 from that checkpoint,
+// the fall back must be reported as suspect, and the job must finish with a trained model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_every_holder_resumes_from_the_newest_checkpoint_not_from_step_zero() -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!("rtx-ckpt-holders-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut opts = options("secret");
+    opts.elastic.checkpoint_every = 40;
+    opts.elastic.max_workers = 3;
+    let mut supervisor = SupervisorHandle::start(opts, None).await?;
+    let addr = supervisor.addr;
+    let spawn = |name: String, dir: PathBuf| tokio::spawn(run_worker(WorkerOptions::new(addr, "secret".into(), name), move |_spec| Ok(Fashion { checkpoints: Some(dir), ..Fashion::load() })));
+    let first: Vec<_> = (0..2).map(|i| spawn(format!("worker-{i}"), dir.clone())).collect();
+    let (mut checkpointed, mut committed) = (None, None);
+    while !(checkpointed.is_some_and(|s| s >= 79) && committed.is_some_and(|c| c >= 85)) {
+        match tokio::time::timeout(Duration::from_secs(120), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
+            JobEvent::Checkpointed { step, .. } => checkpointed = Some(step),
+            JobEvent::Committed { step, .. } => committed = Some(step),
+            JobEvent::Failed { reason } => anyhow::bail!("job failed: {reason}"),
+            _ => {}
+        }
+    }
+    let newest_checkpoint = checkpointed.unwrap_or_default();
+    for w in &first {
+        w.abort();
+    }
+    // Both losses are seen before the newcomer arrives.
+    let mut lost = 0;
+    while lost < 2 {
+        match tokio::time::timeout(Duration::from_secs(60), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
+            JobEvent::Lost { .. } => lost += 1,
+            JobEvent::Checkpointed { step, .. } => anyhow::bail!("checkpoint {step} after the kill (test timing)"),
+            _ => {}
+        }
+    }
+    let fresh = spawn("worker-fresh".into(), dir.clone());
+    let (mut resumed_at, mut suspect, mut last) = (None, false, 0);
+    let (eval, identical) = loop {
+        match tokio::time::timeout(Duration::from_secs(120), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
+            JobEvent::Generation { next_step, .. } if resumed_at.is_none() => resumed_at = Some(next_step),
+            JobEvent::Suspect { reason } => {
+                println!("suspect: {reason}");
+                suspect = true;
+            }
+            JobEvent::Committed { step, .. } => last = step,
+            JobEvent::Finished { eval, replicas_identical, .. } => break (eval, replicas_identical),
+            JobEvent::Failed { reason } => anyhow::bail!("job failed: {reason}"),
+            _ => {}
+        }
+    };
+    assert_eq!(resumed_at, Some(newest_checkpoint + 1), "the lone newcomer must resume from the checkpoint of step {newest_checkpoint}");
+    assert!(suspect, "falling back past committed steps is reported");
+    assert_eq!(last + 1, STEPS);
+    assert!(identical);
+    let acc = eval.iter().find(|(k, _)| k == "acc").map(|(_, v)| *v).unwrap_or_default();
+    assert!(acc > 0.70, "accuracy {acc}");
+    supervisor.join().await?;
+    assert_eq!(fresh.await??, WorkerOutcome::Finished);
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
