@@ -589,6 +589,10 @@ impl Transport for SimTransport {
     fn checks_integrity(&self) -> bool {
         true
     }
+
+    fn abort(&self) {
+        SimTransport::abort(self);
+    }
 }
 
 /// Runs `body` to completion on a fresh single-thread runtime with paused (virtual) time: timers
