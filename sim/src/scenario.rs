@@ -555,6 +555,30 @@ restart_after_ms = 100
         assert!(s.plan(9).iter().any(|f| f.when == Trigger::Step(3)));
     }
 
+    // Goal: the issue-19 keys parse: shared-memory links, replace, spares, stuck and join
+    // faults (a join may fire after a loss), and the random plan draws stuck members and joins
+    // (joins after one of the first losses).
+    #[test]
+    fn shm_stuck_and_join_faults_parse_and_are_drawn() {
+        let text = TEXT.replace("[random]", "[network]\nwire = \"shm\"\nring_bytes = 4096\n[elastic]\non_failure = \"replace\"\n[random]\nstuck = 3\njoins = 2")
+            + "[[fault]]\nkind = \"stuck\"\nnode = 1\nat_ms = 20\nfor_ms = 900\n[[fault]]\nkind = \"join\"\nat_loss = 2\nafter_ms = 3\n";
+        let s = Scenario::parse(&text.replace("workers = 3", "workers = 3\nspares = 1")).unwrap();
+        assert_eq!(s.net.wire, WireModel::Shm { ring_bytes: 4096 });
+        assert_eq!((s.elastic.on_failure, s.spares), (OnFailure::Replace, 1));
+        assert!(s.faults.iter().any(|f| f.kind == FaultKind::Stuck { duration: Duration::from_millis(900) } && f.node == 1));
+        assert!(s.faults.iter().any(|f| f.kind == FaultKind::Join && f.when == Trigger::Loss { nth: 2, after: Duration::from_millis(3) }));
+        let plan = s.plan(4);
+        assert_eq!(plan.iter().filter(|f| matches!(f.kind, FaultKind::Stuck { .. })).count(), 4);
+        let joins: Vec<&Fault> = plan.iter().filter(|f| f.kind == FaultKind::Join).collect();
+        assert_eq!(joins.len(), 3);
+        // Random joins come after one of the first crashes + pauses + stuck = 5 losses.
+        assert!(joins.iter().all(|f| matches!(f.when, Trigger::Loss { nth, after } if (1..=5).contains(&nth) && after <= Duration::from_millis(20))));
+        let e = Scenario::parse(&text.replace("wire = \"shm\"", "wire = \"tcp\"")).unwrap_err();
+        assert!(e.to_string().contains("network.wire"), "{e}");
+        let e = Scenario::parse(&text.replace("after_ms = 3", "after_ms = 3\nat_ms = 5")).unwrap_err();
+        assert!(e.to_string().contains("exactly one"), "{e}");
+    }
+
     // Goal: bad files are refused with a reason.
     #[test]
     fn refuses_bad_faults() {
