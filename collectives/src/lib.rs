@@ -49,6 +49,8 @@ mod pool;
 mod quic;
 #[cfg(feature = "shm")]
 mod shm;
+#[cfg(feature = "shm")]
+mod shm_ring;
 mod transport;
 
 pub use collective::{Collective, CollectiveGroup};

@@ -28,25 +28,56 @@
 //! given back, in stream order; the reader's own position runs ahead of it.
 //!
 //! Ring layout: a 4 KiB control page (magic, capacity, then `head`, `tail`, the writer's heartbeat
-//! and closed flag, the reader's closed flag, and two wake-up words, each on its own cache line)
-//! followed by `ring_bytes` of data. `head` is written only by the reader and `tail` only by the
-//! writer; both count bytes since creation. A side publishes data or space with a release store and
-//! observes the other's with an acquire load. The writer creates the file under a temporary name and
-//! renames it once initialised, so a reader never maps a half-made ring.
+//! and closed flag, the reader's closed flag, two wake-up words, and the writer's and reader's
+//! process ids for diagnostics, each on its own cache line) followed by `ring_bytes` of data. `head`
+//! is written only by the reader and `tail` only by the writer; both count bytes since creation.
+//! The writer creates the file under a temporary name and renames it once initialised (and
+//! locked, see Liveness), so a reader never maps a half-made ring.
 //!
-//! Waiting (an event count on a futex per direction): a side that finds the ring empty (reader) or
-//! full (writer) spins briefly ([`SPIN_ROUNDS`]), then reads the wake-up sequence word, announces
-//! that it sleeps, re-checks the ring, and sleeps in `FUTEX_WAIT` on that word. The other side,
-//! after publishing, bumps the word and calls `FUTEX_WAKE` only if a sleeper is announced, so a busy
-//! link makes no system calls. Futex words live in the shared file (not `FUTEX_PRIVATE`), so the
-//! kernel matches waiters across processes. Reader threads block in the futex directly; a writer is
-//! an async task, so its (rare) sleep for space runs on tokio's blocking pool.
+//! Synchronisation ([`crate::shm_ring`], which loom model-checks): a side publishes data or space
+//! with a release store and observes the other's with an acquire load; waiting is an event count
+//! on a futex per direction. A side that finds the ring empty (reader) or full (writer) spins
+//! briefly ([`SPIN_ROUNDS`]), then reads the wake-up sequence word, announces that it sleeps,
+//! re-checks the ring and the closed flags, and sleeps in `FUTEX_WAIT` on that word. The other
+//! side, after publishing, bumps the word and calls `FUTEX_WAKE` only if a sleeper is announced, so
+//! a busy link makes no system calls. Futex words live in the shared file (not `FUTEX_PRIVATE`), so
+//! the kernel matches waiters across processes. Reader threads block in the futex directly; a
+//! writer is an async task, so its (rare) sleep for space runs on tokio's blocking pool, in naps of
+//! at most [`WRITER_NAP`].
 //!
-//! Liveness: every rank bumps the heartbeat of its outgoing rings every [`ShmOptions::heartbeat`];
-//! a sleeping reader wakes at that period to look. A reader that sees the writer's closed flag, or no
-//! heartbeat change for [`ShmOptions::liveness_timeout`], reports [`TransportEvent::PeerLost`], and
-//! writers to that peer fail. A send cancelled in the middle of a frame closes the link (the stream
-//! cannot be resynchronised), which the peer sees as the writer closing.
+//! Liveness: what detects what, and how fast.
+//! - A peer that closes its transport (drop or [`Transport::abort`]) sets its closed flags and
+//!   wakes both sides of every ring: its peers' readers report [`TransportEvent::PeerLost`] and
+//!   their writers fail at once (microseconds).
+//! - A peer process that dies (SIGKILL, crash, exit without dropping the transport) cannot set a
+//!   flag, so each ring's writer holds an exclusive `flock` on the ring file for its life, taken
+//!   before the file is published; the reader keeps its own descriptor of the file (the name is
+//!   removed, the lock stays with the open file). The kernel drops the lock when the process's files
+//!   are closed at exit, before it is even reaped, so a reader whose `flock(LOCK_SH | LOCK_NB)`
+//!   succeeds knows the writer is gone: everything it published is final, complete frames are still
+//!   delivered, and a frame it died in the middle of is dropped and the loss reported (never a
+//!   partial frame). A reader probes only when it is about to sleep, which includes its wake-ups
+//!   every [`ShmOptions::heartbeat`] (100 ms by default) and its naps while operations poll, and at
+//!   most once per [`PROBE_INTERVAL`] (50 ms); a writer waiting for space probes the same peer's
+//!   lock between its naps, as often. So a killed peer is reported within about one heartbeat
+//!   period (measured: 50 ms with a 50 ms heartbeat, also when it died in the middle of a frame),
+//!   and a send blocked on its full ring fails within about 50-70 ms, while a busy link makes no
+//!   probe at all. Chosen over a pid check (pids are reused, and a zombie still has its
+//!   pid) and over the heartbeat alone (a timeout long enough for a loaded machine is seconds): a
+//!   lock is released exactly when the process dies, and the probe is one cheap system call.
+//! - A peer process that is stopped (SIGSTOP, a debugger) or hung keeps its lock: only the
+//!   heartbeat finds it. Every rank bumps the heartbeat of its outgoing rings every
+//!   [`ShmOptions::heartbeat`]; a reader that sees no change for [`ShmOptions::liveness_timeout`]
+//!   (3 s by default) reports the peer lost and writers to it then fail. A peer resumed within the
+//!   timeout is not affected.
+//! - This rank's [`Transport::abort`] (the worker calls it on every generation change) closes all
+//!   of its rings as above, which wakes every sleeper, its own included: writers waiting for space
+//!   fail with [`Error::TransportClosed`] (as does every later send), reader threads exit (also in
+//!   the middle of a frame), `recv` ends, an attached endpoint is told the transport closed (which
+//!   fails its waiting operations), and `poll_incoming` stops taking frames. It never blocks.
+//!
+//! A send cancelled in the middle of a frame closes the link (the stream cannot be
+//! resynchronised), which the peer sees as the writer closing.
 //!
 //! The reader removes a ring's file name as soon as it has mapped it (the writer removes it on drop
 //! if no reader came), so crashed runs leave no files behind once connected. The job name must
@@ -68,6 +99,7 @@ use crate::communicator::DEFAULT_MAX_PAYLOAD_BYTES;
 use crate::error::{Error, Result};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
+use crate::shm_ring::RingMemory;
 use crate::transport::{BoxFuture, EventSink, Lender, LentBytes, Transport, TransportEvent};
 
 /// Most received frames waiting for a polling dispatcher before readers stop draining rings (only
@@ -89,7 +121,7 @@ const SLOT_ALIGN: usize = 64;
 /// First 8 bytes of a pad record.
 const PAD_MAGIC: u64 = u64::from_le_bytes(*b"RTXPAD01");
 
-const RING_MAGIC: u64 = u64::from_le_bytes(*b"RTXSHM03");
+const RING_MAGIC: u64 = u64::from_le_bytes(*b"RTXSHM04");
 const CONTROL_BYTES: usize = 4096;
 const OFF_MAGIC: usize = 0;
 const OFF_CAPACITY: usize = 8;
@@ -104,15 +136,22 @@ const OFF_READER_SLEEPING: usize = 388;
 /// Space wake-up: sequence word (bumped by the reader) and the writer's "sleeping" word.
 const OFF_SPACE_SEQ: usize = 448;
 const OFF_WRITER_SLEEPING: usize = 452;
+/// Process ids of the writer and the reader (diagnostics only).
+const OFF_WRITER_PID: usize = 512;
+const OFF_READER_PID: usize = 576;
 const OPEN_RETRY: Duration = Duration::from_millis(5);
 /// Longest a sleeping writer waits before it re-checks the link (lost peer, closed reader).
 const WRITER_NAP: Duration = Duration::from_millis(20);
 /// Longest a reader thread stands back while operations poll the rings themselves, before it
 /// looks again (operations that stop polling wake it at once, see `ShmShared::wake_readers`).
 const POLLED_NAP: Duration = Duration::from_millis(5);
+/// Least time between two probes of one peer's lock (see the module doc, Liveness): the probe is a
+/// system call, made only by a side about to sleep, and this bounds it further on a link that
+/// sleeps often.
+const PROBE_INTERVAL: Duration = Duration::from_millis(50);
 /// Smallest ring: room for a header slot and a pad record.
 const MIN_RING_BYTES: usize = 4096;
-const _: () = assert!(OFF_WRITER_SLEEPING + 4 <= CONTROL_BYTES);
+const _: () = assert!(OFF_READER_PID + 8 <= CONTROL_BYTES);
 const _: () = assert!(HEADER_LEN == SLOT_ALIGN);
 
 /// Where and how rings are made.
@@ -149,7 +188,7 @@ struct ShmShared {
     rank: usize,
     world: usize,
     options: ShmOptions,
-    outgoing: BTreeMap<usize, (Arc<Ring>, tokio::sync::Mutex<()>)>,
+    outgoing: BTreeMap<usize, (Arc<Ring>, tokio::sync::Mutex<Writer>)>,
     incoming: BTreeMap<usize, Arc<Inbound>>,
     lost: Mutex<BTreeSet<usize>>,
     /// Peers whose loss was reported to the endpoint.
@@ -157,8 +196,12 @@ struct ShmShared {
     /// Where frames go, once the endpoint attached or polled.
     route: OnceLock<Route>,
     pool: BufferPool,
-    /// Set when the transport is dropped; reader threads exit.
+    /// Set when the transport is dropped or aborted; reader threads exit.
     stop: AtomicBool,
+    /// Set by [`Transport::abort`]: sends fail with `TransportClosed`, `recv` ends.
+    aborted: AtomicBool,
+    /// Wakes a `recv` waiting when the transport is aborted.
+    abort_notify: tokio::sync::Notify,
     /// Calls of `poll_incoming` so far: while it moves and `polling` is set, an operation is
     /// taking frames itself and the reader threads stand back (off the futex, so writers make no
     /// wake-up calls for them).
@@ -167,7 +210,13 @@ struct ShmShared {
     /// ring space (`stop_polling`).
     polling: AtomicBool,
     /// The reader threads, to wake when operations stop polling.
-    readers: Mutex<Vec<std::thread::Thread>>,
+    readers: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+/// The sending side of one ring, held (behind the per-peer lock) while a frame is written.
+struct Writer {
+    /// When the writer, waiting for space, may probe the peer's lock again.
+    next_probe: Instant,
 }
 
 /// Where frames are delivered.
@@ -185,6 +234,9 @@ struct Ring {
     capacity: usize,
     path: PathBuf,
     owned: bool,
+    /// The ring file, open for the life of the ring: the writer holds `LOCK_EX` on it, the reader
+    /// probes that lock (see the module doc, Liveness).
+    file: std::fs::File,
 }
 
 // SAFETY: `base` points into `map`, which lives as long as the `Ring`. All shared mutation goes
@@ -222,10 +274,16 @@ enum Taken {
     Copied(PooledBuf),
 }
 
-#[derive(Debug)]
+/// Why a reader stops reading a ring.
+#[derive(Clone, Copy, Debug)]
 enum LinkEnd {
+    /// The writer closed the ring (or sent something unreadable).
     Closed,
+    /// The writer's heartbeat stopped for the liveness timeout (a stopped or hung process).
     Silent,
+    /// The writer's process exited (its lock on the ring file is gone).
+    Exited,
+    /// This rank stopped reading (transport dropped or aborted, or the link ended already).
     Stopped,
 }
 
@@ -261,7 +319,7 @@ impl ShmTransport {
         let mut outgoing = BTreeMap::new();
         for &peer in &peers {
             let ring = Ring::create(&ring_path(&options, rank, peer), options.ring_bytes)?;
-            outgoing.insert(peer, (Arc::new(ring), tokio::sync::Mutex::new(())));
+            outgoing.insert(peer, (Arc::new(ring), tokio::sync::Mutex::new(Writer { next_probe: Instant::now() })));
         }
         let mut incoming = BTreeMap::new();
         let deadline = tokio::time::Instant::now() + options.connect_timeout;
@@ -295,6 +353,8 @@ impl ShmTransport {
             route: OnceLock::new(),
             pool: BufferPool::new(),
             stop: AtomicBool::new(false),
+            aborted: AtomicBool::new(false),
+            abort_notify: tokio::sync::Notify::new(),
             polls: AtomicU64::new(0),
             polling: AtomicBool::new(false),
             readers: Mutex::new(Vec::new()),
@@ -309,12 +369,18 @@ impl ShmTransport {
         if self.shared.route.set(route.clone()).is_err() {
             return;
         }
+        if self.shared.aborted.load(Ordering::SeqCst) {
+            // Aborted before anyone attached: nothing will be read (`abort` may have found no route
+            // to tell; telling twice is harmless).
+            self.shared.close_route();
+            return;
+        }
         for (&peer, inbound) in &self.shared.incoming {
             let (shared, inbound, route) = (Arc::clone(&self.shared), Arc::clone(inbound), route.clone());
             let spawned =
                 std::thread::Builder::new().name(format!("rtx-shm-{}<-{peer}", self.shared.rank)).spawn(move || read_frames(&shared, &inbound, &route));
             match spawned {
-                Ok(handle) => lock(&self.shared.readers).push(handle.thread().clone()),
+                Ok(handle) => lock(&self.shared.readers).push(handle),
                 Err(e) => {
                     tracing::error!(rank = self.shared.rank, peer, error = %e, "could not start a shared-memory reader thread");
                     lock(&self.shared.lost).insert(peer);
@@ -347,7 +413,20 @@ impl Transport for ShmTransport {
             if let Some(events) = lock(&self.events).take() {
                 self.start_readers(Route::Pull(events));
             }
-            self.inbox.lock().await.recv().await
+            let mut inbox = self.inbox.lock().await;
+            let aborted = self.shared.abort_notify.notified();
+            tokio::pin!(aborted);
+            aborted.as_mut().enable();
+            if !self.shared.aborted.load(Ordering::SeqCst) {
+                tokio::select! {
+                    biased;
+                    () = &mut aborted => {}
+                    event = inbox.recv() => return event,
+                }
+            }
+            // Aborted: reader threads blocked handing over a frame must not wait for us.
+            inbox.close();
+            None
         })
     }
 
@@ -358,6 +437,9 @@ impl Transport for ShmTransport {
     fn poll_incoming(&self) -> Option<usize> {
         // Only with push delivery: a polled transport's frames must go through its channel.
         let route @ Route::Push(_) = self.shared.route.get()? else { return None };
+        if self.shared.aborted.load(Ordering::Relaxed) {
+            return None;
+        }
         self.shared.polls.fetch_add(1, Ordering::Relaxed);
         if !self.shared.polling.load(Ordering::Relaxed) {
             self.shared.polling.store(true, Ordering::Relaxed);
@@ -406,23 +488,32 @@ impl Transport for ShmTransport {
         self.start_readers(Route::Push(sink));
         true
     }
+
+    /// Closes every ring of this rank at once (peers see the links end: their readers report
+    /// `PeerLost` for this rank, their writers fail), wakes every sleeper on them (this rank's
+    /// reader threads, which exit, and its writers waiting for space, which fail with
+    /// `TransportClosed`, as does every later send), ends `recv`, and tells an attached endpoint
+    /// that the transport is closed (which fails its waiting operations). Only atomic stores,
+    /// futex wakes, unparks and short locks: it never blocks.
+    fn abort(&self) {
+        if self.shared.aborted.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        tracing::info!(rank = self.shared.rank, job = %self.shared.options.job, "shared-memory transport aborted");
+        self.heartbeat.abort();
+        self.shared.close_rings();
+        self.shared.abort_notify.notify_waiters();
+        if let Ok(mut inbox) = self.inbox.try_lock() {
+            inbox.close();
+        }
+        self.shared.close_route();
+    }
 }
 
 impl Drop for ShmTransport {
     fn drop(&mut self) {
         self.heartbeat.abort();
-        self.shared.stop.store(true, Ordering::SeqCst);
-        for (ring, _) in self.shared.outgoing.values() {
-            ring.set_flag(OFF_WRITER_CLOSED);
-            ring.wake_reader();
-        }
-        for inbound in self.shared.incoming.values() {
-            inbound.ring.set_flag(OFF_READER_CLOSED);
-            // Wake our own reader thread (it sleeps on this word) so it sees `stop`.
-            futex_wake(inbound.ring.word(OFF_DATA_SEQ));
-            inbound.ring.wake_writer();
-        }
-        self.shared.wake_readers();
+        self.shared.close_rings();
     }
 }
 
@@ -451,8 +542,7 @@ impl Drop for TornFrame<'_> {
         }
         tracing::warn!(rank = self.shared.rank, peer = self.peer, "send cancelled mid-frame: closing the shared-memory link");
         lock(&self.shared.lost).insert(self.peer);
-        self.ring.set_flag(OFF_WRITER_CLOSED);
-        self.ring.wake_reader();
+        self.ring.close_writer();
         if lock(&self.shared.reported).insert(self.peer) {
             match self.shared.route.get() {
                 Some(Route::Push(sink)) => {
@@ -480,6 +570,28 @@ impl ShmShared {
         lock(&self.lost).contains(&peer)
     }
 
+    /// Stops the reader threads and closes every ring, waking every sleeper on either side
+    /// (the transport is dropped or aborted).
+    fn close_rings(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for (ring, _) in self.outgoing.values() {
+            ring.close_writer();
+        }
+        for inbound in self.incoming.values() {
+            inbound.ring.close_reader();
+        }
+        self.wake_readers();
+    }
+
+    /// Tells an attached endpoint that nothing more will be delivered (after an abort).
+    fn close_route(&self) {
+        if let Some(Route::Push(sink)) = self.route.get() {
+            if let Some(sink) = sink.upgrade() {
+                sink.closed();
+            }
+        }
+    }
+
     /// An operation stops polling (to sleep, or to wait for ring space): the reader threads must
     /// read again.
     fn stop_polling(&self) {
@@ -490,8 +602,21 @@ impl ShmShared {
     /// Wakes reader threads that stand back for polling operations.
     fn wake_readers(&self) {
         for reader in lock(&self.readers).iter() {
-            reader.unpark();
+            reader.thread().unpark();
         }
+    }
+
+    /// Why sends to `peer` fail now, if they do.
+    /// After an abort that is `TransportClosed`, whatever the peers did since (they close their
+    /// ends when they see ours close).
+    fn send_error(&self, peer: usize, ring: &Ring) -> Option<Error> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return Some(Error::TransportClosed);
+        }
+        if self.is_lost(peer) || ring.reader_closed() || ring.writer_closed() {
+            return Some(Error::PeerLost { rank: peer, op: OpKind::Send });
+        }
+        None
     }
 
     /// Writes the concatenation of `parts` (one frame) into the ring towards `peer`, in a slot
@@ -500,32 +625,40 @@ impl ShmShared {
         let Some((ring, lock)) = self.outgoing.get(&peer) else {
             return Err(Error::RankOutOfRange { rank: peer, size: self.world });
         };
-        let _writer = lock.lock().await;
-        if self.is_lost(peer) || ring.flag(OFF_READER_CLOSED) || ring.flag(OFF_WRITER_CLOSED) {
-            return Err(Error::PeerLost { rank: peer, op: OpKind::Send });
+        let mut writer = lock.lock().await;
+        if let Some(error) = self.send_error(peer, ring) {
+            return Err(error);
         }
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let slot = round_up(total, SLOT_ALIGN);
         let mut torn = TornFrame { shared: self, ring, peer, armed: true };
+        let written = self.write_slot(peer, ring, &mut writer, parts, total, slot).await;
+        // A failed write leaves the link closed already (by the peer, a lost peer or an abort);
+        // only a cancelled one must close it.
+        torn.armed = false;
+        written
+    }
+
+    async fn write_slot(&self, peer: usize, ring: &Arc<Ring>, writer: &mut Writer, parts: &[&[u8]], total: usize, slot: usize) -> Result<()> {
         let pos = ring.tail() as usize & (ring.capacity - 1);
         if slot <= lend_max(ring.capacity) && pos + slot > ring.capacity {
             let pad = ring.capacity - pos;
             let mut record = [0u8; SLOT_ALIGN];
             record[..8].copy_from_slice(&PAD_MAGIC.to_le_bytes());
             record[8..16].copy_from_slice(&(pad as u64).to_le_bytes());
-            self.put(peer, ring, Put::Bytes(&record)).await?;
-            self.put(peer, ring, Put::Skip(pad - SLOT_ALIGN)).await?;
+            self.put(peer, ring, writer, Put::Bytes(&record)).await?;
+            self.put(peer, ring, writer, Put::Skip(pad - SLOT_ALIGN)).await?;
         }
         for part in parts {
-            self.put(peer, ring, Put::Bytes(part)).await?;
+            self.put(peer, ring, writer, Put::Bytes(part)).await?;
         }
-        self.put(peer, ring, Put::Skip(slot - total)).await?;
-        torn.armed = false;
-        Ok(())
+        self.put(peer, ring, writer, Put::Skip(slot - total)).await
     }
 
     /// Puts `what` into the ring, publishing as it goes and waiting for space when it is full.
-    async fn put(&self, peer: usize, ring: &Arc<Ring>, what: Put<'_>) -> Result<()> {
+    /// While it waits it fails as soon as the link ends, the transport is aborted, or the peer's
+    /// process is found gone (its lock probed at most every [`PROBE_INTERVAL`]).
+    async fn put(&self, peer: usize, ring: &Arc<Ring>, writer: &mut Writer, what: Put<'_>) -> Result<()> {
         let len = match what {
             Put::Bytes(b) => b.len(),
             Put::Skip(n) => n,
@@ -542,8 +675,24 @@ impl ShmShared {
                 ring.wake_reader();
                 continue;
             }
-            if self.is_lost(peer) || ring.flag(OFF_READER_CLOSED) {
-                return Err(Error::PeerLost { rank: peer, op: OpKind::Send });
+            if let Some(error) = self.send_error(peer, ring) {
+                return Err(error);
+            }
+            let now = Instant::now();
+            if now >= writer.next_probe {
+                writer.next_probe = now + PROBE_INTERVAL;
+                if let Some(inbound) = self.incoming.get(&peer) {
+                    if inbound.ring.writer_gone() {
+                        tracing::info!(
+                            rank = self.rank,
+                            peer,
+                            pid = inbound.ring.writer_pid(),
+                            "shared-memory peer exited while this rank waits for ring space"
+                        );
+                        lock(&self.lost).insert(peer);
+                        return Err(Error::PeerLost { rank: peer, op: OpKind::Send });
+                    }
+                }
             }
             // This operation stops polling while it waits: the readers must drain our rings.
             self.stop_polling();
@@ -553,8 +702,8 @@ impl ShmShared {
     }
 }
 
-/// Waits until the ring has free space (or a nap passed): spins, then sleeps on the space futex on
-/// tokio's blocking pool.
+/// Waits until the ring has free space (or a nap passed, or the ring is closed): spins, then
+/// sleeps on the space futex on tokio's blocking pool.
 async fn wait_for_space(ring: &Arc<Ring>) {
     for _ in 0..SPIN_ROUNDS {
         if ring.free() > 0 {
@@ -575,22 +724,29 @@ async fn wait_for_space(ring: &Arc<Ring>) {
 }
 
 impl Ring {
+    /// Creates and publishes this rank's ring at `path`, holding the writer's lock on it (see the
+    /// module doc, Liveness) from before it is published until this process closes it or dies.
     fn create(path: &Path, capacity: usize) -> Result<Ring> {
         let staging = path.with_extension("staging");
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&staging).map_err(|e| io("create ring", e))?;
+        if !try_flock(&file, libc::LOCK_EX) {
+            return Err(Error::InvalidConfig { reason: "another process is creating a ring of this job name: job names must be unique per run" });
+        }
         file.set_len((CONTROL_BYTES + capacity) as u64).map_err(|e| io("size ring", e))?;
         // SAFETY: the file was just created by us at a private staging name; other processes map
         // it only after the rename below, and then only through the SPSC protocol.
         let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(|e| io("map ring", e))?;
         let base = map.as_mut_ptr();
-        let ring = Ring { _map: map, base, capacity, path: path.to_path_buf(), owned: true };
+        let ring = Ring { _map: map, base, capacity, path: path.to_path_buf(), owned: true, file };
         ring.atomic(OFF_CAPACITY).store(capacity as u64, Ordering::Relaxed);
+        ring.atomic(OFF_WRITER_PID).store(u64::from(std::process::id()), Ordering::Relaxed);
         ring.atomic(OFF_MAGIC).store(RING_MAGIC, Ordering::Release);
         std::fs::rename(&staging, path).map_err(|e| io("publish ring", e))?;
         Ok(ring)
     }
 
-    /// Maps the ring at `path` if its writer has published it.
+    /// Maps the ring at `path` if its writer has published it, keeping the file open to probe the
+    /// writer's lock.
     fn open(path: &Path, capacity: usize) -> Result<Option<Ring>> {
         let file = match OpenOptions::new().read(true).write(true).open(path) {
             Ok(file) => file,
@@ -605,14 +761,26 @@ impl Ring {
         // protocol; see the `Send`/`Sync` justification on `Ring`.
         let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(|e| io("map ring", e))?;
         let base = map.as_mut_ptr();
-        let ring = Ring { _map: map, base, capacity, path: path.to_path_buf(), owned: false };
+        let ring = Ring { _map: map, base, capacity, path: path.to_path_buf(), owned: false, file };
         if ring.atomic(OFF_MAGIC).load(Ordering::Acquire) != RING_MAGIC || ring.atomic(OFF_CAPACITY).load(Ordering::Relaxed) != capacity as u64 {
             return Err(Error::InvalidConfig { reason: "peer ring is not an initialised ring of this size" });
         }
+        ring.atomic(OFF_READER_PID).store(u64::from(std::process::id()), Ordering::Relaxed);
         // Both ends have it mapped now; dropping the name means a crash of either leaves nothing
         // behind in the directory.
         let _ = std::fs::remove_file(path);
         Ok(Some(ring))
+    }
+
+    /// Reader side: whether the writer's process closed the ring file or died (its lock is gone),
+    /// one non-blocking `flock` call. Once true it stays true: the ring is never locked again.
+    fn writer_gone(&self) -> bool {
+        try_flock(&self.file, libc::LOCK_SH)
+    }
+
+    /// The writer's process id, for diagnostics.
+    fn writer_pid(&self) -> u64 {
+        self.atomic(OFF_WRITER_PID).load(Ordering::Relaxed)
     }
 
     fn atomic(&self, offset: usize) -> &AtomicU64 {
@@ -629,113 +797,94 @@ impl Ring {
         unsafe { &*self.base.add(offset).cast::<AtomicU32>() }
     }
 
-    fn flag(&self, offset: usize) -> bool {
-        self.atomic(offset).load(Ordering::Acquire) != 0
-    }
-
-    fn set_flag(&self, offset: usize) {
-        self.atomic(offset).store(1, Ordering::Release);
-    }
-
-    fn tail(&self) -> u64 {
-        self.atomic(OFF_TAIL).load(Ordering::Acquire)
-    }
-
-    /// Bytes the writer may not overwrite yet.
-    fn fill(&self) -> usize {
-        let head = self.atomic(OFF_HEAD).load(Ordering::Acquire);
-        self.tail().wrapping_sub(head) as usize
-    }
-
-    fn free(&self) -> usize {
-        self.capacity - self.fill()
-    }
-
-    /// Writer side, after publishing: bumps the data word and wakes a sleeping reader.
-    fn wake_reader(&self) {
-        self.word(OFF_DATA_SEQ).fetch_add(1, Ordering::SeqCst);
-        if self.word(OFF_READER_SLEEPING).load(Ordering::SeqCst) != 0 {
-            futex_wake(self.word(OFF_DATA_SEQ));
-        }
-    }
-
-    /// Reader side, after giving space back: bumps the space word and wakes a sleeping writer.
-    fn wake_writer(&self) {
-        self.word(OFF_SPACE_SEQ).fetch_add(1, Ordering::SeqCst);
-        if self.word(OFF_WRITER_SLEEPING).load(Ordering::SeqCst) != 0 {
-            futex_wake(self.word(OFF_SPACE_SEQ));
-        }
-    }
-
-    /// Reader side: sleeps until the writer publishes past `rpos` (or `timeout`), unless it did
-    /// already, or a closed flag or `stop` is set. Spurious returns are fine; the caller re-checks.
-    fn sleep_for_data(&self, rpos: u64, timeout: Duration, stop: &AtomicBool) {
-        let seq = self.word(OFF_DATA_SEQ).load(Ordering::SeqCst);
-        self.word(OFF_READER_SLEEPING).store(1, Ordering::SeqCst);
-        if self.tail() == rpos && !self.flag(OFF_WRITER_CLOSED) && !stop.load(Ordering::SeqCst) {
-            futex_wait(self.word(OFF_DATA_SEQ), seq, timeout);
-        }
-        self.word(OFF_READER_SLEEPING).store(0, Ordering::SeqCst);
-    }
-
-    /// Writer side: sleeps until the reader frees space (or `timeout`); see `sleep_for_data`.
-    fn sleep_for_space(&self, timeout: Duration) {
-        let seq = self.word(OFF_SPACE_SEQ).load(Ordering::SeqCst);
-        self.word(OFF_WRITER_SLEEPING).store(1, Ordering::SeqCst);
-        if self.free() == 0 && !self.flag(OFF_READER_CLOSED) {
-            futex_wait(self.word(OFF_SPACE_SEQ), seq, timeout);
-        }
-        self.word(OFF_WRITER_SLEEPING).store(0, Ordering::SeqCst);
-    }
-
-    /// Writer side: puts up to `len` bytes (copied from `src`, or skipped over when `None`) into
-    /// the free space and publishes them; returns the byte count.
-    fn write_some(&self, src: Option<&[u8]>, len: usize) -> usize {
-        let tail = self.atomic(OFF_TAIL).load(Ordering::Relaxed);
-        let head = self.atomic(OFF_HEAD).load(Ordering::Acquire);
-        let used = tail.wrapping_sub(head) as usize;
-        debug_assert!(used <= self.capacity, "ring: fill within capacity");
-        let n = len.min(self.capacity - used);
-        if n == 0 {
-            return 0;
-        }
-        if let Some(src) = src {
-            let start = (tail as usize) & (self.capacity - 1);
-            let first = n.min(self.capacity - start);
-            // SAFETY: bytes `tail..tail + n` (mod capacity) are free: the reader has given back
-            // everything before `head`, and reads nothing beyond `tail` until we publish it below.
-            unsafe {
-                let data = self.base.add(CONTROL_BYTES);
-                std::ptr::copy_nonoverlapping(src.as_ptr(), data.add(start), first);
-                std::ptr::copy_nonoverlapping(src.as_ptr().add(first), data, n - first);
-            }
-        }
-        self.atomic(OFF_TAIL).store(tail + n as u64, Ordering::Release);
-        n
-    }
-
-    /// Reader side: copies `dst.len()` published bytes starting at stream offset `pos`.
-    fn copy_out(&self, pos: u64, dst: &mut [MaybeUninit<u8>]) {
-        let n = dst.len();
-        debug_assert!(self.tail().wrapping_sub(pos) as usize >= n, "ring: copy within the published bytes");
-        let start = (pos as usize) & (self.capacity - 1);
-        let first = n.min(self.capacity - start);
-        // SAFETY: bytes `pos..pos + n` (mod capacity) were published by the writer's release store
-        // of `tail`, and it does not overwrite them before `head` passes them, which only happens
-        // after the reader is done; `dst` has room for `n` bytes.
-        unsafe {
-            let data = self.base.add(CONTROL_BYTES);
-            let out = dst.as_mut_ptr().cast::<u8>();
-            std::ptr::copy_nonoverlapping(data.add(start), out, first);
-            std::ptr::copy_nonoverlapping(data, out.add(first), n - first);
-        }
-    }
-
     /// The data area at stream offset `pos` (for a slot that does not wrap).
     fn data_at(&self, pos: u64) -> NonNull<u8> {
         let start = (pos as usize) & (self.capacity - 1);
         // SAFETY: `start < capacity`, inside the mapping; the mapping base is never null.
         unsafe { NonNull::new_unchecked(self.base.add(CONTROL_BYTES + start)) }
+    }
+}
+
+/// The ring protocol ([`crate::shm_ring`]) on the mapped file.
+impl RingMemory for Ring {
+    type W64 = AtomicU64;
+    type W32 = AtomicU32;
+
+    #[inline]
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+    #[inline]
+    fn head_word(&self) -> &AtomicU64 {
+        self.atomic(OFF_HEAD)
+    }
+    #[inline]
+    fn tail_word(&self) -> &AtomicU64 {
+        self.atomic(OFF_TAIL)
+    }
+    #[inline]
+    fn writer_closed_word(&self) -> &AtomicU64 {
+        self.atomic(OFF_WRITER_CLOSED)
+    }
+    #[inline]
+    fn reader_closed_word(&self) -> &AtomicU64 {
+        self.atomic(OFF_READER_CLOSED)
+    }
+    #[inline]
+    fn data_seq(&self) -> &AtomicU32 {
+        self.word(OFF_DATA_SEQ)
+    }
+    #[inline]
+    fn reader_sleeping(&self) -> &AtomicU32 {
+        self.word(OFF_READER_SLEEPING)
+    }
+    #[inline]
+    fn space_seq(&self) -> &AtomicU32 {
+        self.word(OFF_SPACE_SEQ)
+    }
+    #[inline]
+    fn writer_sleeping(&self) -> &AtomicU32 {
+        self.word(OFF_WRITER_SLEEPING)
+    }
+    #[inline]
+    unsafe fn copy_in(&self, start: usize, src: &[u8]) {
+        debug_assert!(start + src.len() <= self.capacity);
+        // SAFETY: inside the data area (the caller keeps `start + len <= capacity`), and the bytes
+        // are the writer's to write (the caller's contract).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.base.add(CONTROL_BYTES + start), src.len()) }
+    }
+    #[inline]
+    unsafe fn copy_out(&self, start: usize, dst: &mut [MaybeUninit<u8>]) {
+        debug_assert!(start + dst.len() <= self.capacity);
+        // SAFETY: inside the data area, published and not given back (the caller's contract);
+        // `dst` has room for its length.
+        unsafe { std::ptr::copy_nonoverlapping(self.base.add(CONTROL_BYTES + start), dst.as_mut_ptr().cast::<u8>(), dst.len()) }
+    }
+    #[inline]
+    fn fence_seqcst(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+    fn futex_wait(&self, word: &AtomicU32, expected: u32, timeout: Duration) {
+        futex_wait(word, expected, timeout);
+    }
+    fn futex_wake(&self, word: &AtomicU32) {
+        futex_wake(word);
+    }
+}
+
+/// Takes `lock` (`LOCK_EX` or `LOCK_SH`) on `file` without blocking; whether it was granted.
+/// Interrupted calls are retried; other errors count as not granted (the writer looks alive).
+fn try_flock(file: &std::fs::File, lock: libc::c_int) -> bool {
+    use std::os::fd::AsRawFd;
+    loop {
+        // SAFETY: the descriptor is open for the duration of the call (`file` borrows it).
+        let rc = unsafe { libc::flock(file.as_raw_fd(), lock | libc::LOCK_NB) };
+        if rc == 0 {
+            return true;
+        }
+        if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return false;
+        }
     }
 }
 
@@ -783,15 +932,14 @@ impl Inbound {
             consumed.pending.pop_front();
         }
         if let Some(head) = head {
-            self.ring.atomic(OFF_HEAD).store(head, Ordering::Release);
-            self.ring.wake_writer();
+            self.ring.give_back(head);
         }
     }
 
     /// Bytes between `head` and the end of the next `slot` bytes: what the writer cannot reuse
     /// if that slot is lent now.
     fn pinned_after(&self, slot: usize) -> usize {
-        let head = self.ring.atomic(OFF_HEAD).load(Ordering::Acquire);
+        let head = self.ring.head();
         (self.rpos() + slot as u64).wrapping_sub(head) as usize
     }
 }
@@ -837,10 +985,10 @@ fn read_frames(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route) {
                 break LinkEnd::Stopped;
             }
             std::thread::park_timeout(POLLED_NAP);
-            if !watch.alive(&inbound.ring) {
-                break LinkEnd::Silent;
+            if watch.check(&inbound.ring).is_none() {
+                continue;
             }
-            continue;
+            // The writer is gone: deliver the frames it completed (below), then report the loss.
         }
         if let Err(end) = wait_for_data(shared, inbound, &mut watch, Some(polls_seen)) {
             break end;
@@ -884,14 +1032,14 @@ fn link_ended(shared: &ShmShared, inbound: &Inbound, route: &Route, end: &LinkEn
     let why = match end {
         LinkEnd::Stopped => return,
         LinkEnd::Silent => "heartbeat stopped",
+        LinkEnd::Exited => "process exited",
         LinkEnd::Closed => "closed",
     };
     let peer = inbound.peer;
-    inbound.ring.set_flag(OFF_READER_CLOSED);
-    inbound.ring.wake_writer();
+    inbound.ring.close_reader();
     lock(&shared.lost).insert(peer);
     if lock(&shared.reported).insert(peer) {
-        tracing::info!(rank = shared.rank, peer, why, "shared-memory peer lost");
+        tracing::info!(rank = shared.rank, peer, pid = inbound.ring.writer_pid(), why, "shared-memory peer lost");
         deliver(route, TransportEvent::PeerLost(peer));
     }
 }
@@ -909,8 +1057,8 @@ fn take_frame(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route, mut wat
             }
         }
         let mut header = [MaybeUninit::<u8>::uninit(); HEADER_LEN];
-        ring.copy_out(inbound.rpos(), &mut header);
-        // SAFETY: `copy_out` initialised every byte.
+        ring.read_at(inbound.rpos(), &mut header);
+        // SAFETY: `read_at` initialised every byte.
         let header: [u8; HEADER_LEN] = unsafe { std::mem::transmute::<[MaybeUninit<u8>; HEADER_LEN], [u8; HEADER_LEN]>(header) };
         if header[..8] == PAD_MAGIC.to_le_bytes() {
             let pad = u64::from_le_bytes([header[8], header[9], header[10], header[11], header[12], header[13], header[14], header[15]]) as usize;
@@ -966,7 +1114,7 @@ fn take_frame(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route, mut wat
                 wait_until(shared, inbound, 1, watch, None)?;
                 continue;
             }
-            ring.copy_out(inbound.rpos(), &mut buf.spare_capacity_mut()[filled..filled + n]);
+            ring.read_at(inbound.rpos(), &mut buf.spare_capacity_mut()[filled..filled + n]);
             inbound.consume(n, false);
             filled += n;
         }
@@ -995,26 +1143,51 @@ fn deliver(route: &Route, event: TransportEvent) -> bool {
     }
 }
 
-/// The writer's heartbeat as last seen by a reader.
+/// What a reader knows of its writer's liveness: the heartbeat as last seen, when it may probe
+/// the writer's lock again, and the verdict once the writer is gone (final: a link never comes
+/// back).
 struct Liveness {
     beat: u64,
     seen: Instant,
     timeout: Duration,
+    next_probe: Instant,
+    gone: Option<LinkEnd>,
 }
 
 impl Liveness {
     fn new(ring: &Ring, timeout: Duration) -> Self {
-        Liveness { beat: ring.atomic(OFF_WRITER_BEAT).load(Ordering::Acquire), seen: Instant::now(), timeout }
+        let now = Instant::now();
+        Liveness { beat: ring.atomic(OFF_WRITER_BEAT).load(Ordering::Acquire), seen: now, timeout, next_probe: now, gone: None }
     }
 
-    /// Whether the writer's heartbeat moved within the timeout.
-    fn alive(&mut self, ring: &Ring) -> bool {
+    /// The verdict so far, without looking again.
+    fn gone(&self) -> Option<LinkEnd> {
+        self.gone
+    }
+
+    /// Looks again (called only by a reader about to sleep or standing back): whether the
+    /// writer's process exited (its lock, probed at most every [`PROBE_INTERVAL`]) or its
+    /// heartbeat has not moved for the timeout. Once gone, `tail` is final.
+    fn check(&mut self, ring: &Ring) -> Option<LinkEnd> {
+        if self.gone.is_some() {
+            return self.gone;
+        }
+        let now = Instant::now();
+        if now >= self.next_probe {
+            self.next_probe = now + PROBE_INTERVAL;
+            if ring.writer_gone() {
+                self.gone = Some(LinkEnd::Exited);
+                return self.gone;
+            }
+        }
         let beat = ring.atomic(OFF_WRITER_BEAT).load(Ordering::Acquire);
         if beat != self.beat {
             self.beat = beat;
-            self.seen = Instant::now();
+            self.seen = now;
+        } else if now.duration_since(self.seen) > self.timeout {
+            self.gone = Some(LinkEnd::Silent);
         }
-        self.seen.elapsed() <= self.timeout
+        self.gone
     }
 }
 
@@ -1026,7 +1199,9 @@ fn wait_for_data(shared: &ShmShared, inbound: &Inbound, watch: &mut Liveness, po
 
 /// Waits until at least `want` unread bytes are published: spins briefly, then sleeps on the
 /// futex, waking at the heartbeat period to check liveness. Returns early, with nothing new, when
-/// `polls_seen` is given and `poll_incoming` was called since.
+/// `polls_seen` is given and `poll_incoming` was called since. Fails once the writer is gone or
+/// closed with fewer bytes published (a frame it died in the middle of is never completed), or
+/// this rank stops reading.
 fn wait_until(shared: &ShmShared, inbound: &Inbound, want: usize, watch: &mut Liveness, polls_seen: Option<u64>) -> std::result::Result<(), LinkEnd> {
     let ring = &inbound.ring;
     let mut idle = 0u32;
@@ -1034,13 +1209,17 @@ fn wait_until(shared: &ShmShared, inbound: &Inbound, want: usize, watch: &mut Li
         if inbound.available() >= want {
             return Ok(());
         }
+        if let Some(end) = watch.gone() {
+            // The writer's `tail` was final when the verdict was made.
+            return Err(end);
+        }
         if polls_seen.is_some_and(|seen| shared.polls.load(Ordering::Relaxed) != seen) {
             return Ok(());
         }
-        if shared.stop.load(Ordering::Relaxed) {
+        if shared.stop.load(Ordering::Relaxed) || ring.reader_closed() {
             return Err(LinkEnd::Stopped);
         }
-        if ring.flag(OFF_WRITER_CLOSED) {
+        if ring.writer_closed() {
             // Everything written before the flag is visible now.
             return if inbound.available() >= want { Ok(()) } else { Err(LinkEnd::Closed) };
         }
@@ -1049,11 +1228,12 @@ fn wait_until(shared: &ShmShared, inbound: &Inbound, want: usize, watch: &mut Li
             std::hint::spin_loop();
             continue;
         }
-        if !watch.alive(ring) {
-            return Err(LinkEnd::Silent);
+        if watch.check(ring).is_some() {
+            // Look at what it published once more (above), then fail.
+            continue;
         }
         // Sleep while nothing new is published past what is there now.
-        ring.sleep_for_data(ring.tail(), shared.options.heartbeat, &shared.stop);
+        ring.sleep_for_data(ring.tail(), shared.options.heartbeat);
     }
 }
 
@@ -1120,3 +1300,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Each critical section is a few field updates; a panic cannot leave them half-done.
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
+
+#[cfg(test)]
+mod tests;

@@ -90,9 +90,11 @@ pub struct ElasticConfig {
     pub transport: Wire,
     /// Test-only: a planted bug (see [`PlantedBug`]).
     pub planted_bug: PlantedBug,
-    /// ZeRO-1: optimizer state sharded across the workers. A lost worker takes its shard with it,
-    /// so recovery rolls back to the last snapshot (every `snapshot_every` steps, and at every
-    /// checkpoint), which gathers the full state on every rank.
+    /// ZeRO-1: optimizer state sharded across the workers. Each rank's segment state is also held
+    /// by its buddy (the next rank), so a lost worker costs at most the step in flight; when a
+    /// rank and its buddy are lost together, recovery rolls back to the last snapshot (every
+    /// `snapshot_every` steps, and at every checkpoint), which gathers the full state on every
+    /// rank.
     pub zero1: bool,
     /// Steps between ZeRO-1 snapshots.
     pub snapshot_every: u64,

@@ -28,6 +28,7 @@ pub mod recovery;
 pub mod state;
 pub mod supervisor;
 pub mod worker;
+pub mod zero1;
 
 pub use config::{ClassPolicy, ElasticConfig, FailureClass, OnFailure, PlantedBug, Wire};
 pub use error::{Result, SupervisorError};

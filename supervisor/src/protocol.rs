@@ -40,8 +40,10 @@ pub enum ToSupervisor {
     Preparing { node: u64, generation: u64 },
     /// Answer to `Prepare`: bound at `addr`; `completed` is the newest step whose whole state
     /// (parameters and full optimizer state) this member holds alone; `zero1` what it holds of a
-    /// ZeRO-1 layout (its own and its buddy's segment states), if anything.
-    Ready { node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Option<Zero1Held> },
+    /// ZeRO-1 layout (its own and its buddy's segment states), newest first: the copies of the
+    /// last two exchanged steps (a re-formation can cut an exchange after some ranks committed its
+    /// step and before others did, so the members' newest copies may be one step apart).
+    Ready { node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Vec<Zero1Held> },
     /// A step finished on this worker. `checksum` (of the parameter bits) on verification steps.
     StepDone { node: u64, generation: u64, step: u64, loss: f64, samples: u64, checksum: Option<u64> },
     /// A step failed on this worker (usually because a peer failed).

@@ -21,8 +21,8 @@ use crate::protocol::{StateSource, Zero1Held};
 pub struct Holding {
     /// The newest step whose whole state this member holds alone.
     pub completed: Option<u64>,
-    /// Its ZeRO-1 segment copies, if any.
-    pub zero1: Option<Zero1Held>,
+    /// Its ZeRO-1 segment copies, one entry per step held (newest first), if any.
+    pub zero1: Vec<Zero1Held>,
 }
 
 /// The decision.
@@ -96,16 +96,13 @@ pub fn plan_recovery(members: &[Holding], checkpoint: Option<(u64, &str)>, resum
 /// that layout's size and each segment's holder (lowest new rank).
 fn zero1_coverage(members: &[Holding]) -> Option<(u64, u32, Vec<u32>)> {
     // Layouts are told apart by (generation, world); steps are tried newest first.
-    let mut layouts: Vec<(u64, u32, u64)> = members.iter().filter_map(|m| m.zero1.as_ref()).filter(|h| h.world > 0 && h.rank < h.world).map(|h| (h.generation, h.world, h.step)).collect();
+    let mut layouts: Vec<(u64, u32, u64)> = members.iter().flat_map(|m| m.zero1.iter()).filter(|h| h.world > 0 && h.rank < h.world).map(|h| (h.generation, h.world, h.step)).collect();
     layouts.sort_by(|a, b| b.2.cmp(&a.2).then(b.0.cmp(&a.0)).then(a.1.cmp(&b.1)));
     layouts.dedup();
     for (generation, world, step) in layouts {
         let mut holders: Vec<Option<u32>> = vec![None; world as usize];
         for (rank, m) in members.iter().enumerate() {
-            let Some(h) = &m.zero1 else { continue };
-            if h.generation != generation || h.world != world || h.step != step || h.rank >= world {
-                continue;
-            }
+            let Some(h) = m.zero1.iter().find(|h| h.generation == generation && h.world == world && h.step == step && h.rank < world) else { continue };
             for segment in [h.rank, (h.rank + world - 1) % world] {
                 let slot = &mut holders[segment as usize];
                 if slot.is_none() {
@@ -125,11 +122,11 @@ mod tests {
     use super::*;
 
     fn replica(c: Option<u64>) -> Holding {
-        Holding { completed: c, zero1: None }
+        Holding { completed: c, zero1: Vec::new() }
     }
 
     fn zero1(snapshot: Option<u64>, generation: u64, world: u32, rank: u32, step: u64) -> Holding {
-        Holding { completed: snapshot, zero1: Some(Zero1Held { generation, world, rank, step }) }
+        Holding { completed: snapshot, zero1: vec![Zero1Held { generation, world, rank, step }] }
     }
 
     #[test]
@@ -195,6 +192,18 @@ mod tests {
         let members = [zero1(None, 2, 2, 0, 117), zero1(None, 2, 2, 1, 116)];
         // Step 117: rank 0 holds segments 0 and 1 (its buddy's): covered alone.
         assert_eq!(plan_recovery(&members, None, 0, None, false).source, StateSource::Zero1Segments { step: 117, world: 2, holders: vec![0, 0] });
+    }
+
+    #[test]
+    fn zero1_copies_of_the_previous_step_cover_an_exchange_cut_halfway() {
+        // World 4, rank 2 lost in the exchange of step 118: ranks 0 and 1 committed 118 (and keep
+        // 117), rank 3 never got rank 2's copy of 118 and holds 117 (and 116). Step 118 lacks
+        // segment 2; step 117 is covered.
+        let held = |rank: u32, steps: &[u64]| Holding { completed: Some(100), zero1: steps.iter().map(|&step| Zero1Held { generation: 3, world: 4, rank, step }).collect() };
+        let members = [held(0, &[118, 117]), held(1, &[118, 117]), held(3, &[117, 116])];
+        let r = plan_recovery(&members, None, 0, Some(117), false);
+        assert_eq!(r.source, StateSource::Zero1Segments { step: 117, world: 4, holders: vec![0, 1, 2, 0] });
+        assert_eq!(r.next_step, 118);
     }
 
     #[test]

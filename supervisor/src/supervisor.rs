@@ -560,7 +560,7 @@ impl ClusterSupervisor {
         Ok(())
     }
 
-    async fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Option<Zero1Held>) -> Result<()> {
+    async fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Vec<Zero1Held>) -> Result<()> {
         let Phase::Preparing { generation: g, members, ready, .. } = &mut self.phase else { return Ok(()) };
         if *g != generation || !members.contains(&node) {
             return Ok(());

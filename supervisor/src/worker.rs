@@ -46,6 +46,7 @@ use crate::error::{Result, SupervisorError};
 use crate::job::TrainJob;
 use crate::state;
 use crate::protocol::{self, JoinReply, StateSource, ToSupervisor, ToWorker, EXPORTER_LABEL, SUPERVISOR};
+use crate::zero1::{self, BuddyCopies};
 
 /// How a worker process joins and behaves.
 #[derive(Clone, Debug)]
@@ -439,6 +440,9 @@ struct Replica<M> {
     rank: Option<usize>,
     optimizer_state: Option<Vec<(String, Tensor)>>,
     completed: Option<u64>,
+    /// Under ZeRO-1, the segment states of the last two exchanged steps (this rank's and its
+    /// buddy's): the state of a step no single rank holds whole.
+    zero1: BuddyCopies,
 }
 
 /// This generation's collectives endpoint between `Prepare` and `Start`.
@@ -448,7 +452,7 @@ enum Bound {
 }
 
 async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>, mut cmds: Receiver<ToWorker>) -> Result<WorkerOutcome> {
-    let mut replica = Replica { model: Some(job.build_model().map_err(SupervisorError::Job)?), snapshot_params: None, rank: None, optimizer_state: None, completed: None };
+    let mut replica = Replica { model: Some(job.build_model().map_err(SupervisorError::Job)?), snapshot_params: None, rank: None, optimizer_state: None, completed: None, zero1: BuddyCopies::default() };
     if let Some(path) = &resume {
         let (state, step) = checkpoint::load(path, replica.model.as_ref().ok_or_else(internal)?, |slices| job.build_optimizer(slices))?;
         replica.optimizer_state = Some(state);
@@ -479,7 +483,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                         (Bound::Quic(transport), addr)
                     }
                 };
-                ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed, zero1: None }).await?;
+                ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed, zero1: replica.zero1.held() }).await?;
                 let start = loop {
                     match cmds.recv().await.ok_or_else(lost)? {
                         ToWorker::Start { generation: g, addrs, source, next_step, stop_step, shm_job } if g == generation => break Some((addrs, source, next_step, stop_step, shm_job)),
@@ -494,11 +498,8 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                 let source_rank = match &source {
                     StateSource::Initial => 0,
                     StateSource::Member { rank } => *rank as usize,
-                    StateSource::Zero1Segments { .. } => {
-                        let e = SupervisorError::Job("internal: ZeRO-1 segment recovery is not supported by this worker".into());
-                        let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: next_step, reason: e.to_string() }).await;
-                        continue;
-                    }
+                    // Every holder sends its segments (see `zero1`); the first one names the source.
+                    StateSource::Zero1Segments { holders, .. } => holders.first().map_or(0, |&h| h as usize),
                     StateSource::Checkpoint { location, step } => {
                         // Every holder of newer state is gone: rank 0 takes the checkpoint and
                         // broadcasts it like a replica would.
@@ -513,7 +514,11 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                         0
                     }
                 };
-                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source_rank, next_step, stop_step, addrs, shm_job };
+                let segments = match source {
+                    StateSource::Zero1Segments { step, world, holders } => Some(SegmentSource { step, world, holders }),
+                    _ => None,
+                };
+                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source_rank, segments, next_step, stop_step, addrs, shm_job };
                 let span = tracing::info_span!("generation", generation = generation_run.generation, rank = generation_run.rank, world = generation_run.world);
                 match run_generation(&ctx, &job, &generation_run, bound, &mut replica, &mut shard, &mut writer, &mut cmds).instrument(span).await {
                     Ok(interrupt) => next = interrupt,
@@ -560,11 +565,22 @@ fn load_checkpoint_into<J: TrainJob>(ctx: &WorkerCtx, job: &J, replica: &mut Rep
     Ok(())
 }
 
+/// `StateSource::Zero1Segments`: the state of `step`, from the segments of the layout of `world`
+/// ranks, old segment `i` sent by new rank `holders[i]`.
+struct SegmentSource {
+    step: u64,
+    world: u32,
+    holders: Vec<u32>,
+}
+
 struct Generation {
     generation: u64,
     rank: usize,
     world: usize,
     source: usize,
+    /// Under ZeRO-1, when the state is rebuilt from the members' segment copies instead of taken
+    /// from `source`.
+    segments: Option<SegmentSource>,
     next_step: u64,
     stop_step: u64,
     addrs: Vec<String>,
@@ -635,11 +651,20 @@ async fn train<J: TrainJob>(
     // The newest restorable state, from the source rank: parameters and full optimizer state.
     // (No borrow of the model lives across an await: the worker future must be `Send`.)
     let template = state::full_template(&model, |slices| job.build_optimizer(slices));
+    let layout = template.as_ref().ok().map(|t| zero1::Layout::new(&model, t)).transpose();
     let params = model.named_parameters();
+    let (snapshot_params, optimizer_state, copies) = (replica.snapshot_params.as_deref(), replica.optimizer_state.as_deref(), &replica.zero1);
     let synced = async {
         let template = template?;
-        let flat = state::broadcast_parameters(comm, g.source, &params, replica.snapshot_params.as_deref()).await?;
-        let full = state::broadcast_full_state(comm, g.source, replica.optimizer_state.as_deref(), &template).await?;
+        let layout = layout?.ok_or_else(internal)?;
+        let (flat, full) = match &g.segments {
+            // Under ZeRO-1, from the segment copies of a step no member holds whole.
+            Some(s) => zero1::rebuild_from_segments(comm, copies, &layout, &template, s.step, s.world, &s.holders).await?,
+            None => {
+                let flat = state::broadcast_parameters(comm, g.source, &params, snapshot_params).await?;
+                (flat, state::broadcast_full_state(comm, g.source, optimizer_state, &template).await?)
+            }
+        };
         // Nobody moves on until every member holds the state: a generation formed at the last
         // step has nothing to train, so its members finish at once, and a source that exited
         // with its broadcast still in flight left a member at an older state (found by the
@@ -649,11 +674,11 @@ async fn train<J: TrainJob>(
         // must leave them matching the step this worker reports (installing them at once left a
         // worker at the source's step while it reported its own; found by the swarm too).
         state::install_parameters(&params, &flat)?;
-        Ok::<_, SupervisorError>((template, full))
+        Ok::<_, SupervisorError>((template, full, layout))
     }
     .await;
     drop(params);
-    let (template, full) = match synced {
+    let (template, full, layout) = match synced {
         Ok(v) => v,
         Err(e) => {
             replica.model = Some(model);
@@ -665,6 +690,8 @@ async fn train<J: TrainJob>(
     // really is (reporting this worker's own older step made the group train a step twice; found
     // by the simulator's seed swarm).
     let synced_params = state::flat_parameters(&model)?;
+    // Every member holds the whole state now: older segment copies are of no more use.
+    replica.zero1.clear();
     replica.completed = g.next_step.checked_sub(1);
     replica.optimizer_state = Some(full.clone());
     replica.snapshot_params = if ctx.zero1 { Some(synced_params.clone()) } else { None };
@@ -693,7 +720,12 @@ async fn train<J: TrainJob>(
             return Err(e.into());
         }
     };
-    tracing::info!(next_step = g.next_step, source = g.source, "generation started");
+    tracing::info!(next_step = g.next_step, source = g.source, from_segments = g.segments.is_some(), "generation started");
+    if ctx.zero1 {
+        log_zero1_memory(&engine, &layout, &template, g.world)?;
+    }
+    // Time spent exchanging segment states with the buddies, and the number of exchanges.
+    let mut exchanged = (Duration::ZERO, 0u32);
 
     let total = job.total_steps().min(g.stop_step);
     let global = job.global_batch().max(1) as f64;
@@ -746,9 +778,29 @@ async fn train<J: TrainJob>(
         let compute = loop_started.elapsed();
         match result {
             Ok(_) => {
+                if ctx.zero1 {
+                    // A rank holds only its segment of the optimizer state: the step is restorable
+                    // (and reported done) once its segment state is also held by its buddy.
+                    let started = Instant::now();
+                    replica.zero1.drop_previous();
+                    // (Encoded before the await: no borrow of the engine lives across it.)
+                    let mut own = replica.zero1.spare();
+                    let encoded = engine.optimizer().state_tensors().map_err(SupervisorError::from).and_then(|local| layout.encode_into(&mut own, step, engine.param_slices(), &local));
+                    let exchanged_now = match encoded {
+                        Ok(()) => replica.zero1.exchange_step(comm, g.generation, step, own).await,
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = exchanged_now {
+                        tracing::warn!(step, error = %e, "segment exchange failed");
+                        let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
+                        break cmds.recv().await.map(Some).ok_or_else(lost);
+                    }
+                    exchanged.0 += started.elapsed();
+                    exchanged.1 += 1;
+                }
                 *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
-                // Under ZeRO-1 a rank holds only part of the optimizer state: the restorable point
-                // is the last snapshot, which gathers the full state on every rank.
+                // Under ZeRO-1 the restorable point without the buddies (a rank lost with its
+                // buddy) is the last snapshot, which gathers the full state on every rank.
                 let snapshot_due = (step + 1) % ctx.snapshot_every.max(1) == 0 || step + 1 == total || (ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0);
                 if !ctx.zero1 {
                     replica.completed = Some(step);
@@ -795,6 +847,9 @@ async fn train<J: TrainJob>(
             }
         }
     };
+    if exchanged.1 > 0 {
+        tracing::info!(exchanges = exchanged.1, mean_ms = exchanged.0.as_secs_f64() * 1e3 / f64::from(exchanged.1), "zero1 buddy exchanges");
+    }
     let (model, _buckets, optimizer) = engine.into_parts();
     if !ctx.zero1 {
         // Plain data parallelism: the optimizer holds the full state of the last completed step.
@@ -803,6 +858,25 @@ async fn train<J: TrainJob>(
     }
     replica.model = Some(model);
     outcome
+}
+
+/// Logs what the buddy copies cost per rank, next to the ZeRO-1 shard itself and a replica.
+fn log_zero1_memory<M: Module, O: Optimizer>(engine: &DataParallel<M, O>, layout: &zero1::Layout, template: &[(String, Tensor)], world: usize) -> Result<()> {
+    let local = engine.optimizer().state_tensors()?;
+    let (shard_bytes, replica_bytes) = zero1::shard_and_replica_bytes(engine.param_slices(), &local, layout.param_count(), template);
+    // Own and buddy segment states of two steps (see `zero1`; alone, no buddy's); the snapshot
+    // fallback keeps the whole state besides (a replica's worth).
+    let copies_bytes = if world == 1 { 2 } else { 4 } * shard_bytes;
+    tracing::info!(
+        world,
+        shard_bytes,
+        copies_bytes,
+        replica_bytes,
+        snapshot_bytes = replica_bytes,
+        copies_per_replica = copies_bytes as f64 / replica_bytes.max(1) as f64,
+        "zero1 buddy copies: memory per rank"
+    );
+    Ok(())
 }
 
 /// A fresh model holding `flat` (every parameter, in `named_parameters` order).
