@@ -1,8 +1,8 @@
 //! `rtx sim`: runs a scenario of the deterministic simulator (`rtx-sim`) for one seed, printing
 //! its trace hash and the invariants checked (or the first broken one, its event and the command
-//! that replays it), or for a range of seeds as a swarm across cores, printing every failing seed
-//! with its replay command and a summary (seeds per second, virtual-to-wall time ratio,
-//! committed steps per wall second).
+//! that replays it, after the job events and faults that led there), or for a range of seeds as a
+//! swarm across cores, printing every failing seed with its replay command and a summary (seeds
+//! per second, virtual-to-wall time ratio, committed steps per wall second).
 
 use std::path::Path;
 use std::time::Instant;
@@ -36,6 +36,10 @@ pub fn run(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
                 outcome.virtual_time.as_secs_f64() / wall.as_secs_f64().max(1e-9)
             );
             if let Some(v) = &outcome.violation {
+                println!("the last {} job events and faults before it:", v.recent.len());
+                for line in &v.recent {
+                    println!("  {line}");
+                }
                 print_violation(&outcome, args);
                 bail!("seed {seed} broke invariant {}", v.invariant);
             }
@@ -45,7 +49,7 @@ pub fn run(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
                 " (exact-recovery not applicable: some step ran on fewer workers)"
             };
             let (written, failed) = outcome.checkpoints;
-            println!("invariants held: stale-generation, replicas-identical, committed-monotone, samples-exactly-once, liveness, checkpoint-intact ({written} checkpoints written, {failed} writes failed){exact}");
+            println!("invariants held: stale-generation, replicas-identical, committed-monotone, samples-exactly-once, liveness, checkpoint-intact ({written} checkpoints written, {failed} writes failed), durable-progress, no-restart-from-scratch{exact}");
             Ok(())
         }
         (None, Some(range)) => {
@@ -60,6 +64,9 @@ pub fn run(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
             for outcome in report.failing() {
                 failing += 1;
                 print_violation(outcome, args);
+            }
+            if let Some(first) = report.failing().next() {
+                println!("first failing seed: {} ({failing} of {} seeds fail)", first.seed, report.outcomes.len());
             }
             println!(
                 "{} seeds, {failing} failing; {:.2} s wall on {} thread(s): {:.1} seeds/s, virtual/wall {:.1}x, {:.0} committed steps per wall second",

@@ -25,7 +25,25 @@
 //!   fault-free run's bit for bit;
 //! - `checkpoint-intact`: a failed checkpoint write leaves the newest good checkpoint as it was
 //!   (same bytes, still decodable) and training goes on; every stored checkpoint decodes and holds
-//!   exactly the replicas' parameters of the committed step it names.
+//!   exactly the replicas' parameters of the committed step it names;
+//! - `durable-progress` (no regression past durable state): every generation's `next_step` is at
+//!   least `D + 1`, where `D` is the newest *durable* step when it forms: the larger of (a) the
+//!   step of the newest good checkpoint — one the supervisor was told of (a `Checkpointed` event
+//!   before the `Generation` event) and that the store still holds byte for byte — and (b) for
+//!   each member of the new generation (a process: a restarted node is a new one), the newest step
+//!   committed while that process was a member of the committing generation (a commit needs every
+//!   member's report, and under replicated data parallelism a member's state never goes back, so
+//!   that process holds at least that step; the simulator's jobs are replicated — under ZeRO-1 it
+//!   would be the snapshot step each holder reports). A generation formed only of new processes
+//!   with no checkpoint behind it may start anywhere at or after the checkpoint; one that starts at
+//!   step 0 after steps were committed and a checkpoint exists also breaks (iii) below, named in
+//!   the detail;
+//! - `committed-monotone` also allows exactly the rollbacks `durable-progress` allows: a
+//!   generation whose `next_step` is at or below the last committed step (its state came from a
+//!   checkpoint or a surviving older replica, the newer states died) restarts the count there;
+//!   any other step committed twice breaks it;
+//! - `no-restart-from-scratch`: once a step was committed and a good checkpoint exists, no rank
+//!   trains from the initial parameters (the ledger counts every step started from them).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -34,7 +52,7 @@ use std::time::Duration;
 
 use rtx_actors::LinkOptions;
 use rtx_supervisor::{
-    serve_request, ClassPolicy, ElasticConfig, Exec, JobEvent, NodeEnv, NodeLauncher, OnFailure, PlantedBug, SupervisorEnv, SupervisorHandle,
+    serve_request, ClassPolicy, ElasticConfig, Exec, JobEvent, NodeEnv, NodeLauncher, PlantedBug, SupervisorEnv, SupervisorHandle,
     SupervisorOptions, Wire, WorkerOptions,
 };
 use rtx_tensor::data::Sampler;
@@ -45,7 +63,7 @@ use tokio::time::Instant;
 use crate::checkpoints::SimCheckpoints;
 use crate::control::{ControlConfig, ControlNet};
 use crate::error::Result;
-use crate::job::{global_samples, sampler_of, Dataset, EpochCache, Ledger, SimJob};
+use crate::job::{build_model, global_samples, sampler_of, Dataset, EpochCache, Ledger, SimJob};
 use crate::network::{LinkModel, SimConfig};
 use crate::scenario::{Fault, FaultKind, Scenario, Trigger};
 use crate::trace::TraceHash;
@@ -108,7 +126,12 @@ pub struct Violation {
     pub at: Duration,
     /// That event.
     pub event: String,
+    /// The job events and faults before it (the last [`RECENT`]), each with its virtual time.
+    pub recent: Vec<String>,
 }
+
+/// Job events and faults kept for a violation's report.
+pub(crate) const RECENT: usize = 48;
 
 /// Runs `scenario` with `seed` on a fresh single-thread runtime with virtual time; data from
 /// `data_root`. `Err` only when the run could not be set up; broken invariants are in the outcome.
@@ -166,6 +189,9 @@ enum Action {
     Restart(usize),
     Resume(usize),
     Heal(usize, usize),
+    Unstall(usize),
+    /// A fault due now (one triggered by a loss, `after` it).
+    Apply(Fault),
 }
 
 async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &RunOptions, reference: Option<u64>) -> Result<Outcome> {
@@ -183,9 +209,9 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
         reorder: net.reorder,
         reorder_delay: Duration::from_micros(200),
     };
-    let wire = ClusterWire::new(derive(seed, 2), SimConfig { seed: 0, link, loss_detect: net.loss_detect });
+    let wire = ClusterWire::new(derive(seed, 2), SimConfig { seed: 0, link, loss_detect: net.loss_detect, wire: net.wire });
     let e = &scenario.elastic;
-    let policy = ClassPolicy { on_failure: OnFailure::Shrink, budget: e.failure_budget };
+    let policy = ClassPolicy { on_failure: e.on_failure, budget: e.failure_budget };
     let elastic = ElasticConfig {
         min_workers: scenario.min_workers,
         max_workers: scenario.workers,
@@ -242,16 +268,20 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
         next_timer: 0,
         start,
     };
-    for slot in 0..scenario.workers {
+    for slot in 0..scenario.workers + scenario.spares {
         cluster.slots.push(Slot { pid: 0, task: None });
-        let _ = cluster.start_node(slot);
+        if slot < scenario.workers {
+            let _ = cluster.start_node(slot);
+        }
     }
     let plan = if options.no_faults { Vec::new() } else { scenario.plan(seed) };
     let mut timed: Vec<Fault> = plan.iter().filter(|f| matches!(f.when, Trigger::At(_))).cloned().collect();
     timed.reverse();
     let mut by_step: Vec<Fault> = plan.iter().filter(|f| matches!(f.when, Trigger::Step(_))).cloned().collect();
+    let mut by_loss: Vec<Fault> = plan.iter().filter(|f| matches!(f.when, Trigger::Loss { .. })).cloned().collect();
+    let mut losses = 0u64;
     let sampler = sampler_of(&scenario.job)?;
-    let mut checker = Checker::new(scenario, sampler, ledger, Arc::clone(&checkpoints), reference);
+    let mut checker = Checker::new(scenario, sampler, ledger, Arc::clone(&checkpoints), reference)?;
     let mut fired = 0usize;
     let deadline = start + scenario.max_virtual;
     let mut eval = Vec::new();
@@ -259,7 +289,7 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
     loop {
         let next_fault = timed.last().map(|f| match f.when {
             Trigger::At(t) => start + t,
-            Trigger::Step(_) => deadline,
+            Trigger::Step(_) | Trigger::Loss { .. } => deadline,
         });
         let next_timer = cluster.timers.keys().next().map(|(t, _)| start + *t);
         let wake = [next_fault, next_timer].into_iter().flatten().min().unwrap_or(deadline).min(deadline);
@@ -277,14 +307,24 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
                     eval = e.clone();
                 }
                 let committed = if let JobEvent::Committed { step, .. } = &event { Some(*step) } else { None };
+                let lost = matches!(event, JobEvent::Lost { .. });
                 checker.check(&event, t);
                 if let Some(step) = committed {
                     let due: Vec<Fault> = by_step.iter().filter(|f| f.when <= Trigger::Step(step)).cloned().collect();
                     by_step.retain(|f| f.when > Trigger::Step(step));
                     for fault in due {
                         fired += 1;
+                        checker.note(format!("fault {:?} on slot {}", fault.kind, fault.node), t);
                         cluster.apply(&fault);
                     }
+                }
+                if lost {
+                    losses += 1;
+                    for fault in by_loss.iter().filter(|f| matches!(f.when, Trigger::Loss { nth, .. } if nth == losses)) {
+                        let Trigger::Loss { after, .. } = fault.when else { continue };
+                        cluster.after(after, Action::Apply(fault.clone()));
+                    }
+                    by_loss.retain(|f| !matches!(f.when, Trigger::Loss { nth, .. } if nth <= losses));
                 }
                 if ended || checker.violation.is_some() {
                     break;
@@ -302,6 +342,7 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
                             cluster.slots[slot].task = None;
                         }
                         tracing::info!(slot, pid, %status, "simulated node ended");
+                        checker.note(format!("slot {slot} (pid {pid}) ended: {status}"), start.elapsed());
                         cluster.trace_note(&mut checker.trace, b"exit", slot as u64);
                         supervisor.process_exited(pid, status).await;
                     }
@@ -316,17 +357,25 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
                 while let Some(fault) = timed.last().filter(|f| matches!(f.when, Trigger::At(t) if t <= now)).cloned() {
                     timed.pop();
                     fired += 1;
+                    checker.note(format!("fault {:?} on slot {}", fault.kind, fault.node), now);
                     cluster.apply(&fault);
                 }
                 while let Some((&key, _)) = cluster.timers.iter().next().filter(|((t, _), _)| *t <= now) {
                     if let Some(action) = cluster.timers.remove(&key) {
-                        cluster.timed(action);
+                        if let Action::Apply(fault) = action {
+                            fired += 1;
+                            checker.note(format!("fault {:?} (after loss) on slot {}", fault.kind, fault.node), now);
+                            cluster.apply(&fault);
+                        } else {
+                            cluster.timed(action);
+                        }
                     }
                 }
             }
         }
     }
     checker.check_stored_checkpoints(start.elapsed());
+    checker.check_no_scratch("end".into(), start.elapsed());
     let foreign = cluster.wire.foreign_generation_frames();
     checker.checks += 1;
     if foreign > 0 {
@@ -375,7 +424,11 @@ impl Cluster {
         let options = WorkerOptions::new(self.addr, self.token.clone(), format!("slot-{slot}"));
         let (shape, data, ledger) = (self.scenario.job.clone(), Arc::clone(&self.data), Arc::clone(&self.ledger));
         let exits = self.exits.clone();
+        let startup = if self.start.elapsed().is_zero() { Duration::ZERO } else { self.scenario.startup };
         let task = tokio::task::spawn_local(async move {
+            if !startup.is_zero() {
+                tokio::time::sleep(startup).await;
+            }
             let result = rtx_supervisor::run_node(options, env, move |spec| SimJob::new(spec.node, shape, data, ledger).map_err(|e| e.to_string())).await;
             let status = match result {
                 Ok(outcome) => format!("exited: {outcome:?}"),
@@ -431,6 +484,22 @@ impl Cluster {
                 self.after(*duration, Action::Heal(slot, *peer));
             }
             FaultKind::CheckpointFail => self.checkpoints.arm_failure(),
+            FaultKind::Stuck { duration } => {
+                // Stuck in whatever collective it is in; released when the fault ends (or at
+                // once, by the worker aborting its transport).
+                self.wire.stall(slot);
+                self.after(*duration, Action::Unstall(slot));
+            }
+            FaultKind::Join => {
+                let free = |s: &Slot| s.task.is_none();
+                let target = if self.slots.get(slot).is_some_and(free) { Some(slot) } else { self.slots.iter().position(free) };
+                match target {
+                    Some(target) => {
+                        let _ = self.start_node(target);
+                    }
+                    None => tracing::info!("join: every slot runs"),
+                }
+            }
         }
     }
 
@@ -455,6 +524,8 @@ impl Cluster {
                 }
             }
             Action::Heal(a, b) => self.wire.heal(a, b),
+            Action::Unstall(slot) => self.wire.unstall(slot),
+            Action::Apply(fault) => self.apply(&fault),
         }
     }
 
@@ -512,11 +583,25 @@ struct Checker {
     final_checksum: u64,
     checks: u64,
     events: usize,
+    /// The processes (pids) of every generation formed.
+    generation_pids: BTreeMap<u64, Vec<u32>>,
+    /// Per live process: the newest step committed while it was a member of the committing
+    /// generation (the state it holds at least).
+    held: BTreeMap<u32, u64>,
+    /// Trainings from the initial parameters the ledger counted when a step had been committed
+    /// and a good checkpoint existed for the first time.
+    scratch_baseline: Option<u64>,
+    /// Generations that legitimately rolled back to durable state.
+    rollbacks: u64,
+    /// The last job events and faults, for a violation's report.
+    recent: std::collections::VecDeque<String>,
 }
 
 impl Checker {
-    fn new(scenario: &Scenario, sampler: Sampler, ledger: Arc<Ledger>, checkpoints: Arc<SimCheckpoints>, reference: Option<u64>) -> Checker {
-        Checker {
+    fn new(scenario: &Scenario, sampler: Sampler, ledger: Arc<Ledger>, checkpoints: Arc<SimCheckpoints>, reference: Option<u64>) -> Result<Checker> {
+        let initial = build_model(&scenario.job).map_err(crate::SimError::Scenario)?;
+        ledger.set_initial(rtx_supervisor::parameter_checksum(&initial).map_err(|e| crate::SimError::Scenario(e.to_string()))?);
+        Ok(Checker {
             workers: scenario.workers,
             total_steps: scenario.job.total_steps,
             global_batch: scenario.job.global_batch,
@@ -539,12 +624,87 @@ impl Checker {
             final_checksum: 0,
             checks: 0,
             events: 0,
-        }
+            generation_pids: BTreeMap::new(),
+            held: BTreeMap::new(),
+            scratch_baseline: None,
+            rollbacks: 0,
+            recent: std::collections::VecDeque::new(),
+        })
     }
 
     fn violate(&mut self, invariant: &'static str, detail: String, event: String, at: Duration) {
         if self.violation.is_none() {
-            self.violation = Some(Violation { invariant, detail, event_index: self.events, at, event });
+            let recent = self.recent.iter().cloned().collect();
+            self.violation = Some(Violation { invariant, detail, event_index: self.events, at, event, recent });
+        }
+    }
+
+    /// Keeps a line (a job event, a fault, an exit) for a violation's report.
+    fn note(&mut self, line: String, at: Duration) {
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(format!("t={:.3}s {line}", at.as_secs_f64()));
+    }
+
+    /// The newest good checkpoint's step: one the supervisor was told of and the store still
+    /// holds byte for byte.
+    fn good_checkpoint(&self) -> Option<u64> {
+        let (step, bytes) = self.last_good.as_ref()?;
+        (self.checkpoints.get(*step).as_ref() == Some(bytes)).then_some(*step)
+    }
+
+    /// `durable-progress` and the rollbacks `committed-monotone` allows, for a generation of
+    /// processes `pids` starting at `next_step`.
+    fn check_generation(&mut self, generation: u64, next_step: u64, pids: &[u32]) -> std::result::Result<(), String> {
+        self.checks += 1;
+        let checkpoint = self.good_checkpoint();
+        let holder = pids.iter().filter_map(|p| self.held.get(p).map(|s| (*s, *p))).max();
+        let need = checkpoint.map(|c| c + 1).max(holder.map(|(s, _)| s + 1)).unwrap_or(0);
+        if next_step < need {
+            let mut why = Vec::new();
+            if let Some(c) = checkpoint.filter(|c| next_step < c + 1) {
+                why.push(format!("the newest good checkpoint holds step {c}"));
+            }
+            if let Some((s, pid)) = holder.filter(|(s, _)| next_step < s + 1) {
+                why.push(format!("member pid {pid} was in the group when step {s} was committed and has not died since"));
+            }
+            let scratch = if next_step == 0 && self.last_committed.is_some() && checkpoint.is_some() {
+                format!("; it would train from the initial parameters after {} committed step(s) (no-restart-from-scratch)", self.last_committed.map_or(0, |s| s + 1))
+            } else {
+                String::new()
+            };
+            return Err(format!("generation {generation} starts at step {next_step}, below the durable step {} + 1: {}{scratch}", need - 1, why.join("; ")));
+        }
+        if let Some(last) = self.last_committed.filter(|last| next_step <= *last) {
+            // A legitimate rollback: the newer states died with their holders; the count
+            // restarts at the durable state.
+            self.rollbacks += 1;
+            tracing::info!(generation, next_step, last, "rollback to durable state");
+            self.last_committed = next_step.checked_sub(1);
+            self.trace.absorb(b"rollback");
+            self.trace.absorb_u64(next_step);
+        }
+        Ok(())
+    }
+
+    /// `no-restart-from-scratch`: no training from the initial parameters once a step was
+    /// committed and a good checkpoint exists.
+    fn check_no_scratch(&mut self, event: String, at: Duration) {
+        let from_initial = self.ledger.from_initial();
+        match self.scratch_baseline {
+            None => {
+                if self.last_committed.is_some() && self.good_checkpoint().is_some() {
+                    self.scratch_baseline = Some(from_initial);
+                }
+            }
+            Some(base) => {
+                self.checks += 1;
+                if from_initial > base {
+                    let (step, node) = self.ledger.last_from_initial().unwrap_or_default();
+                    self.violate("no-restart-from-scratch", format!("node {node} trained step {step} from the initial parameters after steps were committed and a checkpoint was written"), event, at);
+                }
+            }
         }
     }
 
@@ -553,19 +713,29 @@ impl Checker {
         let text = format!("{event:?}");
         self.trace.absorb_u64(at.as_nanos() as u64);
         self.trace.absorb(text.as_bytes());
+        self.note(text.clone(), at);
+        self.check_no_scratch(text.clone(), at);
         let fail = |this: &mut Checker, invariant: &'static str, detail: String| this.violate(invariant, detail, text.clone(), at);
         match event {
-            JobEvent::Generation { generation, world, next_step, .. } => {
+            JobEvent::Generation { generation, world, next_step, pids, .. } => {
                 self.checks += 1;
                 if *generation <= self.last_generation {
                     fail(self, "committed-monotone", format!("generation {generation} after {}", self.last_generation));
                 }
                 self.last_generation = *generation;
                 self.generations.push((*next_step, *world));
+                self.generation_pids.insert(*generation, pids.clone());
+                if let Err(detail) = self.check_generation(*generation, *next_step, pids) {
+                    fail(self, "durable-progress", detail);
+                }
             }
-            JobEvent::Committed { step, samples, world, checksum, .. } => {
+            JobEvent::Committed { step, samples, world, checksum, generation, .. } => {
                 if let Some(sum) = checksum {
                     self.committed_sums.insert(*step, *sum);
+                }
+                for pid in self.generation_pids.get(generation).cloned().unwrap_or_default() {
+                    let held = self.held.entry(pid).or_insert(*step);
+                    *held = (*held).max(*step);
                 }
                 self.checks += 1;
                 if let Some((again, first, later)) = self.ledger.retrained(&self.lost) {
@@ -647,8 +817,10 @@ impl Checker {
             JobEvent::Failed { reason } => {
                 fail(self, "liveness", format!("the job failed: {reason}"));
             }
-            JobEvent::Lost { node, .. } => {
+            JobEvent::Lost { node, pid, .. } => {
                 self.lost.insert(*node);
+                // Its state is gone (killed, or evicted and killed).
+                self.held.remove(pid);
             }
             JobEvent::Checkpointed { step, .. } => {
                 // Reports can arrive late (a node's held control bytes): a checkpoint the store

@@ -46,6 +46,11 @@ pub struct Ledger(Mutex<LedgerState>);
 struct LedgerState {
     trained: BTreeMap<(u64, usize, usize), Trained>,
     starts: BTreeMap<u64, BTreeMap<u64, std::collections::BTreeSet<u64>>>,
+    /// The initial parameters' checksum, and how many steps were started from them (the last
+    /// one's step and node).
+    initial: Option<u64>,
+    from_initial: u64,
+    last_from_initial: Option<(u64, u64)>,
 }
 
 /// The shape of the job.
@@ -119,8 +124,27 @@ impl Ledger {
         state.starts.get(&step).map(|starts| starts.iter().filter(|(_, nodes)| nodes.iter().any(|n| !lost.contains(n))).map(|(sum, _)| *sum).collect()).unwrap_or_default()
     }
 
+    /// Names the initial parameters' checksum: steps started from it are counted.
+    pub fn set_initial(&self, checksum: u64) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).initial = Some(checksum);
+    }
+
+    /// How many steps were started from the initial parameters.
+    pub fn from_initial(&self) -> u64 {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).from_initial
+    }
+
+    /// The step and node of the last step started from the initial parameters.
+    pub fn last_from_initial(&self) -> Option<(u64, u64)> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).last_from_initial
+    }
+
     fn record(&self, step: u64, world: usize, rank: usize, node: u64, trained: Trained) {
         let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.initial == Some(trained.start_checksum) {
+            state.from_initial += 1;
+            state.last_from_initial = Some((step, node));
+        }
         state.starts.entry(step).or_default().entry(trained.start_checksum).or_default().insert(node);
         state.trained.insert((step, world, rank), trained);
     }

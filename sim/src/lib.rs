@@ -10,7 +10,10 @@
 //!   `Transport` and carrying production frames; per directed link latency with jitter,
 //!   bandwidth, loss (as retransmission delay), duplication (as lost bandwidth) and reordering
 //!   (as a delivery gap) below the ordered reliable transport, one-way and symmetric partitions,
-//!   crashes.
+//!   crashes; links are streams (QUIC) or shared-memory rings as before the transport could be
+//!   aborted (sends wait for ring space, crashes are noticed after the liveness timeout, a dying
+//!   writer's frame is torn); ranks can be stalled (compute stuck in a collective) and transports
+//!   aborted (`Transport::abort`).
 //!   [`ClusterWire`] makes one per generation and maps node slots to ranks.
 //! - [`ControlNet`]: the supervisor↔node control links, production `rtx_actors::Link` envelopes
 //!   over in-memory streams with seeded latency, isolation (hangs) and idle timeouts.
@@ -39,7 +42,7 @@ pub use cluster::{run_seed, Outcome, RunOptions, Violation};
 pub use control::{ControlConfig, ControlNet, SlotDialer};
 pub use error::{Result, SimError};
 pub use job::{Dataset, JobShape, Ledger, SimJob, Trained};
-pub use network::{run, LinkModel, SimConfig, SimNetwork, SimTransport};
+pub use network::{run, LinkModel, SimConfig, SimNetwork, SimTransport, WireModel};
 pub use scenario::{ElasticShape, Fault, FaultKind, NetShape, RandomFaults, Scenario, Trigger};
 pub use swarm::{swarm, SwarmReport};
 pub use trace::TraceHash;

@@ -11,7 +11,33 @@
 //! `at_ms` of virtual time or when step `at_step` is committed. `checkpoint_fail` makes the next
 //! checkpoint write fail (whichever node writes it, so it takes no `node`); checkpoints are
 //! written every `[elastic] checkpoint_every` steps into the cluster's in-memory store
-//! ([`crate::SimCheckpoints`]).
+//! ([`crate::SimCheckpoints`]). `stuck` (a member whose compute is stuck in a collective while its
+//! node agent lives on: its collectives sends wait and nothing is read for it, in the generation
+//! it is in, for `for_ms` or until its transport is aborted; its heartbeats and control messages
+//! flow as ever). `join` (a new worker joins: it starts in `node`'s slot if that one is free, else
+//! in the lowest free slot — a spare (`spares` slots exist beyond `workers`, idle at the start) or
+//! a dead node's; nothing happens if every slot runs; the supervisor refuses it if the job already
+//! has `workers` members). A node process started after time zero (restart, replacement, join)
+//! takes `startup_ms` (top level, default 0) before it dials the supervisor.
+//!
+//! Besides `at_ms` and `at_step`, a fault may fire `after_ms` (default 0) after the `at_loss`-th
+//! member loss the supervisor reports (1 = the first): the supervisor re-forms the group right
+//! after a loss, so a `join` timed so lands while it is preparing the new generation.
+//!
+//! `[network] wire` picks the collectives link model ([`WireModel`]): `"stream"` (QUIC; default)
+//! or `"shm"`, shared-memory rings of `ring_bytes` (default 16 KiB) per directed link as before
+//! the transport could be aborted: sends wait for ring space, a crash is noticed only after
+//! `loss_detect_ms` (the liveness timeout), the frame a dying node was writing is torn.
+//! `[elastic] on_failure` is `"shrink"` (default) or `"replace"` (the supervisor asks the simulator,
+//! its node launcher, for a replacement after each loss).
+//!
+//! The random plan (`[random]`) draws, from the seed: `crashes` (each restarted after 0.1-3 s),
+//! `partitions` (50 ms-2 s, half one-way), `pauses` (a quarter to three heartbeat timeouts),
+//! `slow` stragglers (0.5-5 ms), `checkpoint_failures` (at a random step), all in `window_ms`;
+//! `stuck` members (in the window, for `stuck_ms`, default half to three prepare timeouts: long
+//! enough that a worker that cannot be interrupted misses `Prepare`); and `joins`, each
+//! `after_ms` 0-20 ms after a random one of the first `crashes + pauses + stuck` losses (1 if none
+//! are drawn), into the window where the supervisor prepares the next generation.
 
 use std::path::Path;
 use std::time::Duration;
@@ -20,8 +46,11 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
+use rtx_supervisor::OnFailure;
+
 use crate::error::{Result, SimError};
 use crate::job::JobShape;
+use crate::network::WireModel;
 use crate::wire::derive;
 
 /// A simulated run's setup; see the module doc.
@@ -31,6 +60,10 @@ pub struct Scenario {
     pub name: String,
     /// Node slots (each a worker process) started at time zero.
     pub workers: usize,
+    /// Further node slots, idle at the start: replacements and `join` faults start there.
+    pub spares: usize,
+    /// How long a started node process takes before it dials the supervisor (0 at time zero).
+    pub startup: Duration,
     /// Fewest workers that may train.
     pub min_workers: usize,
     /// Liveness bound: the job must finish within this much virtual time.
@@ -70,6 +103,8 @@ pub struct NetShape {
     pub control_jitter: Duration,
     /// A control link isolated this long closes (QUIC idle timeout).
     pub idle_timeout: Duration,
+    /// The collectives link model.
+    pub wire: WireModel,
 }
 
 /// The supervisor's elastic timing.
@@ -87,6 +122,8 @@ pub struct ElasticShape {
     pub failure_budget: u32,
     /// Rank 0 writes a checkpoint every this many steps (0: none).
     pub checkpoint_every: u64,
+    /// Shrink, or ask the launcher for a replacement, after a loss.
+    pub on_failure: OnFailure,
 }
 
 /// One fault.
@@ -107,6 +144,8 @@ pub enum Trigger {
     At(Duration),
     /// When this step is committed.
     Step(u64),
+    /// `after` the `nth` member loss (1-based) the supervisor reports.
+    Loss { nth: u64, after: Duration },
 }
 
 /// What a fault does.
@@ -123,6 +162,11 @@ pub enum FaultKind {
     Partition { peer: usize, duration: Duration, one_way: bool },
     /// The next checkpoint write fails (the fault's node is not used).
     CheckpointFail,
+    /// The node's compute is stuck in a collective for `duration` (or until its transport is
+    /// aborted); its node agent lives on.
+    Stuck { duration: Duration },
+    /// A new worker joins (in the node's slot if free, else the lowest free slot).
+    Join,
 }
 
 /// Random faults per seed.
@@ -138,6 +182,12 @@ pub struct RandomFaults {
     pub slow: usize,
     /// Failed checkpoint writes, each armed when a random step is committed.
     pub checkpoint_failures: usize,
+    /// Members stuck in a collective.
+    pub stuck: usize,
+    /// How long a stuck member stays stuck (drawn from this range).
+    pub stuck_for: (Duration, Duration),
+    /// Workers joining while the supervisor re-forms the group.
+    pub joins: usize,
     /// Faults fire in this window of virtual time.
     pub window: (Duration, Duration),
 }
@@ -147,6 +197,10 @@ pub struct RandomFaults {
 struct File {
     name: String,
     workers: usize,
+    #[serde(default)]
+    spares: usize,
+    #[serde(default)]
+    startup_ms: u64,
     min_workers: usize,
     max_virtual_s: f64,
     job: FileJob,
@@ -185,6 +239,8 @@ struct FileNet {
     control_latency_us: u64,
     control_jitter_us: u64,
     idle_timeout_ms: u64,
+    wire: String,
+    ring_bytes: usize,
 }
 
 #[derive(Deserialize)]
@@ -196,6 +252,7 @@ struct FileElastic {
     prepare_timeout_ms: u64,
     failure_budget: u32,
     checkpoint_every: u64,
+    on_failure: String,
 }
 
 #[derive(Deserialize, Default)]
@@ -206,6 +263,9 @@ struct FileRandom {
     pauses: usize,
     slow: usize,
     checkpoint_failures: usize,
+    stuck: usize,
+    stuck_ms: Option<[u64; 2]>,
+    joins: usize,
     window_ms: Option<[u64; 2]>,
 }
 
@@ -216,6 +276,8 @@ struct FileFault {
     node: Option<usize>,
     at_ms: Option<u64>,
     at_step: Option<u64>,
+    at_loss: Option<u64>,
+    after_ms: Option<u64>,
     restart_after_ms: Option<u64>,
     for_ms: Option<u64>,
     delay_ms: Option<u64>,
@@ -236,13 +298,15 @@ impl Default for FileNet {
             control_latency_us: 200,
             control_jitter_us: 100,
             idle_timeout_ms: 5000,
+            wire: "stream".into(),
+            ring_bytes: 16 << 10,
         }
     }
 }
 
 impl Default for FileElastic {
     fn default() -> Self {
-        FileElastic { heartbeat_interval_ms: 100, heartbeat_timeout_ms: 1000, rendezvous_timeout_ms: 30_000, prepare_timeout_ms: 5000, failure_budget: 1000, checkpoint_every: 0 }
+        FileElastic { heartbeat_interval_ms: 100, heartbeat_timeout_ms: 1000, rendezvous_timeout_ms: 30_000, prepare_timeout_ms: 5000, failure_budget: 1000, checkpoint_every: 0, on_failure: "shrink".into() }
     }
 }
 
@@ -260,13 +324,18 @@ impl Scenario {
         let us = Duration::from_micros;
         let mut faults = Vec::new();
         for f in &file.fault {
-            let when = match (f.at_ms, f.at_step) {
-                (Some(t), None) => Trigger::At(ms(t)),
-                (None, Some(s)) => Trigger::Step(s),
-                _ => return Err(SimError::Scenario(format!("fault {:?} needs exactly one of at_ms and at_step", f.kind))),
+            let when = match (f.at_ms, f.at_step, f.at_loss) {
+                (Some(t), None, None) => Trigger::At(ms(t)),
+                (None, Some(s), None) => Trigger::Step(s),
+                (None, None, Some(nth)) if nth > 0 => Trigger::Loss { nth, after: ms(f.after_ms.unwrap_or(0)) },
+                _ => return Err(SimError::Scenario(format!("fault {:?} needs exactly one of at_ms, at_step and at_loss (counted from 1)", f.kind))),
             };
+            if f.after_ms.is_some() && f.at_loss.is_none() {
+                return Err(SimError::Scenario(format!("fault {:?}: after_ms goes with at_loss", f.kind)));
+            }
             let node = match (f.kind.as_str(), f.node) {
                 ("checkpoint_fail", None) => 0,
+                ("join", None) => usize::MAX,
                 ("checkpoint_fail", Some(_)) => return Err(SimError::Scenario("fault \"checkpoint_fail\" takes no node (it fails the next checkpoint write, whoever writes it)".into())),
                 (_, Some(node)) => node,
                 (kind, None) => return Err(SimError::Scenario(format!("fault {kind:?} needs node"))),
@@ -282,14 +351,30 @@ impl Scenario {
                     one_way: f.one_way.unwrap_or(false),
                 },
                 "checkpoint_fail" => FaultKind::CheckpointFail,
-                other => return Err(SimError::Scenario(format!("unknown fault kind {other:?} (known: crash, pause, slow, partition, checkpoint_fail)"))),
+                "stuck" => FaultKind::Stuck { duration: ms(need(f.for_ms, "for_ms")?) },
+                "join" => FaultKind::Join,
+                other => return Err(SimError::Scenario(format!("unknown fault kind {other:?} (known: crash, pause, slow, partition, checkpoint_fail, stuck, join)"))),
             };
             faults.push(Fault { node, when, kind });
         }
         let window = file.random.window_ms.unwrap_or([200, 5000]);
+        let wire = match file.network.wire.as_str() {
+            "stream" => WireModel::Stream,
+            "shm" => WireModel::Shm { ring_bytes: file.network.ring_bytes },
+            other => return Err(SimError::Scenario(format!("network.wire must be \"stream\" or \"shm\", got {other:?}"))),
+        };
+        let on_failure = match file.elastic.on_failure.as_str() {
+            "shrink" => OnFailure::Shrink,
+            "replace" => OnFailure::Replace,
+            other => return Err(SimError::Scenario(format!("elastic.on_failure must be \"shrink\" or \"replace\", got {other:?}"))),
+        };
+        let prepare = file.elastic.prepare_timeout_ms;
+        let stuck_ms = file.random.stuck_ms.unwrap_or([prepare / 2, prepare * 3]);
         let scenario = Scenario {
             name: file.name,
             workers: file.workers,
+            spares: file.spares,
+            startup: ms(file.startup_ms),
             min_workers: file.min_workers,
             max_virtual: Duration::from_secs_f64(file.max_virtual_s),
             job: JobShape {
@@ -312,6 +397,7 @@ impl Scenario {
                 control_latency: us(file.network.control_latency_us),
                 control_jitter: us(file.network.control_jitter_us),
                 idle_timeout: ms(file.network.idle_timeout_ms),
+                wire,
             },
             elastic: ElasticShape {
                 heartbeat_interval: ms(file.elastic.heartbeat_interval_ms),
@@ -320,6 +406,7 @@ impl Scenario {
                 prepare_timeout: ms(file.elastic.prepare_timeout_ms),
                 failure_budget: file.elastic.failure_budget,
                 checkpoint_every: file.elastic.checkpoint_every,
+                on_failure,
             },
             faults,
             random: RandomFaults {
@@ -328,6 +415,9 @@ impl Scenario {
                 pauses: file.random.pauses,
                 slow: file.random.slow,
                 checkpoint_failures: file.random.checkpoint_failures,
+                stuck: file.random.stuck,
+                stuck_for: (ms(stuck_ms[0]), ms(stuck_ms[1])),
+                joins: file.random.joins,
                 window: (ms(window[0]), ms(window[1])),
             },
         };
@@ -343,6 +433,12 @@ impl Scenario {
         if self.random.window.0 >= self.random.window.1 {
             return bad("random.window_ms must be increasing".into());
         }
+        if self.random.stuck > 0 && self.random.stuck_for.0 >= self.random.stuck_for.1 {
+            return bad("random.stuck_ms must be increasing".into());
+        }
+        if let WireModel::Shm { ring_bytes: 0 } = self.net.wire {
+            return bad("network.ring_bytes must be positive".into());
+        }
         if self.random.partitions > 0 && self.workers < 2 {
             return bad("random partitions need two workers".into());
         }
@@ -355,8 +451,15 @@ impl Scenario {
                 FaultKind::Partition { peer, .. } => peer < self.workers && peer != f.node,
                 _ => true,
             };
-            if f.node >= self.workers || !peer_ok {
-                return bad(format!("fault {f:?} names a node outside 0..{}", self.workers));
+            let slots = self.workers + self.spares;
+            if f.kind == FaultKind::Join {
+                if f.node != usize::MAX && f.node >= slots {
+                    return bad(format!("fault {f:?} names a slot outside 0..{slots}"));
+                }
+                continue;
+            }
+            if f.node >= slots || !peer_ok {
+                return bad(format!("fault {f:?} names a node outside 0..{slots}"));
             }
         }
         Ok(())
@@ -395,6 +498,19 @@ impl Scenario {
         for _ in 0..self.random.checkpoint_failures {
             let step = rng.random_range(0..self.job.total_steps.max(1));
             plan.push(Fault { node: 0, when: Trigger::Step(step), kind: FaultKind::CheckpointFail });
+        }
+        // Drawn after the older kinds, so scenarios without them keep their plans.
+        for _ in 0..self.random.stuck {
+            let when = at(&mut rng);
+            let node = rng.random_range(0..self.workers);
+            let (a, b) = (self.random.stuck_for.0.as_millis() as u64, self.random.stuck_for.1.as_millis() as u64);
+            plan.push(Fault { node, when, kind: FaultKind::Stuck { duration: Duration::from_millis(rng.random_range(a..b)) } });
+        }
+        let losses = (self.random.crashes + self.random.pauses + self.random.stuck).max(1) as u64;
+        for _ in 0..self.random.joins {
+            let nth = rng.random_range(1..=losses);
+            let after = Duration::from_millis(rng.random_range(0..=20));
+            plan.push(Fault { node: usize::MAX, when: Trigger::Loss { nth, after }, kind: FaultKind::Join });
         }
         // Stable: equal triggers keep their drawing order.
         plan.sort_by_key(|f| f.when);
@@ -437,6 +553,30 @@ restart_after_ms = 100
         assert_ne!(s.plan(9), s.plan(10));
         assert_eq!(s.plan(9).len(), 4);
         assert!(s.plan(9).iter().any(|f| f.when == Trigger::Step(3)));
+    }
+
+    // Goal: the issue-19 keys parse: shared-memory links, replace, spares, stuck and join
+    // faults (a join may fire after a loss), and the random plan draws stuck members and joins
+    // (joins after one of the first losses).
+    #[test]
+    fn shm_stuck_and_join_faults_parse_and_are_drawn() {
+        let text = TEXT.replace("[random]", "[network]\nwire = \"shm\"\nring_bytes = 4096\n[elastic]\non_failure = \"replace\"\n[random]\nstuck = 3\njoins = 2")
+            + "[[fault]]\nkind = \"stuck\"\nnode = 1\nat_ms = 20\nfor_ms = 900\n[[fault]]\nkind = \"join\"\nat_loss = 2\nafter_ms = 3\n";
+        let s = Scenario::parse(&text.replace("workers = 3", "workers = 3\nspares = 1")).unwrap();
+        assert_eq!(s.net.wire, WireModel::Shm { ring_bytes: 4096 });
+        assert_eq!((s.elastic.on_failure, s.spares), (OnFailure::Replace, 1));
+        assert!(s.faults.iter().any(|f| f.kind == FaultKind::Stuck { duration: Duration::from_millis(900) } && f.node == 1));
+        assert!(s.faults.iter().any(|f| f.kind == FaultKind::Join && f.when == Trigger::Loss { nth: 2, after: Duration::from_millis(3) }));
+        let plan = s.plan(4);
+        assert_eq!(plan.iter().filter(|f| matches!(f.kind, FaultKind::Stuck { .. })).count(), 4);
+        let joins: Vec<&Fault> = plan.iter().filter(|f| f.kind == FaultKind::Join).collect();
+        assert_eq!(joins.len(), 3);
+        // Random joins come after one of the first crashes + pauses + stuck = 5 losses.
+        assert!(joins.iter().all(|f| matches!(f.when, Trigger::Loss { nth, after } if (1..=5).contains(&nth) && after <= Duration::from_millis(20))));
+        let e = Scenario::parse(&text.replace("wire = \"shm\"", "wire = \"tcp\"")).unwrap_err();
+        assert!(e.to_string().contains("network.wire"), "{e}");
+        let e = Scenario::parse(&text.replace("after_ms = 3", "after_ms = 3\nat_ms = 5")).unwrap_err();
+        assert!(e.to_string().contains("exactly one"), "{e}");
     }
 
     // Goal: bad files are refused with a reason.

@@ -4,7 +4,10 @@
 //! rank's [`SimTransport`] (the network is made by the first member to connect, with a seed
 //! derived from the master seed and the generation). Faults are addressed by node slot and
 //! mapped to ranks: a crash crashes the slot's rank in every generation, a cut between two slots
-//! (kept until healed) applies to every generation both are in, now and later.
+//! (kept until healed) applies to every generation both are in, now and later. A stall (a member
+//! stuck in a collective) applies to the generations the slot is in when it starts (the
+//! collective it is stuck in), including one it was prepared for but has not connected yet, until
+//! it ends or the transport is aborted; later generations are not stuck.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -40,6 +43,8 @@ struct State {
 struct Generation {
     world: usize,
     slots: BTreeMap<usize, usize>,
+    /// Slots stalled in this generation.
+    stalled: BTreeSet<usize>,
     net: Option<SimNetwork>,
     transports: Vec<Option<SimTransport>>,
 }
@@ -106,6 +111,35 @@ impl ClusterWire {
         }
     }
 
+    /// Stalls `slot` (its compute is stuck in a collective) in every generation it is in now; see
+    /// [`SimNetwork::stall`]. Returns how many generations that was.
+    pub fn stall(&self, slot: usize) -> usize {
+        let mut state = self.lock();
+        let mut hit = 0;
+        for g in state.generations.values_mut() {
+            if let Some(rank) = rank_of(g, slot) {
+                g.stalled.insert(slot);
+                hit += 1;
+                if let Some(net) = &g.net {
+                    net.stall(rank);
+                }
+            }
+        }
+        hit
+    }
+
+    /// Ends a [`stall`](Self::stall) of `slot`.
+    pub fn unstall(&self, slot: usize) {
+        let mut state = self.lock();
+        for g in state.generations.values_mut() {
+            if g.stalled.remove(&slot) {
+                if let (Some(net), Some(rank)) = (&g.net, rank_of(g, slot)) {
+                    net.unstall(rank);
+                }
+            }
+        }
+    }
+
     /// Frames delivered on a generation's network that named another generation.
     pub fn foreign_generation_frames(&self) -> u64 {
         self.lock().generations.values().filter_map(|g| g.net.as_ref()).map(SimNetwork::foreign_generation_frames).sum()
@@ -150,7 +184,7 @@ fn apply_slow(net: &SimNetwork, g: &Generation, slow: &BTreeMap<usize, Duration>
 impl GenerationWire for SlotWire {
     fn bind(&self, _node: u64, generation: u64, rank: usize, world: usize) -> rtx_supervisor::Result<String> {
         let mut state = self.wire.lock();
-        let g = state.generations.entry(generation).or_insert_with(|| Generation { world, slots: BTreeMap::new(), net: None, transports: Vec::new() });
+        let g = state.generations.entry(generation).or_insert_with(|| Generation { world, slots: BTreeMap::new(), stalled: BTreeSet::new(), net: None, transports: Vec::new() });
         if g.world != world || rank >= world {
             return Err(SupervisorError::Job(format!("simulated wire: rank {rank} of {world} in generation {generation} of {} ranks", g.world)));
         }
@@ -177,6 +211,11 @@ impl GenerationWire for SlotWire {
                     }
                 }
                 apply_slow(&net, g, slow, config.link);
+                for slot in &g.stalled {
+                    if let Some(rank) = rank_of(g, *slot) {
+                        net.stall(rank);
+                    }
+                }
                 g.transports = transports.into_iter().map(Some).collect();
                 g.net = Some(net);
             }

@@ -97,7 +97,7 @@ fn crashes_and_partitions_fail_with_typed_errors_in_virtual_time() {
     println!("seed {seed}");
     for fault in ["crash", "partition", "one-way"] {
         let errors = run(async move {
-            let config = SimConfig { seed, link: lossy(), loss_detect: Duration::from_millis(300) };
+            let config = SimConfig { seed, link: lossy(), loss_detect: Duration::from_millis(300), ..SimConfig::default() };
             let (net, transports) = SimNetwork::new(3, config);
             let mut tasks = Vec::new();
             for t in transports {
