@@ -129,7 +129,7 @@ impl CheckpointStore for SimCheckpoints {
         Ok(format!("sim://checkpoints/step-{step:08}"))
     }
 
-    fn load(&self, location: &str) -> Result<(Vec<(String, Tensor)>, BTreeMap<String, String>), String> {
+    fn load(&self, location: &str) -> Result<rtx_supervisor::checkpoint::StoredCheckpoint, String> {
         let step: u64 = location.strip_prefix("sim://checkpoints/step-").and_then(|s| s.parse().ok()).ok_or_else(|| format!("{location} is not a simulated checkpoint"))?;
         let bytes = self.get(step).ok_or_else(|| format!("{location}: the store no longer holds it"))?;
         decode_tensors(&bytes, Path::new(location)).map_err(|e| e.to_string())

@@ -29,6 +29,9 @@ use rtx_tensor::{Module, Optimizer, Tensor};
 use crate::error::{Result, SupervisorError};
 use crate::protocol::ToSupervisor;
 
+/// A checkpoint as a store holds it: its tensors (parameters, then `optim.` state) and metadata.
+pub type StoredCheckpoint = (Vec<(String, Tensor)>, BTreeMap<String, String>);
+
 /// Where checkpoints go.
 pub trait CheckpointStore: Send + Sync + 'static {
     /// Stores the checkpoint taken after `step`, whole or not at all (on an error the last good
@@ -38,7 +41,7 @@ pub trait CheckpointStore: Send + Sync + 'static {
     /// Reads back the checkpoint `store` returned `location` for: its tensors and metadata. The
     /// default reads a safetensors file at that path (what [`FileStore`] writes). The
     /// supervisor hands a location to a new generation when every holder of newer state is gone.
-    fn load(&self, location: &str) -> std::result::Result<(Vec<(String, Tensor)>, BTreeMap<String, String>), String> {
+    fn load(&self, location: &str) -> std::result::Result<StoredCheckpoint, String> {
         load_tensors(Path::new(location)).map_err(|e| format!("cannot read checkpoint {location}: {e}"))
     }
 }

@@ -4,17 +4,17 @@
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use rtx_supervisor::protocol::{JoinReply, MemberStatus, StatusReport, ToSupervisor, ToWorker};
+use rtx_supervisor::protocol::{JoinReply, MemberStatus, StateSource, StatusReport, ToSupervisor, ToWorker, Zero1Held};
 
 use crate::fuzz_support::Values;
 
 /// Every `ToSupervisor` variant, picked at random.
 pub(crate) fn to_supervisor(rng: &mut ChaCha8Rng) -> ToSupervisor {
     let v = Values::u64;
-    match rng.random_range(0..11) {
+    match rng.random_range(0..12) {
         0 => ToSupervisor::Join { name: Values::string(rng), pid: Values::u32(rng), host: Values::string(rng), proof: Values::bytes(rng, 40) },
         1 => ToSupervisor::Heartbeat { node: v(rng), generation: v(rng), completed: Values::option(rng, v) },
-        2 => ToSupervisor::Ready { node: v(rng), generation: v(rng), addr: Values::string(rng), completed: Values::option(rng, v) },
+        2 => ToSupervisor::Ready { node: v(rng), generation: v(rng), addr: Values::string(rng), completed: Values::option(rng, v), zero1: Values::vec(rng, 3, zero1_held) },
         3 => ToSupervisor::StepDone { node: v(rng), generation: v(rng), step: v(rng), loss: Values::f64(rng), samples: v(rng), checksum: Values::option(rng, v) },
         4 => ToSupervisor::StepFailed { node: v(rng), generation: v(rng), step: v(rng), reason: Values::string(rng) },
         5 => ToSupervisor::Leaving { node: v(rng), completed: Values::option(rng, v), reason: Values::string(rng) },
@@ -29,6 +29,7 @@ pub(crate) fn to_supervisor(rng: &mut ChaCha8Rng) -> ToSupervisor {
         7 => ToSupervisor::Checkpointed { node: v(rng), step: v(rng), path: Values::string(rng) },
         8 => ToSupervisor::CheckpointFailed { node: v(rng), step: v(rng), reason: Values::string(rng) },
         9 => ToSupervisor::Status { proof: Values::bytes(rng, 40) },
+        10 => ToSupervisor::Preparing { node: v(rng), generation: v(rng) },
         _ => ToSupervisor::Heartbeat { node: v(rng), generation: v(rng), completed: None },
     }
 }
@@ -41,7 +42,7 @@ pub(crate) fn to_worker(rng: &mut ChaCha8Rng) -> ToWorker {
         1 => ToWorker::Start {
             generation: v(rng),
             addrs: Values::vec(rng, 5, Values::string),
-            source: Values::u32(rng),
+            source: state_source(rng),
             next_step: v(rng),
             stop_step: v(rng),
             shm_job: Values::option(rng, Values::string),
@@ -49,6 +50,21 @@ pub(crate) fn to_worker(rng: &mut ChaCha8Rng) -> ToWorker {
         2 => ToWorker::Pause { generation: v(rng) },
         3 => ToWorker::Finish,
         _ => ToWorker::Evict { reason: Values::string(rng) },
+    }
+}
+
+/// What a ZeRO-1 member holds.
+fn zero1_held(rng: &mut ChaCha8Rng) -> Zero1Held {
+    Zero1Held { generation: Values::u64(rng), world: Values::u32(rng), rank: Values::u32(rng), step: Values::u64(rng) }
+}
+
+/// Every `StateSource` variant.
+fn state_source(rng: &mut ChaCha8Rng) -> StateSource {
+    match rng.random_range(0..4) {
+        0 => StateSource::Initial,
+        1 => StateSource::Member { rank: Values::u32(rng) },
+        2 => StateSource::Zero1Segments { step: Values::u64(rng), world: Values::u32(rng), holders: Values::vec(rng, 8, Values::u32) },
+        _ => StateSource::Checkpoint { location: Values::string(rng), step: Values::u64(rng) },
     }
 }
 
