@@ -264,23 +264,26 @@ async fn losing_every_holder_resumes_from_the_newest_checkpoint_not_from_step_ze
             _ => {}
         }
     }
-    let newest_checkpoint = checkpointed.unwrap_or_default();
     for w in &first {
         w.abort();
     }
-    // Both losses are seen before the newcomer arrives.
+    // Both losses are seen before the newcomer arrives. A checkpoint the dying workers still
+    // finish (a loaded machine) is one more durable state: the supervisor uses the newest it heard
+    // of, and so does this test.
     let mut lost = 0;
     while lost < 2 {
         match tokio::time::timeout(Duration::from_secs(60), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
             JobEvent::Lost { .. } => lost += 1,
-            JobEvent::Checkpointed { step, .. } => anyhow::bail!("checkpoint {step} after the kill (test timing)"),
+            JobEvent::Checkpointed { step, .. } => checkpointed = Some(step),
             _ => {}
         }
     }
     let fresh = spawn("worker-fresh".into(), dir.clone());
     let (mut resumed_at, mut suspect, mut last) = (None, false, 0);
+    let mut newest_checkpoint = checkpointed.unwrap_or_default();
     let (eval, identical) = loop {
         match tokio::time::timeout(Duration::from_secs(120), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
+            JobEvent::Checkpointed { step, .. } if resumed_at.is_none() => newest_checkpoint = step,
             JobEvent::Generation { next_step, .. } if resumed_at.is_none() => resumed_at = Some(next_step),
             JobEvent::Suspect { reason } => {
                 println!("suspect: {reason}");
