@@ -117,6 +117,18 @@ pub enum StateSource {
     Checkpoint { location: String, step: u64 },
 }
 
+impl StateSource {
+    /// The new rank that sends the state first: the member source, rank 0 for a checkpoint (it
+    /// loads and broadcasts it) or for boot state, the holder of segment 0 for segments.
+    pub fn sending_rank(&self) -> usize {
+        match self {
+            StateSource::Member { rank } => *rank as usize,
+            StateSource::Zero1Segments { holders, .. } => holders.first().map_or(0, |&h| h as usize),
+            StateSource::Initial | StateSource::Checkpoint { .. } => 0,
+        }
+    }
+}
+
 /// One member in a [`StatusReport`].
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
 pub struct MemberStatus {

@@ -37,18 +37,6 @@ pub struct Recovery {
     pub regressed_from: Option<u64>,
 }
 
-impl Recovery {
-    /// The new rank that sends the state first (the member source, rank 0 for a checkpoint, the
-    /// holder of segment 0 for segments); for events and logs.
-    pub fn source_rank(&self) -> usize {
-        match &self.source {
-            StateSource::Member { rank } => *rank as usize,
-            StateSource::Zero1Segments { holders, .. } => holders.first().map_or(0, |&h| h as usize),
-            StateSource::Initial | StateSource::Checkpoint { .. } => 0,
-        }
-    }
-}
-
 /// Chooses the state of a new generation; see the module doc. `checkpoint` is the newest good
 /// checkpoint (step, location), `resume_next_step` the first step of a run with nothing to
 /// restore, `committed` the newest committed step. `replay_last_step` is the simulator's planted
@@ -171,7 +159,7 @@ mod tests {
         let r = plan_recovery(&members, Some((99, "c")), 0, Some(117), false);
         assert_eq!(r.source, StateSource::Zero1Segments { step: 117, world: 4, holders: vec![0, 1, 2, 0] });
         assert_eq!(r.next_step, 118);
-        assert_eq!(r.source_rank(), 0);
+        assert_eq!(r.source.sending_rank(), 0);
     }
 
     #[test]

@@ -584,7 +584,7 @@ impl ClusterSupervisor {
             self.emit(JobEvent::Suspect { reason }).await;
         }
         let next_step = recovery.next_step;
-        let source = recovery.source_rank();
+        let source = recovery.source.sending_rank();
         let hosts: std::collections::BTreeSet<&str> = members.iter().filter_map(|n| self.members.get(n).map(|m| m.host.as_str())).collect();
         let shm = match self.options.elastic.transport {
             Wire::Quic | Wire::Injected => false,

@@ -465,7 +465,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
         Exec::Task => DataShard::inline(Arc::clone(&job)),
     };
     let store = ctx.checkpoints.clone().or_else(|| job.checkpoint_dir().map(|dir| Arc::new(FileStore::new(dir)) as Arc<dyn CheckpointStore>));
-    let mut writer = CheckpointWriter::new(store, if ctx.exec == Exec::Task { WriteMode::Inline } else { WriteMode::Background });
+    let mut writer = CheckpointWriter::new(store.clone(), if ctx.exec == Exec::Task { WriteMode::Inline } else { WriteMode::Background });
     let mut next: Option<ToWorker> = None;
     loop {
         let cmd = match next.take() {
@@ -495,25 +495,20 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                     }
                 };
                 let Some((addrs, source, next_step, stop_step, shm_job)) = start else { continue };
-                let source_rank = match &source {
-                    StateSource::Initial => 0,
-                    StateSource::Member { rank } => *rank as usize,
-                    // Every holder sends its segments (see `zero1`); the first one names the source.
-                    StateSource::Zero1Segments { holders, .. } => holders.first().map_or(0, |&h| h as usize),
-                    StateSource::Checkpoint { location, step } => {
-                        // Every holder of newer state is gone: rank 0 takes the checkpoint and
-                        // broadcasts it like a replica would.
-                        if rank == 0 {
-                            if let Err(e) = load_checkpoint_into(&ctx, job.as_ref(), &mut replica, location) {
-                                tracing::error!(%location, error = %e, "cannot load the recovery checkpoint");
-                                let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: next_step, reason: e.to_string() }).await;
-                                continue;
-                            }
-                            tracing::warn!(%location, step, "recovering from the newest checkpoint: no member holds newer state");
+                if let StateSource::Checkpoint { location, step } = &source {
+                    // Every holder of newer state is gone: rank 0 takes the checkpoint and
+                    // broadcasts it like a replica would.
+                    if rank == 0 {
+                        if let Err(e) = load_checkpoint_into(&ctx, store.as_deref(), job.as_ref(), &mut replica, location) {
+                            tracing::error!(%location, error = %e, "cannot load the recovery checkpoint");
+                            let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: next_step, reason: e.to_string() }).await;
+                            continue;
                         }
-                        0
+                        tracing::warn!(%location, step, "recovering from the newest checkpoint: no member holds newer state");
                     }
-                };
+                }
+                // Under ZeRO-1 segments every holder sends its own; the first one names the source.
+                let source_rank = source.sending_rank();
                 let segments = match source {
                     StateSource::Zero1Segments { step, world, holders } => Some(SegmentSource { step, world, holders }),
                     _ => None,
@@ -549,15 +544,15 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
     }
 }
 
-/// Loads the checkpoint at the store's `location` into `replica` (parameters, full optimizer
-/// state, step), for a generation that recovers from it.
-fn load_checkpoint_into<J: TrainJob>(ctx: &WorkerCtx, job: &J, replica: &mut Replica<J::Model>, location: &str) -> Result<()> {
-    let store: Arc<dyn CheckpointStore> = match &ctx.checkpoints {
-        Some(store) => Arc::clone(store),
-        None => Arc::new(FileStore::new(job.checkpoint_dir().unwrap_or_default())),
-    };
+/// Loads the checkpoint at `location` of `store` (a file path without one) into `replica`
+/// (parameters, full optimizer state, step), for a generation that recovers from it.
+fn load_checkpoint_into<J: TrainJob>(ctx: &WorkerCtx, store: Option<&dyn CheckpointStore>, job: &J, replica: &mut Replica<J::Model>, location: &str) -> Result<()> {
     let model = replica.model.as_ref().ok_or_else(internal)?;
-    let (state, step) = checkpoint::load_from(store.as_ref(), location, model, |slices| job.build_optimizer(slices))?;
+    let build = |slices: &[rtx_pipelines::ParamSlice]| job.build_optimizer(slices);
+    let (state, step) = match store {
+        Some(store) => checkpoint::load_from(store, location, model, build)?,
+        None => checkpoint::load(std::path::Path::new(location), model, build)?,
+    };
     replica.optimizer_state = Some(state);
     replica.snapshot_params = None;
     replica.completed = Some(step);
