@@ -13,6 +13,7 @@
 
 mod data_parallel;
 mod error;
+pub mod mesh;
 mod param_shard;
 mod reducer;
 mod shard;
@@ -20,6 +21,7 @@ mod staging;
 
 pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
 pub use error::{Error, Result};
+pub use mesh::{check_model, Axis, Coord, Mesh, MeshError, MeshGroups, MeshShape, ModelDims};
 pub use param_shard::{ParamShard, ParamShardMsg, ShardState, PARAM_SHARD_MAILBOX};
 pub use reducer::CommMonitor;
 pub use shard::{adamw, named_slices, ParamSlice};
