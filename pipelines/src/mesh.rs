@@ -196,7 +196,7 @@ impl Mesh {
             let model = shape.pp.saturating_mul(shape.tp);
             let hint = if product > world {
                 format!(": the mesh is larger than the world; launch {product} workers or shrink an axis")
-            } else if world % model == 0 {
+            } else if world.is_multiple_of(model) {
                 format!(": with pp·tp = {model}, dp = {} would fill it", world / model)
             } else {
                 format!(": pp·tp = {model} does not divide {world}")
@@ -210,7 +210,7 @@ impl Mesh {
     /// are fixed, replicas come and go).
     pub fn fill_dp(pp: usize, tp: usize, world: usize) -> Result<Mesh, MeshError> {
         let model = pp.saturating_mul(tp);
-        let dp = if model == 0 { 0 } else { world / model };
+        let dp = world.checked_div(model).unwrap_or(0);
         Mesh::new(MeshShape { dp: dp.max(1), pp, tp }, world)
     }
 
@@ -294,7 +294,7 @@ pub fn check_model(shape: MeshShape, world: usize, model: ModelDims) -> Result<M
     let mesh = Mesh::new(shape, world)?;
     let tp = shape.tp;
     for (what, value) in [("attention heads", model.heads), ("vocabulary", model.vocab), ("MLP width", model.mlp_hidden)] {
-        if value % tp != 0 {
+        if !value.is_multiple_of(tp) {
             return Err(MeshError::Indivisible { axis: Axis::Tp, parts: tp, what, value });
         }
     }
