@@ -172,4 +172,37 @@ pub enum Error {
         /// What did not fit.
         reason: String,
     },
+    /// A pipeline or tensor-parallel group was driven from a tokio runtime thread; its blocking
+    /// collectives must run on a compute thread of their own.
+    #[error("{op} on the {role} group was called from a runtime thread; run the step on a compute thread")]
+    BlockingOnRuntime {
+        /// The collective.
+        op: &'static str,
+        /// The group (`pp`, `dp`, `tp`).
+        role: &'static str,
+    },
+    /// A collective of a mesh group failed (peer lost, timeout, stale generation).
+    #[error("{op} on the {role} group failed: {source}")]
+    Group {
+        /// The collective.
+        op: &'static str,
+        /// The group.
+        role: &'static str,
+        /// What the communicator reported.
+        #[source]
+        source: rtx_collectives::Error,
+    },
+    /// The pipeline's schedule or messages are inconsistent (a message of the wrong size, kind or
+    /// stage, or one waited for that no schedule sends).
+    #[error("pipeline: {reason}")]
+    Pipeline {
+        /// What is wrong.
+        reason: String,
+    },
+    /// A mesh or schedule cannot be used.
+    #[error(transparent)]
+    Mesh(#[from] crate::mesh::MeshError),
+    /// The schedule cannot be made.
+    #[error(transparent)]
+    Schedule(#[from] crate::schedule::ScheduleError),
 }

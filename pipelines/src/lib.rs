@@ -14,6 +14,8 @@
 mod data_parallel;
 mod error;
 pub mod mesh;
+pub mod pipeline;
+pub mod schedule;
 mod param_shard;
 mod reducer;
 mod shard;

@@ -1,0 +1,17 @@
+//! Pipeline parallelism, and the mesh engine that combines it with tensor and data parallelism.
+//!
+//! A stage is the member of a pipeline that owns a range of layers ([`StageModule`]; [`GptStage`]
+//! for the GPT) and a [`Mailbox`] of activations and gradients; [`MeshEngine`] runs its stage's
+//! schedule (see [`crate::schedule`]) for one step and reduces gradients over the mesh's `dp` group.
+//! Communication is blocking on a compute thread ([`BlockingGroup`]), so the same code runs stage
+//! layers that communicate inside forward and backward (tensor parallelism).
+
+mod blocking;
+mod engine;
+mod mailbox;
+mod stage;
+
+pub use blocking::BlockingGroup;
+pub use engine::{MeshEngine, MeshStep, PipelineConfig};
+pub use mailbox::{Key, Kind, Mailbox};
+pub use stage::{GptStage, StageModule, TokenBatch};
