@@ -15,6 +15,7 @@ mod data_parallel;
 mod error;
 mod param_shard;
 mod reducer;
+pub mod schedule;
 mod shard;
 mod staging;
 
@@ -22,4 +23,5 @@ pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUC
 pub use error::{Error, Result};
 pub use param_shard::{ParamShard, ParamShardMsg, ShardState, PARAM_SHARD_MAILBOX};
 pub use reducer::CommMonitor;
+pub use schedule::{instructions, simulate, Costs, Instr, Op, ScheduleError, ScheduleKind, Timeline};
 pub use shard::{adamw, named_slices, ParamSlice};
