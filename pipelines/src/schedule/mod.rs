@@ -160,7 +160,7 @@ pub fn validate(kind: ScheduleKind, stages: usize, microbatches: usize) -> Resul
         if chunks < 2 {
             return Err(ScheduleError::TooFewChunks { chunks });
         }
-        if microbatches % stages != 0 {
+        if !microbatches.is_multiple_of(stages) {
             return Err(ScheduleError::InterleavedIndivisible { microbatches, stages });
         }
     }

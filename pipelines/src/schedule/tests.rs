@@ -342,8 +342,8 @@ proptest! {
         let lists = lists(kind, p, m);
         let t = simulate(kind, p, m, &costs).unwrap();
         assert_timeline_valid(&t, &lists, &costs);
-        for s in 0..p {
-            let work: f64 = lists[s].iter().map(|i| {
+        for (s, list) in lists.iter().enumerate() {
+            let work: f64 = list.iter().map(|i| {
                 let v = i.virtual_stage(p, s);
                 match i.op {
                     Op::Forward => costs.forward[v],
