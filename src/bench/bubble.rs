@@ -70,7 +70,7 @@ struct BlockCosts {
 pub(super) fn run(args: &BubbleArgs) -> anyhow::Result<()> {
     let p = args.stages;
     anyhow::ensure!(p >= 1, "--stages must be at least 1");
-    anyhow::ensure!(args.layers > 0 && args.layers % (2 * p) == 0, "--layers {} must be a positive multiple of 2 x stages = {}", args.layers, 2 * p);
+    anyhow::ensure!(args.layers > 0 && args.layers.is_multiple_of(2 * p), "--layers {} must be a positive multiple of 2 x stages = {}", args.layers, 2 * p);
     anyhow::ensure!(args.p2p_us.is_finite() && args.p2p_us >= 0.0, "--p2p-us must be a non-negative number, got {}", args.p2p_us);
     let block = measure_block(args)?;
     emit(serde_json::json!({
@@ -138,7 +138,7 @@ fn round4(x: f64) -> f64 {
 /// Times one block's forward, forward + backward, and its linears' weight-gradient products.
 fn measure_block(args: &BubbleArgs) -> anyhow::Result<BlockCosts> {
     let (b, t, c) = (args.micro_batch, args.context, args.d_model);
-    anyhow::ensure!(b > 0 && t > 0 && c > 0 && args.heads > 0 && c % args.heads == 0, "block shape: batch {b}, context {t}, d_model {c} must be positive and divisible by heads {}", args.heads);
+    anyhow::ensure!(b > 0 && t > 0 && c > 0 && args.heads > 0 && c.is_multiple_of(args.heads), "block shape: batch {b}, context {t}, d_model {c} must be positive and divisible by heads {}", args.heads);
     let mut rng = Generator::new(0);
     let config = BlockConfig {
         d_model: c,
