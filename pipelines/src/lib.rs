@@ -15,9 +15,9 @@ mod data_parallel;
 mod error;
 pub mod mesh;
 pub mod pipeline;
-pub mod schedule;
 mod param_shard;
 mod reducer;
+pub mod schedule;
 mod shard;
 mod staging;
 
@@ -26,4 +26,5 @@ pub use error::{Error, Result};
 pub use mesh::{check_model, Axis, Coord, Mesh, MeshError, MeshGroups, MeshShape, ModelDims};
 pub use param_shard::{ParamShard, ParamShardMsg, ShardState, PARAM_SHARD_MAILBOX};
 pub use reducer::CommMonitor;
+pub use schedule::{instructions, simulate, Costs, Instr, Op, ScheduleError, ScheduleKind, Timeline};
 pub use shard::{adamw, named_slices, ParamSlice};

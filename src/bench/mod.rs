@@ -11,6 +11,7 @@
 //! collectives between processes (see its module; `scripts/bench-collectives.sh` adds Gloo).
 
 mod actors;
+mod bubble;
 mod collectives;
 mod matmul;
 mod ops;
@@ -45,6 +46,8 @@ pub enum BenchCommand {
     Collectives(Box<CollectivesArgs>),
     /// Actor call round trip, in-process and across processes over QUIC.
     Actors(ActorsArgs),
+    /// Pipeline bubble of GPipe, 1F1B, interleaved and ZB-H1 (virtual time, measured block costs).
+    Bubble(bubble::BubbleArgs),
 }
 
 /// Runs one benchmark, printing JSON lines on stdout.
@@ -55,6 +58,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Ops(a) => ops::run(&a),
         BenchCommand::Collectives(a) => collectives::run(&a),
         BenchCommand::Actors(a) => actors::run(&a),
+        BenchCommand::Bubble(a) => bubble::run(&a),
     }
 }
 
