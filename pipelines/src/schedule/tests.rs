@@ -225,7 +225,9 @@ fn zb_h1_bubble_is_below_1f1b_when_weight_gradients_cost_time() {
             let zb = simulate(ScheduleKind::ZeroBubbleH1, p, m, &costs).unwrap();
             assert!(zb.bubble_fraction() < one.bubble_fraction() - 1e-9, "p={p} m={m}: zb {} vs 1f1b {}", zb.bubble_fraction(), one.bubble_fraction());
             if m >= p {
-                // The paper's figure: the bubble shrinks from (p-1)(F+B+W) to (p-1)(F+B-W).
+                // The paper's ZB-H1 bubble, (p-1)(F+B-W) instead of 1F1B's (p-1)(F+B+W): with
+                // F = B = W, a bubble rate (p-1)/3m against 1F1B's (p-1)/m, as the table in
+                // sail-sg/zero-bubble-pipeline-parallelism's README gives for ZB1P.
                 assert!((zb.makespan - (3 * m + p - 1) as f64).abs() < 1e-9, "p={p} m={m}: zb makespan {}", zb.makespan);
             }
             let no_w = Costs::uniform(p, 1.0, 1.0, 0.0, 0.0);
