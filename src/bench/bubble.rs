@@ -138,7 +138,11 @@ fn round4(x: f64) -> f64 {
 /// Times one block's forward, forward + backward, and its linears' weight-gradient products.
 fn measure_block(args: &BubbleArgs) -> anyhow::Result<BlockCosts> {
     let (b, t, c) = (args.micro_batch, args.context, args.d_model);
-    anyhow::ensure!(b > 0 && t > 0 && c > 0 && args.heads > 0 && c.is_multiple_of(args.heads), "block shape: batch {b}, context {t}, d_model {c} must be positive and divisible by heads {}", args.heads);
+    anyhow::ensure!(
+        b > 0 && t > 0 && c > 0 && args.heads > 0 && c.is_multiple_of(args.heads),
+        "block shape: batch {b}, context {t}, d_model {c} must be positive and divisible by heads {}",
+        args.heads
+    );
     let mut rng = Generator::new(0);
     let config = BlockConfig {
         d_model: c,

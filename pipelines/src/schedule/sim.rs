@@ -202,7 +202,8 @@ pub fn simulate_lists(stages: usize, chunks: usize, microbatches: usize, lists: 
                     Op::Forward if v == 0 => Some(0.0),
                     Op::Forward => forward_end[idx(v - 1, instr.microbatch)].map(|t| t + latency(v - 1, stage)),
                     Op::Backward | Op::BackwardInput => {
-                        let upstream = if v + 1 == virtual_stages { Some(0.0) } else { grad_end[idx(v + 1, instr.microbatch)].map(|t| t + latency(v + 1, stage)) };
+                        let upstream =
+                            if v + 1 == virtual_stages { Some(0.0) } else { grad_end[idx(v + 1, instr.microbatch)].map(|t| t + latency(v + 1, stage)) };
                         match (forward_end[i], upstream) {
                             (Some(f), Some(g)) => Some(f.max(g)),
                             _ => None,

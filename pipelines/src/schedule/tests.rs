@@ -10,13 +10,8 @@ use proptest::test_runner::{Config as ProptestConfig, RngSeed};
 use super::*;
 
 /// Every schedule kind the exhaustive tests cover.
-const KINDS: [ScheduleKind; 5] = [
-    ScheduleKind::GPipe,
-    ScheduleKind::OneFOneB,
-    ScheduleKind::Interleaved { chunks: 2 },
-    ScheduleKind::Interleaved { chunks: 3 },
-    ScheduleKind::ZeroBubbleH1,
-];
+const KINDS: [ScheduleKind; 5] =
+    [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::Interleaved { chunks: 3 }, ScheduleKind::ZeroBubbleH1];
 
 /// `F3` is a forward of micro-batch 3, `B`, `I`, `W` the backward, backward-input and
 /// backward-weight; `.c` appends a non-zero chunk.
@@ -94,7 +89,14 @@ fn assert_timeline_valid(t: &Timeline, lists: &[Vec<Instr>], costs: &Costs) {
             Op::BackwardWeight => vec![find(v, &[Op::BackwardInput], mb)],
         };
         for d in deps {
-            assert!(e.start >= d.end + lat(d.stage, e.stage) - 1e-9, "{:?} on stage {} starts at {} before its input {:?} arrives", e.instr, e.stage, e.start, d);
+            assert!(
+                e.start >= d.end + lat(d.stage, e.stage) - 1e-9,
+                "{:?} on stage {} starts at {} before its input {:?} arrives",
+                e.instr,
+                e.stage,
+                e.start,
+                d
+            );
         }
     }
 }
@@ -121,21 +123,14 @@ fn small_schedules_are_the_published_ones() {
         ScheduleKind::ZeroBubbleH1,
         3,
         4,
-        &[
-            "F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3",
-            "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
-            "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3",
-        ],
+        &["F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3", "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3", "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3"],
     );
     // Megatron interleaved, p=2, 2 chunks, m=4: rounds of p micro-batches per chunk.
     check(
         ScheduleKind::Interleaved { chunks: 2 },
         2,
         4,
-        &[
-            "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3",
-            "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3",
-        ],
+        &["F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3", "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3"],
     );
 }
 
@@ -230,7 +225,9 @@ fn zb_h1_bubble_is_below_1f1b_when_weight_gradients_cost_time() {
             let zb = simulate(ScheduleKind::ZeroBubbleH1, p, m, &costs).unwrap();
             assert!(zb.bubble_fraction() < one.bubble_fraction() - 1e-9, "p={p} m={m}: zb {} vs 1f1b {}", zb.bubble_fraction(), one.bubble_fraction());
             if m >= p {
-                // The paper's figure: the bubble shrinks from (p-1)(F+B+W) to (p-1)(F+B-W).
+                // The paper's ZB-H1 bubble, (p-1)(F+B-W) instead of 1F1B's (p-1)(F+B+W): with
+                // F = B = W, a bubble rate (p-1)/3m against 1F1B's (p-1)/m, as the table in
+                // sail-sg/zero-bubble-pipeline-parallelism's README gives for ZB1P.
                 assert!((zb.makespan - (3 * m + p - 1) as f64).abs() < 1e-9, "p={p} m={m}: zb makespan {}", zb.makespan);
             }
             let no_w = Costs::uniform(p, 1.0, 1.0, 0.0, 0.0);
