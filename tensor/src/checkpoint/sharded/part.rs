@@ -56,11 +56,11 @@ impl Split {
         if size == 0 || rank >= size || groups == 0 {
             return Err(format!("rank {rank} of {size} with {groups} groups is not a valid split"));
         }
-        if full_len % groups != 0 {
+        if !full_len.is_multiple_of(groups) {
             return Err(format!("dim {dim} of size {full_len} does not divide into {groups} groups"));
         }
         let block = full_len / groups;
-        if block % size != 0 {
+        if !block.is_multiple_of(size) {
             return Err(format!("dim {dim}: {block} rows per group do not divide over {size} ranks"));
         }
         let len = block / size;
@@ -86,7 +86,7 @@ impl Split {
         if size != self.full_len {
             return Err(format!("split records full size {} along dim {}, the tensor has {size}", self.full_len, self.dim));
         }
-        if self.groups == 0 || self.full_len % self.groups != 0 {
+        if self.groups == 0 || !self.full_len.is_multiple_of(self.groups) {
             return Err(format!("dim {} of size {} does not divide into {} groups", self.dim, self.full_len, self.groups));
         }
         let end = self.start.checked_add(self.len);
