@@ -68,6 +68,10 @@ fn write_mesh(dir: &Path, full: &[(String, Tensor)], tp: usize, pp: usize, metad
                 scope.spawn(move || {
                     let local = cut.cut(full).unwrap();
                     let refs: Vec<(&str, &Tensor, Part)> = local.iter().map(|(n, t, p)| (n.as_str(), t, *p)).collect();
+                    // A member that holds only its local tensors derives the same parts.
+                    let held: Vec<(String, Tensor)> = local.iter().map(|(n, t, _)| (n.clone(), t.clone())).collect();
+                    let derived: Vec<(&str, Part)> = cut.local_parts(&held).unwrap().into_iter().map(|(n, _, p)| (n, p)).collect();
+                    assert_eq!(derived, refs.iter().map(|(n, _, p)| (*n, *p)).collect::<Vec<_>>());
                     ShardWriter::write(dir, label, &refs).unwrap()
                 })
             })

@@ -152,6 +152,25 @@ impl<'a> Cut<'a> {
         }
     }
 
+    /// The part each of this member's local tensors is (full names, local shapes: a tp rank's
+    /// parameters and optimizer state), ready for [`super::ShardWriter::write`]. A split tensor's
+    /// full size is its local size times `tp_size`.
+    pub fn local_parts<'t>(&self, local: &'t [(String, Tensor)]) -> Result<Vec<(&'t str, &'t Tensor, Part)>> {
+        local
+            .iter()
+            .map(|(name, t)| {
+                let mut full = t.shape().to_vec();
+                if let Some((dim, _)) = self.layout.split_of(name) {
+                    if let Some(d) = full.get_mut(dim) {
+                        *d *= self.tp_size;
+                    }
+                }
+                let part = self.part(name, &full).map_err(|reason| ShardedError::BadPart { file: "<local>".into(), tensor: name.clone(), reason })?;
+                Ok((name.as_str(), t, part))
+            })
+            .collect()
+    }
+
     /// The tensors of `full` this member holds, cut to its part, each with that part: what it
     /// passes to [`super::ShardWriter::write`]. The tensors are new (no autograd history).
     pub fn cut(&self, full: &[(String, Tensor)]) -> Result<Vec<(String, Tensor, Part)>> {
