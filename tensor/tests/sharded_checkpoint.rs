@@ -21,7 +21,11 @@ fn config() -> GptConfig {
 /// A model after one AdamW step (so the optimizer state is not zero), its optimizer, and the
 /// full named tensors a checkpoint holds: parameters, then `optim.`-prefixed state.
 fn trained() -> (Gpt, AdamW, Vec<(String, Tensor)>) {
-    let model = Gpt::new(config(), &mut Generator::new(7)).unwrap();
+    trained_from(7)
+}
+
+fn trained_from(seed: u64) -> (Gpt, AdamW, Vec<(String, Tensor)>) {
+    let model = Gpt::new(config(), &mut Generator::new(seed)).unwrap();
     let mut opt = AdamW::new(model.named_parameters(), AdamWConfig { lr: 1e-2, ..AdamWConfig::default() }).unwrap();
     let mut data = Generator::new(8);
     let ids: Vec<u32> = (0..16).map(|_| data.below(16) as u32).collect();
@@ -226,7 +230,8 @@ fn consolidated_file_equals_the_single_file_checkpoint() {
 fn incomplete_corrupt_and_torn_checkpoints_are_refused() {
     // Goal: every damage the format promises to catch is a typed error naming file and tensor.
     // Method: damage copies of one good checkpoint: no index, a garbage / truncated / future
-    // index, a deleted, a truncated, a bit-flipped and two swapped shards.
+    // index, a deleted, a truncated and a bit-flipped shard, two swapped shards, and a shard from
+    // another checkpoint.
     let (good, _) = saved_2x2();
     let copy = || {
         let d = tempfile::tempdir().unwrap();
@@ -280,22 +285,26 @@ fn incomplete_corrupt_and_torn_checkpoints_are_refused() {
     ckpt.full("blocks.3.mlp.fc.weight").unwrap();
     assert!(matches!(ckpt.verify(), Err(ShardedError::ChecksumMismatch { .. })));
 
-    // Two shards of the same size and layout swapped: headers agree, checksums do not.
+    // Two shards of one checkpoint swapped: their headers record different rows, so their
+    // lengths differ and open refuses them.
     let d = copy();
     let (a, b) = (shard(d.path(), "pp1-tp0"), shard(d.path(), "pp1-tp1"));
     let tmp = d.path().join("tmp");
     std::fs::rename(&a, &tmp).unwrap();
     std::fs::rename(&b, &a).unwrap();
     std::fs::rename(&tmp, &b).unwrap();
-    // Their headers may differ in length (recorded starts have different digit counts): then the
-    // length check refuses the swap at open, else the checksum on first read.
-    match ShardedCheckpoint::open(d.path()) {
-        Err(e) => assert!(matches!(e, ShardedError::SizeMismatch { .. }), "{e}"),
-        Ok(ckpt) => {
-            let e = error_naming(ckpt.full("blocks.2.attn.qkv.weight"), "shard-pp1-tp0.safetensors", "blocks.2.attn.qkv.weight");
-            assert!(matches!(e, ShardedError::ChecksumMismatch { .. }), "{e}");
-        }
-    }
+    let e = error_naming(ShardedCheckpoint::open(d.path()), "shard-pp1-tp0.safetensors", "blocks.");
+    assert!(matches!(e, ShardedError::SizeMismatch { .. }), "{e}");
+
+    // The same shard of another checkpoint (other weights, same layout and length): the headers
+    // agree, the checksum does not.
+    let d = copy();
+    let other = tempfile::tempdir().unwrap();
+    write_mesh(other.path(), &trained_from(8).2, 2, 2, &BTreeMap::from([("config".to_string(), "abc".to_string())]));
+    std::fs::copy(shard(other.path(), "pp1-tp0"), shard(d.path(), "pp1-tp0")).unwrap();
+    let ckpt = ShardedCheckpoint::open(d.path()).unwrap();
+    let e = error_naming(ckpt.full("blocks.2.attn.qkv.weight"), "shard-pp1-tp0.safetensors", "blocks.2.attn.qkv.weight");
+    assert!(matches!(e, ShardedError::ChecksumMismatch { .. }), "{e}");
 }
 
 #[test]
