@@ -129,7 +129,10 @@ fn tp2_pp2_shards_read_back_whole_bit_for_bit() {
     assert_eq!((ln.len(), ln[0].file.as_str(), ln[0].part), (1, "shard-pp1-tp0.safetensors", Part::Whole));
     // Tied embedding: on both stages, split over tp; the first stage's pieces are kept.
     let emb: Vec<(&str, Part)> = index.tensors["tok_emb.weight"].pieces.iter().map(|p| (p.file.as_str(), p.part)).collect();
-    assert_eq!(emb, vec![("shard-pp0-tp0.safetensors", Part::Split(Split::range(0, 0, 8, 16))), ("shard-pp0-tp1.safetensors", Part::Split(Split::range(0, 8, 8, 16)))]);
+    assert_eq!(
+        emb,
+        vec![("shard-pp0-tp0.safetensors", Part::Split(Split::range(0, 0, 8, 16))), ("shard-pp0-tp1.safetensors", Part::Split(Split::range(0, 8, 8, 16)))]
+    );
     // qkv: heads split, so each rank holds the same rows of q, k and v.
     let qkv = &index.tensors["blocks.2.attn.qkv.weight"].pieces;
     assert_eq!(qkv[1].part, Part::Split(Split { dim: 0, start: 4, len: 4, full_len: 24, groups: 3 }));
@@ -196,7 +199,13 @@ fn slices_read_across_pieces_and_along_other_dims() {
     let (dir, full) = saved_2x2();
     let ckpt = ShardedCheckpoint::open(dir.path()).unwrap();
     let get = |name: &str| full.iter().find(|(n, _)| n == name).unwrap().1.clone();
-    for (name, dim, start, len) in [("blocks.1.mlp.fc.weight", 0, 10, 10), ("blocks.3.attn.qkv.weight", 0, 5, 14), ("tok_emb.weight", 1, 2, 5), ("blocks.0.attn.proj.weight", 1, 3, 2), ("ln_f.bias", 0, 1, 6)] {
+    for (name, dim, start, len) in [
+        ("blocks.1.mlp.fc.weight", 0, 10, 10),
+        ("blocks.3.attn.qkv.weight", 0, 5, 14),
+        ("tok_emb.weight", 1, 2, 5),
+        ("blocks.0.attn.proj.weight", 1, 3, 2),
+        ("ln_f.bias", 0, 1, 6),
+    ] {
         let got = ckpt.slice(name, dim, start, len).unwrap();
         let want = get(name).narrow(dim as isize, start, len).unwrap();
         assert_eq!((got.shape(), bits(&got)), (want.shape(), bits(&want)), "{name}");
@@ -314,7 +323,9 @@ fn indexes_with_gaps_overlaps_or_disagreeing_shapes_are_refused() {
     // shards by hand; edit a good index to drop a piece and to change a shape.
     let dir = tempfile::tempdir().unwrap();
     let t = Tensor::from_vec((0..80).map(|i| i as f32).collect::<Vec<_>>(), &[10, 8]).unwrap();
-    let write = |label: &str, start: usize, value: &Tensor| ShardWriter::write(dir.path(), label, &[("w", value, Part::Split(Split::range(0, start, 10, 16)))]).unwrap();
+    let write = |label: &str, start: usize, value: &Tensor| {
+        ShardWriter::write(dir.path(), label, &[("w", value, Part::Split(Split::range(0, start, 10, 16)))]).unwrap()
+    };
     let (a, b) = (write("a", 0, &t), write("b", 4, &t));
     let e = error_naming(write_index(dir.path(), 1, &[("tp", 2)], &[a.clone(), b], &BTreeMap::new()), "shard-b.safetensors", "w");
     assert!(matches!(e, ShardedError::Overlap { start: 4, end: 10, .. }), "{e}");
@@ -369,7 +380,8 @@ fn a_load_that_does_not_fit_changes_nothing() {
     // tensor has the wrong shape; the first tensor must keep its value.
     let (dir, _) = saved_2x2();
     let ckpt = ShardedCheckpoint::open(dir.path()).unwrap();
-    let named = vec![("ln_f.weight".to_string(), Tensor::zeros(&[8], rtx_tensor::DType::F32)), ("ln_f.bias".to_string(), Tensor::zeros(&[7], rtx_tensor::DType::F32))];
+    let named =
+        vec![("ln_f.weight".to_string(), Tensor::zeros(&[8], rtx_tensor::DType::F32)), ("ln_f.bias".to_string(), Tensor::zeros(&[7], rtx_tensor::DType::F32))];
     let whole = |_: &str, _: &[usize]| Ok::<Part, String>(Part::Whole);
     let e = error_naming(ckpt.load_into(&named, &whole), INDEX_FILE, "ln_f.bias");
     assert!(matches!(e, ShardedError::ShapeMismatch { .. }), "{e}");

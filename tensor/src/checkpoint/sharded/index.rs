@@ -83,7 +83,10 @@ impl Index {
         for (name, entry) in &self.tensors {
             for piece in &entry.pieces {
                 if !self.files.contains_key(&piece.file) {
-                    return Err(ShardedError::BadIndex { file: origin.to_string(), reason: format!("tensor {name} has a piece in {}, which the index does not list", piece.file) });
+                    return Err(ShardedError::BadIndex {
+                        file: origin.to_string(),
+                        reason: format!("tensor {name} has a piece in {}, which the index does not list", piece.file),
+                    });
                 }
             }
             check_tiling(origin, name, entry)?;
@@ -108,10 +111,7 @@ impl Index {
 
     /// A tensor every piece of which lives in `file`, for naming in file-level errors.
     pub(super) fn tensor_in(&self, file: &str) -> String {
-        self.tensors
-            .iter()
-            .find(|(_, t)| t.pieces.iter().any(|p| p.file == file))
-            .map_or_else(|| "no indexed tensor".to_string(), |(n, _)| n.clone())
+        self.tensors.iter().find(|(_, t)| t.pieces.iter().any(|p| p.file == file)).map_or_else(|| "no indexed tensor".to_string(), |(n, _)| n.clone())
     }
 }
 
@@ -163,7 +163,15 @@ pub(super) fn check_tiling(origin: &str, name: &str, entry: &TensorEntry) -> Res
         }
         if s.start < covered {
             let end = covered.min(s.start + s.len);
-            return Err(ShardedError::Overlap { file: origin.to_string(), tensor: name.to_string(), dim, start: s.start, end, first: last_file.to_string(), second: file.to_string() });
+            return Err(ShardedError::Overlap {
+                file: origin.to_string(),
+                tensor: name.to_string(),
+                dim,
+                start: s.start,
+                end,
+                first: last_file.to_string(),
+                second: file.to_string(),
+            });
         }
         covered = s.start + s.len;
         last_file = file;

@@ -91,7 +91,14 @@ impl Split {
         }
         let end = self.start.checked_add(self.len);
         if self.len == 0 || end.is_none_or(|end| end > self.block()) {
-            return Err(format!("rows {}..{}+{} are empty or beyond the {} rows of a block of dim {}", self.start, self.start, self.len, self.block(), self.dim));
+            return Err(format!(
+                "rows {}..{}+{} are empty or beyond the {} rows of a block of dim {}",
+                self.start,
+                self.start,
+                self.len,
+                self.block(),
+                self.dim
+            ));
         }
         Ok(())
     }

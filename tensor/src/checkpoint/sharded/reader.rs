@@ -83,7 +83,10 @@ impl ShardedCheckpoint {
         for (name, entry) in &index.tensors {
             for piece in &entry.pieces {
                 let Some(file) = files.get(&piece.file) else {
-                    return Err(ShardedError::BadIndex { file: index_name, reason: format!("tensor {name} has a piece in {}, which the index does not list", piece.file) });
+                    return Err(ShardedError::BadIndex {
+                        file: index_name,
+                        reason: format!("tensor {name} has a piece in {}, which the index does not list", piece.file),
+                    });
                 };
                 file.check_piece(name, entry, &piece.part)?;
             }
@@ -142,7 +145,11 @@ impl ShardedCheckpoint {
     pub fn read(&self, name: &str, part: &Part) -> Result<Tensor> {
         let entry = self.entry(name)?;
         part.check(&entry.shape).map_err(|reason| ShardedError::BadPart { file: self.index_path.clone(), tensor: name.to_string(), reason })?;
-        let dtype = from_st_dtype(entry.dtype).ok_or_else(|| ShardedError::BadPart { file: self.index_path.clone(), tensor: name.to_string(), reason: format!("dtype {:?} is not supported", entry.dtype) })?;
+        let dtype = from_st_dtype(entry.dtype).ok_or_else(|| ShardedError::BadPart {
+            file: self.index_path.clone(),
+            tensor: name.to_string(),
+            reason: format!("dtype {:?} is not supported", entry.dtype),
+        })?;
         let stored_dim = entry.pieces.iter().find_map(|p| match p.part {
             Part::Split(s) => Some(s.dim),
             Part::Whole => None,
@@ -206,7 +213,12 @@ impl ShardedCheckpoint {
             }
             let stored = from_st_dtype(entry.dtype);
             if stored != Some(local.dtype()) {
-                return Err(ShardedError::DTypeMismatch { file: self.index_path.clone(), tensor: name.clone(), expected: format!("{:?}", entry.dtype), actual: local.dtype().to_string() });
+                return Err(ShardedError::DTypeMismatch {
+                    file: self.index_path.clone(),
+                    tensor: name.clone(),
+                    expected: format!("{:?}", entry.dtype),
+                    actual: local.dtype().to_string(),
+                });
             }
             plan.push((name, part));
         }
@@ -252,7 +264,11 @@ impl ShardedCheckpoint {
     fn piece_bytes(&self, file: &str, name: &str) -> Result<&[u8]> {
         let shard = self.checked_file(file, name)?;
         let range = shard.tensors.get(name).map(|t| t.range);
-        range.and_then(|(a, b)| shard.map.get(a..b)).ok_or_else(|| ShardedError::BadShard { file: shard.path.clone(), tensor: name.to_string(), reason: "tensor not in the file".into() })
+        range.and_then(|(a, b)| shard.map.get(a..b)).ok_or_else(|| ShardedError::BadShard {
+            file: shard.path.clone(),
+            tensor: name.to_string(),
+            reason: "tensor not in the file".into(),
+        })
     }
 
     fn geometry(&self, name: &str, shape: &[usize], dim: usize, dtype: DType) -> Result<Geometry> {
@@ -262,7 +278,17 @@ impl ShardedCheckpoint {
     /// Copies, for every run of `part` along `dim`, the rows that the source runs `src_runs`
     /// (`(full row, local row, count)`) hold.
     #[allow(clippy::too_many_arguments)]
-    fn copy_runs(&self, name: &str, src: &[u8], sg: Geometry, src_runs: &[(usize, usize, usize)], dst: &mut [u8], dg: Geometry, part: &Part, dim: usize) -> Result<()> {
+    fn copy_runs(
+        &self,
+        name: &str,
+        src: &[u8],
+        sg: Geometry,
+        src_runs: &[(usize, usize, usize)],
+        dst: &mut [u8],
+        dg: Geometry,
+        part: &Part,
+        dim: usize,
+    ) -> Result<()> {
         let entry = self.entry(name)?;
         for (want_full, want_local, want_len) in want_runs(part, entry, dim) {
             for &(have_full, have_local, have_len) in src_runs {
@@ -301,7 +327,11 @@ impl ShardFile {
         // through a temporary file and a rename). Another process truncating the file while it
         // is mapped would fault this reader; that is outside the format's contract.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_error(path))?;
-        let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| ShardedError::BadShard { file: display.clone(), tensor: tensor.to_string(), reason: format!("not a valid safetensors file: {e}") })?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| ShardedError::BadShard {
+            file: display.clone(),
+            tensor: tensor.to_string(),
+            reason: format!("not a valid safetensors file: {e}"),
+        })?;
         let data_start = 8 + header_len;
         let mut tensors = BTreeMap::new();
         for (name, info) in metadata.tensors() {
@@ -317,7 +347,12 @@ impl ShardFile {
         let bad = |reason: String| ShardedError::BadShard { file: self.path.clone(), tensor: name.to_string(), reason };
         let info = self.tensors.get(name).ok_or_else(|| bad("the index places a piece here but the file lacks the tensor".into()))?;
         if info.dtype != entry.dtype {
-            return Err(ShardedError::DTypeMismatch { file: self.path.clone(), tensor: name.to_string(), expected: format!("{:?}", entry.dtype), actual: format!("{:?}", info.dtype) });
+            return Err(ShardedError::DTypeMismatch {
+                file: self.path.clone(),
+                tensor: name.to_string(),
+                expected: format!("{:?}", entry.dtype),
+                actual: format!("{:?}", info.dtype),
+            });
         }
         let expected = part.local_shape(&entry.shape);
         if info.shape != expected {

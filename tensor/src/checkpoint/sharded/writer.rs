@@ -79,7 +79,8 @@ impl ShardWriter {
         std::fs::create_dir_all(dir).map_err(io_error(dir))?;
         let parts: BTreeMap<&str, &Part> = entries.iter().map(|e| (e.name.as_str(), &e.part)).collect();
         let parts = serde_json::to_string(&parts).map_err(|e| ShardedError::BadPart { file: file.clone(), tensor: String::new(), reason: e.to_string() })?;
-        let metadata = BTreeMap::from([("format".to_string(), SHARD_FORMAT.to_string()), ("label".to_string(), label.to_string()), ("parts".to_string(), parts)]);
+        let metadata =
+            BTreeMap::from([("format".to_string(), SHARD_FORMAT.to_string()), ("label".to_string(), label.to_string()), ("parts".to_string(), parts)]);
         save_tensors(&path, &owned, &metadata).map_err(|source| ShardedError::Tensor { file: file.clone(), tensor: String::new(), source })?;
         let (bytes, crc32) = file_checksum(&path)?;
         tracing::debug!(label, bytes, crc32, "shard written");
@@ -129,18 +130,31 @@ impl IndexBuilder {
                 let bad_part = |reason: String| ShardedError::BadPart { file: m.file.clone(), tensor: e.name.clone(), reason };
                 let full = e.part.full_shape(&e.shape).map_err(bad_part)?;
                 e.part.check(&full).map_err(bad_part)?;
-                let (entry, crcs) = tensors.entry(e.name.clone()).or_insert_with(|| (TensorEntry { shape: full.clone(), dtype: e.dtype, pieces: Vec::new() }, Vec::new()));
+                let (entry, crcs) =
+                    tensors.entry(e.name.clone()).or_insert_with(|| (TensorEntry { shape: full.clone(), dtype: e.dtype, pieces: Vec::new() }, Vec::new()));
                 if entry.shape != full {
                     return Err(ShardedError::ShapeMismatch { file: m.file.clone(), tensor: e.name.clone(), expected: entry.shape.clone(), actual: full });
                 }
                 if entry.dtype != e.dtype {
-                    return Err(ShardedError::DTypeMismatch { file: m.file.clone(), tensor: e.name.clone(), expected: format!("{:?}", entry.dtype), actual: format!("{:?}", e.dtype) });
+                    return Err(ShardedError::DTypeMismatch {
+                        file: m.file.clone(),
+                        tensor: e.name.clone(),
+                        expected: format!("{:?}", entry.dtype),
+                        actual: format!("{:?}", e.dtype),
+                    });
                 }
                 match entry.pieces.iter().position(|p| p.part == e.part) {
                     Some(i) => {
                         let (first, first_crc) = (entry.pieces.get(i).map_or("", |p| p.file.as_str()), crcs.get(i).copied().unwrap_or_default());
                         if first_crc != e.crc32 {
-                            return Err(ShardedError::ReplicasDiffer { file: origin.into(), tensor: e.name.clone(), first: first.into(), first_crc, second: m.file.clone(), second_crc: e.crc32 });
+                            return Err(ShardedError::ReplicasDiffer {
+                                file: origin.into(),
+                                tensor: e.name.clone(),
+                                first: first.into(),
+                                first_crc,
+                                second: m.file.clone(),
+                                second_crc: e.crc32,
+                            });
                         }
                     }
                     None => {
@@ -170,7 +184,9 @@ impl IndexBuilder {
             let path = dir.join(file);
             let actual = match std::fs::metadata(&path) {
                 Ok(m) => m.len(),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(ShardedError::MissingShard { file: path.display().to_string(), tensor: index.tensor_in(file) }),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(ShardedError::MissingShard { file: path.display().to_string(), tensor: index.tensor_in(file) })
+                }
                 Err(e) => return Err(io_error(&path)(e)),
             };
             if actual != entry.bytes {
