@@ -162,7 +162,7 @@ impl<'a> Cut<'a> {
                 let mut full = t.shape().to_vec();
                 if let Some((dim, _)) = self.layout.split_of(name) {
                     if let Some(d) = full.get_mut(dim) {
-                        *d *= self.tp_size;
+                        *d = d.saturating_mul(self.tp_size);
                     }
                 }
                 let part = self.part(name, &full).map_err(|reason| ShardedError::BadPart { file: "<local>".into(), tensor: name.clone(), reason })?;
