@@ -19,6 +19,11 @@
 //! otherwise it returns [`Error::Checkpoint`] naming the tensor and leaves the model and
 //! optimizer untouched. Truncated or corrupt files are reported the same way, never by a panic.
 //! Parameters are overwritten in place, so bucket views and optimizers stay bound.
+//!
+//! Models held as shards (pipeline stages, tensor-parallel slices) save into a directory of
+//! per-shard files with an index instead: see [`sharded`].
+
+pub mod sharded;
 
 use crate::error::{Error, Result};
 use crate::nn::Module;
@@ -56,19 +61,29 @@ pub struct CheckpointMeta {
 /// Writes `model`'s parameters, `optimizer`'s state and `meta` to `path` atomically.
 pub fn save(path: &Path, model: &dyn Module, optimizer: Option<&dyn Optimizer>, meta: &CheckpointMeta) -> Result<()> {
     let mut tensors = model.named_parameters();
-    let mut metadata = BTreeMap::new();
     if let Some(opt) = optimizer {
         for (name, t) in opt.state_tensors()? {
             tensors.push((format!("{OPTIM_PREFIX}{name}"), t));
         }
+    }
+    let metadata = file_metadata(meta, optimizer)?;
+    save_tensors(path, &tensors, &metadata)
+}
+
+/// The `__metadata__` map [`save`] writes for `meta` and `optimizer` (`format`, `step`, `rng`,
+/// `user` and, with an optimizer, `optimizer`). A sharded checkpoint that keeps this map as its
+/// metadata consolidates into a file [`load`] reads ([`sharded::consolidate`]).
+pub fn file_metadata(meta: &CheckpointMeta, optimizer: Option<&dyn Optimizer>) -> Result<BTreeMap<String, String>> {
+    let mut metadata = BTreeMap::new();
+    if let Some(opt) = optimizer {
         let info = serde_json::json!({ "kind": opt.kind(), "lr": opt.lr() });
         metadata.insert("optimizer".to_string(), info.to_string());
     }
     metadata.insert("format".to_string(), FORMAT.to_string());
     metadata.insert("step".to_string(), meta.step.to_string());
-    metadata.insert("rng".to_string(), serde_json::to_string(&meta.rngs).map_err(|e| bad(path, format!("cannot encode rng states: {e}")))?);
+    metadata.insert("rng".to_string(), serde_json::to_string(&meta.rngs).map_err(|e| Error::InvalidArgument { op: "file_metadata", reason: format!("cannot encode rng states: {e}") })?);
     metadata.insert("user".to_string(), meta.user.to_string());
-    save_tensors(path, &tensors, &metadata)
+    Ok(metadata)
 }
 
 /// Loads a checkpoint written by [`save`] into `model` (and `optimizer`, whose state and
