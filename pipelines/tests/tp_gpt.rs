@@ -6,6 +6,8 @@
 //!   match; replicated parameters stay bit-identical across ranks.
 //! - Pipeline stage parts (embedding + block 0, block 1 + head) chained on each rank give the same
 //!   loss, and the two ends of the tied embedding sum to its full gradient.
+//! - The ViT's TP form gives the full Vit's loss and gradients (with and without sequence
+//!   parallelism).
 //! - Sizes that do not split are typed errors naming the numbers; a dead or silent peer, in
 //!   forward or backward, is an `Err` within the collective timeout; a call from a runtime thread
 //!   is an `Err`.
@@ -19,11 +21,11 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use rtx_collectives::{CommConfig, Endpoint, InProcessNetwork, Transport};
-use rtx_pipelines::tp::{self, gpt_shard_spec, StagePart, TpGpt, TpGroup, TpHandle, TpOptions};
+use rtx_pipelines::tp::{self, gpt_shard_spec, StagePart, TpGpt, TpGroup, TpHandle, TpOptions, TpVit};
 use rtx_pipelines::Error;
-use rtx_tensor::nn::{Gpt, GptConfig, Module};
+use rtx_tensor::nn::{Gpt, GptConfig, Module, Pooling, Vit, VitConfig};
 use rtx_tensor::optim::{AdamW, AdamWConfig, Optimizer};
-use rtx_tensor::{DType, Generator, Tensor};
+use rtx_tensor::{CrossEntropyOptions, DType, Generator, Tensor};
 
 /// Wall-clock bound on any one multi-rank test body.
 const TEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -369,6 +371,62 @@ fn load_full_then_gather_full_round_trips() {
 fn full_shape(name: &str) -> Vec<usize> {
     let full = Gpt::new(CONFIG, &mut Generator::new(0)).unwrap();
     full.named_parameters().into_iter().find(|(n, _)| n == name).map(|(_, t)| t.shape().to_vec()).unwrap()
+}
+
+// ------------------------------------------------------------------------------------------ ViT
+
+const VIT: VitConfig = VitConfig {
+    image_size: [8, 8],
+    patch_size: 4,
+    in_channels: 1,
+    d_model: 32,
+    n_layers: 2,
+    n_heads: 4,
+    mlp_ratio: 4,
+    dropout: 0.0,
+    cls_token: true,
+    pooling: Pooling::Cls,
+    n_classes: Some(5),
+    layer_norm_eps: 1e-6,
+    init_std: 0.02,
+    dtype: DType::F32,
+};
+
+// Goal: the TP ViT computes the full Vit's loss and gradients, with and without sequence
+// parallelism. Method: class-token pooling at tp=2; mean pooling without class token (4 tokens)
+// with sequence parallelism at tp=2 and 4; one batch, classifier cross-entropy, gathered grads.
+#[test]
+fn tp_vit_matches_full_model() {
+    let seed = seed();
+    let cases = [
+        (2, VIT, false),
+        (2, VitConfig { cls_token: false, pooling: Pooling::Mean, ..VIT }, true),
+        (4, VitConfig { cls_token: false, pooling: Pooling::Mean, ..VIT }, true),
+    ];
+    for (tp, config, sequence_parallel) in cases {
+        let mut rng = Generator::with_stream(seed, 7);
+        let images = Tensor::randn(&[B, 1, 8, 8], 0.0, 1.0, DType::F32, &mut rng).unwrap();
+        let labels = Tensor::from_vec((0..B).map(|_| rng.below(5) as u32).collect::<Vec<_>>(), &[B]).unwrap();
+        let full = Vit::new(config, &mut Generator::new(seed)).unwrap();
+        let loss = full.forward(&images, &mut Generator::new(0)).unwrap().cross_entropy(&labels, CrossEntropyOptions::default()).unwrap();
+        loss.backward().unwrap();
+        let (expected_loss, expected_grads) = (loss.item().unwrap(), values(full.named_parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap())).collect()));
+        let groups = Groups::new(tp, Duration::from_secs(20));
+        let runs = groups.run(move |_, group| {
+            let model = TpVit::new(config, &mut Generator::new(seed), group, TpOptions { sequence_parallel }).unwrap();
+            let loss = model.forward(&images, &mut Generator::new(0)).unwrap().cross_entropy(&labels, CrossEntropyOptions::default()).unwrap();
+            tp::backward(&loss).unwrap();
+            (loss.item().unwrap(), values(model.gather_full_grads().unwrap()))
+        });
+        let case = format!("ViT tp={tp} cls={} sp={sequence_parallel}", config.cls_token);
+        let scale = max_abs(&expected_grads);
+        for (loss, grads) in runs {
+            let d = max_diff(&grads, &expected_grads);
+            eprintln!("{case}: loss {loss} vs {expected_loss}; grads max diff {d:.2e} = {:.2e} x scale {scale:.2e}", d / scale);
+            assert!((loss - expected_loss).abs() <= REL_TOLERANCE * expected_loss, "{case}: loss {loss} vs {expected_loss}");
+            assert!(d <= REL_TOLERANCE * scale, "{case}: gradient diff {d:e} over {REL_TOLERANCE} x {scale:e}");
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------------ errors

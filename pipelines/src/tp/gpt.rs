@@ -23,16 +23,15 @@
 //! group). [`TpGpt::tied_embedding`] gives it on both ends and
 //! [`TpGpt::needs_embedding_sync`] says whether a stage takes part.
 
-use std::collections::BTreeMap;
 use std::ops::Range;
 
 use rtx_tensor::nn::{join_name, Dropout, Embedding, Gpt, GptConfig, LayerNorm, Module};
 use rtx_tensor::{DType, Generator, Tensor};
 
-use super::group::{lift_tensor_error, TpHandle};
+use super::group::TpHandle;
 use super::layers::{fresh_param, replicated_norm, TpBlock, TpContext, VocabParallelEmbedding};
 use super::ops::vocab_parallel_cross_entropy;
-use super::shard::ShardSpec;
+use super::shard::{gather_full_state, load_full_state, ShardSpec};
 use crate::error::{Error, Result};
 
 /// The name of the token embedding, also the tied head's weight on a last stage.
@@ -268,60 +267,19 @@ impl TpGpt {
     /// Every parameter of this stage as the full tensor (all-gathered where split), full names,
     /// visit order. A collective: every rank of the group calls it.
     pub fn gather_full(&self) -> Result<Vec<(String, Tensor)>> {
-        self.gather_with(|t| Ok(t.clone()))
+        gather_full_state(self, |n| self.shard_spec(n), &self.ctx.group, |t| Ok(t.clone()))
     }
 
     /// Every parameter's gradient as the full tensor (zeros where a parameter has none), as
     /// [`TpGpt::gather_full`].
     pub fn gather_full_grads(&self) -> Result<Vec<(String, Tensor)>> {
-        self.gather_with(|t| Ok(t.grad().unwrap_or_else(|| t.zeros_like())))
+        gather_full_state(self, |n| self.shard_spec(n), &self.ctx.group, |t| Ok(t.grad().unwrap_or_else(|| t.zeros_like())))
     }
 
     /// Copies this rank's slices of the full tensors `full` (named as the full model's
     /// parameters; extra entries are ignored) into this stage's parameters, in place.
     pub fn load_full(&mut self, full: &[(String, Tensor)]) -> Result<()> {
-        let by_name: BTreeMap<&str, &Tensor> = full.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        let rank = self.ctx.rank();
-        for (name, local) in self.named_parameters() {
-            let Some(&source) = by_name.get(name.as_str()) else {
-                return Err(Error::TpLoad { name, reason: "missing from the full state".into() });
-            };
-            let spec = self.shard_spec(&name);
-            let expected = spec.map_or_else(|| local.shape().to_vec(), |s| s.full_shape(local.shape()));
-            if source.shape() != expected.as_slice() {
-                return Err(Error::TpLoad { name, reason: format!("full shape {:?}, expected {expected:?}", source.shape()) });
-            }
-            let part = match spec {
-                Some(spec) => spec.slice(source, rank)?,
-                None => source.detach(),
-            };
-            local.copy_from_(&part)?;
-        }
-        Ok(())
-    }
-
-    fn gather_with(&self, value: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Vec<(String, Tensor)>> {
-        let group = &self.ctx.group;
-        self.named_parameters()
-            .into_iter()
-            .map(|(name, param)| {
-                let local = value(&param)?;
-                let full = match self.shard_spec(&name) {
-                    Some(spec) => {
-                        let input = local.to_f32_vec()?;
-                        let mut gathered = vec![0f32; input.len() * group.size()];
-                        group.all_gather(&input, &mut gathered)?;
-                        spec.from_rank_major(gathered, &spec.full_shape(local.shape()))?
-                    }
-                    None => Tensor::from_vec(local.to_f32_vec()?, local.shape())?,
-                };
-                Ok((name, full))
-            })
-            .collect::<Result<Vec<_>>>()
-            .map_err(|e| match e {
-                Error::Tensor(t) => lift_tensor_error(t),
-                other => other,
-            })
+        load_full_state(self, |n| self.shard_spec(n), self.ctx.rank(), full)
     }
 }
 

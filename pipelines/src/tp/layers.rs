@@ -191,7 +191,7 @@ impl RowParallelLinear {
     pub fn from_full(full: &Linear, ctx: TpContext) -> Result<RowParallelLinear> {
         check_dtype(&full.weight)?;
         let weight = ctx.shard(&full.weight, ShardSpec::new(1, ctx.size()), "in_features")?;
-        let bias = full.bias.as_ref().map(|b| fresh_param(b)).transpose()?;
+        let bias = full.bias.as_ref().map(fresh_param).transpose()?;
         Ok(RowParallelLinear { weight, bias, ctx })
     }
 

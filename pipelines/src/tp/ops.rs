@@ -10,6 +10,7 @@
 //! | [`gather_from_sequence`] | all-gather, dim 1 | reduce-scatter |
 //! | [`reduce_scatter_to_sequence`] | reduce-scatter, dim 1 | all-gather |
 //! | [`scatter_to_sequence`] | own slice, dim 1 | all-gather |
+//! | [`gather_sequence_to_replicated`] | all-gather, dim 1 | own slice |
 //!
 //! The sequence ops serve sequence parallelism: between the tensor-parallel regions, activations
 //! `[B, T, C]` are split along T (rank r holds positions `r·T/tp..`), so layer norms, dropout and
@@ -69,6 +70,14 @@ pub fn scatter_to_tp(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
 pub fn gather_from_sequence(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
     check_rank3("gather_from_sequence", x)?;
     gather(x, 1, group, "gather_from_sequence", true)
+}
+
+/// Sequence parallelism, into replicated computation (pooling, a replicated head): all-gather
+/// `[B, T/tp, C] -> [B, T, C]`; backward keeps this rank's positions of the (replicated)
+/// gradient.
+pub fn gather_sequence_to_replicated(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
+    check_rank3("gather_sequence_to_replicated", x)?;
+    gather(x, 1, group, "gather_sequence_to_replicated", false)
 }
 
 /// Sequence parallelism, out of a tensor-parallel region: reduce-scatter the partial sums

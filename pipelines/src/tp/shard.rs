@@ -10,8 +10,12 @@
 //! keeps the q, k and v rows of the same heads. Collectives concatenate per rank, giving the
 //! rank-major order `[parts, outer, blocks, chunk]`.
 
+use std::collections::BTreeMap;
+
+use rtx_tensor::nn::Module;
 use rtx_tensor::{DType, Tensor};
 
+use super::group::TpHandle;
 use crate::error::{Error, Result};
 
 /// Which dimension of a tensor is split over the tensor-parallel ranks, and how.
@@ -94,6 +98,55 @@ impl ShardSpec {
         let t = Tensor::from_vec(rank_major, &[parts, outer, blocks, chunk])?.permute(&[1, 2, 0, 3])?;
         Ok(Tensor::from_vec(t.to_f32_vec()?, full)?)
     }
+}
+
+/// Every parameter of `module` as the full tensor: `value(param)` (the parameter or its
+/// gradient), all-gathered where `spec(name)` says it is split. A collective over `group`.
+pub(crate) fn gather_full_state(
+    module: &dyn Module,
+    spec: impl Fn(&str) -> Option<ShardSpec>,
+    group: &TpHandle,
+    value: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Vec<(String, Tensor)>> {
+    module
+        .named_parameters()
+        .into_iter()
+        .map(|(name, param)| {
+            let local = value(&param)?;
+            let full = match spec(&name) {
+                Some(spec) => {
+                    let input = local.to_f32_vec()?;
+                    let mut gathered = vec![0f32; input.len() * group.size()];
+                    group.all_gather(&input, &mut gathered)?;
+                    spec.from_rank_major(gathered, &spec.full_shape(local.shape()))?
+                }
+                None => Tensor::from_vec(local.to_f32_vec()?, local.shape())?,
+            };
+            Ok((name, full))
+        })
+        .collect()
+}
+
+/// Copies rank `rank`'s slices of the full tensors `full` (by name; extra entries ignored) into
+/// `module`'s parameters, in place.
+pub(crate) fn load_full_state(module: &dyn Module, spec: impl Fn(&str) -> Option<ShardSpec>, rank: usize, full: &[(String, Tensor)]) -> Result<()> {
+    let by_name: BTreeMap<&str, &Tensor> = full.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    for (name, local) in module.named_parameters() {
+        let Some(&source) = by_name.get(name.as_str()) else {
+            return Err(Error::TpLoad { name, reason: "missing from the full state".into() });
+        };
+        let spec = spec(&name);
+        let expected = spec.map_or_else(|| local.shape().to_vec(), |s| s.full_shape(local.shape()));
+        if source.shape() != expected.as_slice() {
+            return Err(Error::TpLoad { name, reason: format!("full shape {:?}, expected {expected:?}", source.shape()) });
+        }
+        let part = match spec {
+            Some(spec) => spec.slice(source, rank)?,
+            None => source.detach(),
+        };
+        local.copy_from_(&part)?;
+    }
+    Ok(())
 }
 
 /// Refuses tensors the tensor-parallel collectives do not move (they move f32).
