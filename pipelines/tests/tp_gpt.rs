@@ -4,6 +4,8 @@
 //!   with and without sequence parallelism: the loss equals the full `Gpt`'s, the gathered
 //!   gradients equal its gradients, and after 5 AdamW steps the losses and gathered parameters
 //!   match; replicated parameters stay bit-identical across ranks.
+//! - With dropout (no sequence parallelism) the same generator on every rank reproduces the full
+//!   model's masks.
 //! - Pipeline stage parts (embedding + block 0, block 1 + head) chained on each rank give the same
 //!   loss, and the two ends of the tied embedding sum to its full gradient.
 //! - The ViT's TP form gives the full Vit's loss and gradients (with and without sequence
@@ -288,6 +290,37 @@ fn tp_matches_full_model() {
 fn sequence_parallel_matches_full_model() {
     for tp in [2, 4] {
         check_equivalence(tp, TpOptions { sequence_parallel: true });
+    }
+}
+
+// Goal: with dropout and without sequence parallelism, the same generator on every rank draws the
+// full model's masks (the dropped tensors are replicated and drawn in the same order), so the loss
+// and gradients still match. Method: p = 0.2, training mode, tp=2, one step.
+#[test]
+fn dropout_masks_match_full_model() {
+    let seed = seed();
+    let config = GptConfig { dropout: 0.2, ..CONFIG };
+    let full = Gpt::new(config, &mut Generator::new(seed)).unwrap();
+    assert!(full.is_training());
+    let (ids, targets) = batch(seed, 0);
+    let loss = full.loss(&ids, &targets, &mut Generator::new(5)).unwrap();
+    loss.backward().unwrap();
+    let no_dropout = Gpt::new(CONFIG, &mut Generator::new(seed)).unwrap().loss(&ids, &targets, &mut Generator::new(5)).unwrap().item().unwrap();
+    let (expected_loss, expected_grads) = (loss.item().unwrap(), values(full.named_parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap())).collect()));
+    assert!((expected_loss - no_dropout).abs() > 1e-3, "dropout must change the loss for this test to mean something");
+    let groups = Groups::new(2, Duration::from_secs(20));
+    let runs = groups.run(move |_, group| {
+        let model = TpGpt::new(config, &mut Generator::new(seed), group, TpOptions::default()).unwrap();
+        assert!(model.is_training());
+        let loss = model.loss(&ids, &targets, &mut Generator::new(5)).unwrap();
+        tp::backward(&loss).unwrap();
+        (loss.item().unwrap(), values(model.gather_full_grads().unwrap()))
+    });
+    let scale = max_abs(&expected_grads);
+    for (loss, grads) in runs {
+        let d = max_diff(&grads, &expected_grads);
+        assert!((loss - expected_loss).abs() <= REL_TOLERANCE * expected_loss, "loss {loss} vs {expected_loss}");
+        assert!(d <= REL_TOLERANCE * scale, "gradient diff {d:e} over {REL_TOLERANCE} x {scale:e}");
     }
 }
 

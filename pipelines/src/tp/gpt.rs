@@ -17,6 +17,11 @@
 //! their inputs and output gradients are replicated; with it they go through `copy_to_tp`, whose
 //! backward all-reduces their gradient over the group (each rank saw other positions).
 //!
+//! Dropout: without sequence parallelism every dropped tensor is replicated and drawn in the full
+//! model's order, so handing every rank the same generator reproduces the full model's masks. With
+//! sequence parallelism each rank drops its own positions `[B, T/tp, C]`; hand each rank its own
+//! generator stream (Megatron's model-parallel RNG) or the ranks' masks repeat across positions.
+//!
 //! Tied embeddings across pipeline stages: a stage with the head but not the embedding holds its
 //! own copy of its `tok_emb.weight` slice, under that name ([`TIED_EMBEDDING_PARAM`]); the engine
 //! all-reduces that parameter's gradient between the first and last stage (Megatron's embedding
