@@ -188,6 +188,16 @@ pub enum Error {
         op: &'static str,
         /// The group.
         role: &'static str,
+    /// A tensor-parallel collective failed (peer lost, timeout, stale generation, mismatch); the
+    /// group is unusable from now on.
+    #[error("tensor-parallel {op} on rank {rank} of {size} failed: {source}")]
+    TpCollective {
+        /// The operation.
+        op: &'static str,
+        /// This rank in the tensor-parallel group.
+        rank: usize,
+        /// The group size.
+        size: usize,
         /// What the communicator reported.
         #[source]
         source: rtx_collectives::Error,
@@ -205,4 +215,64 @@ pub enum Error {
     /// The schedule cannot be made.
     #[error(transparent)]
     Schedule(#[from] crate::schedule::ScheduleError),
+    /// An earlier tensor-parallel collective failed, so this rank is out of step with its peers;
+    /// re-form the group.
+    #[error("tensor-parallel {op} refused on rank {rank}: an earlier collective of the group failed; re-form the group")]
+    TpBroken {
+        /// The operation refused.
+        op: &'static str,
+        /// This rank in the group.
+        rank: usize,
+    },
+    /// A blocking tensor-parallel collective was called on a thread inside a tokio runtime (it
+    /// must run on a compute thread).
+    #[error("tensor-parallel {op} called on a tokio runtime thread; call it from a compute thread")]
+    TpOnRuntimeThread {
+        /// The operation.
+        op: &'static str,
+    },
+    /// A tensor-parallel collective got buffers of inconsistent lengths.
+    #[error("tensor-parallel {op}: buffer has {got} elements, expected {expected}")]
+    TpBufferLength {
+        /// The operation.
+        op: &'static str,
+        /// The length needed.
+        expected: usize,
+        /// The length given.
+        got: usize,
+    },
+    /// A size that tensor parallelism splits is not a multiple of the group size.
+    #[error("{what} {value} is not divisible by the tensor-parallel size {tp}")]
+    TpIndivisible {
+        /// What is split (`n_heads`, `vocab_size`, `mlp_hidden`, `sequence length`, ...).
+        what: &'static str,
+        /// Its size.
+        value: usize,
+        /// The number of parts.
+        tp: usize,
+    },
+    /// A stage's layer range does not fit the model.
+    #[error("stage layers {layers:?} do not fit a model of {n_layers} layers")]
+    TpStagePart {
+        /// The range asked for.
+        layers: Range<usize>,
+        /// The model's number of layers.
+        n_layers: usize,
+    },
+    /// A stage was asked for a part of the model it does not hold.
+    #[error("this stage (layers {layers:?}) does not hold the {what}")]
+    TpMissingPart {
+        /// `embedding`, `final norm` or `head`.
+        what: &'static str,
+        /// The stage's layers.
+        layers: Range<usize>,
+    },
+    /// A full state could not be sliced into a tensor-parallel model.
+    #[error("loading full parameter {name}: {reason}")]
+    TpLoad {
+        /// The parameter.
+        name: String,
+        /// What did not fit.
+        reason: String,
+    },
 }

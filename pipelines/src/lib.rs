@@ -9,7 +9,8 @@
 //! state; an [`rtx_actors::Actor`] with typed messages, export and import). The engine does
 //! not pick batches, detect failures beyond what its collectives report, or recover: a failed step
 //! leaves it [`Error::Broken`] for the supervisor to replace. Tensor, pipeline and federated
-//! parallelism and the trainers are not written yet.
+//! parallelism and the trainers are not written yet. Tensor parallelism (Megatron-style layers,
+//! the TP form of the GPT) is in [`tp`].
 
 mod data_parallel;
 mod error;
@@ -20,6 +21,7 @@ mod reducer;
 pub mod schedule;
 mod shard;
 mod staging;
+pub mod tp;
 
 pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
 pub use error::{Error, Result};

@@ -1,0 +1,228 @@
+//! Megatron's conjugate communication ops as autograd ops, plus the vocab-parallel
+//! cross-entropy.
+//!
+//! | op | forward | backward |
+//! |---|---|---|
+//! | [`copy_to_tp`] (f) | identity | all-reduce |
+//! | [`reduce_from_tp`] (g) | all-reduce | identity |
+//! | [`gather_from_tp`] | all-gather, last dim | own slice |
+//! | [`scatter_to_tp`] | own slice, last dim | all-gather |
+//! | [`gather_from_sequence`] | all-gather, dim 1 | reduce-scatter |
+//! | [`reduce_scatter_to_sequence`] | reduce-scatter, dim 1 | all-gather |
+//! | [`scatter_to_sequence`] | own slice, dim 1 | all-gather |
+//! | [`gather_sequence_to_replicated`] | all-gather, dim 1 | own slice |
+//!
+//! The sequence ops serve sequence parallelism: between the tensor-parallel regions, activations
+//! `[B, T, C]` are split along T (rank r holds positions `r·T/tp..`), so layer norms, dropout and
+//! residual adds run on a part of the tokens each. Every op is the identity on a group of one.
+//! Tensors are f32 (what the group moves). A collective failing in a backward closure travels as
+//! [`to_tensor_error`]; [`crate::tp::backward`] returns it typed.
+
+use rtx_tensor::{DType, FloatVec, Tensor};
+
+use super::group::{to_tensor_error, TpHandle};
+use super::shard::{check_f32, ShardSpec};
+use crate::error::{Error, Result};
+
+/// f: identity forward, all-reduce of the gradient backward. Put before a column-parallel
+/// layer whose input is replicated, and on a replicated parameter whose uses differ per rank
+/// (sequence parallelism) so its gradient is summed over the group.
+pub fn copy_to_tp(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
+    check_f32("copy_to_tp", x)?;
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let group = TpHandle::clone(group);
+    Ok(Tensor::with_node(x.storage().clone(), x.layout().clone(), DType::F32, "copy_to_tp", &[x], move |g: &Tensor, _: &Tensor| {
+        let mut v = g.to_f32_vec()?;
+        group.all_reduce_sum(&mut v).map_err(to_tensor_error)?;
+        Ok(vec![Some(Tensor::from_vec(v, g.shape())?)])
+    }))
+}
+
+/// g: all-reduce forward, identity backward. Put after a row-parallel layer (partial sums).
+pub fn reduce_from_tp(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
+    check_f32("reduce_from_tp", x)?;
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let mut v = x.to_f32_vec()?;
+    group.all_reduce_sum(&mut v)?;
+    Ok(Tensor::from_op(FloatVec::F32(v), x.shape(), DType::F32, "reduce_from_tp", &[x], |g: &Tensor, _: &Tensor| Ok(vec![Some(g.clone())]))?)
+}
+
+/// All-gather along the last dimension (`[.., n] -> [.., n·tp]`, rank order); backward keeps
+/// this rank's slice of the gradient.
+pub fn gather_from_tp(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
+    let dim = last_dim("gather_from_tp", x)?;
+    gather(x, dim, group, "gather_from_tp", false)
+}
+
+/// This rank's slice of the last dimension (`[.., n] -> [.., n/tp]`); backward all-gathers.
+pub fn scatter_to_tp(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
+    let dim = last_dim("scatter_to_tp", x)?;
+    scatter(x, dim, group, "scatter_to_tp")
+}
+
+/// Sequence parallelism, into a tensor-parallel region: all-gather `[B, T/tp, C] -> [B, T, C]`;
+/// backward reduce-scatters the gradient (the region's consumers each saw all tokens and hold
+/// partial gradients).
+pub fn gather_from_sequence(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
+    check_rank3("gather_from_sequence", x)?;
+    gather(x, 1, group, "gather_from_sequence", true)
+}
+
+/// Sequence parallelism, into replicated computation (pooling, a replicated head): all-gather
+/// `[B, T/tp, C] -> [B, T, C]`; backward keeps this rank's positions of the (replicated)
+/// gradient.
+pub fn gather_sequence_to_replicated(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
+    check_rank3("gather_sequence_to_replicated", x)?;
+    gather(x, 1, group, "gather_sequence_to_replicated", false)
+}
+
+/// Sequence parallelism, out of a tensor-parallel region: reduce-scatter the partial sums
+/// `[B, T, C] -> [B, T/tp, C]`; backward all-gathers.
+pub fn reduce_scatter_to_sequence(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
+    const OP: &str = "reduce_scatter_to_sequence";
+    check_rank3(OP, x)?;
+    check_f32(OP, x)?;
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let spec = split(x.shape(), 1, group.size(), "sequence length")?;
+    let input = spec.to_rank_major(x)?;
+    let local_shape = spec.local_shape(x.shape());
+    let mut out = vec![0f32; input.len() / group.size()];
+    group.reduce_scatter_sum(&input, &mut out)?;
+    let (group, full_shape) = (TpHandle::clone(group), x.shape().to_vec());
+    Ok(Tensor::from_op(FloatVec::F32(out), &local_shape, DType::F32, OP, &[x], move |g: &Tensor, _: &Tensor| {
+        Ok(vec![Some(all_gather_natural(g, &spec, &full_shape, &group).map_err(to_tensor_error)?)])
+    })?)
+}
+
+/// Sequence parallelism: this rank's part of the positions, `[B, T, C] -> [B, T/tp, C]`;
+/// backward all-gathers.
+pub fn scatter_to_sequence(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
+    check_rank3("scatter_to_sequence", x)?;
+    scatter(x, 1, group, "scatter_to_sequence")
+}
+
+/// Mean cross-entropy of vocabulary-parallel logits: `logits` `[N, V/tp]` holds this rank's
+/// columns (vocabulary ids `rank·V/tp..`), `targets` `[N]` (u32, ids below `vocab_size`). The
+/// row maximum, the sum of exponentials and the target logit are all-reduced (one max, one sum of
+/// `2N` values), so no rank holds full-vocabulary logits. Backward: `(softmax_local −
+/// onehot_local) · g / N`, no communication. Every rank returns the same loss.
+pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, vocab_size: usize, group: &TpHandle) -> Result<Tensor> {
+    const OP: &str = "vocab_parallel_cross_entropy";
+    check_f32(OP, logits)?;
+    let (tp, rank) = (group.size(), group.rank());
+    if vocab_size % tp != 0 {
+        return Err(Error::TpIndivisible { what: "vocab_size", value: vocab_size, tp });
+    }
+    let v_local = vocab_size / tp;
+    if logits.rank() != 2 || logits.shape()[1] != v_local {
+        return Err(Error::Tensor(rtx_tensor::Error::BadShape { op: OP, shape: logits.shape().to_vec(), reason: format!("expected [N, {v_local}] (vocab {vocab_size} over {tp} ranks)") }));
+    }
+    let n = logits.shape()[0];
+    if targets.dtype() != DType::U32 || targets.shape() != [n] {
+        return Err(Error::Tensor(rtx_tensor::Error::ShapeMismatch { op: OP, lhs: logits.shape().to_vec(), rhs: targets.shape().to_vec() }));
+    }
+    let t = targets.to_u32_vec()?;
+    if let Some(&bad) = t.iter().find(|&&id| id as usize >= vocab_size) {
+        return Err(Error::Tensor(rtx_tensor::Error::IndexOutOfRange { op: OP, index: bad as usize, size: vocab_size }));
+    }
+    let start = rank * v_local;
+    let local_target = |i: usize| (t[i] as usize).checked_sub(start).filter(|&j| j < v_local);
+    let l = logits.to_f32_vec()?;
+    let mut max: Vec<f32> = l.chunks(v_local.max(1)).map(|row| row.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
+    max.resize(n, f32::NEG_INFINITY);
+    group.all_reduce_max(&mut max)?;
+    // One all-reduce for both sums: Σ exp(l − max) per row, then the target logit (on its owner).
+    let mut sums = vec![0f32; 2 * n];
+    for i in 0..n {
+        let row = &l[i * v_local..(i + 1) * v_local];
+        sums[i] = row.iter().map(|&x| f64::from(x - max[i]).exp()).sum::<f64>() as f32;
+        sums[n + i] = local_target(i).map_or(0.0, |j| row[j] - max[i]);
+    }
+    group.all_reduce_sum(&mut sums)?;
+    let total: f64 = (0..n).map(|i| f64::from(sums[i]).ln() - f64::from(sums[n + i])).sum();
+    let loss = (total / n.max(1) as f64) as f32;
+    let grad_targets: Vec<Option<usize>> = (0..n).map(local_target).collect();
+    let shape = logits.shape().to_vec();
+    Ok(Tensor::from_op(FloatVec::F32(vec![loss]), &[], DType::F32, OP, &[logits], move |g: &Tensor, _: &Tensor| {
+        let scale = g.item()? / n.max(1) as f64;
+        let mut grad = Vec::with_capacity(l.len());
+        for i in 0..n {
+            let (m, inv_sum) = (max[i], 1.0 / f64::from(sums[i]));
+            grad.extend(l[i * v_local..(i + 1) * v_local].iter().map(|&x| (f64::from(x - m).exp() * inv_sum * scale) as f32));
+            if let Some(j) = grad_targets[i] {
+                grad[i * v_local + j] -= scale as f32;
+            }
+        }
+        Ok(vec![Some(Tensor::from_vec(grad, &shape)?)])
+    })?)
+}
+
+fn gather(x: &Tensor, dim: usize, group: &TpHandle, op: &'static str, reduce_scatter_backward: bool) -> Result<Tensor> {
+    check_f32(op, x)?;
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let spec = ShardSpec::new(dim, group.size());
+    let full_shape = spec.full_shape(x.shape());
+    let out = all_gather_natural(x, &spec, &full_shape, group)?;
+    let (group, local_shape) = (TpHandle::clone(group), x.shape().to_vec());
+    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), DType::F32, op, &[x], move |g: &Tensor, _: &Tensor| {
+        let local = if reduce_scatter_backward {
+            let input = spec.to_rank_major(g).map_err(to_tensor_error)?;
+            let mut part = vec![0f32; input.len() / group.size()];
+            group.reduce_scatter_sum(&input, &mut part).map_err(to_tensor_error)?;
+            Tensor::from_vec(part, &local_shape)?
+        } else {
+            spec.slice(g, group.rank()).map_err(to_tensor_error)?
+        };
+        Ok(vec![Some(local)])
+    }))
+}
+
+fn scatter(x: &Tensor, dim: usize, group: &TpHandle, op: &'static str) -> Result<Tensor> {
+    check_f32(op, x)?;
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let what = if dim == 1 { "sequence length" } else { "last dimension" };
+    let spec = split(x.shape(), dim, group.size(), what)?;
+    let part = spec.slice(x, group.rank())?;
+    let (group, full_shape) = (TpHandle::clone(group), x.shape().to_vec());
+    Ok(Tensor::with_node(part.storage().clone(), part.layout().clone(), DType::F32, op, &[x], move |g: &Tensor, _: &Tensor| {
+        Ok(vec![Some(all_gather_natural(g, &spec, &full_shape, &group).map_err(to_tensor_error)?)])
+    }))
+}
+
+/// All-gathers every rank's part `local` into the full tensor of shape `full_shape`.
+fn all_gather_natural(local: &Tensor, spec: &ShardSpec, full_shape: &[usize], group: &TpHandle) -> Result<Tensor> {
+    let input = local.to_f32_vec()?;
+    let mut gathered = vec![0f32; input.len() * group.size()];
+    group.all_gather(&input, &mut gathered)?;
+    spec.from_rank_major(gathered, full_shape)
+}
+
+fn split(shape: &[usize], dim: usize, parts: usize, what: &'static str) -> Result<ShardSpec> {
+    let spec = ShardSpec::new(dim, parts);
+    spec.check_full(what, shape)?;
+    Ok(spec)
+}
+
+fn last_dim(op: &'static str, x: &Tensor) -> Result<usize> {
+    if x.rank() == 0 {
+        return Err(Error::Tensor(rtx_tensor::Error::BadShape { op, shape: Vec::new(), reason: "needs at least one dimension".into() }));
+    }
+    Ok(x.rank() - 1)
+}
+
+fn check_rank3(op: &'static str, x: &Tensor) -> Result<()> {
+    if x.rank() != 3 {
+        return Err(Error::Tensor(rtx_tensor::Error::BadShape { op, shape: x.shape().to_vec(), reason: "expected [B, T, C]".into() }));
+    }
+    Ok(())
+}
