@@ -188,6 +188,10 @@ pub enum Error {
         op: &'static str,
         /// The group.
         role: &'static str,
+        /// What the communicator reported.
+        #[source]
+        source: rtx_collectives::Error,
+    },
     /// A tensor-parallel collective failed (peer lost, timeout, stale generation, mismatch); the
     /// group is unusable from now on.
     #[error("tensor-parallel {op} on rank {rank} of {size} failed: {source}")]
