@@ -17,7 +17,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use rtx_collectives::{CommConfig, Endpoint, InProcessNetwork, Transport};
-use rtx_pipelines::pipeline::{GptStage, MeshEngine, PipelineConfig, TokenBatch};
+use rtx_pipelines::pipeline::{GptStage, MeshEngine, PipelineConfig, StageModule, TokenBatch, TpGptStage};
+use rtx_pipelines::tp::{gpt_shard_spec, TpGroup, TpOptions};
 use rtx_pipelines::schedule::ScheduleKind;
 use rtx_pipelines::{Mesh, MeshGroups, MeshShape};
 use rtx_tensor::data::TextCorpus;
@@ -55,7 +56,7 @@ fn global_batch(text: &[u8], step: u64) -> TokenBatch {
 }
 
 /// Losses and final parameters of plain training.
-fn reference(text: &[u8]) -> (Vec<f64>, BTreeMap<String, Vec<f32>>) {
+fn reference(text: &[u8]) -> (Vec<f64>, BTreeMap<String, Tensor>) {
     let model = Gpt::new(gpt_config(), &mut Generator::new(SEED)).unwrap();
     let mut opt = AdamW::new(model.named_parameters(), ADAMW).unwrap();
     let mut losses = Vec::new();
@@ -68,7 +69,7 @@ fn reference(text: &[u8]) -> (Vec<f64>, BTreeMap<String, Vec<f32>>) {
         clip_grad_norm(&model.parameters(), CLIP).unwrap();
         opt.step().unwrap();
     }
-    (losses, model.named_parameters().into_iter().map(|(n, p)| (n, p.to_f32_vec().unwrap())).collect())
+    (losses, model.named_parameters().into_iter().collect())
 }
 
 /// Contiguous layer ranges for `virtual_stages` (the first ones one layer longer when uneven).
@@ -84,8 +85,11 @@ fn layer_ranges(layers: usize, virtual_stages: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// A member's tensor rank, tensor-parallel size and final parameters.
+type Member = (usize, usize, BTreeMap<String, Vec<f32>>);
+
 /// Losses (from rank 0) and every member's final parameters for a mesh run.
-fn mesh_run(text: Arc<Vec<u8>>, shape: MeshShape, schedule: ScheduleKind, microbatches: usize) -> (Vec<f64>, Vec<BTreeMap<String, Vec<f32>>>) {
+fn mesh_run(text: Arc<Vec<u8>>, shape: MeshShape, schedule: ScheduleKind, microbatches: usize, tensor_parallel_stage: bool) -> (Vec<f64>, Vec<Member>) {
     let world = shape.dp * shape.pp * shape.tp;
     let mesh = Mesh::new(shape, world).unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -106,21 +110,18 @@ fn mesh_run(text: Arc<Vec<u8>>, shape: MeshShape, schedule: ScheduleKind, microb
                 let _endpoint = endpoint;
                 let coord = groups.coord;
                 let gpt = Gpt::new(gpt_config(), &mut Generator::new(SEED)).unwrap();
-                let part = GptStage::from_full(gpt, &layers, coord.pp, shape.pp).unwrap();
-                let opt = AdamW::new(part.named_parameters(), ADAMW).unwrap();
                 let config = PipelineConfig { schedule, microbatches, grad_clip: Some(CLIP), seed: 0 };
-                let mut engine = MeshEngine::new(part, opt, &groups, handle, config).unwrap();
-                let rows = ROWS / shape.dp;
-                let mut losses = Vec::new();
-                for step in 0..STEPS {
-                    let b = global_batch(&text, step);
-                    let mine = TokenBatch { ids: b.ids.narrow(0, coord.dp * rows, rows).unwrap().contiguous().unwrap(), targets: b.targets.narrow(0, coord.dp * rows, rows).unwrap().contiguous().unwrap() };
-                    let micro = mine.split(microbatches).unwrap();
-                    let scales = vec![(rows / microbatches) as f64 / ROWS as f64; microbatches];
-                    losses.push(engine.step(step, &micro, &scales).unwrap().loss);
+                if tensor_parallel_stage {
+                    let tp = TpGroup::new(groups.tp.clone(), handle.clone()).into_handle();
+                    let part = TpGptStage::from_full(&gpt, tp, TpOptions::default(), &layers, coord.pp, shape.pp).unwrap();
+                    let (losses, params) = train(part, &groups, handle, config, &text, shape, coord.dp, microbatches);
+                    (losses, (coord.tp, shape.tp, params))
+                } else {
+                    assert_eq!(shape.tp, 1);
+                    let part = GptStage::from_full(gpt, &layers, coord.pp, shape.pp).unwrap();
+                    let (losses, params) = train(part, &groups, handle, config, &text, shape, coord.dp, microbatches);
+                    (losses, (coord.tp, shape.tp, params))
                 }
-                let params: BTreeMap<String, Vec<f32>> = engine.part().named_parameters().into_iter().map(|(n, p)| (n, p.to_f32_vec().unwrap())).collect();
-                (losses, params)
             })
         })
         .collect();
@@ -132,29 +133,55 @@ fn mesh_run(text: Arc<Vec<u8>>, shape: MeshShape, schedule: ScheduleKind, microb
     (losses, results.into_iter().map(|(_, p)| p).collect())
 }
 
+/// One member's run: its losses and final parameters (its tensor-parallel slices gathered by the
+/// caller's comparison, which checks each slice against the reference's matching part).
+#[allow(clippy::too_many_arguments)]
+fn train<S: StageModule<MicroBatch = TokenBatch>>(part: S, groups: &MeshGroups, handle: tokio::runtime::Handle, config: PipelineConfig, text: &[u8], shape: MeshShape, dp: usize, microbatches: usize) -> (Vec<f64>, BTreeMap<String, Vec<f32>>) {
+                let opt = AdamW::new(part.named_parameters(), ADAMW).unwrap();
+                let mut engine = MeshEngine::new(part, opt, groups, handle, config).unwrap();
+                let rows = ROWS / shape.dp;
+                let mut losses = Vec::new();
+                for step in 0..STEPS {
+                    let b = global_batch(&text, step);
+                    let mine = TokenBatch { ids: b.ids.narrow(0, dp * rows, rows).unwrap().contiguous().unwrap(), targets: b.targets.narrow(0, dp * rows, rows).unwrap().contiguous().unwrap() };
+                    let micro = mine.split(microbatches).unwrap();
+                    let scales = vec![(rows / microbatches) as f64 / ROWS as f64; microbatches];
+                    losses.push(engine.step(step, &micro, &scales).unwrap().loss);
+                }
+                let params: BTreeMap<String, Vec<f32>> = engine.part().named_parameters().into_iter().map(|(n, p)| (n, p.to_f32_vec().unwrap())).collect();
+                (losses, params)
+}
+
 fn close(a: f64, b: f64, tol: f64) -> bool {
     (a - b).abs() <= tol * a.abs().max(b.abs()).max(1e-3)
 }
 
-fn assert_equivalent(what: &str, reference: &(Vec<f64>, BTreeMap<String, Vec<f32>>), run: &(Vec<f64>, Vec<BTreeMap<String, Vec<f32>>>)) {
+fn assert_equivalent(what: &str, reference: &(Vec<f64>, BTreeMap<String, Tensor>), run: &(Vec<f64>, Vec<Member>)) {
     let (ref_losses, ref_params) = reference;
     let (losses, members) = run;
     let worst = ref_losses.iter().zip(losses).map(|(a, b)| (a - b).abs() / a.abs()).fold(0f64, f64::max);
     eprintln!("{what}: worst relative loss difference {worst:.2e}");
     for (step, (a, b)) in ref_losses.iter().zip(losses).enumerate() {
-        assert!(close(*a, *b, 1e-3), "{what}: step {step} loss {b} vs plain training's {a}");
+        assert!(close(*a, *b, 1e-5), "{what}: step {step} loss {b} vs plain training's {a}");
     }
     let mut covered = BTreeMap::new();
-    for params in members {
+    for (tp_rank, tp, params) in members {
         for (name, values) in params {
-            let want = ref_params.get(name).unwrap_or_else(|| panic!("{what}: unknown parameter {name}"));
+            let full = ref_params.get(name).unwrap_or_else(|| panic!("{what}: unknown parameter {name}"));
+            // A tensor-parallel member holds its slice of the reference tensor.
+            let want = match gpt_shard_spec(name, *tp) {
+                Some(spec) if *tp > 1 => spec.slice(full, *tp_rank).unwrap().to_f32_vec().unwrap(),
+                _ => full.to_f32_vec().unwrap(),
+            };
             assert_eq!(want.len(), values.len(), "{what}: {name} length");
             let worst = want.iter().zip(values).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(worst <= 1e-5, "{what}: {name} differs by {worst}");
-            covered.insert(name.clone(), ());
+            *covered.entry(name.clone()).or_insert(0usize) += values.len();
         }
     }
-    assert_eq!(covered.len(), ref_params.len(), "{what}: the members together hold every parameter");
+    for (name, full) in ref_params {
+        assert!(covered.get(name).is_some_and(|&n| n >= full.numel()), "{what}: the members together hold all of {name}");
+    }
     eprintln!("{what}: 50 losses and every parameter match plain training (last loss {:.5})", losses.last().unwrap());
 }
 
@@ -163,19 +190,24 @@ fn meshes_and_schedules_train_like_one_model() {
     let text = corpus();
     let reference = reference(&text);
     assert!(reference.0[STEPS as usize - 1] < reference.0[0] - 0.5, "the reference run learns: {:?}", reference.0);
+    // (dp, pp, tp), schedule, micro-batches, whether the stage is the tensor-parallel one.
     let cases = [
-        (MeshShape { dp: 1, pp: 1, tp: 1 }, ScheduleKind::OneFOneB, 1),
-        (MeshShape { dp: 1, pp: 1, tp: 1 }, ScheduleKind::OneFOneB, 2),
-        (MeshShape { dp: 2, pp: 1, tp: 1 }, ScheduleKind::OneFOneB, 2),
-        (MeshShape { dp: 1, pp: 2, tp: 1 }, ScheduleKind::GPipe, 4),
-        (MeshShape { dp: 1, pp: 2, tp: 1 }, ScheduleKind::OneFOneB, 4),
-        (MeshShape { dp: 1, pp: 2, tp: 1 }, ScheduleKind::Interleaved { chunks: 2 }, 4),
-        (MeshShape { dp: 1, pp: 2, tp: 1 }, ScheduleKind::ZeroBubbleH1, 4),
-        (MeshShape { dp: 2, pp: 2, tp: 1 }, ScheduleKind::OneFOneB, 2),
-        (MeshShape { dp: 1, pp: 4, tp: 1 }, ScheduleKind::OneFOneB, 8),
+        (MeshShape { dp: 1, pp: 1, tp: 1 }, ScheduleKind::OneFOneB, 1, false),
+        (MeshShape { dp: 1, pp: 1, tp: 1 }, ScheduleKind::OneFOneB, 2, true),
+        (MeshShape { dp: 2, pp: 1, tp: 1 }, ScheduleKind::OneFOneB, 2, false),
+        (MeshShape { dp: 1, pp: 1, tp: 2 }, ScheduleKind::OneFOneB, 2, true),
+        (MeshShape { dp: 1, pp: 2, tp: 1 }, ScheduleKind::GPipe, 4, false),
+        (MeshShape { dp: 1, pp: 2, tp: 1 }, ScheduleKind::OneFOneB, 4, false),
+        (MeshShape { dp: 1, pp: 2, tp: 1 }, ScheduleKind::Interleaved { chunks: 2 }, 4, false),
+        (MeshShape { dp: 1, pp: 2, tp: 1 }, ScheduleKind::ZeroBubbleH1, 4, false),
+        (MeshShape { dp: 1, pp: 2, tp: 2 }, ScheduleKind::OneFOneB, 4, true),
+        (MeshShape { dp: 1, pp: 2, tp: 2 }, ScheduleKind::Interleaved { chunks: 2 }, 4, true),
+        (MeshShape { dp: 2, pp: 2, tp: 2 }, ScheduleKind::OneFOneB, 2, true),
+        (MeshShape { dp: 2, pp: 2, tp: 1 }, ScheduleKind::ZeroBubbleH1, 2, false),
+        (MeshShape { dp: 1, pp: 4, tp: 1 }, ScheduleKind::OneFOneB, 8, false),
     ];
-    for (shape, schedule, m) in cases {
-        let run = mesh_run(Arc::clone(&text), shape, schedule, m);
-        assert_equivalent(&format!("{shape} {schedule:?} m={m}"), &reference, &run);
+    for (shape, schedule, m, tp_stage) in cases {
+        let run = mesh_run(Arc::clone(&text), shape, schedule, m, tp_stage);
+        assert_equivalent(&format!("{shape} {schedule:?} m={m} tp-stage={tp_stage}"), &reference, &run);
     }
 }

@@ -138,11 +138,12 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
             Some(max) => Some(self.clip(max)?),
             None => None,
         };
-        self.optimizer.step()?;
-        // The loss lives on the last stage: every member learns the global mean.
+        // The loss lives on the last stage: every member learns the global mean. This is the last
+        // collective of the step, so a step that fails leaves the parameters untouched.
         let mut loss = [loss_part];
         self.pp.broadcast(&mut loss, self.shape.pp - 1)?;
         self.dp.all_reduce_sum(&mut loss)?;
+        self.optimizer.step()?;
         Ok(MeshStep { loss: loss[0], grad_norm })
     }
 

@@ -224,3 +224,95 @@ impl StageModule for GptStage {
         }
     }
 }
+
+/// The layers of a tensor-parallel GPT that one pipeline rank holds: one [`TpGpt`] part per model
+/// chunk, sharing the rank's tensor-parallel group. With `tp = 1` it trains exactly like
+/// [`GptStage`].
+pub struct TpGptStage {
+    chunks: Vec<crate::tp::TpGpt>,
+    width: usize,
+    sequence_parallel_tp: Option<usize>,
+}
+
+impl TpGptStage {
+    /// The part of `full` that pipeline rank `stage` of `stages` holds at tensor rank `group.rank()`,
+    /// when virtual stage `v` owns blocks `layers[v]` (see [`GptStage::from_full`]).
+    pub fn from_full(full: &Gpt, group: crate::tp::TpHandle, options: crate::tp::TpOptions, layers: &[Range<usize>], stage: usize, stages: usize) -> crate::Result<TpGptStage> {
+        if stages == 0 || stage >= stages || layers.is_empty() || layers.len() % stages != 0 {
+            return Err(crate::Error::Pipeline { reason: format!("stage {stage} of {stages} with {} virtual stages", layers.len()) });
+        }
+        let virtual_stages = layers.len();
+        let chunks = (0..virtual_stages / stages)
+            .map(|c| {
+                let v = c * stages + stage;
+                let part = crate::tp::StagePart { layers: layers[v].clone(), embedding: v == 0, head: v + 1 == virtual_stages };
+                crate::tp::TpGpt::from_full_part(full, group.clone(), options, part)
+            })
+            .collect::<crate::Result<Vec<_>>>()?;
+        let tp = group.size();
+        Ok(TpGptStage { chunks, width: full.config().d_model, sequence_parallel_tp: options.sequence_parallel.then_some(tp) })
+    }
+}
+
+impl Module for TpGptStage {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        for chunk in &self.chunks {
+            chunk.visit_params(prefix, f);
+        }
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
+        for chunk in &mut self.chunks {
+            chunk.visit_params_mut(prefix, f);
+        }
+    }
+
+    fn set_training(&mut self, training: bool) {
+        for chunk in &mut self.chunks {
+            chunk.set_training(training);
+        }
+    }
+}
+
+impl StageModule for TpGptStage {
+    type MicroBatch = TokenBatch;
+
+    fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    fn activation_shape(&self, mb: &TokenBatch) -> Vec<usize> {
+        let s = mb.ids.shape();
+        let t = s.get(1).copied().unwrap_or(0);
+        vec![s.first().copied().unwrap_or(0), self.sequence_parallel_tp.map_or(t, |tp| t / tp.max(1)), self.width]
+    }
+
+    fn forward(&self, chunk: usize, input: Option<&Tensor>, mb: &TokenBatch, rng: &mut Generator) -> rtx_tensor::Result<Tensor> {
+        let part = self.chunks.get(chunk).ok_or_else(|| rtx_tensor::Error::InvalidArgument { op: "TpGptStage", reason: format!("chunk {chunk} of {}", self.chunks.len()) })?;
+        let mut run = || -> crate::Result<Tensor> {
+            let x = match input {
+                Some(x) => x.clone(),
+                None => part.embed(&mb.ids, rng)?,
+            };
+            let x = part.forward_blocks(&x, rng)?;
+            if part.part().head {
+                part.head_loss(&x, &mb.targets)
+            } else {
+                Ok(x)
+            }
+        };
+        run().map_err(crate::tp::to_tensor_error)
+    }
+
+    fn tied(&self) -> Vec<String> {
+        if self.chunks.iter().any(crate::tp::TpGpt::needs_embedding_sync) {
+            vec![crate::tp::TIED_EMBEDDING_PARAM.to_string()]
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn tp_replicated(&self, name: &str) -> bool {
+        self.chunks.first().is_none_or(|c| c.shard_spec(name).is_none())
+    }
+}
