@@ -43,7 +43,8 @@ pub enum ToSupervisor {
     /// ZeRO-1 layout (its own and its buddy's segment states), newest first: the copies of the
     /// last two exchanged steps (a re-formation can cut an exchange after some ranks committed its
     /// step and before others did, so the members' newest copies may be one step apart).
-    Ready { node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Vec<Zero1Held> },
+    /// `mesh`: in a model-parallel job, the mesh slot whose state this member holds.
+    Ready { node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Vec<Zero1Held>, mesh: Option<MeshHeld> },
     /// A step finished on this worker. `checksum` (of the parameter bits) on verification steps.
     StepDone { node: u64, generation: u64, step: u64, loss: f64, samples: u64, checksum: Option<u64> },
     /// A step failed on this worker (usually because a peer failed).
@@ -80,8 +81,9 @@ pub enum ToWorker {
     Prepare { generation: u64, rank: u32, world: u32, ca: Vec<u8>, cert: Vec<u8>, key: Vec<u8> },
     /// Connect to `addrs` (by rank) — or, with `shm_job`, through shared-memory rings of that
     /// name (every member on one machine) — take the state from `source`, train from
-    /// `next_step` up to (not including) `stop_step`.
-    Start { generation: u64, addrs: Vec<String>, source: StateSource, next_step: u64, stop_step: u64, shm_job: Option<String> },
+    /// `next_step` up to (not including) `stop_step`. `mesh`: in a model-parallel job, the mesh
+    /// and where each member takes its shard from (`source` is then unused).
+    Start { generation: u64, addrs: Vec<String>, source: StateSource, next_step: u64, stop_step: u64, shm_job: Option<String>, mesh: Option<MeshStart> },
     /// Too few workers: abort generation < `generation` and wait for the next `Prepare`.
     Pause { generation: u64 },
     /// Training is complete: report `Finished` and exit.
@@ -99,6 +101,40 @@ pub struct Zero1Held {
     pub world: u32,
     pub rank: u32,
     pub step: u64,
+}
+
+/// What a member of a model-parallel job holds between generations: the state (parameters and
+/// optimizer state) of slot `slot` of a mesh replica of `slots` slots (slot = stage · tp + tensor rank),
+/// as of `step`.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MeshHeld {
+    pub slots: u32,
+    pub slot: u32,
+    pub step: u64,
+}
+
+/// The mesh of a generation of a model-parallel job: `dp · pp · tp` = the world, and where each
+/// rank takes its shard's state from (decided by [`crate::placement::shard_sources`]).
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct MeshStart {
+    pub dp: u32,
+    pub pp: u32,
+    pub tp: u32,
+    /// One per rank.
+    pub sources: Vec<ShardSource>,
+}
+
+/// Where a mesh member takes its shard's state from.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq, Eq)]
+pub enum ShardSource {
+    /// It holds the state already.
+    Local,
+    /// Member `rank`, which holds the same slot, sends it.
+    Member { rank: u32 },
+    /// It loads its part of the sharded checkpoint at `location` (of step `step`).
+    Checkpoint { location: String, step: u64 },
+    /// Nothing to restore: the state it built at boot.
+    Initial,
 }
 
 /// Where a new generation takes its state from (decided by [`crate::recovery::plan_recovery`]).

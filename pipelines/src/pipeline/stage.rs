@@ -63,7 +63,7 @@ impl TokenBatch {
     /// Cuts the batch into `parts` equal micro-batches along the rows.
     pub fn split(&self, parts: usize) -> rtx_tensor::Result<Vec<TokenBatch>> {
         let rows = self.rows();
-        if parts == 0 || rows % parts != 0 {
+        if parts == 0 || !rows.is_multiple_of(parts) {
             return Err(rtx_tensor::Error::InvalidArgument { op: "TokenBatch::split", reason: format!("{rows} rows do not split into {parts} equal micro-batches") });
         }
         let each = rows / parts;
@@ -90,7 +90,7 @@ impl GptStage {
     pub fn from_full(gpt: Gpt, layers: &[Range<usize>], stage: usize, stages: usize) -> rtx_tensor::Result<GptStage> {
         let config = *gpt.config();
         let bad = |reason: String| rtx_tensor::Error::InvalidArgument { op: "GptStage", reason };
-        if stages == 0 || stage >= stages || layers.is_empty() || layers.len() % stages != 0 {
+        if stages == 0 || stage >= stages || layers.is_empty() || !layers.len().is_multiple_of(stages) {
             return Err(bad(format!("stage {stage} of {stages} with {} virtual stages", layers.len())));
         }
         let mut next = 0;
@@ -238,7 +238,7 @@ impl TpGptStage {
     /// The part of `full` that pipeline rank `stage` of `stages` holds at tensor rank `group.rank()`,
     /// when virtual stage `v` owns blocks `layers[v]` (see [`GptStage::from_full`]).
     pub fn from_full(full: &Gpt, group: crate::tp::TpHandle, options: crate::tp::TpOptions, layers: &[Range<usize>], stage: usize, stages: usize) -> crate::Result<TpGptStage> {
-        if stages == 0 || stage >= stages || layers.is_empty() || layers.len() % stages != 0 {
+        if stages == 0 || stage >= stages || layers.is_empty() || !layers.len().is_multiple_of(stages) {
             return Err(crate::Error::Pipeline { reason: format!("stage {stage} of {stages} with {} virtual stages", layers.len()) });
         }
         let virtual_stages = layers.len();

@@ -14,7 +14,7 @@ pub(crate) fn to_supervisor(rng: &mut ChaCha8Rng) -> ToSupervisor {
     match rng.random_range(0..12) {
         0 => ToSupervisor::Join { name: Values::string(rng), pid: Values::u32(rng), host: Values::string(rng), proof: Values::bytes(rng, 40) },
         1 => ToSupervisor::Heartbeat { node: v(rng), generation: v(rng), completed: Values::option(rng, v) },
-        2 => ToSupervisor::Ready { node: v(rng), generation: v(rng), addr: Values::string(rng), completed: Values::option(rng, v), zero1: Values::vec(rng, 3, zero1_held) },
+        2 => ToSupervisor::Ready { node: v(rng), generation: v(rng), addr: Values::string(rng), completed: Values::option(rng, v), zero1: Values::vec(rng, 3, zero1_held), mesh: None },
         3 => ToSupervisor::StepDone { node: v(rng), generation: v(rng), step: v(rng), loss: Values::f64(rng), samples: v(rng), checksum: Values::option(rng, v) },
         4 => ToSupervisor::StepFailed { node: v(rng), generation: v(rng), step: v(rng), reason: Values::string(rng) },
         5 => ToSupervisor::Leaving { node: v(rng), completed: Values::option(rng, v), reason: Values::string(rng) },
