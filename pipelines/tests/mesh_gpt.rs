@@ -142,7 +142,7 @@ fn train<S: StageModule<MicroBatch = TokenBatch>>(part: S, groups: &MeshGroups, 
                 let rows = ROWS / shape.dp;
                 let mut losses = Vec::new();
                 for step in 0..STEPS {
-                    let b = global_batch(&text, step);
+                    let b = global_batch(text, step);
                     let mine = TokenBatch { ids: b.ids.narrow(0, dp * rows, rows).unwrap().contiguous().unwrap(), targets: b.targets.narrow(0, dp * rows, rows).unwrap().contiguous().unwrap() };
                     let micro = mine.split(microbatches).unwrap();
                     let scales = vec![(rows / microbatches) as f64 / ROWS as f64; microbatches];
