@@ -98,6 +98,12 @@ pub struct ElasticConfig {
     pub zero1: bool,
     /// Steps between ZeRO-1 snapshots.
     pub snapshot_every: u64,
+    /// Pipeline stages and tensor-parallel ranks of a model-parallel job (1 and 1: data
+    /// parallelism). The supervisor then forms generations of whole replicas of `pp · tp` members
+    /// (see [`crate::placement`]).
+    pub pp: usize,
+    /// Tensor-parallel ranks per stage.
+    pub tp: usize,
     pub crash: ClassPolicy,
     pub hang: ClassPolicy,
     pub network_loss: ClassPolicy,
@@ -122,6 +128,8 @@ impl Default for ElasticConfig {
             planted_bug: PlantedBug::None,
             zero1: false,
             snapshot_every: 25,
+            pp: 1,
+            tp: 1,
             crash: shrink,
             hang: shrink,
             network_loss: shrink,
@@ -131,6 +139,11 @@ impl Default for ElasticConfig {
 }
 
 impl ElasticConfig {
+    /// Members of one model replica (`pp · tp`; 1 under data parallelism).
+    pub fn mesh_slots(&self) -> usize {
+        self.pp.max(1) * self.tp.max(1)
+    }
+
     /// The policy of a class.
     pub fn policy(&self, class: FailureClass) -> ClassPolicy {
         match class {

@@ -4,9 +4,12 @@
 //! `(step, rank, world)` through a [`rtx_actors::DataShard`], and evaluates at the end.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use rtx_actors::BatchSource;
-use rtx_pipelines::{DpConfig, ParamSlice};
+use rtx_pipelines::pipeline::{PipelineConfig, StageModule, TokenBatch};
+use rtx_pipelines::tp::TpHandle;
+use rtx_pipelines::{Coord, DpConfig, MeshShape, ParamSlice};
 use rtx_tensor::{Module, Optimizer, Tensor};
 
 /// A training job as the worker runtime sees it. `batch` (from [`BatchSource`]) must be a pure
@@ -46,4 +49,54 @@ pub trait TrainJob: BatchSource {
 
     /// Where periodic checkpoints go (`None`: nowhere).
     fn checkpoint_dir(&self) -> Option<PathBuf>;
+
+    /// The model-parallel form of the job (`None`: data parallelism with [`TrainJob::Model`]).
+    /// With it, the worker runtime trains the job as a `(dp, pp, tp)` mesh through
+    /// [`rtx_pipelines::pipeline::MeshEngine`], building each member's part with [`MeshSpec::build`].
+    fn mesh(&self) -> Option<MeshSpec<Self::Batch>> {
+        None
+    }
+}
+
+/// A member's part of a model-parallel model, whatever its type.
+pub type BoxedStage = Box<dyn StageModule<MicroBatch = TokenBatch>>;
+
+/// What a member's part is built for.
+pub struct StageRequest {
+    /// The member's place in the mesh.
+    pub coord: Coord,
+    /// The mesh.
+    pub shape: MeshShape,
+    /// The member's tensor-parallel group (size 1 without tensor parallelism).
+    pub tp: TpHandle,
+}
+
+/// Builds a member's part (its initial parameters: the same on every member that holds the slot)
+/// and the optimizer over exactly that part's parameters.
+pub type BuildStage = dyn Fn(&StageRequest) -> Result<(BoxedStage, Box<dyn Optimizer + Send>), String> + Send + Sync;
+
+/// Cuts one replica's batch into `m` micro-batches.
+pub type SplitBatch<B> = dyn Fn(&B, usize) -> Result<Vec<TokenBatch>, String> + Send + Sync;
+
+/// The model-parallel form of a job: the engine contract the worker runtime drives without naming
+/// the model. Token models (the GPT) for now: micro-batches are [`TokenBatch`]es.
+pub struct MeshSpec<B> {
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Tensor-parallel ranks per stage.
+    pub tp: usize,
+    /// Schedule, micro-batches, clipping and dropout seed.
+    pub pipeline: PipelineConfig,
+    /// Builds a member's part and optimizer.
+    pub build: Arc<BuildStage>,
+    /// Cuts one replica's batch into its micro-batches.
+    pub split: Arc<SplitBatch<B>>,
+    /// The learning rate of a step.
+    pub lr: Arc<dyn Fn(u64) -> f64 + Send + Sync>,
+}
+
+impl<B> Clone for MeshSpec<B> {
+    fn clone(&self) -> Self {
+        MeshSpec { pp: self.pp, tp: self.tp, pipeline: self.pipeline, build: Arc::clone(&self.build), split: Arc::clone(&self.split), lr: Arc::clone(&self.lr) }
+    }
 }

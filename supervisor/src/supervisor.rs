@@ -45,8 +45,9 @@ use tokio::time::Instant;
 
 use crate::config::{ElasticConfig, FailureClass, OnFailure, PlantedBug, Wire};
 use crate::error::{Result, SupervisorError};
-use crate::protocol::{self, JoinReply, MemberStatus, StatusReport, ToSupervisor, ToWorker, Zero1Held, AGENT, EXPORTER_LABEL};
-use crate::recovery::{plan_recovery, Holding};
+use crate::placement;
+use crate::protocol::{self, JoinReply, MemberStatus, MeshHeld, MeshStart, StateSource, StatusReport, ToSupervisor, ToWorker, Zero1Held, AGENT, EXPORTER_LABEL};
+use crate::recovery::{plan_recovery, Holding, Recovery};
 
 /// How the supervisor is set up.
 #[derive(Clone, Debug)]
@@ -172,7 +173,7 @@ type StepReport = (f64, u64, Option<u64>);
 
 enum Phase {
     Waiting { since: Instant },
-    Preparing { generation: u64, members: Vec<u64>, ready: BTreeMap<u64, (String, Holding)>, acknowledged: Vec<u64>, since: Instant, extended: bool },
+    Preparing { generation: u64, members: Vec<u64>, ready: BTreeMap<u64, (String, Holding, Option<MeshHeld>)>, acknowledged: Vec<u64>, since: Instant, extended: bool },
     Running { generation: u64, members: Vec<u64>, reports: BTreeMap<u64, BTreeMap<u64, StepReport>>, failed_since: Option<Instant> },
     Finishing { members: Vec<u64>, since: Instant },
     Done,
@@ -400,7 +401,7 @@ impl ClusterSupervisor {
                 }
                 Ok(())
             }
-            ToSupervisor::Ready { node, generation, addr, completed, zero1 } => self.on_ready(node, generation, addr, completed, zero1).await,
+            ToSupervisor::Ready { node, generation, addr, completed, zero1, mesh } => self.on_ready(node, generation, addr, completed, zero1, mesh).await,
             ToSupervisor::StepDone { node, generation, step, loss, samples, checksum } => self.on_step_done(node, generation, step, loss, samples, checksum).await,
             ToSupervisor::StepFailed { node, generation, step, reason } => {
                 tracing::info!(node, generation, step, %reason, "step failed on a worker");
@@ -501,7 +502,8 @@ impl ClusterSupervisor {
                     self.reform().await?;
                 }
             }
-            Phase::Running { members, .. } if live > members.len() && members.len() < self.options.elastic.max_workers => {
+            // (A mesh grows by whole replicas only.)
+            Phase::Running { members, .. } if live.min(self.options.elastic.max_workers) / self.options.elastic.mesh_slots() * self.options.elastic.mesh_slots() > members.len() => {
                 tracing::info!(from = members.len(), to = live.min(self.options.elastic.max_workers), "growing the group");
                 self.reform().await?;
             }
@@ -518,11 +520,18 @@ impl ClusterSupervisor {
             _ => Vec::new(),
         };
         let live: Vec<u64> = self.live_members().map(|(n, _)| *n).collect();
-        let mut candidates: Vec<u64> = previous.iter().copied().filter(|n| live.contains(n)).collect();
-        candidates.extend(live.iter().copied().filter(|n| !previous.contains(n)));
-        candidates.truncate(self.options.elastic.max_workers);
+        let slots = self.options.elastic.mesh_slots();
+        let candidates = if slots > 1 {
+            // Whole model replicas only, survivors in their old slots (see `placement`).
+            placement::place(&previous, &live, slots, self.options.elastic.max_workers)
+        } else {
+            let mut candidates: Vec<u64> = previous.iter().copied().filter(|n| live.contains(n)).collect();
+            candidates.extend(live.iter().copied().filter(|n| !previous.contains(n)));
+            candidates.truncate(self.options.elastic.max_workers);
+            candidates
+        };
         let needed = if self.started { self.options.elastic.min_workers } else { self.options.elastic.start_workers };
-        if candidates.len() < needed {
+        if candidates.len() < needed.max(1) {
             tracing::warn!(have = candidates.len(), needed, "too few workers; waiting for more");
             self.phase = Phase::Waiting { since: Instant::now() };
             // Members still alive must stop training the old generation.
@@ -555,17 +564,25 @@ impl ClusterSupervisor {
                 let _ = m.agent.tell(&ToWorker::Prepare { generation, rank: rank as u32, world: world as u32, ca, cert, key }).await;
             }
         }
+        // Live members left out of a mesh generation stand by: they stop the old generation and
+        // wait for a later one with room for them.
+        for node in live.iter().filter(|n| !candidates.contains(n)) {
+            if let Some(m) = self.members.get(node) {
+                tracing::info!(node, generation, "standing by: the generation has no whole replica for this member");
+                let _ = m.agent.tell(&ToWorker::Pause { generation }).await;
+            }
+        }
         tracing::info!(generation, world, "preparing generation");
         self.phase = Phase::Preparing { generation, members: candidates, ready: BTreeMap::new(), acknowledged: Vec::new(), since: Instant::now(), extended: false };
         Ok(())
     }
 
-    async fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Vec<Zero1Held>) -> Result<()> {
+    async fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Vec<Zero1Held>, mesh: Option<MeshHeld>) -> Result<()> {
         let Phase::Preparing { generation: g, members, ready, .. } = &mut self.phase else { return Ok(()) };
         if *g != generation || !members.contains(&node) {
             return Ok(());
         }
-        ready.insert(node, (addr, Holding { completed, zero1 }));
+        ready.insert(node, (addr, Holding { completed, zero1 }, mesh));
         if let Some(m) = self.members.get_mut(&node) {
             m.completed = completed;
         }
@@ -574,10 +591,25 @@ impl ClusterSupervisor {
         }
         let members = members.clone();
         let ready = std::mem::take(ready);
-        let addrs: Vec<String> = members.iter().map(|n| ready.get(n).map(|(a, _)| a.clone()).unwrap_or_default()).collect();
-        let holdings: Vec<Holding> = members.iter().map(|n| ready.get(n).map(|(_, h)| h.clone()).unwrap_or_default()).collect();
+        let addrs: Vec<String> = members.iter().map(|n| ready.get(n).map(|(a, _, _)| a.clone()).unwrap_or_default()).collect();
+        let holdings: Vec<Holding> = members.iter().map(|n| ready.get(n).map(|(_, h, _)| h.clone()).unwrap_or_default()).collect();
         let replay = self.options.elastic.planted_bug == PlantedBug::ReplayLastStep && generation > 1;
-        let recovery = plan_recovery(&holdings, self.checkpoint.as_ref().map(|(s, l)| (*s, l.as_str())), self.options.resume_next_step, self.committed, replay);
+        let checkpoint = self.checkpoint.as_ref().map(|(s, l)| (*s, l.as_str()));
+        let (mut recovery, mesh) = match self.options.elastic.mesh_slots() {
+            1 => (plan_recovery(&holdings, checkpoint, self.options.resume_next_step, self.committed, replay), None),
+            slots => {
+                let held: Vec<Option<MeshHeld>> = members.iter().map(|n| ready.get(n).and_then(|(_, _, m)| *m)).collect();
+                let (sources, step) = placement::shard_sources(&held, slots, None);
+                let next_step = step.map_or(self.options.resume_next_step, |s| s + 1);
+                let regressed_from = self.committed.filter(|&c| c + 1 > next_step);
+                let (pp, tp) = (self.options.elastic.pp as u32, self.options.elastic.tp as u32);
+                let start = MeshStart { dp: (members.len() / slots) as u32, pp, tp, sources };
+                (Recovery { source: StateSource::Initial, next_step, regressed_from }, Some(start))
+            }
+        };
+        if mesh.is_some() && recovery.next_step < self.options.resume_next_step {
+            recovery.next_step = self.options.resume_next_step;
+        }
         if let Some(from) = recovery.regressed_from {
             let reason = format!("generation {generation}: every holder of committed step {from} is gone; resuming from {:?} at step {}", recovery.source, recovery.next_step);
             tracing::warn!(generation, from, next_step = recovery.next_step, "{reason}");
@@ -594,7 +626,7 @@ impl ClusterSupervisor {
         let shm_job = shm.then(|| format!("{}-g{generation}", self.run_id));
         for node in &members {
             if let Some(m) = self.members.get(node) {
-                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: recovery.source.clone(), next_step, stop_step: self.end_step(), shm_job: shm_job.clone() }).await;
+                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: recovery.source.clone(), next_step, stop_step: self.end_step(), shm_job: shm_job.clone(), mesh: mesh.clone() }).await;
             }
         }
         let pids = members.iter().filter_map(|n| self.members.get(n).map(|m| m.pid)).collect();

@@ -39,6 +39,8 @@ use tokio::sync::mpsc::{Receiver, Sender};
 use tokio::time::Instant;
 use tracing::Instrument;
 use rtx_pipelines::{DataParallel, DpConfig, Sharding};
+
+mod mesh;
 use rtx_tensor::{Module, Optimizer, Tensor};
 
 use crate::checkpoint::{self, CheckpointStore, CheckpointWriter, FileStore, WriteMode};
@@ -443,6 +445,8 @@ struct Replica<M> {
     /// Under ZeRO-1, the segment states of the last two exchanged steps (this rank's and its
     /// buddy's): the state of a step no single rank holds whole.
     zero1: BuddyCopies,
+    /// In a model-parallel job, the state of the mesh slot this member trained last.
+    mesh: Option<mesh::MeshReplica>,
 }
 
 /// This generation's collectives endpoint between `Prepare` and `Start`.
@@ -452,7 +456,8 @@ enum Bound {
 }
 
 async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>, mut cmds: Receiver<ToWorker>) -> Result<WorkerOutcome> {
-    let mut replica = Replica { model: Some(job.build_model().map_err(SupervisorError::Job)?), snapshot_params: None, rank: None, optimizer_state: None, completed: None, zero1: BuddyCopies::default() };
+    let mut replica = Replica { model: Some(job.build_model().map_err(SupervisorError::Job)?), snapshot_params: None, rank: None, optimizer_state: None, completed: None, zero1: BuddyCopies::default(), mesh: None };
+    let mesh_spec = job.mesh();
     if let Some(path) = &resume {
         let (state, step) = checkpoint::load(path, replica.model.as_ref().ok_or_else(internal)?, |slices| job.build_optimizer(slices))?;
         replica.optimizer_state = Some(state);
@@ -483,10 +488,10 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                         (Bound::Quic(transport), addr)
                     }
                 };
-                ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed, zero1: replica.zero1.held() }).await?;
+                ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed, zero1: replica.zero1.held(), mesh: replica.mesh.as_ref().map(mesh::MeshReplica::held) }).await?;
                 let start = loop {
                     match cmds.recv().await.ok_or_else(lost)? {
-                        ToWorker::Start { generation: g, addrs, source, next_step, stop_step, shm_job } if g == generation => break Some((addrs, source, next_step, stop_step, shm_job)),
+                        ToWorker::Start { generation: g, addrs, source, next_step, stop_step, shm_job, mesh } if g == generation => break Some((addrs, source, next_step, stop_step, shm_job, mesh)),
                         ToWorker::Start { .. } => continue,
                         other => {
                             next = Some(other);
@@ -494,7 +499,25 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                         }
                     }
                 };
-                let Some((addrs, source, next_step, stop_step, shm_job)) = start else { continue };
+                let Some((addrs, source, next_step, stop_step, shm_job, mesh_start)) = start else { continue };
+                if mesh_spec.is_some() != mesh_start.is_some() {
+                    let reason = format!("the job is {} but the supervisor started a {} generation (its [elastic] pp/tp disagree with the job's [parallel])", if mesh_spec.is_some() { "model-parallel" } else { "data-parallel" }, if mesh_start.is_some() { "mesh" } else { "data-parallel" });
+                    tracing::error!(generation, "{reason}");
+                    let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: next_step, reason }).await;
+                    continue;
+                }
+                if let (Some(spec), Some(start)) = (&mesh_spec, mesh_start) {
+                    let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: 0, segments: None, next_step, stop_step, addrs, shm_job };
+                    let span = tracing::info_span!("mesh_generation", generation, rank, world);
+                    match mesh::run_mesh_generation(&ctx, &job, spec, &generation_run, &start, bound, &mut replica, &mut shard, &mut cmds).instrument(span).await {
+                        Ok(interrupt) => next = interrupt,
+                        Err(e) => {
+                            tracing::warn!(generation, error = %e, "mesh generation failed; waiting for the supervisor");
+                            let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: replica.completed.map_or(0, |c| c + 1), reason: e.to_string() }).await;
+                        }
+                    }
+                    continue;
+                }
                 if let StateSource::Checkpoint { location, step } = &source {
                     // Every holder of newer state is gone: rank 0 takes the checkpoint and
                     // broadcasts it like a replica would.
@@ -530,8 +553,15 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
             ToWorker::Finish => {
                 writer.wait();
                 let model = replica.model.as_mut().ok_or_else(internal)?;
-                let checksum = parameter_checksum(model)?;
-                let eval = if replica.rank == Some(0) { job.evaluate(model).map_err(SupervisorError::Job)? } else { Vec::new() };
+                // A mesh member holds a part of the model: its checksum is of that part, and the
+                // whole model is evaluated nowhere (no member holds it).
+                let (checksum, eval) = match &replica.mesh {
+                    Some(part) => (part.checksum(), Vec::new()),
+                    None => {
+                        let checksum = parameter_checksum(model)?;
+                        (checksum, if replica.rank == Some(0) { job.evaluate(model).map_err(SupervisorError::Job)? } else { Vec::new() })
+                    }
+                };
                 let (compute_s, control_s, loop_s) = *ctx.timing.lock().unwrap_or_else(PoisonError::into_inner);
                 ctx.supervisor.tell(&ToSupervisor::Finished { node: ctx.node, checksum, eval, compute_s, control_s, loop_s }).await?;
                 return Ok(WorkerOutcome::Finished);

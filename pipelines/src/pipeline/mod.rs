@@ -14,4 +14,4 @@ mod stage;
 pub use blocking::BlockingGroup;
 pub use engine::{MeshEngine, MeshStep, PipelineConfig};
 pub use mailbox::{Key, Kind, Mailbox};
-pub use stage::{GptStage, StageModule, TokenBatch, TpGptStage};
+pub use stage::{DynOptimizer, GptStage, StageModule, TokenBatch, TpGptStage};

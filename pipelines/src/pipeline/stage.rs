@@ -316,3 +316,66 @@ impl StageModule for TpGptStage {
         self.chunks.first().is_none_or(|c| c.shard_spec(name).is_none())
     }
 }
+
+/// A stage chosen at run time (the worker runtime builds whatever the job hands it; `Module` comes
+/// from `rtx_tensor`'s impl for boxes).
+impl<B: Send + Sync> StageModule for Box<dyn StageModule<MicroBatch = B>> {
+    type MicroBatch = B;
+
+    fn chunks(&self) -> usize {
+        (**self).chunks()
+    }
+
+    fn activation_shape(&self, mb: &B) -> Vec<usize> {
+        (**self).activation_shape(mb)
+    }
+
+    fn forward(&self, chunk: usize, input: Option<&Tensor>, mb: &B, rng: &mut Generator) -> rtx_tensor::Result<Tensor> {
+        (**self).forward(chunk, input, mb, rng)
+    }
+
+    fn tied(&self) -> Vec<String> {
+        (**self).tied()
+    }
+
+    fn tp_replicated(&self, name: &str) -> bool {
+        (**self).tp_replicated(name)
+    }
+}
+
+/// An optimizer chosen at run time.
+pub struct DynOptimizer(pub Box<dyn rtx_tensor::Optimizer + Send>);
+
+impl rtx_tensor::Optimizer for DynOptimizer {
+    fn step(&mut self) -> rtx_tensor::Result<()> {
+        self.0.step()
+    }
+
+    fn zero_grad(&self) -> rtx_tensor::Result<()> {
+        self.0.zero_grad()
+    }
+
+    fn lr(&self) -> f64 {
+        self.0.lr()
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.0.set_lr(lr);
+    }
+
+    fn kind(&self) -> &'static str {
+        self.0.kind()
+    }
+
+    fn parameters(&self) -> Vec<(String, Tensor)> {
+        self.0.parameters()
+    }
+
+    fn state_tensors(&self) -> rtx_tensor::Result<Vec<(String, Tensor)>> {
+        self.0.state_tensors()
+    }
+
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> rtx_tensor::Result<()> {
+        self.0.load_state(state)
+    }
+}

@@ -4,7 +4,7 @@
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use rtx_supervisor::protocol::{JoinReply, MemberStatus, StateSource, StatusReport, ToSupervisor, ToWorker, Zero1Held};
+use rtx_supervisor::protocol::{JoinReply, MemberStatus, MeshHeld, MeshStart, ShardSource, StateSource, StatusReport, ToSupervisor, ToWorker, Zero1Held};
 
 use crate::fuzz_support::Values;
 
@@ -14,7 +14,7 @@ pub(crate) fn to_supervisor(rng: &mut ChaCha8Rng) -> ToSupervisor {
     match rng.random_range(0..12) {
         0 => ToSupervisor::Join { name: Values::string(rng), pid: Values::u32(rng), host: Values::string(rng), proof: Values::bytes(rng, 40) },
         1 => ToSupervisor::Heartbeat { node: v(rng), generation: v(rng), completed: Values::option(rng, v) },
-        2 => ToSupervisor::Ready { node: v(rng), generation: v(rng), addr: Values::string(rng), completed: Values::option(rng, v), zero1: Values::vec(rng, 3, zero1_held), mesh: None },
+        2 => ToSupervisor::Ready { node: v(rng), generation: v(rng), addr: Values::string(rng), completed: Values::option(rng, v), zero1: Values::vec(rng, 3, zero1_held), mesh: Values::option(rng, mesh_held) },
         3 => ToSupervisor::StepDone { node: v(rng), generation: v(rng), step: v(rng), loss: Values::f64(rng), samples: v(rng), checksum: Values::option(rng, v) },
         4 => ToSupervisor::StepFailed { node: v(rng), generation: v(rng), step: v(rng), reason: Values::string(rng) },
         5 => ToSupervisor::Leaving { node: v(rng), completed: Values::option(rng, v), reason: Values::string(rng) },
@@ -46,11 +46,28 @@ pub(crate) fn to_worker(rng: &mut ChaCha8Rng) -> ToWorker {
             next_step: v(rng),
             stop_step: v(rng),
             shm_job: Values::option(rng, Values::string),
+            mesh: Values::option(rng, mesh_start),
         },
         2 => ToWorker::Pause { generation: v(rng) },
         3 => ToWorker::Finish,
         _ => ToWorker::Evict { reason: Values::string(rng) },
     }
+}
+
+/// What a mesh member holds.
+fn mesh_held(rng: &mut ChaCha8Rng) -> MeshHeld {
+    MeshHeld { slots: Values::u32(rng), slot: Values::u32(rng), step: Values::u64(rng) }
+}
+
+/// A mesh generation's start.
+fn mesh_start(rng: &mut ChaCha8Rng) -> MeshStart {
+    let source = |rng: &mut ChaCha8Rng| match rng.random_range(0..4) {
+        0 => ShardSource::Local,
+        1 => ShardSource::Member { rank: Values::u32(rng) },
+        2 => ShardSource::Checkpoint { location: Values::string(rng), step: Values::u64(rng) },
+        _ => ShardSource::Initial,
+    };
+    MeshStart { dp: Values::u32(rng), pp: Values::u32(rng), tp: Values::u32(rng), sources: Values::vec(rng, 4, source) }
 }
 
 /// What a ZeRO-1 member holds.
