@@ -33,7 +33,7 @@ pub mod zero1;
 
 pub use config::{ClassPolicy, ElasticConfig, FailureClass, OnFailure, PlantedBug, Wire};
 pub use error::{Result, SupervisorError};
-pub use job::{BoxedStage, BuildStage, MeshSpec, StageRequest, TrainJob};
+pub use job::{BoxedStage, BuildStage, MeshSpec, SplitBatch, StageRequest, TrainJob};
 pub use launch::{serve_request, LaunchOptions, Launcher, NodeLauncher};
 pub use supervisor::{query_status, JobEvent, LaunchRequest, SupervisorEnv, SupervisorHandle, SupervisorMsg, SupervisorOptions, MAX_STALLED_REFORMS};
 pub use worker::{parameter_checksum, run_node, run_worker, ControlDialer, Exec, GenerationWire, JobSpec, NodeEnv, WorkerOptions, WorkerOutcome};
