@@ -578,7 +578,7 @@ impl Validator<'_> {
             return p.validate(rtx_pipelines::ModelDims { layers: 1, heads: 1, vocab: 1, mlp_hidden: 1 }).map_err(|e| self.parallel_error(p, e));
         };
         p.validate(layout.dims()).map_err(|e| self.parallel_error(p, e))?;
-        if p.microbatches > 0 && config.data.batch_size % p.microbatches != 0 {
+        if p.microbatches > 0 && !config.data.batch_size.is_multiple_of(p.microbatches) {
             return Err(self.invalid("parallel.microbatches", p.microbatches, format!("must divide data.batch_size ({})", config.data.batch_size)));
         }
         Ok(())
