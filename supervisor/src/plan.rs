@@ -481,7 +481,8 @@ impl ModelLayout {
         }
     }
 
-    /// A static cost per unit from forward FLOPs per token: `24·C² + 4·T·C` per block, `2·C·V`
+    /// A static cost per unit from forward FLOPs per token: `8·C² + 4·C·F + 4·T·C` per block
+    /// (`24·C² + 4·T·C` at `F = 4·C`), `2·C·V`
     /// for the head's logits, `2·C` for the embedding's lookup and add. Measured costs can replace it.
     pub fn static_costs(&self) -> LayerCosts {
         let (c, v, t) = (self.d_model as f64, self.vocab as f64, self.context as f64);
