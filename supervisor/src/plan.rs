@@ -639,7 +639,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let dims = input.model.dims();
     config.validate(dims)?;
     if input.costs.blocks.len() != dims.layers {
-        return Err(PlanError::Config { key: "stage_layers", value: format!("{} layer costs", input.costs.blocks.len()), allowed: format!("the model has {} layers", dims.layers) });
+        return Err(PlanError::Config { key: "costs", value: format!("{} block costs", input.costs.blocks.len()), allowed: format!("one per layer: the model has {} layers", dims.layers) });
     }
     // Members in node order: the input's order never matters.
     let mut members: Vec<MemberHolding> =
@@ -713,6 +713,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
         let shards = need.into_iter().zip(source).map(|((shard, tied_copy), source)| ShardNeed { shard, source, tied_copy }).collect();
         assignments.push(RankAssignment { rank, node: node_of[rank], coord, layers, units, shards });
     }
+    tracing::debug!(generation = input.generation, shape = %mesh.shape(), world = input.world, standby = standby.len(), step = ?step, regressed_from = ?regressed_from, "planned");
     Ok(Plan {
         generation: input.generation,
         mesh,
