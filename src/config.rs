@@ -290,6 +290,8 @@ impl Default for SampleConfig {
     }
 }
 
+/// What the mesh sees of an MLP: one unsplittable layer (it trains with `dp` only).
+const MLP_DIMS: rtx_pipelines::ModelDims = rtx_pipelines::ModelDims { layers: 1, heads: 1, vocab: 1, mlp_hidden: 1 };
 /// The byte-level GPT's vocabulary.
 const GPT_VOCAB: usize = 256;
 /// The GPT's feed-forward width as a multiple of `d_model` (`nn::GptConfig::default().mlp_ratio`).
@@ -447,7 +449,7 @@ impl TrainConfig {
     /// --world N` make before any worker starts (`dp` fills the world when unset; a mesh larger
     /// than the world, or one that does not divide it, is an error naming the numbers).
     pub fn mesh(&self, world: usize) -> Result<Mesh, ConfigError> {
-        let dims = self.model_layout().map(|m| m.dims()).unwrap_or(rtx_pipelines::ModelDims { layers: 1, heads: 1, vocab: 1, mlp_hidden: 1 });
+        let dims = self.model_layout().map_or(MLP_DIMS, |m| m.dims());
         let v = Validator { origin: "" };
         self.parallel.mesh(world, dims).map_err(|e| v.parallel_error(&self.parallel, e))
     }
@@ -569,15 +571,18 @@ impl Validator<'_> {
     /// `[parallel]` against the model and the batch (not the world: see [`TrainConfig::mesh`]).
     fn parallel(&self, config: &TrainConfig) -> Result<(), ConfigError> {
         let p = &config.parallel;
-        let Some(layout) = config.model_layout() else {
-            for (key, value) in [("parallel.pp", p.pp), ("parallel.tp", p.tp)] {
-                if value > 1 {
-                    return Err(self.invalid(key, value, "pipeline and tensor parallelism split a GPT's layers and heads; an MLP trains with dp (and zero) only"));
+        let dims = match config.model_layout() {
+            Some(layout) => layout.dims(),
+            None => {
+                for (key, value) in [("parallel.pp", p.pp), ("parallel.tp", p.tp)] {
+                    if value > 1 {
+                        return Err(self.invalid(key, value, "pipeline and tensor parallelism split a GPT's layers and heads; an MLP trains with dp (and zero) only"));
+                    }
                 }
+                MLP_DIMS
             }
-            return p.validate(rtx_pipelines::ModelDims { layers: 1, heads: 1, vocab: 1, mlp_hidden: 1 }).map_err(|e| self.parallel_error(p, e));
         };
-        p.validate(layout.dims()).map_err(|e| self.parallel_error(p, e))?;
+        p.validate(dims).map_err(|e| self.parallel_error(p, e))?;
         if p.microbatches > 0 && !config.data.batch_size.is_multiple_of(p.microbatches) {
             return Err(self.invalid("parallel.microbatches", p.microbatches, format!("must divide data.batch_size ({})", config.data.batch_size)));
         }
@@ -862,6 +867,8 @@ steps = 5
         assert!(e.contains("unknown field `tpp`"), "{e}");
         let e = err(&MLP.replace("steps = 10", "steps = 10\n[parallel]\npp = 2"));
         assert!(e.contains("`parallel.pp` = 2") && e.contains("GPT"), "{e}");
+        let e = err(&MLP.replace("steps = 10", "steps = 10\n[parallel]\nmicrobatches = 5"));
+        assert!(e.contains("`parallel.microbatches` = 5") && e.contains("data.batch_size (16)"), "{e}");
         // The world: known at launch.
         let c = TrainConfig::from_toml_str(&with("dp = 2\npp = 2\ntp = 2")).expect("valid alone");
         let e = c.mesh(4).unwrap_err().to_string();

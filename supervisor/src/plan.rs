@@ -925,7 +925,8 @@ pub struct MemoryEstimate {
 /// sequence parallelism, `tokens · C · (10 + 24/t + 5·a·T/(C·t))` bytes at 16 bits (scaled to the
 /// dtype), plus the last stage's f32 logits, times the micro-batches alive at the schedule's peak:
 /// `m` for GPipe, `min(pp - stage, m)` for 1F1B and ZB-H1, and that times `1 + (pp-1)/(pp·v)`
-/// for interleaving (Narayanan et al. 2021).
+/// for interleaving (Narayanan et al. 2021). Not modelled: ZeRO-3's gathered layer buffers,
+/// communication buffers and the allocator's slack.
 pub fn memory_estimate(plan: &Plan, rank: usize, model: &ModelLayout, dtype_bytes: u64, microbatch_tokens: u64) -> Result<MemoryEstimate, PlanError> {
     let a = plan.assignments.get(rank).ok_or(PlanError::NoSuchRank { rank, world: plan.assignments.len() })?;
     let shape = plan.mesh.shape();
