@@ -15,7 +15,8 @@ use crate::config::{Precision, TrainConfig};
 use crate::progress::human;
 
 /// How the stage costs were made, as printed.
-const COST_MODEL: &str = "static estimate from the model's dimensions (forward FLOPs per token: 8·C² + 4·C·F + 4·T·C per block, 2·C·V for the head), not measured";
+const COST_MODEL: &str =
+    "static estimate from the model's dimensions (forward FLOPs per token: 8·C² + 4·C·F + 4·T·C per block, 2·C·V for the head), not measured";
 
 /// Runs `rtx plan`.
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
@@ -117,8 +118,24 @@ pub fn text(r: &Value) -> String {
     use std::fmt::Write as _;
     let mut s = String::new();
     let mesh = &r["mesh"];
-    let _ = writeln!(s, "mesh (dp={}, pp={}, tp={}) over {} ranks | zero {} | schedule {} | {} micro-batches", mesh["dp"], mesh["pp"], mesh["tp"], r["world"], r["zero"], r["schedule"].as_str().unwrap_or(""), r["microbatches"]);
-    let _ = writeln!(s, "predicted bubble: {:.1}% (closed form {} for {}, not simulated)", r["bubble"].as_f64().unwrap_or(0.0) * 100.0, r["bubble_formula"].as_str().unwrap_or(""), r["schedule"].as_str().unwrap_or(""));
+    let _ = writeln!(
+        s,
+        "mesh (dp={}, pp={}, tp={}) over {} ranks | zero {} | schedule {} | {} micro-batches",
+        mesh["dp"],
+        mesh["pp"],
+        mesh["tp"],
+        r["world"],
+        r["zero"],
+        r["schedule"].as_str().unwrap_or(""),
+        r["microbatches"]
+    );
+    let _ = writeln!(
+        s,
+        "predicted bubble: {:.1}% (closed form {} for {}, not simulated)",
+        r["bubble"].as_f64().unwrap_or(0.0) * 100.0,
+        r["bubble_formula"].as_str().unwrap_or(""),
+        r["schedule"].as_str().unwrap_or("")
+    );
     if let Some(note) = r["note"].as_str() {
         let _ = writeln!(s, "{note}");
     }
@@ -132,11 +149,26 @@ pub fn text(r: &Value) -> String {
                 _ => "",
             };
             let layers = format!("blocks {}..{}{extra}", st["layers"][0], st["layers"][1]);
-            let _ = writeln!(s, "  stage {} (pp rank {}): {layers:<24} {:>8} FLOP/token  {:>5.1}%", st["stage"], st["rank_pp"], human(st["cost_flops_per_token"].as_f64().unwrap_or(0.0)), st["share"].as_f64().unwrap_or(0.0) * 100.0);
+            let _ = writeln!(
+                s,
+                "  stage {} (pp rank {}): {layers:<24} {:>8} FLOP/token  {:>5.1}%",
+                st["stage"],
+                st["rank_pp"],
+                human(st["cost_flops_per_token"].as_f64().unwrap_or(0.0)),
+                st["share"].as_f64().unwrap_or(0.0) * 100.0
+            );
         }
-        let _ = writeln!(s, "memory per rank: {}-byte parameters, micro-batches of {} tokens; AdamW, Megatron activation formula", r["dtype_bytes"], r["microbatch_tokens"]);
+        let _ = writeln!(
+            s,
+            "memory per rank: {}-byte parameters, micro-batches of {} tokens; AdamW, Megatron activation formula",
+            r["dtype_bytes"], r["microbatch_tokens"]
+        );
     }
-    let _ = writeln!(s, "{:>5}  {:<20} {:<12} {:<28} {:>10} {:>10} {:>10} {:>11} {:>10}", "rank", "coord", "layers", "units", "params", "grads", "optimizer", "activations", "total");
+    let _ = writeln!(
+        s,
+        "{:>5}  {:<20} {:<12} {:<28} {:>10} {:>10} {:>10} {:>11} {:>10}",
+        "rank", "coord", "layers", "units", "params", "grads", "optimizer", "activations", "total"
+    );
     for rank in r["ranks"].as_array().into_iter().flatten() {
         let c = &rank["coord"];
         let coord = format!("(dp={}, pp={}, tp={})", c["dp"], c["pp"], c["tp"]);
@@ -148,7 +180,17 @@ pub fn text(r: &Value) -> String {
         let units = compact_units(&units);
         let m = &rank["memory_bytes"];
         let b = |k: &str| m[k].as_f64().map_or("-".to_string(), bytes);
-        let _ = writeln!(s, "{:>5}  {coord:<20} {:<12} {units:<28} {:>10} {:>10} {:>10} {:>11} {:>10}", rank["rank"].as_u64().unwrap_or(0), layers.join(","), b("params"), b("grads"), b("optimizer"), b("activations"), b("total"));
+        let _ = writeln!(
+            s,
+            "{:>5}  {coord:<20} {:<12} {units:<28} {:>10} {:>10} {:>10} {:>11} {:>10}",
+            rank["rank"].as_u64().unwrap_or(0),
+            layers.join(","),
+            b("params"),
+            b("grads"),
+            b("optimizer"),
+            b("activations"),
+            b("total")
+        );
     }
     s
 }

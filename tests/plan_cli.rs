@@ -85,7 +85,10 @@ fn launch_refuses_a_mesh_larger_than_the_world_before_starting_workers() {
     let config = root.join("mlp.toml");
     std::fs::write(&config, "[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\ndataset = \"digits\"\nbatch_size = 8\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 2\n[parallel]\ndp = 4\n").unwrap();
     let out_dir = root.join("out");
-    let out = rtx(&["launch", config.to_str().unwrap(), "--nproc", "2", "--data-dir", data.to_str().unwrap(), "--out", out_dir.to_str().unwrap(), "--no-progress"], root);
+    let out = rtx(
+        &["launch", config.to_str().unwrap(), "--nproc", "2", "--data-dir", data.to_str().unwrap(), "--out", out_dir.to_str().unwrap(), "--no-progress"],
+        root,
+    );
     let (stdout, stderr) = text(&out);
     assert!(!out.status.success(), "{stdout}\n{stderr}");
     assert!(stderr.contains("4·1·1 = 4") && stderr.contains("world has 2") && stderr.contains("--nproc 2"), "{stderr}");

@@ -53,8 +53,8 @@ mod shard;
 
 pub use config::{ParallelConfig, Schedule};
 pub use cost::{memory_estimate, partition_layers, predicted_bubble, stage_costs, LayerCosts, MemoryEstimate, ModelLayout};
-pub use shard::{ShardId, Unit};
 use shard::{cover, union_covers};
+pub use shard::{ShardId, Unit};
 
 /// Why a configuration cannot be planned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -235,7 +235,11 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let dims = input.model.dims();
     config.validate(dims)?;
     if input.costs.blocks.len() != dims.layers {
-        return Err(PlanError::Config { key: "costs", value: format!("{} block costs", input.costs.blocks.len()), allowed: format!("one per layer: the model has {} layers", dims.layers) });
+        return Err(PlanError::Config {
+            key: "costs",
+            value: format!("{} block costs", input.costs.blocks.len()),
+            allowed: format!("one per layer: the model has {} layers", dims.layers),
+        });
     }
     // Members in node order: the input's order never matters.
     let mut members: Vec<MemberHolding> =
@@ -284,7 +288,8 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     if let Some(c) = &input.checkpoint {
         steps.insert(c.step);
     }
-    let held_at = |step: u64| -> Vec<Vec<ShardId>> { placed.iter().map(|&i| members[i].held.iter().filter(|(_, s)| *s == step).map(|(h, _)| *h).collect()).collect() };
+    let held_at =
+        |step: u64| -> Vec<Vec<ShardId>> { placed.iter().map(|&i| members[i].held.iter().filter(|(_, s)| *s == step).map(|(h, _)| *h).collect()).collect() };
     let mut chosen = None;
     for &step in steps.iter().rev() {
         if let Some(sources) = sources_at(step, &held_at(step), &needs, input.checkpoint.as_ref(), &input.model) {
@@ -380,7 +385,13 @@ fn needed_shards(coord: Coord, shape: MeshShape, stages: &[Range<usize>], zero: 
 }
 
 /// Rule 3: which member (index into `members`) sits at each rank.
-fn place(members: &[MemberHolding], mesh: &Mesh, needs: &[Vec<(ShardId, bool)>], previous: Option<&Plan>, model: &ModelLayout) -> Result<Vec<usize>, PlanError> {
+fn place(
+    members: &[MemberHolding],
+    mesh: &Mesh,
+    needs: &[Vec<(ShardId, bool)>],
+    previous: Option<&Plan>,
+    model: &ModelLayout,
+) -> Result<Vec<usize>, PlanError> {
     let previous_coord: BTreeMap<u64, Coord> = previous.map(|p| p.assignments.iter().map(|a| (a.node, a.coord)).collect()).unwrap_or_default();
     // (score, kept coordinate, member, rank)
     let mut pairs: Vec<(f64, bool, usize, usize)> = Vec::new();
@@ -416,7 +427,13 @@ fn place(members: &[MemberHolding], mesh: &Mesh, needs: &[Vec<(ShardId, bool)>],
 
 /// Rule 4 at one step: a source for every needed shard, or `None` when one has no holder.
 /// `held[rank]` is what the member at `rank` holds at `step`.
-fn sources_at(step: u64, held: &[Vec<ShardId>], needs: &[Vec<(ShardId, bool)>], checkpoint: Option<&CheckpointInfo>, model: &ModelLayout) -> Option<Vec<Vec<Source>>> {
+fn sources_at(
+    step: u64,
+    held: &[Vec<ShardId>],
+    needs: &[Vec<(ShardId, bool)>],
+    checkpoint: Option<&CheckpointInfo>,
+    model: &ModelLayout,
+) -> Option<Vec<Vec<Source>>> {
     let mut load = vec![0u64; held.len()];
     let checkpoint = checkpoint.filter(|c| c.step == step);
     let mut out = Vec::with_capacity(needs.len());

@@ -102,8 +102,12 @@ impl ParallelConfig {
             return bad("zero", self.zero.to_string(), "must be 0, 1, 2 or 3".into());
         }
         match (self.schedule, self.virtual_stages) {
-            (Schedule::Interleaved, Some(v)) if v < 2 => return bad("virtual_stages", v.to_string(), "schedule = \"interleaved\" needs at least 2 chunks per stage".into()),
-            (s, Some(v)) if s != Schedule::Interleaved => return bad("virtual_stages", v.to_string(), format!("only used with schedule = \"interleaved\", not \"{s}\"")),
+            (Schedule::Interleaved, Some(v)) if v < 2 => {
+                return bad("virtual_stages", v.to_string(), "schedule = \"interleaved\" needs at least 2 chunks per stage".into())
+            }
+            (s, Some(v)) if s != Schedule::Interleaved => {
+                return bad("virtual_stages", v.to_string(), format!("only used with schedule = \"interleaved\", not \"{s}\""))
+            }
             _ => {}
         }
         // The model axes alone: a world of exactly dp·pp·tp.
@@ -112,7 +116,11 @@ impl ParallelConfig {
         match &self.stage_layers {
             Some(layers) => check_stage_layers(layers, virtual_stages, dims.layers)?,
             None if dims.layers % virtual_stages != 0 => {
-                let what = if self.chunks() > 1 { format!("pp·virtual_stages = {}·{} = {virtual_stages}", self.pp, self.chunks()) } else { format!("pp = {}", self.pp) };
+                let what = if self.chunks() > 1 {
+                    format!("pp·virtual_stages = {}·{} = {virtual_stages}", self.pp, self.chunks())
+                } else {
+                    format!("pp = {}", self.pp)
+                };
                 return bad("pp", self.pp.to_string(), format!("{what} does not divide the model's {} layers; change pp or set stage_layers", dims.layers));
             }
             None => {}

@@ -31,7 +31,10 @@ fn input(model: ModelLayout, config: ParallelConfig, world: usize, members: Vec<
 /// The members of a full run of `base`, each holding its shards at each of `steps`, with
 /// node id = rank.
 fn holdings(base: &Plan, steps: &[u64]) -> Vec<MemberHolding> {
-    base.assignments.iter().map(|a| MemberHolding { node: a.node, held: a.shards.iter().flat_map(|s| steps.iter().map(move |&k| (s.shard, k))).collect() }).collect()
+    base.assignments
+        .iter()
+        .map(|a| MemberHolding { node: a.node, held: a.shards.iter().flat_map(|s| steps.iter().map(move |&k| (s.shard, k))).collect() })
+        .collect()
 }
 
 fn without(members: &[MemberHolding], lost: &[u64]) -> Vec<MemberHolding> {
@@ -81,10 +84,12 @@ fn check(input: &PlanInput, plan: &Plan) -> Result<(), String> {
                 (Source::Local, Some(k)) => held(a.rank, k).iter().any(|h| h.covers(&s.shard)),
                 (Source::Member { rank }, Some(k)) => *rank < world && *rank != a.rank && held(*rank, k).iter().any(|h| h.covers(&s.shard)),
                 (Source::Pieces { parts }, Some(k)) => {
-                    parts.iter().all(|(r, p)| *r < world && held(*r, k).contains(p) && p.overlaps(&s.shard)) && union_covers(parts.iter().map(|(_, p)| *p), &s.shard)
+                    parts.iter().all(|(r, p)| *r < world && held(*r, k).contains(p) && p.overlaps(&s.shard))
+                        && union_covers(parts.iter().map(|(_, p)| *p), &s.shard)
                 }
                 (Source::Checkpoint { step, .. }, Some(k)) => {
-                    *step == k && input.checkpoint.as_ref().is_some_and(|c| c.step == k && c.shards.as_ref().is_none_or(|v| union_covers(v.iter().copied(), &s.shard)))
+                    *step == k
+                        && input.checkpoint.as_ref().is_some_and(|c| c.step == k && c.shards.as_ref().is_none_or(|v| union_covers(v.iter().copied(), &s.shard)))
                 }
             };
             if !ok {
@@ -127,7 +132,11 @@ fn partition_is_optimal_against_brute_force() {
     for seed in seeds {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let n = rng.random_range(1..=8);
-        let costs = LayerCosts { embed: rng.random_range(0..5) as f64, blocks: (0..n).map(|_| rng.random_range(1..10) as f64).collect(), head: rng.random_range(0..12) as f64 };
+        let costs = LayerCosts {
+            embed: rng.random_range(0..5) as f64,
+            blocks: (0..n).map(|_| rng.random_range(1..10) as f64).collect(),
+            head: rng.random_range(0..12) as f64,
+        };
         for stages in 1..=n {
             let ranges = partition_layers(&costs, stages).unwrap();
             assert_eq!(ranges.len(), stages, "seed {seed}");
@@ -137,7 +146,10 @@ fn partition_is_optimal_against_brute_force() {
             assert_eq!(got, brute(&costs, stages), "seed {seed}: {costs:?} over {stages} stages gave {ranges:?}");
         }
     }
-    assert!(matches!(partition_layers(&LayerCosts { embed: 0.0, blocks: vec![1.0; 3], head: 0.0 }, 4), Err(PlanError::Mesh(MeshError::TooManyStages { pp: 4, layers: 3 }))));
+    assert!(matches!(
+        partition_layers(&LayerCosts { embed: 0.0, blocks: vec![1.0; 3], head: 0.0 }, 4),
+        Err(PlanError::Mesh(MeshError::TooManyStages { pp: 4, layers: 3 }))
+    ));
 }
 
 #[test]
