@@ -421,8 +421,7 @@ impl TrainConfig {
     }
 
     fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let raw: RawConfig =
-            toml::from_str(text).map_err(|e| ConfigError::Parse { origin: origin.to_string(), message: e.to_string().trim_end().to_string() })?;
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse { origin: origin.to_string(), message: e.to_string().trim_end().to_string() })?;
         let v = Validator { origin };
         v.validate(raw)
     }
@@ -516,18 +515,10 @@ impl Validator<'_> {
         self.nonzero("data.batch_size", data.batch_size)?;
         match (&model, data.dataset) {
             (ModelConfig::Mlp { .. }, Dataset::Sotu) => {
-                return Err(self.invalid(
-                    "data.dataset",
-                    "\"sotu\"",
-                    "model.kind = \"mlp\" trains on images: use \"fashion-mnist\" or \"digits\" (or model.kind = \"gpt\" for text)",
-                ));
+                return Err(self.invalid("data.dataset", "\"sotu\"", "model.kind = \"mlp\" trains on images: use \"fashion-mnist\" or \"digits\" (or model.kind = \"gpt\" for text)"));
             }
             (ModelConfig::Gpt { .. }, d) if d.is_image() => {
-                return Err(self.invalid(
-                    "data.dataset",
-                    format!("\"{}\"", d.name()),
-                    "model.kind = \"gpt\" trains on text: use \"sotu\" (or model.kind = \"mlp\" for images)",
-                ));
+                return Err(self.invalid("data.dataset", format!("\"{}\"", d.name()), "model.kind = \"gpt\" trains on text: use \"sotu\" (or model.kind = \"mlp\" for images)"));
             }
             _ => {}
         }
@@ -572,8 +563,7 @@ impl Validator<'_> {
                 return Err(self.invalid("sample.prompt", "\"\"", "must hold at least one character"));
             }
         }
-        let config =
-            TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample, parallel: raw.parallel, elastic: raw.elastic };
+        let config = TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample, parallel: raw.parallel, elastic: raw.elastic };
         self.parallel(&config)?;
         Ok(config)
     }
@@ -586,11 +576,7 @@ impl Validator<'_> {
             None => {
                 for (key, value) in [("parallel.pp", p.pp), ("parallel.tp", p.tp)] {
                     if value > 1 {
-                        return Err(self.invalid(
-                            key,
-                            value,
-                            "pipeline and tensor parallelism split a GPT's layers and heads; an MLP trains with dp (and zero) only",
-                        ));
+                        return Err(self.invalid(key, value, "pipeline and tensor parallelism split a GPT's layers and heads; an MLP trains with dp (and zero) only"));
                     }
                 }
                 MLP_DIMS
@@ -608,9 +594,7 @@ impl Validator<'_> {
         let (key, value) = match &e {
             PlanError::Config { key, value, .. } => (format!("parallel.{key}"), value.clone()),
             PlanError::Mesh(MeshError::Indivisible { .. } | MeshError::ZeroAxis { axis: rtx_pipelines::Axis::Tp }) => ("parallel.tp".into(), p.tp.to_string()),
-            PlanError::Mesh(MeshError::TooManyStages { .. } | MeshError::ZeroAxis { axis: rtx_pipelines::Axis::Pp }) => {
-                ("parallel.pp".into(), p.pp.to_string())
-            }
+            PlanError::Mesh(MeshError::TooManyStages { .. } | MeshError::ZeroAxis { axis: rtx_pipelines::Axis::Pp }) => ("parallel.pp".into(), p.pp.to_string()),
             PlanError::Mesh(MeshError::WorldMismatch { dp, pp, tp, .. }) => ("parallel".into(), format!("(dp={dp}, pp={pp}, tp={tp})")),
             _ => ("parallel".into(), "(section)".into()),
         };
@@ -629,29 +613,21 @@ impl Validator<'_> {
                     return Err(self.invalid("train.precision", "\"bf16\"", "bf16 needs train.device = \"cuda\"; CPU training is f32"));
                 }
             }
-            DeviceKind::Cuda => {
-                match model {
-                    ModelConfig::Mlp { .. } => {
-                        return Err(self.invalid(
-                            "train.device",
-                            "\"cuda\"",
-                            "the GPU path trains model.kind = \"gpt\" (its kernels cover GPT training); use train.device = \"cpu\" for an MLP",
-                        ))
+            DeviceKind::Cuda => match model {
+                ModelConfig::Mlp { .. } => return Err(self.invalid("train.device", "\"cuda\"", "the GPU path trains model.kind = \"gpt\" (its kernels cover GPT training); use train.device = \"cpu\" for an MLP")),
+                ModelConfig::Gpt { dropout, d_model, n_heads, .. } => {
+                    let head_dim = d_model / n_heads;
+                    if head_dim != 64 && head_dim != 128 {
+                        return Err(self.invalid("model.n_heads", n_heads, format!("with train.device = \"cuda\", d_model / n_heads must be 64 or 128 (the GPU's flash attention head sizes); it is {head_dim}")));
                     }
-                    ModelConfig::Gpt { dropout, d_model, n_heads, .. } => {
-                        let head_dim = d_model / n_heads;
-                        if head_dim != 64 && head_dim != 128 {
-                            return Err(self.invalid("model.n_heads", n_heads, format!("with train.device = \"cuda\", d_model / n_heads must be 64 or 128 (the GPU's flash attention head sizes); it is {head_dim}")));
-                        }
-                        if *dropout > 0.0 {
-                            return Err(self.invalid("model.dropout", dropout, "must be 0 with train.device = \"cuda\" (dropout has no GPU kernel yet)"));
-                        }
-                        if !matches!(optim.kind, OptimKind::AdamW { .. }) {
-                            return Err(self.invalid("optim.kind", "\"sgd\"", "train.device = \"cuda\" trains with \"adamw\" (f32 master weights on the GPU)"));
-                        }
+                    if *dropout > 0.0 {
+                        return Err(self.invalid("model.dropout", dropout, "must be 0 with train.device = \"cuda\" (dropout has no GPU kernel yet)"));
+                    }
+                    if !matches!(optim.kind, OptimKind::AdamW { .. }) {
+                        return Err(self.invalid("optim.kind", "\"sgd\"", "train.device = \"cuda\" trains with \"adamw\" (f32 master weights on the GPU)"));
                     }
                 }
-            }
+            },
         }
         Ok(())
     }
@@ -659,13 +635,7 @@ impl Validator<'_> {
     fn model(&self, m: RawModel) -> Result<ModelConfig, ConfigError> {
         match m.kind {
             RawModelKind::Mlp => {
-                for (key, set) in [
-                    ("model.n_layers", m.n_layers.is_some()),
-                    ("model.d_model", m.d_model.is_some()),
-                    ("model.n_heads", m.n_heads.is_some()),
-                    ("model.context", m.context.is_some()),
-                    ("model.dropout", m.dropout.is_some()),
-                ] {
+                for (key, set) in [("model.n_layers", m.n_layers.is_some()), ("model.d_model", m.d_model.is_some()), ("model.n_heads", m.n_heads.is_some()), ("model.context", m.context.is_some()), ("model.dropout", m.dropout.is_some())] {
                     self.not_for(key, set, "model.kind", "mlp", "gpt")?;
                 }
                 let hidden = self.require("model.hidden", m.hidden, "model.kind", "mlp")?;

@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
 use rtx_supervisor::checkpoint as elastic_checkpoint;
-use rtx_supervisor::{
-    env as cluster_env, protocol, ElasticConfig, JobEvent, LaunchOptions, Launcher, SupervisorHandle, SupervisorOptions, WorkerOptions, WorkerOutcome,
-};
+use rtx_supervisor::{env as cluster_env, protocol, ElasticConfig, JobEvent, LaunchOptions, Launcher, SupervisorHandle, SupervisorOptions, WorkerOptions, WorkerOutcome};
 use rtx_tensor::data::{DataRoot, DATA_DIR_ENV};
 use serde_json::json;
 
@@ -112,11 +110,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         (None, Some(e)) => e.master(),
         (None, None) => bail!("give --join ADDR (or run under torchrun / Slurm, whose MASTER_ADDR or SLURM_NODELIST name the supervisor)"),
     };
-    let join = join_text
-        .to_socket_addrs()
-        .with_context(|| format!("cannot resolve the supervisor address {join_text}"))?
-        .next()
-        .ok_or_else(|| anyhow!("{join_text} resolves to no address"))?;
+    let join = join_text.to_socket_addrs().with_context(|| format!("cannot resolve the supervisor address {join_text}"))?.next().ok_or_else(|| anyhow!("{join_text} resolves to no address"))?;
     let token = match args.token.clone().or_else(|| std::env::var(TOKEN_ENV).ok()) {
         Some(t) if !t.is_empty() => t,
         _ => bail!("no cluster token: set {TOKEN_ENV} (or pass --token)"),
@@ -152,27 +146,10 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
     };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let report = runtime.block_on(rtx_supervisor::query_status(addr, &token, Default::default()))?;
-    println!(
-        "phase {} | generation {} | committed step {} of {} | {:.1} steps/s, {} samples/s | failures {}",
-        report.phase,
-        report.generation,
-        report.committed.map_or("-".into(), |s| (s + 1).to_string()),
-        report.total_steps,
-        report.steps_per_sec,
-        human(report.samples_per_sec),
-        report.failures
-    );
+    println!("phase {} | generation {} | committed step {} of {} | {:.1} steps/s, {} samples/s | failures {}", report.phase, report.generation, report.committed.map_or("-".into(), |s| (s + 1).to_string()), report.total_steps, report.steps_per_sec, human(report.samples_per_sec), report.failures);
     println!("{:>6} {:>5} {:>8} {:<14} {:<8} {:>10}", "node", "rank", "pid", "name", "role", "completed");
     for m in &report.members {
-        println!(
-            "{:>6} {:>5} {:>8} {:<14} {:<8} {:>10}",
-            m.node,
-            m.rank.map_or("-".into(), |r| r.to_string()),
-            m.pid,
-            m.name,
-            m.role,
-            m.completed.map_or("-".into(), |s| (s + 1).to_string())
-        );
+        println!("{:>6} {:>5} {:>8} {:<14} {:<8} {:>10}", m.node, m.rank.map_or("-".into(), |r| r.to_string()), m.pid, m.name, m.role, m.completed.map_or("-".into(), |s| (s + 1).to_string()));
     }
     Ok(())
 }
@@ -208,9 +185,7 @@ impl JobFiles {
                 Some((path, meta.step + 1))
             }
             (true, None) => None,
-            (false, _) if out_dir.join("metrics.jsonl").exists() => {
-                bail!("output folder {} holds an earlier run; pass --resume to continue it, or --out DIR for a fresh one", out_dir.display())
-            }
+            (false, _) if out_dir.join("metrics.jsonl").exists() => bail!("output folder {} holds an earlier run; pass --resume to continue it, or --out DIR for a fresh one", out_dir.display()),
             (false, _) => None,
         };
         Ok(JobFiles { text, config, out_dir, data_root, resume, stop_at: args.steps, started: Instant::now() })
@@ -218,12 +193,7 @@ impl JobFiles {
 
     fn elastic(&self, nproc: usize, args: &JobArgs) -> anyhow::Result<ElasticConfig> {
         let (min, max) = (args.min_workers, args.max_workers);
-        let mut elastic = ElasticConfig {
-            max_workers: nproc.max(1),
-            start_workers: nproc.max(1),
-            checkpoint_every: self.config.train.checkpoint_every,
-            ..ElasticConfig::default()
-        };
+        let mut elastic = ElasticConfig { max_workers: nproc.max(1), start_workers: nproc.max(1), checkpoint_every: self.config.train.checkpoint_every, ..ElasticConfig::default() };
         if let Some(table) = &self.config.elastic {
             elastic.apply_toml(table)?;
         }
@@ -265,8 +235,7 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
     let start_step = job.resume.as_ref().map_or(0, |(_, s)| *s);
     let total = job.stop_at.map_or(total, |s| s.min(total));
     let metrics_path = job.out_dir.join("metrics.jsonl");
-    let mut metrics =
-        if start_step > 0 && metrics_path.exists() { MetricsWriter::resume(&metrics_path, start_step)? } else { MetricsWriter::create(&metrics_path)? };
+    let mut metrics = if start_step > 0 && metrics_path.exists() { MetricsWriter::resume(&metrics_path, start_step)? } else { MetricsWriter::create(&metrics_path)? };
     let mut events = std::fs::OpenOptions::new().create(true).append(true).open(job.out_dir.join("events.jsonl"))?;
     let progress = Progress::new(verbosity, start_step, total);
     let (unit, per_step) = ElasticJob::unit(&job.config);
@@ -293,34 +262,20 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
                 progress.update(done, *loss, rate, unit);
                 if done % log_every == 0 || done == total {
                     let mean = window_loss / window_steps as f64;
-                    let mut record = MetricRecord {
-                        step: done,
-                        loss: Some(mean),
-                        wall_s: Some(t),
-                        world: Some(*world),
-                        generation: Some(*generation),
-                        ..Default::default()
-                    };
+                    let mut record = MetricRecord { step: done, loss: Some(mean), wall_s: Some(t), world: Some(*world), generation: Some(*generation), ..Default::default() };
                     if unit == "tokens" {
                         record.tokens_per_s = Some(rate);
                     } else {
                         record.samples_per_s = Some(rate);
                     }
                     metrics.write(&record)?;
-                    progress.line(&format!(
-                        "step {done:>6}/{total} | loss {mean:.4} | {world} workers, generation {generation} | {} {unit}/s | {t:.1}s",
-                        human(rate)
-                    ));
+                    progress.line(&format!("step {done:>6}/{total} | loss {mean:.4} | {world} workers, generation {generation} | {} {unit}/s | {t:.1}s", human(rate)));
                     (window_loss, window_steps, window_start) = (0.0, 0, Instant::now());
                 }
             }
             JobEvent::Generation { generation, world, next_step, pids, .. } => {
                 progress.line(&format!("generation {generation}: {world} worker(s) (pids {pids:?}), continuing at step {next_step}"));
-                std::fs::write(
-                    job.out_dir.join("cluster.json"),
-                    json!({ "generation": generation, "world": world, "pids": pids, "next_step": next_step, "supervisor": supervisor.addr.to_string() })
-                        .to_string(),
-                )?;
+                std::fs::write(job.out_dir.join("cluster.json"), json!({ "generation": generation, "world": world, "pids": pids, "next_step": next_step, "supervisor": supervisor.addr.to_string() }).to_string())?;
                 if let Some(g) = summary["generations"].as_array_mut() {
                     g.push(json!({ "generation": generation, "world": world, "next_step": next_step, "t": t }));
                 }
@@ -334,12 +289,8 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
             JobEvent::Joined { name, pid, .. } => progress.line(&format!("{name} (pid {pid}) joined")),
             JobEvent::Refused { peer, reason } => progress.line(&format!("refused {peer}: {reason}")),
             JobEvent::Checkpointed { step, path } => progress.line(&format!("checkpoint after step {}: {path}", step + 1)),
-            JobEvent::CheckpointFailed { step, reason } => {
-                progress.line(&format!("checkpoint after step {} FAILED (the previous one stays valid): {reason}", step + 1))
-            }
-            JobEvent::Finished { eval, replicas_identical, overhead, outside_steps, .. } => {
-                finished = Some((eval.clone(), *replicas_identical, *overhead, *outside_steps))
-            }
+            JobEvent::CheckpointFailed { step, reason } => progress.line(&format!("checkpoint after step {} FAILED (the previous one stays valid): {reason}", step + 1)),
+            JobEvent::Finished { eval, replicas_identical, overhead, outside_steps, .. } => finished = Some((eval.clone(), *replicas_identical, *overhead, *outside_steps)),
             JobEvent::Failed { reason } => failed = Some(reason.clone()),
             JobEvent::Suspect { reason } => progress.line(&format!("suspect: {reason}")),
         }
@@ -352,13 +303,7 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
     joined?;
     let (eval, identical, overhead, outside) = finished.ok_or_else(|| anyhow!("the supervisor stopped without finishing the job"))?;
     let eval_text: Vec<String> = eval.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
-    progress.line(&format!(
-        "done in {:.1}s: {} | replicas bit-identical: {identical} | runtime control overhead {:.2}% of step time ({:.2}% outside training steps)",
-        job.seconds(),
-        eval_text.join(", "),
-        overhead * 100.0,
-        outside * 100.0
-    ));
+    progress.line(&format!("done in {:.1}s: {} | replicas bit-identical: {identical} | runtime control overhead {:.2}% of step time ({:.2}% outside training steps)", job.seconds(), eval_text.join(", "), overhead * 100.0, outside * 100.0));
     summary["eval"] = json!(eval.iter().cloned().collect::<std::collections::BTreeMap<String, f64>>());
     summary["replicas_identical"] = json!(identical);
     summary["seconds"] = json!(job.seconds());
@@ -379,20 +324,12 @@ fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
     match event {
         JobEvent::Joined { node, name, pid } => json!({ "t": t, "event": "joined", "node": node, "name": name, "pid": pid }),
         JobEvent::Refused { peer, reason } => json!({ "t": t, "event": "refused", "peer": peer, "reason": reason }),
-        JobEvent::Lost { node, pid, class, reason } => {
-            json!({ "t": t, "event": "lost", "node": node, "pid": pid, "class": format!("{class:?}"), "reason": reason })
-        }
-        JobEvent::Generation { generation, world, next_step, source_node, pids } => {
-            json!({ "t": t, "event": "generation", "generation": generation, "world": world, "next_step": next_step, "source_node": source_node, "pids": pids })
-        }
-        JobEvent::Committed { step, loss, samples, world, generation, .. } => {
-            json!({ "t": t, "event": "committed", "step": step, "loss": loss, "samples": samples, "world": world, "generation": generation })
-        }
+        JobEvent::Lost { node, pid, class, reason } => json!({ "t": t, "event": "lost", "node": node, "pid": pid, "class": format!("{class:?}"), "reason": reason }),
+        JobEvent::Generation { generation, world, next_step, source_node, pids } => json!({ "t": t, "event": "generation", "generation": generation, "world": world, "next_step": next_step, "source_node": source_node, "pids": pids }),
+        JobEvent::Committed { step, loss, samples, world, generation, .. } => json!({ "t": t, "event": "committed", "step": step, "loss": loss, "samples": samples, "world": world, "generation": generation }),
         JobEvent::Checkpointed { step, path } => json!({ "t": t, "event": "checkpointed", "step": step, "path": path }),
         JobEvent::CheckpointFailed { step, reason } => json!({ "t": t, "event": "checkpoint_failed", "step": step, "reason": reason }),
-        JobEvent::Finished { eval, replicas_identical, checksum, overhead, outside_steps } => {
-            json!({ "t": t, "event": "finished", "eval": eval, "replicas_identical": replicas_identical, "checksum": format!("{checksum:016x}"), "runtime_overhead": overhead, "outside_steps": outside_steps })
-        }
+        JobEvent::Finished { eval, replicas_identical, checksum, overhead, outside_steps } => json!({ "t": t, "event": "finished", "eval": eval, "replicas_identical": replicas_identical, "checksum": format!("{checksum:016x}"), "runtime_overhead": overhead, "outside_steps": outside_steps }),
         JobEvent::Failed { reason } => json!({ "t": t, "event": "failed", "reason": reason }),
         JobEvent::Suspect { reason } => json!({ "t": t, "event": "suspect", "reason": reason }),
     }
@@ -400,13 +337,7 @@ fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
 
 fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    let mut f = std::fs::OpenOptions::new().create(true).write(true).truncate(true).mode(0o600).open(path).with_context(|| format!("cannot write {}", path.display()))?;
     f.write_all(text.as_bytes())?;
     Ok(())
 }
