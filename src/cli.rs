@@ -1,5 +1,5 @@
 //! Command-line interface of the `rtx` binary (clap): `rtx train`, `rtx launch`, `rtx supervisor`,
-//! `rtx worker`, `rtx status`, `rtx sim` and `rtx bench`.
+//! `rtx worker`, `rtx status`, `rtx plan`, `rtx sim` and `rtx bench`.
 //!
 //! Parsing only; [`crate::train`] and [`crate::bench`] do the work, so the binary stays thin.
 
@@ -29,10 +29,25 @@ pub enum Command {
     Worker(WorkerArgs),
     /// Show a running job: members, generation, step, throughput.
     Status(StatusArgs),
+    /// Print the plan of a config's [parallel] section on N ranks: mesh, layers, memory, bubble.
+    Plan(PlanArgs),
     /// Simulate a whole elastic job (real supervisor and workers, faults) in virtual time, by seed.
     Sim(SimArgs),
     /// Time rustytorch's CPU compute (JSON lines on stdout).
     Bench(crate::bench::BenchArgs),
+}
+
+/// Arguments of `rtx plan`.
+#[derive(Args, Debug, Clone)]
+pub struct PlanArgs {
+    /// The config file, e.g. configs/sotu_gpt_3d.toml.
+    pub config: PathBuf,
+    /// Ranks in the world (the `--nproc` of `rtx launch`).
+    #[arg(long)]
+    pub world: usize,
+    /// Machine-readable output (one JSON document).
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Arguments of `rtx sim`.

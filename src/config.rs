@@ -18,9 +18,20 @@
 //! optimizer; `"f32"` keeps everything in f32. The GPU path supports what its kernels cover: a GPT
 //! without dropout, trained with AdamW. Whether a GPU is really there is checked when a job starts
 //! ([`crate::train::resolve_device`]), not here: a config is valid on any machine.
+//!
+//! # Parallelism (`[parallel]`)
+//! `dp`, `pp`, `tp`, `zero`, `microbatches`, `schedule`, `virtual_stages` and `stage_layers`
+//! ([`ParallelConfig`], all optional: one rank of plain data parallelism by default). Parsing
+//! checks what does not depend on the world: `tp` divides the heads, the vocabulary and the MLP
+//! width, `pp` divides the layers (unless `stage_layers` cuts them), `microbatches` divides
+//! `data.batch_size`, and `pp`/`tp` above 1 need a GPT. The world is checked by
+//! [`TrainConfig::mesh`] when it is known (`rtx launch --nproc N`, `rtx plan --world N`), before
+//! any worker starts.
 
 use std::path::{Path, PathBuf};
 
+use rtx_pipelines::{Mesh, MeshError};
+use rtx_supervisor::plan::{ModelLayout, ParallelConfig, PlanError};
 use serde::{Deserialize, Serialize};
 
 /// Errors of reading or validating a config.
@@ -74,6 +85,8 @@ pub struct TrainConfig {
     pub output_dir: Option<PathBuf>,
     /// Text sampling at the end of a GPT run.
     pub sample: SampleConfig,
+    /// `[parallel]`: the mesh and the pipeline schedule (see the module doc).
+    pub parallel: ParallelConfig,
     /// The `[elastic]` table for `rtx launch` (checked by `rtx_supervisor::ElasticConfig::apply_toml`).
     #[serde(skip)]
     pub elastic: Option<toml::Table>,
@@ -277,6 +290,13 @@ impl Default for SampleConfig {
     }
 }
 
+/// What the mesh sees of an MLP: one unsplittable layer (it trains with `dp` only).
+const MLP_DIMS: rtx_pipelines::ModelDims = rtx_pipelines::ModelDims { layers: 1, heads: 1, vocab: 1, mlp_hidden: 1 };
+/// The byte-level GPT's vocabulary.
+const GPT_VOCAB: usize = 256;
+/// The GPT's feed-forward width as a multiple of `d_model` (`nn::GptConfig::default().mlp_ratio`).
+const GPT_MLP_RATIO: usize = 4;
+
 fn default_val_fraction() -> f64 {
     0.1
 }
@@ -311,6 +331,8 @@ struct RawConfig {
     output: Option<RawOutput>,
     #[serde(default)]
     sample: Option<SampleConfig>,
+    #[serde(default)]
+    parallel: ParallelConfig,
     #[serde(default)]
     elastic: Option<toml::Table>,
 }
@@ -410,6 +432,26 @@ impl TrainConfig {
             DeviceKind::Cpu => Precision::F32,
             DeviceKind::Cuda => Precision::Bf16,
         })
+    }
+
+    /// The model's layout for planning: a GPT's dimensions (byte vocabulary, MLP width 4·C, tied
+    /// head, as `train::model` builds it); `None` for an MLP.
+    pub fn model_layout(&self) -> Option<ModelLayout> {
+        match self.model {
+            ModelConfig::Gpt { n_layers, d_model, n_heads, context, .. } => {
+                Some(ModelLayout { layers: n_layers, d_model, heads: n_heads, vocab: GPT_VOCAB, context, mlp_hidden: GPT_MLP_RATIO * d_model, tied: true })
+            }
+            ModelConfig::Mlp { .. } => None,
+        }
+    }
+
+    /// The mesh of `[parallel]` over `world` ranks: the check `rtx launch --nproc N` and `rtx plan
+    /// --world N` make before any worker starts (`dp` fills the world when unset; a mesh larger
+    /// than the world, or one that does not divide it, is an error naming the numbers).
+    pub fn mesh(&self, world: usize) -> Result<Mesh, ConfigError> {
+        let dims = self.model_layout().map_or(MLP_DIMS, |m| m.dims());
+        let v = Validator { origin: "" };
+        self.parallel.mesh(world, dims).map_err(|e| v.parallel_error(&self.parallel, e))
     }
 
     /// The output folder: `[output] dir`, else `runs/<stem of config_path>`.
@@ -521,7 +563,46 @@ impl Validator<'_> {
                 return Err(self.invalid("sample.prompt", "\"\"", "must hold at least one character"));
             }
         }
-        Ok(TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample, elastic: raw.elastic })
+        let config = TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample, parallel: raw.parallel, elastic: raw.elastic };
+        self.parallel(&config)?;
+        Ok(config)
+    }
+
+    /// `[parallel]` against the model and the batch (not the world: see [`TrainConfig::mesh`]).
+    fn parallel(&self, config: &TrainConfig) -> Result<(), ConfigError> {
+        let p = &config.parallel;
+        let dims = match config.model_layout() {
+            Some(layout) => layout.dims(),
+            None => {
+                for (key, value) in [("parallel.pp", p.pp), ("parallel.tp", p.tp)] {
+                    if value > 1 {
+                        return Err(self.invalid(key, value, "pipeline and tensor parallelism split a GPT's layers and heads; an MLP trains with dp (and zero) only"));
+                    }
+                }
+                MLP_DIMS
+            }
+        };
+        p.validate(dims).map_err(|e| self.parallel_error(p, e))?;
+        if p.microbatches > 0 && !config.data.batch_size.is_multiple_of(p.microbatches) {
+            return Err(self.invalid("parallel.microbatches", p.microbatches, format!("must divide data.batch_size ({})", config.data.batch_size)));
+        }
+        Ok(())
+    }
+
+    /// A planning error as a config error naming the `[parallel]` key.
+    fn parallel_error(&self, p: &ParallelConfig, e: PlanError) -> ConfigError {
+        let (key, value) = match &e {
+            PlanError::Config { key, value, .. } => (format!("parallel.{key}"), value.clone()),
+            PlanError::Mesh(MeshError::Indivisible { .. } | MeshError::ZeroAxis { axis: rtx_pipelines::Axis::Tp }) => ("parallel.tp".into(), p.tp.to_string()),
+            PlanError::Mesh(MeshError::TooManyStages { .. } | MeshError::ZeroAxis { axis: rtx_pipelines::Axis::Pp }) => ("parallel.pp".into(), p.pp.to_string()),
+            PlanError::Mesh(MeshError::WorldMismatch { dp, pp, tp, .. }) => ("parallel".into(), format!("(dp={dp}, pp={pp}, tp={tp})")),
+            _ => ("parallel".into(), "(section)".into()),
+        };
+        let allowed = match &e {
+            PlanError::Config { allowed, .. } => allowed.clone(),
+            other => other.to_string(),
+        };
+        self.invalid(&key, value, allowed)
     }
 
     /// `[train] device` and `precision` against what the GPU path supports.
@@ -731,6 +812,72 @@ device = "cuda"
         assert!(e.contains("`optim.kind`") && e.contains("adamw"), "{e}");
         let e = err(&MLP.replace("steps = 10", "steps = 10\ndevice = \"cuda\""));
         assert!(e.contains("`train.device`") && e.contains("gpt"), "{e}");
+    }
+
+    const GPT: &str = r#"
+[model]
+kind = "gpt"
+n_layers = 4
+d_model = 32
+n_heads = 4
+context = 16
+[data]
+dataset = "sotu"
+batch_size = 8
+[optim]
+kind = "adamw"
+lr = 1e-3
+[train]
+steps = 5
+"#;
+
+    #[test]
+    fn parallel_defaults_to_one_rank_and_parses() {
+        // Goal: `[parallel]` is optional, defaults to plain DP, and takes every key.
+        let c = TrainConfig::from_toml_str(GPT).expect("valid");
+        assert_eq!(c.parallel, ParallelConfig::default());
+        assert_eq!(c.mesh(3).expect("dp fills").shape(), rtx_pipelines::MeshShape { dp: 3, pp: 1, tp: 1 });
+        let text = format!("{GPT}\n[parallel]\npp = 2\ntp = 2\nzero = 1\nmicrobatches = 4\nschedule = \"gpipe\"\nstage_layers = [3, 1]\n");
+        let c = TrainConfig::from_toml_str(&text).expect("valid");
+        assert_eq!((c.parallel.pp, c.parallel.tp, c.parallel.zero, c.parallel.microbatches), (2, 2, 1, 4));
+        assert_eq!(c.parallel.stage_layers, Some(vec![3, 1]));
+        assert_eq!(c.mesh(8).expect("fits").shape(), rtx_pipelines::MeshShape { dp: 2, pp: 2, tp: 2 });
+    }
+
+    #[test]
+    fn parallel_errors_name_the_key_and_the_numbers() {
+        // Goal: every `[parallel]` that cannot split the model, the batch or the world is a typed
+        // error naming the key and the numbers. Method: one bad value at a time.
+        let with = |body: &str| format!("{GPT}\n[parallel]\n{body}\n");
+        let e = err(&with("tp = 3"));
+        assert!(e.contains("`parallel.tp` = 3") && e.contains("attention heads (4)"), "{e}");
+        let e = err(&with("pp = 3"));
+        assert!(e.contains("`parallel.pp` = 3") && e.contains("4 layers"), "{e}");
+        let e = err(&with("pp = 8"));
+        assert!(e.contains("`parallel.pp` = 8") && e.contains("only 4 layers"), "{e}");
+        let e = err(&with("pp = 2\nstage_layers = [4, 0]"));
+        assert!(e.contains("`parallel.stage_layers` = [4, 0]") && e.contains("at least one layer"), "{e}");
+        let e = err(&with("microbatches = 3"));
+        assert!(e.contains("`parallel.microbatches` = 3") && e.contains("data.batch_size (8)"), "{e}");
+        let e = err(&with("zero = 5"));
+        assert!(e.contains("`parallel.zero` = 5"), "{e}");
+        let e = err(&with("schedule = \"pipedream\""));
+        assert!(e.contains("unknown variant `pipedream`") && e.contains("`1f1b`"), "{e}");
+        let e = err(&with("tpp = 2"));
+        assert!(e.contains("unknown field `tpp`"), "{e}");
+        let e = err(&MLP.replace("steps = 10", "steps = 10\n[parallel]\npp = 2"));
+        assert!(e.contains("`parallel.pp` = 2") && e.contains("GPT"), "{e}");
+        let e = err(&MLP.replace("steps = 10", "steps = 10\n[parallel]\nmicrobatches = 5"));
+        assert!(e.contains("`parallel.microbatches` = 5") && e.contains("data.batch_size (16)"), "{e}");
+        // The world: known at launch.
+        let c = TrainConfig::from_toml_str(&with("dp = 2\npp = 2\ntp = 2")).expect("valid alone");
+        let e = c.mesh(4).unwrap_err().to_string();
+        assert!(e.contains("2·2·2 = 8") && e.contains("world has 4") && e.contains("larger than the world"), "{e}");
+        let c = TrainConfig::from_toml_str(&with("pp = 2\ntp = 2")).expect("valid alone");
+        let e = c.mesh(6).unwrap_err().to_string();
+        assert!(e.contains("does not divide 6"), "{e}");
+        let e = c.mesh(2).unwrap_err().to_string();
+        assert!(e.contains("= 4 ranks") && e.contains("world has 2"), "{e}");
     }
 
     #[test]

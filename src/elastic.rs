@@ -38,6 +38,8 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     if args.nproc == 0 {
         bail!("--nproc must be at least 1");
     }
+    // `[parallel]` against the world, before any worker starts.
+    job.config.mesh(args.nproc).with_context(|| format!("config {} with --nproc {}", args.config.display(), args.nproc))?;
     elastic.start_workers = args.nproc;
     elastic.validate()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -80,6 +82,7 @@ pub fn supervise(args: SupervisorArgs) -> anyhow::Result<()> {
         (None, None) => bail!("give --listen ADDR (or set MASTER_PORT / run under torchrun or Slurm)"),
     };
     let expected = args.nproc.or(env.as_ref().map(|e| e.world_size)).unwrap_or(1);
+    job.config.mesh(expected).with_context(|| format!("config {} with {expected} workers", args.config.display()))?;
     let mut elastic = job.elastic(expected, &args.job)?;
     elastic.start_workers = expected;
     elastic.validate()?;

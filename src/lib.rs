@@ -14,7 +14,8 @@
 //! as elastic data-parallel jobs (`rtx launch`, `rtx supervisor`, `rtx worker`, `rtx status`) on the
 //! actors, collectives and supervisor crates, re-exported as [`actors`], [`collectives`],
 //! [`pipelines`] and [`supervisor`]. [`sim`] runs such a job in the deterministic simulator
-//! (`rtx sim`, on `rtx-sim`, re-exported as [`simulator`]).
+//! (`rtx sim`, on `rtx-sim`, re-exported as [`simulator`]). [`plan_cmd`] prints the plan of a
+//! config's `[parallel]` section (`rtx plan CONFIG --world N`).
 
 pub use rtx_actors as actors;
 pub use rtx_collectives as collectives;
@@ -30,6 +31,7 @@ pub mod cli;
 pub mod config;
 pub mod elastic;
 pub mod metrics;
+pub mod plan_cmd;
 pub mod plot;
 pub mod progress;
 pub mod sim;

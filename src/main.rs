@@ -40,6 +40,7 @@ fn main() -> ExitCode {
         Command::Supervisor(args) => rustytorch::elastic::supervise(args),
         Command::Worker(args) => rustytorch::elastic::worker(args),
         Command::Status(args) => rustytorch::elastic::status(args),
+        Command::Plan(args) => rustytorch::plan_cmd::run(&args),
         Command::Sim(args) => {
             let data_root = DataRoot::resolve(args.data_dir.as_deref(), std::env::var_os(DATA_DIR_ENV).as_deref());
             rustytorch::sim::run(&args, data_root.path())

@@ -8,7 +8,8 @@
 //! the data-parallel engine of `rtx-pipelines` over mutually authenticated QUIC collectives.
 //! The supervisor detects crashes, hangs, network loss and preemption ([`FailureClass`]), and
 //! re-forms the group under a new generation from the newest surviving state (never from less
-//! than the newest durable state: [`recovery`]), shrinking,
+//! than the newest durable state: [`recovery`]; for meshes of data, pipeline and tensor
+//! parallelism, [`plan`] decides each member's coordinate, shards and their sources), shrinking,
 //! replacing or growing as the [`ElasticConfig`] says. Rank 0 writes periodic checkpoints in the
 //! background ([`checkpoint`]).
 //!
@@ -24,6 +25,7 @@ mod error;
 mod job;
 pub mod launch;
 pub mod placement;
+pub mod plan;
 pub mod protocol;
 pub mod recovery;
 pub mod state;
@@ -34,6 +36,7 @@ pub mod zero1;
 pub use config::{ClassPolicy, ElasticConfig, FailureClass, OnFailure, PlantedBug, Wire};
 pub use error::{Result, SupervisorError};
 pub use job::{BoxedStage, BuildStage, MeshSpec, SplitBatch, StageRequest, TrainJob};
+pub use plan::{CheckpointInfo, LayerCosts, MemberHolding, MemoryEstimate, ModelLayout, ParallelConfig, Plan, PlanError, PlanInput, RankAssignment, Schedule, ShardId, ShardNeed, Source, Unit};
 pub use launch::{serve_request, LaunchOptions, Launcher, NodeLauncher};
 pub use supervisor::{query_status, JobEvent, LaunchRequest, SupervisorEnv, SupervisorHandle, SupervisorMsg, SupervisorOptions, MAX_STALLED_REFORMS};
 pub use worker::{parameter_checksum, run_node, run_worker, ControlDialer, Exec, GenerationWire, JobSpec, NodeEnv, WorkerOptions, WorkerOutcome};
