@@ -204,6 +204,8 @@ impl JobFiles {
             elastic.max_workers = m;
         }
         elastic.max_workers = elastic.max_workers.max(nproc);
+        // A model-parallel job forms generations of whole replicas of pp·tp members.
+        (elastic.pp, elastic.tp) = (self.config.parallel.pp, self.config.parallel.tp);
         if elastic.zero1 && self.config.train.device == crate::config::DeviceKind::Cuda {
             bail!("elastic.sharding = \"zero1\" shards host buckets; with train.device = \"cuda\" use the replicated default (gradients are staged through host buffers)");
         }

@@ -23,8 +23,15 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use rtx_actors::BatchSource;
+use std::sync::Arc;
+
+use rtx_pipelines::pipeline::{PipelineConfig, TokenBatch, TpGptStage};
+use rtx_pipelines::schedule::ScheduleKind;
+use rtx_pipelines::tp::TpOptions;
 use rtx_pipelines::ParamSlice;
-use rtx_supervisor::{JobSpec, TrainJob};
+use rtx_supervisor::plan::{partition_layers, Schedule};
+use rtx_supervisor::{BoxedStage, JobSpec, MeshSpec, StageRequest, TrainJob};
+use rtx_tensor::nn::Module;
 use rtx_tensor::data::DataRoot;
 use rtx_tensor::optim::{self, LrSchedule};
 use rtx_tensor::{no_grad, Device, Generator, Reduction, Tensor};
@@ -230,6 +237,48 @@ impl TrainJob for ElasticJob {
         }
         model.module_mut().set_training(true);
         Ok(metrics)
+    }
+
+    fn mesh(&self) -> Option<MeshSpec<RankBatch>> {
+        let p = &self.config.parallel;
+        // `[parallel]` was checked at parse time: pp and tp above 1 only for a GPT.
+        if p.pp * p.tp <= 1 {
+            return None;
+        }
+        let schedule = match p.schedule {
+            Schedule::GPipe => ScheduleKind::GPipe,
+            Schedule::OneFOneB => ScheduleKind::OneFOneB,
+            Schedule::Interleaved => ScheduleKind::Interleaved { chunks: p.chunks() },
+            Schedule::ZbH1 => ScheduleKind::ZeroBubbleH1,
+        };
+        let (model, n_classes, seed, optim) = (self.config.model.clone(), self.data.n_classes(), self.config.train.seed, self.config.optim.clone());
+        let virtual_stages = p.pp * p.chunks();
+        let layers = match (&p.stage_layers, self.config.model_layout()) {
+            (Some(counts), _) => counts.iter().scan(0, |start, n| {
+                *start += n;
+                Some(*start - n..*start)
+            }).collect(),
+            (None, Some(layout)) => partition_layers(&layout.static_costs(), virtual_stages).ok()?,
+            (None, None) => return None,
+        };
+        let build = move |request: &StageRequest| -> Result<(BoxedStage, Box<dyn optim::Optimizer + Send>), String> {
+            let Model::Gpt(gpt) = Model::build(&model, None, n_classes, &mut Generator::new(seed)).map_err(|e| e.to_string())? else {
+                return Err("pipeline and tensor parallelism train a GPT".into());
+            };
+            let part = TpGptStage::from_full(&gpt, request.tp.clone(), TpOptions::default(), &layers, request.coord.pp, request.shape.pp).map_err(|e| e.to_string())?;
+            // Clipping is the engine's (over the whole mesh), not the optimizer's.
+            let optimizer = build_inner(&optim, part.named_parameters()).map_err(|e| e.to_string())?.0;
+            Ok((Box::new(part), optimizer))
+        };
+        let schedule_lr = build_schedule(&self.config.optim, &self.config.schedule);
+        Some(MeshSpec {
+            pp: p.pp,
+            tp: p.tp,
+            pipeline: PipelineConfig { schedule, microbatches: p.microbatches, grad_clip: self.config.optim.grad_clip, seed },
+            build: Arc::new(build),
+            split: Arc::new(|batch: &RankBatch, parts| TokenBatch { ids: batch.batch.inputs.clone(), targets: batch.batch.targets.clone() }.split(parts).map_err(|e| e.to_string())),
+            lr: Arc::new(move |step| schedule_lr.lr(step)),
+        })
     }
 
     fn checkpoint_dir(&self) -> Option<PathBuf> {

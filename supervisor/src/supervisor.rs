@@ -694,12 +694,15 @@ impl ClusterSupervisor {
 
     async fn check_finished(&mut self) -> Result<()> {
         let Phase::Finishing { members, .. } = &self.phase else { return Ok(()) };
-        let reports: Vec<&FinalReport> = members.iter().filter_map(|n| self.members.get(n).and_then(|m| m.finished.as_ref())).collect();
+        // By rank: in a mesh, rank r holds slot r mod (pp · tp), and only holders of one slot match.
+        let ranked: Vec<(usize, &FinalReport)> = members.iter().enumerate().filter_map(|(r, n)| self.members.get(n).and_then(|m| m.finished.as_ref()).map(|f| (r, f))).collect();
+        let reports: Vec<&FinalReport> = ranked.iter().map(|(_, f)| *f).collect();
         let gone = members.iter().filter(|n| self.members.get(n).is_none_or(|m| m.finished.is_none() && m.link.closed_reason().is_some())).count();
         if reports.len() + gone < members.len() {
             return Ok(());
         }
-        let replicas_identical = reports.windows(2).all(|w| w[0].checksum == w[1].checksum);
+        let slots = self.options.elastic.mesh_slots();
+        let replicas_identical = ranked.iter().all(|(r, a)| ranked.iter().filter(|(q, _)| q % slots == r % slots).all(|(_, b)| a.checksum == b.checksum));
         let checksum = reports.first().map_or(0, |r| r.checksum);
         let eval = reports.iter().find(|r| !r.eval.is_empty()).map(|r| r.eval.clone()).unwrap_or_default();
         let sums = reports.iter().fold([0.0; 3], |acc, r| [acc[0] + r.timing[0], acc[1] + r.timing[1], acc[2] + r.timing[2]]);
