@@ -7,20 +7,17 @@
 //! Needs the Fashion-MNIST data (`bash scripts/fetch-data.sh`). The scenarios run one at a time
 //! (they share two cores).
 
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use support::{alive, rtx, signal, Launch};
 
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn rtx() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_rtx"));
-    c.current_dir(env!("CARGO_MANIFEST_DIR"));
-    c
-}
 
 fn config(steps: u64) -> PathBuf {
     config_with(steps, "")
@@ -35,89 +32,9 @@ fn config_with(steps: u64, elastic_extra: &str) -> PathBuf {
     path
 }
 
-struct Launch {
-    child: Child,
-    out: PathBuf,
-}
-
-impl Launch {
-    fn start(nproc: usize, steps: u64, extra: &[&str]) -> Launch {
-        let out = tempfile::tempdir().expect("tempdir").keep().join("run");
-        Launch::start_in(out, &config(steps), nproc, extra)
-    }
-
-    fn start_in(out: PathBuf, config: &Path, nproc: usize, extra: &[&str]) -> Launch {
-        let child = rtx()
-            .args(["launch", "--nproc", &nproc.to_string(), "--no-progress", "--out"])
-            .arg(&out)
-            .arg(config)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start rtx launch");
-        Launch { child, out }
-    }
-
-    fn events(&self) -> Vec<Value> {
-        std::fs::read_to_string(self.out.join("events.jsonl")).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
-    }
-
-    fn wait_for(&self, what: &str, timeout: Duration, pred: impl Fn(&[Value]) -> bool) -> Vec<Value> {
-        let start = Instant::now();
-        loop {
-            let events = self.events();
-            if pred(&events) {
-                return events;
-            }
-            assert!(start.elapsed() < timeout, "timed out waiting for {what}; events so far: {events:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn committed(events: &[Value]) -> Option<u64> {
-        events.iter().filter(|e| e["event"] == "committed").filter_map(|e| e["step"].as_u64()).max()
-    }
-
-    fn pids(&self) -> Vec<u32> {
-        let cluster: Value = serde_json::from_str(&std::fs::read_to_string(self.out.join("cluster.json")).expect("cluster.json")).expect("json");
-        cluster["pids"].as_array().expect("pids").iter().map(|p| p.as_u64().expect("pid") as u32).collect()
-    }
-
-    fn finish(mut self) -> (Value, Vec<Value>) {
-        let start = Instant::now();
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                break status;
-            }
-            if start.elapsed() > Duration::from_secs(180) {
-                let _ = self.child.kill();
-                panic!("rtx launch did not finish");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let events = self.events();
-        let out = self.out.clone();
-        let output = self.child.wait_with_output().expect("output");
-        let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
-        assert!(status.success(), "rtx launch failed: {text}");
-        let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).expect("summary.json")).expect("json");
-        assert_eq!(summary["replicas_identical"], true, "{text}");
-        (summary, events)
-    }
-}
-
-fn signal(pid: u32, sig: &str) {
-    let ok = Command::new("kill").args([sig, &pid.to_string()]).status().expect("kill").success();
-    assert!(ok, "kill {sig} {pid}");
-}
-
-fn alive(pid: u32) -> bool {
-    // A zombie is not alive for our purpose: check /proc state.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat.split_whitespace().nth(2).is_none_or(|s| s != "Z"),
-        Err(_) => false,
-    }
+/// Starts `rtx launch` on the test config of `steps` steps.
+fn start(nproc: usize, steps: u64, extra: &[&str]) -> Launch {
+    Launch::start_in(Launch::fresh_out(), &config(steps), nproc, extra)
 }
 
 /// Kills (or stops) one of two workers mid-run and checks the recovery; `transport` is the
@@ -173,11 +90,11 @@ fn a_hung_worker_is_detected_and_evicted() {
 #[test]
 fn an_undisturbed_run_matches_a_disturbed_one_within_tolerance() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (calm, _) = Launch::start(2, 600, &[]).finish();
+    let (calm, _) = start(2, 600, &[]).finish();
     drop(_serial);
     // Run the kill -9 scenario again and compare the final quality.
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let launch = Launch::start(2, 600, &[]);
+    let launch = start(2, 600, &[]);
     launch.wait_for("step 200", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 200));
     signal(launch.pids()[0], "-9");
     let (hurt, _) = launch.finish();
@@ -190,7 +107,7 @@ fn an_undisturbed_run_matches_a_disturbed_one_within_tolerance() {
 #[test]
 fn a_worker_can_join_a_running_job_and_a_wrong_token_is_refused() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let launch = Launch::start(1, 3000, &["--max-workers", "2"]);
+    let launch = start(1, 3000, &["--max-workers", "2"]);
     launch.wait_for("step 50", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 50));
     let cluster: Value = serde_json::from_str(&std::fs::read_to_string(launch.out.join("cluster.json")).expect("cluster")).expect("json");
     let addr = cluster["supervisor"].as_str().expect("addr").to_string();
@@ -221,7 +138,7 @@ fn a_worker_can_join_a_running_job_and_a_wrong_token_is_refused() {
 #[test]
 fn workers_shut_down_when_the_supervisor_dies() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let mut launch = Launch::start(2, 100_000, &[]);
+    let mut launch = start(2, 100_000, &[]);
     launch.wait_for("step 20", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 20));
     let pids = launch.pids();
     launch.child.kill().expect("kill the supervisor");
@@ -237,7 +154,7 @@ fn workers_shut_down_when_the_supervisor_dies() {
 fn a_stopped_and_resumed_launch_continues_bit_exactly() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let checksum = |events: &[Value]| events.iter().rev().find(|e| e["event"] == "finished").map(|e| e["checksum"].clone()).expect("finished");
-    let (_, straight) = Launch::start(2, 200, &[]).finish();
+    let (_, straight) = start(2, 200, &[]).finish();
     let cfg = config(200);
     let out = tempfile::tempdir().expect("tempdir").keep().join("run");
     let (_, first) = Launch::start_in(out.clone(), &cfg, 2, &["--steps", "100"]).finish();
