@@ -9,12 +9,14 @@
 //! `RTX_NUM_THREADS` (default: all cores), as every kernel does. Shapes match
 //! `scripts/peer/torch_bench.py` exactly; change both together. `actors` times actor calls in-process and across processes over QUIC. `collectives` measures the
 //! collectives between processes (see its module; `scripts/bench-collectives.sh` adds Gloo).
+//! `bubble` predicts the pipeline bubble in virtual time; `pipeline` measures it on real stages.
 
 mod actors;
 mod bubble;
 mod collectives;
 mod matmul;
 mod ops;
+mod pipeline;
 mod step;
 mod timing;
 
@@ -48,6 +50,8 @@ pub enum BenchCommand {
     Actors(ActorsArgs),
     /// Pipeline bubble of GPipe, 1F1B, interleaved and ZB-H1 (virtual time, measured block costs).
     Bubble(bubble::BubbleArgs),
+    /// Pipeline bubble measured on real stages (rank threads) next to theory and prediction.
+    Pipeline(pipeline::PipelineArgs),
 }
 
 /// Runs one benchmark, printing JSON lines on stdout.
@@ -59,6 +63,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Collectives(a) => collectives::run(&a),
         BenchCommand::Actors(a) => actors::run(&a),
         BenchCommand::Bubble(a) => bubble::run(&a),
+        BenchCommand::Pipeline(a) => pipeline::run(&a),
     }
 }
 

@@ -27,6 +27,7 @@ use crate::mesh::{Coord, MeshGroups, MeshShape};
 use crate::pipeline::blocking::BlockingGroup;
 use crate::pipeline::mailbox::{Key, Kind, Mailbox};
 use crate::pipeline::stage::StageModule;
+use crate::pipeline::timeline::{Recorder, StageTimeline};
 use crate::schedule::{self, Instr, Op, ScheduleKind};
 
 /// How a mesh member trains.
@@ -69,6 +70,7 @@ pub struct MeshEngine<S: StageModule, O: Optimizer> {
     config: PipelineConfig,
     program: Vec<Instr>,
     mailbox: Mailbox,
+    timeline: StageTimeline,
 }
 
 impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
@@ -95,6 +97,7 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
             config,
             program,
             mailbox: Mailbox::default(),
+            timeline: StageTimeline::empty(),
         })
     }
 
@@ -116,6 +119,11 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
     /// This member's coordinate.
     pub fn coord(&self) -> Coord {
         self.coord
+    }
+
+    /// The wall-time timeline of the last step's instructions (empty before the first step).
+    pub fn last_timeline(&self) -> &StageTimeline {
+        &self.timeline
     }
 
     /// The model part and the optimizer.
@@ -153,7 +161,10 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
         let (prev, next) = ((s + p - 1) % p, (s + 1) % p);
         let mut slots: BTreeMap<(usize, usize), Slot> = BTreeMap::new();
         let mut loss = 0.0;
-        for &Instr { op, microbatch: mb, chunk } in &self.program {
+        let mut rec = Recorder::start(self.program.len());
+        for &instr in &self.program {
+            rec.begin(instr);
+            let Instr { op, microbatch: mb, chunk } = instr;
             let v = chunk * p + s;
             let batch = micro.get(mb).ok_or_else(|| Error::Pipeline { reason: format!("instruction for micro-batch {mb} of {}", micro.len()) })?;
             match op {
@@ -162,7 +173,8 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
                     let input = if v == 0 {
                         None
                     } else {
-                        let values = self.mailbox.take(&self.pp, prev, Key { kind: Kind::Activation, microbatch: mb, stage: v }, shape.iter().product())?;
+                        let key = Key { kind: Kind::Activation, microbatch: mb, stage: v };
+                        let values = rec.waiting(|| self.mailbox.take(&self.pp, prev, key, shape.iter().product()))?;
                         Some(Tensor::from_vec(values, &shape)?.requires_grad(true))
                     };
                     let mut rng = Generator::with_stream(self.config.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15), (mb * virtual_stages + v) as u64);
@@ -174,7 +186,9 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
                         loss += output.item()? * scales[mb];
                         output.mul_scalar(scales[mb])?
                     } else {
-                        self.mailbox.send(&self.pp, next, Key { kind: Kind::Activation, microbatch: mb, stage: v + 1 }, &output.to_f32_vec()?)?;
+                        let values = output.to_f32_vec()?;
+                        let key = Key { kind: Kind::Activation, microbatch: mb, stage: v + 1 };
+                        rec.sending(|| self.mailbox.send(&self.pp, next, key, &values))?;
                         output
                     };
                     slots.insert((mb, chunk), Slot { input, output });
@@ -185,18 +199,22 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
                         slot.output.backward()?;
                     } else {
                         let shape = slot.output.shape().to_vec();
-                        let grad = self.mailbox.take(&self.pp, next, Key { kind: Kind::Gradient, microbatch: mb, stage: v }, shape.iter().product())?;
+                        let key = Key { kind: Kind::Gradient, microbatch: mb, stage: v };
+                        let grad = rec.waiting(|| self.mailbox.take(&self.pp, next, key, shape.iter().product()))?;
                         slot.output.backward_from(Tensor::from_vec(grad, &shape)?, |_| {})?;
                     }
                     if let Some(input) = &slot.input {
                         let grad = input.grad().ok_or_else(|| Error::Pipeline { reason: format!("micro-batch {mb}: virtual stage {v}'s input got no gradient") })?;
-                        self.mailbox.send(&self.pp, prev, Key { kind: Kind::Gradient, microbatch: mb, stage: v - 1 }, &grad.to_f32_vec()?)?;
+                        let values = grad.to_f32_vec()?;
+                        let key = Key { kind: Kind::Gradient, microbatch: mb, stage: v - 1 };
+                        rec.sending(|| self.mailbox.send(&self.pp, prev, key, &values))?;
                     }
                 }
                 // Weight gradients were produced with the input gradients (see the module doc).
                 Op::BackwardWeight => {}
             }
         }
+        self.timeline = rec.finish();
         if !slots.is_empty() || self.mailbox.pending() != 0 {
             return Err(Error::Pipeline { reason: format!("step {step} ended with {} forwards without backward and {} unread messages", slots.len(), self.mailbox.pending()) });
         }

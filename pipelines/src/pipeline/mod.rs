@@ -10,8 +10,10 @@ mod blocking;
 mod engine;
 mod mailbox;
 mod stage;
+mod timeline;
 
 pub use blocking::BlockingGroup;
 pub use engine::{MeshEngine, MeshStep, PipelineConfig};
 pub use mailbox::{Key, Kind, Mailbox};
 pub use stage::{DynOptimizer, GptStage, StageModule, TokenBatch, TpGptStage};
+pub use timeline::{InstrSpan, StageTimeline};

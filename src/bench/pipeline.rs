@@ -1,0 +1,349 @@
+//! `rtx bench pipeline`: the **measured** pipeline bubble of GPipe, 1F1B, interleaved 1F1B (2
+//! chunks) and ZB-H1 on real stages, at `p = 4` and `m = 8, 16, 32`, next to 1F1B's theory
+//! `(p-1)/(m+p-1)` and to the virtual-time prediction of [`rtx_pipelines::schedule::simulate`].
+//!
+//! Each rank of a `(dp, pp, tp) = (1, p, 1)` mesh is a thread of this process with its own rayon
+//! pool of `--threads-per-rank` kernel threads (default `RTX_NUM_THREADS`, else cores / p), over
+//! the in-process transport, running [`MeshEngine`] on its [`GptStage`] of a byte-level GPT (8
+//! blocks of d_model 256, 4 heads, context 128, micro-batch 4 rows by default: one block's forward
+//! takes a few ms). After `--warmup` steps it times `--steps` steps from each stage's
+//! [`MeshEngine::last_timeline`]: a step's window runs from the first stage's start to the last
+//! stage's end of the instruction loop (the optimizer and the gradient reductions after it are
+//! left out); a stage is busy while it computes (waiting in the mailbox and sending are not
+//! compute) and idle for the rest of the window. Per stage the median over steps is reported; the
+//! bubble is idle / window, on the worst stage and averaged over stages.
+//!
+//! The prediction simulates the same schedule with the per-virtual-stage compute times measured
+//! in the same run (median per instruction kind), so the embedding and the head make stages
+//! unequal there as here, and transfers cost nothing. The engine computes input and weight
+//! gradients in one pass (see its module doc), so ZB-H1's weight-gradient instructions take no
+//! time on it and in this prediction: its measured bubble is that of 1F1B's order with deferred
+//! no-ops, not the zero-bubble saving (`rtx bench bubble` predicts that from the W share).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::emit;
+use super::timing::round3;
+use rtx_collectives::{CommConfig, Endpoint, InProcessNetwork, Transport};
+use rtx_pipelines::pipeline::{GptStage, MeshEngine, PipelineConfig, StageTimeline, TokenBatch};
+use rtx_pipelines::schedule::{simulate, Costs, Op, ScheduleKind};
+use rtx_pipelines::{Mesh, MeshGroups, MeshShape};
+use rtx_tensor::nn::{Gpt, GptConfig, Module};
+use rtx_tensor::optim::{Sgd, SgdConfig};
+use rtx_tensor::{Generator, Tensor};
+
+/// Arguments of `rtx bench pipeline`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PipelineArgs {
+    /// Model width.
+    #[arg(long, default_value_t = 256)]
+    pub d_model: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Sequence length (tokens per sample).
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+    /// Samples per micro-batch.
+    #[arg(long, default_value_t = 4)]
+    pub micro_batch: usize,
+    /// Transformer blocks; divisible by `2 * stages` (interleaving puts one chunk per half-stage).
+    #[arg(long, default_value_t = 8)]
+    pub layers: usize,
+    /// Pipeline stages (rank threads).
+    #[arg(long, default_value_t = 4)]
+    pub stages: usize,
+    /// Micro-batches per step.
+    #[arg(long, value_delimiter = ',', default_value = "8,16,32")]
+    pub microbatches: Vec<usize>,
+    /// Schedules to run (gpipe, 1f1b, interleaved-2, zb-h1).
+    #[arg(long, value_delimiter = ',', default_value = "gpipe,1f1b,interleaved-2,zb-h1")]
+    pub schedules: Vec<String>,
+    /// Kernel threads per rank (default: RTX_NUM_THREADS, else cores / stages, at least 1).
+    #[arg(long)]
+    pub threads_per_rank: Option<usize>,
+    /// Untimed steps per (schedule, m).
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Timed steps per (schedule, m); medians are reported.
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Seeds the model and the token batches.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+fn parse_schedule(name: &str) -> anyhow::Result<ScheduleKind> {
+    Ok(match name {
+        "gpipe" => ScheduleKind::GPipe,
+        "1f1b" => ScheduleKind::OneFOneB,
+        "zb-h1" => ScheduleKind::ZeroBubbleH1,
+        other => match other.strip_prefix("interleaved-").map(str::parse::<usize>) {
+            Some(Ok(chunks)) => ScheduleKind::Interleaved { chunks },
+            _ => anyhow::bail!("unknown schedule {other:?} (gpipe, 1f1b, interleaved-N, zb-h1)"),
+        },
+    })
+}
+
+/// Runs the benchmark: a `setup` line, then one line per (schedule, m).
+pub(super) fn run(args: &PipelineArgs) -> anyhow::Result<()> {
+    let p = args.stages;
+    anyhow::ensure!(p >= 2, "--stages must be at least 2");
+    anyhow::ensure!(args.layers > 0 && args.layers.is_multiple_of(2 * p), "--layers {} must be a positive multiple of 2 x stages = {}", args.layers, 2 * p);
+    anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
+    let kinds = args.schedules.iter().map(|s| parse_schedule(s)).collect::<anyhow::Result<Vec<_>>>()?;
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let from_env = std::env::var("RTX_NUM_THREADS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0);
+    let threads = args.threads_per_rank.or(from_env).unwrap_or((cores / p).max(1));
+    // Every kernel sizes its work by the global count: make it the per-rank pool's size.
+    let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+    anyhow::ensure!(
+        rtx_kernels::threading::num_threads() == threads,
+        "kernels use {} threads, not {threads}: set RTX_NUM_THREADS={threads}",
+        rtx_kernels::threading::num_threads()
+    );
+    let oversubscribed = p * threads > cores;
+    emit(serde_json::json!({
+        "bench": "pipeline",
+        "line": "setup",
+        "model": format!("byte-level GPT, {} blocks of d_model {} heads {} context {}, micro-batch {} rows", args.layers, args.d_model, args.heads, args.context, args.micro_batch),
+        "mesh": format!("(dp, pp, tp) = (1, {p}, 1), rank threads over the in-process transport"),
+        "cores": cores,
+        "ranks": p,
+        "threads_per_rank": threads,
+        "oversubscribed": oversubscribed,
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }));
+    for &m in &args.microbatches {
+        for &kind in &kinds {
+            let started = Instant::now();
+            let steps = run_mesh(args, kind, m, threads)?;
+            let mut line = summarize(kind, p, m, &steps)?;
+            if let Some(obj) = line.as_object_mut() {
+                obj.insert("cores".into(), cores.into());
+                obj.insert("threads_per_rank".into(), threads.into());
+                obj.insert("oversubscribed".into(), oversubscribed.into());
+                obj.insert("wall_s".into(), round3(started.elapsed().as_secs_f64()).into());
+            }
+            emit(line);
+        }
+    }
+    Ok(())
+}
+
+/// Contiguous, equal layer ranges for `virtual_stages`.
+fn layer_ranges(layers: usize, virtual_stages: usize) -> Vec<std::ops::Range<usize>> {
+    let each = layers / virtual_stages;
+    (0..virtual_stages).map(|v| v * each..(v + 1) * each).collect()
+}
+
+/// Runs `warmup + steps` steps of `kind` over `m` micro-batches; the timed steps' timelines,
+/// `[step][stage]`.
+fn run_mesh(args: &PipelineArgs, kind: ScheduleKind, m: usize, threads: usize) -> anyhow::Result<Vec<Vec<StageTimeline>>> {
+    let p = args.stages;
+    let shape = MeshShape { dp: 1, pp: p, tp: 1 };
+    let mesh = Mesh::new(shape, p)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let (_net, transports) = InProcessNetwork::new(p);
+    let layers = layer_ranges(args.layers, p * kind.chunks());
+    let gpt_config =
+        GptConfig { vocab_size: 256, context: args.context, d_model: args.d_model, n_layers: args.layers, n_heads: args.heads, ..GptConfig::default() };
+    let (rows, t, total_steps, seed) = (args.micro_batch * m, args.context, args.warmup + args.steps, args.seed);
+    let mut handles = Vec::with_capacity(p);
+    // The endpoints outlive every rank's last step: a rank that dropped its endpoint right after
+    // its last send of the final loss broadcast made the peer's pending receive fail as "peer lost".
+    // A failing rank drops its own at once, so its peers fail instead of waiting for it.
+    let mut endpoints = Vec::with_capacity(p);
+    for transport in transports {
+        let _guard = runtime.enter();
+        let endpoint = Endpoint::new(Arc::new(transport) as Arc<dyn Transport>, CommConfig::default())?;
+        let groups = MeshGroups::new(&endpoint, mesh, 0)?;
+        let (handle, layers, rank) = (runtime.handle().clone(), layers.clone(), groups.coord.pp);
+        let endpoint = Arc::new(std::sync::Mutex::new(Some(endpoint)));
+        endpoints.push(Arc::clone(&endpoint));
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(move |i| format!("pp{rank}-k{i}")).build()?;
+        handles.push(std::thread::spawn(move || {
+            let result = pool.install(|| -> anyhow::Result<Vec<StageTimeline>> {
+                let gpt = Gpt::new(gpt_config, &mut Generator::new(seed))?;
+                let part = GptStage::from_full(gpt, &layers, groups.coord.pp, p)?;
+                let opt = Sgd::new(part.named_parameters(), SgdConfig { lr: 1e-3, ..SgdConfig::default() })?;
+                let config = PipelineConfig { schedule: kind, microbatches: m, grad_clip: None, seed };
+                let mut engine = MeshEngine::new(part, opt, &groups, handle, config)?;
+                let mut timelines = Vec::with_capacity(total_steps);
+                for step in 0..total_steps as u64 {
+                    // Every rank draws the same batch; the first stage reads the ids, the last the targets.
+                    let mut g = Generator::new(seed ^ (step + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                    let mut tokens = || Tensor::from_vec((0..rows * t).map(|_| g.below(256) as u32).collect::<Vec<u32>>(), &[rows, t]);
+                    let batch = TokenBatch { ids: tokens()?, targets: tokens()? };
+                    engine.step(step, &batch.split(m)?, &vec![1.0 / m as f64; m])?;
+                    timelines.push(engine.last_timeline().clone());
+                }
+                Ok(timelines)
+            });
+            if result.is_err() {
+                drop(endpoint.lock().map(|mut e| e.take()));
+            }
+            result
+        }));
+    }
+    // Join every rank before reporting: the first failure is the cause, the others' "peer lost" follow.
+    let results: Vec<anyhow::Result<Vec<StageTimeline>>> =
+        handles.into_iter().enumerate().map(|(s, h)| h.join().map_err(|_| anyhow::anyhow!("pipeline rank {s} panicked")).and_then(|r| r)).collect();
+    let mut per_stage = Vec::with_capacity(p);
+    let mut errors = Vec::new();
+    for (s, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(timelines) => per_stage.push(timelines),
+            Err(e) => errors.push(format!("rank {s}: {e:#}")),
+        }
+    }
+    drop(endpoints);
+    anyhow::ensure!(errors.is_empty(), "{} m={m}: {}", kind.name(), errors.join("; "));
+    Ok((args.warmup..total_steps).map(|step| per_stage.iter().map(|tl| tl[step].clone()).collect()).collect())
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    match xs.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => xs[n / 2],
+        n => 0.5 * (xs[n / 2 - 1] + xs[n / 2]),
+    }
+}
+
+fn round6(x: f64) -> f64 {
+    (x * 1e6).round() / 1e6
+}
+
+fn round4(x: f64) -> f64 {
+    (x * 1e4).round() / 1e4
+}
+
+/// Measured busy/idle per stage and bubble from `steps[step][stage]`, and the prediction.
+fn summarize(kind: ScheduleKind, p: usize, m: usize, steps: &[Vec<StageTimeline>]) -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(!steps.is_empty() && steps.iter().all(|s| s.len() == p), "timelines of {p} stages per step");
+    let secs = |d: std::time::Duration| d.as_secs_f64();
+    let (mut windows, mut worst, mut mean) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut busy, mut idle, mut waiting, mut sending) = (vec![Vec::new(); p], vec![Vec::new(); p], vec![Vec::new(); p], vec![Vec::new(); p]);
+    for stages in steps {
+        let first = stages.iter().map(|t| t.started).min().ok_or_else(|| anyhow::anyhow!("no stages"))?;
+        let last = stages.iter().map(StageTimeline::ended).max().ok_or_else(|| anyhow::anyhow!("no stages"))?;
+        let window = secs(last - first);
+        anyhow::ensure!(window > 0.0, "a step took no time");
+        let idles: Vec<f64> = stages.iter().map(|t| (window - secs(t.busy())).max(0.0)).collect();
+        for (s, t) in stages.iter().enumerate() {
+            busy[s].push(secs(t.busy()));
+            idle[s].push(idles[s]);
+            waiting[s].push(secs(t.waiting()));
+            sending[s].push(secs(t.sending()));
+        }
+        worst.push(idles.iter().copied().fold(0.0, f64::max) / window);
+        mean.push(idles.iter().sum::<f64>() / (p as f64 * window));
+        windows.push(window);
+    }
+    let med = |xs: &[Vec<f64>]| xs.iter().map(|v| round6(median(v.clone()))).collect::<Vec<f64>>();
+    let costs = measured_costs(kind, p, steps);
+    let predicted = simulate(kind, p, m, &costs)?;
+    let worst_predicted = (0..p).map(|s| predicted.stage_bubble_fraction(s)).fold(0.0, f64::max);
+    let ms = |xs: &[f64]| xs.iter().map(|x| round3(x * 1e3)).collect::<Vec<f64>>();
+    Ok(serde_json::json!({
+        "bench": "pipeline",
+        "time": "measured wall time of real stages (rank threads); 'predicted' is virtual time",
+        "schedule": kind.name(),
+        "p": p,
+        "m": m,
+        "steps": steps.len(),
+        "step_s": round6(median(windows)),
+        "busy_s": med(&busy),
+        "idle_s": med(&idle),
+        "waiting_s": med(&waiting),
+        "sending_s": med(&sending),
+        "bubble_worst": round4(median(worst)),
+        "bubble_mean": round4(median(mean)),
+        "theory_1f1b": round4((p - 1) as f64 / (m + p - 1) as f64),
+        "predicted": {
+            "time": "virtual: schedule::simulate with this run's median compute per instruction and virtual stage, free transfers",
+            "step_s": round6(predicted.makespan),
+            "bubble_worst": round4(worst_predicted),
+            "bubble_mean": round4(predicted.bubble_fraction()),
+        },
+        "forward_ms": ms(&costs.forward),
+        "backward_ms": ms(&costs.backward_input.iter().zip(&costs.backward_weight).map(|(b, w)| b + w).collect::<Vec<f64>>()),
+    }))
+}
+
+/// Median compute seconds per virtual stage of forwards and of backwards (`Backward` or
+/// `BackwardInput`; `BackwardWeight` separately), over every timed step and micro-batch.
+fn measured_costs(kind: ScheduleKind, p: usize, steps: &[Vec<StageTimeline>]) -> Costs {
+    let virtual_stages = p * kind.chunks();
+    let mut samples = vec![[Vec::new(), Vec::new(), Vec::new()]; virtual_stages];
+    for stages in steps {
+        for (s, t) in stages.iter().enumerate() {
+            for e in &t.events {
+                let which = match e.instr.op {
+                    Op::Forward => 0,
+                    Op::Backward | Op::BackwardInput => 1,
+                    Op::BackwardWeight => 2,
+                };
+                if let Some(v) = samples.get_mut(e.instr.virtual_stage(p, s)) {
+                    v[which].push(e.compute().as_secs_f64());
+                }
+            }
+        }
+    }
+    let table = |which: usize| samples.iter().map(|v| median(v[which].clone())).collect::<Vec<f64>>();
+    Costs { forward: table(0), backward_input: table(1), backward_weight: table(2), p2p: 0.0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_real_pipeline_reports_every_stage_and_a_prediction() {
+        // Goal: a real 4-stage 1F1B run (tiny GPT, 1 kernel thread per rank) yields one timeline
+        // per stage and step, busy + idle = the step window on every stage, a bubble inside
+        // (0, 1), and a prediction from the same run's costs that has the right shape.
+        let args = PipelineArgs {
+            d_model: 32,
+            heads: 2,
+            context: 16,
+            micro_batch: 2,
+            layers: 8,
+            stages: 4,
+            microbatches: vec![4],
+            schedules: vec!["1f1b".into()],
+            threads_per_rank: Some(1),
+            warmup: 1,
+            steps: 2,
+            seed: 3,
+        };
+        let steps = run_mesh(&args, ScheduleKind::OneFOneB, 4, 1).unwrap();
+        assert_eq!(steps.len(), 2);
+        assert!(steps.iter().all(|s| s.len() == 4 && s.iter().all(|t| t.events.len() == 8)));
+        let line = summarize(ScheduleKind::OneFOneB, 4, 4, &steps).unwrap();
+        eprintln!("{line}");
+        let f = |k: &str| line[k].as_f64().unwrap();
+        for s in 0..4 {
+            let (busy, idle) = (line["busy_s"][s].as_f64().unwrap(), line["idle_s"][s].as_f64().unwrap());
+            assert!(busy > 0.0 && idle >= 0.0, "stage {s}: busy {busy} idle {idle}");
+        }
+        assert!(f("bubble_mean") > 0.0 && f("bubble_mean") <= f("bubble_worst") && f("bubble_worst") < 1.0);
+        assert_eq!(f("theory_1f1b"), round4(3.0 / 7.0));
+        let predicted = line["predicted"]["bubble_mean"].as_f64().unwrap();
+        assert!(predicted > 0.0 && predicted < 1.0, "predicted {predicted}");
+        assert_eq!(line["forward_ms"].as_array().unwrap().len(), 4);
+    }
+
+    #[test]
+    fn schedule_names_parse_and_unknown_ones_are_refused() {
+        assert_eq!(parse_schedule("interleaved-2").unwrap(), ScheduleKind::Interleaved { chunks: 2 });
+        assert_eq!(parse_schedule("zb-h1").unwrap(), ScheduleKind::ZeroBubbleH1);
+        assert!(parse_schedule("zb-v").is_err());
+        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved { chunks: 2 }, ScheduleKind::ZeroBubbleH1] {
+            assert_eq!(parse_schedule(&kind.name()).unwrap(), kind);
+        }
+    }
+}
