@@ -206,6 +206,15 @@ impl JobFiles {
         elastic.max_workers = elastic.max_workers.max(nproc);
         // A model-parallel job forms generations of whole replicas of pp·tp members.
         (elastic.pp, elastic.tp) = (self.config.parallel.pp, self.config.parallel.tp);
+        // `[parallel] zero`: what `rtx plan` plans for every stage, the runtime runs for ZeRO-1 of a
+        // data-parallel job (the same engine as `[elastic] sharding = "zero1"`); anything else is
+        // refused here rather than silently trained replicated.
+        match (self.config.parallel.zero, elastic.pp * elastic.tp) {
+            (0, _) => {}
+            (1, 1) => elastic.zero1 = true,
+            (1, _) => bail!("parallel.zero = 1 with pp = {} and tp = {}: the runtime shards optimizer state only for data-parallel jobs (pp = tp = 1) today; set parallel.zero = 0", elastic.pp, elastic.tp),
+            (z, _) => bail!("parallel.zero = {z}: ZeRO-2 and ZeRO-3 are planned by `rtx plan` but not yet run by `rtx launch`; set parallel.zero = 0 or 1"),
+        }
         if elastic.zero1 && self.config.train.device == crate::config::DeviceKind::Cuda {
             bail!("elastic.sharding = \"zero1\" shards host buckets; with train.device = \"cuda\" use the replicated default (gradients are staged through host buffers)");
         }

@@ -1,16 +1,19 @@
-//! `rtx-pipelines`: parallel strategies of rustytorch as topologies. Today: data parallelism.
+//! `rtx-pipelines`: the parallel strategies of rustytorch as topologies — data parallelism
+//! (DDP-style and ZeRO-1), tensor parallelism (Megatron-style), pipeline parallelism, and their
+//! combination as a `(dp, pp, tp)` mesh.
 //!
-//! Start from [`DataParallel`]: one per rank, it owns a model whose parameters live in flat
+//! Data parallelism: [`DataParallel`], one per rank, owns a model whose parameters live in flat
 //! buckets ([`rtx_tensor::optim::ParamBuckets`]), an optimizer and a communication thread holding
-//! the rank's [`rtx_collectives::Communicator`]. [`DataParallel::step`] runs the caller's forward,
+//! the rank's [`rtx_collectives::Communicator`]; [`DataParallel::step`] runs the caller's forward,
 //! then backward while each completed gradient bucket is averaged across the group, then the
-//! optimizer. [`Sharding::Zero1`] shards optimizer state and updates ZeRO-1 style, through the
-//! rank's [`ParamShard`] (the ZeRO-1 role: owns its segments of the parameters and their optimizer
-//! state; an [`rtx_actors::Actor`] with typed messages, export and import). The engine does
-//! not pick batches, detect failures beyond what its collectives report, or recover: a failed step
-//! leaves it [`Error::Broken`] for the supervisor to replace. Tensor, pipeline and federated
-//! parallelism and the trainers are not written yet. Tensor parallelism (Megatron-style layers,
-//! the TP form of the GPT) is in [`tp`].
+//! optimizer. [`Sharding::Zero1`] shards optimizer state and updates ZeRO-1 style through the rank's
+//! [`ParamShard`] (an [`rtx_actors::Actor`] with typed messages, export and import).
+//! Model parallelism: [`mesh`] (the mesh, coordinates, sub-communicators), [`schedule`] (GPipe,
+//! 1F1B, interleaved, ZB-H1 as pure instruction lists, and a virtual-time simulator), [`tp`]
+//! (tensor-parallel layers and the TP forms of the GPT and ViT) and [`pipeline`] (the engine
+//! contract: `StageModule`, and `MeshEngine`, which runs one member's step of any schedule and
+//! shape). No engine picks batches, detects failures beyond what its collectives report, or
+//! recovers: a failed step is an error for the supervisor, which re-forms the group.
 
 mod data_parallel;
 mod error;

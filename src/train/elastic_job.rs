@@ -253,19 +253,22 @@ impl TrainJob for ElasticJob {
         };
         let (model, n_classes, seed, optim) = (self.config.model.clone(), self.data.n_classes(), self.config.train.seed, self.config.optim.clone());
         let virtual_stages = p.pp * p.chunks();
-        let layers = match (&p.stage_layers, self.config.model_layout()) {
-            (Some(counts), _) => counts.iter().scan(0, |start, n| {
+        // Config validation made `virtual_stages <= layers`; should the partition still fail, every
+        // member's build reports it (training the job replicated instead would hide it).
+        let layers: Result<Vec<std::ops::Range<usize>>, String> = match (&p.stage_layers, self.config.model_layout()) {
+            (Some(counts), _) => Ok(counts.iter().scan(0, |start, n| {
                 *start += n;
                 Some(*start - n..*start)
-            }).collect(),
-            (None, Some(layout)) => partition_layers(&layout.static_costs(), virtual_stages).ok()?,
+            }).collect()),
             (None, None) => return None,
+            (None, Some(layout)) => partition_layers(&layout.static_costs(), virtual_stages).map_err(|e| format!("partitioning the layers over {virtual_stages} virtual stages: {e}")),
         };
         let build = move |request: &StageRequest| -> Result<(BoxedStage, Box<dyn optim::Optimizer + Send>), String> {
             let Model::Gpt(gpt) = Model::build(&model, None, n_classes, &mut Generator::new(seed)).map_err(|e| e.to_string())? else {
                 return Err("pipeline and tensor parallelism train a GPT".into());
             };
-            let part = TpGptStage::from_full(&gpt, request.tp.clone(), TpOptions::default(), &layers, request.coord.pp, request.shape.pp).map_err(|e| e.to_string())?;
+            let layers = layers.as_ref().map_err(Clone::clone)?;
+            let part = TpGptStage::from_full(&gpt, request.tp.clone(), TpOptions::default(), layers, request.coord.pp, request.shape.pp).map_err(|e| e.to_string())?;
             // Clipping is the engine's (over the whole mesh), not the optimizer's.
             let optimizer = build_inner(&optim, part.named_parameters()).map_err(|e| e.to_string())?.0;
             Ok((Box::new(part), optimizer))
