@@ -7,7 +7,7 @@
 //! in the output.
 
 use anyhow::Context as _;
-use rtx_supervisor::plan::{self, memory_estimate, predicted_bubble, stage_costs, MemoryEstimate, ModelLayout, Plan, PlanInput, Schedule, Unit};
+use rtx_supervisor::plan::{self, memory_estimate, predicted_bubble, simulated_bubble, stage_costs, MemoryEstimate, ModelLayout, Plan, PlanInput, Schedule, Unit};
 use serde_json::{json, Value};
 
 use crate::cli::PlanArgs;
@@ -90,6 +90,9 @@ pub fn report(config: &TrainConfig, world: usize) -> anyhow::Result<Value> {
         .enumerate()
         .map(|(j, (r, cost))| json!({ "stage": j, "rank_pp": j % shape.pp, "layers": [r.start, r.end], "embed": j == 0, "head": j + 1 == plan.stages.len(), "cost_flops_per_token": cost, "share": cost / sum.max(f64::MIN_POSITIVE) }))
         .collect();
+    if let Some((mean, worst)) = simulated_bubble(p.schedule, shape.pp, p.microbatches, p.chunks(), &totals) {
+        out["bubble_simulated"] = json!({ "mean": mean, "worst_stage": worst, "how": "schedule::simulate with these stage costs, backward = 2 x forward, free transfers" });
+    }
     out["ranks"] = ranks(&plan, &layout, dtype_bytes, tokens)?;
     Ok(out)
 }
@@ -131,11 +134,19 @@ pub fn text(r: &Value) -> String {
     );
     let _ = writeln!(
         s,
-        "predicted bubble: {:.1}% (closed form {} for {}, not simulated)",
+        "predicted bubble: {:.1}% (closed form {} for {}, equal stages)",
         r["bubble"].as_f64().unwrap_or(0.0) * 100.0,
         r["bubble_formula"].as_str().unwrap_or(""),
         r["schedule"].as_str().unwrap_or("")
     );
+    if let Some(sim) = r.get("bubble_simulated") {
+        let _ = writeln!(
+            s,
+            "simulated bubble with these stage costs: {:.1}% mean, {:.1}% on the idlest stage (virtual time, backward = 2 x forward, free transfers)",
+            sim["mean"].as_f64().unwrap_or(0.0) * 100.0,
+            sim["worst_stage"].as_f64().unwrap_or(0.0) * 100.0
+        );
+    }
     if let Some(note) = r["note"].as_str() {
         let _ = writeln!(s, "{note}");
     }

@@ -52,7 +52,7 @@ mod cost;
 mod shard;
 
 pub use config::{ParallelConfig, Schedule};
-pub use cost::{memory_estimate, partition_layers, predicted_bubble, stage_costs, LayerCosts, MemoryEstimate, ModelLayout};
+pub use cost::{memory_estimate, partition_layers, predicted_bubble, simulated_bubble, stage_costs, LayerCosts, MemoryEstimate, ModelLayout};
 use shard::{cover, union_covers};
 pub use shard::{ShardId, Unit};
 

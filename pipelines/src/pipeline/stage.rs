@@ -225,7 +225,7 @@ impl StageModule for GptStage {
     }
 }
 
-/// The layers of a tensor-parallel GPT that one pipeline rank holds: one [`TpGpt`] part per model
+/// The layers of a tensor-parallel GPT that one pipeline rank holds: one [`crate::tp::TpGpt`] part per model
 /// chunk, sharing the rank's tensor-parallel group. With `tp = 1` it trains exactly like
 /// [`GptStage`].
 pub struct TpGptStage {

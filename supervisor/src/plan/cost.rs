@@ -152,7 +152,6 @@ pub fn stage_costs(costs: &LayerCosts, ranges: &[Range<usize>]) -> Vec<f64> {
 /// closed forms: `(p-1)/(m+p-1)` for GPipe and 1F1B, `(p-1)/(v·m+p-1)` interleaved over `v`
 /// chunks, `(p-1)/(3m+p-1)` for ZB-H1 (its bubble is a third of 1F1B's at equal F, B, W times).
 pub fn predicted_bubble(schedule: Schedule, pp: usize, microbatches: usize, chunks: usize) -> f64 {
-    // TODO(lead): replace with `schedule::simulate` once the schedules are merged.
     let (p, m) = (pp as f64, microbatches.max(1) as f64);
     let work = match schedule {
         Schedule::GPipe | Schedule::OneFOneB => m,
@@ -160,6 +159,31 @@ pub fn predicted_bubble(schedule: Schedule, pp: usize, microbatches: usize, chun
         Schedule::ZbH1 => 3.0 * m,
     };
     (p - 1.0) / (work + p - 1.0)
+}
+
+/// The bubble of one step in virtual time: `rtx_pipelines::schedule::simulate` runs the schedule's
+/// instruction lists with each virtual stage's forward cost from `virtual_stage_costs` (the plan's
+/// stage costs, unequal when the embedding and head weigh in), the backward at twice the forward
+/// (split evenly into input and weight gradient), free transfers. Returns the mean idle share over
+/// stages and the worst stage's, or `None` for a schedule the simulator refuses (reported, not
+/// guessed).
+pub fn simulated_bubble(schedule: Schedule, pp: usize, microbatches: usize, chunks: usize, virtual_stage_costs: &[f64]) -> Option<(f64, f64)> {
+    use rtx_pipelines::schedule::{simulate, Costs, ScheduleKind};
+    let kind = match schedule {
+        Schedule::GPipe => ScheduleKind::GPipe,
+        Schedule::OneFOneB => ScheduleKind::OneFOneB,
+        Schedule::Interleaved => ScheduleKind::Interleaved { chunks },
+        Schedule::ZbH1 => ScheduleKind::ZeroBubbleH1,
+    };
+    if virtual_stage_costs.len() != pp * kind.chunks() {
+        return None;
+    }
+    let costs = Costs { forward: virtual_stage_costs.to_vec(), backward_input: virtual_stage_costs.to_vec(), backward_weight: virtual_stage_costs.to_vec(), p2p: 0.0 };
+    let timeline = simulate(kind, pp, microbatches.max(1), &costs).ok()?;
+    let makespan = timeline.makespan.max(f64::MIN_POSITIVE);
+    let mean = timeline.idle.iter().sum::<f64>() / (pp as f64 * makespan);
+    let worst = timeline.idle.iter().copied().fold(0.0, f64::max) / makespan;
+    Some((mean, worst))
 }
 
 /// Bytes one rank needs, by kind.

@@ -528,3 +528,16 @@ fn a_thousand_ranks_plan_in_reasonable_time() {
     assert_eq!(p.mesh.shape(), MeshShape { dp: 63, pp: 4, tp: 4 });
     assert!(sources(&p).iter().all(|s| **s == Source::Local));
 }
+
+#[test]
+fn the_simulated_bubble_matches_theory_on_equal_stages_and_grows_with_imbalance() {
+    // Goal: `simulated_bubble` is schedule::simulate, not another closed form: equal stages give
+    // 1F1B's (p-1)/(m+p-1); a heavier last stage (the head) makes the other stages wait longer.
+    let (mean, worst) = simulated_bubble(Schedule::OneFOneB, 4, 8, 1, &[1.0; 4]).expect("1f1b");
+    assert!((mean - 3.0 / 11.0).abs() < 1e-9 && (worst - 3.0 / 11.0).abs() < 1e-9, "{mean} {worst}");
+    let (skewed, skewed_worst) = simulated_bubble(Schedule::OneFOneB, 4, 8, 1, &[1.0, 1.0, 1.0, 2.0]).expect("1f1b");
+    assert!(skewed > mean && skewed_worst > skewed, "{skewed} {skewed_worst}");
+    let (inter, _) = simulated_bubble(Schedule::Interleaved, 4, 8, 2, &[0.5; 8]).expect("interleaved");
+    assert!(inter < mean, "interleaving halves the bubble time: {inter} vs {mean}");
+    assert_eq!(simulated_bubble(Schedule::OneFOneB, 4, 8, 1, &[1.0; 3]), None, "costs for 3 of 4 stages");
+}
