@@ -91,8 +91,9 @@ pub enum JobEvent {
     Refused { peer: String, reason: String },
     /// A member was lost.
     Lost { node: u64, pid: u32, class: FailureClass, reason: String },
-    /// A generation started.
-    Generation { generation: u64, world: usize, next_step: u64, source_node: u64, pids: Vec<u32> },
+    /// A generation started; `pids` in rank order, `mesh` its `(dp, pp, tp)` shape (rank `r` at
+    /// `tp = r % tp`, `pp = r / tp % pp`, `dp = r / (tp·pp)`; `(world, 1, 1)` for data parallelism).
+    Generation { generation: u64, world: usize, next_step: u64, source_node: u64, pids: Vec<u32>, mesh: (usize, usize, usize) },
     /// Every member completed `step`; `checksum` is the replicas' parameter checksum after it,
     /// when every member verified this step (they agree, or the job fails).
     Committed { step: u64, loss: f64, samples: u64, world: usize, generation: u64, checksum: Option<u64> },
@@ -631,7 +632,9 @@ impl ClusterSupervisor {
         }
         let pids = members.iter().filter_map(|n| self.members.get(n).map(|m| m.pid)).collect();
         tracing::info!(generation, world = members.len(), next_step, source, from = ?recovery.source, "generation started");
-        self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members.get(source).copied().unwrap_or_default(), pids }).await;
+        let (pp, tp) = (self.options.elastic.pp.max(1), self.options.elastic.tp.max(1));
+        let shape = (members.len() / (pp * tp), pp, tp);
+        self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members.get(source).copied().unwrap_or_default(), pids, mesh: shape }).await;
         if next_step >= self.end_step() {
             return self.finish(members).await;
         }
