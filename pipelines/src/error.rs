@@ -213,9 +213,10 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
-    /// Writing or reading a sharded checkpoint failed (the error names the file and tensor).
+    /// Writing or reading a sharded checkpoint failed (the error names the file and tensor; boxed,
+    /// it is the largest error of the crate).
     #[error(transparent)]
-    Checkpoint(#[from] rtx_tensor::checkpoint::sharded::ShardedError),
+    Checkpoint(Box<rtx_tensor::checkpoint::sharded::ShardedError>),
     /// A collective sharded checkpoint was not completed: some member failed to write its part.
     #[error("sharded checkpoint of step {step} in {dir}: {failed} {what} failed, so the checkpoint has no index and is never loaded")]
     CheckpointIncomplete {
@@ -302,4 +303,10 @@ pub enum Error {
         /// What did not fit.
         reason: String,
     },
+}
+
+impl From<rtx_tensor::checkpoint::sharded::ShardedError> for Error {
+    fn from(error: rtx_tensor::checkpoint::sharded::ShardedError) -> Error {
+        Error::Checkpoint(Box::new(error))
+    }
 }

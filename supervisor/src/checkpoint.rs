@@ -23,8 +23,8 @@ use std::thread::JoinHandle;
 
 use rtx_actors::RemoteRef;
 use rtx_pipelines::ParamSlice;
-use rtx_tensor::checkpoint::sharded::{ShardedCheckpoint, ShardedError};
-use rtx_tensor::checkpoint::{load_tensors, save_tensors, FORMAT, OPTIM_PREFIX};
+use rtx_tensor::checkpoint::sharded::ShardedCheckpoint;
+use rtx_tensor::checkpoint::{load_tensors, save_tensors, NamedTensors, FORMAT, OPTIM_PREFIX};
 use rtx_tensor::{Module, Optimizer, Tensor};
 
 use crate::error::{Result, SupervisorError};
@@ -215,14 +215,14 @@ pub fn checkpoint_tensors<M: Module>(model: &M, state: Vec<(String, Tensor)>) ->
 /// `build_optimizer` over whole parameters) and the step it was taken after. `path` is a
 /// single-file checkpoint, or the folder of a sharded one (a mesh job's, of any shape), read whole.
 pub fn load<M: Module, O: Optimizer>(path: &Path, model: &M, build_optimizer: impl FnOnce(&[ParamSlice]) -> std::result::Result<O, String>) -> Result<(Vec<(String, Tensor)>, u64)> {
-    let (tensors, meta) = if path.is_dir() { load_sharded_whole(path).map_err(rtx_pipelines::Error::from)? } else { load_tensors(path)? };
+    let (tensors, meta) = if path.is_dir() { load_sharded_whole(path)? } else { load_tensors(path)? };
     install(path, &tensors, &meta, model, build_optimizer)
 }
 
 /// Every tensor of the sharded checkpoint in `dir`, whole, and its metadata (with its step).
-fn load_sharded_whole(dir: &Path) -> std::result::Result<(Vec<(String, Tensor)>, BTreeMap<String, String>), ShardedError> {
+fn load_sharded_whole(dir: &Path) -> rtx_pipelines::Result<(NamedTensors, BTreeMap<String, String>)> {
     let ckpt = ShardedCheckpoint::open(dir)?;
-    let tensors = ckpt.names().into_iter().map(|name| Ok((name.to_string(), ckpt.full(name)?))).collect::<std::result::Result<Vec<_>, ShardedError>>()?;
+    let tensors = ckpt.names().into_iter().map(|name| Ok((name.to_string(), ckpt.full(name)?))).collect::<rtx_pipelines::Result<NamedTensors>>()?;
     let mut meta = ckpt.metadata().clone();
     meta.insert("step".to_string(), ckpt.step().to_string());
     Ok((tensors, meta))
