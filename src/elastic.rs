@@ -178,12 +178,22 @@ impl JobFiles {
         // Also fails here, before any worker starts, when `device = "cuda"` cannot run.
         ElasticJob::new(&text, &data_root, None, 0).map_err(|e| anyhow!(e))?;
         std::fs::create_dir_all(&out_dir).with_context(|| format!("cannot create output folder {}", out_dir.display()))?;
-        let checkpoint = elastic_checkpoint::latest(&out_dir.join("checkpoints"));
+        // A mesh job ([parallel] pp or tp above 1) writes sharded checkpoints (a folder per step),
+        // which any mesh shape resumes from; a data-parallel job single files.
+        let sharded = config.parallel.pp * config.parallel.tp > 1;
+        let checkpoints = out_dir.join("checkpoints");
+        // A data-parallel job resumes from the newer of the two (a sharded one read whole).
+        let sharded_step = |path: &Path| -> anyhow::Result<u64> {
+            Ok(rtx_tensor::checkpoint::sharded::ShardedCheckpoint::open(path).with_context(|| format!("cannot resume from {}", path.display()))?.step())
+        };
+        let newest_sharded = elastic_checkpoint::latest_sharded(&checkpoints).map(|p| sharded_step(&p).map(|s| (p, s))).transpose()?;
+        let newest_file = if sharded { None } else { elastic_checkpoint::latest(&checkpoints).map(|p| rtx_tensor::checkpoint::read_meta(&p).map(|m| (p, m.step))).transpose()? };
+        let checkpoint = match (newest_sharded, newest_file) {
+            (Some(s), Some(f)) => Some(if s.1 > f.1 { s } else { f }),
+            (s, f) => s.or(f),
+        };
         let resume = match (resume, checkpoint) {
-            (true, Some(path)) => {
-                let meta = rtx_tensor::checkpoint::read_meta(&path)?;
-                Some((path, meta.step + 1))
-            }
+            (true, Some((path, step))) => Some((path, step + 1)),
             (true, None) => None,
             (false, _) if out_dir.join("metrics.jsonl").exists() => bail!("output folder {} holds an earlier run; pass --resume to continue it, or --out DIR for a fresh one", out_dir.display()),
             (false, _) => None,

@@ -213,6 +213,30 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// Writing or reading a sharded checkpoint failed (the error names the file and tensor; boxed,
+    /// it is the largest error of the crate).
+    #[error(transparent)]
+    Checkpoint(Box<rtx_tensor::checkpoint::sharded::ShardedError>),
+    /// A collective sharded checkpoint was not completed: some member failed to write its part.
+    #[error("sharded checkpoint of step {step} in {dir}: {failed} {what} failed, so the checkpoint has no index and is never loaded")]
+    CheckpointIncomplete {
+        /// The checkpoint directory.
+        dir: String,
+        /// The step it was to be taken after.
+        step: u64,
+        /// How many members failed.
+        failed: usize,
+        /// `shard writers` or `index writers`.
+        what: &'static str,
+    },
+    /// A sharded checkpoint does not fit the model or optimizer loading it.
+    #[error("sharded checkpoint of step {step}: {reason}")]
+    CheckpointMismatch {
+        /// The step it was taken after.
+        step: u64,
+        /// What does not fit.
+        reason: String,
+    },
     /// A mesh or schedule cannot be used.
     #[error(transparent)]
     Mesh(#[from] crate::mesh::MeshError),
@@ -279,4 +303,10 @@ pub enum Error {
         /// What did not fit.
         reason: String,
     },
+}
+
+impl From<rtx_tensor::checkpoint::sharded::ShardedError> for Error {
+    fn from(error: rtx_tensor::checkpoint::sharded::ShardedError) -> Error {
+        Error::Checkpoint(Box::new(error))
+    }
 }

@@ -31,6 +31,7 @@ use rtx_pipelines::tp::TpOptions;
 use rtx_pipelines::ParamSlice;
 use rtx_supervisor::plan::{partition_layers, Schedule};
 use rtx_supervisor::{BoxedStage, JobSpec, MeshSpec, StageRequest, TrainJob};
+use rtx_tensor::checkpoint::sharded::ModelLayout;
 use rtx_tensor::nn::Module;
 use rtx_tensor::data::DataRoot;
 use rtx_tensor::optim::{self, LrSchedule};
@@ -281,6 +282,9 @@ impl TrainJob for ElasticJob {
             build: Arc::new(build),
             split: Arc::new(|batch: &RankBatch, parts| TokenBatch { ids: batch.batch.inputs.clone(), targets: batch.batch.targets.clone() }.split(parts).map_err(|e| e.to_string())),
             lr: Arc::new(move |step| schedule_lr.lr(step)),
+            // `Model::build` leaves `tie_embeddings` at `GptConfig`'s default, the only field the
+            // layout reads.
+            layout: ModelLayout::gpt(&rtx_tensor::nn::GptConfig::default()),
         })
     }
 

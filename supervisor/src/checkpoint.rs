@@ -23,7 +23,8 @@ use std::thread::JoinHandle;
 
 use rtx_actors::RemoteRef;
 use rtx_pipelines::ParamSlice;
-use rtx_tensor::checkpoint::{load_tensors, save_tensors, FORMAT, OPTIM_PREFIX};
+use rtx_tensor::checkpoint::sharded::ShardedCheckpoint;
+use rtx_tensor::checkpoint::{load_tensors, save_tensors, NamedTensors, FORMAT, OPTIM_PREFIX};
 use rtx_tensor::{Module, Optimizer, Tensor};
 
 use crate::error::{Result, SupervisorError};
@@ -91,6 +92,24 @@ const MASTER_SUFFIX: &str = ".master";
 /// The file of `step` in `dir`.
 pub fn path_for(dir: &Path, step: u64) -> PathBuf {
     dir.join(format!("step-{step:08}.safetensors"))
+}
+
+/// The folder of the sharded checkpoint of `step` in `dir` (a mesh job's; see
+/// `rtx_tensor::checkpoint::sharded`).
+pub fn sharded_path_for(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("step-{step:08}"))
+}
+
+/// The newest complete sharded checkpoint in `dir` (a `step-*` folder with its index), if any.
+/// A folder without `index.json` is a checkpoint whose writers did not all finish: skipped.
+pub fn latest_sharded(dir: &Path) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir() && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")) && p.join(rtx_tensor::checkpoint::sharded::INDEX_FILE).is_file())
+        .collect();
+    found.sort();
+    found.pop()
 }
 
 /// The newest checkpoint file in `dir`, if any.
@@ -193,10 +212,20 @@ pub fn checkpoint_tensors<M: Module>(model: &M, state: Vec<(String, Tensor)>) ->
 }
 
 /// Loads a checkpoint into `model`; returns the optimizer state (for an optimizer built by
-/// `build_optimizer` over whole parameters) and the step it was taken after.
+/// `build_optimizer` over whole parameters) and the step it was taken after. `path` is a
+/// single-file checkpoint, or the folder of a sharded one (a mesh job's, of any shape), read whole.
 pub fn load<M: Module, O: Optimizer>(path: &Path, model: &M, build_optimizer: impl FnOnce(&[ParamSlice]) -> std::result::Result<O, String>) -> Result<(Vec<(String, Tensor)>, u64)> {
-    let (tensors, meta) = load_tensors(path)?;
+    let (tensors, meta) = if path.is_dir() { load_sharded_whole(path)? } else { load_tensors(path)? };
     install(path, &tensors, &meta, model, build_optimizer)
+}
+
+/// Every tensor of the sharded checkpoint in `dir`, whole, and its metadata (with its step).
+fn load_sharded_whole(dir: &Path) -> rtx_pipelines::Result<(NamedTensors, BTreeMap<String, String>)> {
+    let ckpt = ShardedCheckpoint::open(dir)?;
+    let tensors = ckpt.names().into_iter().map(|name| Ok((name.to_string(), ckpt.full(name)?))).collect::<rtx_pipelines::Result<NamedTensors>>()?;
+    let mut meta = ckpt.metadata().clone();
+    meta.insert("step".to_string(), ckpt.step().to_string());
+    Ok((tensors, meta))
 }
 
 /// [`load`] from a store's `location` (see [`CheckpointStore::load`]).

@@ -10,6 +10,7 @@ use rtx_actors::BatchSource;
 use rtx_pipelines::pipeline::{PipelineConfig, StageModule, TokenBatch};
 use rtx_pipelines::tp::TpHandle;
 use rtx_pipelines::{Coord, DpConfig, MeshShape, ParamSlice};
+use rtx_tensor::checkpoint::sharded::ModelLayout;
 use rtx_tensor::{Module, Optimizer, Tensor};
 
 /// A training job as the worker runtime sees it. `batch` (from [`BatchSource`]) must be a pure
@@ -93,10 +94,12 @@ pub struct MeshSpec<B> {
     pub split: Arc<SplitBatch<B>>,
     /// The learning rate of a step.
     pub lr: Arc<dyn Fn(u64) -> f64 + Send + Sync>,
+    /// How the full model's tensors are cut over `(pp, tp)`: the parts of sharded checkpoints.
+    pub layout: ModelLayout,
 }
 
 impl<B> Clone for MeshSpec<B> {
     fn clone(&self) -> Self {
-        MeshSpec { pp: self.pp, tp: self.tp, pipeline: self.pipeline, build: Arc::clone(&self.build), split: Arc::clone(&self.split), lr: Arc::clone(&self.lr) }
+        MeshSpec { pp: self.pp, tp: self.tp, pipeline: self.pipeline, build: Arc::clone(&self.build), split: Arc::clone(&self.split), lr: Arc::clone(&self.lr), layout: self.layout.clone() }
     }
 }

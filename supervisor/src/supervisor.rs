@@ -600,7 +600,9 @@ impl ClusterSupervisor {
             1 => (plan_recovery(&holdings, checkpoint, self.options.resume_next_step, self.committed, replay), None),
             slots => {
                 let held: Vec<Option<MeshHeld>> = members.iter().map(|n| ready.get(n).and_then(|(_, _, m)| *m)).collect();
-                let (sources, step) = placement::shard_sources(&held, slots, None);
+                // The newest complete sharded checkpoint, else the one the job resumes from.
+                let resumed = self.options.resume.as_ref().and_then(|p| Some((self.options.resume_next_step.checked_sub(1)?, p.to_str()?)));
+                let (sources, step) = placement::shard_sources(&held, slots, checkpoint.or(resumed));
                 let next_step = step.map_or(self.options.resume_next_step, |s| s + 1);
                 let regressed_from = self.committed.filter(|&c| c + 1 > next_step);
                 let (pp, tp) = (self.options.elastic.pp as u32, self.options.elastic.tp as u32);

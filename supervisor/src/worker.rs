@@ -458,7 +458,9 @@ enum Bound {
 async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>, mut cmds: Receiver<ToWorker>) -> Result<WorkerOutcome> {
     let mut replica = Replica { model: Some(job.build_model().map_err(SupervisorError::Job)?), snapshot_params: None, rank: None, optimizer_state: None, completed: None, zero1: BuddyCopies::default(), mesh: None };
     let mesh_spec = job.mesh();
-    if let Some(path) = &resume {
+    // A mesh job resumes from a sharded checkpoint: each member loads its part when the
+    // supervisor names it as the slot's source (`ShardSource::Checkpoint`).
+    if let Some(path) = resume.as_ref().filter(|_| mesh_spec.is_none()) {
         let (state, step) = checkpoint::load(path, replica.model.as_ref().ok_or_else(internal)?, |slices| job.build_optimizer(slices))?;
         replica.optimizer_state = Some(state);
         replica.completed = Some(step);

@@ -162,6 +162,25 @@ fn shard_files_are_plain_safetensors_with_full_names_and_local_shapes() {
 }
 
 #[test]
+fn manifests_rebuilt_from_the_files_equal_the_writers() {
+    // Goal: an index writer that only shares the directory gets the same manifests the writers
+    // returned, and a file of another label or format is refused. Method: write the (2, 2) mesh,
+    // rebuild every manifest with `ShardManifest::read` and compare; then ask for a label under a
+    // renamed file.
+    let dir = tempfile::tempdir().unwrap();
+    let (_, _, full) = trained();
+    let mut written = write_mesh(dir.path(), &full, 2, 2, &BTreeMap::new());
+    written.sort_by(|a, b| a.label.cmp(&b.label));
+    for m in &mut written {
+        m.tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        assert_eq!(&ShardManifest::read(dir.path(), &m.label).unwrap(), m, "{}", m.label);
+    }
+    std::fs::copy(shard(dir.path(), "pp0-tp0"), shard(dir.path(), "pp9-tp9")).unwrap();
+    assert!(matches!(ShardManifest::read(dir.path(), "pp9-tp9"), Err(ShardedError::BadShard { .. })));
+    assert!(matches!(ShardManifest::read(dir.path(), "pp7-tp7"), Err(ShardedError::MissingShard { .. })));
+}
+
+#[test]
 fn loads_into_other_mesh_shapes_and_one_rank() {
     // Goal: any target mesh takes its part. Method: for (tp, pp) = (1, 4), (4, 1), (1, 1) and
     // (2, 2), every member's expected part is the cut of the original tensors (tensor ops, not

@@ -121,6 +121,21 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
         self.coord
     }
 
+    /// The mesh's shape.
+    pub fn shape(&self) -> MeshShape {
+        self.shape
+    }
+
+    /// The member's part and its optimizer, to load state into both.
+    pub fn part_and_optimizer_mut(&mut self) -> (&S, &mut O) {
+        (&self.part, &mut self.optimizer)
+    }
+
+    /// The member's `dp`, `pp` and `tp` groups.
+    pub(super) fn groups(&self) -> (&BlockingGroup, &BlockingGroup, &BlockingGroup) {
+        (&self.dp, &self.pp, &self.tp)
+    }
+
     /// The wall-time timeline of the last step's instructions (empty before the first step).
     pub fn last_timeline(&self) -> &StageTimeline {
         &self.timeline

@@ -7,21 +7,30 @@
 //! ([`MeshReplica`]): parameters in visit order, then the optimizer state in its order. The part
 //! is rebuilt every generation, because its tensor-parallel layers hold the old generation's group.
 //!
-//! Not yet here (recorded in the issue): periodic sharded checkpoints of a mesh job and recovery
-//! from them, and re-partitioning layers over fewer stages; a slot no member holds falls back to
-//! the initial state, reported as a regression.
+//! Sharded checkpoints: every `checkpoint_every` steps, and after the last step of the run (or of
+//! a `--steps` part of it), the whole mesh saves its state into `<checkpoint dir>/step-NNNNNNNN/`
+//! (one shard per `(pp, tp)` slot, written by the slot's dp-rank-0 member, then `index.json`; see
+//! [`rtx_pipelines::pipeline::MeshEngine::save_sharded`]) on the compute thread, after the step;
+//! the member at `(0, 0, 0)` reports it to the supervisor. A member whose source is
+//! [`ShardSource::Checkpoint`] (no surviving holder, or `rtx launch --resume`) loads its part of that
+//! checkpoint, whatever mesh shape saved it.
+//!
+//! Not yet here (recorded in the issue): re-partitioning layers over fewer stages.
 
 use std::sync::{Arc, PoisonError};
 
 use rtx_actors::DataShard;
 use rtx_collectives::{CommConfig, Communicator, Endpoint, WORLD_GROUP_ID};
-use rtx_pipelines::pipeline::{DynOptimizer, MeshEngine};
+use rtx_pipelines::pipeline::{load_shard, DynOptimizer, MeshEngine};
 use rtx_pipelines::tp::TpGroup;
 use rtx_pipelines::{Mesh, MeshGroups, MeshShape};
+use rtx_tensor::checkpoint::sharded::ShardedCheckpoint;
+use rtx_tensor::checkpoint::CheckpointMeta;
 use rtx_tensor::{Module, Optimizer, Tensor};
 use tokio::sync::mpsc::Receiver;
 
 use super::{connect_generation, leave, lost, Bound, Generation, Replica, WorkerCtx};
+use crate::checkpoint::sharded_path_for;
 use crate::error::{Result, SupervisorError};
 use crate::job::{BoxedStage, MeshSpec, StageRequest, TrainJob};
 use crate::protocol::{MeshHeld, MeshStart, ShardSource, ToSupervisor, ToWorker};
@@ -123,7 +132,14 @@ async fn train<J: TrainJob>(
             install(&part, &mut optimizer, &state)?;
         }
         ShardSource::Initial => {}
-        ShardSource::Checkpoint { location, .. } => return Err(SupervisorError::Job(format!("mesh recovery from the sharded checkpoint {location} is not built yet"))),
+        ShardSource::Checkpoint { location, step } => {
+            let ckpt = ShardedCheckpoint::open(std::path::Path::new(location)).map_err(rtx_pipelines::Error::from)?;
+            let loaded = load_shard(&ckpt, &spec.layout, coord.tp, shape.tp, &part, &mut optimizer)?;
+            if loaded != *step {
+                return Err(SupervisorError::Job(format!("the sharded checkpoint {location} is of step {loaded}, the supervisor named step {step}")));
+            }
+            tracing::info!(%location, step, saved_mesh = ?ckpt.mesh(), %coord, "slot state loaded from the sharded checkpoint");
+        }
     }
     // Nobody trains until every member holds its slot's state.
     comm.barrier().await?;
@@ -135,6 +151,7 @@ async fn train<J: TrainJob>(
     let mut engine: Engine = MeshEngine::new(part, optimizer, &groups, handle, spec.pipeline)?;
     let total = job.total_steps().min(g.stop_step);
     let global = job.global_batch().max(1) as f64;
+    let checkpoint_dir = job.checkpoint_dir();
     let mut step = g.next_step;
     let outcome: Result<Option<ToWorker>> = loop {
         if step >= total {
@@ -160,15 +177,23 @@ async fn train<J: TrainJob>(
         let rows: usize = micro.iter().map(|m| m.rows()).sum();
         let scales: Vec<f64> = micro.iter().map(|m| m.rows() as f64 / global).collect();
         engine.optimizer_mut().set_lr((spec.lr)(step));
+        // A sharded checkpoint after this step: every `checkpoint_every` steps and after the last.
+        let save_dir = checkpoint_dir.as_ref().filter(|_| (ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0) || step + 1 == total).map(|dir| sharded_path_for(dir, step));
+        let layout = spec.layout.clone();
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
             .name(format!("rtx-mesh-step-{step}"))
             .spawn(move || {
                 let result = engine.step(step, &micro, &scales);
-                let _ = done_tx.send((engine, result));
+                // Only after a step every member completed; a failed save leaves the step done.
+                let saved = match (&result, &save_dir) {
+                    (Ok(_), Some(dir)) => Some(engine.save_sharded(dir, step, &layout, &CheckpointMeta { step, ..CheckpointMeta::default() }).map(|index| (dir.clone(), index.is_some()))),
+                    _ => None,
+                };
+                let _ = done_tx.send((engine, result, saved));
             })
             .map_err(|e| SupervisorError::Job(format!("cannot start the compute thread: {e}")))?;
-        let (returned, result) = done_rx.await.map_err(|_| SupervisorError::Job("the compute thread of a mesh step ended without an answer".into()))?;
+        let (returned, result, saved) = done_rx.await.map_err(|_| SupervisorError::Job("the compute thread of a mesh step ended without an answer".into()))?;
         engine = returned;
         match result {
             Ok(out) => {
@@ -177,6 +202,18 @@ async fn train<J: TrainJob>(
                 // The replica's first member counts its samples, so the supervisor's sum is the global batch.
                 let samples = if coord.pp == 0 && coord.tp == 0 { rows as u64 } else { 0 };
                 ctx.supervisor.tell(&ToSupervisor::StepDone { node: ctx.node, generation: g.generation, step, loss: out.loss, samples, checksum: None }).await?;
+                match saved {
+                    // The member that wrote the index reports the complete checkpoint.
+                    Some(Ok((dir, true))) => {
+                        tracing::info!(step, dir = %dir.display(), "sharded checkpoint written");
+                        ctx.supervisor.tell(&ToSupervisor::Checkpointed { node: ctx.node, step, path: dir.display().to_string() }).await?;
+                    }
+                    Some(Err(e)) if coord == (rtx_pipelines::Coord { dp: 0, pp: 0, tp: 0 }) => {
+                        tracing::error!(step, error = %e, "sharded checkpoint failed; the previous one stays valid");
+                        ctx.supervisor.tell(&ToSupervisor::CheckpointFailed { node: ctx.node, step, reason: e.to_string() }).await?;
+                    }
+                    _ => {}
+                }
                 step += 1;
             }
             Err(e) => {

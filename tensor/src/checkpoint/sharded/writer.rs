@@ -46,6 +46,45 @@ pub struct ManifestEntry {
     pub crc32: u32,
 }
 
+impl ShardManifest {
+    /// The manifest of the shard labelled `label` already written to `dir`, rebuilt from the file
+    /// alone: its length and crc32, and per tensor the part its `__metadata__` records and the
+    /// crc32 of its bytes. What [`ShardWriter::write`] returned to the member that wrote it, so an
+    /// index writer that shares the directory (a common checkpoint folder) needs no manifest sent
+    /// to it. Refuses a file that is not a shard of this format or of this label.
+    pub fn read(dir: &Path, label: &str) -> Result<ShardManifest> {
+        let file = shard_file_name(label)?;
+        let path = dir.join(&file);
+        let display = path.display().to_string();
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(ShardedError::MissingShard { file: display, tensor: "(any)".into() }),
+            Err(e) => return Err(io_error(&path)(e)),
+        };
+        let bad = |tensor: &str, reason: String| ShardedError::BadShard { file: display.clone(), tensor: tensor.to_string(), reason };
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad("", format!("not a valid safetensors file: {e}")))?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad("", format!("not a valid safetensors file: {e}")))?;
+        let metadata = header.metadata().clone().unwrap_or_default();
+        if metadata.get("format").map(String::as_str) != Some(SHARD_FORMAT) {
+            return Err(bad("", format!("metadata format is {:?}, not {SHARD_FORMAT}", metadata.get("format"))));
+        }
+        if metadata.get("label").map(String::as_str) != Some(label) {
+            return Err(bad("", format!("metadata label is {:?}, not {label:?}", metadata.get("label"))));
+        }
+        let parts: BTreeMap<String, Part> =
+            serde_json::from_str(metadata.get("parts").map_or("", String::as_str)).map_err(|e| bad("", format!("metadata parts: {e}")))?;
+        let mut tensors = Vec::with_capacity(parts.len());
+        for (name, part) in &parts {
+            let view = st.tensor(name).map_err(|e| bad(name, format!("the metadata names it but the file lacks it: {e}")))?;
+            tensors.push(ManifestEntry { name: name.clone(), dtype: view.dtype(), shape: view.shape().to_vec(), part: *part, crc32: crc32fast::hash(view.data()) });
+        }
+        if st.len() != parts.len() {
+            return Err(bad("", format!("{} tensors but parts recorded for {}", st.len(), parts.len())));
+        }
+        Ok(ShardManifest { label: label.to_string(), file, bytes: bytes.len() as u64, crc32: crc32fast::hash(&bytes), tensors })
+    }
+}
+
 /// Writes one member's shard file.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ShardWriter;
