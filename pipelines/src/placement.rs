@@ -36,8 +36,8 @@ impl Placement {
         *self == Placement::HOST_F32
     }
 
-    /// `values` as a fresh tensor of `shape` here: a leaf without a graph (rounded to the dtype on
-    /// the host, then copied to the device).
+    /// `values` as a fresh tensor of `shape` here: a leaf without a graph (copied to the device,
+    /// then rounded to the dtype there).
     pub fn put(&self, values: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
         self.onto(Tensor::from_vec(values, shape)?)
     }
@@ -48,8 +48,12 @@ impl Placement {
         if t.device() == self.device && t.dtype() == self.dtype {
             return Ok(t);
         }
-        let t = if t.dtype() == self.dtype { t } else { t.detach().to_dtype(self.dtype)? };
-        Ok(t.to_device(self.device)?)
+        if self.device == Device::Cpu {
+            return Ok(t.detach().to_dtype(self.dtype)?);
+        }
+        // Copied up as it is, then cast on the device (no host pass over the elements); `t` needs
+        // no gradient, so the cast records no graph and the result is a leaf.
+        Ok(t.detach().to_device(self.device)?.to_dtype(self.dtype)?)
     }
 }
 

@@ -297,3 +297,34 @@ fn check_rank3(op: &'static str, x: &Tensor) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tp::TpGroup;
+
+    #[test]
+    fn mask_rows_zeroes_rows_forward_and_backward() {
+        // Goal: the embedding's mask keeps rows with factor 1 and zeroes the others, and its
+        // backward masks the gradient alike. Method: distinct values [2, 3, 2], mask [1, 0, 1, 0, 0, 1].
+        let x = Tensor::from_vec((1..=12).map(|v| v as f32).collect::<Vec<_>>(), &[3, 2, 2]).unwrap().requires_grad(true);
+        let y = mask_rows(&x, vec![1.0, 0.0, 1.0, 0.0, 0.0, 1.0]).unwrap();
+        assert_eq!(y.to_f32_vec().unwrap(), [1., 2., 0., 0., 5., 6., 0., 0., 0., 0., 11., 12.]);
+        y.sum_all().unwrap().backward().unwrap();
+        assert_eq!(x.grad().unwrap().to_f32_vec().unwrap(), [1., 1., 0., 0., 1., 1., 0., 0., 0., 0., 1., 1.]);
+        let err = mask_rows(&x, vec![1.0; 5]).unwrap_err();
+        assert!(err.to_string().contains("5 mask values"), "{err}");
+    }
+
+    #[test]
+    fn host_bf16_is_refused_by_the_staged_ops() {
+        // Goal: bf16 travels through the collectives only from a device (widened and rounded
+        // back); on the host it is a typed error naming the op and dtype, as before.
+        let group = TpGroup::solo().into_handle();
+        let logits = Tensor::from_vec(vec![0.5f32; 8], &[2, 4]).unwrap().to_dtype(DType::BF16).unwrap();
+        let targets = Tensor::from_vec(vec![1u32, 3], &[2]).unwrap();
+        let err = vocab_parallel_cross_entropy(&logits, &targets, 4, &group).unwrap_err();
+        assert!(matches!(err, Error::Tensor(rtx_tensor::Error::UnsupportedDType { op: "vocab_parallel_cross_entropy", dtype: DType::BF16 })), "{err}");
+        assert!(matches!(reduce_from_tp(&logits, &group), Err(Error::Tensor(rtx_tensor::Error::UnsupportedDType { op: "reduce_from_tp", .. }))));
+    }
+}
