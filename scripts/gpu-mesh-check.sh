@@ -12,7 +12,7 @@
 # Prints a short table last (per-step loss agreement with the 1-process run of the same
 # precision, median step time, tokens/s) and writes logs, events and run folders to $OUT_DIR.
 # Usage: scripts/gpu-mesh-check.sh [RTX_BINARY] [CONFIG_DIR]
-#   (defaults target/release/rtx and configs/; the binary's folder is searched for configs too)
+#   (defaults target/release/rtx, and the configs beside this script, else configs/)
 # Env: STEPS (20), WARMUP (3: steps left out of the step time), OUT_DIR (default $OUT/mesh if OUT
 #   is set, else /tmp/rtx-gpu-mesh), RTX_DATA_DIR (default ./data; a sotu.tar.gz beside the
 #   script is unpacked when there is no data folder), BUDGET_S (420: no new run starts after it).
