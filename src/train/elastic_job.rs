@@ -18,6 +18,11 @@
 //! `exp_avg`, `exp_avg_sq`, `step`), which is what elastic state sync and checkpoints carry. A
 //! fresh optimizer's master weights are the device parameters widened to f32 (the initial values
 //! rounded to bf16 once), so every replica and every re-formation agree on them.
+//!
+//! A model-parallel job ([`TrainJob::mesh`]) on the GPU does the same per member: each builds the
+//! full model on the host from the seed, keeps its `TpGptStage` slices, moves them to its device
+//! in the configured precision and steps them with the device AdamW; the engine host-stages what
+//! crosses stages and tensor-parallel ranks (see `rtx_pipelines::Placement`).
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -252,7 +257,7 @@ impl TrainJob for ElasticJob {
             Schedule::Interleaved => ScheduleKind::Interleaved { chunks: p.chunks() },
             Schedule::ZbH1 => ScheduleKind::ZeroBubbleH1,
         };
-        let (model, n_classes, seed, optim) = (self.config.model.clone(), self.data.n_classes(), self.config.train.seed, self.config.optim.clone());
+        let (model, n_classes, seed, config, placement) = (self.config.model.clone(), self.data.n_classes(), self.config.train.seed, self.config.clone(), self.placement);
         let virtual_stages = p.pp * p.chunks();
         // Config validation made `virtual_stages <= layers`; should the partition still fail, every
         // member's build reports it (training the job replicated instead would hide it).
@@ -269,9 +274,16 @@ impl TrainJob for ElasticJob {
                 return Err("pipeline and tensor parallelism train a GPT".into());
             };
             let layers = layers.as_ref().map_err(Clone::clone)?;
-            let part = TpGptStage::from_full(&gpt, request.tp.clone(), TpOptions::default(), layers, request.coord.pp, request.shape.pp).map_err(|e| e.to_string())?;
-            // Clipping is the engine's (over the whole mesh), not the optimizer's.
-            let optimizer = build_inner(&optim, part.named_parameters()).map_err(|e| e.to_string())?.0;
+            let mut part = TpGptStage::from_full(&gpt, request.tp.clone(), TpOptions::default(), layers, request.coord.pp, request.shape.pp).map_err(|e| e.to_string())?;
+            // Clipping is the engine's (over the whole mesh), not the optimizer's. On a GPU the
+            // part's slices move there and AdamW keeps f32 master weights there, as in DP.
+            let optimizer = match placement {
+                Placement::Cpu => build_inner(&config.optim, part.named_parameters()).map_err(|e| e.to_string())?.0,
+                Placement::Cuda { ordinal, dtype } => {
+                    move_module_to_device(&mut part, ordinal, dtype)?;
+                    device_optimizer(&config, part.named_parameters())?
+                }
+            };
             Ok((Box::new(part), optimizer))
         };
         let schedule_lr = build_schedule(&self.config.optim, &self.config.schedule);
@@ -294,13 +306,19 @@ impl TrainJob for ElasticJob {
 }
 
 /// Moves `model`'s parameters to CUDA device `ordinal` in `dtype`.
-#[cfg(feature = "cuda")]
 fn move_to_device(model: &mut Model, ordinal: usize, dtype: rtx_tensor::DType) -> Result<(), String> {
-    rtx_tensor::cuda::move_module(model.module_mut(), ordinal, dtype).map(|_masters| ()).map_err(|e| format!("moving the model to cuda:{ordinal}: {e}"))
+    move_module_to_device(model.module_mut(), ordinal, dtype)
+}
+
+/// Moves `module`'s parameters (a whole model or a mesh member's part) to CUDA device `ordinal`
+/// in `dtype`.
+#[cfg(feature = "cuda")]
+fn move_module_to_device(module: &mut dyn Module, ordinal: usize, dtype: rtx_tensor::DType) -> Result<(), String> {
+    rtx_tensor::cuda::move_module(module, ordinal, dtype).map(|_masters| ()).map_err(|e| format!("moving the model to cuda:{ordinal}: {e}"))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn move_to_device(_model: &mut Model, _ordinal: usize, _dtype: rtx_tensor::DType) -> Result<(), String> {
+fn move_module_to_device(_module: &mut dyn Module, _ordinal: usize, _dtype: rtx_tensor::DType) -> Result<(), String> {
     Err(super::DeviceError::NotCompiled.to_string())
 }
 

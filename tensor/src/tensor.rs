@@ -388,9 +388,19 @@ impl Tensor {
     }
 
     /// The elements as f32, contiguous (any float dtype; u32 converts exactly up to 2^24).
+    /// A device tensor is copied to the host once (the copy is the result in f32; bf16 is widened
+    /// from it), as host-staged collectives read their operands.
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         if self.dtype() == DType::U32 {
             return Ok(self.to_u32_vec()?.into_iter().map(|x| x as f32).collect());
+        }
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return match crate::cuda::download(self)? {
+                CpuData::F32(v) => Ok(v),
+                CpuData::BF16(v) => Ok(convert::bf16_vec_to_f32(&v)),
+                other => Err(Error::UnsupportedDType { op: "to_f32_vec", dtype: other.dtype() }),
+            };
         }
         Ok(match self.with_float_slice(|s| match s {
             FloatSlice::F32(x) => FloatVec::F32(x.to_vec()),

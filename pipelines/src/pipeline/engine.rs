@@ -12,6 +12,11 @@
 //! optimizer on the member's own parameters. Everything here is blocking and runs on a compute
 //! thread; collectives run on the endpoint's runtime through [`BlockingGroup`].
 //!
+//! A part on a CUDA device ([`StageModule::placement`]) trains there; what crosses a stage boundary
+//! is host-staged: an activation or gradient is read to the host as f32, travels through the
+//! [`Mailbox`], and the receiver puts it on its device in its dtype (a fresh leaf, as on the host).
+//! The tied-embedding sum, the replica sum and the clipping norm read gradients to the host too.
+//!
 //! Decision: under ZB-H1 the weight-gradient instruction does no work of its own, because this
 //! crate's autograd produces input and weight gradients in one pass; the schedule's order (and so
 //! its communication pattern and results) is kept, its timing benefit is measured in virtual time
@@ -23,6 +28,7 @@ use rtx_tensor::{Generator, Optimizer, Tensor};
 use tokio::runtime::Handle;
 
 use crate::error::{Error, Result};
+use crate::placement::Placement;
 use crate::mesh::{Coord, MeshGroups, MeshShape};
 use crate::pipeline::blocking::BlockingGroup;
 use crate::pipeline::mailbox::{Key, Kind, Mailbox};
@@ -71,6 +77,8 @@ pub struct MeshEngine<S: StageModule, O: Optimizer> {
     program: Vec<Instr>,
     mailbox: Mailbox,
     timeline: StageTimeline,
+    /// Where activations and gradients arriving from other stages are put.
+    placement: Placement,
 }
 
 impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
@@ -86,6 +94,7 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
         }
         let program = schedule::instructions(config.schedule, shape.pp, config.microbatches, groups.coord.pp)?;
         let blocking = |comm: &rtx_collectives::Communicator, role| BlockingGroup::new(comm.clone(), handle.clone(), role);
+        let placement = part.placement();
         Ok(MeshEngine {
             part,
             optimizer,
@@ -98,6 +107,7 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
             program,
             mailbox: Mailbox::default(),
             timeline: StageTimeline::empty(),
+            placement,
         })
     }
 
@@ -190,7 +200,7 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
                     } else {
                         let key = Key { kind: Kind::Activation, microbatch: mb, stage: v };
                         let values = rec.waiting(|| self.mailbox.take(&self.pp, prev, key, shape.iter().product()))?;
-                        Some(Tensor::from_vec(values, &shape)?.requires_grad(true))
+                        Some(self.placement.put(values, &shape)?.requires_grad(true))
                     };
                     let mut rng = Generator::with_stream(self.config.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15), (mb * virtual_stages + v) as u64);
                     let output = self.part.forward(chunk, input.as_ref(), batch, &mut rng)?;
@@ -216,7 +226,7 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
                         let shape = slot.output.shape().to_vec();
                         let key = Key { kind: Kind::Gradient, microbatch: mb, stage: v };
                         let grad = rec.waiting(|| self.mailbox.take(&self.pp, next, key, shape.iter().product()))?;
-                        slot.output.backward_from(Tensor::from_vec(grad, &shape)?, |_| {})?;
+                        slot.output.backward_from(self.placement.put(grad, &shape)?, |_| {})?;
                     }
                     if let Some(input) = &slot.input {
                         let grad = input.grad().ok_or_else(|| Error::Pipeline { reason: format!("micro-batch {mb}: virtual stage {v}'s input got no gradient") })?;

@@ -43,6 +43,18 @@ pub trait StageModule: Module + Send {
         let _ = name;
         true
     }
+
+    /// Where the activations and gradients between stages live: the device and dtype of the
+    /// part's parameters (the first one's; host f32 for a part without any).
+    fn placement(&self) -> crate::Placement {
+        let mut first = None;
+        self.visit_params("", &mut |_, t| {
+            if first.is_none() {
+                first = Some(crate::Placement::of(t));
+            }
+        });
+        first.unwrap_or(crate::Placement::HOST_F32)
+    }
 }
 
 /// Token ids and next-token targets of one micro-batch, `[rows, T]` u32 each.
@@ -340,6 +352,10 @@ impl<B: Send + Sync> StageModule for Box<dyn StageModule<MicroBatch = B>> {
 
     fn tp_replicated(&self, name: &str) -> bool {
         (**self).tp_replicated(name)
+    }
+
+    fn placement(&self) -> crate::Placement {
+        (**self).placement()
     }
 }
 

@@ -15,7 +15,7 @@ use rtx_tensor::nn::{join_name, Activation, Dropout, FeedForward, LayerNorm, Lin
 use rtx_tensor::{DType, Generator, Tensor};
 
 use super::group::TpHandle;
-use super::ops::{copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence};
+use super::ops::{copy_to_tp, gather_from_sequence, gather_from_tp, mask_rows, reduce_from_tp, reduce_scatter_to_sequence};
 use super::shard::ShardSpec;
 use crate::error::{Error, Result};
 
@@ -278,10 +278,12 @@ impl VocabParallelEmbedding {
         let local = |id: u32| (id as usize).checked_sub(start).filter(|&j| j < rows);
         let local_ids: Vec<u32> = ids_v.iter().map(|&id| local(id).map_or(0, |j| j as u32)).collect();
         let mask: Vec<f32> = ids_v.iter().map(|&id| if local(id).is_some() { 1.0 } else { 0.0 }).collect();
-        let mut mask_shape = ids.shape().to_vec();
-        mask_shape.push(1);
         let rows = Tensor::embedding(&self.weight, &Tensor::from_vec(local_ids, ids.shape())?)?;
-        Ok(rows.mul(&Tensor::from_vec(mask, &mask_shape)?)?)
+        // On a device, a mask of ones (every id here: a group of one) is skipped, not staged.
+        if self.weight.device() != rtx_tensor::Device::Cpu && mask.iter().all(|&m| m == 1.0) {
+            return Ok(rows);
+        }
+        mask_rows(&rows, mask)
     }
 
     /// `ids [B, T] -> [B, T, C]` (`[B, T/tp, C]` with sequence parallelism), summed over ranks.

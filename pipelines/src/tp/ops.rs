@@ -15,40 +15,47 @@
 //! The sequence ops serve sequence parallelism: between the tensor-parallel regions, activations
 //! `[B, T, C]` are split along T (rank r holds positions `r·T/tp..`), so layer norms, dropout and
 //! residual adds run on a part of the tokens each. Every op is the identity on a group of one.
-//! Tensors are f32 (what the group moves). A collective failing in a backward closure travels as
-//! [`to_tensor_error`]; [`crate::tp::backward`] returns it typed.
+//! A collective failing in a backward closure travels as [`to_tensor_error`];
+//! [`crate::tp::backward`] returns it typed.
+//!
+//! Tensors are f32 on the host, or f32 / bf16 on a CUDA device. The group moves f32 host
+//! vectors, so on a device every collective is host-staged: the operand is read to the host
+//! (widened to f32), the collective runs over the host transport, and the result goes back to the
+//! operand's device in its dtype ([`Placement`]). The vocab-parallel cross-entropy computes on
+//! the host from the staged logits (its reductions are per row and tiny next to the GEMMs).
 
-use rtx_tensor::{DType, FloatVec, Tensor};
+use rtx_tensor::{CrossEntropyOptions, DType, Device, FloatVec, Tensor};
 
 use super::group::{to_tensor_error, TpHandle};
 use super::shard::{check_f32, ShardSpec};
 use crate::error::{Error, Result};
+use crate::placement::Placement;
 
 /// f: identity forward, all-reduce of the gradient backward. Put before a column-parallel
 /// layer whose input is replicated, and on a replicated parameter whose uses differ per rank
 /// (sequence parallelism) so its gradient is summed over the group.
 pub fn copy_to_tp(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
-    check_f32("copy_to_tp", x)?;
+    check_staged("copy_to_tp", x)?;
     if group.size() == 1 {
         return Ok(x.clone());
     }
-    let group = TpHandle::clone(group);
-    Ok(Tensor::with_node(x.storage().clone(), x.layout().clone(), DType::F32, "copy_to_tp", &[x], move |g: &Tensor, _: &Tensor| {
+    let (group, at) = (TpHandle::clone(group), Placement::of(x));
+    Ok(Tensor::with_node(x.storage().clone(), x.layout().clone(), x.dtype(), "copy_to_tp", &[x], move |g: &Tensor, _: &Tensor| {
         let mut v = g.to_f32_vec()?;
         group.all_reduce_sum(&mut v).map_err(to_tensor_error)?;
-        Ok(vec![Some(Tensor::from_vec(v, g.shape())?)])
+        Ok(vec![Some(at.put(v, g.shape()).map_err(to_tensor_error)?)])
     }))
 }
 
 /// g: all-reduce forward, identity backward. Put after a row-parallel layer (partial sums).
 pub fn reduce_from_tp(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
-    check_f32("reduce_from_tp", x)?;
+    check_staged("reduce_from_tp", x)?;
     if group.size() == 1 {
         return Ok(x.clone());
     }
     let mut v = x.to_f32_vec()?;
     group.all_reduce_sum(&mut v)?;
-    Ok(Tensor::from_op(FloatVec::F32(v), x.shape(), DType::F32, "reduce_from_tp", &[x], |g: &Tensor, _: &Tensor| Ok(vec![Some(g.clone())]))?)
+    staged_op(v, x.shape(), x, "reduce_from_tp", |g: &Tensor, _: &Tensor| Ok(vec![Some(g.clone())]))
 }
 
 /// All-gather along the last dimension (`[.., n] -> [.., n·tp]`, rank order); backward keeps
@@ -85,7 +92,7 @@ pub fn gather_sequence_to_replicated(x: &Tensor, group: &TpHandle) -> Result<Ten
 pub fn reduce_scatter_to_sequence(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
     const OP: &str = "reduce_scatter_to_sequence";
     check_rank3(OP, x)?;
-    check_f32(OP, x)?;
+    check_staged(OP, x)?;
     if group.size() == 1 {
         return Ok(x.clone());
     }
@@ -94,10 +101,10 @@ pub fn reduce_scatter_to_sequence(x: &Tensor, group: &TpHandle) -> Result<Tensor
     let local_shape = spec.local_shape(x.shape());
     let mut out = vec![0f32; input.len() / group.size()];
     group.reduce_scatter_sum(&input, &mut out)?;
-    let (group, full_shape) = (TpHandle::clone(group), x.shape().to_vec());
-    Ok(Tensor::from_op(FloatVec::F32(out), &local_shape, DType::F32, OP, &[x], move |g: &Tensor, _: &Tensor| {
-        Ok(vec![Some(all_gather_natural(g, &spec, &full_shape, &group).map_err(to_tensor_error)?)])
-    })?)
+    let (group, full_shape, at) = (TpHandle::clone(group), x.shape().to_vec(), Placement::of(x));
+    staged_op(out, &local_shape, x, OP, move |g: &Tensor, _: &Tensor| {
+        Ok(vec![Some(all_gather_natural(g, &spec, &full_shape, &group).and_then(|t| at.onto(t)).map_err(to_tensor_error)?)])
+    })
 }
 
 /// Sequence parallelism: this rank's part of the positions, `[B, T, C] -> [B, T/tp, C]`;
@@ -114,7 +121,7 @@ pub fn scatter_to_sequence(x: &Tensor, group: &TpHandle) -> Result<Tensor> {
 /// onehot_local) · g / N`, no communication. Every rank returns the same loss.
 pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, vocab_size: usize, group: &TpHandle) -> Result<Tensor> {
     const OP: &str = "vocab_parallel_cross_entropy";
-    check_f32(OP, logits)?;
+    check_staged(OP, logits)?;
     let (tp, rank) = (group.size(), group.rank());
     if vocab_size % tp != 0 {
         return Err(Error::TpIndivisible { what: "vocab_size", value: vocab_size, tp });
@@ -130,6 +137,10 @@ pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, vocab_siz
     let t = targets.to_u32_vec()?;
     if let Some(&bad) = t.iter().find(|&&id| id as usize >= vocab_size) {
         return Err(Error::Tensor(rtx_tensor::Error::IndexOutOfRange { op: OP, index: bad as usize, size: vocab_size }));
+    }
+    if tp == 1 && logits.device() != Device::Cpu {
+        // The whole vocabulary is here: the device's own cross-entropy, no staging.
+        return Ok(logits.cross_entropy(targets, CrossEntropyOptions::default())?);
     }
     let start = rank * v_local;
     let local_target = |i: usize| (t[i] as usize).checked_sub(start).filter(|&j| j < v_local);
@@ -149,7 +160,10 @@ pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, vocab_siz
     let loss = (total / n.max(1) as f64) as f32;
     let grad_targets: Vec<Option<usize>> = (0..n).map(local_target).collect();
     let shape = logits.shape().to_vec();
-    Ok(Tensor::from_op(FloatVec::F32(vec![loss]), &[], DType::F32, OP, &[logits], move |g: &Tensor, _: &Tensor| {
+    let at = Placement::of(logits);
+    // The loss is an f32 scalar where the logits live (as the device's own cross-entropy).
+    let loss_at = Placement { device: at.device, dtype: DType::F32 };
+    let backward = move |g: &Tensor, _: &Tensor| {
         let scale = g.item()? / n.max(1) as f64;
         let mut grad = Vec::with_capacity(l.len());
         for i in 0..n {
@@ -159,43 +173,100 @@ pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, vocab_siz
                 grad[i * v_local + j] -= scale as f32;
             }
         }
-        Ok(vec![Some(Tensor::from_vec(grad, &shape)?)])
-    })?)
+        Ok(vec![Some(at.put(grad, &shape).map_err(to_tensor_error)?)])
+    };
+    if loss_at.is_host_f32() {
+        return Ok(Tensor::from_op(FloatVec::F32(vec![loss]), &[], DType::F32, OP, &[logits], backward)?);
+    }
+    let out = loss_at.put(vec![loss], &[])?;
+    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), DType::F32, OP, &[logits], backward))
+}
+
+/// `x [.., C]` with row `i` multiplied by `mask[i]` (one factor per row of the leading
+/// dimensions); backward masks the gradient alike. On the host a plain broadcast multiply; on a
+/// device (which has no multiply kernel) host-staged: the rows are read, masked and put back.
+pub(crate) fn mask_rows(x: &Tensor, mask: Vec<f32>) -> Result<Tensor> {
+    const OP: &str = "mask_rows";
+    let width = x.shape().last().copied().unwrap_or(1).max(1);
+    if mask.len() * width != x.numel() {
+        return Err(Error::Tensor(rtx_tensor::Error::BadShape { op: OP, shape: x.shape().to_vec(), reason: format!("{} mask values for rows of {width}", mask.len()) }));
+    }
+    if x.device() == Device::Cpu {
+        let mut mask_shape = x.shape().to_vec();
+        if let Some(last) = mask_shape.last_mut() {
+            *last = 1;
+        }
+        return Ok(x.mul(&Tensor::from_vec(mask, &mask_shape)?)?);
+    }
+    check_staged(OP, x)?;
+    let apply = move |mut v: Vec<f32>, mask: &[f32]| {
+        for (row, &m) in v.chunks_mut(width).zip(mask) {
+            if m != 1.0 {
+                row.iter_mut().for_each(|e| *e *= m);
+            }
+        }
+        v
+    };
+    let masked = apply(x.to_f32_vec()?, &mask);
+    let at = Placement::of(x);
+    staged_op(masked, x.shape(), x, OP, move |g: &Tensor, _: &Tensor| Ok(vec![Some(at.put(apply(g.to_f32_vec()?, &mask), g.shape()).map_err(to_tensor_error)?)]))
+}
+
+/// An op's output computed on the host (`values` of `shape`), placed where `like` lives with the
+/// backward node `backward`: on the host in f32 exactly `Tensor::from_op`.
+fn staged_op(values: Vec<f32>, shape: &[usize], like: &Tensor, op: &'static str, backward: impl rtx_tensor::BackwardFn + 'static) -> Result<Tensor> {
+    let at = Placement::of(like);
+    if at.is_host_f32() {
+        return Ok(Tensor::from_op(FloatVec::F32(values), shape, DType::F32, op, &[like], backward)?);
+    }
+    let out = at.put(values, shape)?;
+    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), at.dtype, op, &[like], backward))
+}
+
+/// Refuses tensors the staged collectives cannot carry: f32 anywhere, or bf16 on a device
+/// (widened to f32 for the transfer, rounded back after it).
+fn check_staged(op: &'static str, t: &Tensor) -> Result<()> {
+    if t.dtype() == DType::BF16 && t.device() != Device::Cpu {
+        return Ok(());
+    }
+    check_f32(op, t)
 }
 
 fn gather(x: &Tensor, dim: usize, group: &TpHandle, op: &'static str, reduce_scatter_backward: bool) -> Result<Tensor> {
-    check_f32(op, x)?;
+    check_staged(op, x)?;
     if group.size() == 1 {
         return Ok(x.clone());
     }
     let spec = ShardSpec::new(dim, group.size());
     let full_shape = spec.full_shape(x.shape());
-    let out = all_gather_natural(x, &spec, &full_shape, group)?;
+    let at = Placement::of(x);
+    let out = at.onto(all_gather_natural(x, &spec, &full_shape, group)?)?;
     let (group, local_shape) = (TpHandle::clone(group), x.shape().to_vec());
-    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), DType::F32, op, &[x], move |g: &Tensor, _: &Tensor| {
+    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), at.dtype, op, &[x], move |g: &Tensor, _: &Tensor| {
         let local = if reduce_scatter_backward {
             let input = spec.to_rank_major(g).map_err(to_tensor_error)?;
             let mut part = vec![0f32; input.len() / group.size()];
             group.reduce_scatter_sum(&input, &mut part).map_err(to_tensor_error)?;
-            Tensor::from_vec(part, &local_shape)?
+            at.put(part, &local_shape).map_err(to_tensor_error)?
         } else {
-            spec.slice(g, group.rank()).map_err(to_tensor_error)?
+            spec.slice(g, group.rank()).and_then(|t| at.onto(t)).map_err(to_tensor_error)?
         };
         Ok(vec![Some(local)])
     }))
 }
 
 fn scatter(x: &Tensor, dim: usize, group: &TpHandle, op: &'static str) -> Result<Tensor> {
-    check_f32(op, x)?;
+    check_staged(op, x)?;
     if group.size() == 1 {
         return Ok(x.clone());
     }
     let what = if dim == 1 { "sequence length" } else { "last dimension" };
     let spec = split(x.shape(), dim, group.size(), what)?;
-    let part = spec.slice(x, group.rank())?;
+    let at = Placement::of(x);
+    let part = at.onto(spec.slice(x, group.rank())?)?;
     let (group, full_shape) = (TpHandle::clone(group), x.shape().to_vec());
-    Ok(Tensor::with_node(part.storage().clone(), part.layout().clone(), DType::F32, op, &[x], move |g: &Tensor, _: &Tensor| {
-        Ok(vec![Some(all_gather_natural(g, &spec, &full_shape, &group).map_err(to_tensor_error)?)])
+    Ok(Tensor::with_node(part.storage().clone(), part.layout().clone(), at.dtype, op, &[x], move |g: &Tensor, _: &Tensor| {
+        Ok(vec![Some(all_gather_natural(g, &spec, &full_shape, &group).and_then(|t| at.onto(t)).map_err(to_tensor_error)?)])
     }))
 }
 
@@ -225,4 +296,35 @@ fn check_rank3(op: &'static str, x: &Tensor) -> Result<()> {
         return Err(Error::Tensor(rtx_tensor::Error::BadShape { op, shape: x.shape().to_vec(), reason: "expected [B, T, C]".into() }));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tp::TpGroup;
+
+    #[test]
+    fn mask_rows_zeroes_rows_forward_and_backward() {
+        // Goal: the embedding's mask keeps rows with factor 1 and zeroes the others, and its
+        // backward masks the gradient alike. Method: distinct values [2, 3, 2], mask [1, 0, 1, 0, 0, 1].
+        let x = Tensor::from_vec((1..=12).map(|v| v as f32).collect::<Vec<_>>(), &[3, 2, 2]).unwrap().requires_grad(true);
+        let y = mask_rows(&x, vec![1.0, 0.0, 1.0, 0.0, 0.0, 1.0]).unwrap();
+        assert_eq!(y.to_f32_vec().unwrap(), [1., 2., 0., 0., 5., 6., 0., 0., 0., 0., 11., 12.]);
+        y.sum_all().unwrap().backward().unwrap();
+        assert_eq!(x.grad().unwrap().to_f32_vec().unwrap(), [1., 1., 0., 0., 1., 1., 0., 0., 0., 0., 1., 1.]);
+        let err = mask_rows(&x, vec![1.0; 5]).unwrap_err();
+        assert!(err.to_string().contains("5 mask values"), "{err}");
+    }
+
+    #[test]
+    fn host_bf16_is_refused_by_the_staged_ops() {
+        // Goal: bf16 travels through the collectives only from a device (widened and rounded
+        // back); on the host it is a typed error naming the op and dtype, as before.
+        let group = TpGroup::solo().into_handle();
+        let logits = Tensor::from_vec(vec![0.5f32; 8], &[2, 4]).unwrap().to_dtype(DType::BF16).unwrap();
+        let targets = Tensor::from_vec(vec![1u32, 3], &[2]).unwrap();
+        let err = vocab_parallel_cross_entropy(&logits, &targets, 4, &group).unwrap_err();
+        assert!(matches!(err, Error::Tensor(rtx_tensor::Error::UnsupportedDType { op: "vocab_parallel_cross_entropy", dtype: DType::BF16 })), "{err}");
+        assert!(matches!(reduce_from_tp(&logits, &group), Err(Error::Tensor(rtx_tensor::Error::UnsupportedDType { op: "reduce_from_tp", .. }))));
+    }
 }

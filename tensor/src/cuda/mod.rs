@@ -158,6 +158,20 @@ pub(crate) fn tensor_from(ordinal: usize, data: DeviceData, shape: &[usize]) -> 
 /// device kernels are f32/bf16).
 pub(crate) fn upload(t: &Tensor, ordinal: usize) -> Result<Tensor> {
     let dev = device(ordinal)?;
+    let l = t.layout();
+    if l.is_contiguous() && l.offset() == 0 && t.storage().len() == t.numel() {
+        // Dense: copied straight from the host storage (no intermediate host copy).
+        let data = {
+            let host = t.storage().read()?;
+            match &*host {
+                CpuData::F32(v) => DeviceData::F32(dev.htod(v)?),
+                CpuData::BF16(v) => DeviceData::BF16(dev.htod(v)?),
+                CpuData::U32(v) => DeviceData::U32(dev.htod(v)?),
+                CpuData::F64(_) => return Err(Error::UnsupportedDType { op: "to_device(cuda)", dtype: DType::F64 }),
+            }
+        };
+        return Ok(tensor_from(ordinal, data, t.shape()).requires_grad(t.is_requires_grad() && t.is_leaf()));
+    }
     let data = match t.to_data()? {
         CpuData::F32(v) => DeviceData::F32(dev.htod(&v)?),
         CpuData::BF16(v) => DeviceData::BF16(dev.htod(&v)?),
