@@ -99,15 +99,18 @@ fn mesh_run(text: Arc<Vec<u8>>, shape: MeshShape, schedule: ScheduleKind, microb
         _ => 1,
     };
     let layers = layer_ranges(gpt_config().n_layers, shape.pp * chunks);
+    // Every endpoint outlives every rank's last collective: a rank that dropped its endpoint as
+    // soon as it finished would make a slower rank's next collective fail with PeerLost.
+    let mut endpoints = Vec::new();
     let threads: Vec<_> = transports
         .into_iter()
         .map(|t| {
             let _guard = runtime.enter();
             let endpoint = Endpoint::new(Arc::new(t) as Arc<dyn Transport>, CommConfig::default()).unwrap();
             let groups = MeshGroups::new(&endpoint, mesh, 0).unwrap();
+            endpoints.push(endpoint);
             let (handle, text, layers) = (runtime.handle().clone(), Arc::clone(&text), layers.clone());
             std::thread::spawn(move || {
-                let _endpoint = endpoint;
                 let coord = groups.coord;
                 let gpt = Gpt::new(gpt_config(), &mut Generator::new(SEED)).unwrap();
                 let config = PipelineConfig { schedule, microbatches, grad_clip: Some(CLIP), seed: 0 };

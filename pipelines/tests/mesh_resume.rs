@@ -81,44 +81,58 @@ fn mesh_run(text: &Arc<Vec<u8>>, shape: MeshShape, microbatches: usize, steps: R
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let (_net, transports) = InProcessNetwork::new(world);
     let layers = layer_ranges(gpt_config().n_layers, shape.pp);
+    // A rank keeps its endpoint until every rank is done (dropping it early would fail a slower
+    // rank's last collective with PeerLost); a rank that fails drops it at once, so its peers fail
+    // fast instead of waiting for the collective timeout.
+    let mut endpoints = Vec::new();
     let threads: Vec<_> = transports
         .into_iter()
         .map(|t| {
             let _guard = runtime.enter();
             let endpoint = Endpoint::new(Arc::new(t) as Arc<dyn Transport>, CommConfig::default()).unwrap();
             let groups = MeshGroups::new(&endpoint, mesh, 0).unwrap();
+            let endpoint = Arc::new(std::sync::Mutex::new(Some(endpoint)));
+            endpoints.push(Arc::clone(&endpoint));
             let (handle, text, layers, run, steps) = (runtime.handle().clone(), Arc::clone(text), layers.clone(), run.clone(), steps.clone());
             std::thread::spawn(move || -> Result<Vec<f64>, Error> {
-                let _endpoint = endpoint;
-                let coord = groups.coord;
-                let seed = if run.resume.is_some() { OTHER_SEED } else { SEED };
-                let gpt = Gpt::new(gpt_config(), &mut Generator::new(seed))?;
-                let full_names: Vec<String> = gpt.named_parameters().into_iter().map(|(n, _)| n).collect();
-                let tp = TpGroup::new(groups.tp.clone(), handle.clone()).into_handle();
-                let part = TpGptStage::from_full(&gpt, tp, TpOptions::default(), &layers, coord.pp, shape.pp)?;
-                let opt = AdamW::new(part.named_parameters(), ADAMW)?;
-                let config = PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches, grad_clip: Some(CLIP), seed: 0 };
-                let mut engine = MeshEngine::new(part, opt, &groups, handle, config)?;
-                let layout = ModelLayout::gpt(&gpt_config());
-                if let Some(dir) = &run.resume {
-                    let ckpt = ShardedCheckpoint::open(dir)?;
-                    check_model_names(&ckpt, &full_names)?;
-                    let step = engine.load_sharded(&ckpt, &layout)?;
-                    assert_eq!(step + 1, steps.start, "{coord}: the checkpoint's step");
-                }
-                let rows = ROWS / shape.dp;
-                let mut losses = Vec::new();
-                for step in steps {
-                    let b = global_batch(&text, step);
-                    let mine = TokenBatch { ids: b.ids.narrow(0, coord.dp * rows, rows)?.contiguous()?, targets: b.targets.narrow(0, coord.dp * rows, rows)?.contiguous()? };
-                    let micro = mine.split(microbatches)?;
-                    let scales = vec![(rows / microbatches) as f64 / ROWS as f64; microbatches];
-                    losses.push(engine.step(step, &micro, &scales)?.loss);
-                    for (dir, _) in run.save.iter().filter(|(_, at)| *at == step) {
-                        engine.save_sharded(dir, step, &layout, &CheckpointMeta::default())?;
+                let result = (|| -> Result<Vec<f64>, Error> {
+                    let coord = groups.coord;
+                    let seed = if run.resume.is_some() { OTHER_SEED } else { SEED };
+                    let gpt = Gpt::new(gpt_config(), &mut Generator::new(seed))?;
+                    let full_names: Vec<String> = gpt.named_parameters().into_iter().map(|(n, _)| n).collect();
+                    let tp = TpGroup::new(groups.tp.clone(), handle.clone()).into_handle();
+                    let part = TpGptStage::from_full(&gpt, tp, TpOptions::default(), &layers, coord.pp, shape.pp)?;
+                    let opt = AdamW::new(part.named_parameters(), ADAMW)?;
+                    let config = PipelineConfig { schedule: ScheduleKind::OneFOneB, microbatches, grad_clip: Some(CLIP), seed: 0 };
+                    let mut engine = MeshEngine::new(part, opt, &groups, handle, config)?;
+                    let layout = ModelLayout::gpt(&gpt_config());
+                    if let Some(dir) = &run.resume {
+                        let ckpt = ShardedCheckpoint::open(dir)?;
+                        check_model_names(&ckpt, &full_names)?;
+                        let step = engine.load_sharded(&ckpt, &layout)?;
+                        assert_eq!(step + 1, steps.start, "{coord}: the checkpoint's step");
                     }
+                    let rows = ROWS / shape.dp;
+                    let mut losses = Vec::new();
+                    for step in steps {
+                        let b = global_batch(&text, step);
+                        let mine = TokenBatch {
+                            ids: b.ids.narrow(0, coord.dp * rows, rows)?.contiguous()?,
+                            targets: b.targets.narrow(0, coord.dp * rows, rows)?.contiguous()?,
+                        };
+                        let micro = mine.split(microbatches)?;
+                        let scales = vec![(rows / microbatches) as f64 / ROWS as f64; microbatches];
+                        losses.push(engine.step(step, &micro, &scales)?.loss);
+                        for (dir, _) in run.save.iter().filter(|(_, at)| *at == step) {
+                            engine.save_sharded(dir, step, &layout, &CheckpointMeta::default())?;
+                        }
+                    }
+                    Ok(losses)
+                })();
+                if result.is_err() {
+                    drop(endpoint.lock().map(|mut e| e.take()));
                 }
-                Ok(losses)
+                result
             })
         })
         .collect();
@@ -262,7 +276,10 @@ fn damaged_or_foreign_checkpoints_are_refused_at_resume() {
     std::fs::write(&shard, &bytes).unwrap();
     let ckpt = open(&corrupt).unwrap();
     let e = load_shard(&ckpt, &layout, 0, 1, &part, &mut opt).unwrap_err();
-    assert!(matches!(&e, Error::Checkpoint(s) if matches!(&**s, ShardedError::ChecksumMismatch { file, .. } if file.ends_with("shard-pp1-tp1.safetensors"))), "{e}");
+    assert!(
+        matches!(&e, Error::Checkpoint(s) if matches!(&**s, ShardedError::ChecksumMismatch { file, .. } if file.ends_with("shard-pp1-tp1.safetensors"))),
+        "{e}"
+    );
     eprintln!("corrupt shard: {e}");
 
     // A torn (truncated) shard: refused at open.
@@ -278,7 +295,8 @@ fn damaged_or_foreign_checkpoints_are_refused_at_resume() {
     let mut sgd = Sgd::new(part.named_parameters(), SgdConfig { lr: 0.1, ..SgdConfig::default() }).unwrap();
     let e = load_shard(&ckpt, &layout, 0, 1, &part, &mut sgd).unwrap_err();
     assert!(matches!(e, Error::CheckpointMismatch { .. }), "{e}");
-    let deeper: Vec<String> = Gpt::new(GptConfig { n_layers: 5, ..gpt_config() }, &mut Generator::new(1)).unwrap().named_parameters().into_iter().map(|(n, _)| n).collect();
+    let deeper: Vec<String> =
+        Gpt::new(GptConfig { n_layers: 5, ..gpt_config() }, &mut Generator::new(1)).unwrap().named_parameters().into_iter().map(|(n, _)| n).collect();
     let e = check_model_names(&ckpt, &deeper).unwrap_err();
     assert!(e.to_string().contains("blocks.4."), "{e}");
     let wider = Gpt::new(GptConfig { d_model: 64, ..gpt_config() }, &mut Generator::new(1)).unwrap();

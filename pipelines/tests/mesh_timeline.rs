@@ -29,15 +29,18 @@ fn timelines(schedule: ScheduleKind) -> Vec<StageTimeline> {
     let mesh = Mesh::new(shape, 2).unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let (_net, transports) = InProcessNetwork::new(2);
+    // Every endpoint outlives every rank's last collective: a rank that dropped its endpoint as
+    // soon as it finished would make a slower rank's next collective fail with PeerLost.
+    let mut endpoints = Vec::new();
     let threads: Vec<_> = transports
         .into_iter()
         .map(|t| {
             let _guard = runtime.enter();
             let endpoint = Endpoint::new(Arc::new(t) as Arc<dyn Transport>, CommConfig::default()).unwrap();
             let groups = MeshGroups::new(&endpoint, mesh, 0).unwrap();
+            endpoints.push(endpoint);
             let handle = runtime.handle().clone();
             std::thread::spawn(move || {
-                let _endpoint = endpoint;
                 let gpt = Gpt::new(gpt_config(), &mut Generator::new(5)).unwrap();
                 let part = GptStage::from_full(gpt, &[0..1, 1..2], groups.coord.pp, 2).unwrap();
                 let opt = Sgd::new(part.named_parameters(), SgdConfig { lr: 0.01, ..SgdConfig::default() }).unwrap();
