@@ -24,7 +24,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use rtx_collectives::{CommConfig, Communicator, Endpoint, InProcessNetwork, InProcessTransport, Transport};
-use rtx_pipelines::{adamw, DataParallel, DpConfig, Error, FsdpConfig, FsdpGpt, ShardState, Sharding};
+use rtx_pipelines::memory::engine_estimate;
+use rtx_pipelines::{adamw, DataParallel, DpConfig, Error, FsdpConfig, FsdpGpt, MemoryPerRank, ShardState, Sharding, ZeroStage};
 use rtx_tensor::data::TextCorpus;
 use rtx_tensor::nn::{Gpt, GptConfig, Module};
 use rtx_tensor::optim::AdamWConfig;
@@ -124,7 +125,7 @@ fn bits(p: &Params) -> Vec<Vec<u32>> {
 }
 
 /// Data parallelism at `n` ranks: per rank, (losses, parameters after each step, resident
-/// gradient bytes after the last step).
+/// gradient bytes after the last step). Each rank's live memory count equals the layout estimate.
 fn dp_run(text: Arc<Vec<u8>>, n: usize, sharding: Sharding, steps: u64) -> Vec<(Vec<f64>, Vec<Params>, usize)> {
     run_ranks(n, move |rank, connect, done| {
         let gpt = Gpt::new(gpt_config(), &mut Generator::new(SEED)).unwrap();
@@ -138,6 +139,15 @@ fn dp_run(text: Arc<Vec<u8>>, n: usize, sharding: Sharding, steps: u64) -> Vec<(
             params.push(snapshot(dp.model().named_parameters()));
         }
         let grads_bytes = dp.buckets().buckets().iter().map(|b| b.grad_storage().len() * 4).sum::<usize>() + dp.param_shard().map_or(0, |s| s.segments().iter().map(|r| r.len() * 4).sum::<usize>());
+        let stage = match sharding {
+            Sharding::Replicated => ZeroStage::Replicated,
+            Sharding::Zero1 => ZeroStage::Zero1,
+            Sharding::Zero2 => ZeroStage::Zero2,
+        };
+        let numels: Vec<usize> = dp.buckets().buckets().iter().map(|b| b.numel()).collect();
+        let memory = dp.memory().unwrap();
+        assert_eq!(memory, engine_estimate(stage, &numels, n, rank), "{sharding:?} n={n} rank {rank}: live memory vs estimate");
+        assert_eq!(memory.grads_bytes, grads_bytes);
         done.wait();
         (losses, params, grads_bytes)
     })
@@ -174,7 +184,7 @@ fn zero2_matches_zero1_and_replicated() {
 }
 
 /// FSDP at `n` ranks for `steps`: per rank, (losses, gathered parameters at the end, memory).
-fn fsdp_run(text: Arc<Vec<u8>>, n: usize, steps: u64, prefetch: bool) -> Vec<(Vec<f64>, Params, rtx_pipelines::MemoryPerRank, Vec<usize>)> {
+fn fsdp_run(text: Arc<Vec<u8>>, n: usize, steps: u64, prefetch: bool) -> Vec<(Vec<f64>, Params, MemoryPerRank, Vec<usize>)> {
     run_ranks(n, move |rank, connect, done| {
         let gpt = Gpt::new(gpt_config(), &mut Generator::new(SEED)).unwrap();
         let config = FsdpConfig { prefetch, ..FsdpConfig::default() };
@@ -233,6 +243,7 @@ fn fsdp_matches_replicated_dp() {
             assert!(memory.grads_bytes <= 4 * (total / n + units.len()));
             assert!(memory.gathered_peak_bytes <= 4 * largest_pair, "n={n}: at most two units gathered at once");
             assert!(memory.gathered_peak_bytes >= 4 * units.iter().max().unwrap(), "the largest unit was gathered");
+            assert_eq!(*memory, engine_estimate(ZeroStage::Zero3, units, n, rank), "n={n} rank {rank}: live memory vs estimate");
         }
     }
 }
