@@ -155,7 +155,8 @@ impl<O: Optimizer> FsdpGpt<O> {
             return Err(Error::ShardedDevice { device: p.1.device() });
         }
         let reducer = Reducer::spawn(connect, config.queue_depth, config.collective_timeout)?;
-        let broadcasts = (0..n_units).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() } });
+        let broadcasts =
+            (0..n_units).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() } });
         block_on(run_jobs(&reducer, 0, broadcasts))?;
         let shard = ParamShard::new(&buckets, reducer.rank(), reducer.size(), make_optimizer)?;
         for bucket in buckets.buckets() {
@@ -223,7 +224,12 @@ impl<O: Optimizer> FsdpGpt<O> {
             }
             self.free_params(unit)?;
         }
-        self.buckets.entries().iter().zip(out).map(|(e, t)| t.map(|t| (e.name.clone(), t)).ok_or(Error::InvalidConfig { reason: "fsdp: a parameter outside every unit" })).collect()
+        self.buckets
+            .entries()
+            .iter()
+            .zip(out)
+            .map(|(e, t)| t.map(|t| (e.name.clone(), t)).ok_or(Error::InvalidConfig { reason: "fsdp: a parameter outside every unit" }))
+            .collect()
     }
 
     /// Bytes held now (between steps: the owned segments and the optimizer state), and the peaks
@@ -358,7 +364,9 @@ impl<O: Optimizer> FsdpGpt<O> {
     /// inside the vocabulary.
     fn check_batch(&self, ids: &Tensor, targets: &Tensor) -> Result<()> {
         let config = self.gpt.config();
-        let bad = |shape: &[usize], reason: String| -> Result<()> { Err(Error::Tensor(rtx_tensor::Error::BadShape { op: "FsdpGpt::step", shape: shape.to_vec(), reason })) };
+        let bad = |shape: &[usize], reason: String| -> Result<()> {
+            Err(Error::Tensor(rtx_tensor::Error::BadShape { op: "FsdpGpt::step", shape: shape.to_vec(), reason }))
+        };
         if ids.dtype() != DType::U32 || ids.rank() != 2 || ids.shape()[0] == 0 || ids.shape()[1] == 0 || ids.shape()[1] > config.context {
             return bad(ids.shape(), format!("ids must be u32 [B, T] with B >= 1 and 1 <= T <= context {}, got {}", config.context, ids.dtype()));
         }
@@ -367,7 +375,11 @@ impl<O: Optimizer> FsdpGpt<O> {
         }
         for (what, t) in [("id", ids), ("target", targets)] {
             if let Some(&token) = t.to_u32_vec()?.iter().find(|&&v| v as usize >= config.vocab_size) {
-                return Err(Error::Tensor(rtx_tensor::Error::IndexOutOfRange { op: if what == "id" { "FsdpGpt::step ids" } else { "FsdpGpt::step targets" }, index: token as usize, size: config.vocab_size }));
+                return Err(Error::Tensor(rtx_tensor::Error::IndexOutOfRange {
+                    op: if what == "id" { "FsdpGpt::step ids" } else { "FsdpGpt::step targets" },
+                    index: token as usize,
+                    size: config.vocab_size,
+                }));
             }
         }
         Ok(())
@@ -445,7 +457,8 @@ impl<O: Optimizer> FsdpGpt<O> {
     /// Submits `unit`'s reduce-scatter into the owned gradient segment; the full buffer is freed
     /// by it.
     fn reduce_scatter(&mut self, step: u64, unit: usize) -> Result<u64> {
-        let op = BucketOp::ReduceScatter { grads: self.buckets.buckets()[unit].grad_storage().clone(), shard: self.shard.grad_storage(unit).clone(), release: true };
+        let op =
+            BucketOp::ReduceScatter { grads: self.buckets.buckets()[unit].grad_storage().clone(), shard: self.shard.grad_storage(unit).clone(), release: true };
         self.submit(Job { step, bucket: unit, op })
     }
 

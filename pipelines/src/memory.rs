@@ -103,7 +103,13 @@ pub fn engine_estimate(stage: ZeroStage, numels: &[usize], n_ranks: usize, rank:
             (own, own, 2 * own, pairs.max().unwrap_or(0), numels[0] + block_pair)
         }
     };
-    MemoryPerRank { params_bytes: 4 * params, grads_bytes: 4 * grads, optimizer_bytes: 4 * optimizer, gathered_peak_bytes: 4 * gathered_peak, grads_peak_bytes: 4 * grads_peak }
+    MemoryPerRank {
+        params_bytes: 4 * params,
+        grads_bytes: 4 * grads,
+        optimizer_bytes: 4 * optimizer,
+        gathered_peak_bytes: 4 * gathered_peak,
+        grads_peak_bytes: 4 * grads_peak,
+    }
 }
 
 /// Element counts of the GPT-2 units of a configuration: the edge (embeddings, final norm, untied

@@ -51,10 +51,16 @@ const ROWS: usize = 8;
 
 /// Runs the benchmark: live lines for the test model, then counted lines for GPT-2 124M.
 pub(super) fn run(args: &ZeroArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(!args.ranks.is_empty() && args.ranks.iter().all(|&n| n >= 1 && ROWS.is_multiple_of(n)), "--ranks must each divide the {ROWS} rows of a batch, got {:?}", args.ranks);
+    anyhow::ensure!(
+        !args.ranks.is_empty() && args.ranks.iter().all(|&n| n >= 1 && ROWS.is_multiple_of(n)),
+        "--ranks must each divide the {ROWS} rows of a batch, got {:?}",
+        args.ranks
+    );
     anyhow::ensure!(args.d_model >= 4 && args.d_model.is_multiple_of(4), "--d-model must be a positive multiple of the 4 heads, got {}", args.d_model);
     if !args.counted_only {
-        let text = Arc::new(TextCorpus::load_dir(&args.data).map_err(|e| anyhow::anyhow!("{}: {e} (bash scripts/fetch-data.sh)", args.data.display()))?.bytes().to_vec());
+        let text = Arc::new(
+            TextCorpus::load_dir(&args.data).map_err(|e| anyhow::anyhow!("{}: {e} (bash scripts/fetch-data.sh)", args.data.display()))?.bytes().to_vec(),
+        );
         let config = GptConfig { vocab_size: 256, context: CONTEXT, d_model: args.d_model, n_layers: 4, n_heads: 4, ..GptConfig::default() };
         let psi: usize = gpt_param_numels(&config).iter().sum();
         for &n in &args.ranks {
