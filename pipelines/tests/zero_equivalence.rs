@@ -71,16 +71,16 @@ fn local_batch(text: &[u8], step: u64, rank: usize, n_ranks: usize) -> (Tensor, 
 /// out-of-band barrier the bodies pass before dropping their engines (a dropped transport is a
 /// lost peer to ranks still reading the last collective's frames).
 fn run_ranks<R: Send + 'static>(n: usize, body: impl Fn(usize, Connect, &Barrier) -> R + Send + Sync + 'static) -> Vec<R> {
-    let (_net, transports) = InProcessNetwork::new(n);
+    let (net, transports) = InProcessNetwork::new(n);
     let body = Arc::new(body);
     let done = Arc::new(Barrier::new(n));
     let (tx, rx) = mpsc::channel();
     for (rank, transport) in transports.into_iter().enumerate() {
-        let (tx, body, done) = (tx.clone(), Arc::clone(&body), Arc::clone(&done));
+        let (tx, body, done, net) = (tx.clone(), Arc::clone(&body), Arc::clone(&done), net.clone());
         std::thread::Builder::new()
             .name(format!("rank-{rank}"))
             .spawn(move || {
-                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(rank, Connect(transport, n), &done)));
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(rank, Connect(transport, n, net.clone()), &done)));
                 let _ = tx.send((rank, result));
             })
             .unwrap();
@@ -97,12 +97,17 @@ fn run_ranks<R: Send + 'static>(n: usize, body: impl Fn(usize, Connect, &Barrier
     out.into_iter().map(|r| r.unwrap()).collect()
 }
 
-/// A rank's transport, turned into a `connect` closure for an engine.
-struct Connect(InProcessTransport, usize);
+/// A rank's transport, turned into a `connect` closure for an engine, and the network (to
+/// inject faults).
+struct Connect(InProcessTransport, usize, InProcessNetwork);
 
 impl Connect {
+    fn network(&self) -> InProcessNetwork {
+        self.2.clone()
+    }
+
     fn into_fn(self) -> impl FnOnce() -> rtx_collectives::Result<Communicator> + Send + 'static {
-        let Connect(transport, n) = self;
+        let Connect(transport, n, _) = self;
         move || {
             let base = CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() };
             // At 4 ranks: ring collectives in small frames, as dp_equivalence.rs runs them.
@@ -336,4 +341,40 @@ fn fsdp_bad_input_is_a_typed_error() {
     let bad = FsdpConfig { queue_depth: 1, ..FsdpConfig::default() };
     let err = bad.validate().unwrap_err();
     assert!(err.to_string().contains("queue_depth"), "{err}");
+}
+
+// Goal: a rank lost in the middle of FSDP training fails every rank's step with an error naming
+// the loss, well within the op timeout, and the engines refuse further steps (`Broken`) instead
+// of hanging. Method: 4 ranks; rank 2 disconnects from the network just before its step 2.
+#[test]
+fn fsdp_lost_peer_fails_every_rank() {
+    let op_timeout = Duration::from_secs(20);
+    let text = corpus();
+    let started = Instant::now();
+    let endings = run_ranks(4, move |rank, connect, done| {
+        let net = connect.network();
+        let gpt = Gpt::new(gpt_config(), &mut Generator::new(SEED)).unwrap();
+        let mut engine = FsdpGpt::new(gpt, FsdpConfig::default(), connect.into_fn(), adamw(ADAMW, decay)).unwrap();
+        for step in 0..10 {
+            let (ids, targets) = local_batch(&text, step, rank, 4);
+            if rank == 2 && step == 2 {
+                net.disconnect(2);
+            }
+            if let Err(e) = engine.step(&ids, &targets, &mut Generator::new(0)) {
+                let after = engine.step(&ids, &targets, &mut Generator::new(0)).unwrap_err();
+                // Keep this rank's transport up until every rank has failed.
+                done.wait();
+                return (step, e.to_string(), after);
+            }
+        }
+        panic!("rank {rank} never failed");
+    });
+    for (rank, (step, error, after)) in endings.iter().enumerate() {
+        eprintln!("rank {rank}: failed at step {step}: {error}");
+        assert!(*step == 1 || *step == 2, "rank {rank} failed at step {step}");
+        let named = if rank == 2 { error.contains("transport closed") || error.contains("peer rank") } else { error.contains("peer rank 2 lost") };
+        assert!(named, "rank {rank}: {error}");
+        assert!(matches!(after, Error::Broken { failed_step } if failed_step == step), "rank {rank}: {after}");
+    }
+    assert!(started.elapsed() < op_timeout, "every rank failed within the op timeout");
 }
