@@ -35,6 +35,19 @@
 //! between, so nobody observes the empty placeholder. The communication thread takes the `Vec` with
 //! `std::mem::replace` under the storage's write lock and releases the lock before awaiting.
 //!
+//! # ZeRO-2
+//!
+//! [`Sharding::Zero2`] runs ZeRO-1's collectives and optimizer (the same [`ParamShard`]), and
+//! changes where gradients live. Between steps every bucket's gradient storage is empty and the
+//! parameters' gradient slots are unbound, so backward accumulates each parameter's gradient into
+//! a tensor of its own. When a bucket is complete (the moment it is handed over), its flat gradient
+//! is allocated, its parameters' gradients are copied in and dropped, and the reduce-scatter,
+//! once this rank's averaged segment is written into the shard, drops the flat buffer
+//! (`BucketOp::ReduceScatter { release: true }`). A full gradient therefore exists only from the
+//! moment backward finishes a parameter until its bucket's reduce-scatter ends; a rank keeps
+//! `1/n` of the gradients across steps. The cost is one copy of each gradient, and the bits are
+//! ZeRO-1's: the copies are exact and every leaf accumulates its contributions in the same order.
+//!
 //! # Determinism
 //!
 //! Collectives are issued in bucket-index order on every rank, one at a time, and reduced in the
@@ -85,7 +98,7 @@ use std::time::Duration;
 
 use rtx_collectives::Communicator;
 use rtx_tensor::optim::ParamBuckets;
-use rtx_tensor::{Device, Module, Optimizer, Tensor};
+use rtx_tensor::{CpuData, Device, Module, Optimizer, Tensor};
 
 use crate::error::{Error, Result};
 use crate::param_shard::{check_optimizer_params, ParamShard};
@@ -109,6 +122,10 @@ pub enum Sharding {
     /// ZeRO stage 1: gradients are reduce-scattered, each rank keeps optimizer state for and
     /// updates only its segment of each bucket, then parameters are all-gathered.
     Zero1,
+    /// ZeRO stage 2: as ZeRO-1, and a bucket's full gradient exists only from the moment backward
+    /// completes it until its reduce-scatter ends; between steps a rank holds only its segment of
+    /// the averaged gradient (see the module doc, "ZeRO-2").
+    Zero2,
 }
 
 /// Configuration of a [`DataParallel`] engine; must be the same on every rank.
@@ -157,10 +174,10 @@ pub struct DataParallel<M, O> {
     staging: Option<Staging>,
 }
 
-/// Who runs the optimizer step: this engine over whole parameters, or this rank's ZeRO-1 shard.
+/// Who runs the optimizer step: this engine over whole parameters, or this rank's ZeRO-1/2 shard.
 enum Updater<O> {
     Replicated { optimizer: O, slices: Vec<ParamSlice> },
-    Zero1(ParamShard<O>),
+    Sharded(ParamShard<O>),
 }
 
 /// Counts pending parameters per bucket during one backward and says which buckets may be handed
@@ -233,7 +250,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         if device == Device::Cpu && !config.host_staging {
             return Ok((ParamBuckets::new(model, config.bucket_bytes_max)?, None));
         }
-        if config.sharding == Sharding::Zero1 {
+        if config.sharding != Sharding::Replicated {
             return Err(Error::ShardedDevice { device });
         }
         let staging = Staging::new(model, config.bucket_bytes_max)?;
@@ -269,8 +286,12 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                 Updater::Replicated { optimizer, slices }
             }
             // After the broadcast: the shard copies this rank's segments of rank 0's parameters.
-            Sharding::Zero1 => Updater::Zero1(ParamShard::new(&buckets, reducer.rank(), reducer.size(), make_optimizer)?),
+            Sharding::Zero1 | Sharding::Zero2 => Updater::Sharded(ParamShard::new(&buckets, reducer.rank(), reducer.size(), make_optimizer)?),
         };
+        if config.sharding == Sharding::Zero2 {
+            // ZeRO-2 keeps no full gradient between steps; backward makes fresh leaf gradients.
+            release_grads(&buckets)?;
+        }
         Ok(DataParallel { model, buckets, updater, params_per_bucket, config, steps: 0, failed_step: None, reducer, staging })
     }
 
@@ -323,7 +344,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     pub fn optimizer(&self) -> &O {
         match &self.updater {
             Updater::Replicated { optimizer, .. } => optimizer,
-            Updater::Zero1(shard) => shard.optimizer(),
+            Updater::Sharded(shard) => shard.optimizer(),
         }
     }
 
@@ -331,7 +352,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     pub fn optimizer_mut(&mut self) -> &mut O {
         match &mut self.updater {
             Updater::Replicated { optimizer, .. } => optimizer,
-            Updater::Zero1(shard) => shard.optimizer_mut(),
+            Updater::Sharded(shard) => shard.optimizer_mut(),
         }
     }
 
@@ -339,7 +360,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     pub fn param_shard(&self) -> Option<&ParamShard<O>> {
         match &self.updater {
             Updater::Replicated { .. } => None,
-            Updater::Zero1(shard) => Some(shard),
+            Updater::Sharded(shard) => Some(shard),
         }
     }
 
@@ -379,8 +400,27 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     pub fn param_slices(&self) -> &[ParamSlice] {
         match &self.updater {
             Updater::Replicated { slices, .. } => slices,
-            Updater::Zero1(shard) => shard.slices(),
+            Updater::Sharded(shard) => shard.slices(),
         }
+    }
+
+    /// Bytes this rank holds now (call it between steps), counted from the live storages:
+    /// buckets, the ZeRO-1/2 shard's segments and the optimizer state. `grads_peak_bytes` is
+    /// every bucket's gradient (ZeRO-2: an upper bound; leaf gradients wait for their bucket).
+    pub fn memory(&self) -> Result<crate::memory::MemoryPerRank> {
+        let bytes = |s: &rtx_tensor::Storage, dtype: rtx_tensor::DType| s.len() * dtype.size_in_bytes();
+        let (mut params_bytes, mut grads_bytes, mut grads_peak_bytes) = (0, 0, 0);
+        for (bucket, b) in self.buckets.buckets().iter().enumerate() {
+            params_bytes += bytes(b.param_storage(), b.dtype());
+            grads_bytes += bytes(b.grad_storage(), b.dtype());
+            grads_peak_bytes += b.size_bytes();
+            if let Updater::Sharded(shard) = &self.updater {
+                params_bytes += bytes(shard.param_storage(bucket), b.dtype());
+                grads_bytes += bytes(shard.grad_storage(bucket), b.dtype());
+            }
+        }
+        let optimizer_bytes = crate::memory::optimizer_bytes(self.optimizer())?;
+        Ok(crate::memory::MemoryPerRank { params_bytes, grads_bytes, optimizer_bytes, gathered_peak_bytes: 0, grads_peak_bytes })
     }
 
     /// Under ZeRO-1, the element range of each bucket this rank owns.
@@ -395,7 +435,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         drop(reducer);
         let optimizer = match updater {
             Updater::Replicated { optimizer, .. } => optimizer,
-            Updater::Zero1(shard) => shard.into_optimizer(),
+            Updater::Sharded(shard) => shard.into_optimizer(),
         };
         (model, buckets, optimizer)
     }
@@ -409,8 +449,15 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         if self.staging.is_some() {
             return self.run_staged_step(step, forward).await;
         }
-        self.buckets.bind_grads()?;
-        self.buckets.zero_grad()?;
+        let zero2 = self.config.sharding == Sharding::Zero2;
+        let views = if zero2 {
+            release_grads(&self.buckets)?;
+            self.buckets.named_parameters().into_iter().map(|(_, v)| v).collect()
+        } else {
+            self.buckets.bind_grads()?;
+            self.buckets.zero_grad()?;
+            Vec::new()
+        };
         let loss = forward(&mut self.model)?;
         if loss.numel() != 1 {
             return Err(Error::NonScalarLoss { shape: loss.shape().to_vec() });
@@ -426,12 +473,17 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         let backward = {
             let shard = match &self.updater {
                 Updater::Replicated { .. } => None,
-                Updater::Zero1(shard) => Some(shard),
+                Updater::Sharded(shard) => Some(shard),
             };
             let (buckets, reducer) = (&self.buckets, &self.reducer);
             let mut hand_over = |bucket: usize| {
+                if zero2 && submit_error.is_none() {
+                    if let Err(e) = materialise_grads(buckets, &views, bucket) {
+                        submit_error = Some(e);
+                    }
+                }
                 if submit_error.is_none() {
-                    match reducer.submit(gradient_job(step, bucket, buckets, shard)) {
+                    match reducer.submit(gradient_job(step, bucket, buckets, shard, zero2)) {
                         Ok(()) => submitted += 1,
                         Err(e) => submit_error = Some(e),
                     }
@@ -460,7 +512,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
 
         match &mut self.updater {
             Updater::Replicated { optimizer, .. } => optimizer.step()?,
-            Updater::Zero1(shard) => {
+            Updater::Sharded(shard) => {
                 // The reduce-scatter left the averaged gradients in the shard's own segments.
                 shard.apply_reduced(step)?;
                 shard.write_into(&self.buckets)?;
@@ -493,14 +545,14 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                     optimizer.step()?;
                     Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets: 0, flushed_buckets: 0 })
                 }
-                Updater::Zero1(_) => Err(Error::ShardedDevice { device: staging.device() }),
+                Updater::Sharded(_) => Err(Error::ShardedDevice { device: staging.device() }),
             };
         }
         // Bucket i is reduced by the communication thread while bucket i + 1 is copied.
         let mut submitted = 0;
         let mut failure = None;
         for bucket in 0..n_buckets {
-            let handed = staging.download_bucket(bucket).and_then(|()| self.reducer.submit(gradient_job::<O>(step, bucket, &self.buckets, None)));
+            let handed = staging.download_bucket(bucket).and_then(|()| self.reducer.submit(gradient_job::<O>(step, bucket, &self.buckets, None, false)));
             match handed {
                 Ok(()) => submitted += 1,
                 Err(e) => {
@@ -517,7 +569,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         staging.upload_grads()?;
         match &mut self.updater {
             Updater::Replicated { optimizer, .. } => optimizer.step()?,
-            Updater::Zero1(_) => return Err(Error::ShardedDevice { device: staging.device() }),
+            Updater::Sharded(_) => return Err(Error::ShardedDevice { device: staging.device() }),
         }
         Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets: 0, flushed_buckets: 0 })
     }
@@ -568,7 +620,7 @@ impl BucketTracker {
 
 /// Receives `n` reports (all of them, even after a failure, so every buffer is back) and returns
 /// how many began during backward, or the first failure.
-async fn wait_reports(reducer: &Reducer, step: u64, n: usize) -> Result<usize> {
+pub(crate) async fn wait_reports(reducer: &Reducer, step: u64, n: usize) -> Result<usize> {
     let mut first_failure = None;
     let mut during_backward = 0;
     for _ in 0..n {
@@ -591,7 +643,7 @@ async fn wait_reports(reducer: &Reducer, step: u64, n: usize) -> Result<usize> {
 }
 
 /// Submits `jobs` and waits for all their reports (stopping early only if the thread is gone).
-async fn run_jobs(reducer: &Reducer, step: u64, jobs: impl Iterator<Item = Job>) -> Result<()> {
+pub(crate) async fn run_jobs(reducer: &Reducer, step: u64, jobs: impl Iterator<Item = Job>) -> Result<()> {
     let mut submitted = 0;
     let mut submit_error = None;
     for job in jobs {
@@ -609,13 +661,48 @@ async fn run_jobs(reducer: &Reducer, step: u64, jobs: impl Iterator<Item = Job>)
 
 /// The gradient collective of `bucket`: an all-reduce, or under ZeRO-1 a reduce-scatter into the
 /// shard's gradient segment.
-fn gradient_job<O: Optimizer>(step: u64, bucket: usize, buckets: &ParamBuckets, shard: Option<&ParamShard<O>>) -> Job {
+fn gradient_job<O: Optimizer>(step: u64, bucket: usize, buckets: &ParamBuckets, shard: Option<&ParamShard<O>>, release: bool) -> Job {
     let grads = buckets.buckets()[bucket].grad_storage().clone();
     let op = match shard {
         None => BucketOp::AllReduce { grads },
-        Some(shard) => BucketOp::ReduceScatter { grads, shard: shard.grad_storage(bucket).clone() },
+        Some(shard) => BucketOp::ReduceScatter { grads, shard: shard.grad_storage(bucket).clone(), release },
     };
     Job { step, bucket, op }
+}
+
+/// ZeRO-2: empties every bucket's gradient storage and unbinds the parameters' gradient slots, so
+/// backward accumulates each parameter's gradient into a fresh tensor of its own.
+fn release_grads(buckets: &ParamBuckets) -> Result<()> {
+    for (_, view) in buckets.named_parameters() {
+        view.set_grad(None)?;
+    }
+    for bucket in buckets.buckets() {
+        let mut data = bucket.grad_storage().write()?;
+        *data = CpuData::zeros(bucket.dtype(), 0);
+    }
+    Ok(())
+}
+
+/// ZeRO-2: bucket `bucket` is complete; allocates its flat gradient, copies its parameters'
+/// gradients in (zeros for a parameter the loss did not use) and drops theirs. The reduce-scatter
+/// frees the flat buffer again once this rank's segment is averaged.
+fn materialise_grads(buckets: &ParamBuckets, views: &[Tensor], bucket: usize) -> Result<()> {
+    let b = &buckets.buckets()[bucket];
+    let mut flat = CpuData::zeros(b.dtype(), b.numel());
+    for &idx in b.entries() {
+        let entry = &buckets.entries()[idx];
+        let view = &views[idx];
+        if let Some(grad) = view.grad() {
+            let values = grad.to_dtype(b.dtype())?.to_data()?;
+            debug_assert_eq!(values.len(), entry.numel, "zero2: a gradient has its parameter's size");
+            crate::param_shard::copy_at(&mut flat, entry.offset, &values);
+        }
+        view.set_grad(None)?;
+    }
+    let mut data = b.grad_storage().write()?;
+    debug_assert!(data.is_empty(), "zero2: a bucket's gradient is materialised once per step");
+    *data = flat;
+    Ok(())
 }
 
 const _: () = assert!(DEFAULT_QUEUE_DEPTH > 0 && DEFAULT_BUCKET_BYTES_MAX > 0);

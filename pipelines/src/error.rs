@@ -159,7 +159,7 @@ pub enum Error {
     },
     /// ZeRO-1 was asked for a model whose parameters live on a device (its shards are host
     /// segments of the buckets; device parameters take the host-staged replicated path).
-    #[error("ZeRO-1 sharding needs host parameters; the model's live on {device:?} (use replicated data parallelism)")]
+    #[error("ZeRO sharding (ZeRO-1, ZeRO-2, FSDP) needs host parameters; the model's live on {device:?} (use replicated data parallelism)")]
     ShardedDevice {
         /// Where the parameters live.
         device: Device,

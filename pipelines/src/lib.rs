@@ -6,8 +6,11 @@
 //! buckets ([`rtx_tensor::optim::ParamBuckets`]), an optimizer and a communication thread holding
 //! the rank's [`rtx_collectives::Communicator`]; [`DataParallel::step`] runs the caller's forward,
 //! then backward while each completed gradient bucket is averaged across the group, then the
-//! optimizer. [`Sharding::Zero1`] shards optimizer state and updates ZeRO-1 style through the rank's
-//! [`ParamShard`] (an [`rtx_actors::Actor`] with typed messages, export and import).
+//! optimizer. [`Sharding::Zero1`] shards optimizer state and updates ZeRO-1 style, and
+//! [`Sharding::Zero2`] keeps only this rank's segment of the gradients too, through the rank's
+//! [`ParamShard`] (an [`rtx_actors::Actor`] with typed messages, export and import). ZeRO-3 /
+//! FSDP (parameters sharded too, gathered per transformer block just ahead of use) is
+//! [`FsdpGpt`]; [`memory`] counts each stage's bytes per rank.
 //! Model parallelism: [`mesh`] (the mesh, coordinates, sub-communicators), [`schedule`] (GPipe,
 //! 1F1B, interleaved, ZB-H1 as pure instruction lists, and a virtual-time simulator), [`tp`]
 //! (tensor-parallel layers and the TP forms of the GPT and ViT) and [`pipeline`] (the engine
@@ -17,6 +20,8 @@
 
 mod data_parallel;
 mod error;
+mod fsdp;
+pub mod memory;
 pub mod mesh;
 pub mod pipeline;
 mod param_shard;
@@ -29,6 +34,8 @@ pub mod tp;
 
 pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
 pub use error::{Error, Result};
+pub use fsdp::{gpt_unit_of, FsdpConfig, FsdpGpt, FsdpStats};
+pub use memory::{MemoryPerRank, ZeroStage};
 pub use mesh::{check_model, Axis, Coord, Mesh, MeshError, MeshGroups, MeshShape, ModelDims};
 pub use placement::Placement;
 pub use param_shard::{ParamShard, ParamShardMsg, ShardState, PARAM_SHARD_MAILBOX};

@@ -285,6 +285,11 @@ impl<O: Optimizer> ParamShard<O> {
         self.optimizer
     }
 
+    /// The storage of bucket `bucket`'s parameter segment (ZeRO-3 all-gathers it into the unit).
+    pub(crate) fn param_storage(&self, bucket: usize) -> &Storage {
+        self.segments[bucket].params.storage()
+    }
+
     /// The storage of bucket `bucket`'s gradient segment, for a reduce-scatter to write into.
     pub(crate) fn grad_storage(&self, bucket: usize) -> &Storage {
         self.segments[bucket].grads.storage()
@@ -370,7 +375,7 @@ pub(crate) fn check_optimizer_params<O: Optimizer>(optimizer: &O, slices: &[Para
 
 /// Copies `src` into `dst[offset..]`; the caller checked dtypes and bounds (the segment lies in
 /// its bucket and has its dtype).
-fn copy_at(dst: &mut CpuData, offset: usize, src: &CpuData) {
+pub(crate) fn copy_at(dst: &mut CpuData, offset: usize, src: &CpuData) {
     let n = src.len();
     match (dst, src) {
         (CpuData::F32(d), CpuData::F32(s)) => d[offset..offset + n].copy_from_slice(s),

@@ -106,12 +106,18 @@ pub(crate) struct Job {
 pub(crate) enum BucketOp {
     /// Average the flat gradient in place.
     AllReduce { grads: Storage },
-    /// Average the flat gradient, leaving this rank's segment in `shard` (its own storage).
-    ReduceScatter { grads: Storage, shard: Storage },
+    /// Average the flat gradient, leaving this rank's segment in `shard` (its own storage). With
+    /// `release` (ZeRO-2 and ZeRO-3) the full gradient buffer is dropped afterwards instead of put
+    /// back: its storage is left empty, and the compute thread allocates it again when it next
+    /// needs it.
+    ReduceScatter { grads: Storage, shard: Storage, release: bool },
     /// Replace the flat parameters by every rank's segment; `own` is this rank's.
     AllGather { params: Storage, own: Range<usize> },
     /// Replace the flat parameters by group rank 0's (at construction, as DDP does).
     Broadcast { params: Storage },
+    /// ZeRO-3: fill `params` (allocated to the bucket's full length by the compute thread) with
+    /// every rank's segment; this rank's is read from `segment`, its own storage.
+    Gather { params: Storage, segment: Storage },
 }
 
 impl BucketOp {
@@ -121,6 +127,7 @@ impl BucketOp {
             BucketOp::ReduceScatter { .. } => "reduce_scatter",
             BucketOp::AllGather { .. } => "all_gather",
             BucketOp::Broadcast { .. } => "broadcast",
+            BucketOp::Gather { .. } => "all_gather",
         }
     }
 }
@@ -321,12 +328,25 @@ async fn run(comm: &Communicator, job: &Job, timeout: Duration, scratch: &mut BT
             restore(grads, data);
             outcome
         }
-        BucketOp::ReduceScatter { grads, shard } => {
+        BucketOp::ReduceScatter { grads, shard, release } => {
             let data = take(grads);
             let mut out = take(shard);
             let outcome = bounded(timeout, reduce_scatter(comm, &data, &mut out)).await;
             restore(shard, out);
-            restore(grads, data);
+            if *release {
+                // The storage stays empty (what `take` left); the buffer is freed here.
+                drop(data);
+            } else {
+                restore(grads, data);
+            }
+            outcome
+        }
+        BucketOp::Gather { params, segment } => {
+            let mut data = take(params);
+            let own = take(segment);
+            let outcome = bounded(timeout, gather_segments(comm, &own, &mut data)).await;
+            restore(segment, own);
+            restore(params, data);
             outcome
         }
         BucketOp::AllGather { params, own } => {
@@ -411,6 +431,16 @@ async fn all_gather(comm: &Communicator, data: &mut CpuData, own: Range<usize>, 
         (CpuData::F64(d), CpuData::F64(s)) => gather_into(comm, d, own, s).await,
         (CpuData::BF16(d), CpuData::BF16(s)) => gather_into(comm, d, own, s).await,
         (d, _) => return Err(Failure::Unsupported(d.dtype())),
+    };
+    result.map_err(Failure::Comm)
+}
+
+async fn gather_segments(comm: &Communicator, own: &CpuData, out: &mut CpuData) -> std::result::Result<(), Failure> {
+    let result = match (own, out) {
+        (CpuData::F32(i), CpuData::F32(o)) => comm.all_gather(i, o).await,
+        (CpuData::F64(i), CpuData::F64(o)) => comm.all_gather(i, o).await,
+        (CpuData::BF16(i), CpuData::BF16(o)) => comm.all_gather(i, o).await,
+        (i, _) => return Err(Failure::Unsupported(i.dtype())),
     };
     result.map_err(Failure::Comm)
 }

@@ -1,9 +1,9 @@
 //! Data-parallel equivalence, overlap and failure.
 //!
 //! - N ranks each stepping on their slice (b rows) of one global batch reach the parameters that
-//!   one process reaches on the whole batch (N·b rows), for N = 2 and 4, replicated and ZeRO-1, on
+//!   one process reaches on the whole batch (N·b rows), for N = 2 and 4, replicated, ZeRO-1 and ZeRO-2, on
 //!   an MLP and a tiny GPT, over several AdamW steps; the averaged gradients match too, replicas
-//!   are bit-identical after every step, and ZeRO-1 is bit-identical to replicated.
+//!   are bit-identical after every step, and ZeRO-1 and ZeRO-2 are bit-identical to replicated.
 //! - Buckets whose parameters the loss never used are still reduced, after backward.
 //! - A bucket's all-reduce starts while backward is still running (a gate in the graph makes this
 //!   deterministic).
@@ -344,7 +344,8 @@ fn check_equivalence(kind: Kind, n_ranks: usize, bucket_bytes_max: usize) {
     let reference = single_process(kind, seed, n_ranks * rows_per_rank);
     let replicated = data_parallel(kind, seed, n_ranks, rows_per_rank, Sharding::Replicated, bucket_bytes_max);
     let zero1 = data_parallel(kind, seed, n_ranks, rows_per_rank, Sharding::Zero1, bucket_bytes_max);
-    for (sharding, ranks) in [(Sharding::Replicated, &replicated), (Sharding::Zero1, &zero1)] {
+    let zero2 = data_parallel(kind, seed, n_ranks, rows_per_rank, Sharding::Zero2, bucket_bytes_max);
+    for (sharding, ranks) in [(Sharding::Replicated, &replicated), (Sharding::Zero1, &zero1), (Sharding::Zero2, &zero2)] {
         for step in 0..STEPS as usize {
             let case = format!("{kind:?} N={n_ranks} {sharding:?} step {step}");
             for (rank, trajectory) in ranks.iter().enumerate().skip(1) {
@@ -352,7 +353,7 @@ fn check_equivalence(kind: Kind, n_ranks: usize, bucket_bytes_max: usize) {
             }
             let owned: Vec<&StepRecord> = match sharding {
                 Sharding::Replicated => vec![&ranks[0][step]],
-                Sharding::Zero1 => ranks.iter().map(|r| &r[step]).collect(),
+                Sharding::Zero1 | Sharding::Zero2 => ranks.iter().map(|r| &r[step]).collect(),
             };
             let (grad_max, grad_scale, compared) = grad_diff(&owned, &reference[step]);
             assert_eq!(compared, n_elements, "{case}: the ranks' gradient slices cover every element once");
@@ -381,6 +382,7 @@ fn check_equivalence(kind: Kind, n_ranks: usize, bucket_bytes_max: usize) {
     // configurations, and AdamW is elementwise, so sharding changes no bit.
     for step in 0..STEPS as usize {
         assert!(bits(&replicated[0][step].params) == bits(&zero1[0][step].params), "{kind:?} N={n_ranks} step {step}: ZeRO-1 differs from replicated");
+        assert!(bits(&zero2[0][step].params) == bits(&zero1[0][step].params), "{kind:?} N={n_ranks} step {step}: ZeRO-2 differs from ZeRO-1");
     }
 }
 

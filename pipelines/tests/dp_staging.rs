@@ -141,13 +141,16 @@ fn staging_keeps_the_modules_own_tensors() {
 
 #[test]
 fn zero1_with_staging_is_a_typed_error() {
-    // Goal: ZeRO-1 shards host buckets; staged parameters are refused before any collective.
-    let (_net, mut transports) = InProcessNetwork::new(1);
-    let t = transports.remove(0);
-    let connect = move || Endpoint::new(Arc::new(t) as Arc<dyn Transport>, CommConfig::default())?.world();
-    let cfg = DpConfig { sharding: Sharding::Zero1, ..config(true) };
-    match DataParallel::new(model(0), cfg, connect, adamw(ADAMW, |_, _| true)) {
-        Err(e @ Error::ShardedDevice { device: Device::Cpu }) => assert!(e.to_string().contains("ZeRO-1"), "{e}"),
-        other => panic!("expected ShardedDevice, got {other:?}"),
+    // Goal: ZeRO-1 and ZeRO-2 shard host buckets; staged parameters are refused before any
+    // collective.
+    for sharding in [Sharding::Zero1, Sharding::Zero2] {
+        let (_net, mut transports) = InProcessNetwork::new(1);
+        let t = transports.remove(0);
+        let connect = move || Endpoint::new(Arc::new(t) as Arc<dyn Transport>, CommConfig::default())?.world();
+        let cfg = DpConfig { sharding, ..config(true) };
+        match DataParallel::new(model(0), cfg, connect, adamw(ADAMW, |_, _| true)) {
+            Err(e @ Error::ShardedDevice { device: Device::Cpu }) => assert!(e.to_string().contains("ZeRO-1, ZeRO-2"), "{e}"),
+            other => panic!("{sharding:?}: expected ShardedDevice, got {other:?}"),
+        }
     }
 }

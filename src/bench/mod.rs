@@ -10,6 +10,7 @@
 //! `scripts/peer/torch_bench.py` exactly; change both together. `actors` times actor calls in-process and across processes over QUIC. `collectives` measures the
 //! collectives between processes (see its module; `scripts/bench-collectives.sh` adds Gloo).
 //! `bubble` predicts the pipeline bubble in virtual time; `pipeline` measures it on real stages.
+//! `zero` reports memory per rank of replicated DP and ZeRO-1/2/3 next to the ZeRO paper's figures.
 
 mod actors;
 mod bubble;
@@ -19,6 +20,7 @@ mod ops;
 mod pipeline;
 mod step;
 mod timing;
+mod zero;
 
 pub use actors::ActorsArgs;
 pub use collectives::{BenchTransport, CollectiveOp, CollectivesArgs};
@@ -26,6 +28,7 @@ pub use matmul::MatmulArgs;
 pub use ops::OpsArgs;
 pub use step::{StepArgs, StepModel};
 pub use timing::Stats;
+pub use zero::ZeroArgs;
 
 /// Arguments of `rtx bench`.
 #[derive(clap::Args, Debug, Clone)]
@@ -52,6 +55,8 @@ pub enum BenchCommand {
     Bubble(bubble::BubbleArgs),
     /// Pipeline bubble measured on real stages (rank threads) next to theory and prediction.
     Pipeline(pipeline::PipelineArgs),
+    /// Memory per rank of replicated DP, ZeRO-1, ZeRO-2 and ZeRO-3 next to the ZeRO paper's figures.
+    Zero(ZeroArgs),
 }
 
 /// Runs one benchmark, printing JSON lines on stdout.
@@ -64,6 +69,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Actors(a) => actors::run(&a),
         BenchCommand::Bubble(a) => bubble::run(&a),
         BenchCommand::Pipeline(a) => pipeline::run(&a),
+        BenchCommand::Zero(a) => zero::run(&a),
     }
 }
 

@@ -82,7 +82,45 @@ impl ParamBuckets {
             members.push(idx);
         }
         let entries: Vec<BucketEntry> = entries.into_iter().map(|e| e.ok_or_else(|| Error::InvalidArgument { op: "ParamBuckets", reason: "unassigned parameter".into() })).collect::<Result<_>>()?;
+        Self::build(module, &named, entries, buckets)
+    }
 
+    /// Like [`ParamBuckets::new`], with the bucket of each parameter chosen by the caller:
+    /// `bucket_of(name)` for every parameter, the buckets numbered `0..n` with none empty, each of
+    /// one dtype. Within a bucket parameters are packed in reverse visit order, as `new` packs
+    /// them. Sharded data parallelism uses it to make one bucket per unit of the model (a
+    /// transformer block, the embeddings), which it gathers and frees as a whole.
+    pub fn grouped(module: &mut dyn Module, bucket_of: &dyn Fn(&str) -> usize) -> Result<ParamBuckets> {
+        let named = module.named_parameters();
+        let n_buckets = named.iter().map(|(name, _)| bucket_of(name) + 1).max().unwrap_or(0);
+        let mut buckets: Vec<(DType, usize, Vec<usize>)> = Vec::with_capacity(n_buckets);
+        let mut dtypes: Vec<Option<DType>> = vec![None; n_buckets];
+        for (name, t) in &named {
+            let b = bucket_of(name);
+            match dtypes[b] {
+                Some(d) if d != t.dtype() => return Err(Error::InvalidArgument { op: "ParamBuckets::grouped", reason: format!("{name}: dtype {} in bucket {b} of {d}", t.dtype()) }),
+                _ => dtypes[b] = Some(t.dtype()),
+            }
+        }
+        for (b, dtype) in dtypes.iter().enumerate() {
+            let Some(dtype) = dtype else { return Err(Error::InvalidArgument { op: "ParamBuckets::grouped", reason: format!("bucket {b} of 0..{n_buckets} holds no parameter") }) };
+            buckets.push((*dtype, 0, Vec::new()));
+        }
+        let mut entries: Vec<Option<BucketEntry>> = vec![None; named.len()];
+        for (idx, (name, t)) in named.iter().enumerate().rev() {
+            let b = bucket_of(name);
+            let (_, numel, members) = &mut buckets[b];
+            entries[idx] = Some(BucketEntry { name: name.clone(), bucket: b, offset: *numel, numel: t.numel(), shape: t.shape().to_vec() });
+            *numel += t.numel();
+            members.push(idx);
+        }
+        let entries: Vec<BucketEntry> = entries.into_iter().map(|e| e.ok_or_else(|| Error::InvalidArgument { op: "ParamBuckets", reason: "unassigned parameter".into() })).collect::<Result<_>>()?;
+        Self::build(module, &named, entries, buckets)
+    }
+
+    /// Fills the flat storages of `buckets` (dtype, elements, member parameter indices) and swaps
+    /// the module's parameters for views of them.
+    fn build(module: &mut dyn Module, named: &[(String, Tensor)], entries: Vec<BucketEntry>, buckets: Vec<(DType, usize, Vec<usize>)>) -> Result<ParamBuckets> {
         // Fill the flat storages.
         let mut built = Vec::with_capacity(buckets.len());
         for (dtype, numel, members) in buckets {
