@@ -14,6 +14,15 @@ fn config_3d() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/sotu_gpt_3d.toml")
 }
 
+/// A data folder under `root` holding the digits fixture (a real dataset small enough for
+/// configs that must fail before training).
+fn digits_data(root: &Path) -> PathBuf {
+    let data = root.join("data");
+    std::fs::create_dir_all(data.join("digits")).unwrap();
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tensor/tests/fixtures/digits.csv.gz"), data.join("digits/digits.csv.gz")).unwrap();
+    data
+}
+
 fn text(out: &Output) -> (String, String) {
     (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
@@ -79,9 +88,7 @@ fn launch_refuses_a_mesh_larger_than_the_world_before_starting_workers() {
     // digits MLP asking for dp = 4 on 2 processes; no worker log may appear.
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
-    let data = root.join("data");
-    std::fs::create_dir_all(data.join("digits")).unwrap();
-    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tensor/tests/fixtures/digits.csv.gz"), data.join("digits/digits.csv.gz")).unwrap();
+    let data = digits_data(root);
     let config = root.join("mlp.toml");
     std::fs::write(&config, "[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\ndataset = \"digits\"\nbatch_size = 8\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 2\n[parallel]\ndp = 4\n").unwrap();
     let out_dir = root.join("out");
@@ -101,9 +108,7 @@ fn launch_refuses_a_zero_stage_it_does_not_run() {
     // rather than training the job replicated. Method: the digits MLP with zero = 2 on 2 processes.
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
-    let data = root.join("data");
-    std::fs::create_dir_all(data.join("digits")).unwrap();
-    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tensor/tests/fixtures/digits.csv.gz"), data.join("digits/digits.csv.gz")).unwrap();
+    let data = digits_data(root);
     let config = root.join("mlp.toml");
     std::fs::write(&config, "[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\ndataset = \"digits\"\nbatch_size = 8\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 2\n[parallel]\nzero = 2\n").unwrap();
     let plan = rtx(&["plan", config.to_str().unwrap(), "--world", "2"], root);

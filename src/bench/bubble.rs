@@ -23,13 +23,14 @@ use rtx_pipelines::schedule::{simulate, Costs, ScheduleKind, Timeline};
 use rtx_tensor::nn::{BlockConfig, Module, TransformerBlock};
 use rtx_tensor::{DType, Generator, Tensor};
 
-/// Arguments of `rtx bench bubble`.
+/// The model and pipeline shape `rtx bench bubble` and `rtx bench pipeline` share: a byte-level GPT
+/// of pre-norm blocks cut into stages, and the micro-batch counts to run.
 #[derive(clap::Args, Debug, Clone)]
-pub struct BubbleArgs {
-    /// Width of the measured block.
+pub struct PipelineShape {
+    /// Model width.
     #[arg(long, default_value_t = 256)]
     pub d_model: usize,
-    /// Attention heads of the block.
+    /// Attention heads.
     #[arg(long, default_value_t = 4)]
     pub heads: usize,
     /// Sequence length (tokens per sample).
@@ -38,15 +39,23 @@ pub struct BubbleArgs {
     /// Samples per micro-batch.
     #[arg(long, default_value_t = 4)]
     pub micro_batch: usize,
-    /// Transformer blocks of the whole model; divisible by `2 * stages`.
+    /// Transformer blocks; divisible by `2 * stages` (interleaving puts one chunk per half-stage).
     #[arg(long, default_value_t = 8)]
     pub layers: usize,
     /// Pipeline stages.
     #[arg(long, default_value_t = 4)]
     pub stages: usize,
-    /// Micro-batches per step to simulate.
+    /// Micro-batches per step.
     #[arg(long, value_delimiter = ',', default_value = "8,16,32")]
     pub microbatches: Vec<usize>,
+}
+
+/// Arguments of `rtx bench bubble`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BubbleArgs {
+    /// The model and pipeline shape.
+    #[command(flatten)]
+    pub shape: PipelineShape,
     /// Latency of one activation or gradient transfer between stages, microseconds.
     #[arg(long, default_value_t = 0.0)]
     pub p2p_us: f64,
@@ -68,25 +77,25 @@ struct BlockCosts {
 
 /// Runs the benchmark: one `costs` line, then one line per (schedule, m).
 pub(super) fn run(args: &BubbleArgs) -> anyhow::Result<()> {
-    let p = args.stages;
+    let p = args.shape.stages;
     anyhow::ensure!(p >= 1, "--stages must be at least 1");
-    anyhow::ensure!(args.layers > 0 && args.layers.is_multiple_of(2 * p), "--layers {} must be a positive multiple of 2 x stages = {}", args.layers, 2 * p);
+    anyhow::ensure!(args.shape.layers > 0 && args.shape.layers.is_multiple_of(2 * p), "--layers {} must be a positive multiple of 2 x stages = {}", args.shape.layers, 2 * p);
     anyhow::ensure!(args.p2p_us.is_finite() && args.p2p_us >= 0.0, "--p2p-us must be a non-negative number, got {}", args.p2p_us);
     let block = measure_block(args)?;
     emit(serde_json::json!({
         "bench": "bubble",
         "line": "costs",
-        "block": format!("pre-norm GPT block d_model {} heads {} context {} micro-batch {}", args.d_model, args.heads, args.context, args.micro_batch),
+        "block": format!("pre-norm GPT block d_model {} heads {} context {} micro-batch {}", args.shape.d_model, args.shape.heads, args.shape.context, args.shape.micro_batch),
         "forward_ms": round3(block.forward * 1e3),
         "backward_input_ms": round3(block.backward_input * 1e3),
         "backward_weight_ms": round3(block.backward_weight * 1e3),
         "split": "W = bare dW=dY^T.X gemms of the 4 linears; B = measured backward - W",
-        "layers": args.layers,
+        "layers": args.shape.layers,
         "stages": p,
         "repeats": args.repeats,
         "threads": threads(),
     }));
-    for line in schedule_lines(block, args.layers, p, &args.microbatches, args.p2p_us * 1e-6)? {
+    for line in schedule_lines(block, args.shape.layers, p, &args.shape.microbatches, args.p2p_us * 1e-6)? {
         emit(line);
     }
     Ok(())
@@ -137,23 +146,23 @@ fn round4(x: f64) -> f64 {
 
 /// Times one block's forward, forward + backward, and its linears' weight-gradient products.
 fn measure_block(args: &BubbleArgs) -> anyhow::Result<BlockCosts> {
-    let (b, t, c) = (args.micro_batch, args.context, args.d_model);
+    let (b, t, c) = (args.shape.micro_batch, args.shape.context, args.shape.d_model);
     anyhow::ensure!(
-        b > 0 && t > 0 && c > 0 && args.heads > 0 && c.is_multiple_of(args.heads),
+        b > 0 && t > 0 && c > 0 && args.shape.heads > 0 && c.is_multiple_of(args.shape.heads),
         "block shape: batch {b}, context {t}, d_model {c} must be positive and divisible by heads {}",
-        args.heads
+        args.shape.heads
     );
     let mut rng = Generator::new(0);
     let config = BlockConfig {
         d_model: c,
-        n_heads: args.heads,
+        n_heads: args.shape.heads,
         mlp_hidden: 4 * c,
         causal: true,
         bias: true,
         dropout: 0.0,
         layer_norm_eps: 1e-5,
         init_std: 0.02,
-        proj_init_std: 0.02 / (2.0 * args.layers as f64).sqrt(),
+        proj_init_std: 0.02 / (2.0 * args.shape.layers as f64).sqrt(),
         dtype: DType::F32,
     };
     let block = TransformerBlock::new(&config, &mut rng)?;

@@ -27,6 +27,7 @@ use super::emit;
 use super::timing::round3;
 use rtx_collectives::{CommConfig, Endpoint, InProcessNetwork, Transport};
 use rtx_pipelines::pipeline::{GptStage, MeshEngine, PipelineConfig, StageTimeline, TokenBatch};
+use super::bubble::PipelineShape;
 use rtx_pipelines::schedule::{simulate, Costs, Op, ScheduleKind};
 use rtx_pipelines::{Mesh, MeshGroups, MeshShape};
 use rtx_tensor::nn::{Gpt, GptConfig, Module};
@@ -36,27 +37,9 @@ use rtx_tensor::{Generator, Tensor};
 /// Arguments of `rtx bench pipeline`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PipelineArgs {
-    /// Model width.
-    #[arg(long, default_value_t = 256)]
-    pub d_model: usize,
-    /// Attention heads.
-    #[arg(long, default_value_t = 4)]
-    pub heads: usize,
-    /// Sequence length (tokens per sample).
-    #[arg(long, default_value_t = 128)]
-    pub context: usize,
-    /// Samples per micro-batch.
-    #[arg(long, default_value_t = 4)]
-    pub micro_batch: usize,
-    /// Transformer blocks; divisible by `2 * stages` (interleaving puts one chunk per half-stage).
-    #[arg(long, default_value_t = 8)]
-    pub layers: usize,
-    /// Pipeline stages (rank threads).
-    #[arg(long, default_value_t = 4)]
-    pub stages: usize,
-    /// Micro-batches per step.
-    #[arg(long, value_delimiter = ',', default_value = "8,16,32")]
-    pub microbatches: Vec<usize>,
+    /// The model and pipeline shape (stages are rank threads).
+    #[command(flatten)]
+    pub shape: PipelineShape,
     /// Schedules to run (gpipe, 1f1b, interleaved-2, zb-h1).
     #[arg(long, value_delimiter = ',', default_value = "gpipe,1f1b,interleaved-2,zb-h1")]
     pub schedules: Vec<String>,
@@ -88,9 +71,9 @@ fn parse_schedule(name: &str) -> anyhow::Result<ScheduleKind> {
 
 /// Runs the benchmark: a `setup` line, then one line per (schedule, m).
 pub(super) fn run(args: &PipelineArgs) -> anyhow::Result<()> {
-    let p = args.stages;
+    let p = args.shape.stages;
     anyhow::ensure!(p >= 2, "--stages must be at least 2");
-    anyhow::ensure!(args.layers > 0 && args.layers.is_multiple_of(2 * p), "--layers {} must be a positive multiple of 2 x stages = {}", args.layers, 2 * p);
+    anyhow::ensure!(args.shape.layers > 0 && args.shape.layers.is_multiple_of(2 * p), "--layers {} must be a positive multiple of 2 x stages = {}", args.shape.layers, 2 * p);
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     let kinds = args.schedules.iter().map(|s| parse_schedule(s)).collect::<anyhow::Result<Vec<_>>>()?;
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
@@ -107,7 +90,7 @@ pub(super) fn run(args: &PipelineArgs) -> anyhow::Result<()> {
     emit(serde_json::json!({
         "bench": "pipeline",
         "line": "setup",
-        "model": format!("byte-level GPT, {} blocks of d_model {} heads {} context {}, micro-batch {} rows", args.layers, args.d_model, args.heads, args.context, args.micro_batch),
+        "model": format!("byte-level GPT, {} blocks of d_model {} heads {} context {}, micro-batch {} rows", args.shape.layers, args.shape.d_model, args.shape.heads, args.shape.context, args.shape.micro_batch),
         "mesh": format!("(dp, pp, tp) = (1, {p}, 1), rank threads over the in-process transport"),
         "cores": cores,
         "ranks": p,
@@ -116,7 +99,7 @@ pub(super) fn run(args: &PipelineArgs) -> anyhow::Result<()> {
         "warmup": args.warmup,
         "steps": args.steps,
     }));
-    for &m in &args.microbatches {
+    for &m in &args.shape.microbatches {
         for &kind in &kinds {
             let started = Instant::now();
             let steps = run_mesh(args, kind, m, threads)?;
@@ -142,15 +125,15 @@ fn layer_ranges(layers: usize, virtual_stages: usize) -> Vec<std::ops::Range<usi
 /// Runs `warmup + steps` steps of `kind` over `m` micro-batches; the timed steps' timelines,
 /// `[step][stage]`.
 fn run_mesh(args: &PipelineArgs, kind: ScheduleKind, m: usize, threads: usize) -> anyhow::Result<Vec<Vec<StageTimeline>>> {
-    let p = args.stages;
+    let p = args.shape.stages;
     let shape = MeshShape { dp: 1, pp: p, tp: 1 };
     let mesh = Mesh::new(shape, p)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     let (_net, transports) = InProcessNetwork::new(p);
-    let layers = layer_ranges(args.layers, p * kind.chunks());
+    let layers = layer_ranges(args.shape.layers, p * kind.chunks());
     let gpt_config =
-        GptConfig { vocab_size: 256, context: args.context, d_model: args.d_model, n_layers: args.layers, n_heads: args.heads, ..GptConfig::default() };
-    let (rows, t, total_steps, seed) = (args.micro_batch * m, args.context, args.warmup + args.steps, args.seed);
+        GptConfig { vocab_size: 256, context: args.shape.context, d_model: args.shape.d_model, n_layers: args.shape.layers, n_heads: args.shape.heads, ..GptConfig::default() };
+    let (rows, t, total_steps, seed) = (args.shape.micro_batch * m, args.shape.context, args.warmup + args.steps, args.seed);
     let mut handles = Vec::with_capacity(p);
     // The endpoints outlive every rank's last step: a rank that dropped its endpoint right after
     // its last send of the final loss broadcast made the peer's pending receive fail as "peer lost".
@@ -307,13 +290,7 @@ mod tests {
         // per stage and step, busy + idle = the step window on every stage, a bubble inside
         // (0, 1), and a prediction from the same run's costs that has the right shape.
         let args = PipelineArgs {
-            d_model: 32,
-            heads: 2,
-            context: 16,
-            micro_batch: 2,
-            layers: 8,
-            stages: 4,
-            microbatches: vec![4],
+            shape: PipelineShape { d_model: 32, heads: 2, context: 16, micro_batch: 2, layers: 8, stages: 4, microbatches: vec![4] },
             schedules: vec!["1f1b".into()],
             threads_per_rank: Some(1),
             warmup: 1,

@@ -166,14 +166,7 @@ pub fn save_tensors(path: &Path, tensors: &[(String, Tensor)], metadata: &BTreeM
         canonicalize_file_header(&file).map_err(io(&tmp))?;
         file.sync_all().map_err(io(&tmp))?;
         std::fs::rename(&tmp, path).map_err(io(path))?;
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        // Persist the rename; some filesystems refuse to fsync a directory, which is harmless.
-        if let Ok(d) = File::open(&dir) {
-            let _ = d.sync_all();
-        }
+        sync_parent_dir(path);
         Ok(())
     })();
     if result.is_err() {
@@ -372,4 +365,16 @@ fn parse_meta(path: &Path, metadata: &BTreeMap<String, String>) -> Result<Checkp
         None => serde_json::Value::Null,
     };
     Ok(CheckpointMeta { step, rngs, user })
+}
+
+/// Persists a rename into `path`'s directory (fsync of the directory); some filesystems refuse to
+/// fsync a directory, which is harmless. Shared by the single-file and the sharded writers.
+pub(crate) fn sync_parent_dir(path: &Path) {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if let Ok(d) = File::open(&dir) {
+        let _ = d.sync_all();
+    }
 }

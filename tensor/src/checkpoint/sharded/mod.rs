@@ -56,7 +56,7 @@ use rtx_kernels::DType;
 use safetensors::Dtype;
 use std::fs::File;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The `format` value in a shard file's `__metadata__`.
 pub const SHARD_FORMAT: &str = "rustytorch.checkpoint.shard.v1";
@@ -93,14 +93,7 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         file.write_all(bytes).map_err(io_error(&tmp))?;
         file.sync_all().map_err(io_error(&tmp))?;
         std::fs::rename(&tmp, path).map_err(io_error(path))?;
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        // Persist the rename; some filesystems refuse to fsync a directory, which is harmless.
-        if let Ok(d) = File::open(&dir) {
-            let _ = d.sync_all();
-        }
+        crate::checkpoint::sync_parent_dir(path);
         Ok(())
     })();
     if result.is_err() {
