@@ -56,8 +56,8 @@ fn unmasked_sum_equals_plain_fixed_point_sum_under_dropouts() {
             Dropouts { before_sharing: set(&[1, 2]), before_masked_input: set(&[5, 20, 33]), before_unmask: set(&[9, 10, 39]) },
         ),
     ];
-    for (name, drops) in cases {
-        let outcome = run_round(&cfg, &clients, &ups, &drops, seed).unwrap();
+    for (name, drops) in &cases {
+        let outcome = run_round(&cfg, &clients, &ups, drops, seed).unwrap();
         let included: BTreeSet<u64> =
             clients.iter().copied().filter(|c| !drops.before_sharing.contains(c) && !drops.before_masked_input.contains(c)).collect();
         assert_eq!(outcome.included, included.iter().copied().collect::<Vec<_>>(), "{name}");

@@ -296,10 +296,11 @@ impl SecAggServer {
         let threshold = self.config.threshold;
         let round = self.config.round;
         let dropped: Vec<u64> = self.sharers.difference(&self.masked_from).copied().collect();
-        // Check every secret first, so a short round fails before any work.
+        // Check every secret first (dropped clients' keys, then survivors' seeds, each in id order), so a
+        // short round fails before any work.
         for (owners, store, secret) in [
-            (self.masked_from.iter().copied().collect::<Vec<_>>(), &self.seed_shares, "self-mask seed"),
             (dropped.clone(), &self.key_shares, "mask key"),
+            (self.masked_from.iter().copied().collect::<Vec<_>>(), &self.seed_shares, "self-mask seed"),
         ] {
             for owner in owners {
                 let have = store.get(&owner).map_or(0, Vec::len);
