@@ -36,6 +36,9 @@ pub struct SecAggClient {
     share_secret: StaticSecret,
     self_seed: [u8; 32],
     neighbours: BTreeMap<u64, NeighbourKeys>,
+    /// The share-encryption key agreed with each neighbour, kept from sealing to opening so each
+    /// agreement is computed once.
+    share_keys: BTreeMap<u64, [u8; 32]>,
     held: BTreeMap<u64, (ShareLimbs, ShareLimbs)>,
 }
 
@@ -82,6 +85,7 @@ impl SecAggClient {
             share_secret,
             self_seed,
             neighbours: BTreeMap::new(),
+            share_keys: BTreeMap::new(),
             held: BTreeMap::new(),
         })
     }
@@ -128,8 +132,11 @@ impl SecAggClient {
         let seed_shares = shamir::split(&self.self_seed, self.config.threshold, &points, &mut self.rng);
         let key_shares = shamir::split(&self.mask_secret.to_bytes(), self.config.threshold, &points, &mut self.rng);
         let mut shares = Vec::with_capacity(neighbours.len());
+        let mut share_keys = BTreeMap::new();
         for ((&to, keys), (seed_share, key_share)) in neighbours.iter().zip(seed_shares.iter().zip(&key_shares)) {
-            let cipher = self.share_cipher(PHASE, to, &keys.share_public)?;
+            let key = self.share_key(PHASE, to, &keys.share_public)?;
+            share_keys.insert(to, key);
+            let cipher = ChaCha20Poly1305::new(Key::from_slice(&key));
             let plaintext = encode_share(self.id, to, seed_share, key_share);
             let aad = share_aad(self.config.round, self.id, to);
             let ciphertext = cipher
@@ -139,6 +146,7 @@ impl SecAggClient {
             shares.push(EncryptedShare { from: self.id, to, ciphertext });
         }
         self.neighbours = neighbours;
+        self.share_keys = share_keys;
         self.phase = ClientPhase::AwaitShares;
         Ok(ShareKeys { client: self.id, shares })
     }
@@ -157,7 +165,7 @@ impl SecAggClient {
         }
         let mut held = BTreeMap::new();
         for share in &forwarded.shares {
-            let Some(keys) = self.neighbours.get(&share.from) else {
+            let Some(key) = self.share_keys.get(&share.from) else {
                 return Err(FedError::SecAggUnknownClient { phase: PHASE, client: share.from, reason: format!("not a neighbour of {}", self.id) });
             };
             if share.to != self.id {
@@ -166,7 +174,7 @@ impl SecAggClient {
             if held.contains_key(&share.from) {
                 return Err(FedError::SecAggDuplicate { phase: PHASE, client: share.from, what: "share".to_string() });
             }
-            let cipher = self.share_cipher(PHASE, share.from, &keys.share_public)?;
+            let cipher = ChaCha20Poly1305::new(Key::from_slice(key));
             let aad = share_aad(self.config.round, share.from, self.id);
             let plaintext = cipher
                 .decrypt(&share_nonce(share.from), Payload { msg: &share.ciphertext, aad: &aad })
@@ -240,13 +248,12 @@ impl SecAggClient {
         FedError::SecAggMalformed { phase, client: self.id, reason }
     }
 
-    fn share_cipher(&self, phase: &'static str, other: u64, public: &[u8; 32]) -> Result<ChaCha20Poly1305> {
+    fn share_key(&self, phase: &'static str, other: u64, public: &[u8; 32]) -> Result<[u8; 32]> {
         let shared = self.share_secret.diffie_hellman(&PublicKey::from(*public));
         if !shared.was_contributory() {
             return Err(FedError::SecAggMalformed { phase, client: other, reason: "share public key is a low-order point".to_string() });
         }
-        let key = derive_key(DOMAIN_SHARE_KEY, self.config.round, shared.as_bytes());
-        Ok(ChaCha20Poly1305::new(Key::from_slice(&key)))
+        Ok(derive_key(DOMAIN_SHARE_KEY, self.config.round, shared.as_bytes()))
     }
 }
 
