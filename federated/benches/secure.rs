@@ -22,9 +22,8 @@ fn main() -> anyhow::Result<()> {
     let report = bench_overheads(&config)?;
     anyhow::ensure!(report.exact, "secure aggregation did not reproduce the plain fixed-point sum");
     println!("{}", serde_json::to_string_pretty(&report)?);
-    let secure = |p: &rtx_federated::secagg::PhaseSeconds| {
-        p.client_setup + p.server_setup + p.client_masking + p.server_sum + p.client_unmask + p.server_unmask
-    };
+    let secure =
+        |p: &rtx_federated::secagg::PhaseSeconds| p.client_setup + p.server_setup + p.client_masking + p.server_sum + p.client_unmask + p.server_unmask;
     let server = |p: &rtx_federated::secagg::PhaseSeconds| p.server_setup + p.server_sum + p.server_unmask;
     println!(
         "K {} len {}: plain fixed-point sum {:.3} s; secure aggregation total {:.2} s (server {:.2} s, {:.1}x plain) at 0% dropouts, {:.2} s (server {:.2} s, {:.1}x plain) at {} dropouts; DP mean {:.3} s vs plain mean {:.3} s ({:.2}x)",

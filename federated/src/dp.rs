@@ -284,13 +284,16 @@ fn log_a_frac(q: f64, sigma: f64, alpha: f64) -> f64 {
 
 /// `ln(erfc(x))`, accurate in the far tail where `erfc` underflows (Laurent series at infinity).
 fn log_erfc(x: f64) -> f64 {
-    if x > 20.0 { log_erfc_tail(x) } else { libm::erfc(x).ln() }
+    if x > 20.0 {
+        log_erfc_tail(x)
+    } else {
+        libm::erfc(x).ln()
+    }
 }
 
 fn log_erfc_tail(x: f64) -> f64 {
     let x2 = x * x;
-    -std::f64::consts::PI.ln() / 2.0 - x.ln() - x2 - 0.5 / x2 + 0.625 / (x2 * x2) - 37.0 / 24.0 / (x2 * x2 * x2)
-        + 353.0 / 64.0 / (x2 * x2 * x2 * x2)
+    -std::f64::consts::PI.ln() / 2.0 - x.ln() - x2 - 0.5 / x2 + 0.625 / (x2 * x2) - 37.0 / 24.0 / (x2 * x2 * x2) + 353.0 / 64.0 / (x2 * x2 * x2 * x2)
 }
 
 #[cfg(test)]

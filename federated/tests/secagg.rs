@@ -9,10 +9,7 @@ use std::collections::BTreeSet;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
-use rtx_federated::secagg::{
-    neighbour_graph, plain_fixed_sum, run_round, Dropouts, QuantConfig, SecAggClient, SecAggConfig, SecAggServer,
-    ShareReveal,
-};
+use rtx_federated::secagg::{neighbour_graph, plain_fixed_sum, run_round, Dropouts, QuantConfig, SecAggClient, SecAggConfig, SecAggServer, ShareReveal};
 use rtx_federated::FedError;
 
 /// The seed of a randomized test: `RTX_TEST_SEED` if set (to replay a failure), else `default`.
@@ -51,15 +48,11 @@ fn unmasked_sum_equals_plain_fixed_point_sum_under_dropouts() {
         ("none", Dropouts::default()),
         ("one before masked input", Dropouts { before_masked_input: set(&[7]), ..Dropouts::default() }),
         ("one after masked input", Dropouts { before_unmask: set(&[7]), ..Dropouts::default() }),
-        (
-            "several at every phase",
-            Dropouts { before_sharing: set(&[1, 2]), before_masked_input: set(&[5, 20, 33]), before_unmask: set(&[9, 10, 39]) },
-        ),
+        ("several at every phase", Dropouts { before_sharing: set(&[1, 2]), before_masked_input: set(&[5, 20, 33]), before_unmask: set(&[9, 10, 39]) }),
     ];
     for (name, drops) in &cases {
         let outcome = run_round(&cfg, &clients, &ups, drops, seed).unwrap();
-        let included: BTreeSet<u64> =
-            clients.iter().copied().filter(|c| !drops.before_sharing.contains(c) && !drops.before_masked_input.contains(c)).collect();
+        let included: BTreeSet<u64> = clients.iter().copied().filter(|c| !drops.before_sharing.contains(c) && !drops.before_masked_input.contains(c)).collect();
         assert_eq!(outcome.included, included.iter().copied().collect::<Vec<_>>(), "{name}");
         assert_eq!(outcome.dropped, drops.before_masked_input.iter().copied().collect::<Vec<_>>(), "{name}");
         assert_eq!(outcome.sum_fixed, expected_sum(&cfg, &clients, &ups, &included), "{name}");

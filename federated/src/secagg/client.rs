@@ -18,8 +18,8 @@ use rand_chacha::ChaCha20Rng;
 use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::messages::{
-    AdvertiseKeys, EncryptedShare, ForwardedShares, MaskedInput, NeighbourKeys, Roster, ShareKeys,
-    ShareReveal, UnmaskRequest, UnmaskShares, SHARE_CIPHERTEXT_LEN, SHARE_PLAINTEXT_LEN,
+    AdvertiseKeys, EncryptedShare, ForwardedShares, MaskedInput, NeighbourKeys, Roster, ShareKeys, ShareReveal, UnmaskRequest, UnmaskShares,
+    SHARE_CIPHERTEXT_LEN, SHARE_PLAINTEXT_LEN,
 };
 use super::prg::{apply_mask, derive_key, MaskSign, DOMAIN_PAIR_MASK, DOMAIN_SELF_MASK, DOMAIN_SHARE_KEY};
 use super::shamir::{self, ShareLimbs, CLIENT_ID_MAX, SHARE_LIMBS};
@@ -169,18 +169,27 @@ impl SecAggClient {
                 return Err(FedError::SecAggUnknownClient { phase: PHASE, client: share.from, reason: format!("not a neighbour of {}", self.id) });
             };
             if share.to != self.id {
-                return Err(FedError::SecAggMalformed { phase: PHASE, client: share.from, reason: format!("share addressed to {} reached {}", share.to, self.id) });
+                return Err(FedError::SecAggMalformed {
+                    phase: PHASE,
+                    client: share.from,
+                    reason: format!("share addressed to {} reached {}", share.to, self.id),
+                });
             }
             if held.contains_key(&share.from) {
                 return Err(FedError::SecAggDuplicate { phase: PHASE, client: share.from, what: "share".to_string() });
             }
             let cipher = ChaCha20Poly1305::new(Key::from_slice(key));
             let aad = share_aad(self.config.round, share.from, self.id);
-            let plaintext = cipher
-                .decrypt(&share_nonce(share.from), Payload { msg: &share.ciphertext, aad: &aad })
-                .map_err(|_| FedError::SecAggMalformed { phase: PHASE, client: share.from, reason: "share does not open (wrong length, key or tampered)".to_string() })?;
-            let (from, to, seed_share, key_share) = decode_share(&plaintext)
-                .ok_or_else(|| FedError::SecAggMalformed { phase: PHASE, client: share.from, reason: "share plaintext is malformed".to_string() })?;
+            let plaintext = cipher.decrypt(&share_nonce(share.from), Payload { msg: &share.ciphertext, aad: &aad }).map_err(|_| FedError::SecAggMalformed {
+                phase: PHASE,
+                client: share.from,
+                reason: "share does not open (wrong length, key or tampered)".to_string(),
+            })?;
+            let (from, to, seed_share, key_share) = decode_share(&plaintext).ok_or_else(|| FedError::SecAggMalformed {
+                phase: PHASE,
+                client: share.from,
+                reason: "share plaintext is malformed".to_string(),
+            })?;
             if from != share.from || to != self.id {
                 return Err(FedError::SecAggMalformed { phase: PHASE, client: share.from, reason: format!("sealed header says {from} -> {to}") });
             }
@@ -233,7 +242,11 @@ impl SecAggClient {
     }
 
     fn expect_phase(&self, expected: ClientPhase, message: &'static str) -> Result<()> {
-        if self.phase == expected { Ok(()) } else { Err(FedError::SecAggPhase { phase: self.phase.name(), message }) }
+        if self.phase == expected {
+            Ok(())
+        } else {
+            Err(FedError::SecAggPhase { phase: self.phase.name(), message })
+        }
     }
 
     fn check_addressee(&self, phase: &'static str, client: u64) -> Result<()> {

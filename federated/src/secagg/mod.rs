@@ -29,8 +29,8 @@ pub use bench::{bench_overheads, plain_fixed_sum, run_round, Dropouts, PhaseSeco
 pub use client::SecAggClient;
 pub use graph::{neighbour_graph, recommended_degree};
 pub use messages::{
-    AdvertiseKeys, EncryptedShare, ForwardedShares, MaskedInput, NeighbourKeys, Roster, ShareKeys, ShareReveal,
-    UnmaskRequest, UnmaskShares, SHARE_CIPHERTEXT_LEN,
+    AdvertiseKeys, EncryptedShare, ForwardedShares, MaskedInput, NeighbourKeys, Roster, ShareKeys, ShareReveal, UnmaskRequest, UnmaskShares,
+    SHARE_CIPHERTEXT_LEN,
 };
 pub use quant::{QuantConfig, SUM_MAGNITUDE_MAX};
 pub use server::{SecAggOutcome, SecAggServer};

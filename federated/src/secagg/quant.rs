@@ -39,9 +39,7 @@ impl QuantConfig {
             Some(bound) if bound <= SUM_MAGNITUDE_MAX => Ok(quant),
             _ => Err(config_err(
                 "secagg.scale_bits",
-                format!(
-                    "{max_clients} clients x level {level_max} (clip {clip} x 2^{scale_bits}) exceeds 2^31 - 1: the sum in Z_2^32 would overflow"
-                ),
+                format!("{max_clients} clients x level {level_max} (clip {clip} x 2^{scale_bits}) exceeds 2^31 - 1: the sum in Z_2^32 would overflow"),
             )),
         }
     }
@@ -55,12 +53,7 @@ impl QuantConfig {
                 best = Some(q);
             }
         }
-        best.ok_or_else(|| {
-            config_err(
-                "secagg.max_clients",
-                format!("{max_clients} clients with clip {clip} overflow Z_2^32 even at scale 1"),
-            )
-        })
+        best.ok_or_else(|| config_err("secagg.max_clients", format!("{max_clients} clients with clip {clip} overflow Z_2^32 even at scale 1")))
     }
 
     /// The fixed-point scale `2^scale_bits`.

@@ -17,8 +17,7 @@ use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::graph::neighbour_graph;
 use super::messages::{
-    AdvertiseKeys, EncryptedShare, ForwardedShares, MaskedInput, NeighbourKeys, Roster, ShareKeys,
-    UnmaskRequest, UnmaskShares, SHARE_CIPHERTEXT_LEN,
+    AdvertiseKeys, EncryptedShare, ForwardedShares, MaskedInput, NeighbourKeys, Roster, ShareKeys, UnmaskRequest, UnmaskShares, SHARE_CIPHERTEXT_LEN,
 };
 use super::prg::{apply_mask, derive_key, MaskSign, DOMAIN_PAIR_MASK, DOMAIN_SELF_MASK};
 use super::shamir::{self, ShareLimbs, CLIENT_ID_MAX, FIELD_PRIME, SHARE_LIMBS};
@@ -267,7 +266,11 @@ impl SecAggServer {
         for (reveals, asked, what) in lists {
             for reveal in reveals.iter() {
                 if asked.binary_search(&reveal.owner).is_err() {
-                    return Err(FedError::SecAggUnknownClient { phase: PHASE, client: reveal.owner, reason: format!("{} was not asked for its {what} share", msg.client) });
+                    return Err(FedError::SecAggUnknownClient {
+                        phase: PHASE,
+                        client: reveal.owner,
+                        reason: format!("{} was not asked for its {what} share", msg.client),
+                    });
                 }
                 if !seen.insert(reveal.owner) {
                     return Err(FedError::SecAggDuplicate { phase: PHASE, client: msg.client, what: format!("share of {}", reveal.owner) });
@@ -298,10 +301,9 @@ impl SecAggServer {
         let dropped: Vec<u64> = self.sharers.difference(&self.masked_from).copied().collect();
         // Check every secret first (dropped clients' keys, then survivors' seeds, each in id order), so a
         // short round fails before any work.
-        for (owners, store, secret) in [
-            (dropped.clone(), &self.key_shares, "mask key"),
-            (self.masked_from.iter().copied().collect::<Vec<_>>(), &self.seed_shares, "self-mask seed"),
-        ] {
+        for (owners, store, secret) in
+            [(dropped.clone(), &self.key_shares, "mask key"), (self.masked_from.iter().copied().collect::<Vec<_>>(), &self.seed_shares, "self-mask seed")]
+        {
             for owner in owners {
                 let have = store.get(&owner).map_or(0, Vec::len);
                 if have < threshold {
@@ -336,16 +338,15 @@ impl SecAggServer {
         }
         let quant = self.config.quant;
         self.phase = ServerPhase::Done;
-        Ok(SecAggOutcome {
-            sum: sum.iter().map(|&w| quant.decode(w)).collect(),
-            sum_fixed: sum,
-            included: self.masked_from.iter().copied().collect(),
-            dropped,
-        })
+        Ok(SecAggOutcome { sum: sum.iter().map(|&w| quant.decode(w)).collect(), sum_fixed: sum, included: self.masked_from.iter().copied().collect(), dropped })
     }
 
     fn expect_phase(&self, expected: ServerPhase, message: &'static str) -> Result<()> {
-        if self.phase == expected { Ok(()) } else { Err(FedError::SecAggPhase { phase: self.phase.name(), message }) }
+        if self.phase == expected {
+            Ok(())
+        } else {
+            Err(FedError::SecAggPhase { phase: self.phase.name(), message })
+        }
     }
 }
 

@@ -82,7 +82,11 @@ fn reduce(x: u128) -> u64 {
     let folded = (x & u128::from(FIELD_PRIME)) + (x >> 61);
     let folded = (folded & u128::from(FIELD_PRIME)) + (folded >> 61);
     let r = folded as u64;
-    if r >= FIELD_PRIME { r - FIELD_PRIME } else { r }
+    if r >= FIELD_PRIME {
+        r - FIELD_PRIME
+    } else {
+        r
+    }
 }
 
 fn mul(a: u64, b: u64) -> u64 {
@@ -91,11 +95,19 @@ fn mul(a: u64, b: u64) -> u64 {
 
 fn add(a: u64, b: u64) -> u64 {
     let s = a + b;
-    if s >= FIELD_PRIME { s - FIELD_PRIME } else { s }
+    if s >= FIELD_PRIME {
+        s - FIELD_PRIME
+    } else {
+        s
+    }
 }
 
 fn sub(a: u64, b: u64) -> u64 {
-    if a >= b { a - b } else { a + FIELD_PRIME - b }
+    if a >= b {
+        a - b
+    } else {
+        a + FIELD_PRIME - b
+    }
 }
 
 fn inverse(a: u64) -> u64 {
