@@ -156,7 +156,7 @@ impl RdpAccountant {
 
     /// An accountant over the given orders (each > 1).
     pub fn with_orders(orders: Vec<f64>) -> Result<Self> {
-        if orders.is_empty() || orders.iter().any(|&a| !(a > 1.0)) {
+        if orders.is_empty() || orders.iter().any(|&a| a.is_nan() || a <= 1.0) {
             return Err(FedError::Config { field: "dp.orders".to_string(), reason: "need at least one order, each > 1".to_string() });
         }
         Ok(RdpAccountant { rdp: vec![0.0; orders.len()], orders })
@@ -172,7 +172,7 @@ impl RdpAccountant {
         if !(0.0..=1.0).contains(&q) {
             return Err(FedError::Config { field: "dp.sampling_rate".to_string(), reason: format!("must be in [0, 1], got {q}") });
         }
-        if !(z >= 0.0) {
+        if z.is_nan() || z < 0.0 {
             return Err(FedError::Config { field: "dp.noise_multiplier".to_string(), reason: format!("must be >= 0, got {z}") });
         }
         for (rdp, &order) in self.rdp.iter_mut().zip(&self.orders) {

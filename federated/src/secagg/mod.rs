@@ -63,7 +63,7 @@ impl SecAggConfig {
         if vector_len == 0 {
             return err("secagg.vector_len", "must be >= 1".to_string());
         }
-        if degree < 2 || degree % 2 != 0 {
+        if degree < 2 || !degree.is_multiple_of(2) {
             return err("secagg.degree", format!("must be even and >= 2, got {degree}"));
         }
         if threshold > degree || 2 * threshold <= degree {
