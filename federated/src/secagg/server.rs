@@ -13,6 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use rayon::prelude::*;
 use x25519_dalek::{PublicKey, StaticSecret};
 
 use super::graph::neighbour_graph;
@@ -311,34 +312,59 @@ impl SecAggServer {
                 }
             }
         }
-        let mut sum = std::mem::take(&mut self.sum);
-        for &owner in &self.masked_from {
-            let seed = reconstruct(&self.seed_shares, owner, threshold, "self-mask seed")?;
-            apply_mask(&mut sum, derive_key(DOMAIN_SELF_MASK, round, &seed), MaskSign::Subtract);
-        }
-        for &gone in &dropped {
-            let secret = StaticSecret::from(reconstruct(&self.key_shares, gone, threshold, "mask key")?);
-            if PublicKey::from(&secret).to_bytes() != self.keys[&gone].mask_public {
-                return Err(FedError::SecAggMalformed {
-                    phase: "unmask",
-                    client: gone,
-                    reason: "revealed shares rebuild a mask key that does not match its advertised public key".to_string(),
-                });
-            }
-            for &survivor in self.graph.get(&gone).map(Vec::as_slice).unwrap_or_default() {
-                let masked_with_gone = self.masked_with.get(&survivor).is_some_and(|with| with.binary_search(&gone).is_ok());
-                if !self.masked_from.contains(&survivor) || !masked_with_gone {
-                    continue;
-                }
-                let shared = secret.diffie_hellman(&PublicKey::from(self.keys[&survivor].mask_public));
-                // The survivor added the mask when the dropped id is larger, subtracted it otherwise.
-                let sign = if gone > survivor { MaskSign::Subtract } else { MaskSign::Add };
-                apply_mask(&mut sum, derive_key(DOMAIN_PAIR_MASK, round, shared.as_bytes()), sign);
-            }
-        }
+        // Every mask to remove becomes a (key, sign) task; secrets are rebuilt and agreements computed
+        // in parallel. Addition mod 2^32 is associative and commutative, so the parallel sum of the
+        // masks is bit-identical whatever the thread count or order.
+        let owners: Vec<u64> = self.masked_from.iter().copied().collect();
+        let self_tasks: Vec<([u8; 32], MaskSign)> = owners
+            .par_iter()
+            .map(|&owner| {
+                let seed = reconstruct(&self.seed_shares, owner, threshold, "self-mask seed")?;
+                Ok((derive_key(DOMAIN_SELF_MASK, round, &seed), MaskSign::Subtract))
+            })
+            .collect::<Result<_>>()?;
+        let pair_tasks: Vec<Vec<([u8; 32], MaskSign)>> = dropped.par_iter().map(|&gone| self.pair_mask_tasks(gone, threshold)).collect::<Result<_>>()?;
+        let len = self.config.vector_len;
+        let correction = self_tasks
+            .par_iter()
+            .chain(pair_tasks.par_iter().flatten())
+            .fold(
+                || vec![0u32; len],
+                |mut acc, &(key, sign)| {
+                    apply_mask(&mut acc, key, sign);
+                    acc
+                },
+            )
+            .reduce(|| vec![0u32; len], add_words);
+        let sum = add_words(std::mem::take(&mut self.sum), correction);
         let quant = self.config.quant;
         self.phase = ServerPhase::Done;
         Ok(SecAggOutcome { sum: sum.iter().map(|&w| quant.decode(w)).collect(), sum_fixed: sum, included: self.masked_from.iter().copied().collect(), dropped })
+    }
+
+    /// Rebuilds dropped client `gone`'s mask key and lists the pairwise masks its surviving
+    /// neighbours added with it, each with the sign that removes it.
+    fn pair_mask_tasks(&self, gone: u64, threshold: usize) -> Result<Vec<([u8; 32], MaskSign)>> {
+        let secret = StaticSecret::from(reconstruct(&self.key_shares, gone, threshold, "mask key")?);
+        if self.keys.get(&gone).is_none_or(|k| PublicKey::from(&secret).to_bytes() != k.mask_public) {
+            return Err(FedError::SecAggMalformed {
+                phase: "unmask",
+                client: gone,
+                reason: "revealed shares rebuild a mask key that does not match its advertised public key".to_string(),
+            });
+        }
+        let mut tasks = Vec::new();
+        for &survivor in self.graph.get(&gone).map(Vec::as_slice).unwrap_or_default() {
+            let masked_with_gone = self.masked_with.get(&survivor).is_some_and(|with| with.binary_search(&gone).is_ok());
+            let Some(keys) = self.keys.get(&survivor).filter(|_| self.masked_from.contains(&survivor) && masked_with_gone) else {
+                continue;
+            };
+            let shared = secret.diffie_hellman(&PublicKey::from(keys.mask_public));
+            // The survivor added the mask when the dropped id is larger, subtracted it otherwise.
+            let sign = if gone > survivor { MaskSign::Subtract } else { MaskSign::Add };
+            tasks.push((derive_key(DOMAIN_PAIR_MASK, self.config.round, shared.as_bytes()), sign));
+        }
+        Ok(tasks)
     }
 
     fn expect_phase(&self, expected: ServerPhase, message: &'static str) -> Result<()> {
@@ -348,6 +374,15 @@ impl SecAggServer {
             Err(FedError::SecAggPhase { phase: self.phase.name(), message })
         }
     }
+}
+
+/// Word-wise sum mod 2^32.
+fn add_words(mut a: Vec<u32>, b: Vec<u32>) -> Vec<u32> {
+    debug_assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter_mut().zip(&b) {
+        *x = x.wrapping_add(*y);
+    }
+    a
 }
 
 /// Rebuilds `owner`'s secret from the first `threshold` shares (by holder point, so the result does
