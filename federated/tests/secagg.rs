@@ -330,3 +330,48 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn bad_parameters_get_typed_errors() {
+    // Goal: configs that would break the overflow bound or the threshold's privacy are refused,
+    // naming the field.
+    let field = |e: FedError| match e {
+        FedError::Config { field, .. } => field,
+        other => panic!("expected a config error, got {other:?}"),
+    };
+    let quant = QuantConfig::finest(1.0, 100).unwrap();
+    assert_eq!(field(QuantConfig::new(1.0, 18, 10_000).unwrap_err()), "secagg.scale_bits");
+    assert_eq!(field(QuantConfig::new(f32::NAN, 10, 10).unwrap_err()), "secagg.clip");
+    assert_eq!(field(QuantConfig::new(1.0, 10, 0).unwrap_err()), "secagg.max_clients");
+    assert_eq!(field(SecAggConfig::new(0, 0, 4, 3, quant, 1).unwrap_err()), "secagg.vector_len");
+    assert_eq!(field(SecAggConfig::new(0, 8, 5, 3, quant, 1).unwrap_err()), "secagg.degree");
+    assert_eq!(field(SecAggConfig::new(0, 8, 4, 2, quant, 1).unwrap_err()), "secagg.threshold");
+    assert_eq!(field(SecAggConfig::new(0, 8, 4, 5, quant, 1).unwrap_err()), "secagg.threshold");
+    // More clients than the quantisation bound admits: refused when the graph is built.
+    let small = SecAggConfig::new(0, 8, 4, 3, QuantConfig::finest(1.0, 5).unwrap(), 1).unwrap();
+    let clients: Vec<u64> = (0..6).collect();
+    let err = run_round(&small, &clients, &updates(6, 8, 1), &Dropouts::default(), 1).unwrap_err();
+    assert_eq!(field(err), "secagg.max_clients");
+    // A client id beyond the share field.
+    let cfg = config(10, 8, 4, 3, 1);
+    assert_eq!(field(SecAggClient::new(u64::MAX, &cfg, ChaCha20Rng::seed_from_u64(1)).err().unwrap()), "secagg.client_id");
+}
+
+#[test]
+fn outcome_does_not_depend_on_thread_count() {
+    // Goal: one and two rayon threads give the same bits (clients run in parallel, the server sums
+    // masks in parallel). Method: a round with dropouts at every phase under both pool sizes.
+    let seed = test_seed(8);
+    let n = 30u64;
+    let clients: Vec<u64> = (0..n).collect();
+    let ups = updates(n as usize, 97, seed);
+    let cfg = config(n, 97, 8, 5, seed);
+    let drops = Dropouts { before_sharing: BTreeSet::from([3]), before_masked_input: BTreeSet::from([4, 17]), before_unmask: BTreeSet::from([9]) };
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| run_round(&cfg, &clients, &ups, &drops, seed).unwrap())
+    };
+    let one = run(1);
+    assert_eq!(one, run(2));
+    assert_eq!(one.dropped, vec![4, 17]);
+}
