@@ -130,3 +130,32 @@ fn bad_parameters_get_typed_errors() {
     assert!(RdpAccountant::new().epsilon(0.0).is_err());
     assert!(RdpAccountant::with_orders(vec![1.0]).is_err());
 }
+
+#[test]
+fn dp_composes_with_secure_aggregation() {
+    // Goal: the DP-FedAvg round over secure aggregation: clients clip to C (so every coordinate is in
+    // [-C, C] and quantisation clips nothing), the server unmasks the sum and noises it. Without noise
+    // the result is the clipped mean up to the fixed-point grid; with noise it is reproducible by seed.
+    use rtx_federated::secagg::{run_round, Dropouts, QuantConfig, SecAggConfig};
+    let seed = 99u64;
+    let (n, len) = (24u64, 50usize);
+    let dp = DpConfig::new(1.0, 0.8, n, 10 * n, 1e-5).unwrap();
+    let clients: Vec<u64> = (0..n).collect();
+    let mut rng = ChaCha20Rng::seed_from_u64(seed);
+    let mut updates: Vec<Vec<f32>> = (0..n).map(|_| (0..len).map(|_| rand::Rng::random_range(&mut rng, -2.0f32..2.0)).collect()).collect();
+    for u in updates.iter_mut() {
+        assert!(dp.clip(u).unwrap().scale < 1.0);
+    }
+    let quant = QuantConfig::finest(dp.clip_norm as f32, n).unwrap();
+    let cfg = SecAggConfig::recommended(1, len, n as usize, quant, seed).unwrap();
+    let outcome = run_round(&cfg, &clients, &updates, &Dropouts::default(), seed).unwrap();
+    let quiet = DpConfig { noise_multiplier: 0.0, ..dp };
+    let mean = quiet.noised_mean(&outcome.sum, &mut ChaCha20Rng::seed_from_u64(seed)).unwrap();
+    for (k, m) in mean.iter().enumerate() {
+        let exact: f32 = updates.iter().map(|u| u[k]).sum::<f32>() / n as f32;
+        assert!((m - exact).abs() <= 0.5 / quant.scale() as f32 + 1e-6, "coordinate {k}: {m} vs {exact}");
+    }
+    let noised = dp.noised_mean(&outcome.sum, &mut ChaCha20Rng::seed_from_u64(seed)).unwrap();
+    assert_eq!(noised, dp.noised_mean(&outcome.sum, &mut ChaCha20Rng::seed_from_u64(seed)).unwrap());
+    assert_ne!(noised, mean);
+}
