@@ -6,6 +6,8 @@
 //! data-parallel supervisor: it builds on `rtx-tensor` (models, data) and the transport crates below
 //! it, and nothing below it imports it.
 
+pub mod dp;
 pub mod error;
+pub mod secagg;
 
 pub use error::{FedError, Result};
