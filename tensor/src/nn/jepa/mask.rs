@@ -4,8 +4,9 @@
 //! `target_scale` of the grid, aspect ratio `h/w` log-uniform in `target_aspect`) and one context
 //! block size (scale in `context_scale`, aspect 1); then per image, `n_targets` target blocks are
 //! placed uniformly at random (they may overlap each other), and one context block is placed and
-//! the union of the targets removed from it (placement is redrawn up to [`MAX_TRIES`] times while
-//! fewer than `min_keep` tokens remain; after that every non-target token is context). Every
+//! the union of the targets removed from it (targets and context are redrawn up to [`MAX_TRIES`]
+//! times while fewer than `min_keep` context tokens remain; after that every non-target token of
+//! the last draw is context). Every
 //! target block of the batch has the same token count (one size per batch); the context sets are
 //! trimmed to the smallest one in the batch (their first tokens in grid order, as I-JEPA does), so
 //! the batch is rectangular.
@@ -101,17 +102,15 @@ impl MaskConfig {
         let mut targets_by_image: Vec<Vec<Vec<u32>>> = Vec::with_capacity(batch);
         let mut contexts: Vec<Vec<u32>> = Vec::with_capacity(batch);
         for _ in 0..batch {
+            let mut blocks = Vec::new();
             let mut covered = vec![false; n];
-            let mut blocks = Vec::with_capacity(self.n_targets);
-            for _ in 0..self.n_targets {
-                let block = place(grid, target_block, rng);
-                for &i in &block {
-                    covered[i as usize] = true;
-                }
-                blocks.push(block);
-            }
             let mut context = Vec::new();
             for _ in 0..MAX_TRIES {
+                covered.iter_mut().for_each(|c| *c = false);
+                blocks = (0..self.n_targets).map(|_| place(grid, target_block, rng)).collect();
+                for &i in blocks.iter().flatten() {
+                    covered[i as usize] = true;
+                }
                 context = place(grid, context_block, rng).into_iter().filter(|&i| !covered[i as usize]).collect();
                 if context.len() >= self.min_keep {
                     break;
@@ -123,7 +122,7 @@ impl MaskConfig {
             if context.is_empty() {
                 return Err(Error::InvalidArgument {
                     op: "MaskConfig::sample",
-                    reason: format!("the {} target blocks of {target_block:?} cover the whole {gh}x{gw} grid", self.n_targets),
+                    reason: format!("the {} target blocks of {target_block:?} cover the whole {gh}x{gw} grid in {MAX_TRIES} placements", self.n_targets),
                 });
             }
             targets_by_image.push(blocks);
