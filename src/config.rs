@@ -141,6 +141,12 @@ pub struct JepaConfig {
     /// Test images the periodic probes score (all 10,000 at the end).
     #[serde(default = "default_probe_images")]
     pub probe_test_images: usize,
+    /// Training images of the final probes (every one when unset).
+    #[serde(default)]
+    pub final_probe_train_images: Option<usize>,
+    /// Test images of the final probes (every one when unset).
+    #[serde(default)]
+    pub final_probe_test_images: Option<usize>,
     /// Epochs of the logistic-regression probe.
     #[serde(default = "default_probe_epochs")]
     pub probe_epochs: usize,
@@ -180,6 +186,8 @@ impl Default for JepaConfig {
             probe_every: 0,
             probe_train_images: default_probe_images(),
             probe_test_images: default_probe_images(),
+            final_probe_train_images: None,
+            final_probe_test_images: None,
             probe_epochs: default_probe_epochs(),
             knn_k: default_knn_k(),
             pixel_baseline: true,
@@ -878,6 +886,11 @@ impl Validator<'_> {
         self.nonzero("jepa.probe_train_images", j.probe_train_images)?;
         self.nonzero("jepa.probe_test_images", j.probe_test_images)?;
         self.nonzero("jepa.probe_epochs", j.probe_epochs)?;
+        for (key, n) in [("jepa.final_probe_train_images", j.final_probe_train_images), ("jepa.final_probe_test_images", j.final_probe_test_images)] {
+            if let Some(n) = n {
+                self.nonzero(key, n)?;
+            }
+        }
         self.nonzero("jepa.knn_k", j.knn_k)?;
         Ok(Some(j))
     }

@@ -552,16 +552,16 @@ impl Trainer {
         Ok(report)
     }
 
-    /// Linear probe, k-NN and pixel baseline on frozen I-JEPA features (`full`: every image of
-    /// the train and test splits; else the `[jepa]` periodic subsets, without the pixel
-    /// baseline), written to the metrics.
+    /// Linear probe, k-NN and pixel baseline on frozen I-JEPA features (`full`: the final
+    /// evaluation, every image of the train and test splits unless `[jepa] final_probe_*` limit
+    /// them; else the periodic subsets, without the pixel baseline), written to the metrics.
     fn probe(&mut self, progress: &Progress, full: bool) -> Result<ProbeReport> {
         let j = jepa::jepa_config(&self.config)?.clone();
         let Model::IJepa(model, setup) = &mut self.model else { return Err(TrainError::Internal("probes need an I-JEPA model".into())) };
         let s = self.data.images().ok_or_else(|| TrainError::Internal("probes need image data".into()))?;
         // Without a test file (digits) the probes score the validation split.
         let test = s.test.as_ref().unwrap_or(&s.val);
-        let limit = (!full).then_some((j.probe_train_images, j.probe_test_images));
+        let limit = if full { Some((j.final_probe_train_images.unwrap_or(usize::MAX), j.final_probe_test_images.unwrap_or(usize::MAX))) } else { Some((j.probe_train_images, j.probe_test_images)) };
         let t0 = Instant::now();
         let report = jepa::probes(model, setup, &j, &s.train, test, s.mean, s.std, limit, full && j.pixel_baseline)?;
         self.metrics.write(&MetricRecord {
