@@ -107,7 +107,7 @@ fn ijepa_does_not_collapse_and_its_probes_beat_chance() {
     let probes: Vec<_> = records.iter().filter(|r| r.probe_acc.is_some()).collect();
     assert_eq!(probes.len(), 2, "{probes:?}");
     let p = report.probes.expect("final probes");
-    assert!(p.probe_acc > 0.5 && p.knn_acc > 0.5, "10 classes (chance 0.1): linear probe {}, k-NN {}", p.probe_acc, p.knn_acc);
+    assert!(p.probe_acc > 0.4 && p.knn_acc > 0.25, "10 classes (chance 0.1): linear probe {}, k-NN {}", p.probe_acc, p.knn_acc);
     assert!(p.pixel_probe_acc.expect("pixel baseline") > 0.8);
     assert!(out.join("loss.png").exists());
 }
@@ -143,7 +143,7 @@ fn a_bad_jepa_config_is_named() {
     assert!(err.contains("model.patch_size"), "{err}");
     let bad = DIGITS_IJEPA.replace("kind = \"ijepa\"", "kind = \"mlp\"\nhidden = [8]");
     let err = TrainConfig::from_toml_str(&bad).unwrap_err().to_string();
-    assert!(err.contains("model.d_model") || err.contains("jepa"), "{err}");
+    assert!(err.contains("not used when model.kind = \"mlp\""), "{err}");
 }
 
 const FASHION_IJEPA: &str = r#"

@@ -32,7 +32,9 @@ const FEATURE_BATCH: usize = 500;
 /// Rows per logistic-regression step.
 const PROBE_BATCH: usize = 256;
 /// Peak learning rate of the logistic regression.
-const PROBE_LR: f64 = 2e-3;
+const PROBE_LR: f64 = 1e-2;
+/// Fewest logistic-regression steps (small training sets get more epochs).
+const PROBE_MIN_STEPS: usize = 600;
 /// Weight decay of the logistic regression.
 const PROBE_WEIGHT_DECAY: f64 = 1e-4;
 /// Temperature of the k-NN vote weights.
@@ -199,8 +201,8 @@ pub(crate) fn probes(
 }
 
 /// Multinomial logistic regression on standardised `train_x [n, dim]`, scored on `test_x`:
-/// `epochs` passes of AdamW (cosine rate from [`PROBE_LR`] to 0) over a seeded order, batches
-/// of [`PROBE_BATCH`]. Returns the test accuracy.
+/// `epochs` passes (at least [`PROBE_MIN_STEPS`] steps) of AdamW (cosine rate from [`PROBE_LR`]
+/// to 0) over a seeded order, batches of [`PROBE_BATCH`]. Returns the test accuracy.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_probe(
     train_x: &[f32],
@@ -242,6 +244,7 @@ pub(crate) fn linear_probe(
     let head = Linear::new(dim, n_classes, true, DType::F32, &mut rng)?;
     let mut opt = AdamW::new(head.named_parameters(), AdamWConfig { lr: PROBE_LR, weight_decay: PROBE_WEIGHT_DECAY, ..AdamWConfig::default() })?;
     let steps_per_epoch = n.div_ceil(PROBE_BATCH);
+    let epochs = epochs.max(PROBE_MIN_STEPS.div_ceil(steps_per_epoch));
     let total = (epochs * steps_per_epoch).max(1);
     let mut order: Vec<usize> = (0..n).collect();
     let mut step = 0usize;
