@@ -112,6 +112,7 @@ pub struct JepaOutput {
 /// `[h·w, dim]` 2-D sin-cos position embedding (MAE's `get_2d_sincos_pos_embed`): the first half
 /// of the features encodes the column, the second half the row, each as `sin | cos` of
 /// `pos / 10000^(2i/(dim/2))`. `dim` must be a multiple of 4.
+#[allow(clippy::manual_is_multiple_of, reason = "is_multiple_of needs Rust 1.87; the workspace says 1.85")]
 pub fn sincos_2d(grid: [usize; 2], dim: usize) -> Result<Vec<f32>> {
     if dim == 0 || dim % 4 != 0 {
         return Err(Error::InvalidArgument { op: "sincos_2d", reason: format!("embedding width {dim} is not a positive multiple of 4") });
@@ -170,6 +171,7 @@ impl JepaPredictor {
 
     /// Predicts `[M·B, Kt, C]` target features from context features `z [B, Kc, C]` at
     /// `context [B, Kc]` and target positions `targets [M·B, Kt]` (block-major).
+    #[allow(clippy::manual_is_multiple_of, reason = "is_multiple_of needs Rust 1.87; the workspace says 1.85")]
     pub fn forward(&self, z: &Tensor, context: &Tensor, targets: &Tensor, rng: &mut Generator) -> Result<Tensor> {
         let (b, kc) = (z.shape()[0], z.shape()[1]);
         let (mb, kt) = (targets.shape()[0], targets.shape()[1]);
@@ -270,11 +272,10 @@ impl IJepa {
             });
         }
         let (mf, nf) = (m as f32, (1.0 - m) as f32);
-        for ((name, src), (_, dst)) in sources.iter().zip(&targets) {
+        for ((_, src), (_, dst)) in sources.iter().zip(&targets) {
             if src.shape() != dst.shape() {
                 return Err(Error::ShapeMismatch { op: "IJepa::ema_update", lhs: src.shape().to_vec(), rhs: dst.shape().to_vec() });
             }
-            let _ = name;
             if src.dtype() == rtx_kernels::DType::F64 {
                 let s = src.to_f64_vec()?;
                 dst.update_(|_| {}, |d| d.iter_mut().zip(&s).for_each(|(d, s)| *d = m * *d + (1.0 - m) * s))?;
