@@ -90,6 +90,149 @@ pub struct TrainConfig {
     /// The `[elastic]` table for `rtx launch` (checked by `rtx_supervisor::ElasticConfig::apply_toml`).
     #[serde(skip)]
     pub elastic: Option<toml::Table>,
+    /// `[jepa]`: masks, EMA, weight-decay schedule and probes of an I-JEPA run (present exactly
+    /// when `model.kind = "ijepa"`, filled with defaults when the section is absent).
+    pub jepa: Option<JepaConfig>,
+}
+
+/// `[jepa]`: the self-supervised side of `model.kind = "ijepa"` (see `train::jepa`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JepaConfig {
+    /// Predictor width.
+    #[serde(default = "default_predictor_width")]
+    pub predictor_width: usize,
+    /// Predictor blocks.
+    #[serde(default = "default_predictor_depth")]
+    pub predictor_depth: usize,
+    /// Predictor heads (divides the width).
+    #[serde(default = "default_predictor_heads")]
+    pub predictor_heads: usize,
+    /// `"l2"` or `"smooth-l1"`.
+    #[serde(default)]
+    pub loss: JepaLossKind,
+    /// Target blocks per image.
+    #[serde(default = "default_n_targets")]
+    pub n_targets: usize,
+    /// Target block area as a fraction of the grid.
+    #[serde(default = "default_target_scale")]
+    pub target_scale: (f64, f64),
+    /// Target block aspect ratio range (height / width).
+    #[serde(default = "default_target_aspect")]
+    pub target_aspect: (f64, f64),
+    /// Context block area as a fraction of the grid.
+    #[serde(default = "default_context_scale")]
+    pub context_scale: (f64, f64),
+    /// Fewest context tokens per image.
+    #[serde(default = "default_min_keep")]
+    pub min_keep: usize,
+    /// EMA momentum of the target encoder at the first and the last step (linear between).
+    #[serde(default = "default_ema_momentum")]
+    pub ema_momentum: (f64, f64),
+    /// Weight decay at the last step: cosine from `optim.weight_decay` to this (I-JEPA: 0.04 -> 0.4).
+    #[serde(default)]
+    pub final_weight_decay: Option<f64>,
+    /// Run the linear probe and k-NN every this many steps (0: only at the end).
+    #[serde(default)]
+    pub probe_every: u64,
+    /// Training images the periodic probes use (all of the train split at the end).
+    #[serde(default = "default_probe_images")]
+    pub probe_train_images: usize,
+    /// Test images the periodic probes score (all 10,000 at the end).
+    #[serde(default = "default_probe_images")]
+    pub probe_test_images: usize,
+    /// Training images of the final probes (every one when unset).
+    #[serde(default)]
+    pub final_probe_train_images: Option<usize>,
+    /// Test images of the final probes (every one when unset).
+    #[serde(default)]
+    pub final_probe_test_images: Option<usize>,
+    /// Epochs of the logistic-regression probe.
+    #[serde(default = "default_probe_epochs")]
+    pub probe_epochs: usize,
+    /// Neighbours of the k-NN classifier.
+    #[serde(default = "default_knn_k")]
+    pub knn_k: usize,
+    /// Also probe raw pixels the same way at the end (the baseline to beat).
+    #[serde(default = "default_true")]
+    pub pixel_baseline: bool,
+}
+
+/// `[jepa] loss`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum JepaLossKind {
+    /// Mean squared error.
+    #[default]
+    L2,
+    /// Smooth L1.
+    SmoothL1,
+}
+
+impl Default for JepaConfig {
+    fn default() -> Self {
+        JepaConfig {
+            predictor_width: default_predictor_width(),
+            predictor_depth: default_predictor_depth(),
+            predictor_heads: default_predictor_heads(),
+            loss: JepaLossKind::default(),
+            n_targets: default_n_targets(),
+            target_scale: default_target_scale(),
+            target_aspect: default_target_aspect(),
+            context_scale: default_context_scale(),
+            min_keep: default_min_keep(),
+            ema_momentum: default_ema_momentum(),
+            final_weight_decay: None,
+            probe_every: 0,
+            probe_train_images: default_probe_images(),
+            probe_test_images: default_probe_images(),
+            final_probe_train_images: None,
+            final_probe_test_images: None,
+            probe_epochs: default_probe_epochs(),
+            knn_k: default_knn_k(),
+            pixel_baseline: true,
+        }
+    }
+}
+
+fn default_predictor_width() -> usize {
+    64
+}
+fn default_predictor_depth() -> usize {
+    2
+}
+fn default_predictor_heads() -> usize {
+    4
+}
+fn default_n_targets() -> usize {
+    4
+}
+fn default_target_scale() -> (f64, f64) {
+    (0.15, 0.2)
+}
+fn default_target_aspect() -> (f64, f64) {
+    (0.75, 1.5)
+}
+fn default_context_scale() -> (f64, f64) {
+    (0.85, 1.0)
+}
+fn default_min_keep() -> usize {
+    4
+}
+fn default_ema_momentum() -> (f64, f64) {
+    (0.996, 1.0)
+}
+fn default_probe_images() -> usize {
+    10_000
+}
+fn default_probe_epochs() -> usize {
+    20
+}
+fn default_knn_k() -> usize {
+    20
+}
+fn default_true() -> bool {
+    true
 }
 
 /// Model kinds and their shapes.
@@ -114,6 +257,17 @@ pub enum ModelConfig {
         context: usize,
         /// Dropout probability.
         dropout: f64,
+    },
+    /// An I-JEPA ViT encoder (with its EMA target and predictor, see `[jepa]`) on images.
+    IJepa {
+        /// Patch side (divides the image sides).
+        patch_size: usize,
+        /// Encoder width (a multiple of 4: the position embedding starts at 2-D sin-cos).
+        d_model: usize,
+        /// Encoder blocks.
+        n_layers: usize,
+        /// Encoder heads (divides `d_model`).
+        n_heads: usize,
     },
 }
 
@@ -335,6 +489,8 @@ struct RawConfig {
     parallel: ParallelConfig,
     #[serde(default)]
     elastic: Option<toml::Table>,
+    #[serde(default)]
+    jepa: Option<JepaConfig>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -342,6 +498,7 @@ struct RawConfig {
 enum RawModelKind {
     Mlp,
     Gpt,
+    Ijepa,
 }
 
 #[derive(Deserialize)]
@@ -355,6 +512,7 @@ struct RawModel {
     n_heads: Option<usize>,
     context: Option<usize>,
     dropout: Option<f64>,
+    patch_size: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -441,7 +599,7 @@ impl TrainConfig {
             ModelConfig::Gpt { n_layers, d_model, n_heads, context, .. } => {
                 Some(ModelLayout { layers: n_layers, d_model, heads: n_heads, vocab: GPT_VOCAB, context, mlp_hidden: GPT_MLP_RATIO * d_model, tied: true })
             }
-            ModelConfig::Mlp { .. } => None,
+            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => None,
         }
     }
 
@@ -514,7 +672,7 @@ impl Validator<'_> {
         self.unit_open("data.val_fraction", data.val_fraction, false)?;
         self.nonzero("data.batch_size", data.batch_size)?;
         match (&model, data.dataset) {
-            (ModelConfig::Mlp { .. }, Dataset::Sotu) => {
+            (ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. }, Dataset::Sotu) => {
                 return Err(self.invalid("data.dataset", "\"sotu\"", "model.kind = \"mlp\" trains on images: use \"fashion-mnist\" or \"digits\" (or model.kind = \"gpt\" for text)"));
             }
             (ModelConfig::Gpt { .. }, d) if d.is_image() => {
@@ -563,7 +721,8 @@ impl Validator<'_> {
                 return Err(self.invalid("sample.prompt", "\"\"", "must hold at least one character"));
             }
         }
-        let config = TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample, parallel: raw.parallel, elastic: raw.elastic };
+        let jepa = self.jepa(&model, &data, raw.jepa)?;
+        let config = TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample, parallel: raw.parallel, elastic: raw.elastic, jepa };
         self.parallel(&config)?;
         Ok(config)
     }
@@ -614,7 +773,7 @@ impl Validator<'_> {
                 }
             }
             DeviceKind::Cuda => match model {
-                ModelConfig::Mlp { .. } => return Err(self.invalid("train.device", "\"cuda\"", "the GPU path trains model.kind = \"gpt\" (its kernels cover GPT training); use train.device = \"cpu\" for an MLP")),
+                ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => return Err(self.invalid("train.device", "\"cuda\"", "the GPU path trains model.kind = \"gpt\" (its kernels cover GPT training); use train.device = \"cpu\" for an MLP or I-JEPA")),
                 ModelConfig::Gpt { dropout, d_model, n_heads, .. } => {
                     let head_dim = d_model / n_heads;
                     if head_dim != 64 && head_dim != 128 {
@@ -638,6 +797,7 @@ impl Validator<'_> {
                 for (key, set) in [("model.n_layers", m.n_layers.is_some()), ("model.d_model", m.d_model.is_some()), ("model.n_heads", m.n_heads.is_some()), ("model.context", m.context.is_some()), ("model.dropout", m.dropout.is_some())] {
                     self.not_for(key, set, "model.kind", "mlp", "gpt")?;
                 }
+                self.not_for("model.patch_size", m.patch_size.is_some(), "model.kind", "mlp", "ijepa")?;
                 let hidden = self.require("model.hidden", m.hidden, "model.kind", "mlp")?;
                 if let Some(pos) = hidden.iter().position(|&h| h == 0) {
                     return Err(self.invalid(&format!("model.hidden[{pos}]"), 0, "every hidden width must be at least 1"));
@@ -647,6 +807,7 @@ impl Validator<'_> {
             RawModelKind::Gpt => {
                 self.not_for("model.hidden", m.hidden.is_some(), "model.kind", "gpt", "mlp")?;
                 self.not_for("model.activation", m.activation.is_some(), "model.kind", "gpt", "mlp")?;
+                self.not_for("model.patch_size", m.patch_size.is_some(), "model.kind", "gpt", "ijepa")?;
                 let n_layers = self.require("model.n_layers", m.n_layers, "model.kind", "gpt")?;
                 let d_model = self.require("model.d_model", m.d_model, "model.kind", "gpt")?;
                 let n_heads = self.require("model.n_heads", m.n_heads, "model.kind", "gpt")?;
@@ -662,7 +823,76 @@ impl Validator<'_> {
                 self.unit_open("model.dropout", dropout, true)?;
                 Ok(ModelConfig::Gpt { n_layers, d_model, n_heads, context, dropout })
             }
+            RawModelKind::Ijepa => {
+                self.not_for("model.hidden", m.hidden.is_some(), "model.kind", "ijepa", "mlp")?;
+                self.not_for("model.activation", m.activation.is_some(), "model.kind", "ijepa", "mlp")?;
+                self.not_for("model.context", m.context.is_some(), "model.kind", "ijepa", "gpt")?;
+                self.not_for("model.dropout", m.dropout.is_some(), "model.kind", "ijepa", "gpt")?;
+                let patch_size = self.require("model.patch_size", m.patch_size, "model.kind", "ijepa")?;
+                let d_model = self.require("model.d_model", m.d_model, "model.kind", "ijepa")?;
+                let n_layers = self.require("model.n_layers", m.n_layers, "model.kind", "ijepa")?;
+                let n_heads = self.require("model.n_heads", m.n_heads, "model.kind", "ijepa")?;
+                self.nonzero("model.patch_size", patch_size)?;
+                self.nonzero("model.n_layers", n_layers)?;
+                self.nonzero("model.n_heads", n_heads)?;
+                if d_model == 0 || d_model % 4 != 0 {
+                    return Err(self.invalid("model.d_model", d_model, "must be a positive multiple of 4 (the position embedding starts at 2-D sin-cos)"));
+                }
+                if d_model % n_heads != 0 {
+                    return Err(self.invalid("model.n_heads", n_heads, format!("must divide model.d_model ({d_model})")));
+                }
+                Ok(ModelConfig::IJepa { patch_size, d_model, n_layers, n_heads })
+            }
         }
+    }
+
+    /// `[jepa]` against the model kind (present exactly for I-JEPA) and its own ranges.
+    fn jepa(&self, model: &ModelConfig, data: &DataConfig, raw: Option<JepaConfig>) -> Result<Option<JepaConfig>, ConfigError> {
+        let ModelConfig::IJepa { patch_size, .. } = model else {
+            if raw.is_some() {
+                return Err(self.invalid("jepa", "(section)", "only allowed with model.kind = \"ijepa\""));
+            }
+            return Ok(None);
+        };
+        if !data.dataset.is_image() {
+            return Err(self.invalid("data.dataset", format!("\"{}\"", data.dataset.name()), "model.kind = \"ijepa\" trains on images: use \"fashion-mnist\" or \"digits\""));
+        }
+        let side = match data.dataset {
+            Dataset::FashionMnist => 28,
+            _ => 8,
+        };
+        if side % patch_size != 0 {
+            return Err(self.invalid("model.patch_size", patch_size, format!("must divide the image side ({side} for {})", data.dataset.name())));
+        }
+        let j = raw.unwrap_or_default();
+        self.nonzero("jepa.predictor_width", j.predictor_width)?;
+        self.nonzero("jepa.predictor_depth", j.predictor_depth)?;
+        self.nonzero("jepa.predictor_heads", j.predictor_heads)?;
+        if j.predictor_width % 4 != 0 || j.predictor_width % j.predictor_heads != 0 {
+            return Err(self.invalid("jepa.predictor_width", j.predictor_width, format!("must be a multiple of 4 and of jepa.predictor_heads ({})", j.predictor_heads)));
+        }
+        let grid = side / patch_size;
+        let masks = rtx_tensor::nn::MaskConfig { n_targets: j.n_targets, target_scale: j.target_scale, target_aspect: j.target_aspect, context_scale: j.context_scale, min_keep: j.min_keep };
+        masks.validate([grid, grid]).map_err(|e| self.invalid("jepa", "(masks)", e.to_string()))?;
+        let (m0, m1) = j.ema_momentum;
+        if !((0.0..=1.0).contains(&m0) && (0.0..=1.0).contains(&m1)) {
+            return Err(self.invalid("jepa.ema_momentum", format!("[{m0}, {m1}]"), "both must lie in [0, 1]"));
+        }
+        if let Some(wd) = j.final_weight_decay {
+            if !(wd.is_finite() && wd >= 0.0) {
+                return Err(self.invalid("jepa.final_weight_decay", wd, "must be a finite number >= 0"));
+            }
+        }
+        self.nonzero("jepa.probe_train_images", j.probe_train_images)?;
+        self.nonzero("jepa.probe_test_images", j.probe_test_images)?;
+        self.nonzero("jepa.probe_epochs", j.probe_epochs)?;
+        for (key, n) in [("jepa.final_probe_train_images", j.final_probe_train_images), ("jepa.final_probe_test_images", j.final_probe_test_images)] {
+            if let Some(n) = n {
+                self.nonzero(key, n)?;
+            }
+        }
+        self.nonzero("jepa.knn_k", j.knn_k)?;
+        Ok(Some(j))
     }
 
     fn optim(&self, o: RawOptim) -> Result<OptimConfig, ConfigError> {

@@ -1,7 +1,8 @@
 //! `metrics.jsonl`: one JSON object per line, appended as training goes.
 //!
-//! A record is a training log line (`loss`, `lr`, throughput), an evaluation (`val_loss`,
-//! `val_acc`) or the final test result (`test_loss`, `test_acc`); fields that do not apply are
+//! A record is a training log line (`loss`, `lr`, throughput, `feature_std` for I-JEPA), an
+//! evaluation (`val_loss`, `val_acc`), a frozen-feature evaluation (`probe_acc`, `knn_acc`,
+//! `pixel_probe_acc`) or the final test result (`test_loss`, `test_acc`); fields that do not apply are
 //! left out. `wall_s` (seconds since the run or resume started) is the only non-deterministic
 //! field, and nothing reads it back into training. On resume, records past the checkpoint's step
 //! are dropped so the file describes one consistent run.
@@ -50,7 +51,22 @@ pub struct MetricRecord {
     /// Test accuracy (final evaluation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_acc: Option<f64>,
-    /// Seconds since this process started training (not deterministic).
+    /// I-JEPA collapse monitor: mean over feature dimensions of the standard deviation across
+    /// the batch of the pooled encoder features (last step of the log interval).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feature_std: Option<f64>,
+    /// Linear-probe test accuracy on frozen encoder features (I-JEPA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_acc: Option<f64>,
+    /// k-NN test accuracy on frozen encoder features (I-JEPA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub knn_acc: Option<f64>,
+    /// Linear-probe test accuracy on raw pixels, trained the same way (the baseline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pixel_probe_acc: Option<f64>,
+    /// Training images the probes used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_train_images: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wall_s: Option<f64>,
 }

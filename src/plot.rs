@@ -72,15 +72,18 @@ pub fn ensure_font(preferred: Option<&Path>) -> bool {
         .is_some()
 }
 
-/// Draws training loss (`loss`) and validation loss (`val_loss`) of `records` against the step
+/// Draws training loss (`loss`), validation loss (`val_loss`) and, when present, the I-JEPA probe
+/// accuracies (`probe_acc`, `knn_acc`) of `records` against the step
 /// into a 900×560 PNG at `path`, with an optional horizontal `baseline` (e.g. the unigram
 /// entropy a language model must beat). `with_text` false draws no text at all.
 pub fn plot_loss_curve(records: &[MetricRecord], path: &Path, title: &str, baseline: Option<(f64, &str)>, with_text: bool) -> Result<PlotOutcome, PlotError> {
     let train: Vec<(f64, f64)> = records.iter().filter_map(|r| Some((r.step as f64, finite(r.loss?)?))).collect();
     let val: Vec<(f64, f64)> = records.iter().filter_map(|r| Some((r.step as f64, finite(r.val_loss?)?))).collect();
+    let probe: Vec<(f64, f64)> = records.iter().filter_map(|r| Some((r.step as f64, finite(r.probe_acc?)?))).collect();
+    let knn: Vec<(f64, f64)> = records.iter().filter_map(|r| Some((r.step as f64, finite(r.knn_acc?)?))).collect();
     let draw_err = |e: &dyn std::fmt::Display| PlotError::Draw { path: path.to_path_buf(), reason: e.to_string() };
 
-    let all = train.iter().chain(&val);
+    let all = train.iter().chain(&val).chain(&probe).chain(&knn);
     let x_max = all.clone().map(|p| p.0).fold(1.0, f64::max);
     let base = baseline.and_then(|(y, _)| finite(y));
     let y_max = all.clone().map(|p| p.1).chain(base).fold(f64::MIN, f64::max);
@@ -113,6 +116,17 @@ pub fn plot_loss_curve(records: &[MetricRecord], path: &Path, title: &str, basel
         let series = chart.draw_series(LineSeries::new(val.iter().copied(), orange.stroke_width(2))).map_err(|e| draw_err(&e))?;
         if with_text {
             series.label("validation loss").legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], orange.stroke_width(2)));
+        }
+    }
+    // Frozen-feature accuracies (I-JEPA), on the same axis: fractions in [0, 1].
+    for (points, colour, label) in [(&probe, RGBColor(44, 160, 44), "linear probe test accuracy"), (&knn, RGBColor(214, 39, 40), "k-NN test accuracy")] {
+        if points.is_empty() {
+            continue;
+        }
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, colour.filled()))).map_err(|e| draw_err(&e))?;
+        let series = chart.draw_series(LineSeries::new(points.iter().copied(), colour.stroke_width(2))).map_err(|e| draw_err(&e))?;
+        if with_text {
+            series.label(label).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2)));
         }
     }
     if let (Some(y), Some((_, label))) = (base, baseline) {

@@ -45,6 +45,7 @@ use rtx_tensor::{no_grad, Device, Generator, Reduction, Tensor};
 use crate::config::{ModelConfig, TrainConfig};
 
 use super::device::{resolve_device, Placement};
+use super::jepa::{self, JepaSetup};
 use super::model::Model;
 use super::optimizer::{build_inner, build_schedule};
 use super::task::{Batch, EvalSplit, TaskData};
@@ -58,6 +59,8 @@ pub(crate) struct ElasticJob {
     epoch_order: Mutex<Option<(u64, Vec<usize>)>>,
     checkpoint_dir: Option<PathBuf>,
     placement: Placement,
+    /// The masks and shapes of an I-JEPA job.
+    jepa: Option<JepaSetup>,
 }
 
 /// One rank's part of a global batch.
@@ -82,11 +85,15 @@ impl ElasticJob {
         let placement = resolve_device(&config, local_rank).map_err(|e| e.to_string())?;
         let context = match &config.model {
             ModelConfig::Gpt { context, .. } => Some(*context),
-            ModelConfig::Mlp { .. } => None,
+            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => None,
         };
         let data = TaskData::load(&config, data_root, context).map_err(|e| e.to_string())?;
         let schedule = build_schedule(&config.optim, &config.schedule);
-        Ok(ElasticJob { config, data, schedule, epoch_order: Mutex::new(None), checkpoint_dir, placement })
+        let jepa = match (&config.model, data.image_size()) {
+            (ModelConfig::IJepa { .. }, Some(image)) => Some(jepa::setup(&config, image).map_err(|e| e.to_string())?),
+            _ => None,
+        };
+        Ok(ElasticJob { config, data, schedule, epoch_order: Mutex::new(None), checkpoint_dir, placement, jepa })
     }
 
     /// Builds the job of a worker process (`local_rank`: see [`ElasticJob::new`]).
@@ -107,11 +114,11 @@ impl ElasticJob {
     /// `batch` on the replica's device (the same tensors on the host).
     fn on_device(&self, batch: &Batch) -> Result<Batch, String> {
         match self.device() {
-            Device::Cpu => Ok(Batch { inputs: batch.inputs.clone(), targets: batch.targets.clone(), rows: batch.rows, tokens: batch.tokens }),
+            Device::Cpu => Ok(Batch { inputs: batch.inputs.clone(), targets: batch.targets.clone(), rows: batch.rows, tokens: batch.tokens, masks: batch.masks.clone() }),
             device => {
                 let inputs = batch.inputs.to_device(device).map_err(|e| e.to_string())?;
                 let targets = batch.targets.to_device(device).map_err(|e| e.to_string())?;
-                Ok(Batch { inputs, targets, rows: batch.rows, tokens: batch.tokens })
+                Ok(Batch { inputs, targets, rows: batch.rows, tokens: batch.tokens, masks: batch.masks.clone() })
             }
         }
     }
@@ -120,7 +127,7 @@ impl ElasticJob {
     pub(crate) fn unit(config: &TrainConfig) -> (&'static str, u64) {
         match &config.model {
             ModelConfig::Gpt { context, .. } => ("tokens", (config.data.batch_size * context) as u64),
-            ModelConfig::Mlp { .. } => ("samples", config.data.batch_size as u64),
+            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => ("samples", config.data.batch_size as u64),
         }
     }
 
@@ -146,6 +153,40 @@ impl ElasticJob {
     }
 }
 
+impl ElasticJob {
+    /// The final evaluation of an I-JEPA job: the latent loss on the validation split (fixed
+    /// masks) and the frozen-feature probes on the `[jepa]` periodic subsets (the linear probe,
+    /// k-NN and the pixel baseline).
+    fn evaluate_jepa(&self, model: &mut rtx_tensor::nn::IJepa, setup: &JepaSetup) -> Result<Vec<(String, f64)>, String> {
+        let j = jepa::jepa_config(&self.config).map_err(|e| e.to_string())?;
+        let s = self.data.images().ok_or("I-JEPA needs image data")?;
+        model.set_training(false);
+        let mut scratch = Generator::new(0);
+        let n = self.data.n_eval_batches(EvalSplit::Val, IMAGE_EVAL_BATCH);
+        let n = self.config.train.eval_batches.map_or(n, |m| m.min(n));
+        let val = no_grad(|| -> Result<(f64, usize), String> {
+            let (mut sum, mut rows) = (0.0, 0usize);
+            for i in 0..n {
+                let Some(batch) = self.data.eval_batch(EvalSplit::Val, i, IMAGE_EVAL_BATCH).map_err(|e| e.to_string())? else { break };
+                let masks = setup.masks_for_eval(i, batch.rows).map_err(|e| e.to_string())?;
+                let out = model.loss(&setup.images(&batch.inputs).map_err(|e| e.to_string())?, &masks, &mut scratch).map_err(|e| e.to_string())?;
+                sum += out.loss.item().map_err(|e| e.to_string())? * batch.rows as f64;
+                rows += batch.rows;
+            }
+            Ok((sum, rows))
+        });
+        model.set_training(true);
+        let (sum, rows) = val?;
+        let test = s.test.as_ref().unwrap_or(&s.val);
+        let report = jepa::probes(model, setup, j, &s.train, test, s.mean, s.std, Some((j.probe_train_images, j.probe_test_images)), j.pixel_baseline).map_err(|e| e.to_string())?;
+        let mut metrics = vec![("val_loss".to_string(), sum / rows.max(1) as f64), ("probe_acc".into(), report.probe_acc), ("knn_acc".into(), report.knn_acc)];
+        if let Some(p) = report.pixel_probe_acc {
+            metrics.push(("pixel_probe_acc".into(), p));
+        }
+        Ok(metrics)
+    }
+}
+
 impl BatchSource for ElasticJob {
     type Batch = RankBatch;
 
@@ -157,7 +198,12 @@ impl BatchSource for ElasticJob {
         let inputs = slice(&global.inputs)?;
         let targets = slice(&global.targets)?;
         let tokens = global.tokens.checked_div(global.rows).map_or(0, |per_row| per_row * rows);
-        Ok(RankBatch { batch: Batch { inputs, targets, rows, tokens }, rank })
+        // I-JEPA masks are drawn for the global batch and cut like it: independent of the world.
+        let masks = match &self.jepa {
+            Some(setup) => Some(setup.masks_for_step(step, global.rows).and_then(|m| Ok(m.rows(part.start, rows)?)).map_err(|e| e.to_string())?),
+            None => None,
+        };
+        Ok(RankBatch { batch: Batch { inputs, targets, rows, tokens, masks }, rank })
     }
 }
 
@@ -167,7 +213,7 @@ impl TrainJob for ElasticJob {
 
     fn build_model(&self) -> Result<Model, String> {
         let mut init_rng = Generator::new(self.config.train.seed);
-        let mut model = Model::build(&self.config.model, self.data.input_features(), self.data.n_classes(), &mut init_rng).map_err(|e| e.to_string())?;
+        let mut model = Model::for_config(&self.config, &self.data, &mut init_rng).map_err(|e| e.to_string())?;
         model.module_mut().set_training(true);
         if let Placement::Cuda { ordinal, dtype } = self.placement {
             move_to_device(&mut model, ordinal, dtype)?;
@@ -203,9 +249,19 @@ impl TrainJob for ElasticJob {
 
     fn set_lr(&self, optimizer: &mut JobOptimizer, step: u64) {
         optimizer.inner.set_lr(self.schedule.lr(step));
+        if let Some(wd) = jepa::weight_decay_at(&self.config, step) {
+            optimizer.inner.set_weight_decay(wd);
+        }
+    }
+
+    fn after_step(&self, model: &mut Model, step: u64) -> Result<(), String> {
+        model.after_step(step).map_err(|e| e.to_string())
     }
 
     fn evaluate(&self, model: &mut Model) -> Result<Vec<(String, f64)>, String> {
+        if let Model::IJepa(m, setup) = model {
+            return self.evaluate_jepa(m, setup);
+        }
         let mut metrics = Vec::new();
         model.module_mut().set_training(false);
         let mut scratch = Generator::new(0);
@@ -246,6 +302,9 @@ impl TrainJob for ElasticJob {
     }
 
     fn mesh(&self) -> Option<MeshSpec<RankBatch>> {
+        if self.jepa.is_some() {
+            return None;
+        }
         let p = &self.config.parallel;
         // `[parallel]` was checked at parse time: pp and tp above 1 only for a GPT.
         if p.pp * p.tp <= 1 {
@@ -357,6 +416,10 @@ impl optim::Optimizer for JobOptimizer {
 
     fn set_lr(&mut self, lr: f64) {
         self.inner.set_lr(lr)
+    }
+
+    fn set_weight_decay(&mut self, weight_decay: f64) -> bool {
+        self.inner.set_weight_decay(weight_decay)
     }
 
     fn kind(&self) -> &'static str {

@@ -34,6 +34,7 @@
 mod ckpt;
 mod device;
 pub(crate) mod elastic_job;
+mod jepa;
 mod model;
 mod optimizer;
 mod task;
@@ -52,6 +53,7 @@ use crate::progress::{human, Progress, Verbosity};
 
 pub use ckpt::CHECKPOINT_DIR;
 pub use device::{resolve_device, DeviceError, Placement};
+pub use jepa::{JepaSetup, ProbeReport};
 pub use model::Model;
 
 use optimizer::Optimizer;
@@ -170,6 +172,8 @@ pub struct TrainReport {
     pub val: EvalResult,
     /// Final evaluation on the test split, when the dataset has one.
     pub test: Option<EvalResult>,
+    /// Final frozen-feature evaluation of an I-JEPA run (every train and test image).
+    pub probes: Option<ProbeReport>,
     /// Unigram entropy of the corpus in nats per byte (text tasks).
     pub unigram_entropy_nats: Option<f64>,
     /// Generated text (GPT).
@@ -239,6 +243,7 @@ struct Interval {
     seconds: f64,
     items: u64,
     last_grad_norm: Option<f64>,
+    feature_std: Option<f64>,
 }
 
 impl Trainer {
@@ -258,12 +263,12 @@ impl Trainer {
 
         let context = match &config.model {
             ModelConfig::Gpt { context, .. } => Some(*context),
-            ModelConfig::Mlp { .. } => None,
+            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => None,
         };
         let mut data = TaskData::load(&config, &options.data_root, context)?;
         let seed = config.train.seed;
         let mut init_rng = Generator::new(seed);
-        let mut model = Model::build(&config.model, data.input_features(), data.n_classes(), &mut init_rng)?;
+        let mut model = Model::for_config(&config, &data, &mut init_rng)?;
         model.module_mut().set_training(true);
         let mut optimizer = Optimizer::new(&config.optim, &config.schedule, model.module())?;
         let mut step = 0;
@@ -343,6 +348,9 @@ impl Trainer {
                 let eval = self.evaluate(EvalSplit::Val, max)?;
                 self.record_eval(&progress, eval, true)?;
             }
+            if every(step, self.config.jepa.as_ref().map_or(0, |j| j.probe_every)) && step != stop {
+                self.probe(&progress, false)?;
+            }
             if every(step, cfg.checkpoint_every) {
                 self.save_checkpoint()?;
             }
@@ -354,7 +362,10 @@ impl Trainer {
     /// One optimizer step; returns its loss.
     fn train_step(&mut self) -> Result<f64> {
         let t0 = Instant::now();
-        let batch = self.data.train_batch(self.step)?;
+        let mut batch = self.data.train_batch(self.step)?;
+        if let Model::IJepa(_, setup) = &self.model {
+            batch.masks = Some(setup.masks_for_step(self.step, batch.rows)?);
+        }
         self.optimizer.zero_grad(self.model.module())?;
         let out = self.model.loss(&batch, &mut self.dropout_rng, Reduction::Mean, false)?;
         let loss = out.loss.item()?;
@@ -362,8 +373,13 @@ impl Trainer {
             return Err(TrainError::Diverged { step: self.step + 1, loss });
         }
         out.loss.backward()?;
+        let feature_std = out.feature_std;
         drop(out);
+        if let Some(wd) = jepa::weight_decay_at(&self.config, self.step) {
+            self.optimizer.set_weight_decay(wd);
+        }
         let grad_norm = self.optimizer.step(self.model.module(), self.step)?;
+        self.model.after_step(self.step)?;
         self.step += 1;
         let dt = t0.elapsed().as_secs_f64();
         let items = self.items(&batch) as u64;
@@ -376,6 +392,7 @@ impl Trainer {
         iv.seconds += dt;
         iv.items += items;
         iv.last_grad_norm = grad_norm;
+        iv.feature_std = feature_std;
         Ok(loss)
     }
 
@@ -409,13 +426,15 @@ impl Trainer {
         let rate = self.interval_rate();
         let lr = self.optimizer.last_lr();
         let total = self.config.train.steps;
-        let mut record = MetricRecord { step: self.step, loss: Some(loss), lr: Some(lr), grad_norm: self.interval.last_grad_norm, wall_s: Some(self.started.elapsed().as_secs_f64()), ..Default::default() };
+        let feature_std = self.interval.feature_std;
+        let mut record = MetricRecord { step: self.step, loss: Some(loss), lr: Some(lr), grad_norm: self.interval.last_grad_norm, feature_std, wall_s: Some(self.started.elapsed().as_secs_f64()), ..Default::default() };
         match self.data {
             TaskData::Image(_) => record.samples_per_s = Some(rate),
             TaskData::Text(_) => record.tokens_per_s = Some(rate),
         }
         self.metrics.write(&record)?;
-        progress.line(&format!("step {:>6}/{total} | loss {loss:.4} | lr {lr:.3e} | {} {}/s | {:.1}s", self.step, human(rate), self.unit(), self.started.elapsed().as_secs_f64()));
+        let std = feature_std.map_or(String::new(), |s| format!(" | feature std {s:.4}"));
+        progress.line(&format!("step {:>6}/{total} | loss {loss:.4}{std} | lr {lr:.3e} | {} {}/s | {:.1}s", self.step, human(rate), self.unit(), self.started.elapsed().as_secs_f64()));
         self.interval = Interval::default();
         Ok(())
     }
@@ -438,17 +457,22 @@ impl Trainer {
         self.model.module_mut().set_training(false);
         // Evaluation mode never draws from a generator; a scratch one keeps that obvious.
         let mut scratch = Generator::new(0);
+        // A classifier's accuracy; an I-JEPA run is scored by its probes instead.
+        let classifies = matches!(self.data, TaskData::Image(_)) && !matches!(self.model, Model::IJepa(..));
         let result = rtx_tensor::no_grad(|| -> Result<EvalResult> {
             let (mut loss_sum, mut targets, mut correct, mut rows) = (0.0, 0usize, 0usize, 0usize);
             for i in 0..n {
-                let Some(batch) = self.data.eval_batch(split, i, IMAGE_EVAL_BATCH)? else { break };
-                let out = self.model.loss(&batch, &mut scratch, Reduction::Sum, matches!(self.data, TaskData::Image(_)))?;
+                let Some(mut batch) = self.data.eval_batch(split, i, IMAGE_EVAL_BATCH)? else { break };
+                if let Model::IJepa(_, setup) = &self.model {
+                    batch.masks = Some(setup.masks_for_eval(i, batch.rows)?);
+                }
+                let out = self.model.loss(&batch, &mut scratch, Reduction::Sum, classifies)?;
                 loss_sum += out.loss.item()?;
                 targets += batch.targets.numel();
                 rows += batch.rows;
                 correct += out.correct.unwrap_or(0);
             }
-            let accuracy = matches!(self.data, TaskData::Image(_)).then(|| correct as f64 / rows.max(1) as f64);
+            let accuracy = classifies.then(|| correct as f64 / rows.max(1) as f64);
             Ok(EvalResult { loss: loss_sum / targets.max(1) as f64, accuracy, targets })
         });
         self.model.module_mut().set_training(true);
@@ -475,6 +499,7 @@ impl Trainer {
         let title = match &self.config.model {
             ModelConfig::Mlp { .. } => format!("MLP on {}", self.config.data.dataset.name()),
             ModelConfig::Gpt { .. } => format!("byte GPT on {}", self.config.data.dataset.name()),
+            ModelConfig::IJepa { .. } => format!("I-JEPA ViT on {} (latent loss, probe accuracy)", self.config.data.dataset.name()),
         };
         let baseline = self.data.text().map(|t| (t.entropy_nats, "corpus unigram entropy"));
         plot::plot_loss_curve(&records, &self.out_dir.join("loss.png"), &title, baseline, self.plot_text)?;
@@ -498,6 +523,7 @@ impl Trainer {
         } else {
             None
         };
+        let probes = if self.config.jepa.is_some() && !already_final { Some(self.probe(&progress, true)?) } else { None };
         let entropy = self.data.text().map(|t| t.entropy_nats);
         let sample = self.sample()?;
         let checkpoint = self.save_checkpoint()?;
@@ -509,6 +535,7 @@ impl Trainer {
             losses: std::mem::take(&mut self.losses),
             val,
             test,
+            probes,
             unigram_entropy_nats: entropy,
             sample,
             throughput,
@@ -522,6 +549,33 @@ impl Trainer {
         for line in summary(&report) {
             progress.line(&line);
         }
+        Ok(report)
+    }
+
+    /// Linear probe, k-NN and pixel baseline on frozen I-JEPA features (`full`: the final
+    /// evaluation, every image of the train and test splits unless `[jepa] final_probe_*` limit
+    /// them; else the periodic subsets, without the pixel baseline), written to the metrics.
+    fn probe(&mut self, progress: &Progress, full: bool) -> Result<ProbeReport> {
+        let j = jepa::jepa_config(&self.config)?.clone();
+        let Model::IJepa(model, setup) = &mut self.model else { return Err(TrainError::Internal("probes need an I-JEPA model".into())) };
+        let s = self.data.images().ok_or_else(|| TrainError::Internal("probes need image data".into()))?;
+        // Without a test file (digits) the probes score the validation split.
+        let test = s.test.as_ref().unwrap_or(&s.val);
+        let limit = if full { Some((j.final_probe_train_images.unwrap_or(usize::MAX), j.final_probe_test_images.unwrap_or(usize::MAX))) } else { Some((j.probe_train_images, j.probe_test_images)) };
+        let t0 = Instant::now();
+        let report = jepa::probes(model, setup, &j, &s.train, test, s.mean, s.std, limit, full && j.pixel_baseline)?;
+        self.metrics.write(&MetricRecord {
+            step: self.step,
+            probe_acc: Some(report.probe_acc),
+            knn_acc: Some(report.knn_acc),
+            pixel_probe_acc: report.pixel_probe_acc,
+            probe_train_images: Some(report.train_images),
+            wall_s: Some(self.started.elapsed().as_secs_f64()),
+            ..Default::default()
+        })?;
+        let pixels = report.pixel_probe_acc.map_or(String::new(), |p| format!(" | pixel probe {:.2}%", p * 100.0));
+        progress.line(&format!("step {:>6} | linear probe {:.2}% | k-NN {:.2}%{pixels} ({} train / {} test images, {:.1}s)", self.step, report.probe_acc * 100.0, report.knn_acc * 100.0, report.train_images, report.test_images, t0.elapsed().as_secs_f64()));
+        self.plot()?;
         Ok(report)
     }
 
@@ -557,7 +611,7 @@ fn restore(path: &Path, config: &TrainConfig, model: &Model, optimizer: &mut Opt
     // Check that the checkpoint belongs to this run before touching any tensor.
     let saved = ckpt::read_state(path)?.config;
     let now = serde_json::to_value(config).map_err(|e| TrainError::Internal(e.to_string()))?;
-    for section in ["model", "data", "optim", "schedule"] {
+    for section in ["model", "data", "optim", "schedule", "jepa"] {
         if saved.get(section) != now.get(section) {
             return Err(TrainError::Resume(format!(
                 "checkpoint {} was written with a different [{section}] section ({} then, {} now); resume with the original config or use another --out",
@@ -589,10 +643,18 @@ pub fn summary(r: &TrainReport) -> Vec<String> {
     )];
     match r.val.accuracy {
         Some(acc) => lines.push(format!("validation: loss {:.4}, accuracy {:.2}% ({} images)", r.val.loss, acc * 100.0, r.val.targets)),
+        None if r.probes.is_some() => lines.push(format!("validation latent loss: {:.4} ({} images)", r.val.loss, r.val.targets)),
         None => lines.push(format!("validation loss: {:.4} nats/byte ({} bytes)", r.val.loss, r.val.targets)),
     }
     if let Some(t) = &r.test {
-        lines.push(format!("test accuracy: {:.2}% (loss {:.4}, {} images)", t.accuracy.unwrap_or(0.0) * 100.0, t.loss, t.targets));
+        match t.accuracy {
+            Some(acc) => lines.push(format!("test accuracy: {:.2}% (loss {:.4}, {} images)", acc * 100.0, t.loss, t.targets)),
+            None => lines.push(format!("test loss: {:.4} ({} images)", t.loss, t.targets)),
+        }
+    }
+    if let Some(p) = &r.probes {
+        let pixels = p.pixel_probe_acc.map_or(String::new(), |a| format!("; linear probe on raw pixels {:.2}%", a * 100.0));
+        lines.push(format!("frozen features: linear probe {:.2}%, k-NN {:.2}% ({} train / {} test images){pixels}", p.probe_acc * 100.0, p.knn_acc * 100.0, p.train_images, p.test_images));
     }
     if let Some(h) = r.unigram_entropy_nats {
         lines.push(format!("corpus unigram entropy: {h:.4} nats/byte; validation loss is {:.4} below it ({:.1}%)", h - r.val.loss, 100.0 * (h - r.val.loss) / h));

@@ -1,12 +1,13 @@
-//! The model of a run: an [`Mlp`] on flattened images or a byte-level [`Gpt`], behind one enum
+//! The model of a run: an [`Mlp`] on flattened images, a byte-level [`Gpt`] or an I-JEPA ViT, behind one enum
 //! so the loop does not care which.
 
 use rtx_tensor::nn::{self, Mlp, Module};
 use rtx_tensor::{CrossEntropyOptions, DType, Device, Generator, Reduction, Tensor};
 
-use crate::config::{Activation, ModelConfig};
+use crate::config::{Activation, ModelConfig, TrainConfig};
 
-use super::task::Batch;
+use super::jepa::JepaSetup;
+use super::task::{Batch, TaskData};
 use super::Result;
 
 /// The trained model.
@@ -15,12 +16,16 @@ pub enum Model {
     Mlp(Mlp),
     /// Byte-level language model.
     Gpt(Box<nn::Gpt>),
+    /// I-JEPA encoder, predictor and EMA target encoder, with its masks and image shape.
+    IJepa(Box<nn::IJepa>, Box<JepaSetup>),
 }
 
 /// The loss of one batch, and the count of correct predictions when classifying.
 pub(crate) struct BatchLoss {
     pub(crate) loss: Tensor,
     pub(crate) correct: Option<usize>,
+    /// The I-JEPA collapse monitor of the batch.
+    pub(crate) feature_std: Option<f64>,
 }
 
 impl Model {
@@ -37,7 +42,29 @@ impl Model {
                 let cfg = nn::GptConfig { vocab_size: n_classes, context: *context, n_layers: *n_layers, d_model: *d_model, n_heads: *n_heads, dropout: *dropout, dtype: DType::F32, ..nn::GptConfig::default() };
                 Ok(Model::Gpt(Box::new(nn::Gpt::new(cfg, rng)?)))
             }
+            ModelConfig::IJepa { .. } => Err(super::TrainError::Internal("an I-JEPA model is built by Model::for_config".into())),
         }
+    }
+
+    /// Builds the model of `config` for `data`, drawing its initial parameters from `rng`.
+    pub(crate) fn for_config(config: &TrainConfig, data: &TaskData, rng: &mut Generator) -> Result<Model> {
+        match &config.model {
+            ModelConfig::IJepa { .. } => {
+                let image = data.image_size().ok_or_else(|| super::TrainError::Internal("I-JEPA needs image data".into()))?;
+                let (model, setup) = super::jepa::build(config, image, rng)?;
+                Ok(Model::IJepa(Box::new(model), Box::new(setup)))
+            }
+            other => Model::build(other, data.input_features(), data.n_classes(), rng),
+        }
+    }
+
+    /// After the optimizer step `step` (0-based): the EMA update of an I-JEPA target encoder
+    /// (nothing for other models).
+    pub(crate) fn after_step(&self, step: u64) -> Result<()> {
+        if let Model::IJepa(m, setup) = self {
+            m.ema_update(m.momentum(step + 1, setup.total_steps))?;
+        }
+        Ok(())
     }
 
     /// The model as a [`Module`] (parameters, training mode).
@@ -45,6 +72,7 @@ impl Model {
         match self {
             Model::Mlp(m) => m,
             Model::Gpt(m) => m.as_ref(),
+            Model::IJepa(m, _) => m.as_ref(),
         }
     }
 
@@ -53,6 +81,7 @@ impl Model {
         match self {
             Model::Mlp(m) => m,
             Model::Gpt(m) => m.as_mut(),
+            Model::IJepa(m, _) => m.as_mut(),
         }
     }
 
@@ -70,7 +99,7 @@ impl Model {
                 } else {
                     None
                 };
-                Ok(BatchLoss { loss, correct })
+                Ok(BatchLoss { loss, correct, feature_std: None })
             }
             Model::Gpt(m) => {
                 let logits = m.forward(&batch.inputs, rng)?;
@@ -82,7 +111,14 @@ impl Model {
                         logits.reshape(&[n, v])?.cross_entropy(&batch.targets.reshape(&[n])?, options)?
                     }
                 };
-                Ok(BatchLoss { loss, correct: None })
+                Ok(BatchLoss { loss, correct: None, feature_std: None })
+            }
+            Model::IJepa(m, setup) => {
+                let masks = batch.masks.as_ref().ok_or_else(|| super::TrainError::Internal("an I-JEPA batch without masks".into()))?;
+                let out = m.loss(&setup.images(&batch.inputs)?, masks, rng)?;
+                // Sums for evaluation: the mean loss weighted by the batch's images.
+                let loss = if reduction == Reduction::Sum { out.loss.mul_scalar(batch.rows as f64)? } else { out.loss };
+                Ok(BatchLoss { loss, correct: None, feature_std: Some(out.feature_std) })
             }
         }
     }
@@ -95,6 +131,14 @@ impl Module for Model {
 
     fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
         self.module_mut().visit_params_mut(prefix, f)
+    }
+
+    fn visit_buffers(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        self.module().visit_buffers(prefix, f)
+    }
+
+    fn visit_buffers_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
+        self.module_mut().visit_buffers_mut(prefix, f)
     }
 
     fn set_training(&mut self, training: bool) {

@@ -61,6 +61,11 @@ impl Optimizer {
         Ok(norm)
     }
 
+    /// Sets the weight decay of the decayed parameters (a weight-decay schedule).
+    pub(crate) fn set_weight_decay(&mut self, weight_decay: f64) {
+        self.inner.set_weight_decay(weight_decay);
+    }
+
     /// The learning rate of the last step.
     pub(crate) fn last_lr(&self) -> f64 {
         self.last_lr

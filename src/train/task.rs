@@ -11,6 +11,7 @@
 //! the whole cursor.
 
 use rtx_tensor::data::{load_digits_csv, load_fashion_mnist, train_val_split, Cursor, DataRoot, ImageDataset, Sampler, Split, TextCorpus, TextWindowSampler};
+use rtx_tensor::nn::JepaMasks;
 use rtx_tensor::Tensor;
 
 use crate::config::{Dataset, TrainConfig};
@@ -54,6 +55,8 @@ pub(crate) struct Batch {
     pub(crate) rows: usize,
     /// Tokens in the batch (`rows * T`; `rows` for images).
     pub(crate) tokens: usize,
+    /// The I-JEPA masks of these rows (`None` for other models).
+    pub(crate) masks: Option<JepaMasks>,
 }
 
 impl TaskData {
@@ -176,6 +179,22 @@ impl TaskData {
         }
     }
 
+    /// Image `[height, width]`, or `None` for text.
+    pub(crate) fn image_size(&self) -> Option<[usize; 2]> {
+        match self {
+            TaskData::Image(s) => Some([s.train.height, s.train.width]),
+            TaskData::Text(_) => None,
+        }
+    }
+
+    /// The image splits, if this is an image task.
+    pub(crate) fn images(&self) -> Option<&ImageSplits> {
+        match self {
+            TaskData::Image(s) => Some(s),
+            TaskData::Text(_) => None,
+        }
+    }
+
     /// Whether a test split exists.
     pub(crate) fn has_test(&self) -> bool {
         matches!(self, TaskData::Image(s) if s.test.is_some())
@@ -219,12 +238,12 @@ pub(crate) fn image_batch(set: &ImageDataset, idx: &[usize], mean: f32, std: f32
     let rows = b.batch_size;
     let inputs = Tensor::from_vec(b.pixels, &[rows, b.height * b.width])?;
     let targets = Tensor::from_vec(b.labels, &[rows])?;
-    Ok(Batch { inputs, targets, rows, tokens: rows })
+    Ok(Batch { inputs, targets, rows, tokens: rows, masks: None })
 }
 
 pub(crate) fn text_batch(b: rtx_tensor::data::TextBatch) -> Result<Batch> {
     let (rows, t) = (b.batch_size, b.seq_len);
     let inputs = Tensor::from_vec(b.inputs, &[rows, t])?;
     let targets = Tensor::from_vec(b.targets, &[rows, t])?;
-    Ok(Batch { inputs, targets, rows, tokens: rows * t })
+    Ok(Batch { inputs, targets, rows, tokens: rows * t, masks: None })
 }

@@ -205,6 +205,10 @@ pub fn checkpoint_tensors<M: Module>(model: &M, state: Vec<(String, Tensor)>) ->
         };
         tensors.push((name, stored));
     }
+    // Buffers (an EMA target encoder) as they are: no optimizer holds masters of them.
+    for (name, b) in model.named_buffers() {
+        tensors.push((name, Tensor::from_vec(b.to_f32_vec()?, b.shape())?.to_dtype(b.dtype())?));
+    }
     for (name, t) in state {
         tensors.push((format!("{OPTIM_PREFIX}{name}"), t));
     }
@@ -239,9 +243,9 @@ pub fn load_from<M: Module, O: Optimizer>(store: &dyn CheckpointStore, location:
 fn install<M: Module, O: Optimizer>(path: &Path, tensors: &[(String, Tensor)], meta: &BTreeMap<String, String>, model: &M, build_optimizer: impl FnOnce(&[ParamSlice]) -> std::result::Result<O, String>) -> Result<(Vec<(String, Tensor)>, u64)> {
     let step: u64 = meta.get("step").and_then(|s| s.parse().ok()).ok_or_else(|| SupervisorError::Job(format!("checkpoint {} has no step", path.display())))?;
     let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let params = model.named_parameters();
+    let params = model.named_state();
     for (name, p) in &params {
-        let t = by_name.get(name.as_str()).ok_or_else(|| SupervisorError::Job(format!("checkpoint {} lacks parameter {name}", path.display())))?;
+        let t = by_name.get(name.as_str()).ok_or_else(|| SupervisorError::Job(format!("checkpoint {} lacks parameter or buffer {name}", path.display())))?;
         if t.shape() != p.shape() {
             return Err(SupervisorError::Job(format!("checkpoint {}: parameter {name} has shape {:?}, the model {:?}", path.display(), t.shape(), p.shape())));
         }

@@ -40,6 +40,15 @@ pub trait TrainJob: BatchSource {
     /// Sets the learning rate of `step` (a schedule).
     fn set_lr(&self, optimizer: &mut Self::Optim, step: u64);
 
+    /// Runs after the optimizer step `step` on every replica, before the step is reported done:
+    /// updates of non-trainable state that follow the parameters (an EMA target encoder kept as
+    /// buffers). It must be a deterministic function of the model, so replicas stay
+    /// bit-identical. Nothing by default.
+    fn after_step(&self, model: &mut Self::Model, step: u64) -> Result<(), String> {
+        let _ = (model, step);
+        Ok(())
+    }
+
     /// Evaluates the final model (called on rank 0 only): named metrics.
     fn evaluate(&self, model: &mut Self::Model) -> Result<Vec<(String, f64)>, String>;
 

@@ -174,10 +174,10 @@ pub fn install_parameters(params: &[(String, Tensor)], flat: &[f32]) -> Result<(
     Ok(())
 }
 
-/// Every parameter's values, flat, in visit order.
+/// Every parameter's values, then every buffer's, flat, in visit order (`named_state`).
 pub fn flat_parameters<M: Module + ?Sized>(model: &M) -> Result<Vec<f32>> {
     let mut flat = Vec::new();
-    for (_, p) in model.named_parameters() {
+    for (_, p) in model.named_state() {
         flat.extend(p.to_f32_vec()?);
     }
     Ok(flat)

@@ -680,7 +680,8 @@ async fn train<J: TrainJob>(
     // (No borrow of the model lives across an await: the worker future must be `Send`.)
     let template = state::full_template(&model, |slices| job.build_optimizer(slices));
     let layout = template.as_ref().ok().map(|t| zero1::Layout::new(&model, t)).transpose();
-    let params = model.named_parameters();
+    // Parameters and buffers (an EMA target encoder): the replica's whole state.
+    let params = model.named_state();
     let (snapshot_params, optimizer_state, copies) = (replica.snapshot_params.as_deref(), replica.optimizer_state.as_deref(), &replica.zero1);
     let synced = async {
         let template = template?;
@@ -808,6 +809,11 @@ async fn train<J: TrainJob>(
             })
             .await;
         let compute = loop_started.elapsed();
+        // Non-trainable state follows the updated parameters on every replica (an EMA target).
+        let result = match result {
+            Ok(v) => job.after_step(engine.model_mut(), step).map(|()| v).map_err(|reason| rtx_pipelines::Error::from(rtx_tensor::Error::InvalidArgument { op: "after_step", reason })),
+            Err(e) => Err(e),
+        };
         match result {
             Ok(_) => {
                 if ctx.sharding.shards_optimizer() {
@@ -912,11 +918,11 @@ fn log_zero1_memory<M: Module, O: Optimizer>(engine: &DataParallel<M, O>, layout
     Ok(())
 }
 
-/// A fresh model holding `flat` (every parameter, in `named_parameters` order).
+/// A fresh model holding `flat` (every parameter, then every buffer, in `named_state` order).
 fn rebuild_model<J: TrainJob>(job: &J, flat: &[f32]) -> Result<J::Model> {
     let model = job.build_model().map_err(SupervisorError::Job)?;
     let mut offset = 0;
-    for (name, p) in model.named_parameters() {
+    for (name, p) in model.named_state() {
         let n = p.numel();
         let values = flat.get(offset..offset + n).ok_or_else(|| SupervisorError::Job(format!("rebuilding {name}: {} synced values for more parameters", flat.len())))?;
         p.copy_from_(&Tensor::from_vec(values.to_vec(), p.shape())?)?;
@@ -956,14 +962,14 @@ async fn leave(ctx: &WorkerCtx, completed: Option<u64>, cmds: &mut Receiver<ToWo
     }
 }
 
-/// FNV-1a over the bits of every parameter, in name order: equal on all replicas iff they are
-/// bit-identical (up to hash collisions). The values of a parameter go through four independent
+/// FNV-1a over the bits of every parameter and buffer, in visit order: equal on all replicas iff
+/// they are bit-identical (up to hash collisions). The values of a parameter go through four independent
 /// lanes (element `i` into lane `i mod 4`), folded in order afterwards: one serial chain of
 /// multiplies was most of the cost of checking replicas at every step.
 pub fn parameter_checksum<M: Module + ?Sized>(model: &M) -> Result<u64> {
     const PRIME: u64 = 0x100_0000_01b3;
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for (name, p) in model.named_parameters() {
+    for (name, p) in model.named_state() {
         for b in name.bytes() {
             hash = (hash ^ u64::from(b)).wrapping_mul(PRIME);
         }

@@ -2,8 +2,9 @@
 //! `safetensors.torch.load_file`.
 //!
 //! Layout of a file written by [`save`]:
-//! - model parameters under their [`Module`] names with their shapes and dtypes
-//!   (`blocks.0.attn.qkv.weight` `[3C, C]` ...), as the matching PyTorch `state_dict()`;
+//! - model parameters, then buffers ([`Module::named_state`]), under their [`Module`] names with
+//!   their shapes and dtypes (`blocks.0.attn.qkv.weight` `[3C, C]` ...), as the matching PyTorch
+//!   `state_dict()` (which holds buffers too);
 //! - optimizer state, when given, under `optim.<param name>.<field>` (`exp_avg`,
 //!   `exp_avg_sq`, `momentum_buffer`, and `step` as a 0-d f64), from
 //!   [`Optimizer::state_tensors`];
@@ -60,7 +61,7 @@ pub struct CheckpointMeta {
 
 /// Writes `model`'s parameters, `optimizer`'s state and `meta` to `path` atomically.
 pub fn save(path: &Path, model: &dyn Module, optimizer: Option<&dyn Optimizer>, meta: &CheckpointMeta) -> Result<()> {
-    let mut tensors = model.named_parameters();
+    let mut tensors = model.named_state();
     if let Some(opt) = optimizer {
         for (name, t) in opt.state_tensors()? {
             tensors.push((format!("{OPTIM_PREFIX}{name}"), t));
@@ -94,8 +95,8 @@ pub fn load(path: &Path, model: &dyn Module, optimizer: Option<&mut dyn Optimize
     let meta = parse_meta(path, &metadata)?;
     let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
 
-    // Validate the model part.
-    let params = model.named_parameters();
+    // Validate the model part (parameters and buffers alike).
+    let params = model.named_state();
     let mut plan = Vec::with_capacity(params.len());
     for (name, p) in &params {
         let t = expect_tensor(path, &by_name, name, p)?;
@@ -103,7 +104,7 @@ pub fn load(path: &Path, model: &dyn Module, optimizer: Option<&mut dyn Optimize
     }
     let known: BTreeSet<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
     if let Some((extra, _)) = tensors.iter().find(|(n, _)| !n.starts_with(OPTIM_PREFIX) && !known.contains(n.as_str())) {
-        return Err(bad(path, format!("tensor {extra} is not a parameter of the model")));
+        return Err(bad(path, format!("tensor {extra} is not a parameter or buffer of the model")));
     }
 
     // Validate the optimizer part.

@@ -6,7 +6,9 @@
 //! equivalent PyTorch module's `state_dict()` calls them (`blocks.3.attn.qkv.weight`, Linear
 //! weights `[out, in]`), so a checkpoint written by [`crate::checkpoint`] loads into PyTorch
 //! unchanged. [`Module::visit_params_mut`] lets [`crate::optim::ParamBuckets`] swap each
-//! parameter for a view into a flat bucket.
+//! parameter for a view into a flat bucket. Non-trainable state (buffers, such as the EMA
+//! target encoder of [`IJepa`]) is visited by [`Module::visit_buffers`]: checkpoints and elastic
+//! state sync carry it, optimizers never see it.
 //!
 //! `forward` is an inherent method of each module because the signatures differ. Modules with
 //! dropout take the caller's [`Generator`](crate::Generator) in `forward`; in evaluation mode
@@ -25,6 +27,7 @@ mod linear;
 mod norm;
 mod transformer;
 mod vit;
+pub mod jepa;
 
 pub use attention::MultiHeadAttention;
 pub use dropout::Dropout;
@@ -34,6 +37,7 @@ pub use linear::{Activation, Linear, Mlp};
 pub use norm::{LayerNorm, RmsNorm};
 pub use transformer::{BlockConfig, FeedForward, TransformerBlock};
 pub use vit::{patchify, PatchEmbed, Pooling, Vit, VitConfig};
+pub use jepa::{IJepa, IJepaConfig, JepaLoss, JepaMasks, JepaOutput, JepaPredictor, MaskConfig};
 
 use crate::error::Result;
 use crate::tensor::{Tensor, TensorId};
@@ -52,9 +56,42 @@ pub trait Module {
     /// view into a flat bucket, or a loaded tensor). The replacement must keep the shape.
     fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor));
 
+    /// Calls `f(name, buffer)` for every buffer (non-trainable named state: an EMA copy, running
+    /// statistics), in visit order. Buffers are saved in checkpoints beside the parameters and
+    /// travel with them in elastic state sync, but no optimizer sees them. None by default.
+    fn visit_buffers(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        let _ = (prefix, f);
+    }
+
+    /// Like [`Module::visit_buffers`] with mutable access (a loaded tensor may replace a buffer;
+    /// the replacement must keep the shape).
+    fn visit_buffers_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
+        let _ = (prefix, f);
+    }
+
     /// Switches training mode (dropout on) or evaluation mode (dropout off), recursively.
     fn set_training(&mut self, training: bool) {
         let _ = training;
+    }
+
+    /// `(name, buffer)` pairs in visit order (deduplicated like [`Module::named_parameters`]).
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        let mut seen = BTreeSet::<TensorId>::new();
+        let mut out = Vec::new();
+        self.visit_buffers("", &mut |name, t| {
+            if seen.insert(t.id()) {
+                out.push((name.to_string(), t.clone()));
+            }
+        });
+        out
+    }
+
+    /// Parameters then buffers, each in visit order: everything a replica's state is made of
+    /// (what a checkpoint holds and an elastic re-formation broadcasts).
+    fn named_state(&self) -> Vec<(String, Tensor)> {
+        let mut all = self.named_parameters();
+        all.extend(self.named_buffers());
+        all
     }
 
     /// `(name, parameter)` pairs in visit order; a tensor reachable under two names is listed
@@ -119,6 +156,18 @@ impl<M: Module> Module for Vec<M> {
         }
     }
 
+    fn visit_buffers(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        for (i, m) in self.iter().enumerate() {
+            m.visit_buffers(&join_name(prefix, &i.to_string()), f);
+        }
+    }
+
+    fn visit_buffers_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
+        for (i, m) in self.iter_mut().enumerate() {
+            m.visit_buffers_mut(&join_name(prefix, &i.to_string()), f);
+        }
+    }
+
     fn set_training(&mut self, training: bool) {
         self.iter_mut().for_each(|m| m.set_training(training));
     }
@@ -131,6 +180,14 @@ impl<M: Module + ?Sized> Module for Box<M> {
 
     fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
         (**self).visit_params_mut(prefix, f);
+    }
+
+    fn visit_buffers(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        (**self).visit_buffers(prefix, f);
+    }
+
+    fn visit_buffers_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
+        (**self).visit_buffers_mut(prefix, f);
     }
 
     fn set_training(&mut self, training: bool) {
@@ -148,6 +205,18 @@ impl<M: Module> Module for Option<M> {
     fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
         if let Some(m) = self {
             m.visit_params_mut(prefix, f);
+        }
+    }
+
+    fn visit_buffers(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        if let Some(m) = self {
+            m.visit_buffers(prefix, f);
+        }
+    }
+
+    fn visit_buffers_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
+        if let Some(m) = self {
+            m.visit_buffers_mut(prefix, f);
         }
     }
 

@@ -53,6 +53,8 @@ struct Slot {
     name: String,
     param: Tensor,
     weight_decay: f64,
+    /// Whether the decay filter chose this parameter (a schedule changes only these).
+    decays: bool,
     exp_avg: StateBuf,
     exp_avg_sq: StateBuf,
     step: u64,
@@ -93,8 +95,9 @@ impl AdamW {
             if !names.insert(name.clone()) {
                 return Err(Error::InvalidArgument { op: "AdamW", reason: format!("parameter name {name} appears twice") });
             }
-            let weight_decay = if decay(&name, &param) { config.weight_decay } else { 0.0 };
-            slots.push(Slot { exp_avg: StateBuf::zeros_for(&param), exp_avg_sq: StateBuf::zeros_for(&param), name, param, weight_decay, step: 0 });
+            let decays = decay(&name, &param);
+            let weight_decay = if decays { config.weight_decay } else { 0.0 };
+            slots.push(Slot { exp_avg: StateBuf::zeros_for(&param), exp_avg_sq: StateBuf::zeros_for(&param), name, param, weight_decay, decays, step: 0 });
         }
         Ok(AdamW { config, slots })
     }
@@ -157,6 +160,14 @@ impl Optimizer for AdamW {
 
     fn set_lr(&mut self, lr: f64) {
         self.config.lr = lr;
+    }
+
+    fn set_weight_decay(&mut self, weight_decay: f64) -> bool {
+        self.config.weight_decay = weight_decay;
+        for slot in self.slots.iter_mut().filter(|s| s.decays) {
+            slot.weight_decay = weight_decay;
+        }
+        true
     }
 
     fn kind(&self) -> &'static str {

@@ -43,6 +43,14 @@ pub trait Optimizer {
     /// Sets the base learning rate (a schedule calls this before each step).
     fn set_lr(&mut self, lr: f64);
 
+    /// Sets the weight decay of every parameter that decays (a weight-decay schedule calls this
+    /// before each step). Returns `false`, changing nothing, when the optimizer has no schedulable
+    /// weight decay (the default).
+    fn set_weight_decay(&mut self, weight_decay: f64) -> bool {
+        let _ = weight_decay;
+        false
+    }
+
     /// A short name of the algorithm (`"sgd"`, `"adamw"`), recorded in checkpoints.
     fn kind(&self) -> &'static str;
 

@@ -1,0 +1,160 @@
+//! Tests of the I-JEPA model: buffers, the EMA update, a finite-difference gradient check, and
+//! checkpoints that carry the target encoder.
+
+use super::*;
+use crate::checkpoint::{self, CheckpointMeta};
+use crate::nn::Pooling;
+use rtx_kernels::DType;
+
+fn tiny(dtype: DType, loss: JepaLoss) -> IJepaConfig {
+    let encoder = VitConfig {
+        image_size: [8, 8],
+        patch_size: 2,
+        in_channels: 1,
+        d_model: 8,
+        n_layers: 1,
+        n_heads: 2,
+        mlp_ratio: 2,
+        dtype,
+        pooling: Pooling::Mean,
+        ..VitConfig::default()
+    };
+    IJepaConfig { encoder, predictor_width: 8, predictor_depth: 1, predictor_heads: 2, loss, momentum: (0.9, 1.0), sincos_pos_init: true }
+}
+
+fn images(b: usize, dtype: DType, seed: u64) -> Tensor {
+    Tensor::randn(&[b, 1, 8, 8], 0.0, 1.0, dtype, &mut Generator::new(seed)).expect("images")
+}
+
+fn masks(b: usize, seed: u64) -> JepaMasks {
+    MaskConfig { n_targets: 2, ..MaskConfig::default() }.sample([4, 4], b, &mut Generator::new(seed)).expect("masks")
+}
+
+#[test]
+fn target_encoder_is_buffers_not_parameters() {
+    let model = IJepa::new(tiny(DType::F32, JepaLoss::L2), &mut Generator::new(1)).expect("model");
+    let params = model.named_parameters();
+    let buffers = model.named_buffers();
+    assert!(params.iter().all(|(n, t)| (n.starts_with("encoder.") || n.starts_with("predictor.")) && t.is_requires_grad()));
+    assert!(!buffers.is_empty());
+    assert!(buffers.iter().all(|(n, t)| n.starts_with("target_encoder.") && !t.is_requires_grad()));
+    let enc: Vec<(String, Vec<f32>)> = model.encoder.named_parameters().into_iter().map(|(n, t)| (n, t.to_f32_vec().expect("values"))).collect();
+    let tgt: Vec<(String, Vec<f32>)> =
+        buffers.into_iter().map(|(n, t)| (n.trim_start_matches("target_encoder.").to_string(), t.to_f32_vec().expect("values"))).collect();
+    assert_eq!(enc, tgt, "the target encoder starts as an exact copy of the encoder");
+    let names: Vec<String> = model.named_state().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names.len(), params.len() + tgt.len());
+}
+
+#[test]
+fn ema_update_is_exact() {
+    let model = IJepa::new(tiny(DType::F32, JepaLoss::L2), &mut Generator::new(2)).expect("model");
+    // Move the encoder away from the target so the update has something to do.
+    let mut rng = Generator::new(3);
+    for (_, p) in model.encoder.named_parameters() {
+        p.copy_from_(&Tensor::randn(p.shape(), 0.0, 1.0, DType::F32, &mut rng).expect("randn")).expect("copy");
+    }
+    let before: Vec<Vec<f32>> = model.named_buffers().iter().map(|(_, t)| t.to_f32_vec().expect("values")).collect();
+    let source: Vec<Vec<f32>> = model.encoder.named_parameters().iter().map(|(_, t)| t.to_f32_vec().expect("values")).collect();
+    let m = model.momentum(30, 100);
+    assert_eq!(m, 0.9 + 0.1 * 0.3);
+    model.ema_update(m).expect("ema");
+    let after: Vec<Vec<f32>> = model.named_buffers().iter().map(|(_, t)| t.to_f32_vec().expect("values")).collect();
+    let (mf, nf) = (m as f32, (1.0 - m) as f32);
+    for ((b, s), a) in before.iter().zip(&source).zip(&after) {
+        for ((b, s), a) in b.iter().zip(s).zip(a) {
+            assert_eq!(a.to_bits(), (mf * b + nf * s).to_bits());
+        }
+    }
+    // Momentum 1 leaves the target alone; momentum 0 copies the encoder.
+    model.ema_update(1.0).expect("ema");
+    let same: Vec<Vec<f32>> = model.named_buffers().iter().map(|(_, t)| t.to_f32_vec().expect("values")).collect();
+    assert_eq!(same, after);
+    model.ema_update(0.0).expect("ema");
+    let copied: Vec<Vec<f32>> = model.named_buffers().iter().map(|(_, t)| t.to_f32_vec().expect("values")).collect();
+    assert_eq!(copied, source);
+    assert_eq!(model.momentum(100, 100), 1.0);
+    assert_eq!(model.momentum(0, 100), 0.9);
+}
+
+/// Central differences of the whole JEPA loss against autograd, in f64, for elements of the
+/// encoder (patch embedding, attention, positions) and the predictor (mask token, blocks, proj),
+/// with both losses; the target encoder gets no gradient.
+#[test]
+fn jepa_loss_gradcheck() {
+    for loss in [JepaLoss::L2, JepaLoss::SmoothL1] {
+        let model = IJepa::new(tiny(DType::F64, loss), &mut Generator::new(4)).expect("model");
+        // Make the target differ from the encoder, as after some training.
+        model.ema_update(0.0).expect("ema");
+        let mut rng = Generator::new(5);
+        for (_, p) in model.encoder.named_parameters() {
+            p.update_(|_| {}, |d| d.iter_mut().for_each(|v| *v += 0.3 * rng.normal())).expect("perturb");
+        }
+        let x = images(3, DType::F64, 6);
+        let mk = masks(3, 7);
+        let eval = |m: &IJepa| -> f64 { m.loss(&x, &mk, &mut Generator::new(0)).expect("loss").loss.item().expect("item") };
+        model.zero_grad().expect("zero");
+        let out = model.loss(&x, &mk, &mut Generator::new(0)).expect("loss");
+        out.loss.backward().expect("backward");
+        assert!(model.named_buffers().iter().all(|(_, t)| t.grad().is_none()), "a target tensor got a gradient");
+        let eps = 1e-5;
+        let mut checked = 0;
+        for (name, p) in model.named_parameters() {
+            let grad = p.grad().unwrap_or_else(|| panic!("{name} has no gradient")).to_f64_vec().expect("grad");
+            let n = p.numel();
+            for &i in &[0, n / 2, n - 1] {
+                let bump = |delta: f64| p.update_(|_| {}, |d| d[i] += delta).expect("bump");
+                bump(eps);
+                let up = eval(&model);
+                bump(-2.0 * eps);
+                let down = eval(&model);
+                bump(eps);
+                let numeric = (up - down) / (2.0 * eps);
+                let err = (numeric - grad[i]).abs() / numeric.abs().max(1e-3);
+                assert!(err < 1e-4, "{loss:?} {name}[{i}]: autograd {} vs numeric {numeric}", grad[i]);
+                checked += 1;
+            }
+        }
+        assert!(checked > 30);
+    }
+}
+
+#[test]
+fn loss_is_deterministic_and_rejects_bad_shapes() {
+    let model = IJepa::new(tiny(DType::F32, JepaLoss::L2), &mut Generator::new(8)).expect("model");
+    let x = images(4, DType::F32, 9);
+    let mk = masks(4, 10);
+    let a = model.loss(&x, &mk, &mut Generator::new(0)).expect("loss");
+    let b = model.loss(&x, &mk, &mut Generator::new(0)).expect("loss");
+    assert_eq!(a.loss.item().expect("item").to_bits(), b.loss.item().expect("item").to_bits());
+    assert!(a.feature_std > 0.0);
+    assert!(model.loss(&images(3, DType::F32, 9), &mk, &mut Generator::new(0)).is_err());
+    let bad = IJepaConfig { momentum: (0.9, 1.5), ..tiny(DType::F32, JepaLoss::L2) };
+    assert!(IJepa::new(bad, &mut Generator::new(0)).is_err());
+    assert!(sincos_2d([2, 2], 6).is_err());
+}
+
+#[test]
+fn checkpoints_carry_the_target_encoder() {
+    let dir = std::env::temp_dir().join(format!("rtx-jepa-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("a.safetensors");
+    let model = IJepa::new(tiny(DType::F32, JepaLoss::L2), &mut Generator::new(11)).expect("model");
+    let mut rng = Generator::new(12);
+    for (_, p) in model.encoder.named_parameters() {
+        p.copy_from_(&Tensor::randn(p.shape(), 0.0, 1.0, DType::F32, &mut rng).expect("randn")).expect("copy");
+    }
+    model.ema_update(0.5).expect("ema");
+    checkpoint::save(&path, &model, None, &CheckpointMeta::default()).expect("save");
+    let fresh = IJepa::new(tiny(DType::F32, JepaLoss::L2), &mut Generator::new(13)).expect("model");
+    checkpoint::load(&path, &fresh, None).expect("load");
+    let values = |m: &IJepa| -> Vec<(String, Vec<f32>)> { m.named_state().into_iter().map(|(n, t)| (n, t.to_f32_vec().expect("values"))).collect() };
+    assert_eq!(values(&fresh), values(&model));
+    // A file without the buffers does not load into a model that has them.
+    let params_only = dir.join("b.safetensors");
+    checkpoint::save_tensors(&params_only, &model.named_parameters(), &checkpoint::file_metadata(&CheckpointMeta::default(), None).expect("meta"))
+        .expect("save");
+    let err = checkpoint::load(&params_only, &fresh, None).expect_err("loaded without buffers");
+    assert!(err.to_string().contains("target_encoder"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,208 @@
+//! I-JEPA end to end: `rtx train` with `model.kind = "ijepa"` does not collapse (the feature
+//! standard deviation stays above a floor at every log step) and its frozen features beat chance
+//! in the probes; resume is bit-exact with the EMA target encoder (buffers) in the checkpoint;
+//! under `rtx launch --nproc 2` a `kill -9` of one worker costs at most the step in flight and the
+//! replicas (parameters and EMA buffers) end bit-identical.
+//!
+//! The trainer tests use the digits fixture (8×8 images, no download); the elastic test needs the
+//! Fashion-MNIST data (`bash scripts/fetch-data.sh`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rustytorch::config::TrainConfig;
+use rustytorch::data::DataRoot;
+use rustytorch::metrics::read_metrics;
+use rustytorch::train::{TrainOptions, Trainer};
+use serde_json::Value;
+use support::{signal, Launch};
+
+/// Collapse floor of the reference config: a healthy run stays around 0.2-0.5; every image
+/// mapped to one vector gives 0.
+const FEATURE_STD_FLOOR: f64 = 0.05;
+
+const DIGITS_IJEPA: &str = r#"
+[model]
+kind = "ijepa"
+patch_size = 2
+d_model = 32
+n_layers = 2
+n_heads = 2
+
+[jepa]
+predictor_width = 16
+predictor_depth = 1
+predictor_heads = 2
+n_targets = 2
+probe_every = 20
+probe_train_images = 800
+probe_test_images = 300
+probe_epochs = 10
+final_weight_decay = 0.2
+
+[data]
+dataset = "digits"
+val_fraction = 0.2
+batch_size = 64
+
+[optim]
+kind = "adamw"
+lr = 2e-3
+weight_decay = 0.04
+betas = [0.9, 0.95]
+grad_clip = 1.0
+
+[schedule]
+kind = "warmup-cosine"
+warmup_steps = 5
+min_lr = 1e-5
+
+[train]
+steps = 40
+seed = 3
+log_every = 5
+eval_every = 20
+"#;
+
+fn digits(root: &Path) -> DataRoot {
+    let data = DataRoot::new(root.join("data"));
+    std::fs::create_dir_all(data.path().join("digits")).unwrap();
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tensor/tests/fixtures/digits.csv.gz"), data.digits_csv()).unwrap();
+    data
+}
+
+fn options(data: &DataRoot, out: PathBuf, resume: bool) -> TrainOptions {
+    TrainOptions { out_dir: Some(out), resume, ..TrainOptions::new(data.clone()) }
+}
+
+/// Parameters and buffers, as bits, by name.
+fn state_bits(trainer: &Trainer) -> Vec<(String, Vec<u32>)> {
+    trainer.model().module().named_state().into_iter().map(|(n, t)| (n, t.to_f32_vec().unwrap().into_iter().map(f32::to_bits).collect())).collect()
+}
+
+#[test]
+fn ijepa_does_not_collapse_and_its_probes_beat_chance() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = digits(tmp.path());
+    let config = TrainConfig::from_toml_str(DIGITS_IJEPA).unwrap();
+    let out = tmp.path().join("run");
+    let mut trainer = Trainer::new(config, options(&data, out.clone(), false)).unwrap();
+    let before: Vec<(String, Vec<u32>)> = state_bits(&trainer).into_iter().filter(|(n, _)| n.starts_with("target_encoder.")).collect();
+    trainer.train_until(40).unwrap();
+    let after: Vec<(String, Vec<u32>)> = state_bits(&trainer).into_iter().filter(|(n, _)| n.starts_with("target_encoder.")).collect();
+    assert_ne!(before, after, "the EMA target encoder never moved");
+    let report = trainer.finish().unwrap();
+    let records = read_metrics(&out.join("metrics.jsonl")).unwrap();
+    let stds: Vec<(u64, f64)> = records.iter().filter_map(|r| Some((r.step, r.feature_std?))).collect();
+    assert_eq!(stds.len(), 8, "a feature std at every log step: {stds:?}");
+    for (step, std) in &stds {
+        assert!(*std > FEATURE_STD_FLOOR, "collapse: feature std {std} at step {step} (floor {FEATURE_STD_FLOOR})");
+    }
+    let losses: Vec<f64> = records.iter().filter_map(|r| r.loss).collect();
+    assert!(losses.last().unwrap() < &(losses[0] * 0.8), "the latent loss did not fall: {losses:?}");
+    // Periodic probes at step 20 and the final one (all 1,437 train / 360 validation images).
+    let probes: Vec<_> = records.iter().filter(|r| r.probe_acc.is_some()).collect();
+    assert_eq!(probes.len(), 2, "{probes:?}");
+    let p = report.probes.expect("final probes");
+    assert!(p.probe_acc > 0.4 && p.knn_acc > 0.25, "10 classes (chance 0.1): linear probe {}, k-NN {}", p.probe_acc, p.knn_acc);
+    assert!(p.pixel_probe_acc.expect("pixel baseline") > 0.8);
+    assert!(out.join("loss.png").exists());
+}
+
+#[test]
+fn ijepa_resume_is_bit_exact_with_the_ema_buffers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = digits(tmp.path());
+    let text = DIGITS_IJEPA.replace("steps = 40", "steps = 10");
+    let config = TrainConfig::from_toml_str(&text).unwrap();
+    let mut straight = Trainer::new(config.clone(), options(&data, tmp.path().join("straight"), false)).unwrap();
+    straight.train_until(10).unwrap();
+    let expected = state_bits(&straight);
+    let out = tmp.path().join("split");
+    let mut first = Trainer::new(config.clone(), options(&data, out.clone(), false)).unwrap();
+    first.train_until(5).unwrap();
+    first.save_checkpoint().unwrap();
+    let halfway = state_bits(&first);
+    drop(first);
+    let mut resumed = Trainer::new(config, options(&data, out, true)).unwrap();
+    assert_eq!(state_bits(&resumed), halfway, "the checkpoint round trip changed parameters or buffers");
+    resumed.train_until(10).unwrap();
+    assert_eq!(state_bits(&resumed), expected, "5 + resume + 5 steps differ from 10 straight");
+}
+
+#[test]
+fn a_bad_jepa_config_is_named() {
+    let bad = DIGITS_IJEPA.replace("n_targets = 2", "n_targets = 0");
+    let err = TrainConfig::from_toml_str(&bad).unwrap_err().to_string();
+    assert!(err.contains("n_targets"), "{err}");
+    let bad = DIGITS_IJEPA.replace("patch_size = 2", "patch_size = 3");
+    let err = TrainConfig::from_toml_str(&bad).unwrap_err().to_string();
+    assert!(err.contains("model.patch_size"), "{err}");
+    let bad = DIGITS_IJEPA.replace("kind = \"ijepa\"", "kind = \"mlp\"\nhidden = [8]");
+    let err = TrainConfig::from_toml_str(&bad).unwrap_err().to_string();
+    assert!(err.contains("not used when model.kind = \"mlp\""), "{err}");
+}
+
+const FASHION_IJEPA: &str = r#"
+[model]
+kind = "ijepa"
+patch_size = 7
+d_model = 16
+n_layers = 1
+n_heads = 2
+
+[jepa]
+predictor_width = 8
+predictor_depth = 1
+predictor_heads = 2
+probe_train_images = 1000
+probe_test_images = 500
+probe_epochs = 3
+pixel_baseline = false
+
+[data]
+dataset = "fashion-mnist"
+batch_size = 32
+
+[optim]
+kind = "adamw"
+lr = 2e-3
+weight_decay = 0.04
+
+[train]
+steps = 400
+seed = 0
+log_every = 50
+eval_batches = 1
+
+[elastic]
+heartbeat_interval_ms = 100
+heartbeat_timeout_ms = 1000
+verify_every = 10
+"#;
+
+#[test]
+fn ijepa_under_launch_survives_a_killed_worker_with_identical_replicas() {
+    let dir = tempfile::tempdir().expect("tempdir").keep();
+    let config = dir.join("ijepa.toml");
+    std::fs::write(&config, FASHION_IJEPA).unwrap();
+    let launch = Launch::start_in(dir.join("run"), &config, 2, &[]);
+    let events = launch.wait_for("step 100", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 100));
+    let victim = launch.pids()[1];
+    let before = Launch::committed(&events).expect("committed");
+    signal(victim, "-9");
+    // `finish` checks that the replicas ended bit-identical (the checksum covers the buffers).
+    let (summary, events) = launch.finish();
+    let lost: Vec<&Value> = events.iter().filter(|e| e["event"] == "lost").collect();
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    let generations: Vec<&Value> = events.iter().filter(|e| e["event"] == "generation").collect();
+    assert_eq!(generations.len(), 2, "{generations:?}");
+    let next = generations[1]["next_step"].as_u64().expect("next_step");
+    assert!(next > before, "resumed at {next}, but step {before} was committed before the kill");
+    let knn = summary["eval"]["knn_acc"].as_f64().expect("knn_acc");
+    assert!(knn > 0.3, "k-NN accuracy {knn} after recovery (chance 0.1)");
+    assert!(summary["eval"]["probe_acc"].as_f64().is_some());
+}
