@@ -141,9 +141,7 @@ fn run_local(args: &FedRunArgs, data_root: &Path, font: Option<&Path>) -> anyhow
         config.round.fan_in,
     ));
     let metrics_path = out.join("metrics.jsonl");
-    let mut metrics = std::io::BufWriter::new(
-        std::fs::File::create(&metrics_path).with_context(|| format!("create {}", metrics_path.display()))?,
-    );
+    let mut metrics = std::io::BufWriter::new(std::fs::File::create(&metrics_path).with_context(|| format!("create {}", metrics_path.display()))?);
     let mut records = Vec::new();
     for r in 0..rounds {
         let evaluate = (r + 1) % config.round.eval_every == 0 || r + 1 == rounds;

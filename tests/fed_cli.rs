@@ -69,7 +69,11 @@ fn fed_run_writes_one_metrics_record_per_round_and_an_accuracy_curve() {
     let again = rtx(&["fed", "run", "fed.toml", "--out", "run2", "--no-progress"], &s.root);
     assert!(again.status.success());
     let acc_of = |p: &str| -> Vec<String> {
-        std::fs::read_to_string(s.root.join(p)).unwrap().lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["test_acc"].to_string()).collect()
+        std::fs::read_to_string(s.root.join(p))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["test_acc"].to_string())
+            .collect()
     };
     assert_eq!(acc_of("run/metrics.jsonl"), acc_of("run2/metrics.jsonl"));
 }

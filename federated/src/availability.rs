@@ -19,16 +19,8 @@ pub struct AvailabilityTrace {
 impl AvailabilityTrace {
     /// Reads a trace file for a population of `n_clients`.
     pub fn from_file(path: &Path, n_clients: u32) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| FedError::Trace {
-            path: path.display().to_string(),
-            line: 0,
-            reason: e.to_string(),
-        })?;
-        Self::parse(&text, n_clients).map_err(|(line, reason)| FedError::Trace {
-            path: path.display().to_string(),
-            line,
-            reason,
-        })
+        let text = std::fs::read_to_string(path).map_err(|e| FedError::Trace { path: path.display().to_string(), line: 0, reason: e.to_string() })?;
+        Self::parse(&text, n_clients).map_err(|(line, reason)| FedError::Trace { path: path.display().to_string(), line, reason })
     }
 
     /// Parses trace text; the error is `(1-based line, reason)`.

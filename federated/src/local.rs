@@ -139,15 +139,7 @@ impl LogReg {
 impl<'d> LogRegSgd<'d> {
     /// SGD with learning rate `lr`, `batch_size`, `epochs`, proximal weight `mu` (0: plain
     /// FedAvg), optionally shuffling each epoch, over images of `train`.
-    pub fn new(
-        shape: LogReg,
-        train: &'d ImageDataset,
-        lr: f32,
-        batch_size: usize,
-        epochs: u32,
-        mu: f32,
-        shuffle: bool,
-    ) -> Self {
+    pub fn new(shape: LogReg, train: &'d ImageDataset, lr: f32, batch_size: usize, epochs: u32, mu: f32, shuffle: bool) -> Self {
         assert_eq!(train.pixels_per_image(), shape.n_features, "features per image");
         assert!(batch_size > 0 && epochs > 0, "batch size and epochs must be positive");
         LogRegSgd { shape, train, lr, batch_size, epochs, mu, shuffle, scale: scale_table(train.pixel_max) }
@@ -292,12 +284,7 @@ mod tests {
         let trainer = LogRegSgd::new(shape, &data, 0.5, 2, 1, 0.0, false);
         let global = vec![0f32; shape.n_params()];
         let mut update = Vec::new();
-        let weight = trainer.train(
-            &ClientTask { client: 0, round: 0, seed: 1, indices: &[0, 1] },
-            &global,
-            &mut trainer.scratch(),
-            &mut update,
-        );
+        let weight = trainer.train(&ClientTask { client: 0, round: 0, seed: 1, indices: &[0, 1] }, &global, &mut trainer.scratch(), &mut update);
         assert_eq!(weight, 2.0);
         // From zero weights p = (0.5, 0.5); dz = (p - onehot) / 2. Image 0 (label 1) is
         // (1, 0, 1, 0), image 1 (label 0) is (0, 1, 0, 1).

@@ -97,16 +97,13 @@ pub struct Population {
 impl Population {
     /// Builds the population of `config` over a training set with these labels.
     pub fn new(config: &PopulationConfig, seed: u64, train_labels: &[u32]) -> Result<Self> {
-        let n_clients = u32::try_from(config.n_clients)
-            .map_err(|_| FedError::config("population.n_clients", "exceeds 2^32 - 1"))?;
+        let n_clients = u32::try_from(config.n_clients).map_err(|_| FedError::config("population.n_clients", "exceeds 2^32 - 1"))?;
         let n_train = train_labels.len();
         if n_train == 0 || n_train > u32::MAX as usize {
             return Err(FedError::Partition { what: "training set".into(), reason: format!("{n_train} images") });
         }
         let assignment = match config.partition {
-            PartitionKind::Reference => {
-                Assignment::Reference { seed, per_client: config.samples_per_client, n_train: n_train as u64 }
-            }
+            PartitionKind::Reference => Assignment::Reference { seed, per_client: config.samples_per_client, n_train: n_train as u64 },
             PartitionKind::Dirichlet => dirichlet(n_clients, config.alpha, seed, train_labels)?,
             PartitionKind::Shards => shards(n_clients, config.shards_per_client, seed, train_labels)?,
         };
@@ -262,14 +259,7 @@ mod tests {
     use super::*;
 
     fn config(n: u64, partition: PartitionKind) -> PopulationConfig {
-        PopulationConfig {
-            n_clients: n,
-            dataset: DatasetKind::FashionMnist,
-            partition,
-            samples_per_client: 8,
-            alpha: 0.5,
-            shards_per_client: 2,
-        }
+        PopulationConfig { n_clients: n, dataset: DatasetKind::FashionMnist, partition, samples_per_client: 8, alpha: 0.5, shards_per_client: 2 }
     }
 
     /// 600 images, 60 of each of 10 labels, interleaved.

@@ -96,10 +96,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
     pub fn new(config: FedConfig, population: Population, trainer: T, transform: X, initial: Vec<f32>) -> Result<Self> {
         config.validate()?;
         if initial.len() != trainer.n_params() {
-            return Err(FedError::config(
-                "model",
-                format!("initial model has {} parameters, the trainer {}", initial.len(), trainer.n_params()),
-            ));
+            return Err(FedError::config("model", format!("initial model has {} parameters, the trainer {}", initial.len(), trainer.n_params())));
         }
         if u64::from(population.n_clients()) != config.population.n_clients {
             return Err(FedError::config("population.n_clients", "population and config disagree"));
@@ -231,12 +228,8 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
             return self.leaf(sampled, lo..hi, &self.model, self.round, true, |_| 1.0);
         }
         let child = span / fan_in;
-        let children: Vec<Partial> = (lo..hi)
-            .step_by(child)
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .map(|a| self.reduce(sampled, a, (a + child).min(hi), child))
-            .collect();
+        let children: Vec<Partial> =
+            (lo..hi).step_by(child).collect::<Vec<_>>().into_par_iter().map(|a| self.reduce(sampled, a, (a + child).min(hi), child)).collect();
         merge(children, self.model.len())
     }
 
@@ -245,15 +238,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
     /// With `check_fate` each client's dropout / host failure / deadline is decided here (the
     /// asynchronous mode decides those when the client is launched).
     #[allow(clippy::too_many_arguments)]
-    fn leaf(
-        &self,
-        clients: &[u32],
-        range: Range<usize>,
-        model: &[f32],
-        round: u32,
-        check_fate: bool,
-        factor: impl Fn(usize) -> f32,
-    ) -> Partial {
+    fn leaf(&self, clients: &[u32], range: Range<usize>, model: &[f32], round: u32, check_fate: bool, factor: impl Fn(usize) -> f32) -> Partial {
         let (mut scratch, mut update) = self.take_scratch();
         let mut partial = Partial::empty(model.len());
         let mut indices = Vec::new();

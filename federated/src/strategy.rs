@@ -59,11 +59,7 @@ impl ServerOptimizer {
             }
             StrategyKind::Fedadam | StrategyKind::Fedyogi | StrategyKind::Fedadagrad => {
                 let t = self.step as i32 + 1;
-                let eta = if c.kind == StrategyKind::Fedadam {
-                    c.eta * (1.0 - c.beta2.powi(t)).sqrt() / (1.0 - c.beta1.powi(t))
-                } else {
-                    c.eta
-                };
+                let eta = if c.kind == StrategyKind::Fedadam { c.eta * (1.0 - c.beta2.powi(t)).sqrt() / (1.0 - c.beta1.powi(t)) } else { c.eta };
                 for (((w, &d), m), v) in model.iter_mut().zip(delta).zip(&mut self.m).zip(&mut self.v) {
                     *m = c.beta1 * *m + (1.0 - c.beta1) * d;
                     let d2 = d * d;

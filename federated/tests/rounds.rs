@@ -6,9 +6,7 @@
 use std::path::PathBuf;
 
 use rtx_federated::config::{AsyncConfig, HostDown, StalenessWeighting, StrategyKind};
-use rtx_federated::{
-    ClientTask, FedConfig, FedData, Federation, LocalTrainer, LogReg, LogRegSgd, Plain, Population, RoundReport,
-};
+use rtx_federated::{ClientTask, FedConfig, FedData, Federation, LocalTrainer, LogReg, LogRegSgd, Plain, Population, RoundReport};
 use rtx_tensor::data::{load_digits_csv, train_val_split, Split};
 
 fn digits() -> FedData {
@@ -23,9 +21,8 @@ fn data_root() -> PathBuf {
 }
 
 fn config(n: u64, k: u64, rounds: u32, extra: &str) -> FedConfig {
-    let text = format!(
-        "seed = 7\n[population]\nn_clients = {n}\ndataset = \"digits\"\n[round]\nrounds = {rounds}\nclients_per_round = {k}\nfan_in = 4\n{extra}"
-    );
+    let text =
+        format!("seed = 7\n[population]\nn_clients = {n}\ndataset = \"digits\"\n[round]\nrounds = {rounds}\nclients_per_round = {k}\nfan_in = 4\n{extra}");
     FedConfig::from_toml_str(&text).unwrap()
 }
 
@@ -99,12 +96,7 @@ fn federated_training_learns_digits_with_every_strategy() {
 fn stragglers_dropouts_and_a_dead_host_lose_updates_not_rounds() {
     let data = digits();
     // Deadline at the median latency: about half the sampled clients are cut every round.
-    let cfg = config(
-        400,
-        200,
-        3,
-        "hosts = 2\n[faults]\ndeadline_ms = 100.0\nlatency_median_ms = 100.0\n[[faults.host_down]]\nhost = 1\nround = 1\n",
-    );
+    let cfg = config(400, 200, 3, "hosts = 2\n[faults]\ndeadline_ms = 100.0\nlatency_median_ms = 100.0\n[[faults.host_down]]\nhost = 1\nround = 1\n");
     let (reports, model) = run(&cfg, &data);
     for r in &reports {
         assert_eq!(r.clients_done + r.dropped + r.stragglers, 200, "{r:?}");
@@ -146,9 +138,7 @@ fn an_availability_trace_keeps_offline_clients_out() {
     let cfg = config(50, 20, 2, &format!("[faults]\navailability_trace = {:?}\n", trace.display().to_string()));
     let shape = shape(&data);
     let pop = Population::new(&cfg.population, cfg.seed, &data.train.labels).unwrap();
-    let mut fed =
-        Federation::new(cfg.clone(), pop, LogRegSgd::new(shape, &data.train, 0.1, 8, 1, 0.0, false), Plain, vec![0.0; shape.n_params()])
-            .unwrap();
+    let mut fed = Federation::new(cfg.clone(), pop, LogRegSgd::new(shape, &data.train, 0.1, 8, 1, 0.0, false), Plain, vec![0.0; shape.n_params()]).unwrap();
     assert!(fed.sample(0).iter().any(|&c| c < 40), "round 0 may pick any client");
     assert_eq!(fed.sample(1), (40..50).collect::<Vec<u32>>(), "round 1: only the 10 online clients");
     fed.run_round().unwrap();
@@ -158,9 +148,7 @@ fn an_availability_trace_keeps_offline_clients_out() {
     // A broken trace is a typed error naming the file and line.
     std::fs::write(&trace, "1 0 10\n77 0 10\n").unwrap();
     let pop = Population::new(&cfg.population, cfg.seed, &data.train.labels).unwrap();
-    let err = Federation::new(cfg, pop, LogRegSgd::new(shape, &data.train, 0.1, 8, 1, 0.0, false), Plain, vec![0.0; shape.n_params()])
-        .err()
-        .unwrap();
+    let err = Federation::new(cfg, pop, LogRegSgd::new(shape, &data.train, 0.1, 8, 1, 0.0, false), Plain, vec![0.0; shape.n_params()]).err().unwrap();
     assert!(err.to_string().contains("trace.txt:2") && err.to_string().contains("out of range"), "{err}");
 }
 
@@ -209,13 +197,7 @@ fn malformed_updates_are_rejected_and_counted_and_the_round_goes_on() {
 fn fedbuff_learns_rejects_stale_updates_and_replays_bit_for_bit() {
     let data = digits();
     let mut cfg = config(300, 10, 12, "threads = 1\n[faults]\ndropout_rate = 0.05\n");
-    cfg.async_mode = Some(AsyncConfig {
-        buffer_size: 10,
-        max_staleness: 2,
-        concurrency: 40,
-        staleness: StalenessWeighting::Polynomial,
-        server_lr: 1.0,
-    });
+    cfg.async_mode = Some(AsyncConfig { buffer_size: 10, max_staleness: 2, concurrency: 40, staleness: StalenessWeighting::Polynomial, server_lr: 1.0 });
     let (reports, model) = run(&cfg, &data);
     let accepted: u64 = reports.iter().map(|r| r.clients_done).sum();
     let stale: u64 = reports.iter().map(|r| r.rejected).sum();

@@ -74,7 +74,10 @@ pub fn run(args: &FedBenchArgs) -> anyhow::Result<()> {
     let mut last_acc = None;
     for _ in 0..config.round.rounds {
         let (_, record) = run.round(true)?;
-        println!("{}", serde_json::json!({"bench": "fed", "peer": "rustytorch", "round": record.round, "test_acc": record.test_acc, "clients_done": record.clients_done, "seconds": record.seconds}));
+        println!(
+            "{}",
+            serde_json::json!({"bench": "fed", "peer": "rustytorch", "round": record.round, "test_acc": record.test_acc, "clients_done": record.clients_done, "seconds": record.seconds})
+        );
         seconds.push(record.seconds);
         last_acc = record.test_acc;
     }
@@ -96,7 +99,7 @@ pub fn run(args: &FedBenchArgs) -> anyhow::Result<()> {
 }
 
 /// `VmHWM` of this process in bytes (Linux), the peak resident set size.
-pub fn peak_rss_bytes() -> Option<u64> {
+pub(super) fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
