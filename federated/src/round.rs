@@ -19,6 +19,7 @@
 //! same leaves on host processes.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -53,6 +54,9 @@ pub struct RoundReport {
     pub total_weight: f64,
     /// Wall-clock seconds of the round (reporting only; no decision reads it).
     pub seconds: f64,
+    /// Most model-sized partial sums alive at once during the round (the memory bound: at most
+    /// about threads x depth x fan-in, independent of K).
+    pub peak_partials: usize,
 }
 
 /// A partial sum travelling up the tree.
@@ -88,6 +92,8 @@ pub struct Federation<'d, T: LocalTrainer, X: UpdateTransform> {
     scratch: Mutex<Vec<(T::Scratch, Vec<f32>)>>,
     async_state: Option<AsyncState>,
     round: u32,
+    partials_live: AtomicUsize,
+    partials_peak: AtomicUsize,
     _data: std::marker::PhantomData<&'d ()>,
 }
 
@@ -127,6 +133,8 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
             scratch: Mutex::new(Vec::new()),
             async_state,
             round: 0,
+            partials_live: AtomicUsize::new(0),
+            partials_peak: AtomicUsize::new(0),
             _data: std::marker::PhantomData,
         })
     }
@@ -201,6 +209,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
 
     /// Applies a summed partial: transform hook, mean, server optimizer.
     fn apply(&mut self, round: u32, mut partial: Partial, sampled: u64) -> RoundReport {
+        self.partials_live.store(0, Ordering::Relaxed);
         let mut total = partial.weight;
         self.transform.on_sum(round, &mut partial.sum, &mut total, &partial.contributors);
         if total > 0.0 && total.is_finite() {
@@ -218,6 +227,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
             rejected: partial.rejected,
             total_weight: total,
             seconds: 0.0,
+            peak_partials: self.partials_peak.swap(0, Ordering::Relaxed),
         }
     }
 
@@ -230,6 +240,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
         let child = span / fan_in;
         let children: Vec<Partial> =
             (lo..hi).step_by(child).collect::<Vec<_>>().into_par_iter().map(|a| self.reduce(sampled, a, (a + child).min(hi), child)).collect();
+        self.partials_merged(children.len());
         merge(children, self.model.len())
     }
 
@@ -241,6 +252,8 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
     fn leaf(&self, clients: &[u32], range: Range<usize>, model: &[f32], round: u32, check_fate: bool, factor: impl Fn(usize) -> f32) -> Partial {
         let (mut scratch, mut update) = self.take_scratch();
         let mut partial = Partial::empty(model.len());
+        let live = self.partials_live.fetch_add(1, Ordering::Relaxed) + 1;
+        self.partials_peak.fetch_max(live, Ordering::Relaxed);
         let mut indices = Vec::new();
         for pos in range {
             let c = clients[pos];
@@ -295,6 +308,11 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
         Fate::Train
     }
 
+    /// Book-keeping of live partial sums: merging `n` leaves one.
+    fn partials_merged(&self, n: usize) {
+        self.partials_live.fetch_sub(n.saturating_sub(1), Ordering::Relaxed);
+    }
+
     fn take_scratch(&self) -> (T::Scratch, Vec<f32>) {
         let pooled = self.scratch.lock().map(|mut pool| pool.pop()).unwrap_or(None);
         pooled.unwrap_or_else(|| (self.trainer.scratch(), Vec::with_capacity(self.model.len())))
@@ -338,12 +356,14 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
                             }
                             let model = state.model_of(version);
                             let part = this.leaf(&clients, a..b, model, version, false, |p| weights[p]);
+                            this.partials_merged(2);
                             acc = merge(vec![acc, part], this.model.len());
                             a = b;
                         }
                         acc
                     })
                     .collect();
+                this.partials_merged(leaves.len());
                 merge(leaves, this.model.len())
             })
         };

@@ -235,3 +235,17 @@ fn the_reference_workload_matches_flowers_accuracies() {
     }
     let _ = HostDown { host: 0, round: 0 };
 }
+
+#[test]
+fn a_round_holds_o_of_fan_in_partial_sums_not_o_of_k() {
+    let data = digits();
+    for threads in [1, 2, 4] {
+        let cfg = config(4000, 4000, 1, &format!("threads = {threads}\n"));
+        let (reports, _) = run(&cfg, &data);
+        let depth = 6; // 4^6 = 4096 >= K
+        let bound = threads * depth * 4;
+        let peak = reports[0].peak_partials;
+        assert!(peak >= 1 && peak <= bound, "threads {threads}: {peak} partial sums alive, bound {bound} (K/fan_in = 1000)");
+        println!("threads {threads}: peak {peak} partial sums (bound {bound})");
+    }
+}

@@ -44,7 +44,7 @@ pub struct FedBenchArgs {
 const REFERENCE: &str = "seed = 42\n[population]\nn_clients = 1000\n[round]\nrounds = 5\nclients_per_round = 1000\n";
 
 /// Runs the benchmark, printing one JSON line per round and a summary line.
-pub fn run(args: &FedBenchArgs) -> anyhow::Result<()> {
+pub(super) fn run(args: &FedBenchArgs) -> anyhow::Result<()> {
     let mut config = match &args.config {
         Some(path) => FedConfig::from_file(path)?,
         None => FedConfig::from_toml_str(REFERENCE)?,
