@@ -68,6 +68,8 @@ pub struct FedRecord {
     pub stragglers: u64,
     /// Updates rejected (malformed or too stale).
     pub rejected: u64,
+    /// Clients that answered without data.
+    pub empty: u64,
     /// Wall-clock seconds of the round and its evaluation (not deterministic).
     pub seconds: f64,
 }
@@ -107,6 +109,7 @@ impl<'d> Run<'d> {
             dropped: report.dropped,
             stragglers: report.stragglers,
             rejected: report.rejected,
+            empty: report.empty,
             seconds: start.elapsed().as_secs_f64(),
         };
         Ok((report, record))

@@ -50,6 +50,8 @@ pub struct RoundReport {
     pub stragglers: u64,
     /// Updates refused: malformed (wrong length, NaN/inf, bad weight) or, asynchronously, too stale.
     pub rejected: u64,
+    /// Clients that answered without data (a partition may leave a client no images).
+    pub empty: u64,
     /// Sum of the accepted updates' weights.
     pub total_weight: f64,
     /// Wall-clock seconds of the round (reporting only; no decision reads it).
@@ -68,6 +70,7 @@ struct Partial {
     dropped: u64,
     stragglers: u64,
     rejected: u64,
+    empty: u64,
     contributors: Vec<u32>,
 }
 
@@ -225,6 +228,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
             dropped: partial.dropped,
             stragglers: partial.stragglers,
             rejected: partial.rejected,
+            empty: partial.empty,
             total_weight: total,
             seconds: 0.0,
             peak_partials: self.partials_peak.swap(0, Ordering::Relaxed),
@@ -279,7 +283,8 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
                 continue;
             }
             if weight == 0.0 {
-                continue; // a client without data contributes nothing
+                partial.empty += 1; // a client without data contributes nothing
+                continue;
             }
             let w = weight * factor(pos);
             for (s, &u) in partial.sum.iter_mut().zip(&update) {
@@ -387,7 +392,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
 
 impl Partial {
     fn empty(n: usize) -> Self {
-        Partial { sum: vec![0.0; n], weight: 0.0, done: 0, dropped: 0, stragglers: 0, rejected: 0, contributors: Vec::new() }
+        Partial { sum: vec![0.0; n], weight: 0.0, done: 0, dropped: 0, stragglers: 0, rejected: 0, empty: 0, contributors: Vec::new() }
     }
 }
 
@@ -404,6 +409,7 @@ fn merge(children: Vec<Partial>, n: usize) -> Partial {
         acc.dropped += p.dropped;
         acc.stragglers += p.stragglers;
         acc.rejected += p.rejected;
+        acc.empty += p.empty;
         acc.contributors.extend_from_slice(&p.contributors);
     }
     acc
