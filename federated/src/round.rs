@@ -418,5 +418,6 @@ fn merge(children: Vec<Partial>, n: usize) -> Partial {
 /// An update is accepted when it has the model's length, finite values and a finite,
 /// non-negative weight.
 pub fn valid_update(update: &[f32], weight: f32, n_params: usize) -> bool {
-    update.len() == n_params && weight.is_finite() && weight >= 0.0 && update.iter().all(|u| u.is_finite())
+    // A non-short-circuit fold vectorizes (`all` does not); this check is on every update.
+    update.len() == n_params && weight.is_finite() && weight >= 0.0 && update.iter().fold(true, |ok, u| ok & u.is_finite())
 }
