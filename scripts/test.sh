@@ -7,11 +7,12 @@ cd "$(dirname "$0")/.."
 export RUST_BACKTRACE=1
 bash scripts/fetch-data.sh
 cargo test --workspace --all-targets --locked
-# The CUDA backend must keep compiling (cudarc loads CUDA at run time: no GPU or toolkit needed).
-cargo build -p rtx-kernels --features cuda --all-targets --locked
-# GPU tensors and NCCL compile too, and their host-side logic runs (no GPU needed: the
-# device-dependent tests return early without one; scripts/gpu-check.sh runs them on a GPU).
-cargo test -p rtx-tensor --features cuda --locked --lib cuda::
-cargo build -p rtx-tensor --features cuda --all-targets --locked
-cargo build -p rtx-collectives --features nccl --all-targets --locked
-cargo test -p rtx-collectives --features nccl --locked --test nccl_device --test nccl_id
+# The CUDA backend and NCCL keep compiling (cudarc loads CUDA at run time: no GPU or toolkit needed),
+# and their host-side logic runs (the device-dependent tests return early without a GPU;
+# scripts/gpu-check.sh runs them on one). One package set and one feature set for every step, so
+# cargo builds the feature-enabled crates once instead of once per step.
+gpu_crates=(-p rtx-kernels -p rtx-tensor -p rtx-collectives)
+gpu_features=rtx-kernels/cuda,rtx-tensor/cuda,rtx-collectives/nccl
+cargo test "${gpu_crates[@]}" --features "$gpu_features" --all-targets --locked --no-run
+cargo test "${gpu_crates[@]}" --features "$gpu_features" --locked --lib cuda::
+cargo test "${gpu_crates[@]}" --features "$gpu_features" --locked --test nccl_device --test nccl_id

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
 use rtx_supervisor::checkpoint as elastic_checkpoint;
-use rtx_supervisor::{env as cluster_env, protocol, ElasticConfig, JobEvent, LaunchOptions, Launcher, SupervisorHandle, SupervisorOptions, WorkerOptions, WorkerOutcome};
+use rtx_supervisor::{env as cluster_env, protocol, DpSharding, ElasticConfig, JobEvent, LaunchOptions, Launcher, SupervisorHandle, SupervisorOptions, WorkerOptions, WorkerOutcome};
 use rtx_tensor::data::{DataRoot, DATA_DIR_ENV};
 use serde_json::json;
 
@@ -216,17 +216,18 @@ impl JobFiles {
         elastic.max_workers = elastic.max_workers.max(nproc);
         // A model-parallel job forms generations of whole replicas of pp·tp members.
         (elastic.pp, elastic.tp) = (self.config.parallel.pp, self.config.parallel.tp);
-        // `[parallel] zero`: what `rtx plan` plans for every stage, the runtime runs for ZeRO-1 of a
-        // data-parallel job (the same engine as `[elastic] sharding = "zero1"`); anything else is
-        // refused here rather than silently trained replicated.
+        // `[parallel] zero`: what `rtx plan` plans for every stage, the runtime runs for ZeRO-1 and
+        // ZeRO-2 of a data-parallel job (the engines of `[elastic] sharding = "zero1"` / "zero2");
+        // anything else is refused here rather than silently trained replicated.
         match (self.config.parallel.zero, elastic.pp * elastic.tp) {
             (0, _) => {}
-            (1, 1) => elastic.zero1 = true,
-            (1, _) => bail!("parallel.zero = 1 with pp = {} and tp = {}: the runtime shards optimizer state only for data-parallel jobs (pp = tp = 1) today; set parallel.zero = 0", elastic.pp, elastic.tp),
-            (z, _) => bail!("parallel.zero = {z}: ZeRO-2 and ZeRO-3 are planned by `rtx plan` but not yet run by `rtx launch`; set parallel.zero = 0 or 1"),
+            (1, 1) => elastic.sharding = DpSharding::Zero1,
+            (2, 1) => elastic.sharding = DpSharding::Zero2,
+            (z @ (1 | 2), _) => bail!("parallel.zero = {z} with pp = {} and tp = {}: the runtime shards optimizer state only for data-parallel jobs (pp = tp = 1) today; set parallel.zero = 0", elastic.pp, elastic.tp),
+            (z, _) => bail!("parallel.zero = {z}: ZeRO-3 is planned by `rtx plan` and measured by `rtx bench zero` but not yet run by `rtx launch`; set parallel.zero = 0, 1 or 2"),
         }
-        if elastic.zero1 && self.config.train.device == crate::config::DeviceKind::Cuda {
-            bail!("elastic.sharding = \"zero1\" shards host buckets; with train.device = \"cuda\" use the replicated default (gradients are staged through host buffers)");
+        if elastic.sharding.shards_optimizer() && self.config.train.device == crate::config::DeviceKind::Cuda {
+            bail!("elastic.sharding = \"{}\" shards host buckets; with train.device = \"cuda\" use the replicated default (gradients are staged through host buffers)", elastic.sharding.name());
         }
         Ok(elastic)
     }

@@ -104,19 +104,19 @@ fn launch_refuses_a_mesh_larger_than_the_world_before_starting_workers() {
 
 #[test]
 fn launch_refuses_a_zero_stage_it_does_not_run() {
-    // Goal: `[parallel] zero = 2` plans (`rtx plan`) but `rtx launch` refuses it, naming the key,
-    // rather than training the job replicated. Method: the digits MLP with zero = 2 on 2 processes.
+    // Goal: `[parallel] zero = 3` plans (`rtx plan`) but `rtx launch` refuses it, naming the key,
+    // rather than training the job replicated. Method: the digits MLP with zero = 3 on 2 processes.
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     let data = digits_data(root);
     let config = root.join("mlp.toml");
-    std::fs::write(&config, "[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\ndataset = \"digits\"\nbatch_size = 8\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 2\n[parallel]\nzero = 2\n").unwrap();
+    std::fs::write(&config, "[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\ndataset = \"digits\"\nbatch_size = 8\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 2\n[parallel]\nzero = 3\n").unwrap();
     let plan = rtx(&["plan", config.to_str().unwrap(), "--world", "2"], root);
     let out_dir = root.join("out");
     let out = rtx(&["launch", config.to_str().unwrap(), "--nproc", "2", "--data-dir", data.to_str().unwrap(), "--out", out_dir.to_str().unwrap(), "--no-progress"], root);
     let (stdout, stderr) = text(&out);
     assert!(!out.status.success(), "{stdout}\n{stderr}");
-    assert!(stderr.contains("parallel.zero = 2") && stderr.contains("rtx plan"), "{stderr}");
+    assert!(stderr.contains("parallel.zero = 3") && stderr.contains("rtx plan"), "{stderr}");
     assert!(!out_dir.join("logs").exists(), "a worker was started");
-    assert!(plan.status.success(), "rtx plan refused zero = 2: {:?}", text(&plan));
+    assert!(plan.status.success(), "rtx plan refused zero = 3: {:?}", text(&plan));
 }

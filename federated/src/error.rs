@@ -18,6 +18,67 @@ pub enum FedError {
     /// The data a federation trains on could not be read.
     #[error("federation data: {0}")]
     Data(#[from] rtx_tensor::data::DataError),
+    /// A secure-aggregation message arrived in a phase that does not accept it.
+    #[error("secure aggregation: {message} arrived in phase {phase}, which does not accept it")]
+    SecAggPhase {
+        /// The phase the state machine was in.
+        phase: &'static str,
+        /// The message or call that was refused.
+        message: &'static str,
+    },
+    /// A secure-aggregation message names a client that has no business in this round or phase.
+    #[error("secure aggregation: unknown client {client} in {phase}: {reason}")]
+    SecAggUnknownClient {
+        /// The phase the message belongs to.
+        phase: &'static str,
+        /// The client id the message names.
+        client: u64,
+        /// Why the client is unknown here.
+        reason: String,
+    },
+    /// A client sent the same message (or the same share) twice.
+    #[error("secure aggregation: duplicate {what} from client {client} in {phase}")]
+    SecAggDuplicate {
+        /// The phase the message belongs to.
+        phase: &'static str,
+        /// The client that sent it.
+        client: u64,
+        /// What was duplicated.
+        what: String,
+    },
+    /// A secure-aggregation message is malformed: wrong length, bad key, a share that fails to decrypt.
+    #[error("secure aggregation: malformed message from client {client} in {phase}: {reason}")]
+    SecAggMalformed {
+        /// The phase the message belongs to.
+        phase: &'static str,
+        /// The client that sent it.
+        client: u64,
+        /// What was wrong.
+        reason: String,
+    },
+    /// Too few of a client's neighbours survived to reconstruct its secret: the round cannot be
+    /// unmasked, and no (wrong) sum is returned.
+    #[error("secure aggregation: cannot recover the {secret} of client {client}: {have} shares arrived, threshold is {threshold}")]
+    SecAggTooFewShares {
+        /// The client whose secret is needed.
+        client: u64,
+        /// Which secret: the self-mask seed of a survivor or the mask key of a dropped client.
+        secret: &'static str,
+        /// Shares that arrived from surviving neighbours.
+        have: usize,
+        /// Shares needed.
+        threshold: usize,
+    },
+    /// Fewer clients than the protocol needs took part in a phase.
+    #[error("secure aggregation: {phase} has {have} clients, at least {need} are needed")]
+    SecAggTooFewClients {
+        /// The phase that ran short.
+        phase: &'static str,
+        /// Clients present.
+        have: usize,
+        /// Clients needed.
+        need: usize,
+    },
     /// A configuration file could not be read or parsed.
     #[error("federation config {path}: {reason}")]
     ConfigFile {

@@ -13,11 +13,13 @@
 
 pub mod availability;
 pub mod config;
+pub mod dp;
 pub mod error;
 pub mod fedbuff;
 pub mod local;
 pub mod population;
 pub mod round;
+pub mod secagg;
 pub mod strategy;
 
 pub use config::FedConfig;

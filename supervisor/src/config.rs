@@ -37,6 +37,39 @@ pub struct ClassPolicy {
     pub budget: u32,
 }
 
+/// How a data-parallel job keeps its optimizer state and gradients (`[elastic] sharding`, or
+/// `[parallel] zero` through `rtx launch`).
+///
+/// ZeRO-1 and ZeRO-2 hold the same state between steps (each rank owns one segment of the
+/// optimizer state, and its buddy a copy), so they share every recovery path; ZeRO-2 additionally
+/// frees the full gradient once its segment is reduce-scattered. Their parameters are bit-equal.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum DpSharding {
+    /// Every rank holds the whole optimizer state and gradient.
+    #[default]
+    Replicated,
+    /// Optimizer state sharded across the ranks (ZeRO stage 1).
+    Zero1,
+    /// Optimizer state and gradients sharded (ZeRO stage 2).
+    Zero2,
+}
+
+impl DpSharding {
+    /// Whether the optimizer state is split into per-rank segments (with buddy copies).
+    pub fn shards_optimizer(self) -> bool {
+        self != Self::Replicated
+    }
+
+    /// The name `[elastic] sharding` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Replicated => "replicated",
+            Self::Zero1 => "zero1",
+            Self::Zero2 => "zero2",
+        }
+    }
+}
+
 /// Which transport the collectives of a generation use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Wire {
@@ -90,13 +123,13 @@ pub struct ElasticConfig {
     pub transport: Wire,
     /// Test-only: a planted bug (see [`PlantedBug`]).
     pub planted_bug: PlantedBug,
-    /// ZeRO-1: optimizer state sharded across the workers. Each rank's segment state is also held
-    /// by its buddy (the next rank), so a lost worker costs at most the step in flight; when a
-    /// rank and its buddy are lost together, recovery rolls back to the last snapshot (every
-    /// `snapshot_every` steps, and at every checkpoint), which gathers the full state on every
-    /// rank.
-    pub zero1: bool,
-    /// Steps between ZeRO-1 snapshots.
+    /// ZeRO-1 / ZeRO-2: optimizer state (and under ZeRO-2 gradients) sharded across the workers.
+    /// Each rank's segment state is also held by its buddy (the next rank), so a lost worker costs
+    /// at most the step in flight; when a rank and its buddy are lost together, recovery rolls
+    /// back to the last snapshot (every `snapshot_every` steps, and at every checkpoint), which
+    /// gathers the full state on every rank.
+    pub sharding: DpSharding,
+    /// Steps between ZeRO-1/2 snapshots.
     pub snapshot_every: u64,
     /// Pipeline stages and tensor-parallel ranks of a model-parallel job (1 and 1: data
     /// parallelism). The supervisor then forms generations of whole replicas of `pp · tp` members
@@ -126,7 +159,7 @@ impl Default for ElasticConfig {
             checkpoint_every: 0,
             transport: Wire::Auto,
             planted_bug: PlantedBug::None,
-            zero1: false,
+            sharding: DpSharding::Replicated,
             snapshot_every: 25,
             pp: 1,
             tp: 1,
@@ -209,10 +242,11 @@ impl ElasticConfig {
                     };
                 }
                 "sharding" => {
-                    self.zero1 = match value.as_str() {
-                        Some("replicated") => false,
-                        Some("zero1") => true,
-                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.sharding must be \"replicated\" or \"zero1\", got {value}") }),
+                    self.sharding = match value.as_str() {
+                        Some("replicated") => DpSharding::Replicated,
+                        Some("zero1") => DpSharding::Zero1,
+                        Some("zero2") => DpSharding::Zero2,
+                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.sharding must be \"replicated\", \"zero1\" or \"zero2\", got {value}") }),
                     };
                 }
                 "snapshot_every" => self.snapshot_every = int()?.max(1),

@@ -17,6 +17,8 @@
 
 use ring::hmac;
 
+use crate::config::DpSharding;
+
 /// Actor name of the supervisor on its links.
 pub const SUPERVISOR: &str = "supervisor";
 /// Actor name of a node agent on its link.
@@ -68,7 +70,7 @@ pub enum ToSupervisor {
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
 pub enum JoinReply {
     /// Admitted as `node`; `proof` is the supervisor's; `job` is the job description (TOML).
-    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64, zero1: bool, snapshot_every: u64 },
+    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64, sharding: DpSharding, snapshot_every: u64 },
     /// Not admitted, and why.
     Refused { reason: String },
 }

@@ -482,7 +482,7 @@ impl ClusterSupervisor {
             resume: self.options.resume.as_ref().map(|p| p.display().to_string()),
             verify_every: self.options.elastic.verify_every,
             checkpoint_every: self.options.elastic.checkpoint_every,
-            zero1: self.options.elastic.zero1,
+            sharding: self.options.elastic.sharding,
             snapshot_every: self.options.elastic.snapshot_every,
         };
         msg.reply(&accepted).await?;

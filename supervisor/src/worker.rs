@@ -43,6 +43,7 @@ use rtx_pipelines::{DataParallel, DpConfig, Sharding};
 mod mesh;
 use rtx_tensor::{Module, Optimizer, Tensor};
 
+use crate::config::DpSharding;
 use crate::checkpoint::{self, CheckpointStore, CheckpointWriter, FileStore, WriteMode};
 use crate::error::{Result, SupervisorError};
 use crate::job::TrainJob;
@@ -267,13 +268,13 @@ where
     let host = env.host.clone().or_else(machine_identity).unwrap_or_else(|| options.bind_ip.to_string());
     let join = ToSupervisor::Join { name: options.name.clone(), pid: env.pid, host, proof: protocol::worker_proof(&options.token, &ekm) };
     let reply: JoinReply = supervisor.ask(&join, Duration::from_secs(30)).await?;
-    let (node, job_text, heartbeat, resume, (verify_every, checkpoint_every, zero1, snapshot_every)) = match reply {
-        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, zero1, snapshot_every } => {
+    let (node, job_text, heartbeat, resume, (verify_every, checkpoint_every, sharding, snapshot_every)) = match reply {
+        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every } => {
             if !protocol::verify_supervisor_proof(&options.token, &ekm, &proof) {
                 link.close("supervisor not authentic");
                 return Err(SupervisorError::NotAuthentic { addr: options.join.to_string() });
             }
-            (node, job, Duration::from_millis(heartbeat_ms.max(10)), resume.map(PathBuf::from), (verify_every, checkpoint_every, zero1, snapshot_every))
+            (node, job, Duration::from_millis(heartbeat_ms.max(10)), resume.map(PathBuf::from), (verify_every, checkpoint_every, sharding, snapshot_every))
         }
         JoinReply::Refused { reason } => return Err(SupervisorError::Refused { reason }),
     };
@@ -283,7 +284,7 @@ where
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(supervisor.clone(), node, heartbeat, Arc::clone(&shared))));
 
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::channel::<ToWorker>(COMMAND_QUEUE);
-    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, verify_every, checkpoint_every, zero1, snapshot_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
+    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, verify_every, checkpoint_every, sharding, snapshot_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
     let spec = JobSpec { node, job: job_text, resume };
     let worker = async move {
         let job = make_job(&spec).map_err(SupervisorError::Job)?;
@@ -424,8 +425,8 @@ struct WorkerCtx {
     exec: Exec,
     verify_every: u64,
     checkpoint_every: u64,
-    /// ZeRO-1 optimizer sharding, and how often its state is gathered into a restorable snapshot.
-    zero1: bool,
+    /// ZeRO-1/2 optimizer sharding, and how often its state is gathered into a restorable snapshot.
+    sharding: DpSharding,
     snapshot_every: u64,
     /// Seconds inside training steps, on the control path of the step loop (command polling,
     /// step reports), and of the whole step loop.
@@ -721,10 +722,14 @@ async fn train<J: TrainJob>(
     replica.zero1.clear();
     replica.completed = g.next_step.checked_sub(1);
     replica.optimizer_state = Some(full.clone());
-    replica.snapshot_params = if ctx.zero1 { Some(synced_params.clone()) } else { None };
+    replica.snapshot_params = if ctx.sharding.shards_optimizer() { Some(synced_params.clone()) } else { None };
     *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = replica.completed;
     let engine_comm = comm.clone();
-    let sharding = if ctx.zero1 { Sharding::Zero1 } else { job.dp_config().sharding };
+    let sharding = match ctx.sharding {
+        DpSharding::Replicated => job.dp_config().sharding,
+        DpSharding::Zero1 => Sharding::Zero1,
+        DpSharding::Zero2 => Sharding::Zero2,
+    };
     let dp = DpConfig { collective_timeout: Duration::from_secs(60), sharding, ..job.dp_config() };
     let make_optimizer = |slices: &[rtx_pipelines::ParamSlice]| {
         let mut optimizer = job.build_optimizer(slices).map_err(|reason| rtx_tensor::Error::InvalidArgument { op: "build_optimizer", reason })?;
@@ -748,8 +753,8 @@ async fn train<J: TrainJob>(
         }
     };
     tracing::info!(next_step = g.next_step, source = g.source, from_segments = g.segments.is_some(), "generation started");
-    if ctx.zero1 {
-        log_zero1_memory(&engine, &layout, &template, g.world)?;
+    if ctx.sharding.shards_optimizer() {
+        log_zero1_memory(&engine, &layout, &template, g.world, ctx.sharding)?;
     }
     // Time spent exchanging segment states with the buddies, and the number of exchanges.
     let mut exchanged = (Duration::ZERO, 0u32);
@@ -805,7 +810,7 @@ async fn train<J: TrainJob>(
         let compute = loop_started.elapsed();
         match result {
             Ok(_) => {
-                if ctx.zero1 {
+                if ctx.sharding.shards_optimizer() {
                     // A rank holds only its segment of the optimizer state: the step is restorable
                     // (and reported done) once its segment state is also held by its buddy.
                     let started = Instant::now();
@@ -829,7 +834,7 @@ async fn train<J: TrainJob>(
                 // Under ZeRO-1 the restorable point without the buddies (a rank lost with its
                 // buddy) is the last snapshot, which gathers the full state on every rank.
                 let snapshot_due = (step + 1) % ctx.snapshot_every.max(1) == 0 || step + 1 == total || (ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0);
-                if !ctx.zero1 {
+                if !ctx.sharding.shards_optimizer() {
                     replica.completed = Some(step);
                 } else if snapshot_due {
                     let local = engine.optimizer().state_tensors()?;
@@ -878,7 +883,7 @@ async fn train<J: TrainJob>(
         tracing::info!(exchanges = exchanged.1, mean_ms = exchanged.0.as_secs_f64() * 1e3 / f64::from(exchanged.1), "zero1 buddy exchanges");
     }
     let (model, _buckets, optimizer) = engine.into_parts();
-    if !ctx.zero1 {
+    if !ctx.sharding.shards_optimizer() {
         // Plain data parallelism: the optimizer holds the full state of the last completed step.
         replica.optimizer_state = Some(optimizer.state_tensors()?);
         replica.snapshot_params = None;
@@ -887,14 +892,15 @@ async fn train<J: TrainJob>(
     outcome
 }
 
-/// Logs what the buddy copies cost per rank, next to the ZeRO-1 shard itself and a replica.
-fn log_zero1_memory<M: Module, O: Optimizer>(engine: &DataParallel<M, O>, layout: &zero1::Layout, template: &[(String, Tensor)], world: usize) -> Result<()> {
+/// Logs what the buddy copies cost per rank, next to the ZeRO-1/2 shard itself and a replica.
+fn log_zero1_memory<M: Module, O: Optimizer>(engine: &DataParallel<M, O>, layout: &zero1::Layout, template: &[(String, Tensor)], world: usize, sharding: DpSharding) -> Result<()> {
     let local = engine.optimizer().state_tensors()?;
     let (shard_bytes, replica_bytes) = zero1::shard_and_replica_bytes(engine.param_slices(), &local, layout.param_count(), template);
     // Own and buddy segment states of two steps (see `zero1`; alone, no buddy's); the snapshot
     // fallback keeps the whole state besides (a replica's worth).
     let copies_bytes = if world == 1 { 2 } else { 4 } * shard_bytes;
     tracing::info!(
+        sharding = sharding.name(),
         world,
         shard_bytes,
         copies_bytes,
@@ -925,7 +931,7 @@ fn rebuild_model<J: TrainJob>(job: &J, flat: &[f32]) -> Result<J::Model> {
 /// The full optimizer state at the current step: the optimizer's own (plain data parallelism),
 /// or the snapshot just taken (ZeRO-1 snapshots at every checkpoint step).
 fn full_state_now<M, O: Optimizer>(ctx: &WorkerCtx, replica: &Replica<M>, optimizer: &O) -> Result<state::NamedTensors> {
-    if ctx.zero1 {
+    if ctx.sharding.shards_optimizer() {
         replica.optimizer_state.clone().ok_or_else(|| SupervisorError::Job("no ZeRO-1 snapshot to checkpoint".into()))
     } else {
         Ok(optimizer.state_tensors()?)

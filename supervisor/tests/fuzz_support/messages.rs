@@ -4,6 +4,7 @@
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
+use rtx_supervisor::DpSharding;
 use rtx_supervisor::protocol::{JoinReply, MemberStatus, MeshHeld, MeshStart, ShardSource, StateSource, StatusReport, ToSupervisor, ToWorker, Zero1Held};
 
 use crate::fuzz_support::Values;
@@ -96,7 +97,7 @@ pub(crate) fn join_reply(rng: &mut ChaCha8Rng) -> JoinReply {
             resume: Values::option(rng, Values::string),
             verify_every: Values::u64(rng),
             checkpoint_every: Values::u64(rng),
-            zero1: rng.random(),
+            sharding: [DpSharding::Replicated, DpSharding::Zero1, DpSharding::Zero2][rng.random_range(0..3)],
             snapshot_every: Values::u64(rng),
         }
     } else {
