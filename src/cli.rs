@@ -1,5 +1,5 @@
 //! Command-line interface of the `rtx` binary (clap): `rtx train`, `rtx launch`, `rtx supervisor`,
-//! `rtx worker`, `rtx status`, `rtx plan`, `rtx sim` and `rtx bench`.
+//! `rtx worker`, `rtx status`, `rtx plan`, `rtx sim`, `rtx bench` and `rtx fed`.
 //!
 //! Parsing only; [`crate::train`] and [`crate::bench`] do the work, so the binary stays thin.
 
@@ -35,6 +35,8 @@ pub enum Command {
     Sim(SimArgs),
     /// Time rustytorch's CPU compute (JSON lines on stdout).
     Bench(crate::bench::BenchArgs),
+    /// Federated learning: `rtx fed run CONFIG.toml` runs a whole federation in this process.
+    Fed(crate::fed_cmd::FedArgs),
 }
 
 /// Arguments of `rtx plan`.

@@ -15,10 +15,12 @@
 //! actors, collectives and supervisor crates, re-exported as [`actors`], [`collectives`],
 //! [`pipelines`] and [`supervisor`]. [`sim`] runs such a job in the deterministic simulator
 //! (`rtx sim`, on `rtx-sim`, re-exported as [`simulator`]). [`plan_cmd`] prints the plan of a
-//! config's `[parallel]` section (`rtx plan CONFIG --world N`).
+//! config's `[parallel]` section (`rtx plan CONFIG --world N`). [`fed_cmd`] runs a federation
+//! (`rtx fed run CONFIG.toml`, on `rtx-federated`, re-exported as [`federated`]).
 
 pub use rtx_actors as actors;
 pub use rtx_collectives as collectives;
+pub use rtx_federated as federated;
 pub use rtx_kernels as kernels;
 pub use rtx_pipelines as pipelines;
 pub use rtx_sim as simulator;
@@ -30,6 +32,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod elastic;
+pub mod fed_cmd;
 pub mod metrics;
 pub mod plan_cmd;
 pub mod plot;

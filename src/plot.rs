@@ -145,6 +145,31 @@ pub fn plot_loss_curve(records: &[MetricRecord], path: &Path, title: &str, basel
     Ok(PlotOutcome { with_text, train_points: train.len(), val_points: val.len() })
 }
 
+/// Draws test accuracy against the round into a 900×560 PNG at `path` (`rtx fed run`).
+pub fn plot_accuracy_curve(points: &[(f64, f64)], path: &Path, title: &str, with_text: bool) -> Result<(), PlotError> {
+    let draw_err = |e: &dyn std::fmt::Display| PlotError::Draw { path: path.to_path_buf(), reason: e.to_string() };
+    let points: Vec<(f64, f64)> = points.iter().filter_map(|&(x, y)| Some((x, finite(y)?))).collect();
+    let x_max = points.iter().map(|p| p.0).fold(1.0, f64::max);
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| draw_err(&e))?;
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(20);
+    if with_text {
+        builder.caption(title, (FAMILY, 24)).x_label_area_size(40).y_label_area_size(60);
+    }
+    let mut chart = builder.build_cartesian_2d(0.0..x_max, 0.0..1.0).map_err(|e| draw_err(&e))?;
+    if with_text {
+        chart.configure_mesh().x_desc("round").y_desc("test accuracy").x_label_formatter(&|x| format!("{x:.0}")).label_style((FAMILY, 14)).draw().map_err(|e| draw_err(&e))?;
+    } else {
+        chart.configure_mesh().x_labels(0).y_labels(0).draw().map_err(|e| draw_err(&e))?;
+    }
+    let blue = RGBColor(31, 119, 180);
+    chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, blue.filled()))).map_err(|e| draw_err(&e))?;
+    chart.draw_series(LineSeries::new(points.iter().copied(), blue.stroke_width(2))).map_err(|e| draw_err(&e))?;
+    root.present().map_err(|e| draw_err(&e))?;
+    Ok(())
+}
+
 fn finite(x: f64) -> Option<f64> {
     x.is_finite().then_some(x)
 }

@@ -51,6 +51,14 @@ impl Progress {
         }
     }
 
+    /// Moves the bar to `step` with a free-form message.
+    pub fn update_with(&self, step: u64, message: &str) {
+        if let Some(bar) = &self.bar {
+            bar.set_position(step);
+            bar.set_message(message.to_string());
+        }
+    }
+
     /// Prints a log line (unless quiet).
     pub fn line(&self, text: &str) {
         if self.quiet {

@@ -16,9 +16,11 @@ fn allowed() -> BTreeMap<&'static str, &'static [&'static str]> {
         ("rtx-actors", &["rtx-kernels", "rtx-tensor", "rtx-collectives"][..]),
         ("rtx-pipelines", &["rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors"][..]),
         ("rtx-supervisor", &["rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines"][..]),
-        ("rtx-sim", &["rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines", "rtx-supervisor"][..]),
-        ("rustytorch", &["rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines", "rtx-supervisor", "rtx-sim"][..]),
-        ("rtx-examples", &["rustytorch", "rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines", "rtx-supervisor", "rtx-sim"][..]),
+        // Federation sits beside the supervisor: tensor, collectives and actors, never pipelines/supervisor.
+        ("rtx-federated", &["rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors"][..]),
+        ("rtx-sim", &["rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines", "rtx-supervisor", "rtx-federated"][..]),
+        ("rustytorch", &["rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines", "rtx-supervisor", "rtx-federated", "rtx-sim"][..]),
+        ("rtx-examples", &["rustytorch", "rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines", "rtx-supervisor", "rtx-federated", "rtx-sim"][..]),
     ])
 }
 

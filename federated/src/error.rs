@@ -79,4 +79,38 @@ pub enum FedError {
         /// Clients needed.
         need: usize,
     },
+    /// A configuration file could not be read or parsed.
+    #[error("federation config {path}: {reason}")]
+    ConfigFile {
+        /// The file.
+        path: String,
+        /// The IO or TOML error.
+        reason: String,
+    },
+    /// An availability trace (on/off times per client) could not be read or has a bad line.
+    #[error("availability trace {path}:{line}: {reason}")]
+    Trace {
+        /// The trace file.
+        path: String,
+        /// 1-based line number (0 when the file itself could not be read).
+        line: usize,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The dataset cannot hold the requested partition (too few images for the shards, labels out
+    /// of range, ...).
+    #[error("partition {what}: {reason}")]
+    Partition {
+        /// Which partition rule.
+        what: String,
+        /// Why it cannot be built.
+        reason: String,
+    },
+}
+
+impl FedError {
+    /// A [`FedError::Config`] for key `field`.
+    pub fn config(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        FedError::Config { field: field.into(), reason: reason.into() }
+    }
 }

@@ -5,9 +5,26 @@
 //! edge client exists as an actor only while it trains. This crate is a sibling root beside the elastic
 //! data-parallel supervisor: it builds on `rtx-tensor` (models, data) and the transport crates below
 //! it, and nothing below it imports it.
+//!
+//! Start from [`FedConfig`] (the TOML config), [`Population`] (who holds which images),
+//! [`LogRegSgd`] (the reference local workload, behind the [`LocalTrainer`] trait) and
+//! [`Federation`] (rounds, or FedBuff steps with `[async]`). Secure aggregation and client-level DP
+//! plug in through [`UpdateTransform`]; [`Plain`] is the identity.
 
+pub mod availability;
+pub mod config;
 pub mod dp;
 pub mod error;
+pub mod fedbuff;
+pub mod local;
+pub mod population;
+pub mod round;
 pub mod secagg;
+pub mod strategy;
 
+pub use config::FedConfig;
 pub use error::{FedError, Result};
+pub use local::{ClientTask, Evaluation, LocalTrainer, LogReg, LogRegSgd};
+pub use population::{splitmix64, FedData, Population};
+pub use round::{Federation, RoundReport};
+pub use strategy::{Plain, ServerOptimizer, UpdateTransform};

@@ -11,10 +11,12 @@
 //! collectives between processes (see its module; `scripts/bench-collectives.sh` adds Gloo).
 //! `bubble` predicts the pipeline bubble in virtual time; `pipeline` measures it on real stages.
 //! `zero` reports memory per rank of replicated DP and ZeRO-1/2/3 next to the ZeRO paper's figures.
+//! `fed` times federated rounds of the reference workload against population and sample size.
 
 mod actors;
 mod bubble;
 mod collectives;
+mod fed;
 mod matmul;
 mod ops;
 mod pipeline;
@@ -24,6 +26,7 @@ mod zero;
 
 pub use actors::ActorsArgs;
 pub use collectives::{BenchTransport, CollectiveOp, CollectivesArgs};
+pub use fed::FedBenchArgs;
 pub use matmul::MatmulArgs;
 pub use ops::OpsArgs;
 pub use step::{StepArgs, StepModel};
@@ -57,6 +60,8 @@ pub enum BenchCommand {
     Pipeline(pipeline::PipelineArgs),
     /// Memory per rank of replicated DP, ZeRO-1, ZeRO-2 and ZeRO-3 next to the ZeRO paper's figures.
     Zero(ZeroArgs),
+    /// Seconds per federated round (median) and peak RSS at population N, K clients a round.
+    Fed(FedBenchArgs),
 }
 
 /// Runs one benchmark, printing JSON lines on stdout.
@@ -70,6 +75,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Bubble(a) => bubble::run(&a),
         BenchCommand::Pipeline(a) => pipeline::run(&a),
         BenchCommand::Zero(a) => zero::run(&a),
+        BenchCommand::Fed(a) => fed::run(&a),
     }
 }
 

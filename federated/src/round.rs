@@ -1,0 +1,423 @@
+//! The coordinator's rounds, in one process: sample K of the online clients by seed, send the model
+//! down an aggregator tree, train each sampled client on a worker thread (an edge client exists
+//! only while it trains: a borrowed scratch buffer, no per-client object), and sum the weighted
+//! updates back up the tree.
+//!
+//! Invariants:
+//! - The tree is a function of K and the fan-in only: the sampled clients, sorted by id, are the
+//!   leaves' positions; a leaf node sums up to `fan_in` consecutive positions in order, an inner
+//!   node sums its children's partial sums in order. Arrival order, thread count and host count
+//!   never enter the sum, so the same seed gives the same model bits for any of them.
+//! - Memory per round is O(model x fan-in x depth x threads): a node holds at most `fan_in` partial
+//!   sums of its children; no vector of K updates ever exists.
+//! - A dropped client (dropout, host down, straggler past the deadline) loses only its update; a
+//!   malformed update (wrong length, NaN/inf, bad weight) is rejected and counted; the round goes
+//!   on, and a round where nothing arrives leaves the model unchanged.
+//!
+//! Hosts are contiguous population slices; in this in-process mode they decide which clients a
+//! host failure takes down. `rtx fed serve` / `rtx fed clients` (QUIC, not built yet) will run the
+//! same leaves on host processes.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+use crate::availability::{drops_out, latency_ms, AvailabilityTrace};
+use crate::config::FedConfig;
+use crate::error::{FedError, Result};
+use crate::fedbuff::AsyncState;
+use crate::local::{ClientTask, LocalTrainer};
+use crate::population::{splitmix64, Population};
+use crate::strategy::{ServerOptimizer, UpdateTransform};
+
+/// What one round (or asynchronous server step) did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoundReport {
+    /// 0-based round.
+    pub round: u32,
+    /// Clients sampled (or, asynchronously, arrivals handled).
+    pub sampled: u64,
+    /// Clients whose update entered the aggregate.
+    pub clients_done: u64,
+    /// Clients that never answered (dropout or host down).
+    pub dropped: u64,
+    /// Clients cut at the deadline.
+    pub stragglers: u64,
+    /// Updates refused: malformed (wrong length, NaN/inf, bad weight) or, asynchronously, too stale.
+    pub rejected: u64,
+    /// Clients that answered without data (a partition may leave a client no images).
+    pub empty: u64,
+    /// Sum of the accepted updates' weights.
+    pub total_weight: f64,
+    /// Wall-clock seconds of the round (reporting only; no decision reads it).
+    pub seconds: f64,
+    /// Most model-sized partial sums alive at once during the round (the memory bound: at most
+    /// about threads x depth x fan-in, independent of K).
+    pub peak_partials: usize,
+}
+
+/// A partial sum travelling up the tree.
+#[derive(Debug)]
+struct Partial {
+    sum: Vec<f32>,
+    weight: f64,
+    done: u64,
+    dropped: u64,
+    stragglers: u64,
+    rejected: u64,
+    empty: u64,
+    contributors: Vec<u32>,
+}
+
+/// What happened to one sampled client before training.
+enum Fate {
+    Train,
+    Dropped,
+    Straggler,
+}
+
+/// A whole federation in this process.
+pub struct Federation<'d, T: LocalTrainer, X: UpdateTransform> {
+    config: FedConfig,
+    population: Population,
+    host_slices: Vec<Range<u32>>,
+    trainer: T,
+    transform: X,
+    optimizer: ServerOptimizer,
+    model: Vec<f32>,
+    trace: Option<AvailabilityTrace>,
+    pool: rayon::ThreadPool,
+    scratch: Mutex<Vec<(T::Scratch, Vec<f32>)>>,
+    async_state: Option<AsyncState>,
+    round: u32,
+    partials_live: AtomicUsize,
+    partials_peak: AtomicUsize,
+    _data: std::marker::PhantomData<&'d ()>,
+}
+
+impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
+    /// A federation of `population` training with `trainer`, starting from `initial` (the model).
+    pub fn new(config: FedConfig, population: Population, trainer: T, transform: X, initial: Vec<f32>) -> Result<Self> {
+        config.validate()?;
+        if initial.len() != trainer.n_params() {
+            return Err(FedError::config("model", format!("initial model has {} parameters, the trainer {}", initial.len(), trainer.n_params())));
+        }
+        if u64::from(population.n_clients()) != config.population.n_clients {
+            return Err(FedError::config("population.n_clients", "population and config disagree"));
+        }
+        let trace = match &config.faults.availability_trace {
+            Some(path) => Some(AvailabilityTrace::from_file(path, population.n_clients())?),
+            None => None,
+        };
+        let threads = if config.round.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { config.round.threads };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("fed-worker-{i}"))
+            .build()
+            .map_err(|e| FedError::config("round.threads", e.to_string()))?;
+        let optimizer = ServerOptimizer::new(&config.strategy, initial.len());
+        let host_slices = config.host_slices()?;
+        let async_state = config.async_mode.as_ref().map(|a| AsyncState::new(a, &config, &initial));
+        Ok(Federation {
+            config,
+            population,
+            host_slices,
+            trainer,
+            transform,
+            optimizer,
+            model: initial,
+            trace,
+            pool,
+            scratch: Mutex::new(Vec::new()),
+            async_state,
+            round: 0,
+            partials_live: AtomicUsize::new(0),
+            partials_peak: AtomicUsize::new(0),
+            _data: std::marker::PhantomData,
+        })
+    }
+
+    /// The global model.
+    pub fn model(&self) -> &[f32] {
+        &self.model
+    }
+
+    /// The population (dormant state).
+    pub fn population(&self) -> &Population {
+        &self.population
+    }
+
+    /// Rounds run so far.
+    pub fn rounds_done(&self) -> u32 {
+        self.round
+    }
+
+    /// The host owning client `c`.
+    pub fn host_of(&self, c: u32) -> usize {
+        self.host_slices.partition_point(|s| s.end <= c)
+    }
+
+    /// Runs the next round (or asynchronous server step) and applies the server update.
+    pub fn run_round(&mut self) -> Result<RoundReport> {
+        let start = Instant::now();
+        let mut report = if self.async_state.is_some() { self.run_async_step()? } else { self.run_sync_round()? };
+        report.seconds = start.elapsed().as_secs_f64();
+        self.round += 1;
+        Ok(report)
+    }
+
+    /// The clients sampled in `round`, ascending: K of the online clients (all of them when fewer
+    /// than K are online), without replacement, by seed.
+    pub fn sample(&self, round: u32) -> Vec<u32> {
+        let n = self.population.n_clients();
+        let k = self.config.round.clients_per_round as usize;
+        let mut rng = ChaCha8Rng::seed_from_u64(splitmix64(self.config.seed ^ splitmix64(0x5A3F_0000 + u64::from(round))));
+        let mut chosen: Vec<u32> = match &self.trace {
+            None => rand::seq::index::sample(&mut rng, n as usize, k.min(n as usize)).into_iter().map(|i| i as u32).collect(),
+            Some(trace) => {
+                let mut online = Vec::new();
+                trace.online_into(n, f64::from(round) * self.config.faults.round_interval_s, &mut online);
+                let k = k.min(online.len());
+                rand::seq::index::sample(&mut rng, online.len(), k).into_iter().map(|i| online[i]).collect()
+            }
+        };
+        chosen.sort_unstable();
+        chosen
+    }
+
+    fn run_sync_round(&mut self) -> Result<RoundReport> {
+        let round = self.round;
+        let sampled = self.sample(round);
+        let k = sampled.len();
+        let fan_in = self.config.round.fan_in;
+        let mut span = fan_in;
+        while span < k {
+            span = span.saturating_mul(fan_in);
+        }
+        let partial = {
+            let this = &*self;
+            this.pool.install(|| this.reduce(&sampled, 0, k, span))
+        };
+        for &c in &partial.contributors {
+            self.population.mark_participation(c, round);
+        }
+        let report = self.apply(round, partial, k as u64);
+        Ok(report)
+    }
+
+    /// Applies a summed partial: transform hook, mean, server optimizer.
+    fn apply(&mut self, round: u32, mut partial: Partial, sampled: u64) -> RoundReport {
+        self.partials_live.store(0, Ordering::Relaxed);
+        let mut total = partial.weight;
+        self.transform.on_sum(round, &mut partial.sum, &mut total, &partial.contributors);
+        if total > 0.0 && total.is_finite() {
+            let inv = (1.0 / total) as f32;
+            let scale = self.async_state.as_ref().map_or(1.0, |a| a.server_lr);
+            partial.sum.iter_mut().for_each(|s| *s *= inv * scale);
+            self.optimizer.apply(&mut self.model, &partial.sum);
+        }
+        RoundReport {
+            round,
+            sampled,
+            clients_done: partial.done,
+            dropped: partial.dropped,
+            stragglers: partial.stragglers,
+            rejected: partial.rejected,
+            empty: partial.empty,
+            total_weight: total,
+            seconds: 0.0,
+            peak_partials: self.partials_peak.swap(0, Ordering::Relaxed),
+        }
+    }
+
+    /// Sums positions `lo..hi` of `sampled` under a node whose subtree spans `span` positions.
+    fn reduce(&self, sampled: &[u32], lo: usize, hi: usize, span: usize) -> Partial {
+        let fan_in = self.config.round.fan_in;
+        if span <= fan_in {
+            return self.leaf(sampled, lo..hi, &self.model, self.round, true, |_| 1.0);
+        }
+        let child = span / fan_in;
+        let children: Vec<Partial> =
+            (lo..hi).step_by(child).collect::<Vec<_>>().into_par_iter().map(|a| self.reduce(sampled, a, (a + child).min(hi), child)).collect();
+        self.partials_merged(children.len());
+        merge(children, self.model.len())
+    }
+
+    /// A leaf aggregator: trains positions `range` of `clients` one after another on this thread
+    /// from `model`, and sums their accepted updates (weight times `factor(position)`) in order.
+    /// With `check_fate` each client's dropout / host failure / deadline is decided here (the
+    /// asynchronous mode decides those when the client is launched).
+    #[allow(clippy::too_many_arguments)]
+    fn leaf(&self, clients: &[u32], range: Range<usize>, model: &[f32], round: u32, check_fate: bool, factor: impl Fn(usize) -> f32) -> Partial {
+        let (mut scratch, mut update) = self.take_scratch();
+        let mut partial = Partial::empty(model.len());
+        let live = self.partials_live.fetch_add(1, Ordering::Relaxed) + 1;
+        self.partials_peak.fetch_max(live, Ordering::Relaxed);
+        let mut indices = Vec::new();
+        for pos in range {
+            let c = clients[pos];
+            let fate = if check_fate { self.fate(round, c) } else { Fate::Train };
+            match fate {
+                Fate::Dropped => {
+                    partial.dropped += 1;
+                    continue;
+                }
+                Fate::Straggler => {
+                    partial.stragglers += 1;
+                    continue;
+                }
+                Fate::Train => {}
+            }
+            self.population.indices_into(c, &mut indices);
+            let task = ClientTask { client: c, round, seed: self.config.seed, indices: &indices };
+            let mut weight = self.trainer.train(&task, model, &mut scratch, &mut update);
+            self.transform.on_client(round, c, &mut update, &mut weight);
+            if !valid_update(&update, weight, model.len()) {
+                partial.rejected += 1;
+                tracing::debug!(client = c, round, len = update.len(), weight, "malformed update rejected");
+                continue;
+            }
+            if weight == 0.0 {
+                partial.empty += 1; // a client without data contributes nothing
+                continue;
+            }
+            let w = weight * factor(pos);
+            for (s, &u) in partial.sum.iter_mut().zip(&update) {
+                *s += w * u;
+            }
+            partial.weight += f64::from(weight);
+            partial.done += 1;
+            partial.contributors.push(c);
+        }
+        self.put_scratch(scratch, update);
+        partial
+    }
+
+    fn fate(&self, round: u32, c: u32) -> Fate {
+        let f = &self.config.faults;
+        let r = u64::from(round);
+        let host = self.host_of(c);
+        if f.host_down.iter().any(|d| d.host == host && d.round == round) || drops_out(self.config.seed, r, c, f.dropout_rate) {
+            return Fate::Dropped;
+        }
+        if let Some(deadline) = f.deadline_ms {
+            if latency_ms(self.config.seed, r, c, f.latency_median_ms, f.latency_sigma) > deadline {
+                return Fate::Straggler;
+            }
+        }
+        Fate::Train
+    }
+
+    /// Book-keeping of live partial sums: merging `n` leaves one.
+    fn partials_merged(&self, n: usize) {
+        self.partials_live.fetch_sub(n.saturating_sub(1), Ordering::Relaxed);
+    }
+
+    fn take_scratch(&self) -> (T::Scratch, Vec<f32>) {
+        let pooled = self.scratch.lock().map(|mut pool| pool.pop()).unwrap_or(None);
+        pooled.unwrap_or_else(|| (self.trainer.scratch(), Vec::with_capacity(self.model.len())))
+    }
+
+    fn put_scratch(&self, scratch: T::Scratch, update: Vec<f32>) {
+        if let Ok(mut pool) = self.scratch.lock() {
+            pool.push((scratch, update));
+        }
+    }
+
+    /// One FedBuff server step (see [`crate::fedbuff`]).
+    fn run_async_step(&mut self) -> Result<RoundReport> {
+        let Some(mut state) = self.async_state.take() else {
+            return Err(FedError::config("async", "not in asynchronous mode"));
+        };
+        let arrivals = state.collect_arrivals(&self.config, &self.population, self.trace.as_ref());
+        let weights: Vec<f32> = arrivals.accepted.iter().map(|a| state.staleness_factor(a.version)).collect();
+        let clients: Vec<u32> = arrivals.accepted.iter().map(|a| a.client).collect();
+        let fan_in = self.config.round.fan_in;
+        let partial = {
+            let this = &*self;
+            let state = &state;
+            let accepted = &arrivals.accepted;
+            this.pool.install(|| {
+                let leaves: Vec<Partial> = (0..clients.len())
+                    .step_by(fan_in)
+                    .collect::<Vec<_>>()
+                    .into_par_iter()
+                    .map(|lo| {
+                        // A leaf holds consecutive arrivals; they may have trained on different
+                        // versions, so each sub-run of one version is trained from its model.
+                        let hi = (lo + fan_in).min(clients.len());
+                        let mut acc = Partial::empty(this.model.len());
+                        let mut a = lo;
+                        while a < hi {
+                            let version = accepted[a].version;
+                            let mut b = a + 1;
+                            while b < hi && accepted[b].version == version {
+                                b += 1;
+                            }
+                            let model = state.model_of(version);
+                            let part = this.leaf(&clients, a..b, model, version, false, |p| weights[p]);
+                            this.partials_merged(2);
+                            acc = merge(vec![acc, part], this.model.len());
+                            a = b;
+                        }
+                        acc
+                    })
+                    .collect();
+                this.partials_merged(leaves.len());
+                merge(leaves, this.model.len())
+            })
+        };
+        let mut partial = partial;
+        // The divisor is the accepted sample count (staleness only shrinks an update's pull).
+        partial.dropped += arrivals.dropped;
+        partial.stragglers += arrivals.stragglers;
+        partial.rejected += arrivals.stale;
+        for &c in &partial.contributors {
+            self.population.mark_participation(c, self.round);
+        }
+        let round = self.round;
+        self.async_state = Some(state);
+        let report = self.apply(round, partial, arrivals.handled);
+        if let Some(state) = self.async_state.as_mut() {
+            state.publish(&self.model);
+        }
+        Ok(report)
+    }
+}
+
+impl Partial {
+    fn empty(n: usize) -> Self {
+        Partial { sum: vec![0.0; n], weight: 0.0, done: 0, dropped: 0, stragglers: 0, rejected: 0, empty: 0, contributors: Vec::new() }
+    }
+}
+
+/// Sums partials in their order into the first.
+fn merge(children: Vec<Partial>, n: usize) -> Partial {
+    let mut iter = children.into_iter();
+    let mut acc = iter.next().unwrap_or_else(|| Partial::empty(n));
+    for p in iter {
+        for (a, &b) in acc.sum.iter_mut().zip(&p.sum) {
+            *a += b;
+        }
+        acc.weight += p.weight;
+        acc.done += p.done;
+        acc.dropped += p.dropped;
+        acc.stragglers += p.stragglers;
+        acc.rejected += p.rejected;
+        acc.empty += p.empty;
+        acc.contributors.extend_from_slice(&p.contributors);
+    }
+    acc
+}
+
+/// An update is accepted when it has the model's length, finite values and a finite,
+/// non-negative weight.
+pub fn valid_update(update: &[f32], weight: f32, n_params: usize) -> bool {
+    // A non-short-circuit fold vectorizes (`all` does not); this check is on every update.
+    update.len() == n_params && weight.is_finite() && weight >= 0.0 && update.iter().fold(true, |ok, u| ok & u.is_finite())
+}

@@ -1,0 +1,112 @@
+//! `rtx fed run` end to end on the digits fixture: metrics.jsonl with one record per round and an
+//! accuracy PNG; bad configs (K > N, negative alpha, a host slice out of range) exit non-zero with
+//! a message naming the key; `rtx bench fed` prints seconds per round and peak RSS.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const FED: &str = r#"
+seed = 3
+[population]
+n_clients = 400
+dataset = "digits"
+partition = "dirichlet"
+alpha = 0.5
+[round]
+rounds = 4
+clients_per_round = 100
+fan_in = 8
+hosts = 2
+[local]
+epochs = 3
+batch_size = 4
+shuffle = true
+[faults]
+dropout_rate = 0.1
+"#;
+
+struct Setup {
+    _tmp: tempfile::TempDir,
+    root: PathBuf,
+}
+
+fn setup() -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().to_path_buf();
+    std::fs::create_dir_all(root.join("data/digits")).unwrap();
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tensor/tests/fixtures/digits.csv.gz"), root.join("data/digits/digits.csv.gz")).unwrap();
+    Setup { _tmp: tmp, root }
+}
+
+fn rtx(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rtx")).args(args).current_dir(cwd).env_remove("RTX_DATA_DIR").output().expect("run rtx")
+}
+
+#[test]
+fn fed_run_writes_one_metrics_record_per_round_and_an_accuracy_curve() {
+    let s = setup();
+    std::fs::write(s.root.join("fed.toml"), FED).unwrap();
+    let out = rtx(&["fed", "run", "fed.toml", "--out", "run", "--no-progress"], &s.root);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "stdout: {stdout}\nstderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("round 4/4"), "{stdout}");
+    let text = std::fs::read_to_string(s.root.join("run/metrics.jsonl")).unwrap();
+    let records: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(records.len(), 4);
+    for (i, r) in records.iter().enumerate() {
+        assert_eq!(r["round"], i as u64 + 1);
+        for key in ["test_acc", "test_loss", "clients_done", "dropped", "rejected", "seconds"] {
+            assert!(r.get(key).is_some(), "record {i} lacks {key}: {r}");
+        }
+        let answered = ["clients_done", "dropped", "empty"].map(|k| r[k].as_u64().unwrap());
+        assert_eq!(answered.iter().sum::<u64>(), 100, "{r}");
+    }
+    let acc = records[3]["test_acc"].as_f64().unwrap();
+    assert!(acc > 0.6, "digits accuracy after 4 rounds: {acc}");
+    let png = std::fs::read(s.root.join("run/accuracy.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    // Same seed, same run: the accuracies replay exactly.
+    let again = rtx(&["fed", "run", "fed.toml", "--out", "run2", "--no-progress"], &s.root);
+    assert!(again.status.success());
+    let acc_of = |p: &str| -> Vec<String> {
+        std::fs::read_to_string(s.root.join(p))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["test_acc"].to_string())
+            .collect()
+    };
+    assert_eq!(acc_of("run/metrics.jsonl"), acc_of("run2/metrics.jsonl"));
+}
+
+#[test]
+fn fed_run_refuses_bad_configs_naming_the_key() {
+    let s = setup();
+    for (edit, key) in [
+        (FED.replace("clients_per_round = 100", "clients_per_round = 401"), "round.clients_per_round"),
+        (FED.replace("alpha = 0.5", "alpha = -1.0"), "population.alpha"),
+        (FED.replace("hosts = 2", "hosts = 2\nhost_slices = [\"0..200\", \"200..500\"]"), "round.host_slices[1]"),
+    ] {
+        std::fs::write(s.root.join("bad.toml"), &edit).unwrap();
+        let out = rtx(&["fed", "run", "bad.toml", "--out", "bad", "--no-progress"], &s.root);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{key}: must fail");
+        assert!(stderr.contains(key), "{key}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let missing = rtx(&["fed", "run", "nope.toml"], &s.root);
+    assert!(!missing.status.success() && String::from_utf8_lossy(&missing.stderr).contains("nope.toml"));
+}
+
+#[test]
+fn bench_fed_prints_seconds_per_round_and_peak_rss() {
+    let s = setup();
+    std::fs::write(s.root.join("fed.toml"), FED).unwrap();
+    let out = rtx(&["bench", "fed", "--config", "fed.toml", "--population", "1000", "--clients-per-round", "200", "--rounds", "2"], &s.root);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!((last["population"].as_u64(), last["clients_per_round"].as_u64()), (Some(1000), Some(200)));
+    assert!(last["median_s_per_round"].as_f64().unwrap() > 0.0, "{last}");
+    assert!(last["peak_rss_mib"].as_f64().unwrap() > 1.0, "{last}");
+}
