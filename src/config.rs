@@ -868,7 +868,7 @@ impl Validator<'_> {
         self.nonzero("jepa.predictor_width", j.predictor_width)?;
         self.nonzero("jepa.predictor_depth", j.predictor_depth)?;
         self.nonzero("jepa.predictor_heads", j.predictor_heads)?;
-        if j.predictor_width % 4 != 0 || j.predictor_width % j.predictor_heads != 0 {
+        if !j.predictor_width.is_multiple_of(4) || !j.predictor_width.is_multiple_of(j.predictor_heads) {
             return Err(self.invalid("jepa.predictor_width", j.predictor_width, format!("must be a multiple of 4 and of jepa.predictor_heads ({})", j.predictor_heads)));
         }
         let grid = side / patch_size;

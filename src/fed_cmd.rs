@@ -13,7 +13,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use rtx_federated::{FedConfig, FedData, Federation, LogReg, LogRegSgd, Plain, Population, RoundReport};
+use rtx_federated::dp::ClientDp;
+use rtx_federated::{FedConfig, FedData, Federation, LogReg, LogRegSgd, Plain, Population, RoundReport, UpdateTransform};
 use serde::{Deserialize, Serialize};
 
 use crate::progress::{Progress, Verbosity};
@@ -70,6 +71,9 @@ pub struct FedRecord {
     pub rejected: u64,
     /// Clients that answered without data.
     pub empty: u64,
+    /// Client-level DP: epsilon at the config's delta after this many rounds (`[dp]` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epsilon: Option<f64>,
     /// Wall-clock seconds of the round and its evaluation (not deterministic).
     pub seconds: f64,
 }
@@ -78,11 +82,13 @@ pub struct FedRecord {
 /// ready to run round after round.
 pub struct Run<'d> {
     /// The federation.
-    pub federation: Federation<'d, LogRegSgd<'d>, Plain>,
+    pub federation: Federation<'d, LogRegSgd<'d>, Box<dyn UpdateTransform>>,
     /// The model shape, for evaluation.
     pub shape: LogReg,
     /// The data (test set for evaluation).
     pub data: &'d FedData,
+    /// Epsilon after rounds 1, 2, ... under `[dp]` (empty without it).
+    pub epsilons: Vec<f64>,
 }
 
 impl<'d> Run<'d> {
@@ -92,8 +98,17 @@ impl<'d> Run<'d> {
         let population = Population::new(&config.population, config.seed, &data.train.labels)?;
         let l = &config.local;
         let trainer = LogRegSgd::new(shape, &data.train, l.lr, l.batch_size, l.epochs, config.strategy.mu, l.shuffle);
-        let federation = Federation::new(config.clone(), population, trainer, Plain, vec![0.0; shape.n_params()])?;
-        Ok(Run { federation, shape, data })
+        let dp = config.dp_config()?;
+        let epsilons = match &dp {
+            Some(dp) => dp.epsilon_per_round(u64::from(config.round.rounds))?.into_iter().map(|e| e.epsilon).collect(),
+            None => Vec::new(),
+        };
+        let transform: Box<dyn UpdateTransform> = match dp {
+            Some(dp) => Box::new(ClientDp::new(dp, config.seed)),
+            None => Box::new(Plain),
+        };
+        let federation = Federation::new(config.clone(), population, trainer, transform, vec![0.0; shape.n_params()])?;
+        Ok(Run { federation, shape, data, epsilons })
     }
 
     /// Runs one round, evaluating when `evaluate`; returns the report and the metrics record.
@@ -110,6 +125,7 @@ impl<'d> Run<'d> {
             stragglers: report.stragglers,
             rejected: report.rejected,
             empty: report.empty,
+            epsilon: self.epsilons.get(report.round as usize).copied(),
             seconds: start.elapsed().as_secs_f64(),
         };
         Ok((report, record))
@@ -153,8 +169,9 @@ fn run_local(args: &FedRunArgs, data_root: &Path, font: Option<&Path>) -> anyhow
         metrics.write_all(b"\n")?;
         metrics.flush()?;
         let acc = record.test_acc.map_or_else(|| "-".to_string(), |a| format!("{a:.4}"));
+        let eps = record.epsilon.map_or_else(String::new, |e| format!(" | epsilon {e:.3}"));
         let text = format!(
-            "round {}/{rounds}: clients done {} dropped {} stragglers {} rejected {} | test acc {acc} | {:.2} s",
+            "round {}/{rounds}: clients done {} dropped {} stragglers {} rejected {} | test acc {acc}{eps} | {:.2} s",
             record.round, record.clients_done, record.dropped, record.stragglers, record.rejected, record.seconds
         );
         progress.update_with(u64::from(record.round), &text);

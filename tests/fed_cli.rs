@@ -94,6 +94,9 @@ fn fed_run_refuses_bad_configs_naming_the_key() {
         assert!(stderr.contains(key), "{key}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+    std::fs::write(s.root.join("bad.toml"), format!("{FED}[dp]\nclip_norm = -1.0\nnoise_multiplier = 1.0\n")).unwrap();
+    let out = rtx(&["fed", "run", "bad.toml", "--out", "bad", "--no-progress"], &s.root);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("dp.clip_norm"), "{}", String::from_utf8_lossy(&out.stderr));
     let missing = rtx(&["fed", "run", "nope.toml"], &s.root);
     assert!(!missing.status.success() && String::from_utf8_lossy(&missing.stderr).contains("nope.toml"));
 }
@@ -109,4 +112,21 @@ fn bench_fed_prints_seconds_per_round_and_peak_rss() {
     assert_eq!((last["population"].as_u64(), last["clients_per_round"].as_u64()), (Some(1000), Some(200)));
     assert!(last["median_s_per_round"].as_f64().unwrap() > 0.0, "{last}");
     assert!(last["peak_rss_mib"].as_f64().unwrap() > 1.0, "{last}");
+}
+
+#[test]
+fn fed_run_with_dp_reports_a_growing_epsilon_and_still_learns() {
+    // Goal: `[dp]` turns on DP-FedAvg inside `rtx fed run` (clip, seeded noise, fixed K) and every
+    // round's record carries epsilon at the config's delta, growing round by round.
+    let s = setup();
+    std::fs::write(s.root.join("dp.toml"), format!("{FED}[dp]\nclip_norm = 1.0\nnoise_multiplier = 0.5\n")).unwrap();
+    let out = rtx(&["fed", "run", "dp.toml", "--out", "dp", "--no-progress"], &s.root);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "stdout: {stdout}\nstderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("epsilon"), "{stdout}");
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(s.root.join("dp/metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let eps: Vec<f64> = records.iter().map(|r| r["epsilon"].as_f64().expect("epsilon")).collect();
+    assert!(eps.windows(2).all(|w| w[1] > w[0]) && eps[0] > 0.0, "{eps:?}");
+    let acc = records[3]["test_acc"].as_f64().unwrap();
+    assert!(acc > 0.3, "digits accuracy after 4 DP rounds: {acc}");
 }

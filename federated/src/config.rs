@@ -36,6 +36,26 @@ pub struct FedConfig {
     /// Where `rtx fed run` writes metrics.jsonl and accuracy.png.
     #[serde(default)]
     pub output: OutputConfig,
+    /// Client-level differential privacy (DP-FedAvg); absent means none.
+    #[serde(default)]
+    pub dp: Option<DpSection>,
+}
+
+/// `[dp]`: client-level differential privacy of synchronous rounds (see [`crate::dp::ClientDp`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DpSection {
+    /// L2 norm every client update is clipped to.
+    pub clip_norm: f64,
+    /// Noise standard deviation over the clip norm.
+    pub noise_multiplier: f64,
+    /// The delta epsilon is reported for.
+    #[serde(default = "default_delta")]
+    pub delta: f64,
+}
+
+fn default_delta() -> f64 {
+    1e-5
 }
 
 /// Which images back the clients.
@@ -390,7 +410,19 @@ impl FedConfig {
                 return Err(FedError::config(format!("faults.host_down[{i}].host"), format!("host {} does not exist ({} hosts)", down.host, r.hosts)));
             }
         }
+        if self.dp.is_some() && self.async_mode.is_some() {
+            return Err(FedError::config("dp", "client-level DP is accounted for sampled synchronous rounds; remove [async] or [dp]"));
+        }
+        self.dp_config()?;
         Ok(())
+    }
+
+    /// The DP parameters of `[dp]` (K and N from the round and population), checked.
+    pub fn dp_config(&self) -> Result<Option<crate::dp::DpConfig>> {
+        self.dp
+            .as_ref()
+            .map(|d| crate::dp::DpConfig::new(d.clip_norm, d.noise_multiplier, self.round.clients_per_round, self.population.n_clients, d.delta))
+            .transpose()
     }
 
     /// The population slice of each host: `host_slices` when given (checked to tile `0..N` in
@@ -542,6 +574,18 @@ mod tests {
         let err = FedConfig::from_toml_str(text).unwrap_err();
         assert!(err.to_string().contains("exceeds the population"), "{err}");
         assert_eq!(field_of(err), "round.clients_per_round");
+    }
+
+    #[test]
+    fn a_dp_section_is_checked_against_k_and_n() {
+        let c = FedConfig::from_toml_str(&with("[dp]\nclip_norm = 1.0\nnoise_multiplier = 0.8\n")).unwrap();
+        let dp = c.dp_config().unwrap().unwrap();
+        assert_eq!((dp.expected_clients, dp.population, dp.delta), (10, 100, 1e-5));
+        assert_eq!(field_of(FedConfig::from_toml_str(&with("[dp]\nclip_norm = 0.0\nnoise_multiplier = 0.8\n")).unwrap_err()), "dp.clip_norm");
+        assert_eq!(field_of(FedConfig::from_toml_str(&with("[dp]\nclip_norm = 1.0\nnoise_multiplier = -1.0\n")).unwrap_err()), "dp.noise_multiplier");
+        assert_eq!(field_of(FedConfig::from_toml_str(&with("[dp]\nclip_norm = 1.0\nnoise_multiplier = 1.0\ndelta = 2.0\n")).unwrap_err()), "dp.delta");
+        let both = with("[dp]\nclip_norm = 1.0\nnoise_multiplier = 1.0\n[async]\nconcurrency = 4\nbuffer_size = 2\nmax_staleness = 3\n");
+        assert_eq!(field_of(FedConfig::from_toml_str(&both).unwrap_err()), "dp");
     }
 
     #[test]

@@ -16,6 +16,7 @@ use rand::Rng;
 use rand_distr::{Distribution, Normal};
 
 use crate::error::{FedError, Result};
+use crate::strategy::UpdateTransform;
 
 /// The RDP orders dp-accounting uses by default: 1.1..10.9 by 0.1, 11..63, 128, 256, 512, 1024.
 pub fn default_orders() -> Vec<f64> {
@@ -122,6 +123,61 @@ impl DpConfig {
             out.push(RoundEpsilon { round, epsilon, order });
         }
         Ok(out)
+    }
+}
+
+/// Client-level DP inside a [`crate::Federation`] round: the [`UpdateTransform`] of DP-FedAvg.
+///
+/// On each client the update is clipped to L2 norm `C` and its weight set to 1 (DP-FedAvg averages
+/// clipped updates unweighted; a non-finite update is left as is, so the round rejects it). On the
+/// sum, Gaussian noise `N(0, (z C)^2)` is added to every coordinate and the total weight becomes the
+/// fixed expected count `K`, so the server step is `(sum + noise) / K` whatever the number of
+/// contributors (what the accountant's analysis assumes). The noise of round `r` comes from a
+/// ChaCha20 stream keyed by `(seed, r)`: the same seed gives the same noised model on any number of
+/// hosts or threads, and no draw depends on the order updates arrived in.
+#[derive(Clone, Copy, Debug)]
+pub struct ClientDp {
+    config: DpConfig,
+    seed: u64,
+}
+
+impl ClientDp {
+    /// The transform for `config`, noise seeded by `seed`.
+    pub fn new(config: DpConfig, seed: u64) -> Self {
+        ClientDp { config, seed }
+    }
+
+    /// Its parameters.
+    pub fn config(&self) -> &DpConfig {
+        &self.config
+    }
+
+    fn noise(&self, round: u32) -> rand_chacha::ChaCha20Rng {
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(self.seed ^ 0x4450_4E4F_4953_4500);
+        rng.set_stream(u64::from(round));
+        rng
+    }
+}
+
+impl UpdateTransform for ClientDp {
+    fn on_client(&self, _round: u32, _client: u32, update: &mut [f32], weight: &mut f32) {
+        if self.config.clip(update).is_ok() && *weight > 0.0 {
+            *weight = 1.0;
+        }
+    }
+
+    fn on_sum(&self, round: u32, sum: &mut [f32], total_weight: &mut f64, _contributors: &[u32]) {
+        let std = self.config.noise_std();
+        if std > 0.0 {
+            if let Ok(normal) = Normal::new(0.0, std) {
+                let mut rng = self.noise(round);
+                for s in sum.iter_mut() {
+                    *s = (f64::from(*s) + normal.sample(&mut rng)) as f32;
+                }
+            }
+        }
+        *total_weight = self.config.expected_clients as f64;
     }
 }
 

@@ -22,6 +22,16 @@ pub trait UpdateTransform: Sync {
     fn on_sum(&self, _round: u32, _sum: &mut [f32], _total_weight: &mut f64, _contributors: &[u32]) {}
 }
 
+impl<T: UpdateTransform + ?Sized> UpdateTransform for Box<T> {
+    fn on_client(&self, round: u32, client: u32, update: &mut [f32], weight: &mut f32) {
+        (**self).on_client(round, client, update, weight);
+    }
+
+    fn on_sum(&self, round: u32, sum: &mut [f32], total_weight: &mut f64, contributors: &[u32]) {
+        (**self).on_sum(round, sum, total_weight, contributors);
+    }
+}
+
 /// No transform: updates are summed as trained.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Plain;

@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 
 use rtx_federated::config::{AsyncConfig, HostDown, StalenessWeighting, StrategyKind};
+use rtx_federated::dp::{ClientDp, DpConfig};
 use rtx_federated::{ClientTask, FedConfig, FedData, Federation, LocalTrainer, LogReg, LogRegSgd, Plain, Population, RoundReport};
 use rtx_tensor::data::{load_digits_csv, train_val_split, Split};
 
@@ -248,4 +249,47 @@ fn a_round_holds_o_of_fan_in_partial_sums_not_o_of_k() {
         assert!(peak >= 1 && peak <= bound, "threads {threads}: {peak} partial sums alive, bound {bound} (K/fan_in = 1000)");
         println!("threads {threads}: peak {peak} partial sums (bound {bound})");
     }
+}
+
+#[test]
+fn client_level_dp_in_the_round_clips_noises_and_replays_by_seed() {
+    // Goal: DP-FedAvg runs inside a round (the `UpdateTransform` hook): clipped, unweighted
+    // updates, Gaussian noise on the sum, division by the fixed K; the noise is seeded, so a run
+    // replays bit for bit on other host/thread counts, and moderate noise still learns.
+    // Method: digits, 200 clients, 50 a round, 8 rounds; z = 0 with a huge clip norm equals plain
+    // FedAvg (every client holds the same number of images, so weights cancel); z = 0.5 learns and
+    // replays; a tiny clip norm stalls learning (clipping is real).
+    let data = digits();
+    let shape = shape(&data);
+    let base = "[local]\nepochs = 2\nbatch_size = 4\n";
+    let run_dp = |cfg: &FedConfig, dp: DpConfig| {
+        let pop = Population::new(&cfg.population, cfg.seed, &data.train.labels).unwrap();
+        let l = &cfg.local;
+        let trainer = LogRegSgd::new(shape, &data.train, l.lr, l.batch_size, l.epochs, cfg.strategy.mu, l.shuffle);
+        let mut fed = Federation::new(cfg.clone(), pop, trainer, ClientDp::new(dp, cfg.seed), vec![0.0; shape.n_params()]).unwrap();
+        for _ in 0..cfg.round.rounds {
+            fed.run_round().unwrap();
+        }
+        fed.model().to_vec()
+    };
+    let cfg = config(200, 50, 8, &format!("threads = 1\n{base}"));
+    let (_, plain) = run(&cfg, &data);
+    let no_noise = run_dp(&cfg, DpConfig::new(1e9, 0.0, 50, 200, 1e-5).unwrap());
+    let diff = plain.iter().zip(&no_noise).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(diff < 1e-5, "z = 0, no clipping: DP-FedAvg differs from FedAvg by {diff}");
+
+    let dp = DpConfig::new(1.0, 0.5, 50, 200, 1e-5).unwrap();
+    let noised = run_dp(&cfg, dp);
+    let again = run_dp(&config(200, 50, 8, &format!("hosts = 2\nthreads = 2\n{base}")), dp);
+    assert_eq!(bits(&noised), bits(&again), "the noised model depends on hosts or threads");
+    assert_ne!(bits(&noised), bits(&no_noise));
+    let start = shape.evaluate(&vec![0.0; shape.n_params()], &data.test).accuracy;
+    let acc = shape.evaluate(&noised, &data.test).accuracy;
+    assert!(acc > start + 0.3, "z = 0.5, C = 1: accuracy {start} -> {acc}");
+    let eps = dp.epsilon_per_round(8).unwrap();
+    assert!(eps.windows(2).all(|w| w[1].epsilon > w[0].epsilon) && eps[7].epsilon.is_finite(), "{eps:?}");
+
+    let clipped = run_dp(&cfg, DpConfig::new(1e-4, 0.0, 50, 200, 1e-5).unwrap());
+    let moved = clipped.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>().sqrt();
+    assert!(moved <= 8.0 * 1e-4 * 1.0001, "8 rounds of updates clipped to 1e-4 moved the model by {moved}");
 }
