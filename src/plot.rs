@@ -111,23 +111,9 @@ pub fn plot_loss_curve(records: &[MetricRecord], path: &Path, title: &str, basel
     if with_text {
         series.label("train loss").legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], blue.stroke_width(2)));
     }
-    if !val.is_empty() {
-        chart.draw_series(val.iter().map(|&p| Circle::new(p, 3, orange.filled()))).map_err(|e| draw_err(&e))?;
-        let series = chart.draw_series(LineSeries::new(val.iter().copied(), orange.stroke_width(2))).map_err(|e| draw_err(&e))?;
-        if with_text {
-            series.label("validation loss").legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], orange.stroke_width(2)));
-        }
-    }
-    // Frozen-feature accuracies (I-JEPA), on the same axis: fractions in [0, 1].
-    for (points, colour, label) in [(&probe, RGBColor(44, 160, 44), "linear probe test accuracy"), (&knn, RGBColor(214, 39, 40), "k-NN test accuracy")] {
-        if points.is_empty() {
-            continue;
-        }
-        chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, colour.filled()))).map_err(|e| draw_err(&e))?;
-        let series = chart.draw_series(LineSeries::new(points.iter().copied(), colour.stroke_width(2))).map_err(|e| draw_err(&e))?;
-        if with_text {
-            series.label(label).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2)));
-        }
+    // Validation loss, then the frozen-feature accuracies (I-JEPA) on the same axis: fractions in [0, 1].
+    for (points, colour, label) in [(&val, orange, "validation loss"), (&probe, RGBColor(44, 160, 44), "linear probe test accuracy"), (&knn, RGBColor(214, 39, 40), "k-NN test accuracy")] {
+        draw_marked_line(&mut chart, points, colour, with_text.then_some(label)).map_err(|e| draw_err(&e))?;
     }
     if let (Some(y), Some((_, label))) = (base, baseline) {
         let grey = RGBColor(120, 120, 120);
@@ -163,10 +149,24 @@ pub fn plot_accuracy_curve(points: &[(f64, f64)], path: &Path, title: &str, with
     } else {
         chart.configure_mesh().x_labels(0).y_labels(0).draw().map_err(|e| draw_err(&e))?;
     }
-    let blue = RGBColor(31, 119, 180);
-    chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, blue.filled()))).map_err(|e| draw_err(&e))?;
-    chart.draw_series(LineSeries::new(points.iter().copied(), blue.stroke_width(2))).map_err(|e| draw_err(&e))?;
+    draw_marked_line(&mut chart, &points, RGBColor(31, 119, 180), None).map_err(|e| draw_err(&e))?;
     root.present().map_err(|e| draw_err(&e))?;
+    Ok(())
+}
+
+type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>;
+
+/// Draws `points` as a line with a dot at each point, with a legend entry when `label` is given;
+/// nothing when there are no points.
+fn draw_marked_line(chart: &mut Chart<'_, '_>, points: &[(f64, f64)], colour: RGBColor, label: Option<&str>) -> Result<(), String> {
+    if points.is_empty() {
+        return Ok(());
+    }
+    chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, colour.filled()))).map_err(|e| e.to_string())?;
+    let series = chart.draw_series(LineSeries::new(points.iter().copied(), colour.stroke_width(2))).map_err(|e| e.to_string())?;
+    if let Some(label) = label {
+        series.label(label).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2)));
+    }
     Ok(())
 }
 
