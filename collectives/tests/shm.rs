@@ -94,6 +94,14 @@ async fn shm_between_processes() {
     // the go-ahead sent while it is stopped, then both run an all-reduce.
     let pid = i32::try_from(child.0.id()).unwrap();
     signal(pid, libc::SIGSTOP);
+    // kill(2) returns before the child is stopped: wait until the kernel shows it stopped, or a
+    // loaded machine lets it take the go-ahead below and finish the all-reduce first.
+    let stat = format!("/proc/{pid}/stat");
+    let waiting = Instant::now();
+    while !std::fs::read_to_string(&stat).is_ok_and(|s| s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('T'))) {
+        assert!(waiting.elapsed() < Duration::from_secs(5), "child {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let stopped = Instant::now();
     c.send(&[1u32], 1).await.unwrap();
     let inputs = exact_inputs::<f32>(seed, 3, 2, 4099);
