@@ -8,8 +8,9 @@
 //! certificate is valid for the rank the client claims in its hello; a mismatch closes the
 //! connection.
 //!
-//! Topology: one connection per pair of ranks, dialed by the lower rank. Each side opens one
-//! unidirectional stream for its frames and starts it with an 8-byte hello (`RTXH` + rank, LE). Frames
+//! Topology: [`QuicOptions::stripes`] connections per pair of ranks (one by default), dialed by the
+//! lower rank. On each, both sides open one unidirectional stream for their frames and start it with
+//! a 12-byte hello (`RTXH`, rank u32, stripe index u16, stripe count u16, LE). Frames
 //! are written back to back, each handed to quinn as one pooled buffer without a copy; the reader
 //! takes the 64-byte header and validates it (including the payload cap) before reading the
 //! payload. A payload of [`CHUNKED_FRAME_MIN_BYTES`] or more is handed to the endpoint as the list
@@ -20,6 +21,18 @@
 //! checks the checksum. A header that fails validation, or a frame cut
 //! short by a cancelled send, means the stream cannot be resynchronised: the connection is closed and
 //! the peer reported lost.
+//!
+//! Stripes: a connection's packets are sealed, opened, acknowledged and reassembled by its quinn
+//! driver task, so one connection is capped by one core (about 0.8 GB/s of all-reduce traffic on the
+//! machines we measured) whatever the machine has. A link of several stripes sends its frames round
+//! robin over them, so consecutive chunks of a large collective are processed by different drivers
+//! on different threads of a multi-threaded runtime. Frame order between stripes is not kept, and
+//! need not be: the receiver matches frames by (generation, source, sequence, chunk), never by
+//! arrival. What the group's lost-peer rule needs is kept: a peer is reported lost only after every
+//! stripe's reader has ended (so every frame it sent is delivered first), and a stripe that breaks
+//! closes its siblings at once, so the loss is not held back by the idle timeout. Side streams use
+//! stripe 0. The dialer's count decides; an acceptor takes whatever count a peer's hellos name (up
+//! to [`MAX_STRIPES`]) and installs the link when all of them are connected.
 //!
 //! Tuning (measured by `rtx bench collectives`, see BENCHMARKS.md): quinn's defaults send 1200-byte
 //! datagrams and allow 1.25 MB per stream in flight, which caps a connection near 0.5 GB/s here.
@@ -50,6 +63,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -64,7 +78,7 @@ use crate::pool::{BufferPool, PooledBuf};
 use crate::transport::{BoxFuture, ChunkedBytes, EventSink, Transport, TransportEvent};
 
 /// ALPN protocol id both sides require.
-pub const ALPN: &[u8] = b"rtx-collectives/1";
+pub const ALPN: &[u8] = b"rtx-collectives/2";
 /// Most received frames waiting for the dispatcher before readers stop reading (QUIC flow control
 /// then slows the sender).
 pub const QUIC_INBOX_FRAMES: usize = 256;
@@ -74,7 +88,10 @@ pub const DEFAULT_LOOPBACK_DATAGRAM_BYTES: u16 = 65_000;
 const MAX_LOOPBACK_DATAGRAM_BYTES: u16 = 65_487;
 
 const HELLO_MAGIC: [u8; 4] = *b"RTXH";
-const HELLO_LEN: usize = 8;
+/// `RTXH`, the sender's rank (u32), the connection's stripe index and the stripe count (u16 each).
+const HELLO_LEN: usize = 12;
+/// Most connections per peer pair ([`QuicOptions::stripes`]).
+pub const MAX_STRIPES: usize = 16;
 const CLOSE_REFUSED: u32 = 1;
 const CLOSE_BAD_FRAME: u32 = 2;
 const CLOSE_TORN_FRAME: u32 = 3;
@@ -148,6 +165,11 @@ pub struct QuicOptions {
     /// Requested send and receive buffer of the UDP socket (the kernel caps it at
     /// `net.core.{r,w}mem_max`).
     pub socket_buffer_bytes: usize,
+    /// QUIC connections per peer pair that carry collective frames (at least 1, at most
+    /// [`MAX_STRIPES`]); the dialing (lower) rank's value decides. Each connection's packets are
+    /// sealed, opened and acknowledged by its own quinn driver task, so on a multi-threaded tokio
+    /// runtime `stripes` connections use up to `stripes` cores (see the module doc).
+    pub stripes: usize,
 }
 
 /// A rank's QUIC endpoint and its links to every other rank.
@@ -166,6 +188,8 @@ struct QuicShared {
     /// Client configuration towards loopback peers (jumbo packets).
     loopback_client_config: quinn::ClientConfig,
     links: Mutex<BTreeMap<usize, Link>>,
+    /// Stripes of links still being set up, by peer, until all of them are connected.
+    pending: Mutex<BTreeMap<usize, PendingLink>>,
     lost: Mutex<BTreeSet<usize>>,
     dial_errors: Mutex<BTreeMap<usize, String>>,
     links_changed: watch::Sender<()>,
@@ -197,10 +221,54 @@ enum Route {
     Pull(mpsc::Sender<TransportEvent>),
 }
 
+/// Everything connected to one peer: one or more stripes (connections carrying frames).
 #[derive(Clone)]
 struct Link {
+    /// Stripe 0's connection: it also carries the side streams, and names the link.
+    control: quinn::Connection,
+    stripes: Arc<Vec<Stripe>>,
+    /// Round-robin position of the next frame sent.
+    next: Arc<AtomicUsize>,
+}
+
+/// One connection of a link and the unidirectional stream this rank writes its frames to.
+struct Stripe {
     conn: quinn::Connection,
-    send: Arc<tokio::sync::Mutex<quinn::SendStream>>,
+    send: tokio::sync::Mutex<quinn::SendStream>,
+}
+
+/// A stripe's connection with both of its frame streams, once hellos are exchanged.
+type StripeParts = (quinn::Connection, quinn::SendStream, quinn::RecvStream);
+
+/// The stripes of a link connected so far.
+struct PendingLink {
+    of: usize,
+    parts: BTreeMap<usize, StripeParts>,
+}
+
+impl Link {
+    /// The stripe the next frame goes on: round robin, so consecutive chunks of a large
+    /// collective are sealed and opened by different connection drivers (different threads).
+    fn next_stripe(&self) -> &Stripe {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.stripes.len();
+        &self.stripes[i]
+    }
+
+    fn close_all(&self, code: u32, reason: &[u8]) {
+        for stripe in self.stripes.iter() {
+            stripe.conn.close(code.into(), reason);
+        }
+    }
+
+    /// Finishes this rank's frame streams and waits until the peer has read them.
+    async fn drain(&self) {
+        for stripe in self.stripes.iter() {
+            let mut send = stripe.send.lock().await;
+            if send.finish().is_ok() {
+                let _ = send.stopped().await;
+            }
+        }
+    }
 }
 
 impl Default for QuicOptions {
@@ -213,6 +281,7 @@ impl Default for QuicOptions {
             stream_window_bytes: 16 << 20,
             loopback_datagram_bytes: DEFAULT_LOOPBACK_DATAGRAM_BYTES,
             socket_buffer_bytes: 4 << 20,
+            stripes: 1,
         }
     }
 }
@@ -331,6 +400,9 @@ impl QuicTransport {
         if options.keep_alive >= options.idle_timeout {
             return Err(Error::InvalidConfig { reason: "keep_alive must be below idle_timeout" });
         }
+        if options.stripes == 0 || options.stripes > MAX_STRIPES {
+            return Err(Error::InvalidConfig { reason: "stripes must be 1 to 16 connections per peer pair" });
+        }
         let EndpointParts { endpoint, client_config, loopback_client_config } = EndpointParts::new(identity, listen, &options)?;
         let (events, inbox) = mpsc::channel(QUIC_INBOX_FRAMES);
         let shared = Arc::new(QuicShared {
@@ -341,6 +413,7 @@ impl QuicTransport {
             client_config,
             loopback_client_config,
             links: Mutex::new(BTreeMap::new()),
+            pending: Mutex::new(BTreeMap::new()),
             lost: Mutex::new(BTreeSet::new()),
             dial_errors: Mutex::new(BTreeMap::new()),
             links_changed: watch::channel(()).0,
@@ -366,9 +439,12 @@ impl QuicTransport {
         if addrs.len() != shared.world {
             return Err(Error::InvalidConfig { reason: "one address per rank is required" });
         }
+        let of = shared.options.stripes;
         for (peer, &addr) in addrs.iter().enumerate().skip(shared.rank + 1) {
-            let task = tokio::spawn(dial(Arc::clone(shared), peer, addr)).abort_handle();
-            lock(&shared.tasks).push(task);
+            for stripe in 0..of {
+                let task = tokio::spawn(dial(Arc::clone(shared), peer, addr, StripeId { stripe, of })).abort_handle();
+                lock(&shared.tasks).push(task);
+            }
         }
         let mut changed = shared.links_changed.subscribe();
         let all_up = async {
@@ -421,10 +497,7 @@ impl QuicTransport {
         let links: Vec<Link> = lock(&self.shared.links).values().cloned().collect();
         let drain = async {
             for link in links {
-                let mut send = link.send.lock().await;
-                if send.finish().is_ok() {
-                    let _ = send.stopped().await;
-                }
+                link.drain().await;
             }
         };
         let _ = tokio::time::timeout(timeout, drain).await;
@@ -453,7 +526,7 @@ impl QuicTransport {
             return Err(Error::SelfPeer { op: OpKind::Send, rank: peer });
         }
         let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
-        let Some(conn) = lock(&shared.links).get(&peer).map(|link| link.conn.clone()) else {
+        let Some(conn) = lock(&shared.links).get(&peer).map(|link| link.control.clone()) else {
             return Err(lost);
         };
         let span = tracing::debug_span!("side_stream", op = "open", rank = shared.rank, peer, channel);
@@ -481,27 +554,28 @@ impl QuicTransport {
         rx.recv().await.ok_or(Error::TransportClosed)
     }
 
-    /// quinn's stable id of the connection to `peer`, while it is live. Collective frames and
-    /// side streams to `peer` share this one connection.
+    /// quinn's stable id of the connection to `peer` that carries side streams (stripe 0), while
+    /// it is live. With one stripe, collective frames and side streams share this one connection.
     pub fn connection_id(&self, peer: usize) -> Option<usize> {
-        lock(&self.shared.links).get(&peer).map(|link| link.conn.stable_id())
+        lock(&self.shared.links).get(&peer).map(|link| link.control.stable_id())
     }
 
     /// The address of `peer`'s end of the connection, while it is live.
     pub fn peer_address(&self, peer: usize) -> Option<SocketAddr> {
-        lock(&self.shared.links).get(&peer).map(|link| link.conn.remote_address())
+        lock(&self.shared.links).get(&peer).map(|link| link.control.remote_address())
     }
 
     /// 32 bytes of TLS keying material of the connection to `peer` (RFC 5705 exporter with
     /// `label`), the same on both ends, for binding a proof to this channel.
     pub fn export_keying_material(&self, peer: usize, label: &[u8]) -> Result<[u8; 32]> {
-        let conn = lock(&self.shared.links).get(&peer).map(|link| link.conn.clone()).ok_or(Error::PeerLost { rank: peer, op: OpKind::Send })?;
+        let conn = lock(&self.shared.links).get(&peer).map(|link| link.control.clone()).ok_or(Error::PeerLost { rank: peer, op: OpKind::Send })?;
         let mut out = [0u8; 32];
         conn.export_keying_material(&mut out, label, b"rtx-collectives").map_err(|_| Error::Tls { reason: "TLS exporter unavailable".into() })?;
         Ok(out)
     }
 
-    /// Connections open on this rank's endpoint now (one per live peer when all is well).
+    /// Connections open on this rank's endpoint now ([`QuicOptions::stripes`] per live peer when
+    /// all is well).
     pub fn open_connections(&self) -> usize {
         self.shared.endpoint.open_connections()
     }
@@ -530,8 +604,9 @@ impl Transport for QuicTransport {
             let Some(link) = lock(&self.shared.links).get(&peer).cloned() else {
                 return Err(lost);
             };
-            let mut send = link.send.lock().await;
-            let mut torn = TornFrame { conn: &link.conn, armed: true };
+            let stripe = link.next_stripe();
+            let mut send = stripe.send.lock().await;
+            let mut torn = TornFrame { conn: &stripe.conn, armed: true };
             // quinn keeps the bytes until they are acknowledged, then the buffer goes back to the pool.
             let result = send.write_chunk(bytes::Bytes::from_owner(frame)).await.map_err(|_| lost);
             torn.armed = false;
@@ -603,10 +678,7 @@ impl Drop for QuicTransport {
                 runtime.spawn(async move {
                     let drain = async {
                         for link in &links {
-                            let mut send = link.send.lock().await;
-                            if send.finish().is_ok() {
-                                let _ = send.stopped().await;
-                            }
+                            link.drain().await;
                         }
                     };
                     let _ = tokio::time::timeout(linger, drain).await;
@@ -634,11 +706,38 @@ impl QuicShared {
         (0..self.world).find(|&p| p != self.rank && !links.contains_key(&p))
     }
 
-    /// Installs the link to `peer` and starts reading its frames.
-    fn register(self: &Arc<Self>, peer: usize, conn: quinn::Connection, send: quinn::SendStream, recv: quinn::RecvStream) {
-        let link = Link { conn: conn.clone(), send: Arc::new(tokio::sync::Mutex::new(send)) };
-        let conn_for_side = conn.clone();
-        lock(&self.links).insert(peer, link);
+    /// Records one connected stripe of the link to `peer`; when all of its stripes are connected,
+    /// installs the link and starts reading its frames.
+    fn register(self: &Arc<Self>, peer: usize, id: StripeId, parts: StripeParts) {
+        let complete = {
+            let mut pending = lock(&self.pending);
+            let entry = pending.entry(peer).or_insert_with(|| PendingLink { of: id.of, parts: BTreeMap::new() });
+            if entry.of != id.of {
+                // The peer dials a new set (it restarted with another count): start over.
+                *entry = PendingLink { of: id.of, parts: BTreeMap::new() };
+            }
+            if let Some((stale, ..)) = entry.parts.insert(id.stripe, parts) {
+                stale.close(CLOSE_REFUSED.into(), b"stripe dialed again");
+            }
+            if entry.parts.len() < entry.of {
+                return;
+            }
+            match pending.remove(&peer) {
+                Some(link) => link.parts,
+                None => return,
+            }
+        };
+        let mut stripes = Vec::with_capacity(complete.len());
+        let mut readers = Vec::with_capacity(complete.len());
+        for (conn, send, recv) in complete.into_values() {
+            readers.push((conn.clone(), recv));
+            stripes.push(Stripe { conn, send: tokio::sync::Mutex::new(send) });
+        }
+        let Some(control) = stripes.first().map(|s| s.conn.clone()) else {
+            return;
+        };
+        let link = Link { control: control.clone(), stripes: Arc::new(stripes), next: Arc::new(AtomicUsize::new(0)) };
+        lock(&self.links).insert(peer, link.clone());
         let came_back = lock(&self.lost).remove(&peer);
         let shared = Arc::clone(self);
         let task = tokio::spawn(async move {
@@ -647,14 +746,26 @@ impl QuicShared {
             if came_back {
                 deliver(&route, TransportEvent::PeerUp(peer)).await;
             }
-            read_frames(&shared, &route, peer, &conn, recv).await;
-            shared.link_down(&route, peer, &conn).await;
+            // One reader per stripe, on its own task: frames of different stripes are read (and,
+            // pushed, combined) in parallel. The link is down when the last reader ends; a stripe
+            // that breaks takes the others down with it, or they would wait for the idle timeout.
+            let mut stripe_readers = tokio::task::JoinSet::new();
+            for (conn, recv) in readers {
+                let (shared, route, link) = (Arc::clone(&shared), route.clone(), link.clone());
+                stripe_readers.spawn(async move {
+                    if read_frames(&shared, &route, peer, &conn, recv).await == StreamEnd::Broken {
+                        link.close_all(CLOSE_BAD_FRAME, b"another stripe of this link broke");
+                    }
+                });
+            }
+            while stripe_readers.join_next().await.is_some() {}
+            shared.link_down(&route, peer, &link.control).await;
         });
         lock(&self.tasks).push(task.abort_handle());
-        let side = tokio::spawn(accept_side_streams(Arc::clone(self), peer, conn_for_side));
+        let side = tokio::spawn(accept_side_streams(Arc::clone(self), peer, control));
         lock(&self.tasks).push(side.abort_handle());
         self.links_changed.send_replace(());
-        tracing::debug!(rank = self.rank, peer, "quic link up");
+        tracing::debug!(rank = self.rank, peer, stripes = id.of, "quic link up");
     }
 
     /// The queue of `channel`, made on first use; `None` once the transport is dropped.
@@ -687,7 +798,7 @@ impl QuicShared {
     async fn link_down(&self, route: &Route, peer: usize, conn: &quinn::Connection) {
         {
             let mut links = lock(&self.links);
-            if links.get(&peer).is_some_and(|l| l.conn.stable_id() == conn.stable_id()) {
+            if links.get(&peer).is_some_and(|l| l.control.stable_id() == conn.stable_id()) {
                 links.remove(&peer);
             }
         }
@@ -1029,22 +1140,25 @@ async fn accept_one(shared: &Arc<QuicShared>, incoming: quinn::Incoming) -> std:
         why.to_string()
     };
     let mut recv = conn.accept_uni().await.map_err(|e| e.to_string())?;
-    let peer = read_hello(&mut recv).await?;
+    let (peer, id) = read_hello(&mut recv).await?;
     if peer >= shared.world || peer >= shared.rank {
         return Err(refuse(&conn, "hello names a rank that does not dial this one"));
+    }
+    if id.of == 0 || id.of > MAX_STRIPES || id.stripe >= id.of {
+        return Err(refuse(&conn, "hello names an impossible stripe"));
     }
     if !cert_names_rank(&conn, peer) {
         return Err(refuse(&conn, "client certificate does not name the claimed rank"));
     }
     let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
-    send.write_all(&hello(shared.rank)).await.map_err(|e| e.to_string())?;
-    shared.register(peer, conn, send, recv);
+    send.write_all(&hello(shared.rank, id)).await.map_err(|e| e.to_string())?;
+    shared.register(peer, id, (conn, send, recv));
     Ok(())
 }
 
-async fn dial(shared: Arc<QuicShared>, peer: usize, addr: SocketAddr) {
+async fn dial(shared: Arc<QuicShared>, peer: usize, addr: SocketAddr, id: StripeId) {
     loop {
-        match dial_once(&shared, peer, addr).await {
+        match dial_once(&shared, peer, addr, id).await {
             Ok(()) => return,
             Err(reason) => {
                 tracing::debug!(rank = shared.rank, peer, %reason, "dial failed, retrying");
@@ -1055,27 +1169,38 @@ async fn dial(shared: Arc<QuicShared>, peer: usize, addr: SocketAddr) {
     }
 }
 
-async fn dial_once(shared: &Arc<QuicShared>, peer: usize, addr: SocketAddr) -> std::result::Result<(), String> {
+async fn dial_once(shared: &Arc<QuicShared>, peer: usize, addr: SocketAddr, id: StripeId) -> std::result::Result<(), String> {
     let config = if addr.ip().is_loopback() { &shared.loopback_client_config } else { &shared.client_config };
     let connecting = shared.endpoint.connect_with(config.clone(), addr, &rank_name(peer)).map_err(|e| e.to_string())?;
     let conn = connecting.await.map_err(|e| e.to_string())?;
     let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
-    send.write_all(&hello(shared.rank)).await.map_err(|e| e.to_string())?;
+    send.write_all(&hello(shared.rank, id)).await.map_err(|e| e.to_string())?;
     let mut recv = conn.accept_uni().await.map_err(|e| e.to_string())?;
-    let claimed = read_hello(&mut recv).await?;
-    if claimed != peer {
-        conn.close(CLOSE_REFUSED.into(), b"hello names another rank");
-        return Err(format!("rank {peer} answered as rank {claimed}"));
+    let (claimed, echoed) = read_hello(&mut recv).await?;
+    if claimed != peer || echoed != id {
+        conn.close(CLOSE_REFUSED.into(), b"hello names another rank or stripe");
+        return Err(format!("rank {peer} answered as rank {claimed}, stripe {echoed:?} for {id:?}"));
     }
-    shared.register(peer, conn, send, recv);
+    shared.register(peer, id, (conn, send, recv));
     Ok(())
 }
 
-async fn read_frames(shared: &QuicShared, route: &Route, peer: usize, conn: &quinn::Connection, mut recv: quinn::RecvStream) {
+/// How a stripe's frame stream ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StreamEnd {
+    /// The peer finished it at a frame boundary (a graceful close), or nobody listens any more.
+    Clean,
+    /// Cut mid-frame, reset, a bad header, or the connection lost.
+    Broken,
+}
+
+async fn read_frames(shared: &QuicShared, route: &Route, peer: usize, conn: &quinn::Connection, mut recv: quinn::RecvStream) -> StreamEnd {
     let mut header = [0u8; HEADER_LEN];
     loop {
-        if recv.read_exact(&mut header).await.is_err() {
-            return;
+        match recv.read_exact(&mut header).await {
+            Ok(()) => {}
+            Err(quinn::ReadExactError::FinishedEarly(0)) => return StreamEnd::Clean,
+            Err(_) => return StreamEnd::Broken,
         }
         let payload_len = match decode_header(&header, shared.options.max_payload_bytes) {
             // Bounded by the cap just checked, so it fits in usize.
@@ -1083,7 +1208,7 @@ async fn read_frames(shared: &QuicShared, route: &Route, peer: usize, conn: &qui
             Err(error) => {
                 tracing::warn!(rank = shared.rank, peer, %error, "bad frame header on stream, closing link");
                 conn.close(CLOSE_BAD_FRAME.into(), b"bad frame header");
-                return;
+                return StreamEnd::Broken;
             }
         };
         if let (Route::Push(sink), true) = (route, payload_len >= CHUNKED_FRAME_MIN_BYTES) {
@@ -1093,12 +1218,12 @@ async fn read_frames(shared: &QuicShared, route: &Route, peer: usize, conn: &qui
             while payload.len() < payload_len {
                 match recv.read_chunk(payload_len - payload.len(), true).await {
                     Ok(Some(chunk)) => payload.push(chunk.bytes),
-                    Ok(None) | Err(_) => return,
+                    Ok(None) | Err(_) => return StreamEnd::Broken,
                 }
             }
             match sink.upgrade() {
                 Some(sink) => sink.chunked_frame(peer, header, payload),
-                None => return,
+                None => return StreamEnd::Clean,
             }
             continue;
         }
@@ -1109,11 +1234,11 @@ async fn read_frames(shared: &QuicShared, route: &Route, peer: usize, conn: &qui
         while buf.len() < total {
             match recv.read_chunk(total - buf.len(), true).await {
                 Ok(Some(chunk)) => buf.extend_from_slice(&chunk.bytes),
-                Ok(None) | Err(_) => return,
+                Ok(None) | Err(_) => return StreamEnd::Broken,
             }
         }
         if !deliver(route, TransportEvent::Frame { from: peer, bytes: buf }).await {
-            return;
+            return StreamEnd::Clean;
         }
     }
 }
@@ -1158,20 +1283,32 @@ fn refuse_side(send: &mut quinn::SendStream, recv: &mut quinn::RecvStream) {
     let _ = recv.stop(SIDE_REFUSED.into());
 }
 
-fn hello(rank: usize) -> [u8; HELLO_LEN] {
+/// Which of a link's connections this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct StripeId {
+    stripe: usize,
+    of: usize,
+}
+
+fn hello(rank: usize, id: StripeId) -> [u8; HELLO_LEN] {
     let mut out = [0u8; HELLO_LEN];
     out[..4].copy_from_slice(&HELLO_MAGIC);
-    out[4..].copy_from_slice(&(rank as u32).to_le_bytes());
+    out[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
+    // Both are below MAX_STRIPES (checked at bind and on receipt).
+    out[8..10].copy_from_slice(&(id.stripe as u16).to_le_bytes());
+    out[10..12].copy_from_slice(&(id.of as u16).to_le_bytes());
     out
 }
 
-async fn read_hello(recv: &mut quinn::RecvStream) -> std::result::Result<usize, String> {
+async fn read_hello(recv: &mut quinn::RecvStream) -> std::result::Result<(usize, StripeId), String> {
     let mut buf = [0u8; HELLO_LEN];
     recv.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
     if buf[..4] != HELLO_MAGIC {
         return Err("bad hello magic".into());
     }
-    Ok(u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize)
+    let rank = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
+    let id = StripeId { stripe: usize::from(u16::from_le_bytes([buf[8], buf[9]])), of: usize::from(u16::from_le_bytes([buf[10], buf[11]])) };
+    Ok((rank, id))
 }
 
 /// Whether the peer's (already CA-verified) leaf certificate is valid for `rank`'s name.

@@ -1,9 +1,13 @@
 //! The [`Transport`] trait: reliable, ordered, framed messages between ranks, plus connection events.
 //!
 //! A transport moves whole encoded frames (see [`crate::frame`]) between global ranks `0..world_size`.
-//! Guarantees a transport must give: messages between one ordered pair of ranks arrive complete, in
-//! order, at most once; a peer that goes away is reported once with [`TransportEvent::PeerLost`]; and
-//! `from` in a received frame is the authenticated sender, not a claim read from the frame.
+//! Guarantees a transport must give: messages between one ordered pair of ranks arrive complete and
+//! at most once; a peer that goes away is reported once with [`TransportEvent::PeerLost`], after
+//! every frame it sent has been delivered; and `from` in a received frame is the authenticated
+//! sender, not a claim read from the frame. Arrival order between frames is not a guarantee: the
+//! endpoint matches each frame to its operation by (generation, lane, source, sequence, chunk),
+//! never by position, so a transport may spread one peer's frames over several channels (QUIC
+//! with `QuicOptions::stripes` > 1) that overtake each other.
 //!
 //! Exactly one task (the endpoint's dispatcher) calls [`Transport::recv`]; any task may call
 //! [`Transport::send`]. The trait holds no QUIC or tokio-channel types so that the simulator can

@@ -27,21 +27,30 @@ fn options() -> QuicOptions {
     QuicOptions { connect_timeout: Duration::from_secs(20), loopback_datagram_bytes: 65000, ..QuicOptions::default() }
 }
 
-async fn cluster(ca: &ClusterCa, n: usize) -> Vec<Arc<QuicTransport>> {
-    QuicTransport::loopback_world(ca, n, options()).await.unwrap()
-}
-
 // Goal: collectives over QUIC give correct results (large ring and small doubling paths), and a
 // rank that goes away makes the survivors' next collective fail with PeerLost naming it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn collectives_over_quic_and_peer_loss() {
+    collectives_and_peer_loss(1).await;
+}
+
+// Goal: the same with three connections per rank pair: frames of one peer overtake each other
+// across stripes and still land in their slots; every stripe is connected; the loss of a rank is
+// reported once all of its stripes end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collectives_over_striped_quic_and_peer_loss() {
+    collectives_and_peer_loss(3).await;
+}
+
+async fn collectives_and_peer_loss(stripes: usize) {
     let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
-    let transports = cluster(&ca, 3).await;
+    let transports = QuicTransport::loopback_world(&ca, 3, QuicOptions { stripes, ..options() }).await.unwrap();
     for (r, t) in transports.iter().enumerate() {
         let mut expected: Vec<usize> = (0..3).collect();
         expected.retain(|&p| p != r);
         assert_eq!(t.connected_peers(), expected);
+        assert_eq!(t.open_connections(), 2 * stripes, "rank {r}: {stripes} connections per peer");
     }
     let config = CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() };
     let mut comms: Vec<_> = transports
@@ -91,6 +100,11 @@ async fn collectives_over_quic_and_peer_loss() {
 /// Connects to `addr` as a plain quinn client, sends a hello claiming `claim`, and waits for the
 /// server's hello. `Ok` means the server accepted the peer.
 async fn rogue_connect(client: rustls::ClientConfig, addr: SocketAddr, server_rank: usize, claim: u32) -> Result<(), String> {
+    rogue_connect_stripe(client, addr, server_rank, claim, 0, 1).await
+}
+
+/// As [`rogue_connect`], with the hello naming stripe `stripe` of `of`.
+async fn rogue_connect_stripe(client: rustls::ClientConfig, addr: SocketAddr, server_rank: usize, claim: u32, stripe: u16, of: u16) -> Result<(), String> {
     let endpoint = quinn::Endpoint::client(LOOPBACK.parse().unwrap()).unwrap();
     let config = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(client).unwrap()));
     let attempt = async {
@@ -98,9 +112,11 @@ async fn rogue_connect(client: rustls::ClientConfig, addr: SocketAddr, server_ra
         let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
         let mut hello = b"RTXH".to_vec();
         hello.extend_from_slice(&claim.to_le_bytes());
+        hello.extend_from_slice(&stripe.to_le_bytes());
+        hello.extend_from_slice(&of.to_le_bytes());
         send.write_all(&hello).await.map_err(|e| e.to_string())?;
         let mut recv = conn.accept_uni().await.map_err(|e| e.to_string())?;
-        let mut answer = [0u8; 8];
+        let mut answer = [0u8; 12];
         recv.read_exact(&mut answer).await.map_err(|e| e.to_string())?;
         Ok(())
     };
@@ -147,8 +163,20 @@ async fn mutual_tls_refuses_unauthenticated_peers() {
     assert!(impostor.unwrap_err().contains("does not name the claimed rank"), "rank 1's certificate was not refused as rank 0");
     assert!(server.connected_peers().is_empty());
 
-    // Positive control: the same path with a certificate naming the claimed rank is accepted.
+    // A correct certificate whose hello names an impossible stripe (index past the count, a zero
+    // count, more than MAX_STRIPES) is refused.
     let rank0 = ca.issue(0).unwrap();
+    for (stripe, of) in [(2u16, 2u16), (0, 0), (0, 17)] {
+        let bad = rogue_connect_stripe(client_config(&ca, Some(&rank0)), addr, 2, 0, stripe, of).await;
+        eprintln!("stripe {stripe} of {of}: {bad:?}");
+        assert!(bad.unwrap_err().contains("impossible stripe"), "stripe {stripe} of {of} was not refused");
+    }
+    // Stripe 0 of 2 is a valid hello, but the link waits for stripe 1 before it is installed.
+    rogue_connect_stripe(client_config(&ca, Some(&rank0)), addr, 2, 0, 0, 2).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(server.connected_peers().is_empty(), "a link was installed before all its stripes connected");
+
+    // Positive control: the same path with a certificate naming the claimed rank is accepted.
     rogue_connect(client_config(&ca, Some(&rank0)), addr, 2, 0).await.unwrap();
     // The server installs the link right after writing its hello; give it a moment.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -162,6 +190,16 @@ async fn mutual_tls_refuses_unauthenticated_peers() {
     let refused = rogue_connect(client_tls_config(&rank0).unwrap(), stranger.local_addr().unwrap(), 2, 0).await;
     eprintln!("server from another CA: {refused:?}");
     assert!(refused.unwrap_err().contains("UnknownIssuer"), "client did not refuse a server from another CA");
+}
+
+// Goal: a stripe count of 0 or over MAX_STRIPES is a typed configuration error at bind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bind_refuses_impossible_stripe_counts() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    for stripes in [0, rtx_collectives::MAX_STRIPES + 1] {
+        let err = QuicTransport::bind(&ca.issue(0).unwrap(), 2, LOOPBACK.parse().unwrap(), QuicOptions { stripes, ..options() }).unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "stripes = {stripes}: {err}");
+    }
 }
 
 // Goal: connect gives a typed error naming the missing peer when a rank never shows up.

@@ -96,21 +96,24 @@ def table(path):
         if nbytes <= 4096:
             row = row.replace(f"{g['busbw_gbps']:>8.3f}", f"{g['time_us']:>6.0f}us", 1)
         print(row)
-    if cipher and "quic" in transports:
+    quics = [t for t in transports if t.startswith("quic")]
+    if cipher and quics:
         # What Gloo could reach if it also had to run the TLS packet cipher on the same cores:
         # each rank seals and opens the busbw bytes it moves (see `rtx bench collectives`).
         print(f"TLS cipher bound (AES-128-GCM as quinn runs it: seal {cipher['seal_gbps']:.2f}, "
               f"open {cipher['open_gbps']:.2f} GB/s on one core; {cipher['cores']} cores)")
-        print(f"{'n':>2} {'size':>6} {'gloo':>8} {'gloo+tls':>9} {'quic':>8} {'quic/bound':>11}")
+        print(f"{'n':>2} {'size':>6} {'gloo':>8} {'gloo+tls':>9}" + "".join(f" {t:>8} {t + '/bound':>12}" for t in quics))
         for (world, nbytes) in sorted(gloo):
-            r = rtx.get(("quic", world, nbytes))
-            if r is None or nbytes <= 4096:
+            if nbytes <= 4096:
                 continue
             g = gloo[(world, nbytes)]["busbw_gbps"]
             share = max(1.0, world / cipher["cores"])
             bound = 1.0 / (1.0 / g + share / cipher["seal_gbps"] + share / cipher["open_gbps"])
-            print(f"{world:>2} {human(nbytes):>6} {g:>8.3f} {bound:>9.3f} {r['busbw_gbps']:>8.3f} "
-                  f"{r['busbw_gbps'] / bound:>11.2f}")
+            row = f"{world:>2} {human(nbytes):>6} {g:>8.3f} {bound:>9.3f}"
+            for t in quics:
+                r = rtx.get((t, world, nbytes))
+                row += f" {'-':>8} {'-':>12}" if r is None else f" {r['busbw_gbps']:>8.3f} {r['busbw_gbps'] / bound:>12.2f}"
+            print(row)
     if "tcp_rtt_64b" in refs:
         print(f"loopback TCP 64 B round trip: {refs['tcp_rtt_64b']['us']:.1f} us; "
               f"for 4K rows the ratio is gloo time / rtx time (higher is better)")

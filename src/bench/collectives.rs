@@ -107,6 +107,10 @@ pub struct CollectivesArgs {
     /// Override `QuicOptions::stream_window_bytes`.
     #[arg(long, value_parser = parse_size)]
     pub quic_window: Option<usize>,
+    /// QUIC connections per rank pair (`QuicOptions::stripes`); use with `--threads` of at least
+    /// the same number so the connections' drivers run on separate cores.
+    #[arg(long, default_value_t = 1)]
+    pub stripes: usize,
     /// Override `ShmOptions::ring_bytes` (a power of two).
     #[arg(long, value_parser = parse_size)]
     pub shm_ring: Option<usize>,
@@ -214,7 +218,7 @@ fn sizes(args: &CollectivesArgs) -> Vec<usize> {
     out
 }
 
-fn parse_size(s: &str) -> Result<usize, String> {
+pub(super) fn parse_size(s: &str) -> Result<usize, String> {
     let s = s.trim();
     let (digits, shift) = match s.chars().last() {
         Some('K' | 'k') => (&s[..s.len() - 1], 10),
@@ -365,7 +369,7 @@ fn tcp_throughput(total: usize) -> anyhow::Result<f64> {
     Ok(total as f64 / seconds / GB)
 }
 
-fn tcp_round_trip_us(rounds: usize) -> anyhow::Result<f64> {
+pub(super) fn tcp_round_trip_us(rounds: usize) -> anyhow::Result<f64> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let echo = std::thread::spawn(move || -> std::io::Result<()> {
@@ -426,14 +430,7 @@ fn run_group(
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     if transport == BenchTransport::Quic {
-        let ca = ClusterCa::generate("rtx bench collectives")?;
-        std::fs::write(dir.join("ca.der"), ca.certificate().as_ref())?;
-        for rank in 0..world {
-            let id = ca.issue(rank)?;
-            let (cert, key) = id.to_der().context("rank identity in DER")?;
-            std::fs::write(dir.join(format!("rank-{rank}.cert.der")), cert)?;
-            std::fs::write(dir.join(format!("rank-{rank}.key.der")), key)?;
-        }
+        write_identities(&dir, world)?;
     }
     let exe = std::env::current_exe().context("locate the rtx binary")?;
     let ops: Vec<String> = args.ops.iter().map(|&op| op_name(op).replace('_', "-")).collect();
@@ -457,7 +454,9 @@ fn run_group(
             .arg("--sample-ms")
             .arg(args.sample_ms.to_string())
             .arg("--threads")
-            .arg(args.threads.to_string());
+            .arg(args.threads.to_string())
+            .arg("--stripes")
+            .arg(args.stripes.to_string());
         let overrides = [
             ("--small-message-bytes", small),
             ("--chunk-bytes", args.chunk_bytes),
@@ -548,7 +547,7 @@ fn summary(rows: &[Row], refs: &References) {
 // Worker: one rank
 
 fn quic_options(args: &CollectivesArgs) -> QuicOptions {
-    let mut options = QuicOptions { connect_timeout: RENDEZVOUS_TIMEOUT, ..QuicOptions::default() };
+    let mut options = QuicOptions { connect_timeout: RENDEZVOUS_TIMEOUT, stripes: args.stripes, ..QuicOptions::default() };
     if let Some(d) = args.quic_datagram {
         options.loopback_datagram_bytes = d;
     }
@@ -615,10 +614,29 @@ fn worker(args: &CollectivesArgs, rank: usize) -> anyhow::Result<()> {
     })
 }
 
+/// A cluster CA and one certificate per rank, as DER files in `dir`, for rank processes to read.
+pub(super) fn write_identities(dir: &Path, world: usize) -> anyhow::Result<()> {
+    let ca = ClusterCa::generate("rtx bench")?;
+    std::fs::write(dir.join("ca.der"), ca.certificate().as_ref())?;
+    for rank in 0..world {
+        let id = ca.issue(rank)?;
+        let (cert, key) = id.to_der().context("rank identity in DER")?;
+        std::fs::write(dir.join(format!("rank-{rank}.cert.der")), cert)?;
+        std::fs::write(dir.join(format!("rank-{rank}.key.der")), key)?;
+    }
+    Ok(())
+}
+
 async fn quic_rank(args: &CollectivesArgs, rank: usize, world: usize, dir: &Path, max_payload: usize) -> anyhow::Result<QuicTransport> {
+    let options = QuicOptions { max_payload_bytes: max_payload, ..quic_options(args) };
+    quic_rank_in(dir, rank, world, options).await
+}
+
+/// Binds rank `rank` with its identity from `dir` (see [`write_identities`]), publishes its
+/// address there and connects to every other rank's.
+pub(super) async fn quic_rank_in(dir: &Path, rank: usize, world: usize, options: QuicOptions) -> anyhow::Result<QuicTransport> {
     let read = |name: String| std::fs::read(dir.join(&name)).with_context(|| format!("read {name}"));
     let identity = NodeIdentity::from_der(rank, read("ca.der".into())?, read(format!("rank-{rank}.cert.der"))?, read(format!("rank-{rank}.key.der"))?);
-    let options = QuicOptions { max_payload_bytes: max_payload, ..quic_options(args) };
     let transport = QuicTransport::bind(&identity, world, SocketAddr::from(([127, 0, 0, 1], 0)), options)?;
     let staging = dir.join(format!("addr-{rank}.staging"));
     std::fs::write(&staging, transport.local_addr()?.to_string())?;
