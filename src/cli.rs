@@ -143,6 +143,11 @@ pub struct WorkerArgs {
     /// Data folder (default: $RTX_DATA_DIR, else ./data).
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
+    /// QUIC connections per worker pair for the collectives (1-16; default: $RTX_QUIC_STRIPES, else
+    /// 1). Between hosts with cores to spare, 2 lets the worker's two runtime threads both seal and
+    /// open packets (see BENCHMARKS.md, "QUIC stripes").
+    #[arg(long, value_name = "N")]
+    pub quic_stripes: Option<usize>,
 }
 
 /// Arguments of `rtx status`.

@@ -119,6 +119,14 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     let checkpoint_dir = std::env::var_os(RUN_DIR_ENV).map(|d| PathBuf::from(d).join("checkpoints"));
     let index = std::env::var("RTX_WORKER_INDEX").ok().or(env.as_ref().map(|e| e.rank.to_string())).unwrap_or_else(|| std::process::id().to_string());
     let mut options = WorkerOptions::new(join, token, format!("worker-{index}"));
+    options.quic.stripes = match (args.quic_stripes, std::env::var("RTX_QUIC_STRIPES").ok()) {
+        (Some(n), _) => n,
+        (None, Some(text)) => text.trim().parse().with_context(|| format!("RTX_QUIC_STRIPES={text:?} is not a number of connections"))?,
+        (None, None) => 1,
+    };
+    if options.quic.stripes == 0 || options.quic.stripes > rtx_collectives::MAX_STRIPES {
+        bail!("--quic-stripes {} is out of range: 1 to {} QUIC connections per worker pair", options.quic.stripes, rtx_collectives::MAX_STRIPES);
+    }
     if !join.ip().is_loopback() {
         options.bind_ip = local_ip_towards(join).unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
     }

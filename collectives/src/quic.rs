@@ -54,7 +54,9 @@
 //! streams are open per connection and direction, and at most `SIDE_QUEUE` (16) wait unaccepted per
 //! channel; a stream beyond that, or with a bad tag, is refused (reset and stopped). What the
 //! streams carry is the caller's business: this crate only hands out quinn's halves, which are
-//! tokio `AsyncRead`/`AsyncWrite`. A side stream lives and dies with its connection.
+//! tokio `AsyncRead`/`AsyncWrite`. A side stream lives and dies with its connection. Side streams
+//! send at a higher quinn priority than frame streams, so a control message is not queued behind a
+//! tensor's frames at the sender.
 //!
 //! Peer loss is reported once per link, when its stream or connection ends (including the idle
 //! timeout, [`QuicOptions::idle_timeout`], for a peer that vanished without closing). Key generation
@@ -110,6 +112,9 @@ const SIDE_MAGIC: [u8; 4] = *b"RTXS";
 const SIDE_HEADER_LEN: usize = 8;
 /// Stream error code of a refused side stream (bad tag, or its channel's queue full).
 const SIDE_REFUSED: u32 = 1;
+/// quinn send priority of side streams (frame streams keep 0): a control message queued behind a
+/// tensor's frames on the same connection goes out first.
+const SIDE_PRIORITY: i32 = 1;
 /// How long the acceptor waits for a side stream's tag before refusing it.
 const SIDE_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// Most side streams a peer may have open at once on one connection (QUIC's bidirectional stream
@@ -532,6 +537,8 @@ impl QuicTransport {
         let span = tracing::debug_span!("side_stream", op = "open", rank = shared.rank, peer, channel);
         let opened = async {
             let (mut send, recv) = conn.open_bi().await.map_err(|_| lost.clone())?;
+            // Control before bulk: quinn sends higher-priority streams' data first.
+            let _ = send.set_priority(SIDE_PRIORITY);
             // The peer learns of the stream only when its first bytes arrive: the tag.
             send.write_all(&side_header(channel)).await.map_err(|_| lost.clone())?;
             Ok::<_, Error>((send, recv))
@@ -1247,6 +1254,7 @@ async fn read_frames(shared: &QuicShared, route: &Route, peer: usize, conn: &qui
 /// each one's tag and queues it on its channel, or refuses it.
 async fn accept_side_streams(shared: Arc<QuicShared>, peer: usize, conn: quinn::Connection) {
     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+        let _ = send.set_priority(SIDE_PRIORITY);
         let mut header = [0u8; SIDE_HEADER_LEN];
         let channel = match tokio::time::timeout(SIDE_HEADER_TIMEOUT, recv.read_exact(&mut header)).await {
             Ok(Ok(())) if header[..4] == SIDE_MAGIC => u32::from_le_bytes([header[4], header[5], header[6], header[7]]),
