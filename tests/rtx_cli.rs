@@ -194,3 +194,18 @@ fn cuda_without_a_gpu_fails_before_any_worker_starts() {
 fn read_jsonl(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
+
+// Goal: a QUIC stripe count outside 1..=16, by flag or environment, is refused with a message naming
+// the value before the worker dials anyone.
+#[test]
+fn worker_refuses_impossible_quic_stripes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = rtx(&["worker", "--join", "127.0.0.1:9", "--token", "t", "--quic-stripes", "0"], dir.path());
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--quic-stripes 0 is out of range"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_rtx")).args(["worker", "--join", "127.0.0.1:9", "--token", "t"]).env("RTX_QUIC_STRIPES", "many").current_dir(dir.path()).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("RTX_QUIC_STRIPES=\"many\""), "{err}");
+}
