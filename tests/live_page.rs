@@ -2,8 +2,7 @@
 //! Fashion-MNIST while Debian's headless Chromium (driven by playwright-core through
 //! `scripts/browser/live_page.mjs`) watches the page; when the page lists two training workers,
 //! the test kills one with `kill -9` and the browser waits for the recovery to appear. The JSON
-//! API and `/metrics` of the same job are checked over plain HTTP, and the job must still finish
-//! with bit-identical replicas.
+//! API and `/metrics` of the same job are checked over plain HTTP.
 //!
 //! Needs `bash scripts/setup-browser.sh` (Chromium, node and playwright-core) and the
 //! Fashion-MNIST data (`bash scripts/fetch-data.sh`). `RTX_UPDATE_SCREENSHOT=1` copies the
@@ -19,7 +18,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::{signal, Launch};
+use support::{alive, signal, Launch};
 
 const CHROMIUM: &str = "/usr/bin/chromium";
 
@@ -48,7 +47,9 @@ fn config() -> PathBuf {
     let text = std::fs::read_to_string(repo().join("tests/configs/elastic_fashion.toml")).expect("test config");
     let dir = tempfile::tempdir().expect("tempdir").keep();
     let path = dir.join("live.toml");
-    std::fs::write(&path, text.replace("steps = 600", "steps = 800")).expect("write config");
+    // Far more steps than the test watches: the browser starts at its own pace, and the test ends
+    // the job by killing the supervisor (tests/elastic.rs covers jobs that finish).
+    std::fs::write(&path, text.replace("steps = 600", "steps = 100000")).expect("write config");
     path
 }
 
@@ -150,9 +151,17 @@ fn the_page_shows_two_workers_then_the_recovery_after_a_kill() {
     assert_eq!(status, 200);
     assert!(page.contains("new EventSource(\"events\")") && !page.contains("http://") && !page.contains("https://"), "the page is self-contained");
 
-    let (summary, events) = launch.finish();
-    assert_eq!(events.iter().filter(|e| e["event"] == "lost").count(), 1);
-    assert!(summary["eval"]["test_acc"].as_f64().is_some_and(|a| a > 0.75), "{summary}");
+    let survivors = launch.pids();
+    let mut launch = launch;
+    assert!(launch.child.try_wait().expect("poll").is_none(), "the job ended early");
+    assert_eq!(launch.events().iter().filter(|e| e["event"] == "lost").count(), 1);
+    launch.child.kill().expect("end the job");
+    let _ = launch.child.wait();
+    let start = Instant::now();
+    while survivors.iter().any(|&p| alive(p)) {
+        assert!(start.elapsed() < Duration::from_secs(20), "workers {survivors:?} outlived their supervisor");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[test]

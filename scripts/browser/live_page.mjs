@@ -58,7 +58,7 @@ try {
   const resumedAt = Number(await page.$eval('#generations tr[data-recovery="true"] td:nth-child(4)', (td) => td.textContent));
   await page.waitForFunction((from) => {
     const done = Number(document.getElementById("s-step").textContent.split("/")[0]);
-    return done >= from + 20 || document.getElementById("phase").textContent === "finished";
+    return done >= from + 200 || document.getElementById("phase").textContent === "finished";
   }, resumedAt);
   const lostPids = await page.$$eval('#members tr[data-state="lost"]', (rows) => rows.map((r) => Number(r.dataset.pid)));
   const recovery = await page.$eval("#timeline li.recovery", (li) => li.textContent);
