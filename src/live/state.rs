@@ -23,7 +23,7 @@ pub const GENERATIONS_MAX: usize = 256;
 /// Committed steps the throughput is measured over.
 pub const THROUGHPUT_WINDOW: usize = 32;
 
-const _: () = assert!(LOSS_POINTS_MAX >= 2 && LOSS_POINTS_MAX % 2 == 0);
+const _: () = assert!(LOSS_POINTS_MAX >= 2 && LOSS_POINTS_MAX.is_multiple_of(2));
 const _: () = assert!(THROUGHPUT_WINDOW >= 2);
 
 /// What the page says about the job before any event: from the config and the command line.
