@@ -113,6 +113,10 @@ pub struct JobArgs {
     /// Print log lines only, no progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Serve the live cluster page (and /api/state, /events, /metrics) on this address, e.g.
+    /// 127.0.0.1:8080 (port 0: any free port; the address is printed and written to <out>/http.addr).
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<std::net::SocketAddr>,
 }
 
 /// Arguments of `rtx supervisor`.

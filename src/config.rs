@@ -386,6 +386,10 @@ pub struct LoopConfig {
     /// Write a checkpoint every this many steps (0: only at the end).
     #[serde(default)]
     pub checkpoint_every: u64,
+    /// Under `rtx launch`: record each generation's first this many steps per rank and write
+    /// them to `<out>/trace-rank<r>.json` (Chrome trace format; 0: no trace).
+    #[serde(default)]
+    pub trace_steps: u64,
     /// Keep this many most recent checkpoints.
     #[serde(default = "default_keep_checkpoints")]
     pub keep_checkpoints: usize,

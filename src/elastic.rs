@@ -22,6 +22,7 @@ use serde_json::json;
 
 use crate::cli::{JobArgs, LaunchArgs, StatusArgs, SupervisorArgs, WorkerArgs};
 use crate::config::TrainConfig;
+use crate::live::{self, JobInfo, LiveFeed, LiveServer};
 use crate::metrics::{MetricRecord, MetricsWriter};
 use crate::progress::{human, Progress, Verbosity};
 use crate::train::elastic_job::ElasticJob;
@@ -49,6 +50,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         let options = job.supervisor_options("127.0.0.1:0".parse()?, token.clone(), elastic);
         let supervisor = SupervisorHandle::start(options, Some(requests_tx)).await?;
         write_private(&job.out_dir.join("token"), &token)?;
+        let live = start_live(&job, &args.config, args.job.http, supervisor.addr).await?;
         let threads = (std::thread::available_parallelism().map_or(2, |n| n.get()) / args.nproc).max(1);
         let program = std::env::current_exe().context("cannot find the rtx binary to start workers")?;
         let launch = LaunchOptions {
@@ -66,8 +68,11 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         };
         let launcher = Launcher::start(launch, args.nproc, supervisor.actor(), requests_rx)?;
         let verbosity = if args.job.no_progress { Verbosity::Lines } else { Verbosity::Auto };
-        let outcome = follow(supervisor, &job, verbosity).await;
+        let outcome = follow(supervisor, &job, verbosity, live.as_ref().map(LiveServer::feed)).await;
         launcher.shutdown().await;
+        if let Some(live) = live {
+            live.stop().await;
+        }
         outcome
     })
 }
@@ -94,11 +99,16 @@ pub fn supervise(args: SupervisorArgs) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let options = job.supervisor_options(listen, token.clone(), elastic);
         let supervisor = SupervisorHandle::start(options, None).await?;
+        let live = start_live(&job, &args.config, args.job.http, supervisor.addr).await?;
         let token_file = job.out_dir.join("token");
         write_private(&token_file, &token)?;
         eprintln!("supervisor listening on {}; waiting for {expected} worker(s)", supervisor.addr);
         eprintln!("join with: {TOKEN_ENV}=$(cat {}) rtx worker --join <this host>:{}", token_file.display(), supervisor.addr.port());
-        follow(supervisor, &job, if args.job.no_progress { Verbosity::Lines } else { Verbosity::Auto }).await
+        let outcome = follow(supervisor, &job, if args.job.no_progress { Verbosity::Lines } else { Verbosity::Auto }, live.as_ref().map(LiveServer::feed)).await;
+        if let Some(live) = live {
+            live.stop().await;
+        }
+        outcome
     })
 }
 
@@ -259,8 +269,28 @@ impl JobFiles {
     }
 }
 
-/// Follows the job's events until it ends: progress bar, metrics, events, summary, plot.
-async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Verbosity) -> anyhow::Result<()> {
+/// `--http ADDR`: serves the live page of the job, its address printed and written to
+/// `<out>/http.addr`.
+async fn start_live(job: &JobFiles, config: &Path, addr: Option<SocketAddr>, supervisor: SocketAddr) -> anyhow::Result<Option<LiveServer>> {
+    let Some(addr) = addr else { return Ok(None) };
+    let (unit, per_step) = ElasticJob::unit(&job.config);
+    let info = JobInfo {
+        config: config.file_name().map_or_else(|| config.display().to_string(), |n| n.to_string_lossy().into_owned()),
+        total_steps: job.stop_at.map_or(job.config.train.steps, |s| s.min(job.config.train.steps)),
+        unit: unit.to_string(),
+        per_step,
+        supervisor: supervisor.to_string(),
+        out_dir: job.out_dir.display().to_string(),
+    };
+    let server = LiveServer::start(addr, info).await?;
+    live::write_addr(&job.out_dir, server.addr())?;
+    eprintln!("live page on http://{}/", server.addr());
+    Ok(Some(server))
+}
+
+/// Follows the job's events until it ends: progress bar, metrics, events, summary, plot, and
+/// the live page when one is served.
+async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Verbosity, live: Option<LiveFeed>) -> anyhow::Result<()> {
     let total = job.config.train.steps;
     let start_step = job.resume.as_ref().map_or(0, |(_, s)| *s);
     let total = job.stop_at.map_or(total, |s| s.min(total));
@@ -283,6 +313,9 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
         // Wall-clock time for outside tools (the recovery benchmark); no decision reads it.
         line["unix_s"] = json!(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()));
         writeln!(events, "{line}")?;
+        if let Some(feed) = &live {
+            feed.record(&event, t);
+        }
         match &event {
             JobEvent::Committed { step, loss, world, generation, .. } => {
                 let done = step + 1;
@@ -352,10 +385,10 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
 
 fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
     match event {
-        JobEvent::Joined { node, name, pid } => json!({ "t": t, "event": "joined", "node": node, "name": name, "pid": pid }),
+        JobEvent::Joined { node, name, pid, host } => json!({ "t": t, "event": "joined", "node": node, "name": name, "pid": pid, "host": host }),
         JobEvent::Refused { peer, reason } => json!({ "t": t, "event": "refused", "peer": peer, "reason": reason }),
         JobEvent::Lost { node, pid, class, reason } => json!({ "t": t, "event": "lost", "node": node, "pid": pid, "class": format!("{class:?}"), "reason": reason }),
-        JobEvent::Generation { generation, world, next_step, source_node, pids, mesh: (dp, pp, tp) } => json!({ "t": t, "event": "generation", "generation": generation, "world": world, "next_step": next_step, "source_node": source_node, "pids": pids, "mesh": { "dp": dp, "pp": pp, "tp": tp } }),
+        JobEvent::Generation { generation, world, next_step, source_node, nodes, pids, mesh: (dp, pp, tp) } => json!({ "t": t, "event": "generation", "generation": generation, "world": world, "next_step": next_step, "source_node": source_node, "nodes": nodes, "pids": pids, "mesh": { "dp": dp, "pp": pp, "tp": tp } }),
         JobEvent::Committed { step, loss, samples, world, generation, .. } => json!({ "t": t, "event": "committed", "step": step, "loss": loss, "samples": samples, "world": world, "generation": generation }),
         JobEvent::Checkpointed { step, path } => json!({ "t": t, "event": "checkpointed", "step": step, "path": path }),
         JobEvent::CheckpointFailed { step, reason } => json!({ "t": t, "event": "checkpoint_failed", "step": step, "reason": reason }),

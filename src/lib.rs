@@ -16,7 +16,8 @@
 //! [`pipelines`] and [`supervisor`]. [`sim`] runs such a job in the deterministic simulator
 //! (`rtx sim`, on `rtx-sim`, re-exported as [`simulator`]). [`plan_cmd`] prints the plan of a
 //! config's `[parallel]` section (`rtx plan CONFIG --world N`). [`fed_cmd`] runs a federation
-//! (`rtx fed run CONFIG.toml`, on `rtx-federated`, re-exported as [`federated`]).
+//! (`rtx fed run CONFIG.toml`, on `rtx-federated`, re-exported as [`federated`]). [`live`] serves
+//! the live cluster page of `rtx launch --http ADDR`.
 
 pub use rtx_actors as actors;
 pub use rtx_collectives as collectives;
@@ -33,6 +34,7 @@ pub mod cli;
 pub mod config;
 pub mod elastic;
 pub mod fed_cmd;
+pub mod live;
 pub mod metrics;
 pub mod plan_cmd;
 pub mod plot;

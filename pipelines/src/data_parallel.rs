@@ -94,7 +94,7 @@
 //! before dropping their engines.
 
 use std::ops::Range;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rtx_collectives::Communicator;
 use rtx_tensor::optim::ParamBuckets;
@@ -105,6 +105,7 @@ use crate::param_shard::{check_optimizer_params, ParamShard};
 use crate::reducer::{block_on, BucketOp, CommMonitor, Failure, Job, Reducer, Report};
 use crate::shard::{self, ParamSlice};
 use crate::staging::{self, Staging};
+use crate::trace::{StepTrace, COMM_TID, COMPUTE_TID};
 
 /// Default: most bytes per gradient bucket (PyTorch DDP's 25 MiB).
 pub const DEFAULT_BUCKET_BYTES_MAX: usize = 25 << 20;
@@ -172,6 +173,8 @@ pub struct DataParallel<M, O> {
     reducer: Reducer,
     /// The host mirror, when the parameters stay in the module (on a device).
     staging: Option<Staging>,
+    /// The per-step timeline of the first steps, when asked for ([`DataParallel::trace_steps`]).
+    trace: Option<StepTrace>,
 }
 
 /// Who runs the optimizer step: this engine over whole parameters, or this rank's ZeRO-1/2 shard.
@@ -292,7 +295,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             // ZeRO-2 keeps no full gradient between steps; backward makes fresh leaf gradients.
             release_grads(&buckets)?;
         }
-        Ok(DataParallel { model, buckets, updater, params_per_bucket, config, steps: 0, failed_step: None, reducer, staging })
+        Ok(DataParallel { model, buckets, updater, params_per_bucket, config, steps: 0, failed_step: None, reducer, staging, trace: None })
     }
 
     /// Runs one training step: `forward(model)` returns the loss of this rank's batch (a mean over
@@ -322,6 +325,18 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             Err(error) => tracing::warn!(step, %error, "data-parallel step failed"),
         }
         result
+    }
+
+    /// Records the timeline of the next `steps` steps (forward, backward, each bucket's
+    /// collective, the optimizer; host buckets only, not staged device steps), read back with
+    /// [`DataParallel::trace`].
+    pub fn trace_steps(&mut self, steps: u64) {
+        self.trace = Some(StepTrace::new(steps));
+    }
+
+    /// The recorded step timeline, if [`DataParallel::trace_steps`] asked for one.
+    pub fn trace(&self) -> Option<&StepTrace> {
+        self.trace.as_ref()
     }
 
     /// The model (its parameters are views into the buckets).
@@ -458,7 +473,10 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             self.buckets.zero_grad()?;
             Vec::new()
         };
+        let traced = self.trace.as_ref().is_some_and(StepTrace::recording);
+        let forward_began = Instant::now();
         let loss = forward(&mut self.model)?;
+        let backward_began = Instant::now();
         if loss.numel() != 1 {
             return Err(Error::NonScalarLoss { shape: loss.shape().to_vec() });
         }
@@ -501,8 +519,10 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             }
             result.map(|()| handed_during_backward)
         };
+        let wait_began = Instant::now();
         // Every submitted bucket comes back before anything else is decided.
-        let reports = wait_reports(&self.reducer, step, submitted).await;
+        let reports = wait_reports(&self.reducer, step, submitted, if traced { self.trace.as_mut() } else { None }).await;
+        let optimizer_began = Instant::now();
         let handed_during_backward = backward?;
         if let Some(e) = submit_error {
             return Err(e);
@@ -520,6 +540,14 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                 let gathers = shard.segments().into_iter().enumerate().map(|(bucket, own)| Job { step, bucket, op: BucketOp::AllGather { params: buckets[bucket].param_storage().clone(), own } });
                 run_jobs(&self.reducer, step, gathers).await?;
             }
+        }
+        if let Some(trace) = self.trace.as_mut().filter(|_| traced) {
+            let ended = Instant::now();
+            trace.record("forward", COMPUTE_TID, step, None, forward_began, backward_began);
+            trace.record("backward", COMPUTE_TID, step, None, backward_began, wait_began);
+            trace.record("gradient wait", COMPUTE_TID, step, None, wait_began, optimizer_began);
+            trace.record("optimizer", COMPUTE_TID, step, None, optimizer_began, ended);
+            trace.step_done();
         }
         Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets, flushed_buckets: n_buckets - handed_during_backward })
     }
@@ -561,7 +589,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                 }
             }
         }
-        let reports = wait_reports(&self.reducer, step, submitted).await;
+        let reports = wait_reports(&self.reducer, step, submitted, None).await;
         if let Some(e) = failure {
             return Err(e);
         }
@@ -620,11 +648,14 @@ impl BucketTracker {
 
 /// Receives `n` reports (all of them, even after a failure, so every buffer is back) and returns
 /// how many began during backward, or the first failure.
-pub(crate) async fn wait_reports(reducer: &Reducer, step: u64, n: usize) -> Result<usize> {
+pub(crate) async fn wait_reports(reducer: &Reducer, step: u64, n: usize, mut trace: Option<&mut StepTrace>) -> Result<usize> {
     let mut first_failure = None;
     let mut during_backward = 0;
     for _ in 0..n {
-        let Report { step: report_step, bucket, op, outcome, during_backward: during } = reducer.next_report().await?;
+        let Report { step: report_step, bucket, op, outcome, during_backward: during, ran } = reducer.next_report().await?;
+        if let (Some(trace), Some((began, ended))) = (trace.as_deref_mut(), ran) {
+            trace.record(op, COMM_TID, step, Some(bucket), began, ended);
+        }
         debug_assert_eq!(report_step, step, "reports arrive in submission order");
         during_backward += usize::from(during);
         if let (Err(failure), None) = (outcome, &first_failure) {
@@ -655,7 +686,7 @@ pub(crate) async fn run_jobs(reducer: &Reducer, step: u64, jobs: impl Iterator<I
             }
         }
     }
-    wait_reports(reducer, step, submitted).await?;
+    wait_reports(reducer, step, submitted, None).await?;
     submit_error.map_or(Ok(()), Err)
 }
 

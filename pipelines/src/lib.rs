@@ -31,6 +31,7 @@ pub mod schedule;
 mod shard;
 mod staging;
 pub mod tp;
+pub mod trace;
 
 pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
 pub use error::{Error, Result};

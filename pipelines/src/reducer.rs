@@ -150,6 +150,8 @@ pub(crate) struct Report {
     pub(crate) op: &'static str,
     pub(crate) outcome: std::result::Result<(), Failure>,
     pub(crate) during_backward: bool,
+    /// When the collective ran on the communication thread (not for a skipped job).
+    pub(crate) ran: Option<(std::time::Instant, std::time::Instant)>,
 }
 
 /// The compute thread's handle on the communication thread (or the inline queue).
@@ -302,14 +304,16 @@ async fn serve(comm: Communicator, mut jobs: mpsc::Receiver<Job>, reports: std_m
 /// Runs one job (or skips it after a failure) and makes its report.
 async fn serve_one(comm: &Communicator, job: Job, served: &mut Served, monitor: &CommMonitor, timeout: Duration) -> Report {
     let op = job.op.name();
-    let (outcome, during_backward) = if served.broken {
-        (Err(Failure::Skipped), false)
+    let (outcome, during_backward, ran) = if served.broken {
+        (Err(Failure::Skipped), false, None)
     } else {
         let during_backward = monitor.begin();
         let span = tracing::debug_span!("dp_bucket", op, step = job.step, bucket = job.bucket, during_backward);
+        // Wall time for the step trace only (a measurement; nothing decides on it).
+        let began = std::time::Instant::now();
         let outcome = run(comm, &job, timeout, &mut served.scratch).instrument(span).await;
         monitor.finish();
-        (outcome, during_backward)
+        (outcome, during_backward, Some((began, std::time::Instant::now())))
     };
     if let Err(failure) = &outcome {
         if !served.broken {
@@ -317,7 +321,7 @@ async fn serve_one(comm: &Communicator, job: Job, served: &mut Served, monitor: 
         }
         served.broken = true;
     }
-    Report { step: job.step, bucket: job.bucket, op, outcome, during_backward }
+    Report { step: job.step, bucket: job.bucket, op, outcome, during_backward, ran }
 }
 
 async fn run(comm: &Communicator, job: &Job, timeout: Duration, scratch: &mut BTreeMap<usize, CpuData>) -> std::result::Result<(), Failure> {

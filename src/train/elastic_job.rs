@@ -362,6 +362,12 @@ impl TrainJob for ElasticJob {
     fn checkpoint_dir(&self) -> Option<PathBuf> {
         self.checkpoint_dir.clone()
     }
+
+    fn trace(&self) -> Option<(u64, PathBuf)> {
+        // The run folder is the checkpoint folder's parent (`<out>/checkpoints`).
+        let run_dir = self.checkpoint_dir.as_deref()?.parent()?.to_path_buf();
+        (self.config.train.trace_steps > 0).then_some((self.config.train.trace_steps, run_dir))
+    }
 }
 
 /// Moves `model`'s parameters to CUDA device `ordinal` in `dtype`.

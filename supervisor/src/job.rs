@@ -60,6 +60,12 @@ pub trait TrainJob: BatchSource {
     /// Where periodic checkpoints go (`None`: nowhere).
     fn checkpoint_dir(&self) -> Option<PathBuf>;
 
+    /// `Some((n, dir))`: record the timeline of each generation's first `n` data-parallel steps
+    /// and write it to `dir/trace-rank<r>.json` (Chrome trace format) when the generation ends.
+    fn trace(&self) -> Option<(u64, PathBuf)> {
+        None
+    }
+
     /// The model-parallel form of the job (`None`: data parallelism with [`TrainJob::Model`]).
     /// With it, the worker runtime trains the job as a `(dp, pp, tp)` mesh through
     /// [`rtx_pipelines::pipeline::MeshEngine`], building each member's part with [`MeshSpec::build`].

@@ -85,15 +85,16 @@ pub struct SupervisorEnv {
 /// What happens in the job, for progress bars, metrics and tests.
 #[derive(Clone, Debug, PartialEq)]
 pub enum JobEvent {
-    /// A worker was admitted.
-    Joined { node: u64, name: String, pid: u32 },
+    /// A worker was admitted; `host` is the machine identity it reported (`hostname/boot id`).
+    Joined { node: u64, name: String, pid: u32, host: String },
     /// A worker with a wrong token (or none) was refused.
     Refused { peer: String, reason: String },
     /// A member was lost.
     Lost { node: u64, pid: u32, class: FailureClass, reason: String },
-    /// A generation started; `pids` in rank order, `mesh` its `(dp, pp, tp)` shape (rank `r` at
-    /// `tp = r % tp`, `pp = r / tp % pp`, `dp = r / (tp·pp)`; `(world, 1, 1)` for data parallelism).
-    Generation { generation: u64, world: usize, next_step: u64, source_node: u64, pids: Vec<u32>, mesh: (usize, usize, usize) },
+    /// A generation started; `nodes` and `pids` in rank order, `mesh` its `(dp, pp, tp)` shape
+    /// (rank `r` at `tp = r % tp`, `pp = r / tp % pp`, `dp = r / (tp·pp)`; `(world, 1, 1)` for
+    /// data parallelism).
+    Generation { generation: u64, world: usize, next_step: u64, source_node: u64, nodes: Vec<u64>, pids: Vec<u32>, mesh: (usize, usize, usize) },
     /// Every member completed `step`; `checksum` is the replicas' parameter checksum after it,
     /// when every member verified this step (they agree, or the job fails).
     Committed { step: u64, loss: f64, samples: u64, world: usize, generation: u64, checksum: Option<u64> },
@@ -489,7 +490,7 @@ impl ClusterSupervisor {
         tracing::info!(node, %name, pid, %host, "worker joined");
         let agent = link.remote::<ToWorker>(AGENT);
         self.members.insert(node, Member { name: name.clone(), host: host.clone(), pid, link, agent, last_heard: Instant::now(), completed: None, leaving: false, finished: None });
-        self.emit(JobEvent::Joined { node, name, pid }).await;
+        self.emit(JobEvent::Joined { node, name, pid, host }).await;
         self.maybe_form().await
     }
 
@@ -632,11 +633,11 @@ impl ClusterSupervisor {
                 let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: recovery.source.clone(), next_step, stop_step: self.end_step(), shm_job: shm_job.clone(), mesh: mesh.clone() }).await;
             }
         }
-        let pids = members.iter().filter_map(|n| self.members.get(n).map(|m| m.pid)).collect();
+        let (nodes, pids): (Vec<u64>, Vec<u32>) = members.iter().filter_map(|n| self.members.get(n).map(|m| (*n, m.pid))).unzip();
         tracing::info!(generation, world = members.len(), next_step, source, from = ?recovery.source, "generation started");
         let (pp, tp) = (self.options.elastic.pp.max(1), self.options.elastic.tp.max(1));
         let shape = (members.len() / (pp * tp), pp, tp);
-        self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members.get(source).copied().unwrap_or_default(), pids, mesh: shape }).await;
+        self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members.get(source).copied().unwrap_or_default(), nodes, pids, mesh: shape }).await;
         if next_step >= self.end_step() {
             return self.finish(members).await;
         }

@@ -754,6 +754,10 @@ async fn train<J: TrainJob>(
         }
     };
     tracing::info!(next_step = g.next_step, source = g.source, from_segments = g.segments.is_some(), "generation started");
+    let trace_to = job.trace();
+    if let Some((steps, _)) = &trace_to {
+        engine.trace_steps(*steps);
+    }
     if ctx.sharding.shards_optimizer() {
         log_zero1_memory(&engine, &layout, &template, g.world, ctx.sharding)?;
     }
@@ -887,6 +891,14 @@ async fn train<J: TrainJob>(
     };
     if exchanged.1 > 0 {
         tracing::info!(exchanges = exchanged.1, mean_ms = exchanged.0.as_secs_f64() * 1e3 / f64::from(exchanged.1), "zero1 buddy exchanges");
+    }
+    if let (Some((_, dir)), Some(trace)) = (&trace_to, engine.trace().filter(|t| !t.events().is_empty())) {
+        // A measurement for people: failing to write it costs the file, not the job.
+        let path = dir.join(format!("trace-rank{}.json", g.rank));
+        match std::fs::write(&path, trace.to_chrome_json(g.rank).to_string()) {
+            Ok(()) => tracing::info!(path = %path.display(), events = trace.events().len(), "step trace written"),
+            Err(e) => tracing::warn!(path = %path.display(), error = %e, "cannot write the step trace"),
+        }
     }
     let (model, _buckets, optimizer) = engine.into_parts();
     if !ctx.sharding.shards_optimizer() {
