@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export RUST_BACKTRACE=1
 bash scripts/fetch-data.sh
+# Debian's Chromium and playwright-core for the live page's browser test (idempotent).
+bash scripts/setup-browser.sh
 cargo test --workspace --all-targets --locked
 # The CUDA backend and NCCL keep compiling (cudarc loads CUDA at run time: no GPU or toolkit needed),
 # and their host-side logic runs (the device-dependent tests return early without a GPU;
