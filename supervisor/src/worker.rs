@@ -27,7 +27,7 @@
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -77,6 +77,9 @@ pub struct JobSpec {
     pub job: String,
     /// A checkpoint to resume from.
     pub resume: Option<PathBuf>,
+    /// The supervisor's output folder (checkpoints go to `<it>/checkpoints`, see
+    /// [`checkpoint_folder`]); `None` when the supervisor has none.
+    pub run_dir: Option<PathBuf>,
 }
 
 /// How a worker ended.
@@ -242,6 +245,32 @@ impl AbortSlot {
     }
 }
 
+/// Where this worker's checkpoints go: `<run_dir>/checkpoints`, created here and probed with a
+/// test write, so a folder this process cannot use is found at join rather than at the first
+/// checkpoint. `origin` names where `run_dir` came from (for the message). When the folder is
+/// unusable (another machine's folder without a shared filesystem, no permission, a full disk)
+/// the worker warns once, loudly, with the reason, and trains without writing checkpoints; so it
+/// does without a folder at all.
+pub fn checkpoint_folder(run_dir: Option<&Path>, origin: &str) -> Option<PathBuf> {
+    let Some(run_dir) = run_dir else {
+        tracing::warn!(origin, "NO CHECKPOINTS will be written by this worker: it has no run folder (the supervisor handed none and RTX_RUN_DIR is not set)");
+        return None;
+    };
+    let dir = run_dir.join("checkpoints");
+    let probe = dir.join(format!(".write-probe-{}", std::process::id()));
+    let usable = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&probe, b"probe")).and_then(|()| std::fs::remove_file(&probe));
+    match usable {
+        Ok(()) => {
+            tracing::info!(folder = %dir.display(), origin, "checkpoints go to the run folder");
+            Some(dir)
+        }
+        Err(error) => {
+            tracing::warn!(folder = %dir.display(), origin, %error, "NO CHECKPOINTS will be written by this worker: it cannot write the run folder's checkpoint folder (no shared filesystem between the nodes? set RTX_RUN_DIR to a folder every node can write)");
+            None
+        }
+    }
+}
+
 /// Joins the supervisor at `options.join`, builds the job with `make_job` from the description
 /// the supervisor hands over, and trains until the job finishes or this worker is evicted.
 pub async fn run_worker<J, F>(options: WorkerOptions, make_job: F) -> Result<WorkerOutcome>
@@ -268,13 +297,13 @@ where
     let host = env.host.clone().or_else(machine_identity).unwrap_or_else(|| options.bind_ip.to_string());
     let join = ToSupervisor::Join { name: options.name.clone(), pid: env.pid, host, proof: protocol::worker_proof(&options.token, &ekm) };
     let reply: JoinReply = supervisor.ask(&join, Duration::from_secs(30)).await?;
-    let (node, job_text, heartbeat, resume, (verify_every, checkpoint_every, sharding, snapshot_every)) = match reply {
-        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every } => {
+    let (node, job_text, heartbeat, (resume, run_dir), (verify_every, checkpoint_every, sharding, snapshot_every)) = match reply {
+        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, run_dir } => {
             if !protocol::verify_supervisor_proof(&options.token, &ekm, &proof) {
                 link.close("supervisor not authentic");
                 return Err(SupervisorError::NotAuthentic { addr: options.join.to_string() });
             }
-            (node, job, Duration::from_millis(heartbeat_ms.max(10)), resume.map(PathBuf::from), (verify_every, checkpoint_every, sharding, snapshot_every))
+            (node, job, Duration::from_millis(heartbeat_ms.max(10)), (resume.map(PathBuf::from), run_dir.map(PathBuf::from)), (verify_every, checkpoint_every, sharding, snapshot_every))
         }
         JoinReply::Refused { reason } => return Err(SupervisorError::Refused { reason }),
     };
@@ -285,7 +314,7 @@ where
 
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::channel::<ToWorker>(COMMAND_QUEUE);
     let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, verify_every, checkpoint_every, sharding, snapshot_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
-    let spec = JobSpec { node, job: job_text, resume };
+    let spec = JobSpec { node, job: job_text, resume, run_dir };
     let worker = async move {
         let job = make_job(&spec).map_err(SupervisorError::Job)?;
         worker_main(ctx, Arc::new(job), spec.resume, cmd_rx).await
