@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 STATE=${RTX_SLURM_STATE:-/tmp/rtx-slurm}
-STEPS=${RTX_SLURM_STEPS:-600}          # training steps per job
+STEPS=${RTX_SLURM_STEPS:-1500}         # training steps per job (4 workers: 10-30 s on 2 cores)
 MIN_ACC=${RTX_SLURM_MIN_ACC:-0.80}      # expected test accuracy (tests/elastic.rs asks the same)
 JOB_TIMEOUT=${RTX_SLURM_JOB_TIMEOUT:-240}
 NODES=(rtx1 rtx2)
@@ -212,9 +212,10 @@ if wait_no_leftovers; then gone=yes; else gone=no; fi
 row scancel "$B" CANCELLED "$gone" "cancelled at step $(committed "$B")"
 
 log "scenario kill-9"
-C=$(submit); wait_step "$C" 150
+C=$(submit); wait_step "$C" 100
 victim=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["pids"][1])' "$(out_dir "$C")/cluster.json")
-kill -9 "$victim"; log "killed worker pid $victim at step $(committed "$C")"
+kill -9 "$victim" || die "worker pid $victim of job $C is gone before the kill (job $(job_state "$C") at step $(committed "$C"))"
+log "killed worker pid $victim at step $(committed "$C")"
 wait_done "$C" || true; wait_no_leftovers || true
 lost=$(grep -c '"event":"lost"' "$(out_dir "$C")/events.jsonl" || true)
 row kill-9 "$C" COMPLETED "$([ "$lost" -eq 1 ] && [ -s "$(out_dir "$C")/loss.png" ] && echo yes || echo no)" "1 of 4 workers killed, $lost lost event(s), loss.png written"

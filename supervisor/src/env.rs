@@ -165,7 +165,9 @@ mod tests {
     /// (consecutive ids, consecutive ports, wrapping within the span), and `MASTER_PORT` wins.
     #[test]
     fn the_slurm_port_follows_the_job_id_and_master_port_wins() {
-        let slurm = |job: &str| [("SLURM_PROCID", "1"), ("SLURM_NTASKS", "4"), ("SLURM_JOB_NODELIST", "n[1-2]"), ("SLURM_JOB_ID", job)];
+        fn slurm(job: &str) -> [(&'static str, &str); 4] {
+            [("SLURM_PROCID", "1"), ("SLURM_NTASKS", "4"), ("SLURM_JOB_NODELIST", "n[1-2]"), ("SLURM_JOB_ID", job)]
+        }
         let port = |job: &str| from_env(env(&slurm(job))).unwrap().unwrap().master_port;
         assert_eq!((port("0"), port("41"), port("42")), (29400, 29441, 29442));
         assert_eq!(port("2999"), 29400 + 2999);

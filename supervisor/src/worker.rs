@@ -309,7 +309,7 @@ where
     };
     tracing::info!(node, supervisor = %options.join, "joined");
 
-    let shared = Arc::new(Shared { completed: Mutex::new(None), generation: Mutex::new(0), preempt: AtomicBool::new(false), abort: AbortSlot::default() });
+    let shared = Arc::new(Shared { completed: Mutex::new(None), generation: Mutex::new(0), preempt: AtomicBool::new(false), abort: AbortSlot::default(), stale_logged: AtomicBool::new(false) });
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(supervisor.clone(), node, heartbeat, Arc::clone(&shared))));
 
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::channel::<ToWorker>(COMMAND_QUEUE);
@@ -347,6 +347,41 @@ struct Shared {
     generation: Mutex<u64>,
     preempt: AtomicBool,
     abort: AbortSlot,
+    /// Whether a stale-generation failure was logged at warn level already (see
+    /// [`Shared::log_failure`]).
+    stale_logged: AtomicBool,
+}
+
+impl Shared {
+    /// Logs a failed step or generation (`what`). A failure that only says the supervisor moved
+    /// to a newer generation (it aborted this one: every re-formation does that to every
+    /// member's step in flight) is a warning the first time in this worker and a debug line
+    /// after, so a long job's log is not one such line per member per re-formation; any other
+    /// failure is always a warning.
+    fn log_failure(&self, what: &str, step: u64, error: &dyn std::fmt::Display, stale: bool) {
+        if stale && self.stale_logged.swap(true, Ordering::Relaxed) {
+            tracing::debug!(step, %error, "{what}");
+        } else {
+            tracing::warn!(step, %error, "{what}");
+        }
+    }
+}
+
+/// Whether `error` only says that a newer generation replaced the one the operation belonged to.
+fn is_stale_generation(error: &SupervisorError) -> bool {
+    use rtx_collectives::Error as Comm;
+    match error {
+        SupervisorError::Superseded { .. } => true,
+        SupervisorError::Collectives(Comm::StaleGeneration { .. }) => true,
+        SupervisorError::DataParallel(e) => is_stale_engine_failure(e),
+        _ => false,
+    }
+}
+
+/// Whether an engine's failure is a collective of a replaced generation.
+fn is_stale_engine_failure(error: &rtx_pipelines::Error) -> bool {
+    use rtx_collectives::Error as Comm;
+    matches!(error, rtx_pipelines::Error::Collective { source: Comm::StaleGeneration { .. }, .. } | rtx_pipelines::Error::Connect(Comm::StaleGeneration { .. }))
 }
 
 async fn heartbeat_loop(supervisor: RemoteRef<ToSupervisor>, node: u64, every: Duration, shared: Arc<Shared>) {
@@ -544,7 +579,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                     match mesh::run_mesh_generation(&ctx, &job, spec, &generation_run, &start, bound, &mut replica, &mut shard, &mut cmds).instrument(span).await {
                         Ok(interrupt) => next = interrupt,
                         Err(e) => {
-                            tracing::warn!(generation, error = %e, "mesh generation failed; waiting for the supervisor");
+                            ctx.shared.log_failure(&format!("mesh generation {generation} failed; waiting for the supervisor"), replica.completed.map_or(0, |c| c + 1), &e, is_stale_generation(&e));
                             let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: replica.completed.map_or(0, |c| c + 1), reason: e.to_string() }).await;
                         }
                     }
@@ -573,7 +608,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                 match run_generation(&ctx, &job, &generation_run, bound, &mut replica, &mut shard, &mut writer, &mut cmds).instrument(span).await {
                     Ok(interrupt) => next = interrupt,
                     Err(e) => {
-                        tracing::warn!(generation, error = %e, "generation failed; waiting for the supervisor");
+                        ctx.shared.log_failure(&format!("generation {generation} failed; waiting for the supervisor"), replica.completed.map_or(0, |c| c + 1), &e, is_stale_generation(&e));
                         let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: replica.completed.map_or(0, |c| c + 1), reason: e.to_string() }).await;
                         if replica.model.is_none() {
                             return Err(e);
@@ -907,7 +942,7 @@ async fn train<J: TrainJob>(
                 since_last_step = Some(Instant::now());
             }
             Err(e) => {
-                tracing::warn!(step, error = %e, "step failed");
+                ctx.shared.log_failure("step failed", step, &e, is_stale_engine_failure(&e));
                 let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
                 // Wait for the supervisor's decision (a new generation, or eviction).
                 break cmds.recv().await.map(Some).ok_or_else(lost);
@@ -1035,4 +1070,24 @@ fn machine_identity() -> Option<String> {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     Some(format!("{}/{}", host.trim(), boot.trim()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A re-formation's abort (stale generation, superseded) is told apart from real failures,
+    /// so only its repeats are demoted to debug lines.
+    #[test]
+    fn stale_generation_failures_are_told_apart_from_real_ones() {
+        let stale = rtx_collectives::Error::StaleGeneration { expected: 3, got: 2 };
+        assert!(is_stale_generation(&SupervisorError::Superseded { generation: 2, newer: 3 }));
+        assert!(is_stale_generation(&SupervisorError::Collectives(rtx_collectives::Error::StaleGeneration { expected: 3, got: 2 })));
+        let engine = rtx_pipelines::Error::Collective { step: 7, bucket: 0, op: "all_reduce", source: stale };
+        assert!(is_stale_engine_failure(&engine));
+        assert!(is_stale_generation(&SupervisorError::DataParallel(engine)));
+        assert!(!is_stale_engine_failure(&rtx_pipelines::Error::Broken { failed_step: 7 }));
+        assert!(!is_stale_generation(&SupervisorError::Job("out of memory".into())));
+        assert!(!is_stale_generation(&SupervisorError::SupervisorLost { reason: "closed".into() }));
+    }
 }
