@@ -9,6 +9,11 @@ bash scripts/fetch-data.sh
 # Debian's Chromium and playwright-core for the live page's browser test (idempotent).
 bash scripts/setup-browser.sh
 cargo test --workspace --all-targets --locked
+# A real Slurm 22.05 (Debian's slurm-wlm + munge, two slurmd on this machine) runs examples/slurm.sbatch:
+# normal finish, scancel, kill -9 of a worker task, two concurrent jobs (reuses target/debug/rtx).
+bash scripts/slurm-check.sh
+# examples/k8s.yaml against the Kubernetes schemas, offline (kubernetes-validate from PyPI).
+bash scripts/k8s-validate.sh
 # The CUDA backend and NCCL keep compiling (cudarc loads CUDA at run time: no GPU or toolkit needed),
 # and their host-side logic runs (the device-dependent tests return early without a GPU;
 # scripts/gpu-check.sh runs them on one). One package set and one feature set for every step, so

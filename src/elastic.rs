@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
 use rtx_supervisor::checkpoint as elastic_checkpoint;
+use rtx_supervisor::worker::checkpoint_folder as worker_checkpoint_folder;
 use rtx_supervisor::{env as cluster_env, protocol, DpSharding, ElasticConfig, JobEvent, LaunchOptions, Launcher, SupervisorHandle, SupervisorOptions, WorkerOptions, WorkerOutcome};
 use rtx_tensor::data::{DataRoot, DATA_DIR_ENV};
 use serde_json::json;
@@ -98,7 +99,8 @@ pub fn supervise(args: SupervisorArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     runtime.block_on(async move {
         let options = job.supervisor_options(listen, token.clone(), elastic);
-        let supervisor = SupervisorHandle::start(options, None).await?;
+        let port_hint = if args.listen.is_some() { "choose another --listen port" } else { "another job's supervisor on this node? set MASTER_PORT, or --listen" };
+        let supervisor = SupervisorHandle::start(options, None).await.with_context(|| format!("cannot listen on {listen} ({port_hint})"))?;
         let live = start_live(&job, &args.config, args.job.http, supervisor.addr).await?;
         let token_file = job.out_dir.join("token");
         write_private(&token_file, &token)?;
@@ -126,7 +128,14 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         _ => bail!("no cluster token: set {TOKEN_ENV} (or pass --token)"),
     };
     let data_root = DataRoot::resolve(args.data_dir.as_deref(), std::env::var_os(DATA_DIR_ENV).as_deref());
-    let checkpoint_dir = std::env::var_os(RUN_DIR_ENV).map(|d| PathBuf::from(d).join("checkpoints"));
+    // Checkpoints: RTX_RUN_DIR when set (an override), else the run folder the supervisor hands
+    // over at join (shared with this machine on a cluster filesystem).
+    let run_dir_override = std::env::var_os(RUN_DIR_ENV).filter(|d| !d.is_empty()).map(PathBuf::from);
+    // Kernel threads: RTX_NUM_THREADS, else Slurm's CPUs per task; sized before any kernel runs.
+    if let Some(threads) = cluster_env::threads_from_env(|k| std::env::var(k).ok())? {
+        // Fails only when the pool was already built (then the kernels use that one).
+        let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+    }
     let index = std::env::var("RTX_WORKER_INDEX").ok().or(env.as_ref().map(|e| e.rank.to_string())).unwrap_or_else(|| std::process::id().to_string());
     let mut options = WorkerOptions::new(join, token, format!("worker-{index}"));
     options.quic.stripes = match (args.quic_stripes, std::env::var("RTX_QUIC_STRIPES").ok()) {
@@ -144,7 +153,13 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     // numbers its workers, torchrun and Slurm give a local rank.
     let local_rank = std::env::var("RTX_WORKER_INDEX").ok().and_then(|i| i.parse::<usize>().ok()).or(env.as_ref().map(|e| e.local_rank)).unwrap_or(0);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let outcome = runtime.block_on(rtx_supervisor::run_worker(options, move |spec| ElasticJob::for_worker(spec, &data_root, checkpoint_dir, local_rank)));
+    let outcome = runtime.block_on(rtx_supervisor::run_worker(options, move |spec| {
+        let checkpoint_dir = match &run_dir_override {
+            Some(dir) => worker_checkpoint_folder(Some(dir), RUN_DIR_ENV),
+            None => worker_checkpoint_folder(spec.run_dir.as_deref(), "the supervisor"),
+        };
+        ElasticJob::for_worker(spec, &data_root, checkpoint_dir, local_rank)
+    }));
     match outcome {
         Ok(WorkerOutcome::Finished) => Ok(()),
         Ok(WorkerOutcome::Evicted(reason)) => {
@@ -260,6 +275,7 @@ impl JobFiles {
             elastic,
             resume: self.resume.as_ref().map(|(p, _)| p.clone()),
             resume_next_step: self.resume.as_ref().map_or(0, |(_, s)| *s),
+            run_dir: Some(self.out_dir.clone()),
             link: Default::default(),
         }
     }

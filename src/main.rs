@@ -3,6 +3,7 @@
 //! Environment read here (and nowhere in the libraries): `RTX_DATA_DIR` (data folder),
 //! `RTX_PLOT_FONT` (a TTF for plot text), `RUST_LOG` (tracing filter, default `warn`).
 
+use std::io::IsTerminal as _;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -21,7 +22,9 @@ fn main() -> ExitCode {
     // A simulation injects faults on purpose: their warnings are noise unless asked for.
     let default_filter = if matches!(cli.command, Command::Sim(_)) { "error" } else { "warn" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    // Colour codes only for a terminal: a Slurm output file or a pipe gets plain text.
+    let ansi = std::io::stderr().is_terminal();
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
 
     let result = match cli.command {
         Command::Train(args) => {

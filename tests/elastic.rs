@@ -248,3 +248,93 @@ fn under_zero2_a_killed_worker_reruns_at_most_the_step_in_flight() {
     let logs: String = std::fs::read_dir(out.join("logs")).expect("logs").filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok()).collect();
     assert!(logs.lines().any(|l| l.contains("buddy copies") && l.contains("zero2")), "no worker logged ZeRO-2 sharding");
 }
+
+/// `rtx supervisor` and `rtx worker` started as a Slurm job step starts them: the variables
+/// Slurm sets (job id, task ids, node list, CPUs per task), no `MASTER_PORT`, no `RTX_RUN_DIR`.
+/// Returns the supervisor (already listening) and its output folder.
+fn slurm_job(job_id: u64, ntasks: usize, config: &Path) -> (std::process::Child, PathBuf) {
+    let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+    let supervisor = slurm_task(rtx().args(["supervisor", "--no-progress", "--nproc", &ntasks.to_string(), "--out"]).arg(&out).arg(config), job_id, 0, 1).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start rtx supervisor");
+    // It writes the token file once it listens.
+    let start = Instant::now();
+    while !out.join("token").exists() {
+        assert!(start.elapsed() < Duration::from_secs(60), "the supervisor did not start listening");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (supervisor, out)
+}
+
+fn slurm_task(command: &mut std::process::Command, job_id: u64, procid: usize, ntasks: usize) -> &mut std::process::Command {
+    command
+        .env("SLURM_JOB_ID", job_id.to_string())
+        .env("SLURM_PROCID", procid.to_string())
+        .env("SLURM_LOCALID", procid.to_string())
+        .env("SLURM_NTASKS", ntasks.to_string())
+        .env("SLURM_JOB_NODELIST", "localhost")
+        .env("SLURM_CPUS_PER_TASK", "1")
+        .env("RTX_TOKEN", "slurm-test-token")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .env_remove("RTX_RUN_DIR")
+        .env_remove("RTX_NUM_THREADS")
+}
+
+/// Waits for a child and returns its stderr, asserting success.
+fn finished(child: std::process::Child, what: &str) -> String {
+    let output = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&output.stderr).to_string();
+    assert!(output.status.success(), "{what} failed: {}{err}", String::from_utf8_lossy(&output.stdout));
+    err
+}
+
+/// A job id for the Slurm tests: its port (29400 + id mod 3000) varies with the test process, so
+/// two test runs on one machine rarely meet.
+fn slurm_job_id() -> u64 {
+    let id = 1_000_000 + u64::from(std::process::id()) % 3000;
+    eprintln!("SLURM_JOB_ID = {id} (port {})", rtx_supervisor::env::slurm_port(id));
+    id
+}
+
+#[test]
+fn under_slurm_workers_checkpoint_into_the_supervisors_folder_on_the_job_port() {
+    // Goal: under Slurm (no RTX_RUN_DIR) the workers still write checkpoints, into the folder
+    // the supervisor handed them at join, and everyone meets on the port derived from the job
+    // id. Method: a supervisor and two workers with Slurm's variables, 120 steps, a checkpoint
+    // every 50; then the files, the port in the supervisor's message, and plain (uncoloured) logs.
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let job_id = slurm_job_id();
+    let config = config_with(120, "");
+    std::fs::write(&config, std::fs::read_to_string(&config).expect("config").replace("log_every = 50", "log_every = 50\ncheckpoint_every = 50")).expect("config");
+    let (supervisor, out) = slurm_job(job_id, 2, &config);
+    let workers: Vec<_> = (0..2).map(|rank| slurm_task(&mut rtx(), job_id, rank, 2).arg("worker").env("RUST_LOG", "info").stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("start rtx worker")).collect();
+    let worker_logs: Vec<String> = workers.into_iter().map(|w| finished(w, "rtx worker")).collect();
+    let supervisor_log = finished(supervisor, "rtx supervisor");
+    let port = rtx_supervisor::env::slurm_port(job_id);
+    assert!(supervisor_log.contains(&format!("listening on 0.0.0.0:{port}")), "{supervisor_log}");
+    let mut files: Vec<String> = std::fs::read_dir(out.join("checkpoints")).expect("checkpoints folder").filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().to_string())).collect();
+    files.sort();
+    assert!(files.iter().any(|f| f.contains("00000049")) && files.iter().any(|f| f.contains("00000099")), "checkpoints of steps 50 and 100 in the supervisor's folder: {files:?}");
+    assert!(!files.iter().any(|f| f.starts_with(".write-probe")), "the write probe is removed: {files:?}");
+    for log in &worker_logs {
+        assert!(log.contains("checkpoints go to the run folder") && log.contains("the supervisor"), "{log}");
+        assert!(!log.contains('\u{1b}'), "colour codes in a log that is not a terminal: {log:?}");
+    }
+}
+
+#[test]
+fn a_checkpoint_folder_a_worker_cannot_write_is_named_once_and_training_goes_on() {
+    // Goal: a run folder the worker cannot use (no shared filesystem, a bad RTX_RUN_DIR) is a
+    // loud warning with the reason, once, not a silent loss of checkpoints or a failed job.
+    // Method: RTX_RUN_DIR below a regular file, one worker, 40 steps.
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let job_id = slurm_job_id();
+    let (supervisor, out) = slurm_job(job_id, 1, &config_with(40, ""));
+    let blocker = out.with_file_name("a-file");
+    std::fs::write(&blocker, "not a folder").expect("write");
+    let worker = slurm_task(&mut rtx(), job_id, 0, 1).arg("worker").env("RTX_RUN_DIR", blocker.join("run")).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("start rtx worker");
+    let log = finished(worker, "rtx worker");
+    finished(supervisor, "rtx supervisor");
+    assert_eq!(log.matches("NO CHECKPOINTS").count(), 1, "{log}");
+    assert!(log.contains("RTX_RUN_DIR") && log.contains("a-file/run/checkpoints") && log.to_lowercase().contains("not a directory"), "{log}");
+    assert!(!out.join("checkpoints").exists(), "nothing was written to the supervisor's folder");
+}

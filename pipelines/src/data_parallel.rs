@@ -322,6 +322,8 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         let result = tracing::Instrument::instrument(self.run_step(step, forward), span).await;
         match &result {
             Ok(_) => self.failed_step = None,
+            // A stale generation is the supervisor's abort; the worker runtime reports it once.
+            Err(error @ Error::Collective { source: rtx_collectives::Error::StaleGeneration { .. }, .. }) => tracing::debug!(step, %error, "data-parallel step failed"),
             Err(error) => tracing::warn!(step, %error, "data-parallel step failed"),
         }
         result

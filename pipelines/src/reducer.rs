@@ -316,7 +316,10 @@ async fn serve_one(comm: &Communicator, job: Job, served: &mut Served, monitor: 
         (outcome, during_backward, Some((began, std::time::Instant::now())))
     };
     if let Err(failure) = &outcome {
-        if !served.broken {
+        // A stale generation is the supervisor's abort (reported once by the worker runtime).
+        if matches!(failure, Failure::Comm(rtx_collectives::Error::StaleGeneration { .. })) {
+            tracing::debug!(op, step = job.step, bucket = job.bucket, ?failure, "bucket collective failed; skipping the rest");
+        } else if !served.broken {
             tracing::warn!(op, step = job.step, bucket = job.bucket, ?failure, "bucket collective failed; skipping the rest");
         }
         served.broken = true;

@@ -239,7 +239,7 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
         stop_at: None,
         elastic,
         resume: None,
-        resume_next_step: 0,
+        resume_next_step: 0, run_dir: None,
         link: link_options,
     };
     let (launch_tx, mut launch_rx) = mpsc::channel(64);

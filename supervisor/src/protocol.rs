@@ -70,7 +70,10 @@ pub enum ToSupervisor {
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
 pub enum JoinReply {
     /// Admitted as `node`; `proof` is the supervisor's; `job` is the job description (TOML).
-    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64, sharding: DpSharding, snapshot_every: u64 },
+    /// `run_dir`: the supervisor's output folder, where workers put checkpoints
+    /// (`<run_dir>/checkpoints`) unless told otherwise; reachable from other machines only on a
+    /// shared filesystem (as on a Slurm cluster).
+    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64, sharding: DpSharding, snapshot_every: u64, run_dir: Option<String> },
     /// Not admitted, and why.
     Refused { reason: String },
 }

@@ -68,6 +68,8 @@ pub struct SupervisorOptions {
     pub resume: Option<PathBuf>,
     /// The step after the resumed checkpoint's.
     pub resume_next_step: u64,
+    /// The job's output folder, handed to workers at join for their checkpoints.
+    pub run_dir: Option<PathBuf>,
     /// Control-link tuning.
     pub link: LinkOptions,
 }
@@ -485,6 +487,7 @@ impl ClusterSupervisor {
             checkpoint_every: self.options.elastic.checkpoint_every,
             sharding: self.options.elastic.sharding,
             snapshot_every: self.options.elastic.snapshot_every,
+            run_dir: self.options.run_dir.as_ref().map(|p| p.display().to_string()),
         };
         msg.reply(&accepted).await?;
         tracing::info!(node, %name, pid, %host, "worker joined");

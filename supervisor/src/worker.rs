@@ -27,7 +27,7 @@
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -77,6 +77,9 @@ pub struct JobSpec {
     pub job: String,
     /// A checkpoint to resume from.
     pub resume: Option<PathBuf>,
+    /// The supervisor's output folder (checkpoints go to `<it>/checkpoints`, see
+    /// [`checkpoint_folder`]); `None` when the supervisor has none.
+    pub run_dir: Option<PathBuf>,
 }
 
 /// How a worker ended.
@@ -242,6 +245,32 @@ impl AbortSlot {
     }
 }
 
+/// Where this worker's checkpoints go: `<run_dir>/checkpoints`, created here and probed with a
+/// test write, so a folder this process cannot use is found at join rather than at the first
+/// checkpoint. `origin` names where `run_dir` came from (for the message). When the folder is
+/// unusable (another machine's folder without a shared filesystem, no permission, a full disk)
+/// the worker warns once, loudly, with the reason, and trains without writing checkpoints; so it
+/// does without a folder at all.
+pub fn checkpoint_folder(run_dir: Option<&Path>, origin: &str) -> Option<PathBuf> {
+    let Some(run_dir) = run_dir else {
+        tracing::warn!(origin, "NO CHECKPOINTS will be written by this worker: it has no run folder (the supervisor handed none and RTX_RUN_DIR is not set)");
+        return None;
+    };
+    let dir = run_dir.join("checkpoints");
+    let probe = dir.join(format!(".write-probe-{}", std::process::id()));
+    let usable = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&probe, b"probe")).and_then(|()| std::fs::remove_file(&probe));
+    match usable {
+        Ok(()) => {
+            tracing::info!(folder = %dir.display(), origin, "checkpoints go to the run folder");
+            Some(dir)
+        }
+        Err(error) => {
+            tracing::warn!(folder = %dir.display(), origin, %error, "NO CHECKPOINTS will be written by this worker: it cannot write the run folder's checkpoint folder (no shared filesystem between the nodes? set RTX_RUN_DIR to a folder every node can write)");
+            None
+        }
+    }
+}
+
 /// Joins the supervisor at `options.join`, builds the job with `make_job` from the description
 /// the supervisor hands over, and trains until the job finishes or this worker is evicted.
 pub async fn run_worker<J, F>(options: WorkerOptions, make_job: F) -> Result<WorkerOutcome>
@@ -268,24 +297,24 @@ where
     let host = env.host.clone().or_else(machine_identity).unwrap_or_else(|| options.bind_ip.to_string());
     let join = ToSupervisor::Join { name: options.name.clone(), pid: env.pid, host, proof: protocol::worker_proof(&options.token, &ekm) };
     let reply: JoinReply = supervisor.ask(&join, Duration::from_secs(30)).await?;
-    let (node, job_text, heartbeat, resume, (verify_every, checkpoint_every, sharding, snapshot_every)) = match reply {
-        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every } => {
+    let (node, job_text, heartbeat, (resume, run_dir), (verify_every, checkpoint_every, sharding, snapshot_every)) = match reply {
+        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, run_dir } => {
             if !protocol::verify_supervisor_proof(&options.token, &ekm, &proof) {
                 link.close("supervisor not authentic");
                 return Err(SupervisorError::NotAuthentic { addr: options.join.to_string() });
             }
-            (node, job, Duration::from_millis(heartbeat_ms.max(10)), resume.map(PathBuf::from), (verify_every, checkpoint_every, sharding, snapshot_every))
+            (node, job, Duration::from_millis(heartbeat_ms.max(10)), (resume.map(PathBuf::from), run_dir.map(PathBuf::from)), (verify_every, checkpoint_every, sharding, snapshot_every))
         }
         JoinReply::Refused { reason } => return Err(SupervisorError::Refused { reason }),
     };
     tracing::info!(node, supervisor = %options.join, "joined");
 
-    let shared = Arc::new(Shared { completed: Mutex::new(None), generation: Mutex::new(0), preempt: AtomicBool::new(false), abort: AbortSlot::default() });
+    let shared = Arc::new(Shared { completed: Mutex::new(None), generation: Mutex::new(0), preempt: AtomicBool::new(false), abort: AbortSlot::default(), stale_logged: AtomicBool::new(false) });
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(supervisor.clone(), node, heartbeat, Arc::clone(&shared))));
 
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::channel::<ToWorker>(COMMAND_QUEUE);
     let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, verify_every, checkpoint_every, sharding, snapshot_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
-    let spec = JobSpec { node, job: job_text, resume };
+    let spec = JobSpec { node, job: job_text, resume, run_dir };
     let worker = async move {
         let job = make_job(&spec).map_err(SupervisorError::Job)?;
         worker_main(ctx, Arc::new(job), spec.resume, cmd_rx).await
@@ -318,6 +347,41 @@ struct Shared {
     generation: Mutex<u64>,
     preempt: AtomicBool,
     abort: AbortSlot,
+    /// Whether a stale-generation failure was logged at warn level already (see
+    /// [`Shared::log_failure`]).
+    stale_logged: AtomicBool,
+}
+
+impl Shared {
+    /// Logs a failed step or generation (`what`). A failure that only says the supervisor moved
+    /// to a newer generation (it aborted this one: every re-formation does that to every
+    /// member's step in flight) is a warning the first time in this worker and a debug line
+    /// after, so a long job's log is not one such line per member per re-formation; any other
+    /// failure is always a warning.
+    fn log_failure(&self, what: &str, step: u64, error: &dyn std::fmt::Display, stale: bool) {
+        if stale && self.stale_logged.swap(true, Ordering::Relaxed) {
+            tracing::debug!(step, %error, "{what}");
+        } else {
+            tracing::warn!(step, %error, "{what}");
+        }
+    }
+}
+
+/// Whether `error` only says that a newer generation replaced the one the operation belonged to.
+fn is_stale_generation(error: &SupervisorError) -> bool {
+    use rtx_collectives::Error as Comm;
+    match error {
+        SupervisorError::Superseded { .. } => true,
+        SupervisorError::Collectives(Comm::StaleGeneration { .. }) => true,
+        SupervisorError::DataParallel(e) => is_stale_engine_failure(e),
+        _ => false,
+    }
+}
+
+/// Whether an engine's failure is a collective of a replaced generation.
+fn is_stale_engine_failure(error: &rtx_pipelines::Error) -> bool {
+    use rtx_collectives::Error as Comm;
+    matches!(error, rtx_pipelines::Error::Collective { source: Comm::StaleGeneration { .. }, .. } | rtx_pipelines::Error::Connect(Comm::StaleGeneration { .. }))
 }
 
 async fn heartbeat_loop(supervisor: RemoteRef<ToSupervisor>, node: u64, every: Duration, shared: Arc<Shared>) {
@@ -515,7 +579,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                     match mesh::run_mesh_generation(&ctx, &job, spec, &generation_run, &start, bound, &mut replica, &mut shard, &mut cmds).instrument(span).await {
                         Ok(interrupt) => next = interrupt,
                         Err(e) => {
-                            tracing::warn!(generation, error = %e, "mesh generation failed; waiting for the supervisor");
+                            ctx.shared.log_failure(&format!("mesh generation {generation} failed; waiting for the supervisor"), replica.completed.map_or(0, |c| c + 1), &e, is_stale_generation(&e));
                             let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: replica.completed.map_or(0, |c| c + 1), reason: e.to_string() }).await;
                         }
                     }
@@ -544,7 +608,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                 match run_generation(&ctx, &job, &generation_run, bound, &mut replica, &mut shard, &mut writer, &mut cmds).instrument(span).await {
                     Ok(interrupt) => next = interrupt,
                     Err(e) => {
-                        tracing::warn!(generation, error = %e, "generation failed; waiting for the supervisor");
+                        ctx.shared.log_failure(&format!("generation {generation} failed; waiting for the supervisor"), replica.completed.map_or(0, |c| c + 1), &e, is_stale_generation(&e));
                         let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation, step: replica.completed.map_or(0, |c| c + 1), reason: e.to_string() }).await;
                         if replica.model.is_none() {
                             return Err(e);
@@ -882,7 +946,7 @@ async fn train<J: TrainJob>(
                 since_last_step = Some(Instant::now());
             }
             Err(e) => {
-                tracing::warn!(step, error = %e, "step failed");
+                ctx.shared.log_failure("step failed", step, &e, is_stale_engine_failure(&e));
                 let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
                 // Wait for the supervisor's decision (a new generation, or eviction).
                 break cmds.recv().await.map(Some).ok_or_else(lost);
@@ -1018,4 +1082,24 @@ fn machine_identity() -> Option<String> {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     Some(format!("{}/{}", host.trim(), boot.trim()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A re-formation's abort (stale generation, superseded) is told apart from real failures,
+    /// so only its repeats are demoted to debug lines.
+    #[test]
+    fn stale_generation_failures_are_told_apart_from_real_ones() {
+        let stale = rtx_collectives::Error::StaleGeneration { expected: 3, got: 2 };
+        assert!(is_stale_generation(&SupervisorError::Superseded { generation: 2, newer: 3 }));
+        assert!(is_stale_generation(&SupervisorError::Collectives(rtx_collectives::Error::StaleGeneration { expected: 3, got: 2 })));
+        let engine = rtx_pipelines::Error::Collective { step: 7, bucket: 0, op: "all_reduce", source: stale };
+        assert!(is_stale_engine_failure(&engine));
+        assert!(is_stale_generation(&SupervisorError::DataParallel(engine)));
+        assert!(!is_stale_engine_failure(&rtx_pipelines::Error::Broken { failed_step: 7 }));
+        assert!(!is_stale_generation(&SupervisorError::Job("out of memory".into())));
+        assert!(!is_stale_generation(&SupervisorError::SupervisorLost { reason: "closed".into() }));
+    }
 }

@@ -183,7 +183,7 @@ fn join_replies_verify_exactly_the_right_proof() {
         |input| {
             let (ekm, bytes) = split(input);
             match rtx_actors::decode::<JoinReply>(bytes) {
-                Ok(JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every }) => {
+                Ok(JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, run_dir }) => {
                     let verified = protocol::verify_supervisor_proof(TOKEN, &ekm, &proof);
                     if verified != (proof == protocol::supervisor_proof(TOKEN, &ekm)) {
                         return Err(format!("verify_supervisor_proof said {verified} for a proof of {} bytes", proof.len()));
@@ -195,7 +195,8 @@ fn join_replies_verify_exactly_the_right_proof() {
                     // What run_node does with an authentic reply's fields.
                     let heartbeat = Duration::from_millis(heartbeat_ms.max(10));
                     let resume = resume.map(PathBuf::from);
-                    std::hint::black_box((node, job.len(), heartbeat, resume, verify_every, checkpoint_every, sharding, snapshot_every));
+                    let run_dir = run_dir.map(PathBuf::from);
+                    std::hint::black_box((node, job.len(), heartbeat, resume, verify_every, checkpoint_every, sharding, snapshot_every, run_dir));
                     Ok(true)
                 }
                 Ok(JoinReply::Refused { .. }) => Ok(true),
@@ -278,7 +279,7 @@ fn a_real_supervisor_answers_hostile_asks() {
         stop_at: None,
         elastic,
         resume: None,
-        resume_next_step: 0,
+        resume_next_step: 0, run_dir: None,
         link: LinkOptions::default(),
     };
     let mut handle = rt.block_on(SupervisorHandle::start_with(options, None, SupervisorEnv { listener, seed })).unwrap();

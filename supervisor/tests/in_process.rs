@@ -101,7 +101,7 @@ impl TrainJob for Fashion {
 
 fn options(token: &str) -> SupervisorOptions {
     let elastic = ElasticConfig { start_workers: 2, max_workers: 2, ..ElasticConfig::default() };
-    SupervisorOptions { listen: "127.0.0.1:0".parse().expect("addr"), token: token.into(), job: String::new(), total_steps: STEPS, stop_at: None, elastic, resume: None, resume_next_step: 0, link: Default::default() }
+    SupervisorOptions { listen: "127.0.0.1:0".parse().expect("addr"), token: token.into(), job: String::new(), total_steps: STEPS, stop_at: None, elastic, resume: None, resume_next_step: 0, run_dir: None, link: Default::default() }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

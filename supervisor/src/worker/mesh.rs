@@ -217,7 +217,7 @@ async fn train<J: TrainJob>(
                 step += 1;
             }
             Err(e) => {
-                tracing::warn!(step, error = %e, "mesh step failed");
+                ctx.shared.log_failure("mesh step failed", step, &e, super::is_stale_engine_failure(&e));
                 let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
                 break cmds.recv().await.map(Some).ok_or_else(lost);
             }

@@ -99,6 +99,7 @@ pub(crate) fn join_reply(rng: &mut ChaCha8Rng) -> JoinReply {
             checkpoint_every: Values::u64(rng),
             sharding: [DpSharding::Replicated, DpSharding::Zero1, DpSharding::Zero2][rng.random_range(0..3)],
             snapshot_every: Values::u64(rng),
+            run_dir: Values::option(rng, Values::string),
         }
     } else {
         JoinReply::Refused { reason: Values::string(rng) }
