@@ -91,7 +91,7 @@ fn read(dir: &Path, model: &str) -> anyhow::Result<(NamedTensors, NamedTensors, 
     dtypes.dedup();
     let io_path = dir.join(format!("{model}_io.safetensors"));
     let (io, meta) = load_tensors(&io_path).with_context(|| format!("reading {}", io_path.display()))?;
-    let io_dtypes: Vec<String> = io.iter().map(|(n, t)| format!("{n}:{}", t.dtype())).collect();
+    let io_dtypes: Vec<String> = io.iter().filter(|(n, _)| !n.starts_with("ref.")).map(|(n, t)| format!("{n}:{}", t.dtype())).collect();
     println!("{model}: {} state tensors (file dtypes {}), inputs {}", typed.tensors.len(), dtypes.join(","), io_dtypes.join(" "));
     Ok((typed.tensors, io, meta))
 }
