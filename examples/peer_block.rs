@@ -16,6 +16,7 @@
 use anyhow::{bail, ensure, Context};
 use rustytorch::checkpoint::{load_tensors, save_tensors};
 use rustytorch::nn::{BlockConfig, Module, TransformerBlock};
+use rustytorch::tensor::GeluApprox;
 use rustytorch::{DType, Generator, Tensor};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -49,6 +50,8 @@ fn main() -> anyhow::Result<()> {
         init_std: 0.02,
         proj_init_std: 0.02,
         dtype: DType::F32,
+        // scripts/peer/peer_block.py computes F.gelu(approximate="tanh").
+        gelu: GeluApprox::Tanh,
     };
     let mut rng = Generator::new(0);
     let mut block = TransformerBlock::new(&config, &mut rng)?;

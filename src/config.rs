@@ -9,6 +9,11 @@
 //! the TOML line/column in its errors, then validation turns them into the typed
 //! [`ModelConfig`] / [`OptimConfig`] enums and reports keys that do not belong to the chosen kind.
 //!
+//! # GELU form (`[model] gelu`, GPT only)
+//! `gelu = "none"` (the default, as PyTorch's `nn.GELU()`) is the exact erf form; `gelu = "tanh"`
+//! is the approximation GPT-2, nanoGPT and llm.c were trained with. Every GPT config in
+//! `configs/` names `"tanh"`, so runs started before the default changed keep their numbers.
+//!
 //! # Device and precision (`[train] device`, `[train] precision`)
 //! `device = "cpu"` (the default) trains on host tensors in f32. `device = "cuda"` puts each
 //! worker's replica on one GPU: under `rtx launch` worker `i` takes `cuda:(i mod visible
@@ -257,6 +262,8 @@ pub enum ModelConfig {
         context: usize,
         /// Dropout probability.
         dropout: f64,
+        /// The feed-forward GELU (`[model] gelu`, default exact).
+        gelu: Gelu,
     },
     /// An I-JEPA ViT encoder (with its EMA target and predictor, see `[jepa]`) on images.
     IJepa {
@@ -280,6 +287,17 @@ pub enum Activation {
     /// Gaussian error linear unit.
     Gelu,
     /// Hyperbolic tangent.
+    Tanh,
+}
+
+/// The two GELU forms of PyTorch's `approximate=` argument.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Gelu {
+    /// Exact `x·Φ(x)` through erf (`approximate="none"`).
+    #[default]
+    None,
+    /// `x/2·(1 + tanh(√(2/π)(x + 0.044715x³)))` (`approximate="tanh"`, GPT-2).
     Tanh,
 }
 
@@ -517,6 +535,7 @@ struct RawModel {
     context: Option<usize>,
     dropout: Option<f64>,
     patch_size: Option<usize>,
+    gelu: Option<Gelu>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -802,6 +821,7 @@ impl Validator<'_> {
                     self.not_for(key, set, "model.kind", "mlp", "gpt")?;
                 }
                 self.not_for("model.patch_size", m.patch_size.is_some(), "model.kind", "mlp", "ijepa")?;
+                self.not_for("model.gelu", m.gelu.is_some(), "model.kind", "mlp", "gpt")?;
                 let hidden = self.require("model.hidden", m.hidden, "model.kind", "mlp")?;
                 if let Some(pos) = hidden.iter().position(|&h| h == 0) {
                     return Err(self.invalid(&format!("model.hidden[{pos}]"), 0, "every hidden width must be at least 1"));
@@ -825,13 +845,14 @@ impl Validator<'_> {
                     return Err(self.invalid("model.n_heads", n_heads, format!("must divide model.d_model ({d_model})")));
                 }
                 self.unit_open("model.dropout", dropout, true)?;
-                Ok(ModelConfig::Gpt { n_layers, d_model, n_heads, context, dropout })
+                Ok(ModelConfig::Gpt { n_layers, d_model, n_heads, context, dropout, gelu: m.gelu.unwrap_or_default() })
             }
             RawModelKind::Ijepa => {
                 self.not_for("model.hidden", m.hidden.is_some(), "model.kind", "ijepa", "mlp")?;
                 self.not_for("model.activation", m.activation.is_some(), "model.kind", "ijepa", "mlp")?;
                 self.not_for("model.context", m.context.is_some(), "model.kind", "ijepa", "gpt")?;
                 self.not_for("model.dropout", m.dropout.is_some(), "model.kind", "ijepa", "gpt")?;
+                self.not_for("model.gelu", m.gelu.is_some(), "model.kind", "ijepa", "gpt")?;
                 let patch_size = self.require("model.patch_size", m.patch_size, "model.kind", "ijepa")?;
                 let d_model = self.require("model.d_model", m.d_model, "model.kind", "ijepa")?;
                 let n_layers = self.require("model.n_layers", m.n_layers, "model.kind", "ijepa")?;
@@ -1138,5 +1159,32 @@ steps = 5
         assert!(e.contains("`model.context`") && e.contains("required"), "{e}");
         let ok = TrainConfig::from_toml_str(&gpt.replace("d_model = 30", "d_model = 32")).expect("valid");
         assert!(matches!(ok.model, ModelConfig::Gpt { d_model: 32, .. }));
+    }
+
+    #[test]
+    fn gelu_defaults_to_exact_and_every_shipped_gpt_config_keeps_tanh() {
+        // Goal: `[model] gelu` is optional with PyTorch's exact default, "tanh" picks the GPT-2
+        // form, another kind refuses the key, and each GPT config in configs/ names "tanh" (they
+        // were tuned with it). Method: parse inline configs and every file in configs/.
+        let gpt = "[model]\nkind = \"gpt\"\nn_layers = 1\nd_model = 8\nn_heads = 2\ncontext = 8\n[data]\ndataset = \"sotu\"\nbatch_size = 2\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 1\n";
+        let exact = TrainConfig::from_toml_str(gpt).expect("valid");
+        assert!(matches!(exact.model, ModelConfig::Gpt { gelu: Gelu::None, .. }));
+        let tanh = TrainConfig::from_toml_str(&gpt.replace("context = 8", "context = 8\ngelu = \"tanh\"")).expect("valid");
+        assert!(matches!(tanh.model, ModelConfig::Gpt { gelu: Gelu::Tanh, .. }));
+        assert!(TrainConfig::from_toml_str(&gpt.replace("context = 8", "context = 8\ngelu = \"erf\"")).is_err());
+        let mlp = "[model]\nkind = \"mlp\"\nhidden = [4]\ngelu = \"tanh\"\n[data]\ndataset = \"digits\"\nbatch_size = 2\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 1\n";
+        assert!(err(mlp).contains("`model.gelu`"), "{}", err(mlp));
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let mut gpt_configs = 0;
+        for entry in std::fs::read_dir(&dir).expect("configs/") {
+            let path = entry.expect("entry").path();
+            let text = std::fs::read_to_string(&path).expect("read");
+            if path.extension().is_some_and(|e| e == "toml") && text.contains("kind = \"gpt\"") {
+                let config = TrainConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert!(matches!(config.model, ModelConfig::Gpt { gelu: Gelu::Tanh, .. }), "{} does not keep gelu = \"tanh\"", path.display());
+                gpt_configs += 1;
+            }
+        }
+        assert!(gpt_configs >= 6, "found {gpt_configs} GPT configs");
     }
 }

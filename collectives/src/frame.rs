@@ -321,6 +321,7 @@ pub const fn dtype_code(dtype: Option<DType>) -> u8 {
         Some(DType::F64) => 2,
         Some(DType::BF16) => 3,
         Some(DType::U32) => 4,
+        Some(DType::I64) => 5,
     }
 }
 
@@ -331,6 +332,7 @@ fn dtype_from_code(code: u8) -> Result<Option<DType>> {
         2 => Some(DType::F64),
         3 => Some(DType::BF16),
         4 => Some(DType::U32),
+        5 => Some(DType::I64),
         _ => return Err(Error::UnknownDType { code }),
     })
 }

@@ -340,6 +340,10 @@ fn unary_ref(op: UnaryOp, x: f64) -> (f64, f64) {
             (x * s, s * (1.0 + x * (1.0 - s)))
         }
         UnaryOp::Relu => (x.max(0.0), if x > 0.0 { 1.0 } else { 0.0 }),
+        UnaryOp::GeluErf => {
+            let cdf = 0.5 * (1.0 + libm::erf(x / std::f64::consts::SQRT_2));
+            (x * cdf, cdf + x * (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt())
+        }
     }
 }
 
@@ -350,7 +354,7 @@ fn check_unary(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
     let (dx_, ddy) = (dev.htod(&x)?, dev.htod(&dy)?);
     let mut y = dev.alloc::<f32>(n)?;
     let mut dx = dev.alloc::<f32>(n)?;
-    for op in [UnaryOp::Exp, UnaryOp::GeluTanh, UnaryOp::Silu, UnaryOp::Relu] {
+    for op in [UnaryOp::Exp, UnaryOp::GeluTanh, UnaryOp::Silu, UnaryOp::Relu, UnaryOp::GeluErf] {
         dev.unary(op, &dx_, &mut y)?;
         let mut fwd = vec![0.0f64; n];
         elementwise::map(&f64v(&x), &mut fwd, |v| unary_ref(op, v).0)?;
@@ -423,7 +427,7 @@ fn check_cross_entropy(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()>
         let logits = rng.vec(rows * c, 4.0);
         let ignore = c as u32 + 7;
         let targets: Vec<u32> = (0..rows).map(|i| if i % 9 == 4 { ignore } else { rng.below(c as u32) }).collect();
-        let spec = CrossEntropySpec { n_classes: c, ignore_index: Some(ignore), label_smoothing: smoothing };
+        let spec = CrossEntropySpec { n_classes: c, ignore_index: Some(i64::from(ignore)), label_smoothing: smoothing };
         let (mut loss64, mut grad64) = (vec![0.0f64; rows], vec![0.0f64; rows * c]);
         cross_entropy_rows(&f64v(&logits), &targets, spec, &mut loss64, Some(&mut grad64))?;
         let (mut loss, mut grad) = (dev.alloc::<f32>(rows)?, dev.alloc::<f32>(rows * c)?);

@@ -45,7 +45,7 @@ pub enum Error {
         /// Row of the bad target.
         row: usize,
         /// The target value.
-        target: u32,
+        target: i64,
         /// Number of classes.
         n_classes: usize,
     },

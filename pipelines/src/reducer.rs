@@ -408,6 +408,7 @@ async fn all_reduce(comm: &Communicator, data: &mut CpuData) -> std::result::Res
         CpuData::F64(v) => comm.all_reduce(v, ReduceOp::Avg).await,
         CpuData::BF16(v) => comm.all_reduce(v, ReduceOp::Avg).await,
         CpuData::U32(_) => return Err(Failure::Unsupported(DType::U32)),
+        CpuData::I64(_) => return Err(Failure::Unsupported(DType::I64)),
     };
     result.map_err(Failure::Comm)
 }
@@ -418,6 +419,7 @@ async fn broadcast(comm: &Communicator, data: &mut CpuData) -> std::result::Resu
         CpuData::F64(v) => comm.broadcast(v, 0).await,
         CpuData::BF16(v) => comm.broadcast(v, 0).await,
         CpuData::U32(_) => return Err(Failure::Unsupported(DType::U32)),
+        CpuData::I64(_) => return Err(Failure::Unsupported(DType::I64)),
     };
     result.map_err(Failure::Comm)
 }

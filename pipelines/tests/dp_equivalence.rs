@@ -23,7 +23,7 @@ use rtx_collectives::{CommConfig, Endpoint, InProcessNetwork, InProcessTransport
 use rtx_pipelines::{adamw, DataParallel, DpConfig, Error, Sharding};
 use rtx_tensor::nn::{Activation, Gpt, GptConfig, Linear, Mlp, Module};
 use rtx_tensor::optim::{AdamW, AdamWConfig, Optimizer};
-use rtx_tensor::{CrossEntropyOptions, DType, FloatVec, Generator, Tensor};
+use rtx_tensor::{CrossEntropyOptions, DType, FloatVec, GeluApprox, Generator, Tensor};
 
 /// Wall-clock bound on any one multi-rank test body.
 const TEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -68,6 +68,7 @@ const GPT: GptConfig = GptConfig {
     layer_norm_eps: 1e-5,
     init_std: 0.02,
     dtype: DType::F32,
+    gelu: GeluApprox::Tanh,
 };
 const GPT_T: usize = 8;
 

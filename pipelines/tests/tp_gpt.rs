@@ -27,7 +27,7 @@ use rtx_pipelines::tp::{self, gpt_shard_spec, StagePart, TpGpt, TpGroup, TpHandl
 use rtx_pipelines::Error;
 use rtx_tensor::nn::{Gpt, GptConfig, Module, Pooling, Vit, VitConfig};
 use rtx_tensor::optim::{AdamW, AdamWConfig, Optimizer};
-use rtx_tensor::{CrossEntropyOptions, DType, Generator, Tensor};
+use rtx_tensor::{CrossEntropyOptions, DType, GeluApprox, Generator, Tensor};
 
 /// Wall-clock bound on any one multi-rank test body.
 const TEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -44,6 +44,7 @@ const CONFIG: GptConfig = GptConfig {
     layer_norm_eps: 1e-5,
     init_std: 0.02,
     dtype: DType::F32,
+    gelu: GeluApprox::Tanh,
 };
 const T: usize = 16;
 const B: usize = 2;
@@ -425,6 +426,7 @@ const VIT: VitConfig = VitConfig {
     layer_norm_eps: 1e-6,
     init_std: 0.02,
     dtype: DType::F32,
+    gelu: GeluApprox::Tanh,
 };
 
 // Goal: the TP ViT computes the full Vit's loss and gradients, with and without sequence

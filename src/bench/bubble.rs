@@ -21,7 +21,7 @@ use super::timing::{measure, round3};
 use rtx_kernels::matmul::{matmul, Operand};
 use rtx_pipelines::schedule::{simulate, Costs, ScheduleKind, Timeline};
 use rtx_tensor::nn::{BlockConfig, Module, TransformerBlock};
-use rtx_tensor::{DType, Generator, Tensor};
+use rtx_tensor::{DType, GeluApprox, Generator, Tensor};
 
 /// The model and pipeline shape `rtx bench bubble` and `rtx bench pipeline` share: a byte-level GPT
 /// of pre-norm blocks cut into stages, and the micro-batch counts to run.
@@ -164,6 +164,7 @@ fn measure_block(args: &BubbleArgs) -> anyhow::Result<BlockCosts> {
         init_std: 0.02,
         proj_init_std: 0.02 / (2.0 * args.shape.layers as f64).sqrt(),
         dtype: DType::F32,
+        gelu: GeluApprox::Tanh,
     };
     let block = TransformerBlock::new(&config, &mut rng)?;
     let x = Tensor::randn(&[b, t, c], 0.0, 1.0, DType::F32, &mut rng)?.requires_grad(true);

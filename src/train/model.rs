@@ -38,8 +38,12 @@ impl Model {
                 let sizes: Vec<usize> = std::iter::once(input).chain(hidden.iter().copied()).chain(std::iter::once(n_classes)).collect();
                 Ok(Model::Mlp(Mlp::new(&sizes, nn_activation(*activation), DType::F32, rng)?))
             }
-            ModelConfig::Gpt { n_layers, d_model, n_heads, context, dropout } => {
-                let cfg = nn::GptConfig { vocab_size: n_classes, context: *context, n_layers: *n_layers, d_model: *d_model, n_heads: *n_heads, dropout: *dropout, dtype: DType::F32, ..nn::GptConfig::default() };
+            ModelConfig::Gpt { n_layers, d_model, n_heads, context, dropout, gelu } => {
+                let gelu = match gelu {
+                    crate::config::Gelu::None => rtx_tensor::GeluApprox::None,
+                    crate::config::Gelu::Tanh => rtx_tensor::GeluApprox::Tanh,
+                };
+                let cfg = nn::GptConfig { vocab_size: n_classes, context: *context, n_layers: *n_layers, d_model: *d_model, n_heads: *n_heads, dropout: *dropout, dtype: DType::F32, gelu, ..nn::GptConfig::default() };
                 Ok(Model::Gpt(Box::new(nn::Gpt::new(cfg, rng)?)))
             }
             ModelConfig::IJepa { .. } => Err(super::TrainError::Internal("an I-JEPA model is built by Model::for_config".into())),

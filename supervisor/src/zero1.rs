@@ -161,6 +161,7 @@ impl Layout {
                     out.push(U32);
                     out.extend(v);
                 }
+                CpuData::I64(_) => return Err(bad(format!("optimizer state {name} is i64, which segment states do not carry"))),
             }
         }
         Ok(())

@@ -130,6 +130,7 @@ fn cases() -> Vec<OpCase> {
             f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5),
         },
         OpCase { name: "gelu", inputs: vec![vec![37, 129]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu() },
+        OpCase { name: "gelu (tanh)", inputs: vec![vec![37, 129]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu_with(rtx_tensor::GeluApprox::Tanh) },
         OpCase {
             name: "layer_norm (8-wide)",
             inputs: vec![vec![40, 256], vec![256], vec![256]],
@@ -138,6 +139,7 @@ fn cases() -> Vec<OpCase> {
             f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5),
         },
         OpCase { name: "gelu (8-wide)", inputs: vec![vec![16, 256]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu() },
+        OpCase { name: "gelu (tanh, 8-wide)", inputs: vec![vec![16, 256]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu_with(rtx_tensor::GeluApprox::Tanh) },
         OpCase { name: "add (same)", inputs: vec![vec![5, 77], vec![5, 77]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
         OpCase { name: "add (same, 8-wide)", inputs: vec![vec![8, 64], vec![8, 64]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
         OpCase { name: "add (broadcast)", inputs: vec![vec![4, 16, 32], vec![16, 32]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
@@ -458,7 +460,7 @@ fn profile(seed: u64, corpus: &TextCorpus) -> Res<()> {
         ("linear fc2 3072->768", vec![bf(&[rows, 4 * c], &mut r)?, bf(&[c, 4 * c], &mut r)?, bf(&[c], &mut r)?], |x, _| x[0].linear(&x[1], Some(&x[2]))),
         ("lm head 768->256", vec![bf(&[rows, c], &mut r)?, bf(&[256, c], &mut r)?], |x, _| x[0].linear(&x[1], None)),
         ("layer_norm 768", vec![bf(&[rows, c], &mut r)?, bf(&[c], &mut r)?, bf(&[c], &mut r)?], |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5)),
-        ("gelu [16384,3072]", vec![bf(&[rows, 4 * c], &mut r)?], |x, _| x[0].gelu()),
+        ("gelu [16384,3072]", vec![bf(&[rows, 4 * c], &mut r)?], |x, _| x[0].gelu_with(rtx_tensor::GeluApprox::Tanh)),
         ("add residual", vec![bf(&[b, t, c], &mut r)?, bf(&[b, t, c], &mut r)?], |x, _| x[0].add(&x[1])),
         ("add pos [B,T,C]+[T,C]", vec![bf(&[b, t, c], &mut r)?, bf(&[t, c], &mut r)?], |x, _| x[0].add(&x[1])),
     ];

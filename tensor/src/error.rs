@@ -137,6 +137,26 @@ pub enum Error {
         /// The device of the operand.
         device: Device,
     },
+    /// An integer value does not fit the integer dtype it is converted to (a negative or too
+    /// large i64 used as a u32 index, label or id).
+    #[error("{op}: value {value} at element {index} does not fit {target}")]
+    IntegerOutOfRange {
+        /// The operation.
+        op: &'static str,
+        /// Position of the value in the (contiguous) elements.
+        index: usize,
+        /// The value.
+        value: i64,
+        /// The dtype it had to fit.
+        target: DType,
+    },
+    /// A strict `load_state_dict` found missing or unexpected names, or shapes or dtypes that do
+    /// not match; every problem is listed, and the module was left untouched.
+    #[error("load_state_dict: {report}")]
+    StateDict {
+        /// What did not match, by name.
+        report: crate::nn::StateDictReport,
+    },
     /// A CUDA call failed (driver, cuBLAS, NVRTC, out of memory, a refused argument).
     #[cfg(feature = "cuda")]
     #[error(transparent)]

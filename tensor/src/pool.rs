@@ -83,6 +83,7 @@ pooled!(f32);
 pooled!(f64);
 pooled!(bf16);
 pooled!(u32);
+pooled!(i64);
 
 /// Size of class `c` in elements: four classes per power of two, from 4 up.
 fn class_size(c: u32) -> usize {
@@ -166,6 +167,7 @@ pub(crate) fn give_data(data: crate::storage::CpuData) {
         CpuData::F64(v) => give(v),
         CpuData::BF16(v) => give(v),
         CpuData::U32(v) => give(v),
+        CpuData::I64(v) => give(v),
     }
 }
 

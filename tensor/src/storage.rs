@@ -28,6 +28,8 @@ pub enum CpuData {
     BF16(Vec<bf16>),
     /// u32 elements (indices, labels).
     U32(Vec<u32>),
+    /// i64 elements (PyTorch's `long`: signed targets, ids, integer buffers).
+    I64(Vec<i64>),
 }
 
 impl CpuData {
@@ -38,6 +40,7 @@ impl CpuData {
             CpuData::F64(_) => DType::F64,
             CpuData::BF16(_) => DType::BF16,
             CpuData::U32(_) => DType::U32,
+            CpuData::I64(_) => DType::I64,
         }
     }
 
@@ -48,6 +51,7 @@ impl CpuData {
             CpuData::F64(v) => v.len(),
             CpuData::BF16(v) => v.len(),
             CpuData::U32(v) => v.len(),
+            CpuData::I64(v) => v.len(),
         }
     }
 
@@ -63,6 +67,7 @@ impl CpuData {
             DType::F64 => CpuData::F64(pool::zeroed(len)),
             DType::BF16 => CpuData::BF16(pool::zeroed(len)),
             DType::U32 => CpuData::U32(pool::zeroed(len)),
+            DType::I64 => CpuData::I64(pool::zeroed(len)),
         }
     }
 
@@ -73,6 +78,7 @@ impl CpuData {
             CpuData::F64(v) => bytemuck::cast_slice(v),
             CpuData::BF16(v) => bytemuck::cast_slice(v),
             CpuData::U32(v) => bytemuck::cast_slice(v),
+            CpuData::I64(v) => bytemuck::cast_slice(v),
         }
     }
 }

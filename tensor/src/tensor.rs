@@ -74,6 +74,7 @@ element!(f32, F32);
 element!(f64, F64);
 element!(bf16, BF16);
 element!(u32, U32);
+element!(i64, I64);
 
 /// A contiguous view of a float tensor's elements in its compute type.
 pub enum FloatSlice<'a> {
@@ -101,6 +102,8 @@ impl FloatVec {
             (FloatVec::F64(v), DType::BF16) => CpuData::BF16(v.into_iter().map(bf16::from_f64).collect()),
             (FloatVec::F32(v), DType::U32) => CpuData::U32(v.into_iter().map(|x| x as u32).collect()),
             (FloatVec::F64(v), DType::U32) => CpuData::U32(v.into_iter().map(|x| x as u32).collect()),
+            (FloatVec::F32(v), DType::I64) => CpuData::I64(v.into_iter().map(|x| x as i64).collect()),
+            (FloatVec::F64(v), DType::I64) => CpuData::I64(v.into_iter().map(|x| x as i64).collect()),
             (FloatVec::F32(v), DType::F32) => CpuData::F32(v),
             (FloatVec::F64(v), DType::F64) => CpuData::F64(v),
         }
@@ -204,6 +207,7 @@ impl Tensor {
             DType::F64 => CpuData::F64(vec![value; n]),
             DType::BF16 => CpuData::BF16(vec![bf16::from_f64(value); n]),
             DType::U32 => CpuData::U32(vec![value as u32; n]),
+            DType::I64 => CpuData::I64(vec![value as i64; n]),
         };
         Tensor::from_parts(Storage::new(data), Layout::contiguous(shape), dtype, false, None)
     }
@@ -371,10 +375,13 @@ impl Tensor {
                 Ok(f(FloatSlice::F32(&g)))
             }
             CpuData::U32(_) => Err(Error::UnsupportedDType { op: "float op", dtype: DType::U32 }),
+            CpuData::I64(_) => Err(Error::UnsupportedDType { op: "float op", dtype: DType::I64 }),
         }
     }
 
-    /// The elements of a u32 tensor, contiguous.
+    /// The elements of an integer tensor as u32, contiguous: a u32 tensor as is, an i64 tensor
+    /// checked element by element ([`Error::IntegerOutOfRange`] for the first value outside
+    /// `0..=u32::MAX`, so i64 ids and labels index like u32 ones).
     pub fn to_u32_vec(&self) -> Result<Vec<u32>> {
         #[cfg(feature = "cuda")]
         if self.device() != Device::Cpu {
@@ -383,7 +390,27 @@ impl Tensor {
         let data = self.0.storage.read()?;
         match &*data {
             CpuData::U32(v) => gather(&self.0.layout, v),
+            CpuData::I64(v) => {
+                let wide = gather(&self.0.layout, v)?;
+                let narrow = checked_u32(&wide);
+                crate::pool::give(wide);
+                narrow
+            }
             other => Err(Error::DTypeMismatch { op: "to_u32_vec", lhs: other.dtype(), rhs: DType::U32 }),
+        }
+    }
+
+    /// The elements of an integer tensor (u32 or i64) as i64, contiguous.
+    pub fn to_i64_vec(&self) -> Result<Vec<i64>> {
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return self.to_device(Device::Cpu)?.to_i64_vec();
+        }
+        let data = self.0.storage.read()?;
+        match &*data {
+            CpuData::I64(v) => gather(&self.0.layout, v),
+            CpuData::U32(v) => Ok(gather(&self.0.layout, v)?.into_iter().map(i64::from).collect()),
+            other => Err(Error::DTypeMismatch { op: "to_i64_vec", lhs: other.dtype(), rhs: DType::I64 }),
         }
     }
 
@@ -393,6 +420,9 @@ impl Tensor {
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         if self.dtype() == DType::U32 {
             return Ok(self.to_u32_vec()?.into_iter().map(|x| x as f32).collect());
+        }
+        if self.dtype() == DType::I64 {
+            return Ok(self.to_i64_vec()?.into_iter().map(|x| x as f32).collect());
         }
         #[cfg(feature = "cuda")]
         if self.device() != Device::Cpu {
@@ -415,6 +445,9 @@ impl Tensor {
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         if self.dtype() == DType::U32 {
             return Ok(self.to_u32_vec()?.into_iter().map(f64::from).collect());
+        }
+        if self.dtype() == DType::I64 {
+            return Ok(self.to_i64_vec()?.into_iter().map(|x| x as f64).collect());
         }
         Ok(match self.with_float_slice(|s| match s {
             FloatSlice::F32(x) => FloatVec::F32(x.to_vec()),
@@ -447,6 +480,7 @@ impl Tensor {
             CpuData::F64(v) => CpuData::F64(gather(l, v)?),
             CpuData::BF16(v) => CpuData::BF16(gather(l, v)?),
             CpuData::U32(v) => CpuData::U32(gather(l, v)?),
+            CpuData::I64(v) => CpuData::I64(gather(l, v)?),
         })
     }
 
@@ -487,10 +521,20 @@ impl Tensor {
         if self.device() != Device::Cpu {
             return crate::cuda::ops::cast(self, dtype);
         }
-        if self.dtype() == DType::U32 {
-            let v = self.to_u32_vec()?;
-            let vals = FloatVec::F64(v.into_iter().map(f64::from).collect());
-            return Tensor::from_data(vals.into_data(dtype), self.shape());
+        match (self.dtype(), dtype) {
+            (DType::U32, DType::I64) => return Tensor::from_vec(self.to_i64_vec()?, self.shape()),
+            (DType::I64, DType::U32) => return Tensor::from_vec(self.to_u32_vec()?, self.shape()),
+            (DType::U32, _) => {
+                let v = self.to_u32_vec()?;
+                let vals = FloatVec::F64(v.into_iter().map(f64::from).collect());
+                return Tensor::from_data(vals.into_data(dtype), self.shape());
+            }
+            (DType::I64, _) => {
+                // Rounds past 2^53 (f64) or 2^24 (f32), as `tensor.float()` does in PyTorch.
+                let vals = FloatVec::F64(self.to_i64_vec()?.into_iter().map(|x| x as f64).collect());
+                return Tensor::from_data(vals.into_data(dtype), self.shape());
+            }
+            _ => {}
         }
         let values = float_map!(self, |x: T| x.to_vec())?;
         let from = self.dtype();
@@ -700,6 +744,16 @@ impl Tensor {
         })?;
         Ok(v)
     }
+}
+
+/// `values` as u32, or [`Error::IntegerOutOfRange`] naming the first that does not fit.
+fn checked_u32(values: &[i64]) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(values.len());
+    for (index, &value) in values.iter().enumerate() {
+        let narrow = u32::try_from(value).map_err(|_| Error::IntegerOutOfRange { op: "to_u32_vec", index, value, target: DType::U32 })?;
+        out.push(narrow);
+    }
+    Ok(out)
 }
 
 /// Gathers the elements a layout selects into a contiguous vector; a layout reaching past `src`

@@ -34,6 +34,16 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(u));
 }
 
+// Exact GELU x·Φ(x) (PyTorch's default, approximate="none") and its derivative Φ(x) + x·φ(x).
+__device__ __forceinline__ float gelu_erf(float x) {
+    return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
+}
+
+__device__ __forceinline__ float gelu_erf_grad(float x) {
+    const float inv_sqrt_2pi = 0.3989422804014327f;
+    return 0.5f * (1.0f + erff(x * 0.7071067811865476f)) + x * inv_sqrt_2pi * expf(-0.5f * x * x);
+}
+
 __device__ __forceinline__ float gelu_tanh_grad(float x) {
     const float k = 0.7978845608028654f;
     float x2 = x * x;
@@ -41,4 +51,8 @@ __device__ __forceinline__ float gelu_tanh_grad(float x) {
     float t = tanhf(u);
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x2);
 }
+
+// `exact` picks the erf form, otherwise the tanh approximation.
+__device__ __forceinline__ float gelu_any(float x, int exact) { return exact ? gelu_erf(x) : gelu_tanh(x); }
+__device__ __forceinline__ float gelu_any_grad(float x, int exact) { return exact ? gelu_erf_grad(x) : gelu_tanh_grad(x); }
 

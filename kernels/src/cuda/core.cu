@@ -45,13 +45,14 @@ extern "C" __global__ void binary_broadcast_f32(int op, const float* a, const fl
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// op: 0 exp, 1 tanh-GELU, 2 SiLU, 3 ReLU.
+// op: 0 exp, 1 tanh-GELU, 2 SiLU, 3 ReLU, 4 exact (erf) GELU.
 extern "C" __global__ void unary_f32(int op, const float* x, float* y, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float v = x[i], r;
         switch (op) {
             case 0: r = expf(v); break;
             case 1: r = gelu_tanh(v); break;
+            case 4: r = gelu_erf(v); break;
             case 2: r = v * sigmoidf(v); break;
             default: r = v > 0.0f ? v : 0.0f; break;
         }
@@ -66,6 +67,7 @@ extern "C" __global__ void unary_backward_f32(int op, const float* x, const floa
         switch (op) {
             case 0: g = expf(v); break;
             case 1: g = gelu_tanh_grad(v); break;
+            case 4: g = gelu_erf_grad(v); break;
             case 2: { float s = sigmoidf(v); g = s * (1.0f + v * (1.0f - s)); break; }
             default: g = v > 0.0f ? 1.0f : 0.0f; break;
         }

@@ -35,12 +35,12 @@ template <typename T> __device__ void scale(T* x, float k, i64 n) {
     GRID_STRIDE(i, n) stf(x, i, ldf(x, i) * k);
 }
 
-template <typename T> __device__ void gelu_forward(const T* x, T* y, i64 n) {
-    GRID_STRIDE(i, n) stf(y, i, gelu_tanh(ldf(x, i)));
+template <typename T> __device__ void gelu_forward(const T* x, T* y, i64 n, int exact) {
+    GRID_STRIDE(i, n) stf(y, i, gelu_any(ldf(x, i), exact));
 }
 
-template <typename T> __device__ void gelu_backward(const T* x, const T* dy, T* dx, i64 n) {
-    GRID_STRIDE(i, n) stf(dx, i, ldf(dy, i) * gelu_tanh_grad(ldf(x, i)));
+template <typename T> __device__ void gelu_backward(const T* x, const T* dy, T* dx, i64 n, int exact) {
+    GRID_STRIDE(i, n) stf(dx, i, ldf(dy, i) * gelu_any_grad(ldf(x, i), exact));
 }
 
 // ---- column sums (bias gradients, broadcast-add gradients) ----
@@ -265,10 +265,10 @@ BOTH(fill_rows, P_FILL_ROWS, (bias, out, rows, n))
 BOTH(fill, P_FILL, (out, v, n))
 #define P_SCALE(T) (T* x, float k, i64 n)
 BOTH(scale, P_SCALE, (x, k, n))
-#define P_GELU_F(T) (const T* x, T* y, i64 n)
-BOTH(gelu_forward, P_GELU_F, (x, y, n))
-#define P_GELU_B(T) (const T* x, const T* dy, T* dx, i64 n)
-BOTH(gelu_backward, P_GELU_B, (x, dy, dx, n))
+#define P_GELU_F(T) (const T* x, T* y, i64 n, int exact)
+BOTH(gelu_forward, P_GELU_F, (x, y, n, exact))
+#define P_GELU_B(T) (const T* x, const T* dy, T* dx, i64 n, int exact)
+BOTH(gelu_backward, P_GELU_B, (x, dy, dx, n, exact))
 #define P_CSP(T) (const T* x, float* partial, i64 rows, int n, i64 rows_per_chunk)
 BOTH(col_sum_partial, P_CSP, (x, partial, rows, n, rows_per_chunk))
 #define P_CSF(T) (const float* partial, T* out, int chunks, int n, int accumulate)
@@ -346,21 +346,21 @@ extern "C" __global__ void add_rows_v8_bf16(const u16* a, const u16* b, u16* out
     }
 }
 
-extern "C" __global__ void gelu_forward_v8_bf16(const u16* x, u16* y, i64 n8) {
+extern "C" __global__ void gelu_forward_v8_bf16(const u16* x, u16* y, i64 n8, int exact) {
     GRID_STRIDE(i, n8) {
         float v[8];
         unpack8(((const V8*)x)[i], v);
-        for (int e = 0; e < 8; ++e) v[e] = gelu_tanh(v[e]);
+        for (int e = 0; e < 8; ++e) v[e] = gelu_any(v[e], exact);
         ((V8*)y)[i] = pack8(v);
     }
 }
 
-extern "C" __global__ void gelu_backward_v8_bf16(const u16* x, const u16* dy, u16* dx, i64 n8) {
+extern "C" __global__ void gelu_backward_v8_bf16(const u16* x, const u16* dy, u16* dx, i64 n8, int exact) {
     GRID_STRIDE(i, n8) {
         float v[8], g[8];
         unpack8(((const V8*)x)[i], v);
         unpack8(((const V8*)dy)[i], g);
-        for (int e = 0; e < 8; ++e) g[e] *= gelu_tanh_grad(v[e]);
+        for (int e = 0; e < 8; ++e) g[e] *= gelu_any_grad(v[e], exact);
         ((V8*)dx)[i] = pack8(g);
     }
 }

@@ -199,8 +199,9 @@ impl Device {
         Ok(())
     }
 
-    /// `y = gelu(x)` (tanh approximation, as GPT-2).
-    pub fn gelu<T: StorageElem>(&self, x: &Buffer<T>, y: &mut Buffer<T>) -> Result<()> {
+    /// `y = gelu(x)`: the exact erf form when `exact` (PyTorch's default), else the tanh
+    /// approximation (GPT-2).
+    pub fn gelu<T: StorageElem>(&self, x: &Buffer<T>, y: &mut Buffer<T>, exact: bool) -> Result<()> {
         const OP: &str = "gelu";
         check_len(OP, "y", y.len(), x.len())?;
         if x.is_empty() {
@@ -209,16 +210,16 @@ impl Device {
         let v8 = T::IS_BF16 && x.len().is_multiple_of(8);
         let (name, width) = if v8 { ("gelu_forward_v8_bf16", 8) } else { (kernel!(T, "gelu_forward"), 1) };
         let f = self.function(Module::Mixed, name)?;
-        let (xp, yp, n) = (x.device_ptr(), y.device_ptr(), (x.len() / width) as i64);
+        let (xp, yp, n, exact) = (x.device_ptr(), y.device_ptr(), (x.len() / width) as i64, i32::from(exact));
         let mut l = self.stream().launch_builder(&f);
-        l.arg(&xp).arg(&yp).arg(&n);
+        l.arg(&xp).arg(&yp).arg(&n).arg(&exact);
         // SAFETY: both hold n elements (n / 8 pieces of 16 aligned bytes on the vectorized path).
         unsafe { l.launch(grid_stride(x.len() / width)) }.op(OP)?;
         Ok(())
     }
 
-    /// `dx = dy · gelu'(x)`.
-    pub fn gelu_backward<T: StorageElem>(&self, x: &Buffer<T>, dy: &Buffer<T>, dx: &mut Buffer<T>) -> Result<()> {
+    /// `dx = dy · gelu'(x)` for the GELU form `exact` picks (see [`Self::gelu`]).
+    pub fn gelu_backward<T: StorageElem>(&self, x: &Buffer<T>, dy: &Buffer<T>, dx: &mut Buffer<T>, exact: bool) -> Result<()> {
         const OP: &str = "gelu_backward";
         check_len(OP, "dy", dy.len(), x.len())?;
         check_len(OP, "dx", dx.len(), x.len())?;
@@ -228,9 +229,9 @@ impl Device {
         let v8 = T::IS_BF16 && x.len().is_multiple_of(8);
         let (name, width) = if v8 { ("gelu_backward_v8_bf16", 8) } else { (kernel!(T, "gelu_backward"), 1) };
         let f = self.function(Module::Mixed, name)?;
-        let (xp, gp, dp, n) = (x.device_ptr(), dy.device_ptr(), dx.device_ptr(), (x.len() / width) as i64);
+        let (xp, gp, dp, n, exact) = (x.device_ptr(), dy.device_ptr(), dx.device_ptr(), (x.len() / width) as i64, i32::from(exact));
         let mut l = self.stream().launch_builder(&f);
-        l.arg(&xp).arg(&gp).arg(&dp).arg(&n);
+        l.arg(&xp).arg(&gp).arg(&dp).arg(&n).arg(&exact);
         // SAFETY: all three hold n elements (n / 8 aligned pieces on the vectorized path).
         unsafe { l.launch(grid_stride(x.len() / width)) }.op(OP)?;
         Ok(())

@@ -45,6 +45,8 @@ pub enum UnaryOp {
     Silu,
     /// `max(x, 0)`
     Relu,
+    /// GELU, exact erf form (PyTorch's default).
+    GeluErf,
 }
 
 /// Hyper-parameters of one AdamW step (decoupled weight decay, bias correction).
@@ -417,8 +419,9 @@ impl Device {
         }
         let f = self.function(Module::Core, "cross_entropy_f32")?;
         let (lp, tp, op_, gp) = (logits.device_ptr(), targets.device_ptr(), losses.device_ptr(), grad.map_or(0, |g| g.device_ptr()));
-        let (ci, has_ignore, ignore, smoothing) =
-            (int(OP, c)?, spec.ignore_index.is_some() as i32, spec.ignore_index.unwrap_or(0), spec.label_smoothing as f32);
+        // Targets are u32 here: an ignore index no u32 can equal (PyTorch's -100) ignores nothing.
+        let ignore_u32 = spec.ignore_index.and_then(|i| u32::try_from(i).ok());
+        let (ci, has_ignore, ignore, smoothing) = (int(OP, c)?, ignore_u32.is_some() as i32, ignore_u32.unwrap_or(0), spec.label_smoothing as f32);
         let mut l = self.stream().launch_builder(&f);
         l.arg(&lp).arg(&tp).arg(&op_).arg(&gp).arg(&ci).arg(&has_ignore).arg(&ignore).arg(&smoothing);
         // SAFETY: lengths checked above; the kernel never indexes with an out-of-range target.

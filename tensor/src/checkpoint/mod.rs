@@ -23,8 +23,17 @@
 //!
 //! Models held as shards (pipeline stages, tensor-parallel slices) save into a directory of
 //! per-shard files with an index instead: see [`sharded`].
+//!
+//! Any safetensors file of named tensors (a PyTorch `state_dict` written by
+//! `safetensors.torch.save_file`) reads with [`load_tensors`]: every common dtype loads, the ones
+//! the tensor storage lacks (F16, I32, I16, I8, U8, BOOL, ...) into an exact wider storage, with
+//! the file dtype recorded by [`load_tensors_with_dtypes`] so [`save_tensors_as`] writes it back;
+//! see [`FileDType`] for the table and the reasons.
 
+mod dtypes;
 pub mod sharded;
+
+pub use dtypes::FileDType;
 
 use crate::error::{Error, Result};
 use crate::nn::Module;
@@ -152,9 +161,18 @@ pub fn read_meta(path: &Path) -> Result<CheckpointMeta> {
 }
 
 /// Writes named tensors and string metadata to a safetensors file atomically (`<path>.tmp`,
-/// fsync, rename, fsync of the directory). Names must be unique.
+/// fsync, rename, fsync of the directory), each in its storage dtype. Names must be unique.
 pub fn save_tensors(path: &Path, tensors: &[(String, Tensor)], metadata: &BTreeMap<String, String>) -> Result<()> {
-    let entries = entries(path, tensors)?;
+    save_tensors_as(path, tensors, &BTreeMap::new(), metadata)
+}
+
+/// [`save_tensors`] with some tensors written as another file dtype (the one
+/// [`load_tensors_with_dtypes`] recorded, so a PyTorch file saves back with its own dtypes).
+/// A tensor whose values that dtype cannot hold exactly (an I64 value outside I32, an F32 value
+/// that is no F16) is an error naming it, and nothing is written. Names not in `dtypes` keep
+/// their storage dtype; a name in `dtypes` that no tensor has is an error.
+pub fn save_tensors_as(path: &Path, tensors: &[(String, Tensor)], dtypes: &BTreeMap<String, FileDType>, metadata: &BTreeMap<String, String>) -> Result<()> {
+    let entries = typed_entries(path, tensors, dtypes)?;
     let tmp = tmp_path(path);
     let io = |p: &Path| {
         let p = p.display().to_string();
@@ -176,11 +194,29 @@ pub fn save_tensors(path: &Path, tensors: &[(String, Tensor)], metadata: &BTreeM
     result
 }
 
-/// Reads every tensor (in name order) and the string metadata of a safetensors file. Only
-/// F32, F64, BF16 and U32 tensors are supported.
+/// Reads every tensor (in name order) and the string metadata of a safetensors file. Every
+/// dtype in [`FileDType`] loads (into the storage dtype its table names); other dtypes, such as
+/// 8-bit floats, are an error naming the tensor.
 pub fn load_tensors(path: &Path) -> Result<(NamedTensors, BTreeMap<String, String>)> {
+    let typed = load_tensors_with_dtypes(path)?;
+    Ok((typed.tensors, typed.metadata))
+}
+
+/// The tensors of a safetensors file with the dtype each had in the file.
+#[derive(Clone, Debug)]
+pub struct TypedTensors {
+    /// The tensors, in name order.
+    pub tensors: NamedTensors,
+    /// Each tensor's dtype in the file (its storage dtype may be wider, see [`FileDType`]).
+    pub file_dtypes: BTreeMap<String, FileDType>,
+    /// The file's string metadata.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// [`load_tensors`], also returning each tensor's file dtype.
+pub fn load_tensors_with_dtypes(path: &Path) -> Result<TypedTensors> {
     let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
-    decode_tensors(&bytes, path)
+    decode_tensors_with_dtypes(&bytes, path)
 }
 
 /// [`save_tensors`] into memory: the bytes of the safetensors file it would write.
@@ -237,6 +273,12 @@ fn canonicalize_file_header(file: &File) -> std::io::Result<()> {
 
 /// [`load_tensors`] from the bytes of a safetensors file; `origin` names them in errors.
 pub fn decode_tensors(bytes: &[u8], origin: &Path) -> Result<(NamedTensors, BTreeMap<String, String>)> {
+    let typed = decode_tensors_with_dtypes(bytes, origin)?;
+    Ok((typed.tensors, typed.metadata))
+}
+
+/// [`load_tensors_with_dtypes`] from the bytes of a safetensors file.
+pub fn decode_tensors_with_dtypes(bytes: &[u8], origin: &Path) -> Result<TypedTensors> {
     let path = origin;
     let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| bad(path, format!("not a valid safetensors file: {e}")))?;
     let metadata: BTreeMap<String, String> = header.metadata().clone().unwrap_or_default().into_iter().collect();
@@ -244,34 +286,48 @@ pub fn decode_tensors(bytes: &[u8], origin: &Path) -> Result<(NamedTensors, BTre
     let mut views = st.tensors();
     views.sort_by(|a, b| a.0.cmp(&b.0));
     let mut out = Vec::with_capacity(views.len());
+    let mut file_dtypes = BTreeMap::new();
     for (name, view) in views {
         let shape = view.shape().to_vec();
         let raw = view.data();
-        let dtype = from_st_dtype(view.dtype()).ok_or_else(|| bad(path, format!("tensor {name}: unsupported dtype {:?}", view.dtype())))?;
+        let dtype = FileDType::from_st(view.dtype()).ok_or_else(|| bad(path, format!("tensor {name}: unsupported dtype {:?} (readable: {})", view.dtype(), FileDType::ALL.map(FileDType::as_str).join(", "))))?;
         let numel: usize = shape.iter().product();
         if raw.len() != numel * dtype.size_in_bytes() {
             return Err(bad(path, format!("tensor {name}: {} bytes for shape {shape:?} of {dtype}", raw.len())));
         }
-        let data = match dtype {
-            DType::F32 => CpuData::F32(pod_vec(raw)),
-            DType::F64 => CpuData::F64(pod_vec(raw)),
-            DType::BF16 => CpuData::BF16(pod_vec(raw)),
-            DType::U32 => CpuData::U32(pod_vec(raw)),
-        };
+        let data = dtypes::decode(dtype, raw).map_err(|reason| bad(path, format!("tensor {name}: {reason}")))?;
+        file_dtypes.insert(name.clone(), dtype);
         out.push((name, Tensor::from_data(data, &shape)?));
     }
-    Ok((out, metadata))
+    Ok(TypedTensors { tensors: out, file_dtypes, metadata })
 }
 
 /// The serializable entries of `tensors`, refusing duplicate names.
 fn entries(path: &Path, tensors: &[(String, Tensor)]) -> Result<Vec<(String, Entry)>> {
+    typed_entries(path, tensors, &BTreeMap::new())
+}
+
+/// [`entries`] with the tensors named in `dtypes` encoded as those file dtypes.
+fn typed_entries(path: &Path, tensors: &[(String, Tensor)], dtypes: &BTreeMap<String, FileDType>) -> Result<Vec<(String, Entry)>> {
     let mut seen = BTreeSet::new();
     let mut entries = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
         if !seen.insert(name.as_str()) {
             return Err(bad(path, format!("tensor name {name} appears twice")));
         }
-        entries.push((name.clone(), Entry { dtype: to_st_dtype(t.dtype()), shape: t.shape().to_vec(), data: t.to_data()? }));
+        let data = t.to_data()?;
+        let (dtype, data) = match dtypes.get(name) {
+            Some(&want) if want != FileDType::of_storage(t.dtype()) => {
+                let bytes = dtypes::encode(&data, want).map_err(|reason| bad(path, format!("tensor {name} cannot be saved as {want}: {reason}")))?;
+                crate::pool::give_data(data);
+                (want.to_st(), EntryData::Encoded(bytes))
+            }
+            _ => (to_st_dtype(t.dtype()), EntryData::Native(data)),
+        };
+        entries.push((name.clone(), Entry { dtype, shape: t.shape().to_vec(), data }));
+    }
+    if let Some(extra) = dtypes.keys().find(|n| !seen.contains(n.as_str())) {
+        return Err(bad(path, format!("a dtype is given for tensor {extra}, which is not saved")));
     }
     Ok(entries)
 }
@@ -280,7 +336,22 @@ fn entries(path: &Path, tensors: &[(String, Tensor)]) -> Result<Vec<(String, Ent
 struct Entry {
     dtype: Dtype,
     shape: Vec<usize>,
-    data: CpuData,
+    data: EntryData,
+}
+
+/// The bytes of an [`Entry`]: the storage as is, or converted to another file dtype.
+enum EntryData {
+    Native(CpuData),
+    Encoded(Vec<u8>),
+}
+
+impl EntryData {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            EntryData::Native(data) => data.as_bytes(),
+            EntryData::Encoded(bytes) => bytes,
+        }
+    }
 }
 
 impl View for Entry {
@@ -293,19 +364,12 @@ impl View for Entry {
     }
 
     fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(self.data.as_bytes())
+        Cow::Borrowed(self.data.bytes())
     }
 
     fn data_len(&self) -> usize {
-        self.data.as_bytes().len()
+        self.data.bytes().len()
     }
-}
-
-/// Copies little-endian bytes into a vector of `T` (the source may be unaligned).
-fn pod_vec<T: bytemuck::Pod>(raw: &[u8]) -> Vec<T> {
-    let mut v = vec![T::zeroed(); raw.len() / std::mem::size_of::<T>()];
-    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(raw);
-    v
 }
 
 fn bad(path: &Path, reason: String) -> Error {
@@ -324,6 +388,7 @@ fn to_st_dtype(dtype: DType) -> Dtype {
         DType::F64 => Dtype::F64,
         DType::BF16 => Dtype::BF16,
         DType::U32 => Dtype::U32,
+        DType::I64 => Dtype::I64,
     }
 }
 
@@ -333,6 +398,7 @@ fn from_st_dtype(dtype: Dtype) -> Option<DType> {
         Dtype::F64 => Some(DType::F64),
         Dtype::BF16 => Some(DType::BF16),
         Dtype::U32 => Some(DType::U32),
+        Dtype::I64 => Some(DType::I64),
         _ => None,
     }
 }

@@ -168,6 +168,7 @@ pub(crate) fn upload(t: &Tensor, ordinal: usize) -> Result<Tensor> {
                 CpuData::BF16(v) => DeviceData::BF16(dev.htod(v)?),
                 CpuData::U32(v) => DeviceData::U32(dev.htod(v)?),
                 CpuData::F64(_) => return Err(Error::UnsupportedDType { op: "to_device(cuda)", dtype: DType::F64 }),
+                CpuData::I64(_) => return Err(Error::UnsupportedDType { op: "to_device(cuda) (convert i64 ids with to_dtype(U32) first)", dtype: DType::I64 }),
             }
         };
         return Ok(tensor_from(ordinal, data, t.shape()).requires_grad(t.is_requires_grad() && t.is_leaf()));
@@ -177,6 +178,7 @@ pub(crate) fn upload(t: &Tensor, ordinal: usize) -> Result<Tensor> {
         CpuData::BF16(v) => DeviceData::BF16(dev.htod(&v)?),
         CpuData::U32(v) => DeviceData::U32(dev.htod(&v)?),
         CpuData::F64(_) => return Err(Error::UnsupportedDType { op: "to_device(cuda)", dtype: DType::F64 }),
+        CpuData::I64(_) => return Err(Error::UnsupportedDType { op: "to_device(cuda) (convert i64 ids with to_dtype(U32) first)", dtype: DType::I64 }),
     };
     Ok(tensor_from(ordinal, data, t.shape()).requires_grad(t.is_requires_grad() && t.is_leaf()))
 }

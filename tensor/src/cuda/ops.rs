@@ -186,22 +186,22 @@ fn layer_norm_t<T: GpuFloat>(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>,
 
 // ------------------------------------------------------------------------------------ gelu
 
-/// tanh-GELU.
-pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
-    dispatch!("gelu", x.dtype(), gelu_t(x))
+/// GELU in the form `approx` names (exact erf or tanh).
+pub(crate) fn gelu(x: &Tensor, approx: crate::GeluApprox) -> Result<Tensor> {
+    dispatch!("gelu", x.dtype(), gelu_t(x, approx == crate::GeluApprox::None))
 }
 
-fn gelu_t<T: GpuFloat>(x: &Tensor) -> Result<Tensor> {
+fn gelu_t<T: GpuFloat>(x: &Tensor, exact: bool) -> Result<Tensor> {
     const OP: &str = "gelu";
     let (ordinal, dev) = device_of(OP, x)?;
     let mut y = dev.alloc::<T>(x.numel())?;
-    dev.gelu(&*dense::<T>(OP, x)?, &mut y)?;
+    dev.gelu(&*dense::<T>(OP, x)?, &mut y, exact)?;
     let xd = x.detach();
     let out = wrap(ordinal, y, x.shape());
     Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), <T as DeviceElem>::DTYPE, OP, &[x], move |g: &Tensor, _: &Tensor| {
         let dev = device(ordinal)?;
         let mut dx = dev.alloc::<T>(xd.numel())?;
-        dev.gelu_backward(&*dense::<T>(OP, &xd)?, &*dense::<T>(OP, g)?, &mut dx)?;
+        dev.gelu_backward(&*dense::<T>(OP, &xd)?, &*dense::<T>(OP, g)?, &mut dx, exact)?;
         Ok(vec![Some(wrap(ordinal, dx, xd.shape()))])
     }))
 }

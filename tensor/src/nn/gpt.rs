@@ -15,6 +15,7 @@ use super::{join_name, BlockConfig, Dropout, Embedding, LayerNorm, Linear, Modul
 use crate::autograd::no_grad;
 use crate::error::{Error, Result};
 use crate::ops::softmax::CrossEntropyOptions;
+use crate::ops::unary::GeluApprox;
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 use rtx_kernels::DType;
@@ -46,10 +47,14 @@ pub struct GptConfig {
     pub init_std: f64,
     /// Parameter dtype.
     pub dtype: DType,
+    /// The feed-forward GELU. GPT-2 (and nanoGPT, llm.c) were trained with the tanh
+    /// approximation, so the default is `GeluApprox::Tanh`; `GeluApprox::None` is the exact form
+    /// of PyTorch's `nn.GELU()`.
+    pub gelu: GeluApprox,
 }
 
 impl Default for GptConfig {
-    /// GPT-2 small (124M): V 50257, context 1024, C 768, 12 layers, 12 heads.
+    /// GPT-2 small (124M): V 50257, context 1024, C 768, 12 layers, 12 heads, tanh GELU.
     fn default() -> Self {
         GptConfig {
             vocab_size: 50257,
@@ -64,6 +69,7 @@ impl Default for GptConfig {
             layer_norm_eps: 1e-5,
             init_std: 0.02,
             dtype: DType::F32,
+            gelu: GeluApprox::Tanh,
         }
     }
 }
@@ -109,11 +115,23 @@ impl Gpt {
             init_std: c.init_std,
             proj_init_std: c.init_std / (2.0 * c.n_layers as f64).sqrt(),
             dtype: c.dtype,
+            gelu: c.gelu,
         };
         let blocks = (0..c.n_layers).map(|_| TransformerBlock::new(&block, rng)).collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::new(c.d_model, c.bias, c.layer_norm_eps, c.dtype)?;
         let lm_head = if c.tie_embeddings { None } else { Some(Linear::normal(c.d_model, c.vocab_size, false, c.init_std, c.dtype, rng)?) };
         Ok(Gpt { tok_emb, pos_emb, blocks, ln_f, lm_head, drop: Dropout::new(c.dropout)?, config, training: true })
+    }
+
+    /// A model of `config` holding the given tensors (a PyTorch `state_dict` under this
+    /// module's names, in any float dtype): every parameter must be given with its shape and
+    /// nothing else may be ([`Module::load_state_dict`] with `strict`, whose error lists every
+    /// difference). The tensors are copied in, converted to `config.dtype`.
+    pub fn from_state_dict(config: GptConfig, state: &[(String, Tensor)]) -> Result<Gpt> {
+        // The init is overwritten, so the generator's seed does not matter.
+        let model = Gpt::new(config, &mut Generator::new(0))?;
+        model.load_state_dict(state, true)?;
+        Ok(model)
     }
 
     /// The configuration.
@@ -126,9 +144,9 @@ impl Gpt {
         self.training
     }
 
-    /// Final hidden states `[B, T, C]` (after `ln_f`) for `ids [B, T]` (u32, T ≤ context).
+    /// Final hidden states `[B, T, C]` (after `ln_f`) for `ids [B, T]` (u32 or i64, T ≤ context).
     pub fn forward_hidden(&self, ids: &Tensor, rng: &mut Generator) -> Result<Tensor> {
-        if ids.dtype() != DType::U32 {
+        if !matches!(ids.dtype(), DType::U32 | DType::I64) {
             return Err(Error::DTypeMismatch { op: "Gpt", lhs: ids.dtype(), rhs: DType::U32 });
         }
         if ids.rank() != 2 || ids.shape()[1] == 0 || ids.shape()[1] > self.config.context {

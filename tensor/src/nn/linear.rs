@@ -3,6 +3,7 @@
 
 use super::{join_name, param, visit_opt, visit_opt_mut, Module};
 use crate::error::{Error, Result};
+use crate::ops::unary::GeluApprox;
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 use rtx_kernels::DType;
@@ -22,9 +23,11 @@ pub struct Linear {
 pub enum Activation {
     /// max(x, 0).
     Relu,
-    /// GELU, tanh approximation (`nn.GELU(approximate="tanh")`, as GPT-2).
+    /// GELU, exact erf form (`nn.GELU()`, PyTorch's default).
     #[default]
     Gelu,
+    /// GELU, tanh approximation (`nn.GELU(approximate="tanh")`, as GPT-2).
+    GeluTanh,
     /// x·σ(x).
     Silu,
     /// tanh x.
@@ -110,6 +113,7 @@ impl Activation {
         match self {
             Activation::Relu => x.relu(),
             Activation::Gelu => x.gelu(),
+            Activation::GeluTanh => x.gelu_with(GeluApprox::Tanh),
             Activation::Silu => x.silu(),
             Activation::Tanh => x.tanh(),
         }

@@ -8,7 +8,9 @@
 //! unchanged. [`Module::visit_params_mut`] lets [`crate::optim::ParamBuckets`] swap each
 //! parameter for a view into a flat bucket. Non-trainable state (buffers, such as the EMA
 //! target encoder of [`IJepa`]) is visited by [`Module::visit_buffers`]: checkpoints and elastic
-//! state sync carry it, optimizers never see it.
+//! state sync carry it, optimizers never see it. [`Module::load_state_dict`] fills any module
+//! from named tensors (a PyTorch `state_dict`) and reports missing, unexpected and mismatched
+//! names, as PyTorch's method of the same name.
 //!
 //! `forward` is an inherent method of each module because the signatures differ. Modules with
 //! dropout take the caller's [`Generator`](crate::Generator) in `forward`; in evaluation mode
@@ -25,6 +27,7 @@ mod embedding;
 mod gpt;
 mod linear;
 mod norm;
+mod state_dict;
 mod transformer;
 mod vit;
 pub mod jepa;
@@ -35,6 +38,7 @@ pub use embedding::Embedding;
 pub use gpt::{Gpt, GptConfig};
 pub use linear::{Activation, Linear, Mlp};
 pub use norm::{LayerNorm, RmsNorm};
+pub use state_dict::{StateDictReport, StateMismatch};
 pub use transformer::{BlockConfig, FeedForward, TransformerBlock};
 pub use vit::{patchify, PatchEmbed, Pooling, Vit, VitConfig};
 pub use jepa::{IJepa, IJepaConfig, JepaLoss, JepaMasks, JepaOutput, JepaPredictor, MaskConfig};
@@ -115,6 +119,16 @@ pub trait Module {
     /// Total number of parameter elements.
     fn num_parameters(&self) -> usize {
         self.named_parameters().iter().map(|(_, t)| t.numel()).sum()
+    }
+
+    /// Copies named tensors (a PyTorch `state_dict`, e.g. from
+    /// [`crate::checkpoint::load_tensors`]) into the parameters and buffers of the same names, in
+    /// place, and reports missing and unexpected names. With `strict`, any missing or unexpected
+    /// name is an [`Error::StateDict`](crate::Error::StateDict) listing all of them; a shape
+    /// mismatch is that error either way. Nothing is copied unless every check passes. See
+    /// `nn/state_dict.rs` for the rules.
+    fn load_state_dict(&self, state: &[(String, Tensor)], strict: bool) -> Result<StateDictReport> {
+        state_dict::load_state_dict(self, state, strict)
     }
 
     /// Zeros every parameter's gradient in place (keeping bucket-bound gradient buffers).

@@ -1,9 +1,11 @@
 //! The pre-norm transformer block shared by [`super::Gpt`] and [`super::Vit`]:
 //! `x + attn(ln1(x))`, then `x + mlp(ln2(x))`, with a two-layer GELU [`FeedForward`]
-//! (`mlp.fc` `[hC, C]`, `mlp.proj` `[C, hC]`).
+//! (`mlp.fc` `[hC, C]`, `mlp.proj` `[C, hC]`); [`BlockConfig::gelu`] picks the exact or the tanh
+//! GELU.
 
 use super::{join_name, Activation, Dropout, LayerNorm, Linear, Module, MultiHeadAttention};
 use crate::error::Result;
+use crate::ops::unary::GeluApprox;
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 use rtx_kernels::DType;
@@ -33,6 +35,9 @@ pub struct BlockConfig {
     pub proj_init_std: f64,
     /// Parameter dtype.
     pub dtype: DType,
+    /// The feed-forward's GELU: exact (`GeluApprox::None`, PyTorch's `nn.GELU()`) or the tanh
+    /// approximation GPT-2 uses.
+    pub gelu: GeluApprox,
 }
 
 /// `proj(act(fc(x)))` followed by dropout.
@@ -105,7 +110,11 @@ impl TransformerBlock {
         let ln2 = LayerNorm::new(c.d_model, c.bias, c.layer_norm_eps, c.dtype)?;
         let fc = Linear::normal(c.d_model, c.mlp_hidden, c.bias, c.init_std, c.dtype, rng)?;
         let proj = Linear::normal(c.mlp_hidden, c.d_model, c.bias, c.proj_init_std, c.dtype, rng)?;
-        let mlp = FeedForward::from_parts(fc, proj, Activation::Gelu, c.dropout)?;
+        let activation = match c.gelu {
+            GeluApprox::None => Activation::Gelu,
+            GeluApprox::Tanh => Activation::GeluTanh,
+        };
+        let mlp = FeedForward::from_parts(fc, proj, activation, c.dropout)?;
         Ok(TransformerBlock { ln1, attn, ln2, mlp })
     }
 

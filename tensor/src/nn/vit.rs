@@ -14,6 +14,7 @@
 
 use super::{join_name, BlockConfig, Dropout, LayerNorm, Linear, Module, TransformerBlock};
 use crate::error::{Error, Result};
+use crate::ops::unary::GeluApprox;
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 use rtx_kernels::DType;
@@ -59,6 +60,10 @@ pub struct VitConfig {
     pub init_std: f64,
     /// Parameter dtype.
     pub dtype: DType,
+    /// The feed-forward GELU. The default stays the tanh approximation this encoder (and the
+    /// I-JEPA runs built on it) has always used; `GeluApprox::None` is timm's and PyTorch's
+    /// exact `nn.GELU()`.
+    pub gelu: GeluApprox,
 }
 
 impl Default for VitConfig {
@@ -79,6 +84,7 @@ impl Default for VitConfig {
             layer_norm_eps: 1e-6,
             init_std: 0.02,
             dtype: DType::F32,
+            gelu: GeluApprox::Tanh,
         }
     }
 }
@@ -185,6 +191,7 @@ impl Vit {
             init_std: c.init_std,
             proj_init_std: c.init_std,
             dtype: c.dtype,
+            gelu: c.gelu,
         };
         let blocks = (0..c.n_layers).map(|_| TransformerBlock::new(&block, rng)).collect::<Result<Vec<_>>>()?;
         let norm = LayerNorm::new(c.d_model, true, c.layer_norm_eps, c.dtype)?;
@@ -193,6 +200,15 @@ impl Vit {
             None => None,
         };
         Ok(Vit { patch_embed, cls_token, pos_embed, blocks, norm, head, drop: Dropout::new(c.dropout)?, config })
+    }
+
+    /// A model of `config` holding the given tensors (a `state_dict` under this module's
+    /// names), as [`super::Gpt::from_state_dict`].
+    pub fn from_state_dict(config: VitConfig, state: &[(String, Tensor)]) -> Result<Vit> {
+        // The init is overwritten, so the generator's seed does not matter.
+        let model = Vit::new(config, &mut Generator::new(0))?;
+        model.load_state_dict(state, true)?;
+        Ok(model)
     }
 
     /// The configuration.

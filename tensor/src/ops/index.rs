@@ -69,6 +69,7 @@ impl Tensor {
             CpuData::F64(v) => CpuData::F64(take(v, base, &offsets)),
             CpuData::BF16(v) => CpuData::BF16(take(v, base, &offsets)),
             CpuData::U32(v) => CpuData::U32(take(v, base, &offsets)),
+            CpuData::I64(v) => CpuData::I64(take(v, base, &offsets)),
         })?;
         let out = Tensor::from_data(data, index.shape())?;
         let in_shape = self.shape().to_vec();
@@ -87,8 +88,9 @@ impl Tensor {
     }
 }
 
+/// Indices are u32, or i64 as PyTorch's (each value is checked to fit when read).
 fn check_index_dtype(op: &'static str, index: &Tensor) -> Result<()> {
-    if index.dtype() != DType::U32 {
+    if !matches!(index.dtype(), DType::U32 | DType::I64) {
         return Err(Error::DTypeMismatch { op, lhs: index.dtype(), rhs: DType::U32 });
     }
     Ok(())
@@ -125,6 +127,7 @@ fn select_along(op: &'static str, x: &Tensor, d: usize, idx: Vec<u32>, out_shape
         CpuData::F64(v) => CpuData::F64(take_rows(v, base, outer, size, inner, &idx)),
         CpuData::BF16(v) => CpuData::BF16(take_rows(v, base, outer, size, inner, &idx)),
         CpuData::U32(v) => CpuData::U32(take_rows(v, base, outer, size, inner, &idx)),
+        CpuData::I64(v) => CpuData::I64(take_rows(v, base, outer, size, inner, &idx)),
     })?;
     let out = Tensor::from_data(data, out_shape)?;
     let in_shape = x.shape().to_vec();

@@ -19,6 +19,7 @@ fn concat_data(parts: &[CpuData], outer: usize, inner: &[usize]) -> CpuData {
         Some(CpuData::F64(_)) => join!(F64),
         Some(CpuData::BF16(_)) => join!(BF16),
         Some(CpuData::U32(_)) => join!(U32),
+        Some(CpuData::I64(_)) => join!(I64),
         _ => join!(F32),
     }
 }

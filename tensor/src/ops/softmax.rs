@@ -1,5 +1,11 @@
 //! Softmax, log-softmax and the fused softmax-cross-entropy loss (with ignore index and label
 //! smoothing), all along the last dimension through the fused row kernels.
+//!
+//! Cross-entropy follows `torch.nn.functional.cross_entropy`: targets are u32 or i64 class
+//! indices, `ignore_index` defaults to -100 ([`DEFAULT_IGNORE_INDEX`]), and the mean is over the
+//! rows that are not ignored. When every row is ignored (or there are none) the mean is NaN and
+//! the gradient zero, as in PyTorch (0/0 for the loss; no row contributes to the gradient); the
+//! sum is then 0.
 
 use super::check_float;
 use crate::error::{Error, Result};
@@ -20,11 +26,15 @@ pub enum Reduction {
     None,
 }
 
+/// PyTorch's default `ignore_index` for cross-entropy.
+pub const DEFAULT_IGNORE_INDEX: i64 = -100;
+
 /// Settings of [`Tensor::cross_entropy`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CrossEntropyOptions {
-    /// Rows whose target is this index contribute nothing.
-    pub ignore_index: Option<u32>,
+    /// Rows whose target is this index contribute nothing (default [`DEFAULT_IGNORE_INDEX`], which
+    /// no u32 target can equal).
+    pub ignore_index: Option<i64>,
     /// Label smoothing ε in [0, 1).
     pub label_smoothing: f64,
     /// How to combine rows.
@@ -33,7 +43,7 @@ pub struct CrossEntropyOptions {
 
 impl Default for CrossEntropyOptions {
     fn default() -> Self {
-        CrossEntropyOptions { ignore_index: None, label_smoothing: 0.0, reduction: Reduction::Mean }
+        CrossEntropyOptions { ignore_index: Some(DEFAULT_IGNORE_INDEX), label_smoothing: 0.0, reduction: Reduction::Mean }
     }
 }
 
@@ -86,12 +96,14 @@ impl Tensor {
         })
     }
 
-    /// Cross-entropy between logits `[.., C]` and u32 class targets `[..]`, fused with the
-    /// softmax. With `Reduction::Mean` the mean is over rows that are not ignored.
+    /// Cross-entropy between logits `[.., C]` and u32 or i64 class targets `[..]`, fused with
+    /// the softmax. With `Reduction::Mean` the mean is over rows that are not ignored (NaN when
+    /// all are, as PyTorch). A target outside `0..C` that is not the ignore index is an error
+    /// naming its row.
     pub fn cross_entropy(&self, targets: &Tensor, options: CrossEntropyOptions) -> Result<Tensor> {
         check_float("cross_entropy", self)?;
-        if targets.dtype() != DType::U32 {
-            return Err(Error::DTypeMismatch { op: "cross_entropy", lhs: targets.dtype(), rhs: DType::U32 });
+        if !matches!(targets.dtype(), DType::U32 | DType::I64) {
+            return Err(Error::DTypeMismatch { op: "cross_entropy", lhs: targets.dtype(), rhs: DType::I64 });
         }
         if self.rank() == 0 || self.shape()[..self.rank() - 1] != *targets.shape() {
             return Err(Error::ShapeMismatch { op: "cross_entropy", lhs: self.shape().to_vec(), rhs: targets.shape().to_vec() });
@@ -101,13 +113,13 @@ impl Tensor {
         }
         #[cfg(feature = "cuda")]
         if self.device() != rtx_kernels::Device::Cpu {
-            if options != CrossEntropyOptions::default() || self.rank() != 2 {
+            if options != CrossEntropyOptions::default() || self.rank() != 2 || targets.dtype() != DType::U32 {
                 return Err(Error::UnsupportedDevice { op: "cross_entropy (options other than mean over [N, V] logits)", device: self.device() });
             }
             return crate::cuda::ops::cross_entropy(self, targets);
         }
         let c = self.shape()[self.rank() - 1];
-        let t = targets.to_u32_vec()?;
+        let t = Targets::of(targets)?;
         let spec = CrossEntropySpec { n_classes: c, ignore_index: options.ignore_index, label_smoothing: options.label_smoothing };
         let want_grad = self.is_requires_grad() && crate::autograd::is_grad_enabled();
         let mut kernel_err = None;
@@ -115,13 +127,13 @@ impl Tensor {
             FloatSlice::F32(x) => {
                 let mut l = vec![0f32; t.len()];
                 let mut g = if want_grad { crate::pool::zeroed::<f32>(x.len()) } else { Vec::new() };
-                let r = cross_entropy_rows(x, &t, spec, &mut l, want_grad.then_some(g.as_mut_slice()));
+                let r = t.rows(x, spec, &mut l, want_grad.then_some(g.as_mut_slice()));
                 (FloatVec::F32(l), FloatVec::F32(g), r)
             }
             FloatSlice::F64(x) => {
                 let mut l = vec![0f64; t.len()];
                 let mut g = if want_grad { crate::pool::zeroed::<f64>(x.len()) } else { Vec::new() };
-                let r = cross_entropy_rows(x, &t, spec, &mut l, want_grad.then_some(g.as_mut_slice()));
+                let r = t.rows(x, spec, &mut l, want_grad.then_some(g.as_mut_slice()));
                 (FloatVec::F64(l), FloatVec::F64(g), r)
             }
         })? {
@@ -139,7 +151,9 @@ impl Tensor {
         let (value, scale) = match options.reduction {
             Reduction::None => (per_row, None),
             Reduction::Sum => (per_row.sum_all()?, Some(1.0)),
-            Reduction::Mean => (per_row.sum_all()?.mul_scalar(1.0 / counted.max(1) as f64)?, Some(1.0 / counted.max(1) as f64)),
+            // No counted row: 0/0 = NaN as PyTorch, and a zero gradient (no row contributes).
+            Reduction::Mean if counted == 0 => (per_row.sum_all()?.mul_scalar(f64::NAN)?, Some(0.0)),
+            Reduction::Mean => (per_row.sum_all()?.mul_scalar(1.0 / counted as f64)?, Some(1.0 / counted as f64)),
         };
         let grad_logits = if want_grad { Some(Tensor::from_data(grad.into_data(dtype), self.shape())?) } else { None };
         let rows_shape = targets.shape().to_vec();
@@ -167,6 +181,35 @@ impl Tensor {
             Reduction::Mean => sq.mean_all(),
             Reduction::Sum => sq.sum_all(),
             Reduction::None => Ok(sq),
+        }
+    }
+}
+
+/// Class targets in the width they came in (no copy into another type for u32 labels).
+enum Targets {
+    U32(Vec<u32>),
+    I64(Vec<i64>),
+}
+
+impl Targets {
+    fn of(targets: &Tensor) -> Result<Targets> {
+        Ok(match targets.dtype() {
+            DType::I64 => Targets::I64(targets.to_i64_vec()?),
+            _ => Targets::U32(targets.to_u32_vec()?),
+        })
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Targets::U32(v) => v.len(),
+            Targets::I64(v) => v.len(),
+        }
+    }
+
+    fn rows<T: rtx_kernels::Float>(&self, logits: &[T], spec: CrossEntropySpec, losses: &mut [T], grad: Option<&mut [T]>) -> rtx_kernels::Result<usize> {
+        match self {
+            Targets::U32(t) => cross_entropy_rows(logits, t, spec, losses, grad),
+            Targets::I64(t) => cross_entropy_rows(logits, t, spec, losses, grad),
         }
     }
 }

@@ -1,5 +1,10 @@
-//! Elementwise unary ops: neg, exp, log, sqrt, rsqrt, tanh, sigmoid, relu, gelu (tanh
-//! approximation), silu, abs, clamp, powers and scalar arithmetic, each with its derivative.
+//! Elementwise unary ops: neg, exp, log, sqrt, rsqrt, tanh, sigmoid, relu, gelu, silu, abs,
+//! clamp, powers and scalar arithmetic, each with its derivative.
+//!
+//! GELU comes in PyTorch's two forms ([`GeluApprox`], as `F.gelu(x, approximate=...)`): the
+//! exact `x·Φ(x) = x/2·(1 + erf(x/√2))`, which [`Tensor::gelu`] computes as PyTorch does by
+//! default, and the tanh approximation GPT-2, nanoGPT and llm.c were trained with
+//! ([`Tensor::gelu_with`]`(GeluApprox::Tanh)`).
 
 use super::check_float;
 use crate::error::Result;
@@ -39,8 +44,45 @@ macro_rules! map_fn {
     };
 }
 
+/// Which GELU to compute (PyTorch's `approximate=` argument of `F.gelu` and `nn.GELU`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GeluApprox {
+    /// The exact form `x·Φ(x)` through erf (`approximate="none"`, PyTorch's default).
+    #[default]
+    None,
+    /// The tanh approximation `x/2·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (`approximate="tanh"`,
+    /// GPT-2's `gelu_new`).
+    Tanh,
+}
+
+impl GeluApprox {
+    /// PyTorch's spelling: `"none"` or `"tanh"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GeluApprox::None => "none",
+            GeluApprox::Tanh => "tanh",
+        }
+    }
+}
+
+impl std::str::FromStr for GeluApprox {
+    type Err = crate::Error;
+
+    /// Parses PyTorch's spelling (`"none"`, `"tanh"`).
+    fn from_str(s: &str) -> Result<GeluApprox> {
+        match s {
+            "none" => Ok(GeluApprox::None),
+            "tanh" => Ok(GeluApprox::Tanh),
+            other => Err(crate::Error::InvalidArgument { op: "gelu", reason: format!("approximate must be \"none\" or \"tanh\", got {other:?}") }),
+        }
+    }
+}
+
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044_715;
+const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
+/// 1/√(2π), the standard normal density at 0.
+const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
 map_fn!(Neg, "neg", |x| -x, |x, y| -T::one());
 map_fn!(Exp, "exp", |x| x.exp(), |x, y| y);
@@ -60,6 +102,15 @@ map_fn!(
         let inner = k * (x + c::<T>(GELU_C) * x * x * x);
         let t = inner.fast_tanh();
         c::<T>(0.5) * (T::one() + t) + c::<T>(0.5) * x * (T::one() - t * t) * k * (T::one() + c::<T>(3.0 * GELU_C) * x * x)
+    }
+);
+map_fn!(
+    GeluErf,
+    "gelu",
+    |x| c::<T>(0.5) * x * (T::one() + (x * c::<T>(FRAC_1_SQRT_2)).erf()),
+    |x, y| {
+        let cdf = c::<T>(0.5) * (T::one() + (x * c::<T>(FRAC_1_SQRT_2)).erf());
+        cdf + x * c::<T>(FRAC_1_SQRT_2PI) * (c::<T>(-0.5) * x * x).exp()
     }
 );
 map_fn!(
@@ -177,13 +228,21 @@ impl Tensor {
     pub fn relu(&self) -> Result<Tensor> {
         unary(self, Relu)
     }
-    /// GELU, tanh approximation (as GPT-2).
+    /// GELU in its exact form `x·Φ(x)` (erf), as PyTorch's `F.gelu(x)`.
     pub fn gelu(&self) -> Result<Tensor> {
+        self.gelu_with(GeluApprox::None)
+    }
+
+    /// GELU in the form `approx` names (`GeluApprox::Tanh` for GPT-2's approximation).
+    pub fn gelu_with(&self, approx: GeluApprox) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if self.device() != rtx_kernels::Device::Cpu {
-            return crate::cuda::ops::gelu(self);
+            return crate::cuda::ops::gelu(self, approx);
         }
-        unary(self, Gelu)
+        match approx {
+            GeluApprox::None => unary(self, GeluErf),
+            GeluApprox::Tanh => unary(self, Gelu),
+        }
     }
     /// x·σ(x).
     pub fn silu(&self) -> Result<Tensor> {

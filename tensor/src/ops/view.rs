@@ -161,6 +161,7 @@ fn narrow_grad(g: &Tensor, dim: usize, start: usize, full: usize) -> Result<Tens
         CpuData::F64(v) => CpuData::F64(pad_blocks(v, outer, block, full_block, at)),
         CpuData::BF16(v) => CpuData::BF16(pad_blocks(v, outer, block, full_block, at)),
         CpuData::U32(v) => CpuData::U32(pad_blocks(v, outer, block, full_block, at)),
+        CpuData::I64(v) => CpuData::I64(pad_blocks(v, outer, block, full_block, at)),
     };
     pool::give_data(src);
     let dtype = g.dtype();

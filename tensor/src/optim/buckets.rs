@@ -265,6 +265,7 @@ fn write_at(dst: &mut CpuData, offset: usize, src: &CpuData, name: &str) -> Resu
         (CpuData::F64(d), CpuData::F64(s)) => d[offset..offset + n].copy_from_slice(s),
         (CpuData::BF16(d), CpuData::BF16(s)) => d[offset..offset + n].copy_from_slice(s),
         (CpuData::U32(d), CpuData::U32(s)) => d[offset..offset + n].copy_from_slice(s),
+        (CpuData::I64(d), CpuData::I64(s)) => d[offset..offset + n].copy_from_slice(s),
         (d, s) => return Err(Error::InvalidArgument { op: "ParamBuckets", reason: format!("{name}: dtype {} does not match bucket dtype {}", s.dtype(), d.dtype()) }),
     }
     Ok(())

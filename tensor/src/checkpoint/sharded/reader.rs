@@ -401,6 +401,7 @@ fn zeros(dtype: DType, numel: usize) -> CpuData {
         DType::F64 => CpuData::F64(vec![0.0; numel]),
         DType::BF16 => CpuData::BF16(vec![half::bf16::ZERO; numel]),
         DType::U32 => CpuData::U32(vec![0; numel]),
+        DType::I64 => CpuData::I64(vec![0; numel]),
     }
 }
 
@@ -410,5 +411,6 @@ fn bytes_mut(data: &mut CpuData) -> &mut [u8] {
         CpuData::F64(v) => bytemuck::cast_slice_mut(v),
         CpuData::BF16(v) => bytemuck::cast_slice_mut(v),
         CpuData::U32(v) => bytemuck::cast_slice_mut(v),
+        CpuData::I64(v) => bytemuck::cast_slice_mut(v),
     }
 }

@@ -161,6 +161,7 @@ impl JepaPredictor {
             init_std: std,
             proj_init_std: std,
             dtype,
+            gelu: encoder.gelu,
         };
         let blocks = (0..depth).map(|_| TransformerBlock::new(&block, rng)).collect::<Result<Vec<_>>>()?;
         let norm = LayerNorm::new(width, true, encoder.layer_norm_eps, dtype)?;
