@@ -10,8 +10,9 @@ bash scripts/fetch-data.sh
 bash scripts/setup-browser.sh
 cargo test --workspace --all-targets --locked
 # A real Slurm 22.05 (Debian's slurm-wlm + munge, two slurmd on this machine) runs examples/slurm.sbatch:
-# normal finish, scancel, kill -9 of a worker task, two concurrent jobs (reuses target/debug/rtx).
-bash scripts/slurm-check.sh
+# normal finish, scancel, kill -9 of a worker task, two concurrent jobs. It runs the rtx that `cargo test`
+# just built (building it again with the binary's own feature set took 5.5 min of CI time).
+RTX_BIN="${CARGO_TARGET_DIR:-target}/debug/rtx" bash scripts/slurm-check.sh
 # examples/k8s.yaml against the Kubernetes schemas, offline (kubernetes-validate from PyPI).
 bash scripts/k8s-validate.sh
 # The CUDA backend and NCCL keep compiling (cudarc loads CUDA at run time: no GPU or toolkit needed),
