@@ -229,8 +229,7 @@ enum Route {
 /// Everything connected to one peer: one or more stripes (connections carrying frames).
 #[derive(Clone)]
 struct Link {
-    /// Stripe 0's connection: it also carries the side streams, and names the link.
-    control: quinn::Connection,
+    /// Never empty (a link is installed only once all of its stripes are connected).
     stripes: Arc<Vec<Stripe>>,
     /// Round-robin position of the next frame sent.
     next: Arc<AtomicUsize>,
@@ -252,6 +251,11 @@ struct PendingLink {
 }
 
 impl Link {
+    /// Stripe 0's connection: it also carries the side streams, and names the link.
+    fn control(&self) -> &quinn::Connection {
+        &self.stripes[0].conn
+    }
+
     /// The stripe the next frame goes on: round robin, so consecutive chunks of a large
     /// collective are sealed and opened by different connection drivers (different threads).
     fn next_stripe(&self) -> &Stripe {
@@ -531,7 +535,7 @@ impl QuicTransport {
             return Err(Error::SelfPeer { op: OpKind::Send, rank: peer });
         }
         let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
-        let Some(conn) = lock(&shared.links).get(&peer).map(|link| link.control.clone()) else {
+        let Some(conn) = lock(&shared.links).get(&peer).map(|link| link.control().clone()) else {
             return Err(lost);
         };
         let span = tracing::debug_span!("side_stream", op = "open", rank = shared.rank, peer, channel);
@@ -564,18 +568,18 @@ impl QuicTransport {
     /// quinn's stable id of the connection to `peer` that carries side streams (stripe 0), while
     /// it is live. With one stripe, collective frames and side streams share this one connection.
     pub fn connection_id(&self, peer: usize) -> Option<usize> {
-        lock(&self.shared.links).get(&peer).map(|link| link.control.stable_id())
+        lock(&self.shared.links).get(&peer).map(|link| link.control().stable_id())
     }
 
     /// The address of `peer`'s end of the connection, while it is live.
     pub fn peer_address(&self, peer: usize) -> Option<SocketAddr> {
-        lock(&self.shared.links).get(&peer).map(|link| link.control.remote_address())
+        lock(&self.shared.links).get(&peer).map(|link| link.control().remote_address())
     }
 
     /// 32 bytes of TLS keying material of the connection to `peer` (RFC 5705 exporter with
     /// `label`), the same on both ends, for binding a proof to this channel.
     pub fn export_keying_material(&self, peer: usize, label: &[u8]) -> Result<[u8; 32]> {
-        let conn = lock(&self.shared.links).get(&peer).map(|link| link.control.clone()).ok_or(Error::PeerLost { rank: peer, op: OpKind::Send })?;
+        let conn = lock(&self.shared.links).get(&peer).map(|link| link.control().clone()).ok_or(Error::PeerLost { rank: peer, op: OpKind::Send })?;
         let mut out = [0u8; 32];
         conn.export_keying_material(&mut out, label, b"rtx-collectives").map_err(|_| Error::Tls { reason: "TLS exporter unavailable".into() })?;
         Ok(out)
@@ -740,10 +744,11 @@ impl QuicShared {
             readers.push((conn.clone(), recv));
             stripes.push(Stripe { conn, send: tokio::sync::Mutex::new(send) });
         }
-        let Some(control) = stripes.first().map(|s| s.conn.clone()) else {
+        if stripes.is_empty() {
             return;
-        };
-        let link = Link { control: control.clone(), stripes: Arc::new(stripes), next: Arc::new(AtomicUsize::new(0)) };
+        }
+        let link = Link { stripes: Arc::new(stripes), next: Arc::new(AtomicUsize::new(0)) };
+        let control = link.control().clone();
         lock(&self.links).insert(peer, link.clone());
         let came_back = lock(&self.lost).remove(&peer);
         let shared = Arc::clone(self);
@@ -766,7 +771,7 @@ impl QuicShared {
                 });
             }
             while stripe_readers.join_next().await.is_some() {}
-            shared.link_down(&route, peer, &link.control).await;
+            shared.link_down(&route, peer, link.control()).await;
         });
         lock(&self.tasks).push(task.abort_handle());
         let side = tokio::spawn(accept_side_streams(Arc::clone(self), peer, control));
@@ -805,7 +810,7 @@ impl QuicShared {
     async fn link_down(&self, route: &Route, peer: usize, conn: &quinn::Connection) {
         {
             let mut links = lock(&self.links);
-            if links.get(&peer).is_some_and(|l| l.control.stable_id() == conn.stable_id()) {
+            if links.get(&peer).is_some_and(|l| l.control().stable_id() == conn.stable_id()) {
                 links.remove(&peer);
             }
         }
