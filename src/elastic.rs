@@ -404,7 +404,7 @@ fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
         JobEvent::Joined { node, name, pid, host } => json!({ "t": t, "event": "joined", "node": node, "name": name, "pid": pid, "host": host }),
         JobEvent::Refused { peer, reason } => json!({ "t": t, "event": "refused", "peer": peer, "reason": reason }),
         JobEvent::Lost { node, pid, class, reason } => json!({ "t": t, "event": "lost", "node": node, "pid": pid, "class": format!("{class:?}"), "reason": reason }),
-        JobEvent::Generation { generation, world, next_step, source_node, nodes, pids, mesh: (dp, pp, tp) } => json!({ "t": t, "event": "generation", "generation": generation, "world": world, "next_step": next_step, "source_node": source_node, "nodes": nodes, "pids": pids, "mesh": { "dp": dp, "pp": pp, "tp": tp } }),
+        JobEvent::Generation { generation, world, next_step, source_node, nodes, pids, mesh: (dp, pp, tp), transport } => json!({ "t": t, "event": "generation", "generation": generation, "world": world, "next_step": next_step, "source_node": source_node, "nodes": nodes, "pids": pids, "mesh": { "dp": dp, "pp": pp, "tp": tp }, "transport": transport }),
         JobEvent::Committed { step, loss, samples, world, generation, .. } => json!({ "t": t, "event": "committed", "step": step, "loss": loss, "samples": samples, "world": world, "generation": generation }),
         JobEvent::Checkpointed { step, path } => json!({ "t": t, "event": "checkpointed", "step": step, "path": path }),
         JobEvent::CheckpointFailed { step, reason } => json!({ "t": t, "event": "checkpoint_failed", "step": step, "reason": reason }),

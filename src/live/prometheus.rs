@@ -91,7 +91,7 @@ mod tests {
         let mut state = LiveState::new(info);
         state.apply(&JobEvent::Joined { node: 1, name: "w1".into(), pid: 1, host: "h".into() }, 0.0);
         state.apply(&JobEvent::Joined { node: 2, name: "w2".into(), pid: 2, host: "h".into() }, 0.0);
-        state.apply(&JobEvent::Generation { generation: 1, world: 2, next_step: 0, source_node: 1, nodes: vec![1, 2], pids: vec![1, 2], mesh: (2, 1, 1) }, 0.0);
+        state.apply(&JobEvent::Generation { generation: 1, world: 2, next_step: 0, source_node: 1, nodes: vec![1, 2], pids: vec![1, 2], mesh: (2, 1, 1), transport: "shm" }, 0.0);
         state.apply(&JobEvent::Committed { step: 4, loss: f64::NAN, samples: 8, world: 2, generation: 1, checksum: None }, 1.0);
         state.apply(&JobEvent::Lost { node: 2, pid: 2, class: FailureClass::Crash, reason: "x".into() }, 2.0);
         state.apply(&JobEvent::Checkpointed { step: 4, path: "p".into() }, 2.0);

@@ -488,7 +488,7 @@ mod tests {
     }
 
     fn generation(generation: u64, nodes: &[u64], next_step: u64, mesh: (usize, usize, usize)) -> JobEvent {
-        JobEvent::Generation { generation, world: nodes.len(), next_step, source_node: nodes[0], nodes: nodes.to_vec(), pids: nodes.iter().map(|n| 100 + *n as u32).collect(), mesh }
+        JobEvent::Generation { generation, world: nodes.len(), next_step, source_node: nodes[0], nodes: nodes.to_vec(), pids: nodes.iter().map(|n| 100 + *n as u32).collect(), mesh, transport: "shm" }
     }
 
     fn committed(step: u64, loss: f64) -> JobEvent {

@@ -39,4 +39,4 @@ pub use job::{BoxedStage, BuildStage, MeshSpec, SplitBatch, StageRequest, TrainJ
 pub use plan::{CheckpointInfo, LayerCosts, MemberHolding, MemoryEstimate, ModelLayout, ParallelConfig, Plan, PlanError, PlanInput, RankAssignment, Schedule, ShardId, ShardNeed, Source, Unit};
 pub use launch::{serve_request, LaunchOptions, Launcher, NodeLauncher};
 pub use supervisor::{query_status, JobEvent, LaunchRequest, SupervisorEnv, SupervisorHandle, SupervisorMsg, SupervisorOptions, MAX_STALLED_REFORMS};
-pub use worker::{parameter_checksum, run_node, run_worker, ControlDialer, Exec, GenerationWire, JobSpec, NodeEnv, WorkerOptions, WorkerOutcome};
+pub use worker::{parameter_checksum, run_node, run_worker, ControlDialer, Exec, GenerationWire, JobSpec, NodeEnv, HOST_ID_ENV, WorkerOptions, WorkerOutcome};

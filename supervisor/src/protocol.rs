@@ -87,8 +87,12 @@ pub enum ToWorker {
     /// Connect to `addrs` (by rank) — or, with `shm_job`, through shared-memory rings of that
     /// name (every member on one machine) — take the state from `source`, train from
     /// `next_step` up to (not including) `stop_step`. `mesh`: in a model-parallel job, the mesh
-    /// and where each member takes its shard from (`source` is then unused).
-    Start { generation: u64, addrs: Vec<String>, source: StateSource, next_step: u64, stop_step: u64, shm_job: Option<String>, mesh: Option<MeshStart> },
+    /// and where each member takes its shard from (`source` is then unused). `host_of`: when the
+    /// members span several machines and some machine holds several of them, each rank's
+    /// machine (an index); the members of one machine then use shared-memory rings named
+    /// `{shm_job}-h{host}` among themselves and QUIC to the rest, and `all_reduce` is
+    /// hierarchical. Empty otherwise.
+    Start { generation: u64, addrs: Vec<String>, source: StateSource, next_step: u64, stop_step: u64, shm_job: Option<String>, mesh: Option<MeshStart>, host_of: Vec<u32> },
     /// Too few workers: abort generation < `generation` and wait for the next `Prepare`.
     Pause { generation: u64 },
     /// Training is complete: report `Finished` and exit.

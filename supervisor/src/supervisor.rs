@@ -95,8 +95,9 @@ pub enum JobEvent {
     Lost { node: u64, pid: u32, class: FailureClass, reason: String },
     /// A generation started; `nodes` and `pids` in rank order, `mesh` its `(dp, pp, tp)` shape
     /// (rank `r` at `tp = r % tp`, `pp = r / tp % pp`, `dp = r / (tp·pp)`; `(world, 1, 1)` for
-    /// data parallelism).
-    Generation { generation: u64, world: usize, next_step: u64, source_node: u64, nodes: Vec<u64>, pids: Vec<u32>, mesh: (usize, usize, usize) },
+    /// data parallelism). `transport`: how its collectives move (`quic`, `shm`, `routed` for shared
+    /// memory inside each machine and QUIC between machines, or `injected`).
+    Generation { generation: u64, world: usize, next_step: u64, source_node: u64, nodes: Vec<u64>, pids: Vec<u32>, mesh: (usize, usize, usize), transport: &'static str },
     /// Every member completed `step`; `checksum` is the replicas' parameter checksum after it,
     /// when every member verified this step (they agree, or the job fails).
     Committed { step: u64, loss: f64, samples: u64, world: usize, generation: u64, checksum: Option<u64> },
@@ -624,23 +625,25 @@ impl ClusterSupervisor {
         }
         let next_step = recovery.next_step;
         let source = recovery.source.sending_rank();
-        let hosts: std::collections::BTreeSet<&str> = members.iter().filter_map(|n| self.members.get(n).map(|m| m.host.as_str())).collect();
-        let shm = match self.options.elastic.transport {
-            Wire::Quic | Wire::Injected => false,
-            Wire::Shm => true,
-            Wire::Auto => hosts.len() == 1 && members.len() > 1,
+        let hosts: Vec<&str> = members.iter().map(|n| self.members.get(n).map_or("", |m| m.host.as_str())).collect();
+        let layout = CollectivesLayout::choose(self.options.elastic.transport, &hosts);
+        let shm_job = matches!(layout, CollectivesLayout::Shm | CollectivesLayout::Routed { .. }).then(|| format!("{}-g{generation}", self.run_id));
+        let host_of = match &layout {
+            CollectivesLayout::Routed { host_of } => host_of.clone(),
+            _ => Vec::new(),
         };
-        let shm_job = shm.then(|| format!("{}-g{generation}", self.run_id));
         for node in &members {
             if let Some(m) = self.members.get(node) {
-                let _ = m.agent.tell(&ToWorker::Start { generation, addrs: addrs.clone(), source: recovery.source.clone(), next_step, stop_step: self.end_step(), shm_job: shm_job.clone(), mesh: mesh.clone() }).await;
+                let start = ToWorker::Start { generation, addrs: addrs.clone(), source: recovery.source.clone(), next_step, stop_step: self.end_step(), shm_job: shm_job.clone(), mesh: mesh.clone(), host_of: host_of.clone() };
+                let _ = m.agent.tell(&start).await;
             }
         }
         let (nodes, pids): (Vec<u64>, Vec<u32>) = members.iter().filter_map(|n| self.members.get(n).map(|m| (*n, m.pid))).unzip();
         tracing::info!(generation, world = members.len(), next_step, source, from = ?recovery.source, "generation started");
         let (pp, tp) = (self.options.elastic.pp.max(1), self.options.elastic.tp.max(1));
         let shape = (members.len() / (pp * tp), pp, tp);
-        self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members.get(source).copied().unwrap_or_default(), nodes, pids, mesh: shape }).await;
+        let transport = layout.name();
+        self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members.get(source).copied().unwrap_or_default(), nodes, pids, mesh: shape, transport }).await;
         if next_step >= self.end_step() {
             return self.finish(members).await;
         }
@@ -887,4 +890,70 @@ pub async fn query_status(addr: SocketAddr, token: &str, options: LinkOptions) -
     let report = link.remote::<ToSupervisor>(protocol::SUPERVISOR).ask(&ToSupervisor::Status { proof: protocol::worker_proof(token, &ekm) }, Duration::from_secs(10)).await?;
     link.close("status done");
     Ok(report)
+}
+
+/// How a generation's collectives move, decided from the configured [`Wire`] and the machine
+/// identity each member reported at join (in rank order).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum CollectivesLayout {
+    /// QUIC between every pair of members.
+    Quic,
+    /// Shared-memory rings between every pair (every member on one machine).
+    Shm,
+    /// Shared memory among the members of each machine, QUIC between machines; `host_of` is each
+    /// rank's machine, numbered in order of first appearance.
+    Routed { host_of: Vec<u32> },
+    /// The workers' own wire.
+    Injected,
+}
+
+impl CollectivesLayout {
+    pub(crate) fn choose(wire: Wire, hosts: &[&str]) -> CollectivesLayout {
+        let mut index: BTreeMap<&str, u32> = BTreeMap::new();
+        let host_of: Vec<u32> = hosts
+            .iter()
+            .map(|h| {
+                let next = index.len() as u32;
+                *index.entry(h).or_insert(next)
+            })
+            .collect();
+        let machines = index.len();
+        let shared_machine = machines < hosts.len();
+        match wire {
+            Wire::Quic => CollectivesLayout::Quic,
+            Wire::Injected => CollectivesLayout::Injected,
+            Wire::Shm => CollectivesLayout::Shm,
+            Wire::Auto if machines == 1 && hosts.len() > 1 => CollectivesLayout::Shm,
+            Wire::Auto if machines > 1 && shared_machine => CollectivesLayout::Routed { host_of },
+            Wire::Auto => CollectivesLayout::Quic,
+        }
+    }
+
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            CollectivesLayout::Quic => "quic",
+            CollectivesLayout::Shm => "shm",
+            CollectivesLayout::Routed { .. } => "routed",
+            CollectivesLayout::Injected => "injected",
+        }
+    }
+}
+
+#[cfg(test)]
+mod layout_tests {
+    use super::*;
+
+    #[test]
+    fn collectives_layout_follows_the_members_machines() {
+        let routed = |h: &[u32]| CollectivesLayout::Routed { host_of: h.to_vec() };
+        assert_eq!(CollectivesLayout::choose(Wire::Auto, &["a", "a"]), CollectivesLayout::Shm);
+        assert_eq!(CollectivesLayout::choose(Wire::Auto, &["a"]), CollectivesLayout::Quic);
+        assert_eq!(CollectivesLayout::choose(Wire::Auto, &["a", "b", "c"]), CollectivesLayout::Quic);
+        // Machines numbered in rank order of first appearance, whatever their names sort to.
+        assert_eq!(CollectivesLayout::choose(Wire::Auto, &["z", "z", "b", "b"]), routed(&[0, 0, 1, 1]));
+        assert_eq!(CollectivesLayout::choose(Wire::Auto, &["b", "z", "b", "y"]), routed(&[0, 1, 0, 2]));
+        assert_eq!(CollectivesLayout::choose(Wire::Quic, &["a", "a", "b"]), CollectivesLayout::Quic);
+        assert_eq!(CollectivesLayout::choose(Wire::Shm, &["a", "b"]), CollectivesLayout::Shm);
+        assert_eq!(CollectivesLayout::choose(Wire::Injected, &["a", "a"]), CollectivesLayout::Injected);
+    }
 }

@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use rtx_actors::{DataShard, Inbound, Link, LinkOptions, RemoteRef};
-use rtx_collectives::{BoxFuture, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, ShmOptions, ShmTransport, Transport, WORLD_GROUP_ID};
+use rtx_collectives::{BoxFuture, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, RoutedTransport, ShmOptions, ShmTransport, Transport, WORLD_GROUP_ID};
 use tokio::sync::mpsc::{Receiver, Sender};
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -128,6 +128,13 @@ pub enum Exec {
     Task,
 }
 
+/// Environment variable naming the machine a worker process reports at join, instead of
+/// `hostname/boot id`: the supervisor gives members that report the same machine shared-memory
+/// rings among themselves. Set it where that default is wrong: containers or network namespaces
+/// that share one kernel but must not share memory (each its own value), or one machine whose
+/// workers report different host names.
+pub const HOST_ID_ENV: &str = "RTX_HOST_ID";
+
 /// How a node meets the world; see the module doc.
 #[derive(Clone)]
 pub struct NodeEnv {
@@ -149,9 +156,10 @@ pub struct NodeEnv {
 }
 
 impl NodeEnv {
-    /// A real worker process.
+    /// A real worker process. Its host identity is [`HOST_ID_ENV`] when set, else this machine's.
     pub fn process() -> NodeEnv {
-        NodeEnv { control: None, wire: None, exec: Exec::Thread, pid: std::process::id(), host: None, watch_sigterm: true, checkpoints: None }
+        let host = std::env::var(HOST_ID_ENV).ok().filter(|h| !h.trim().is_empty());
+        NodeEnv { control: None, wire: None, exec: Exec::Thread, pid: std::process::id(), host, watch_sigterm: true, checkpoints: None }
     }
 }
 
@@ -558,7 +566,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                 ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed, zero1: replica.zero1.held(), mesh: replica.mesh.as_ref().map(mesh::MeshReplica::held) }).await?;
                 let start = loop {
                     match cmds.recv().await.ok_or_else(lost)? {
-                        ToWorker::Start { generation: g, addrs, source, next_step, stop_step, shm_job, mesh } if g == generation => break Some((addrs, source, next_step, stop_step, shm_job, mesh)),
+                        ToWorker::Start { generation: g, addrs, source, next_step, stop_step, shm_job, mesh, host_of } if g == generation => break Some((addrs, source, next_step, stop_step, shm_job, mesh, host_of)),
                         ToWorker::Start { .. } => continue,
                         other => {
                             next = Some(other);
@@ -566,7 +574,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                         }
                     }
                 };
-                let Some((addrs, source, next_step, stop_step, shm_job, mesh_start)) = start else { continue };
+                let Some((addrs, source, next_step, stop_step, shm_job, mesh_start, host_of)) = start else { continue };
                 if mesh_spec.is_some() != mesh_start.is_some() {
                     let reason = format!("the job is {} but the supervisor started a {} generation (its [elastic] pp/tp disagree with the job's [parallel])", if mesh_spec.is_some() { "model-parallel" } else { "data-parallel" }, if mesh_start.is_some() { "mesh" } else { "data-parallel" });
                     tracing::error!(generation, "{reason}");
@@ -574,7 +582,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                     continue;
                 }
                 if let (Some(spec), Some(start)) = (&mesh_spec, mesh_start) {
-                    let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: 0, segments: None, next_step, stop_step, addrs, shm_job };
+                    let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: 0, segments: None, next_step, stop_step, addrs, shm_job, host_of };
                     let span = tracing::info_span!("mesh_generation", generation, rank, world);
                     match mesh::run_mesh_generation(&ctx, &job, spec, &generation_run, &start, bound, &mut replica, &mut shard, &mut cmds).instrument(span).await {
                         Ok(interrupt) => next = interrupt,
@@ -603,7 +611,7 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                     StateSource::Zero1Segments { step, world, holders } => Some(SegmentSource { step, world, holders }),
                     _ => None,
                 };
-                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source_rank, segments, next_step, stop_step, addrs, shm_job };
+                let generation_run = Generation { generation, rank: rank as usize, world: world as usize, source: source_rank, segments, next_step, stop_step, addrs, shm_job, host_of };
                 let span = tracing::info_span!("generation", generation = generation_run.generation, rank = generation_run.rank, world = generation_run.world);
                 match run_generation(&ctx, &job, &generation_run, bound, &mut replica, &mut shard, &mut writer, &mut cmds).instrument(span).await {
                     Ok(interrupt) => next = interrupt,
@@ -677,6 +685,8 @@ struct Generation {
     stop_step: u64,
     addrs: Vec<String>,
     shm_job: Option<String>,
+    /// Each rank's machine when the generation is routed (see `ToWorker::Start`); empty otherwise.
+    host_of: Vec<u32>,
 }
 
 /// Trains one generation. Returns the command that interrupted it, or `None` when the last step is done.
@@ -693,8 +703,15 @@ async fn run_generation<J: TrainJob>(
 ) -> Result<Option<ToWorker>> {
     replica.rank = Some(g.rank);
     let (wire, quic) = ctx.shared.abort.unless_superseded(g.generation, connect_generation(ctx, g, bound)).await?;
-    tracing::info!(transport = if quic.is_some() { "quic" } else if ctx.wire.is_some() { "injected" } else { "shm" }, "collectives connected");
-    let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig::default())?;
+    let transport = match (&quic, ctx.wire.is_some()) {
+        (Some(_), _) if !g.host_of.is_empty() => "routed",
+        (Some(_), _) => "quic",
+        (None, true) => "injected",
+        (None, false) => "shm",
+    };
+    tracing::info!(transport, "collectives connected");
+    // A routed generation's host map makes `all_reduce` hierarchical: only machine leaders cross machines.
+    let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig { host_of: g.host_of.clone(), ..CommConfig::default() })?;
     let comm = endpoint.group(WORLD_GROUP_ID, (0..g.world).collect(), g.generation)?;
     ctx.shared.abort.set(comm.clone(), Arc::clone(&wire));
     let result = train(ctx, job, g, &comm, replica, shard, writer, cmds).await;
@@ -713,6 +730,19 @@ async fn connect_generation(ctx: &WorkerCtx, g: &Generation, bound: Bound) -> Re
     Ok(match (bound, &g.shm_job, &ctx.wire) {
         (Bound::Injected, _, Some(wire)) => (wire.connect(ctx.node, g.generation, g.rank, &g.addrs).await?, None),
         (Bound::Injected, _, None) => return Err(SupervisorError::Job("internal: an injected endpoint without its wire".into())),
+        // Several machines, some with several members: shared memory inside each, QUIC between.
+        (Bound::Quic(transport), Some(job_name), _) if !g.host_of.is_empty() => {
+            let host = *g.host_of.get(g.rank).ok_or_else(|| SupervisorError::JobFailed { reason: format!("the host map names {} ranks, not rank {}", g.host_of.len(), g.rank) })?;
+            let local: Vec<usize> = (0..g.world).filter(|&r| g.host_of.get(r) == Some(&host)).collect();
+            let index = local.iter().position(|&r| r == g.rank).unwrap_or_default();
+            let addrs: Vec<SocketAddr> = g.addrs.iter().map(|a| a.parse().map_err(|e| SupervisorError::JobFailed { reason: format!("bad peer address {a}: {e}") })).collect::<Result<_>>()?;
+            let options = ShmOptions { job: format!("{job_name}-h{host}"), ..ShmOptions::default() };
+            let (shm, linked) = tokio::join!(ShmTransport::connect(index, local.len(), options), transport.connect_except(&addrs, &local));
+            linked?;
+            let network: Arc<dyn Transport> = Arc::clone(&transport) as Arc<dyn Transport>;
+            let routed = RoutedTransport::new(network, Arc::new(shm?), local)?;
+            (Arc::new(routed), Some(transport))
+        }
         // Every member on this machine: shared-memory rings instead of QUIC.
         (Bound::Quic(transport), Some(job_name), _) => {
             drop(transport);

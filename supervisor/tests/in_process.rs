@@ -10,7 +10,7 @@ use std::time::Duration;
 use rtx_actors::BatchSource;
 use rtx_pipelines::ParamSlice;
 use rtx_supervisor::checkpoint;
-use rtx_supervisor::{query_status, run_worker, ElasticConfig, JobEvent, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, WorkerOptions, WorkerOutcome};
+use rtx_supervisor::{query_status, run_node, run_worker, ElasticConfig, JobEvent, NodeEnv, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, WorkerOptions, WorkerOutcome};
 use rtx_tensor::data::{load_fashion_mnist, DataRoot, ImageDataset, Split};
 use rtx_tensor::nn::Linear;
 use rtx_tensor::optim::{AdamW, AdamWConfig};
@@ -135,6 +135,42 @@ async fn two_in_process_workers_train_to_identical_replicas() -> anyhow::Result<
     assert!(finished.1, "replicas must be bit-identical");
     let acc = finished.0.iter().find(|(k, _)| k == "acc").map(|(_, v)| *v).expect("acc");
     assert!(acc > 0.70, "softmax regression on Fashion-MNIST reached only {acc}");
+    supervisor.join().await?;
+    for w in workers {
+        assert_eq!(w.await??, WorkerOutcome::Finished);
+    }
+    Ok(())
+}
+
+// Goal: four workers on two "machines" (two each, told apart by the host identity they report)
+// train over the routed layout: shared-memory rings inside each machine, QUIC between them, the
+// hierarchical all-reduce; the job finishes with bit-identical replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn workers_on_two_machines_train_over_shared_memory_inside_and_quic_between() -> anyhow::Result<()> {
+    let mut options = options("secret");
+    options.elastic.start_workers = 4;
+    options.elastic.max_workers = 4;
+    let mut supervisor = SupervisorHandle::start(options, None).await?;
+    let addr = supervisor.addr;
+    let workers: Vec<_> = (0..4)
+        .map(|i| {
+            let env = NodeEnv { host: Some(format!("machine-{}", i / 2)), ..NodeEnv::process() };
+            tokio::spawn(run_node(WorkerOptions::new(addr, "secret".into(), format!("worker-{i}")), env, |_spec| Ok(Fashion::load())))
+        })
+        .collect();
+    let mut transports = Vec::new();
+    let finished = loop {
+        let event = tokio::time::timeout(Duration::from_secs(120), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))?;
+        match event {
+            JobEvent::Generation { transport, world, .. } => transports.push((world, transport)),
+            JobEvent::Finished { replicas_identical, .. } => break replicas_identical,
+            JobEvent::Failed { reason } => anyhow::bail!("job failed: {reason}"),
+            JobEvent::Lost { reason, .. } => anyhow::bail!("a worker was lost: {reason}"),
+            _ => {}
+        }
+    };
+    assert_eq!(transports, vec![(4, "routed")], "one generation of 4 over the routed layout");
+    assert!(finished, "replicas must be bit-identical");
     supervisor.join().await?;
     for w in workers {
         assert_eq!(w.await??, WorkerOutcome::Finished);

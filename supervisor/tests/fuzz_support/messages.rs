@@ -48,6 +48,7 @@ pub(crate) fn to_worker(rng: &mut ChaCha8Rng) -> ToWorker {
             stop_step: v(rng),
             shm_job: Values::option(rng, Values::string),
             mesh: Values::option(rng, mesh_start),
+            host_of: Values::vec(rng, 5, Values::u32),
         },
         2 => ToWorker::Pause { generation: v(rng) },
         3 => ToWorker::Finish,
