@@ -40,7 +40,7 @@
 //! assert_eq!(report.lost.len(), 1);
 //! assert_eq!(report.generations.last().map(|g| g.world), Some(1));
 //! assert!(report.last_losses_mean(5) < report.first_losses_mean(5));
-//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 //! ```
 
 mod child;
@@ -224,7 +224,7 @@ impl<T: EmbeddedTask> JobBuilder<T> {
     /// let report = Job::builder(Regression::new(4, 16)?).placement(Placement::InProcess { workers: 2 }).steps(20).run()?;
     /// assert_eq!(report.losses.len(), 20);
     /// assert!(report.eval[0].1 < report.losses[0].loss);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
     /// ```
     pub fn run(self) -> Result<Report, EmbedError> {
         self.start()?.wait()
