@@ -3,7 +3,8 @@
 //! falling), by worker threads joined to a real supervisor started here (the `Remote`
 //! placement), and every error path of the builder and the handle. Needs the Fashion-MNIST data
 //! (`bash scripts/fetch-data.sh`). The `LocalProcesses` placement is in `tests/embed_local.rs`
-//! (its workers re-execute the test binary, which must hold that one test).
+//! (its workers re-execute the test binary, which must hold that one test), and checkpoints of an
+//! embedded job land in its run folder.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../examples/embed_elastic.rs"]
@@ -153,4 +154,16 @@ fn bad_options_and_failing_tasks_are_typed_errors() {
     let report = handle.wait().expect("finishes");
     assert_eq!(report.losses.len(), 30);
     assert!(report.lost.is_empty());
+}
+
+/// Goal: an embedded job's checkpoints land in `<run_dir>/checkpoints`, as `rtx launch`'s do.
+/// Method: 20 steps of the regression task, a checkpoint every 5; the report lists them and the
+/// folder holds their files.
+#[test]
+fn checkpoints_go_to_the_run_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = Job::builder(Regression::new(4, 8).unwrap()).steps(20).checkpoint_every(5).run_dir(dir.path()).run().expect("run");
+    assert!(!report.checkpoints.is_empty(), "{report:?}");
+    let files: Vec<_> = std::fs::read_dir(dir.path().join("checkpoints")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(files.iter().any(|f| f.to_string_lossy().ends_with(".safetensors")), "{files:?}");
 }
