@@ -86,6 +86,8 @@ pub const ALPN: &[u8] = b"rtx-collectives/2";
 pub const QUIC_INBOX_FRAMES: usize = 256;
 /// Default [`QuicOptions::loopback_datagram_bytes`]; see BENCHMARKS.md for the sweep it came from.
 pub const DEFAULT_LOOPBACK_DATAGRAM_BYTES: u16 = 65_000;
+/// Default [`QuicOptions::network_datagram_bytes`]: quinn's, an Ethernet path of MTU 1500.
+pub const DEFAULT_NETWORK_DATAGRAM_BYTES: u16 = 1452;
 /// Largest loopback packet: the IPv6 UDP payload limit on a 64 KiB-MTU `lo` (IPv4 allows 20 more).
 const MAX_LOOPBACK_DATAGRAM_BYTES: u16 = 65_487;
 
@@ -167,6 +169,12 @@ pub struct QuicOptions {
     /// UDP payload size of packets to and from loopback addresses (at most 65 487, the IPv6 limit on
     /// a 64 KiB-MTU `lo`); below 1200 (e.g. 0) keeps quinn's 1200 bytes there too.
     pub loopback_datagram_bytes: u16,
+    /// Largest UDP payload that path MTU discovery may climb to towards other (non-loopback)
+    /// addresses: 1452 (quinn's default, an Ethernet path of MTU 1500) up to 65 487; 8952 for the
+    /// 9000-byte MTU of datacenter links. Packets start at 1200 bytes and grow only as far as
+    /// probes show the path carries; segmentation offload is used when ten packets fit one 64 KiB
+    /// send.
+    pub network_datagram_bytes: u16,
     /// Requested send and receive buffer of the UDP socket (the kernel caps it at
     /// `net.core.{r,w}mem_max`).
     pub socket_buffer_bytes: usize,
@@ -196,6 +204,8 @@ struct QuicShared {
     /// Stripes of links still being set up, by peer, until all of them are connected.
     pending: Mutex<BTreeMap<usize, PendingLink>>,
     lost: Mutex<BTreeSet<usize>>,
+    /// Ranks this transport does not link (served by another transport; see `connect_except`).
+    unlinked: Mutex<BTreeSet<usize>>,
     dial_errors: Mutex<BTreeMap<usize, String>>,
     links_changed: watch::Sender<()>,
     /// Where link tasks deliver; `None` until the endpoint attaches or polls.
@@ -289,6 +299,7 @@ impl Default for QuicOptions {
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             stream_window_bytes: 16 << 20,
             loopback_datagram_bytes: DEFAULT_LOOPBACK_DATAGRAM_BYTES,
+            network_datagram_bytes: DEFAULT_NETWORK_DATAGRAM_BYTES,
             socket_buffer_bytes: 4 << 20,
             stripes: 1,
         }
@@ -424,6 +435,7 @@ impl QuicTransport {
             links: Mutex::new(BTreeMap::new()),
             pending: Mutex::new(BTreeMap::new()),
             lost: Mutex::new(BTreeSet::new()),
+            unlinked: Mutex::new(BTreeSet::new()),
             dial_errors: Mutex::new(BTreeMap::new()),
             links_changed: watch::channel(()).0,
             route: watch::channel(None).0,
@@ -444,12 +456,25 @@ impl QuicTransport {
     /// Dials every higher rank at `addrs[rank]` and waits until links to all ranks are up, or fails
     /// with [`Error::Connect`] after [`QuicOptions::connect_timeout`].
     pub async fn connect(&self, addrs: &[SocketAddr]) -> Result<()> {
+        self.connect_except(addrs, &[]).await
+    }
+
+    /// [`connect`](Self::connect), leaving out the ranks in `others`: they are neither dialed nor
+    /// waited for, and must leave this rank out alike (they are served by another transport, as
+    /// the ranks of the same host are under a [`crate::RoutedTransport`]). Their addresses are not
+    /// used. Sends to them fail with [`Error::PeerLost`].
+    pub async fn connect_except(&self, addrs: &[SocketAddr], others: &[usize]) -> Result<()> {
         let shared = &self.shared;
         if addrs.len() != shared.world {
             return Err(Error::InvalidConfig { reason: "one address per rank is required" });
         }
+        {
+            let mut unlinked = lock(&shared.unlinked);
+            unlinked.clear();
+            unlinked.extend(others.iter().copied());
+        }
         let of = shared.options.stripes;
-        for (peer, &addr) in addrs.iter().enumerate().skip(shared.rank + 1) {
+        for (peer, &addr) in addrs.iter().enumerate().skip(shared.rank + 1).filter(|(peer, _)| !others.contains(peer)) {
             for stripe in 0..of {
                 let task = tokio::spawn(dial(Arc::clone(shared), peer, addr, StripeId { stripe, of })).abort_handle();
                 lock(&shared.tasks).push(task);
@@ -713,8 +738,8 @@ impl std::fmt::Debug for QuicTransport {
 
 impl QuicShared {
     fn missing_peer(&self) -> Option<usize> {
-        let links = lock(&self.links);
-        (0..self.world).find(|&p| p != self.rank && !links.contains_key(&p))
+        let (links, unlinked) = (lock(&self.links), lock(&self.unlinked));
+        (0..self.world).find(|&p| p != self.rank && !links.contains_key(&p) && !unlinked.contains(&p))
     }
 
     /// Records one connected stripe of the link to `peer`; when all of its stripes are connected,
@@ -927,6 +952,13 @@ fn udp_socket(listen: SocketAddr, buffer_bytes: usize) -> Result<std::net::UdpSo
 /// 1200 bytes and path MTU discovery).
 fn transport_config(options: &QuicOptions, datagram: Option<u16>) -> Result<quinn::TransportConfig> {
     let mut config = quinn::TransportConfig::default();
+    if datagram.is_none() && options.network_datagram_bytes != DEFAULT_NETWORK_DATAGRAM_BYTES {
+        let bytes = options.network_datagram_bytes;
+        let mut discovery = quinn::MtuDiscoveryConfig::default();
+        discovery.upper_bound(bytes);
+        config.mtu_discovery_config(Some(discovery));
+        config.enable_segmentation_offload(usize::from(bytes) * GSO_BATCH <= GSO_MAX_BYTES);
+    }
     if let Some(bytes) = datagram {
         // Handshake packets carry a 14-bit length: quinn panics building one over 16 KiB. Start
         // below that and let path MTU discovery climb to `bytes` (a few round trips of a few
@@ -974,6 +1006,9 @@ impl EndpointParts {
         if options.loopback_datagram_bytes > MAX_LOOPBACK_DATAGRAM_BYTES {
             return Err(Error::InvalidConfig { reason: "loopback_datagram_bytes over 65487" });
         }
+        if !(1200..=MAX_LOOPBACK_DATAGRAM_BYTES).contains(&options.network_datagram_bytes) {
+            return Err(Error::InvalidConfig { reason: "network_datagram_bytes outside 1200..=65487" });
+        }
         let wan = Arc::new(transport_config(options, None)?);
         let loopback = if jumbo { Arc::new(transport_config(options, Some(options.loopback_datagram_bytes))?) } else { Arc::clone(&wan) };
         let server_crypto = Arc::new(QuicServerConfig::try_from(server_tls_config(identity)?).map_err(tls)?);
@@ -990,6 +1025,9 @@ impl EndpointParts {
             // The receiving endpoint must accept what a loopback peer sends: raising only the
             // connections' MTU gets every large packet dropped.
             endpoint_config.max_udp_payload_size(MAX_UDP_PAYLOAD).map_err(|_| Error::InvalidConfig { reason: "max_udp_payload_size" })?;
+        } else if options.network_datagram_bytes > DEFAULT_NETWORK_DATAGRAM_BYTES {
+            // Likewise for what discovery lets a network peer send.
+            endpoint_config.max_udp_payload_size(options.network_datagram_bytes).map_err(|_| Error::InvalidConfig { reason: "max_udp_payload_size" })?;
         }
         let socket = udp_socket(listen, options.socket_buffer_bytes)?;
         let runtime = quinn::default_runtime().ok_or(Error::InvalidConfig { reason: "QUIC transport must be bound inside a tokio runtime" })?;

@@ -4,6 +4,7 @@ this machine, timed like `rtx bench collectives` (same sizes, world sizes, repea
 
     gloo_bench.py [--worlds 2,4] [--sizes 4096,1048576,...] [--repeats 5] [--sample-ms 40]
     gloo_bench.py --table RESULTS.jsonl   # rtx and gloo lines of one run: busbw side by side
+    gloo_bench.py --netns rtx-h --host-addrs 10.77.0.1,10.77.0.2 --worlds 4   # ranks in namespaces
 
 Each world size spawns that many processes (torch.multiprocessing, TCP store on 127.0.0.1, Gloo over
 loopback TCP). For every size, rank 0 times --repeats samples of back-to-back all_reduce calls
@@ -29,9 +30,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def rank_main(rank, world, port, sizes, repeats, sample_ms, queue):
+def rank_main(rank, world, port, sizes, repeats, sample_ms, queue, master="127.0.0.1"):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
     for nbytes in sizes:
         buf = torch.full((nbytes // 4,), float(rank + 1), dtype=torch.float32)
         # One checked call: every element is the sum of 1..world.
@@ -55,6 +56,8 @@ def rank_main(rank, world, port, sizes, repeats, sample_ms, queue):
             samples.append((time.perf_counter() - t0) * 1e6 / iters)
         if rank == 0:
             queue.put((nbytes, iters, samples))
+        if rank == 0 and not hasattr(queue, "get"):
+            queue.emit(world, nbytes, iters, samples)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -126,6 +129,57 @@ def human(n):
     return str(n)
 
 
+def result_line(world, nbytes, iters, samples, hosts=1):
+    t = statistics.median(samples)
+    algbw = nbytes / (t * 1e-6) / 1e9
+    busbw = algbw * 2 * (world - 1) / world
+    line = {
+        "bench": "collectives", "impl": "gloo", "transport": "gloo-tcp", "world": world, "op": "all_reduce", "bytes": nbytes,
+        "time_us": round(t, 3), "min_us": round(min(samples), 3), "max_us": round(max(samples), 3), "repeats": len(samples),
+        "iters": iters, "algbw_gbps": round(algbw, 3), "busbw_gbps": round(busbw, 3),
+    }
+    if hosts > 1:
+        line["hosts"] = hosts
+    return json.dumps(line)
+
+
+class Printer:
+    """Rank 0's report in the namespaced mode: one JSON line per size on stdout."""
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+
+    def put(self, item):
+        pass
+
+    def emit(self, world, nbytes, iters, samples):
+        print(result_line(world, nbytes, iters, samples, self.hosts), flush=True)
+
+
+def netns_run(args, sizes):
+    """One process per rank, host h's ranks inside network namespace PREFIX{h} (`ip netns exec`),
+    Gloo over TCP between the hosts' addresses, the store on host 0's address."""
+    import subprocess
+    import sys
+    addrs = [a for a in args.host_addrs.split(",") if a]
+    hosts = len(addrs)
+    for world in [int(w) for w in args.worlds.split(",") if w]:
+        procs = []
+        for rank in range(world):
+            host = rank * hosts // world
+            cmd = ["ip", "netns", "exec", f"{args.netns}{host}", sys.executable, __file__, "--rank", str(rank), "--world", str(world),
+                   "--master", addrs[0], "--port", str(args.port), "--hosts", str(hosts), "--sizes", args.sizes,
+                   "--repeats", str(args.repeats), "--sample-ms", str(args.sample_ms)]
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=args.ifname)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL))
+        for line in procs[0].stdout:
+            sys.stdout.write(line.decode())
+            sys.stdout.flush()
+        for p in procs:
+            if p.wait() != 0:
+                raise SystemExit(f"gloo rank exited with {p.returncode}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--table", metavar="JSONL", help="print the comparison table of a finished run and exit")
@@ -133,11 +187,25 @@ def main():
     ap.add_argument("--sizes", default=",".join(str(4096 * 4**i) for i in range(9)))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sample-ms", type=float, default=40)
+    ap.add_argument("--netns", metavar="PREFIX", help="run host h's ranks in network namespace PREFIX{h} (with --host-addrs)")
+    ap.add_argument("--host-addrs", default="", help="the hosts' addresses inside their namespaces, one per host")
+    ap.add_argument("--ifname", default="eth0", help="the interface Gloo uses inside the namespaces")
+    ap.add_argument("--port", type=int, default=29561)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--master", help=argparse.SUPPRESS)
+    ap.add_argument("--hosts", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.table:
         table(args.table)
         return
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.rank is not None:
+        rank_main(args.rank, args.world, args.port, sizes, args.repeats, args.sample_ms, Printer(args.hosts), args.master)
+        return
+    if args.netns:
+        netns_run(args, sizes)
+        return
     ctx = mp.get_context("spawn")
     for world in [int(w) for w in args.worlds.split(",") if w]:
         queue = ctx.Queue()
@@ -147,14 +215,7 @@ def main():
             p.start()
         for _ in sizes:
             nbytes, iters, samples = queue.get()
-            t = statistics.median(samples)
-            algbw = nbytes / (t * 1e-6) / 1e9
-            busbw = algbw * 2 * (world - 1) / world
-            print(json.dumps({
-                "bench": "collectives", "impl": "gloo", "transport": "gloo-tcp", "world": world, "op": "all_reduce", "bytes": nbytes,
-                "time_us": round(t, 3), "min_us": round(min(samples), 3), "max_us": round(max(samples), 3), "repeats": len(samples),
-                "iters": iters, "algbw_gbps": round(algbw, 3), "busbw_gbps": round(busbw, 3),
-            }), flush=True)
+            print(result_line(world, nbytes, iters, samples), flush=True)
         for p in procs:
             p.join()
             if p.exitcode != 0:

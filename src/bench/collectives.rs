@@ -37,8 +37,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rtx_collectives::{
-    quic_stream_throughput, segment_range, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, ReduceOp, ShmOptions,
-    ShmTransport, Transport,
+    quic_stream_throughput, segment_range, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions,
+    QuicTransport, ReduceOp, RoutedTransport, ShmOptions, ShmTransport, Transport,
 };
 use serde_json::json;
 
@@ -52,6 +52,9 @@ pub enum BenchTransport {
     Quic,
     /// Shared-memory rings.
     Shm,
+    /// Shared-memory rings between the ranks of one host and QUIC between hosts (`--hosts`), with
+    /// the hierarchical all-reduce.
+    Routed,
 }
 
 /// A collective to measure.
@@ -107,10 +110,27 @@ pub struct CollectivesArgs {
     /// Override `QuicOptions::stream_window_bytes`.
     #[arg(long, value_parser = parse_size)]
     pub quic_window: Option<usize>,
+    /// Override `QuicOptions::network_datagram_bytes` (towards non-loopback addresses; 8952 for a
+    /// 9000-byte MTU).
+    #[arg(long)]
+    pub quic_network_datagram: Option<u16>,
     /// QUIC connections per rank pair (`QuicOptions::stripes`); use with `--threads` of at least
     /// the same number so the connections' drivers run on separate cores.
     #[arg(long, default_value_t = 1)]
     pub stripes: usize,
+    /// Hosts the ranks are spread over, in contiguous blocks (rank r is on host r * hosts / n):
+    /// sets `CommConfig::host_of`, so `all_reduce` is hierarchical, and decides which ranks the
+    /// `routed` transport connects through shared memory.
+    #[arg(long, default_value_t = 1)]
+    pub hosts: usize,
+    /// The address each host's ranks bind their QUIC endpoint to, one per host (default: all on
+    /// 127.0.0.1). With `--netns`, the hosts' addresses inside their namespaces.
+    #[arg(long, value_delimiter = ',')]
+    pub host_addrs: Vec<std::net::IpAddr>,
+    /// Run host h's ranks in the network namespace `PREFIX{h}` (`ip netns exec`; see
+    /// scripts/netns-hosts.sh, whose namespaces are rtx-h0, rtx-h1, ... at 10.77.0.1, .2, ...).
+    #[arg(long, value_name = "PREFIX", requires = "host_addrs")]
+    pub netns: Option<String>,
     /// Override `ShmOptions::ring_bytes` (a power of two).
     #[arg(long, value_parser = parse_size)]
     pub shm_ring: Option<usize>,
@@ -251,6 +271,7 @@ fn transport_name(t: BenchTransport) -> &'static str {
     match t {
         BenchTransport::Quic => "quic",
         BenchTransport::Shm => "shm",
+        BenchTransport::Routed => "routed",
     }
 }
 
@@ -290,7 +311,7 @@ fn references(args: &CollectivesArgs, sizes: &[usize]) -> anyhow::Result<Referen
     refs.tcp_rtt_us = tcp_round_trip_us(2000)?;
     note(&format!("  loopback TCP 64 B round trip: {:.1} us", refs.tcp_rtt_us));
     emit(json!({"bench": "collectives", "reference": "tcp_rtt_64b", "us": round3(refs.tcp_rtt_us)}));
-    if args.transports.contains(&BenchTransport::Quic) {
+    if args.transports.iter().any(|&t| t != BenchTransport::Shm) {
         let options = quic_options(args);
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
         for duplex in [false, true] {
@@ -300,7 +321,9 @@ fn references(args: &CollectivesArgs, sizes: &[usize]) -> anyhow::Result<Referen
             let gbps = median(samples);
             let which = if duplex { "both ways at once, per direction" } else { "one way" };
             note(&format!("  raw quinn stream (TLS, transport's config), {which}: {gbps:.2} GB/s"));
-            emit(json!({"bench": "collectives", "reference": if duplex { "quic_raw_duplex" } else { "quic_raw_one_way" }, "bytes": STREAM_REFERENCE_BYTES, "gbps": round3(gbps)}));
+            emit(
+                json!({"bench": "collectives", "reference": if duplex { "quic_raw_duplex" } else { "quic_raw_one_way" }, "bytes": STREAM_REFERENCE_BYTES, "gbps": round3(gbps)}),
+            );
             if duplex {
                 refs.quic_duplex_gbps = gbps;
             } else {
@@ -308,14 +331,16 @@ fn references(args: &CollectivesArgs, sizes: &[usize]) -> anyhow::Result<Referen
             }
         }
         let packet = usize::from(options.loopback_datagram_bytes);
-        let samples = (0..3)
-            .map(|_| tls_packet_cipher_throughput(packet, STREAM_REFERENCE_BYTES as u64 / 4))
-            .collect::<Result<Vec<_>, _>>()?;
+        let samples = (0..3).map(|_| tls_packet_cipher_throughput(packet, STREAM_REFERENCE_BYTES as u64 / 4)).collect::<Result<Vec<_>, _>>()?;
         let seal = median(samples.iter().map(|c| c.seal_bps / GB).collect());
         let open = median(samples.iter().map(|c| c.open_bps / GB).collect());
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        note(&format!("  TLS packet cipher (AES-128-GCM as quinn runs it, {packet}-byte packets), one core: seal {seal:.2} GB/s, open {open:.2} GB/s ({cores} cores)"));
-        emit(json!({"bench": "collectives", "reference": "tls_cipher", "packet_bytes": packet, "seal_gbps": round3(seal), "open_gbps": round3(open), "cores": cores}));
+        note(&format!(
+            "  TLS packet cipher (AES-128-GCM as quinn runs it, {packet}-byte packets), one core: seal {seal:.2} GB/s, open {open:.2} GB/s ({cores} cores)"
+        ));
+        emit(
+            json!({"bench": "collectives", "reference": "tls_cipher", "packet_bytes": packet, "seal_gbps": round3(seal), "open_gbps": round3(open), "cores": cores}),
+        );
         refs.tls_cipher_gbps = Some((seal, open));
     }
     Ok(refs)
@@ -429,7 +454,7 @@ fn run_group(
     let dir = std::env::temp_dir().join(format!("rtx-bench-collectives-{}-{}-{world}-{algo}", std::process::id(), transport_name(transport)));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-    if transport == BenchTransport::Quic {
+    if transport != BenchTransport::Shm {
         write_identities(&dir, world)?;
     }
     let exe = std::env::current_exe().context("locate the rtx binary")?;
@@ -437,8 +462,18 @@ fn run_group(
     let size_list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
     let mut ranks = Ranks(Vec::new());
     for rank in 0..world {
-        let mut cmd = Command::new(&exe);
+        let mut cmd = match &args.netns {
+            // This rank's host is a network namespace: `ip netns exec NAME rtx ...`.
+            Some(prefix) => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec"]).arg(format!("{prefix}{}", host_of_rank(rank, world, args.hosts))).arg(&exe);
+                cmd
+            }
+            None => Command::new(&exe),
+        };
         cmd.args(["bench", "collectives", "--worker-transport", transport_name(transport)])
+            .arg("--hosts")
+            .arg(args.hosts.to_string())
             .arg("--worker-rank")
             .arg(rank.to_string())
             .arg("--worker-world")
@@ -462,8 +497,12 @@ fn run_group(
             ("--chunk-bytes", args.chunk_bytes),
             ("--quic-datagram", args.quic_datagram.map(usize::from)),
             ("--quic-window", args.quic_window),
+            ("--quic-network-datagram", args.quic_network_datagram.map(usize::from)),
             ("--shm-ring", args.shm_ring),
         ];
+        if !args.host_addrs.is_empty() {
+            cmd.arg("--host-addrs").arg(args.host_addrs.iter().map(ToString::to_string).collect::<Vec<_>>().join(","));
+        }
         for (flag, value) in overrides {
             if let Some(v) = value {
                 cmd.arg(flag).arg(v.to_string());
@@ -496,7 +535,7 @@ fn run_group(
         let busbw = algbw * bus_factor(op, world);
         let (limit_name, limit) = match transport {
             BenchTransport::Shm => ("memcpy", refs.memcpy.iter().find(|(b, _)| *b == bytes).map_or(0.0, |(_, g)| *g)),
-            BenchTransport::Quic => ("quinn-2way", refs.quic_duplex_gbps),
+            BenchTransport::Quic | BenchTransport::Routed => ("quinn-2way", refs.quic_duplex_gbps),
         };
         let ratio = if limit > 0.0 { busbw / limit } else { f64::NAN };
         let tcp_ratio = if refs.tcp_gbps > 0.0 { busbw / refs.tcp_gbps } else { f64::NAN };
@@ -538,8 +577,18 @@ fn summary(rows: &[Row], refs: &References) {
     note("\nsmall messages: 4K all_reduce time / TCP 64 B round trip");
     for row in rows.iter().filter(|r| r.op == CollectiveOp::AllReduce && r.bytes == 4 << 10) {
         let ratio = row.stats.median / refs.tcp_rtt_us;
-        note(&format!("  {:<5} n={} {:<8} {:8.1} us = {:5.2} x {:.1} us", transport_name(row.transport), row.world, row.algo, row.stats.median, ratio, refs.tcp_rtt_us));
-        emit(json!({"bench": "collectives", "summary": "latency_4k_over_tcp_rtt", "transport": transport_name(row.transport), "world": row.world, "algo": row.algo, "ratio": round3(ratio)}));
+        note(&format!(
+            "  {:<5} n={} {:<8} {:8.1} us = {:5.2} x {:.1} us",
+            transport_name(row.transport),
+            row.world,
+            row.algo,
+            row.stats.median,
+            ratio,
+            refs.tcp_rtt_us
+        ));
+        emit(
+            json!({"bench": "collectives", "summary": "latency_4k_over_tcp_rtt", "transport": transport_name(row.transport), "world": row.world, "algo": row.algo, "ratio": round3(ratio)}),
+        );
     }
 }
 
@@ -551,14 +600,25 @@ fn quic_options(args: &CollectivesArgs) -> QuicOptions {
     if let Some(d) = args.quic_datagram {
         options.loopback_datagram_bytes = d;
     }
+    if let Some(d) = args.quic_network_datagram {
+        options.network_datagram_bytes = d;
+    }
     if let Some(w) = args.quic_window {
         options.stream_window_bytes = u32::try_from(w).unwrap_or(u32::MAX);
     }
     options
 }
 
-fn comm_config(args: &CollectivesArgs) -> CommConfig {
+/// The host of `rank` among `world` ranks in `hosts` contiguous blocks.
+fn host_of_rank(rank: usize, world: usize, hosts: usize) -> usize {
+    rank * hosts.max(1) / world.max(1)
+}
+
+fn comm_config(args: &CollectivesArgs, world: usize) -> CommConfig {
     let mut config = CommConfig { op_timeout: Duration::from_secs(120), ..CommConfig::default() };
+    if args.hosts > 1 {
+        config.host_of = (0..world).map(|r| host_of_rank(r, world, args.hosts) as u32).collect();
+    }
     if let Some(s) = args.small_message_bytes {
         config.small_message_bytes = s;
     }
@@ -579,21 +639,35 @@ fn worker(args: &CollectivesArgs, rank: usize) -> anyhow::Result<()> {
         tokio::runtime::Builder::new_multi_thread().worker_threads(args.threads).enable_all().build()?
     };
     rt.block_on(async {
-        let config = comm_config(args);
+        let config = comm_config(args, world);
         let mut quic = None;
+        let host = host_of_rank(rank, world, args.hosts);
+        let job = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "bench".into());
+        let shm_options = |job: String| {
+            let mut options = ShmOptions { job, connect_timeout: RENDEZVOUS_TIMEOUT, max_payload_bytes: config.max_payload_bytes, ..ShmOptions::default() };
+            if let Some(r) = args.shm_ring {
+                options.ring_bytes = r;
+            }
+            options
+        };
         let transport: Arc<dyn Transport> = match transport {
             BenchTransport::Quic => {
-                let t = Arc::new(quic_rank(args, rank, world, &dir, config.max_payload_bytes).await?);
+                let t = Arc::new(quic_rank(args, rank, world, &dir, config.max_payload_bytes, &[]).await?);
                 quic = Some(Arc::clone(&t));
                 t
             }
-            BenchTransport::Shm => {
-                let job = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "bench".into());
-                let mut options = ShmOptions { job, connect_timeout: RENDEZVOUS_TIMEOUT, max_payload_bytes: config.max_payload_bytes, ..ShmOptions::default() };
-                if let Some(r) = args.shm_ring {
-                    options.ring_bytes = r;
-                }
-                Arc::new(ShmTransport::connect(rank, world, options).await?)
+            BenchTransport::Shm => Arc::new(ShmTransport::connect(rank, world, shm_options(job)).await?),
+            BenchTransport::Routed => {
+                anyhow::ensure!(args.hosts > 1, "the routed transport needs --hosts of at least 2");
+                let local: Vec<usize> = (0..world).filter(|&r| host_of_rank(r, world, args.hosts) == host).collect();
+                let index = local.iter().position(|&r| r == rank).context("this rank is on its host")?;
+                let (shm, network) = tokio::join!(
+                    ShmTransport::connect(index, local.len(), shm_options(format!("{job}-host{host}"))),
+                    quic_rank(args, rank, world, &dir, config.max_payload_bytes, &local)
+                );
+                let network = Arc::new(network?);
+                quic = Some(Arc::clone(&network));
+                Arc::new(RoutedTransport::new(network, Arc::new(shm?), local)?)
             }
         };
         let comm = Endpoint::new(transport, config)?.world()?;
@@ -627,17 +701,25 @@ pub(super) fn write_identities(dir: &Path, world: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn quic_rank(args: &CollectivesArgs, rank: usize, world: usize, dir: &Path, max_payload: usize) -> anyhow::Result<QuicTransport> {
+/// This rank's QUIC transport, bound on its host's address and linked to every rank but `local`
+/// (the ranks its routed transport reaches through shared memory).
+async fn quic_rank(args: &CollectivesArgs, rank: usize, world: usize, dir: &Path, max_payload: usize, local: &[usize]) -> anyhow::Result<QuicTransport> {
     let options = QuicOptions { max_payload_bytes: max_payload, ..quic_options(args) };
-    quic_rank_in(dir, rank, world, options).await
+    let ip = args.host_addrs.get(host_of_rank(rank, world, args.hosts)).copied().unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
+    quic_rank_on(dir, rank, world, options, SocketAddr::new(ip, 0), local).await
 }
 
 /// Binds rank `rank` with its identity from `dir` (see [`write_identities`]), publishes its
 /// address there and connects to every other rank's.
 pub(super) async fn quic_rank_in(dir: &Path, rank: usize, world: usize, options: QuicOptions) -> anyhow::Result<QuicTransport> {
+    quic_rank_on(dir, rank, world, options, SocketAddr::from(([127, 0, 0, 1], 0)), &[]).await
+}
+
+/// [`quic_rank_in`] bound on `listen` and linked to every rank but those in `others`.
+async fn quic_rank_on(dir: &Path, rank: usize, world: usize, options: QuicOptions, listen: SocketAddr, others: &[usize]) -> anyhow::Result<QuicTransport> {
     let read = |name: String| std::fs::read(dir.join(&name)).with_context(|| format!("read {name}"));
     let identity = NodeIdentity::from_der(rank, read("ca.der".into())?, read(format!("rank-{rank}.cert.der"))?, read(format!("rank-{rank}.key.der"))?);
-    let transport = QuicTransport::bind(&identity, world, SocketAddr::from(([127, 0, 0, 1], 0)), options)?;
+    let transport = QuicTransport::bind(&identity, world, listen, options)?;
     let staging = dir.join(format!("addr-{rank}.staging"));
     std::fs::write(&staging, transport.local_addr()?.to_string())?;
     std::fs::rename(&staging, dir.join(format!("addr-{rank}")))?;
@@ -654,7 +736,7 @@ pub(super) async fn quic_rank_in(dir: &Path, rank: usize, world: usize, options:
         };
         addrs.push(text.trim().parse::<SocketAddr>()?);
     }
-    transport.connect(&addrs).await?;
+    transport.connect_except(&addrs, others).await?;
     Ok(transport)
 }
 
