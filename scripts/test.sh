@@ -9,6 +9,8 @@ bash scripts/fetch-data.sh
 # Debian's Chromium and playwright-core for the live page's browser test (idempotent).
 bash scripts/setup-browser.sh
 cargo test --workspace --all-targets --locked
+# Doc-tests (--all-targets leaves them out): the embedding API's runnable examples (src/embed/).
+cargo test -p rustytorch --doc --locked
 # A real Slurm 22.05 (Debian's slurm-wlm + munge, two slurmd on this machine) runs examples/slurm.sbatch:
 # normal finish, scancel, kill -9 of a worker task, two concurrent jobs. It runs the rtx that `cargo test`
 # just built (building it again with the binary's own feature set took 5.5 min of CI time).

@@ -39,7 +39,7 @@ pub enum FedCommand {
 pub struct FedRunArgs {
     /// The federation config, e.g. configs/fed_flower_ref.toml.
     pub config: PathBuf,
-    /// Output folder (default: the config's [output] dir, else runs/fed).
+    /// Output folder (default: the config's output.dir, else runs/fed).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Data folder (default: $RTX_DATA_DIR, else ./data).

@@ -33,6 +33,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod elastic;
+pub mod embed;
 pub mod fed_cmd;
 pub mod live;
 pub mod metrics;

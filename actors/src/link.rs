@@ -1,5 +1,5 @@
 //! Remote actor references: a [`Link`] is one QUIC connection between two nodes that carries
-//! envelopes ([`crate::wire`]) on one bidirectional stream, in order. [`RemoteRef`] names an actor
+//! envelopes (`crate::wire`) on one bidirectional stream, in order. [`RemoteRef`] names an actor
 //! on the other side and sends it rkyv messages (`tell`) or calls it (`ask`, answered by an
 //! [`Inbound::reply`]). What arrives for local actors comes out of the receiver that
 //! [`Link::dial`] and [`LinkListener::accept`] return; the owner routes it (usually through its

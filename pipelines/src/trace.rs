@@ -3,7 +3,7 @@
 //! last bucket, the optimizer), as Chrome trace events (`chrome://tracing`, Perfetto), so overlap
 //! of communication with backward, and stalls, can be seen rather than read.
 //!
-//! Decision: like [`crate::pipeline::timeline`], this is a measurement, not a protocol decision,
+//! Decision: like [`crate::pipeline::StageTimeline`], this is a measurement, not a protocol decision,
 //! so it reads the wall clock (`std::time::Instant`) and nothing depends on it. Offsets are from
 //! the moment recording started; each rank writes its own file, put on one axis by a viewer.
 //! The compute thread is `tid` 0 and the communication thread `tid` 1.

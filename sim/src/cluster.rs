@@ -126,7 +126,7 @@ pub struct Violation {
     pub at: Duration,
     /// That event.
     pub event: String,
-    /// The job events and faults before it (the last [`RECENT`]), each with its virtual time.
+    /// The job events and faults before it (the last 48), each with its virtual time.
     pub recent: Vec<String>,
 }
 

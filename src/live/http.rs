@@ -5,7 +5,7 @@
 //! [`SSE_MIN_INTERVAL`]), `/api/state` the whole state as JSON, `/api/events?after=SEQ` the
 //! timeline after an entry, `/metrics` Prometheus text.
 //!
-//! Ownership: the [`LiveState`] sits behind one mutex in [`Shared`]; the job's event loop is the
+//! Ownership: the [`LiveState`] sits behind one mutex in `Shared`; the job's event loop is the
 //! only writer (through [`LiveFeed::record`]), and bumps a `watch` version after each event so
 //! every SSE stream wakes, takes the lock briefly and builds its own update from its own cursor.
 //! Slow readers therefore never hold up the job: they skip versions, not events.

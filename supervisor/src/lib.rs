@@ -3,7 +3,7 @@
 //! A job is a [`ClusterSupervisor`](supervisor) plus one node agent and worker per process
 //! ([`worker::run_worker`]), started on this machine by the [`launch::Launcher`] (`rtx launch`) or
 //! by a cluster's own launcher (`rtx supervisor` / `rtx worker`, with torchrun and Slurm
-//! variables, [`env`]). Workers join over an [`rtx_actors::Link`] by proving the cluster token
+//! variables, [`env`](mod@env)). Workers join over an [`rtx_actors::Link`] by proving the cluster token
 //! ([`protocol`]), receive rank certificates from the cluster CA, and train the [`TrainJob`] with
 //! the data-parallel engine of `rtx-pipelines` over mutually authenticated QUIC collectives.
 //! The supervisor detects crashes, hangs, network loss and preemption ([`FailureClass`]), and

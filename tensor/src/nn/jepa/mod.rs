@@ -2,7 +2,7 @@
 //! an exponential moving average (EMA) of it, kept as buffers, and a narrow predictor
 //! ([`JepaPredictor`]) that maps the context tokens plus mask tokens (a learned token plus the
 //! fixed 2-D sin-cos position of each target patch) to the target encoder's layer-normed features
-//! of the target blocks ([`mask`]). The loss is L2 or smooth L1 in that latent space; no
+//! of the target blocks (`mask`). The loss is L2 or smooth L1 in that latent space; no
 //! gradient reaches the target encoder.
 //!
 //! The training step is: masks for the batch ([`MaskConfig::sample`]), [`IJepa::loss`], backward,
