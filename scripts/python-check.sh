@@ -9,14 +9,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${RTX_PYTHON_VENV:-out/python-venv}
 bash scripts/setup-python.sh
-export PYO3_PYTHON="$PWD/$VENV/bin/python"
+VENV=$(cd "$VENV" && pwd)
+export PYO3_PYTHON="$VENV/bin/python"
 wheels=out/python-wheels
 rm -rf "$wheels"
 "$VENV/bin/maturin" build --quiet --profile dev --manifest-path python/Cargo.toml --interpreter "$PYO3_PYTHON" --out "$wheels"
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheels"/rustytorch-*.whl
 export RTX_DATA_DIR="$PWD/data"
 # From another folder, so `import rustytorch` is the installed wheel and not python/rustytorch.
-(cd python/tests && "$PWD/../../$VENV/bin/python" -m pytest -q -p no:cacheprovider .)
+(cd python/tests && "$VENV/bin/python" -m pytest -q -p no:cacheprovider .)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 MPLBACKEND=Agg RTX_EXAMPLE_STEPS=${RTX_EXAMPLE_STEPS:-60} RTX_EXAMPLE_OUT="$out" "$VENV/bin/python" examples/python/train_fashion.py

@@ -65,8 +65,10 @@ print("plot:", out / "loss_from_python.png")
 # %%
 checkpoint = rustytorch.latest_checkpoint(out)
 params = rustytorch.load_checkpoint(checkpoint)
+# The model's parameters are `layers.<i>.weight` / `.bias`; `optim.*` is the AdamW state.
 for name, array in params.items():
-    print(f"{name:>24} {array.dtype} {array.shape}")
+    if not name.startswith("optim."):
+        print(f"{name:>16} {array.dtype} {array.shape}")
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -80,7 +82,7 @@ train = read_idx(data / "fashion-mnist/train-images-idx3-ubyte.gz").reshape(-1, 
 images = read_idx(data / "fashion-mnist/t10k-images-idx3-ubyte.gz").reshape(-1, 784)[:2000] / 255.0
 labels = read_idx(data / "fashion-mnist/t10k-labels-idx1-ubyte.gz")[:2000]
 x = ((images - train.mean()) / train.std()).astype(np.float32)
-weights = sorted(n for n in params if n.endswith("weight"))
+weights = sorted((n for n in params if n.startswith("layers.") and n.endswith(".weight")), key=lambda n: int(n.split(".")[1]))
 for i, name in enumerate(weights):
     x = x @ params[name].T + params[name[: -len("weight")] + "bias"]
     if i < len(weights) - 1:

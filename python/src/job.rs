@@ -23,7 +23,7 @@ use rustytorch::live::{JobInfo, LiveState};
 use crate::errors::{message, ConfigError, JobError};
 
 /// Events kept for `events()` (the oldest are dropped past it).
-pub const EVENTS_MAX: usize = 100_000;
+pub(crate) const EVENTS_MAX: usize = 100_000;
 /// How long `wait` sleeps between checks for Ctrl-C.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
 

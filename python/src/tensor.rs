@@ -127,7 +127,7 @@ impl PyTensor {
         // `__releasebuffer__` (the boxed layout) or as long as `obj` (the elements).
         unsafe {
             (*view).obj = slf.clone().into_any().into_ptr();
-            (*view).buf = pointer.cast::<c_void>();
+            (*view).buf = pointer.cast_mut().cast::<c_void>();
             (*view).len = (layout.numel() * item_bytes) as ffi::Py_ssize_t;
             (*view).readonly = 0;
             (*view).itemsize = item_bytes as ffi::Py_ssize_t;
