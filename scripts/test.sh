@@ -8,9 +8,16 @@ export RUST_BACKTRACE=1
 bash scripts/fetch-data.sh
 # Debian's Chromium and playwright-core for the live page's browser test (idempotent).
 bash scripts/setup-browser.sh
+# Python 3 with venv and out/python-venv (maturin, numpy, pytest, matplotlib) for the Python package;
+# before `cargo test`, whose build of python/ runs PyO3's build script with this interpreter.
+bash scripts/setup-python.sh
+export PYO3_PYTHON="$PWD/out/python-venv/bin/python"
 cargo test --workspace --all-targets --locked
 # Doc-tests (--all-targets leaves them out): the embedding API's runnable examples (src/embed/).
 cargo test -p rustytorch --doc --locked
+# The Python package (python/): maturin builds it in the dev profile into the same target folder
+# (reusing what `cargo test` built), then pytest and the notebook-style example, headless.
+bash scripts/python-check.sh
 # A real Slurm 22.05 (Debian's slurm-wlm + munge, two slurmd on this machine) runs examples/slurm.sbatch:
 # normal finish, scancel, kill -9 of a worker task, two concurrent jobs. It runs the rtx that `cargo test`
 # just built (building it again with the binary's own feature set took 5.5 min of CI time).

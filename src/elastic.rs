@@ -33,8 +33,35 @@ pub const TOKEN_ENV: &str = "RTX_TOKEN";
 /// Environment variable telling workers the run folder (checkpoints go to `<it>/checkpoints`).
 pub const RUN_DIR_ENV: &str = "RTX_RUN_DIR";
 
+/// How `rtx launch` starts a worker process: `program args... --join ADDR`.
+#[derive(Clone, Debug)]
+pub struct WorkerCommand {
+    /// The executable (the `rtx` binary, or a Python interpreter).
+    pub program: PathBuf,
+    /// Arguments before `--join ADDR` (`worker` for `rtx`, `-m rustytorch._worker` for Python).
+    pub args: Vec<String>,
+}
+
+impl WorkerCommand {
+    /// This very binary, run as `rtx worker`.
+    pub fn current_rtx() -> anyhow::Result<WorkerCommand> {
+        let program = std::env::current_exe().context("cannot find the rtx binary to start workers")?;
+        Ok(WorkerCommand { program, args: vec!["worker".into()] })
+    }
+}
+
+/// Called with every job event of a launched job and the seconds since launch, after the event
+/// is written to `events.jsonl` (the Python package's job handle folds them into its state).
+pub type EventObserver = Box<dyn Fn(&JobEvent, f64) + Send + Sync>;
+
 /// `rtx launch`: supervisor here, `nproc` workers as child processes.
 pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
+    launch_with(args, WorkerCommand::current_rtx()?, None)
+}
+
+/// [`launch`] with the worker processes started as `workers` and every event also handed to
+/// `observer`.
+pub fn launch_with(args: LaunchArgs, workers: WorkerCommand, observer: Option<EventObserver>) -> anyhow::Result<()> {
     let job = JobFiles::prepare(&args.config, &args.job)?;
     let mut elastic = job.elastic(args.nproc, &args.job)?;
     if args.nproc == 0 {
@@ -53,10 +80,11 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         write_private(&job.out_dir.join("token"), &token)?;
         let live = start_live(&job, &args.config, args.job.http, supervisor.addr).await?;
         let threads = (std::thread::available_parallelism().map_or(2, |n| n.get()) / args.nproc).max(1);
-        let program = std::env::current_exe().context("cannot find the rtx binary to start workers")?;
+        let mut worker_args = workers.args;
+        worker_args.extend(["--join".to_string(), supervisor.addr.to_string()]);
         let launch = LaunchOptions {
-            program,
-            args: vec!["worker".into(), "--join".into(), supervisor.addr.to_string()],
+            program: workers.program,
+            args: worker_args,
             env: vec![
                 (TOKEN_ENV.into(), token),
                 (DATA_DIR_ENV.into(), job.data_root.path().display().to_string()),
@@ -69,7 +97,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         };
         let launcher = Launcher::start(launch, args.nproc, supervisor.actor(), requests_rx)?;
         let verbosity = if args.job.no_progress { Verbosity::Lines } else { Verbosity::Auto };
-        let outcome = follow(supervisor, &job, verbosity, live.as_ref().map(LiveServer::feed)).await;
+        let outcome = follow(supervisor, &job, verbosity, live.as_ref().map(LiveServer::feed), observer.as_ref()).await;
         launcher.shutdown().await;
         if let Some(live) = live {
             live.stop().await;
@@ -106,7 +134,7 @@ pub fn supervise(args: SupervisorArgs) -> anyhow::Result<()> {
         write_private(&token_file, &token)?;
         eprintln!("supervisor listening on {}; waiting for {expected} worker(s)", supervisor.addr);
         eprintln!("join with: {TOKEN_ENV}=$(cat {}) rtx worker --join <this host>:{}", token_file.display(), supervisor.addr.port());
-        let outcome = follow(supervisor, &job, if args.job.no_progress { Verbosity::Lines } else { Verbosity::Auto }, live.as_ref().map(LiveServer::feed)).await;
+        let outcome = follow(supervisor, &job, if args.job.no_progress { Verbosity::Lines } else { Verbosity::Auto }, live.as_ref().map(LiveServer::feed), None).await;
         if let Some(live) = live {
             live.stop().await;
         }
@@ -306,7 +334,7 @@ async fn start_live(job: &JobFiles, config: &Path, addr: Option<SocketAddr>, sup
 
 /// Follows the job's events until it ends: progress bar, metrics, events, summary, plot, and
 /// the live page when one is served.
-async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Verbosity, live: Option<LiveFeed>) -> anyhow::Result<()> {
+async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Verbosity, live: Option<LiveFeed>, observer: Option<&EventObserver>) -> anyhow::Result<()> {
     let total = job.config.train.steps;
     let start_step = job.resume.as_ref().map_or(0, |(_, s)| *s);
     let total = job.stop_at.map_or(total, |s| s.min(total));
@@ -331,6 +359,9 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
         writeln!(events, "{line}")?;
         if let Some(feed) = &live {
             feed.record(&event, t);
+        }
+        if let Some(observer) = observer {
+            observer(&event, t);
         }
         match &event {
             JobEvent::Committed { step, loss, world, generation, .. } => {
@@ -399,7 +430,8 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
     Ok(())
 }
 
-fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
+/// One line of `events.jsonl`: the event's fields and `t`, the seconds since launch.
+pub fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
     match event {
         JobEvent::Joined { node, name, pid, host } => json!({ "t": t, "event": "joined", "node": node, "name": name, "pid": pid, "host": host }),
         JobEvent::Refused { peer, reason } => json!({ "t": t, "event": "refused", "peer": peer, "reason": reason }),

@@ -21,6 +21,8 @@ fn allowed() -> BTreeMap<&'static str, &'static [&'static str]> {
         ("rtx-sim", &["rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines", "rtx-supervisor", "rtx-federated"][..]),
         ("rustytorch", &["rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines", "rtx-supervisor", "rtx-federated", "rtx-sim"][..]),
         ("rtx-examples", &["rustytorch", "rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines", "rtx-supervisor", "rtx-federated", "rtx-sim"][..]),
+        // The Python package's extension module (python/) sits on top, beside the examples.
+        ("rustytorch-python", &["rustytorch", "rtx-kernels", "rtx-tensor", "rtx-collectives", "rtx-actors", "rtx-pipelines", "rtx-supervisor", "rtx-federated", "rtx-sim"][..]),
     ])
 }
 
@@ -72,7 +74,7 @@ fn every_source_file_has_a_module_doc() {
     // each .rs file under a crate's src/ starts with `//!` (or an inner attribute before it).
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    for dir in ["src", "kernels/src", "tensor/src", "collectives/src", "actors/src", "pipelines/src", "supervisor/src", "sim/src"] {
+    for dir in ["src", "kernels/src", "tensor/src", "collectives/src", "actors/src", "pipelines/src", "supervisor/src", "sim/src", "python/src"] {
         rust_files(&root.join(dir), &mut files);
     }
     let missing: Vec<String> = files
