@@ -338,3 +338,42 @@ fn a_checkpoint_folder_a_worker_cannot_write_is_named_once_and_training_goes_on(
     assert!(log.contains("RTX_RUN_DIR") && log.contains("a-file/run/checkpoints") && log.to_lowercase().contains("not a directory"), "{log}");
     assert!(!out.join("checkpoints").exists(), "nothing was written to the supervisor's folder");
 }
+
+#[test]
+fn on_two_machines_a_killed_worker_is_recovered_over_the_routed_layout() {
+    // Goal: workers on two machines, two on each, move their collectives over shared memory inside
+    // a machine and QUIC between machines (the routed layout), and a kill -9 of one of them is
+    // recovered like any other: the survivors re-form over the routed layout and finish.
+    // Method: a supervisor and four worker processes (Slurm's variables, as above) that report two
+    // machines through RTX_HOST_ID; kill -9 one of machine 1's workers after step 100; then the
+    // generations' transports, the loss, the finish and the accuracy in the supervisor's files.
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let job_id = slurm_job_id();
+    let (supervisor, out) = slurm_job(job_id, 4, &config_with(400, ""));
+    let mut workers: Vec<_> = (0..4)
+        .map(|rank| slurm_task(&mut rtx(), job_id, rank, 4).arg("worker").env("RTX_HOST_ID", format!("machine-{}", rank / 2)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("start rtx worker"))
+        .collect();
+    let read_events = || -> Vec<Value> { std::fs::read_to_string(out.join("events.jsonl")).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect() };
+    let start = Instant::now();
+    while Launch::committed(&read_events()).is_none_or(|s| s < 100) {
+        assert!(start.elapsed() < Duration::from_secs(120), "no step 100 within 2 minutes: {:?}", read_events());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let victim = workers[3].id();
+    signal(victim, "-9");
+    let supervisor_log = finished(supervisor, "rtx supervisor");
+    for (rank, worker) in workers.iter_mut().enumerate() {
+        let status = worker.wait().expect("wait worker");
+        assert_eq!(status.success(), rank != 3, "worker {rank}: {status}");
+    }
+    let events = read_events();
+    let generations: Vec<(u64, String)> = events.iter().filter(|e| e["event"] == "generation").map(|e| (e["world"].as_u64().unwrap_or(0), e["transport"].as_str().unwrap_or("").to_string())).collect();
+    assert_eq!(generations, vec![(4, "routed".to_string()), (3, "routed".to_string())], "{supervisor_log}");
+    let lost: Vec<&Value> = events.iter().filter(|e| e["event"] == "lost").collect();
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    assert_eq!(lost[0]["pid"], victim);
+    assert_eq!(Launch::committed(&events), Some(399), "every step up to the last committed");
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).expect("summary.json")).expect("json");
+    let acc = summary["eval"]["test_acc"].as_f64().expect("test_acc");
+    assert!(acc > 0.75, "test accuracy {acc} after recovery on two machines");
+}
