@@ -109,14 +109,19 @@ trap 'log "stopping the daemons"; stop_daemons' EXIT
 mkdir -p /run/munge /var/log/munge /var/lib/munge
 chown munge:munge /run/munge /var/log/munge /var/lib/munge
 [ -s /etc/munge/munge.key ] || { mungekey --create >/dev/null 2>&1 || /usr/sbin/create-munge-key -f; chown munge:munge /etc/munge/munge.key; }
-if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+# (Re)starts munged unless it answers. Called again before every scenario: once in CI a running
+# munged's socket was gone mid-run (srun: "Failed to access /run/munge/munge.socket.2").
+ensure_munge() {
+  munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && return 0
+  [ -s "$STATE/run/munged.pid" ] && { kill "$(cat "$STATE/run/munged.pid")" 2>/dev/null || true; sleep 0.5; }
   rm -f /run/munge/munged.pid
-  runuser -u munge -- /usr/sbin/munged || die "munged did not start"
+  runuser -u munge -- /usr/sbin/munged --force || die "munged did not start"
   # Its pid file lives in munge's folder; copy the pid to where stop_daemons looks.
   for _ in $(seq 1 50); do [ -s /run/munge/munged.pid ] && break; sleep 0.1; done
   cp /run/munge/munged.pid "$STATE/run/munged.pid"
   munge -n | unmunge >/dev/null || die "munged does not answer"
-fi
+}
+ensure_munge
 slurmctld -c -f "$SLURM_CONF" || die "slurmctld did not start (see $STATE/slurmctld.log)"
 for n in "${NODES[@]}"; do slurmd -N "$n" -f "$SLURM_CONF" || die "slurmd -N $n did not start (see $STATE/slurmd-$n.log)"; done
 for _ in $(seq 1 60); do
@@ -206,12 +211,12 @@ log "scenario normal"
 A=$(submit); wait_done "$A" || true; wait_no_leftovers || true
 row normal "$A" COMPLETED "$([ "$(checkpoints "$A")" -ge 1 ] && echo yes || echo no)" "checkpoints written under Slurm"
 
-log "scenario scancel"
+log "scenario scancel"; ensure_munge
 B=$(submit); wait_step "$B" 50; scancel "$B"; wait_done "$B" || true
 if wait_no_leftovers; then gone=yes; else gone=no; fi
 row scancel "$B" CANCELLED "$gone" "cancelled at step $(committed "$B")"
 
-log "scenario kill-9"
+log "scenario kill-9"; ensure_munge
 C=$(submit); wait_step "$C" 100
 victim=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["pids"][1])' "$(out_dir "$C")/cluster.json")
 kill -9 "$victim" || die "worker pid $victim of job $C is gone before the kill (job $(job_state "$C") at step $(committed "$C"))"
@@ -220,7 +225,7 @@ wait_done "$C" || true; wait_no_leftovers || true
 lost=$(grep -c '"event":"lost"' "$(out_dir "$C")/events.jsonl" || true)
 row kill-9 "$C" COMPLETED "$([ "$lost" -eq 1 ] && [ -s "$(out_dir "$C")/loss.png" ] && echo yes || echo no)" "1 of 4 workers killed, $lost lost event(s), loss.png written"
 
-log "scenario concurrent"
+log "scenario concurrent"; ensure_munge
 D=$(submit); E=$(submit)
 wait_done "$D" || true; wait_done "$E" || true; wait_no_leftovers || true
 port() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["supervisor"].rsplit(":",1)[1])' "$(out_dir "$1")/cluster.json" 2>/dev/null || echo -; }
