@@ -209,3 +209,22 @@ fn worker_refuses_impossible_quic_stripes() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("RTX_QUIC_STRIPES=\"many\""), "{err}");
 }
+
+#[test]
+fn bench_collectives_refuses_a_host_layout_that_does_not_fit() {
+    // Goal: a host map the ranks cannot fill, or host addresses that do not match it, are named
+    // before any rank process starts (no rank silently falls back to 127.0.0.1).
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&[&str], &str); 2] = [
+        (&["--hosts", "2", "--host-addrs", "127.0.0.1"], "--host-addrs names 1 addresses for --hosts 2"),
+        (&["--hosts", "5"], "--hosts must be between 1 and the smallest world size"),
+    ];
+    for (extra, expected) in cases {
+        let mut args = vec!["bench", "collectives", "--transports", "routed", "--worlds", "4", "--no-references"];
+        args.extend_from_slice(extra);
+        let out = rtx(&args, dir.path());
+        assert!(!out.status.success(), "{extra:?} must be refused");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{extra:?}: {err}");
+    }
+}

@@ -178,6 +178,8 @@ pub(crate) fn run(args: &CollectivesArgs) -> anyhow::Result<()> {
     }
     anyhow::ensure!(args.repeats > 0, "--repeats must be at least 1");
     anyhow::ensure!(args.worlds.iter().all(|&n| n >= 2), "--worlds must be at least 2");
+    anyhow::ensure!(args.hosts >= 1 && args.worlds.iter().all(|&n| n >= args.hosts), "--hosts must be between 1 and the smallest world size");
+    anyhow::ensure!(args.host_addrs.is_empty() || args.host_addrs.len() == args.hosts, "--host-addrs names {} addresses for --hosts {}: one per host", args.host_addrs.len(), args.hosts);
     let sizes = sizes(args);
     anyhow::ensure!(!sizes.is_empty(), "no sizes to measure");
     let refs = if args.no_references { References::default() } else { references(args, &sizes)? };
