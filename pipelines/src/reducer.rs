@@ -385,7 +385,7 @@ fn take(storage: &Storage) -> CpuData {
         // of the collective instead of reducing anything.
         Err(e) => {
             tracing::error!(error = %e, "reducer: bucket storage is not in host memory");
-            CpuData::F32(Vec::new())
+            CpuData::F32(Vec::new().into())
         }
     }
 }
@@ -436,9 +436,9 @@ async fn reduce_scatter(comm: &Communicator, input: &CpuData, output: &mut CpuDa
 
 async fn all_gather(comm: &Communicator, data: &mut CpuData, own: Range<usize>, scratch: &mut CpuData) -> std::result::Result<(), Failure> {
     let result = match (data, scratch) {
-        (CpuData::F32(d), CpuData::F32(s)) => gather_into(comm, d, own, s).await,
-        (CpuData::F64(d), CpuData::F64(s)) => gather_into(comm, d, own, s).await,
-        (CpuData::BF16(d), CpuData::BF16(s)) => gather_into(comm, d, own, s).await,
+        (CpuData::F32(d), CpuData::F32(s)) => gather_into(comm, d, own, s.vec_mut()).await,
+        (CpuData::F64(d), CpuData::F64(s)) => gather_into(comm, d, own, s.vec_mut()).await,
+        (CpuData::BF16(d), CpuData::BF16(s)) => gather_into(comm, d, own, s.vec_mut()).await,
         (d, _) => return Err(Failure::Unsupported(d.dtype())),
     };
     result.map_err(Failure::Comm)

@@ -68,7 +68,7 @@ impl Reference {
     /// One step with the full flat gradient of each bucket.
     fn step(&mut self, grads: &[Vec<f32>]) {
         for (bucket, grad) in self.buckets.buckets().iter().zip(grads) {
-            *bucket.grad_storage().write().unwrap() = CpuData::F32(grad.clone());
+            *bucket.grad_storage().write().unwrap() = CpuData::F32(grad.clone().into());
         }
         self.optimizer.step().unwrap();
     }
@@ -87,7 +87,7 @@ fn gradients(buckets: &ParamBuckets, seed: u64, step: u64) -> Vec<Vec<f32>> {
 
 /// This shard's segments of full gradients.
 fn owned(grads: &[Vec<f32>], segments: &[Range<usize>]) -> Vec<CpuData> {
-    grads.iter().zip(segments).map(|(g, own)| CpuData::F32(g[own.clone()].to_vec())).collect()
+    grads.iter().zip(segments).map(|(g, own)| CpuData::F32(g[own.clone()].to_vec().into())).collect()
 }
 
 fn bits(data: &CpuData) -> Vec<u8> {
@@ -208,7 +208,7 @@ fn bad_input_gets_a_typed_error_and_changes_nothing() {
             let mut short = good(1);
             let last = short.len() - 1;
             if let CpuData::F32(v) = &mut short[last] {
-                v.pop();
+                v.vec_mut().pop();
             }
             let want = segments[last].len();
             let length = apply(&shard, 1, short).await;
@@ -217,7 +217,7 @@ fn bad_input_gets_a_typed_error_and_changes_nothing() {
                 "{length:?}"
             );
             let mut wide = good(1);
-            wide[0] = CpuData::F64(vec![0.5; segments[0].len()]);
+            wide[0] = CpuData::F64(vec![0.5; segments[0].len()].into());
             let dtype = apply(&shard, 1, wide).await;
             assert!(matches!(dtype, Err(Error::SegmentDType { bucket: 0, expected: DType::F32, got: DType::F64 })), "{dtype:?}");
 

@@ -2,8 +2,9 @@
 
 ``numpy.asarray(t)`` (and ``t.numpy()`` for every dtype but bfloat16) is a writable view of the
 Rust storage through the buffer protocol: no copy, and the array keeps the storage alive.
-``Tensor.from_numpy(a)`` copies once (a Rust storage owns its memory); to fill a Rust tensor
-without any copy, make it with ``Tensor.zeros(shape)`` and write through ``numpy.asarray(t)``.
+``Tensor.from_numpy(a)`` shares ``a``'s memory like ``torch.from_numpy``: writes on either side
+are seen on the other, and the tensor keeps ``a``'s memory alive. A read-only array is copied once
+(Rust in-place ops must not write into it), as is a non-contiguous one (made contiguous first).
 """
 
 import numpy as np
@@ -16,8 +17,9 @@ _RUST_DTYPES = (np.float32, np.float64, np.uint32, np.int64)
 
 
 def _from_numpy(array) -> "Tensor":
-    """A new Rust tensor holding a copy of ``array`` (float32, float64, uint32 or int64; other
-    dtypes are refused rather than silently converted)."""
+    """A Rust tensor over ``array``'s memory (float32, float64, uint32 or int64; other dtypes are
+    refused rather than silently converted). Shared without a copy when ``array`` is writable and
+    C-contiguous, copied otherwise (see the module doc)."""
     a = np.asarray(array)
     if a.dtype.type not in _RUST_DTYPES:
         raise TypeError(f"a rustytorch Tensor holds float32, float64, uint32 or int64, not {a.dtype} (convert with .astype first)")

@@ -10,9 +10,13 @@
 //! storage's lock for its own reads and writes, numpy does not: mutating one side while the other
 //! reads on another thread is a data race, as with any two numpy views of one array.
 //!
-//! The other way, `Tensor.from_numpy` copies once: a storage owns its elements (a `Vec`), so it
-//! cannot adopt numpy's memory. `zeros(shape)` and writing through `numpy.asarray(t)` fills a
-//! Rust tensor from Python without any copy. bf16 has no buffer format: `numpy()` converts it.
+//! The other way, `Tensor.from_numpy` shares too, like `torch.from_numpy`: a writable C-contiguous
+//! array becomes the storage's elements ([`Elements::from_foreign`]), held alive by the buffer the
+//! storage keeps; writes are seen on both sides. A read-only array is copied once (a Rust in-place
+//! op must not write into memory numpy promised would not change), as is a non-contiguous one
+//! (numpy's `ascontiguousarray`, whose result is then shared). An export of a tensor over numpy
+//! memory also holds that memory's owner, so the view stays valid even if a Rust op later moves
+//! the storage into an owned copy. bf16 has no buffer format: `numpy()` converts it.
 
 use std::ffi::{c_int, c_void, CStr};
 
@@ -20,6 +24,10 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use rustytorch::tensor::{CpuData, Elements, ForeignOwner};
 use rustytorch::{DType, Device, Tensor};
 
 use crate::errors::{message, RustytorchError};
@@ -34,6 +42,8 @@ pub struct PyTensor {
 struct ExportedLayout {
     shape: Vec<ffi::Py_ssize_t>,
     strides: Vec<ffi::Py_ssize_t>,
+    /// The owner of foreign (numpy) elements, held for as long as the export lives.
+    _foreign_owner: Option<ForeignOwner>,
 }
 
 #[pymethods]
@@ -45,23 +55,29 @@ impl PyTensor {
         Ok(PyTensor { tensor: Tensor::zeros(&shape, dtype_from_name(dtype)?) })
     }
 
-    /// A copy of a C-contiguous buffer (numpy array) of float32, float64, uint32 or int64 into a
-    /// new Rust-owned tensor of that dtype and `shape`.
+    /// A tensor of `shape` over a C-contiguous buffer (numpy array) of float32, float64, uint32
+    /// or int64: shared without a copy when the buffer is writable, copied when it is read-only.
     #[staticmethod]
     fn _from_buffer(object: &Bound<'_, PyAny>, shape: Vec<usize>) -> PyResult<PyTensor> {
         let py = object.py();
         let tensor = if let Ok(buffer) = PyBuffer::<f32>::get(object) {
-            Tensor::from_vec(buffer.to_vec(py)?, &shape)
+            share_or_copy(py, buffer, &shape, CpuData::F32)
         } else if let Ok(buffer) = PyBuffer::<f64>::get(object) {
-            Tensor::from_vec(buffer.to_vec(py)?, &shape)
+            share_or_copy(py, buffer, &shape, CpuData::F64)
         } else if let Ok(buffer) = PyBuffer::<u32>::get(object) {
-            Tensor::from_vec(buffer.to_vec(py)?, &shape)
+            share_or_copy(py, buffer, &shape, CpuData::U32)
         } else if let Ok(buffer) = PyBuffer::<i64>::get(object) {
-            Tensor::from_vec(buffer.to_vec(py)?, &shape)
+            share_or_copy(py, buffer, &shape, CpuData::I64)
         } else {
             return Err(PyTypeError::new_err("a rustytorch Tensor holds float32, float64, uint32 or int64 (convert with .astype first)"));
-        };
-        tensor.map(|tensor| PyTensor { tensor }).map_err(|e| RustytorchError::new_err(message(&e)))
+        }?;
+        Ok(PyTensor { tensor })
+    }
+
+    /// Whether the tensor's elements are numpy's memory, shared by `from_numpy`.
+    fn shares_foreign_memory(&self) -> PyResult<bool> {
+        let data = self.tensor.storage().read().map_err(|e| RustytorchError::new_err(message(&e)))?;
+        Ok(data.is_foreign())
     }
 
     /// The shape.
@@ -78,7 +94,7 @@ impl PyTensor {
 
     /// The address of the first element (what a zero-copy numpy view must point at).
     fn data_ptr(&self) -> PyResult<usize> {
-        let (pointer, _) = self.element_pointer()?;
+        let (pointer, _, _) = self.element_pointer()?;
         Ok(pointer as usize)
     }
 
@@ -112,7 +128,7 @@ impl PyTensor {
         }
         let this = slf.get();
         let format = buffer_format(this.tensor.dtype())?;
-        let (pointer, item_bytes) = this.element_pointer()?;
+        let (pointer, item_bytes, foreign_owner) = this.element_pointer()?;
         let layout = this.tensor.layout();
         let is_contiguous = layout.is_contiguous();
         if flags & ffi::PyBUF_STRIDES != ffi::PyBUF_STRIDES && !is_contiguous {
@@ -121,6 +137,7 @@ impl PyTensor {
         let exported = Box::new(ExportedLayout {
             shape: layout.shape().iter().map(|&d| d as ffi::Py_ssize_t).collect(),
             strides: layout.strides().iter().map(|&s| (s * item_bytes) as ffi::Py_ssize_t).collect(),
+            _foreign_owner: foreign_owner,
         });
         debug_assert_eq!(exported.shape.len(), exported.strides.len(), "one stride per dimension");
         // SAFETY: `view` is non-null and CPython's to fill; the pointers stored in it live until
@@ -158,8 +175,9 @@ impl PyTensor {
 }
 
 impl PyTensor {
-    /// The address of the tensor's first element and the bytes per element.
-    fn element_pointer(&self) -> PyResult<(*const u8, usize)> {
+    /// The address of the tensor's first element, the bytes per element, and the owner of the
+    /// memory when it is foreign (read under one lock, so the three agree).
+    fn element_pointer(&self) -> PyResult<(*const u8, usize, Option<ForeignOwner>)> {
         if self.tensor.device() != Device::Cpu {
             return Err(PyBufferError::new_err(format!("the tensor is on {:?}: only CPU tensors are shared with numpy", self.tensor.device())));
         }
@@ -168,9 +186,31 @@ impl PyTensor {
         let item_bytes = self.tensor.dtype().size_in_bytes();
         let start = self.tensor.layout().offset() * item_bytes;
         assert!(start <= bytes.len(), "a tensor's offset lies inside its storage");
-        // The pointer outlives the read guard: the vector is never reallocated (module doc).
-        Ok((bytes[start..].as_ptr(), item_bytes))
+        // The pointer outlives the read guard: an owned vector is never reallocated, and foreign
+        // memory stays alive through the returned owner (module doc).
+        Ok((bytes[start..].as_ptr(), item_bytes, data.foreign_owner()))
     }
+}
+
+/// A tensor over `buffer`'s memory when it is writable and C-contiguous (the buffer, and with it
+/// the numpy array, lives as long as the storage), else over a copy of its elements.
+fn share_or_copy<T>(py: Python<'_>, buffer: PyBuffer<T>, shape: &[usize], wrap: fn(Elements<T>) -> CpuData) -> PyResult<Tensor>
+where
+    T: pyo3::buffer::Element + Copy + Send + Sync + 'static,
+{
+    let pointer = NonNull::new(buffer.buf_ptr().cast::<T>());
+    let elements = match pointer {
+        Some(pointer) if !buffer.readonly() && buffer.is_c_contiguous() => {
+            let len = buffer.item_count();
+            let owner: ForeignOwner = Arc::new(buffer);
+            // SAFETY: pyo3 checked the buffer's format, item size and alignment for `T`; it is
+            // C-contiguous, so `len` elements from `pointer` are its memory; the exporter keeps
+            // that memory in place until the buffer is released, which is when `owner` drops.
+            unsafe { Elements::from_foreign(pointer, len, true, owner) }
+        }
+        _ => Elements::from(buffer.to_vec(py)?),
+    };
+    Tensor::from_data(wrap(elements), shape).map_err(|e| RustytorchError::new_err(message(&e)))
 }
 
 /// The struct-module format of a dtype's elements.

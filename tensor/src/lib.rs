@@ -8,6 +8,7 @@
 //! knows nothing about transports, actors or processes.
 
 mod autograd;
+mod elements;
 mod error;
 mod gradcheck;
 mod layout;
@@ -36,5 +37,5 @@ pub use ops::unary::GeluApprox;
 pub use rng::{Generator, GeneratorState};
 pub use rtx_kernels::{DType, Device};
 pub use pool::{buffer_pool_held_bytes, buffer_pool_limit_bytes, release_buffer_pool, set_buffer_pool_limit_bytes};
-pub use storage::{CpuData, Storage};
+pub use storage::{CpuData, Elements, ForeignOwner, Storage};
 pub use tensor::{Element, FloatSlice, FloatVec, Tensor, TensorId};

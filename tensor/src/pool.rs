@@ -57,6 +57,7 @@ pub fn release_buffer_pool() {
     f64::bins().lock().clear();
     bf16::bins().lock().clear();
     u32::bins().lock().clear();
+    i64::bins().lock().clear();
     HELD_BYTES.store(0, Ordering::Relaxed);
 }
 
@@ -163,11 +164,18 @@ pub(crate) fn copied<T: Pooled>(src: &[T]) -> Vec<T> {
 pub(crate) fn give_data(data: crate::storage::CpuData) {
     use crate::storage::CpuData;
     match data {
-        CpuData::F32(v) => give(v),
-        CpuData::F64(v) => give(v),
-        CpuData::BF16(v) => give(v),
-        CpuData::U32(v) => give(v),
-        CpuData::I64(v) => give(v),
+        CpuData::F32(v) => give_elements(v),
+        CpuData::F64(v) => give_elements(v),
+        CpuData::BF16(v) => give_elements(v),
+        CpuData::U32(v) => give_elements(v),
+        CpuData::I64(v) => give_elements(v),
+    }
+}
+
+/// Hands owned elements back; foreign memory is its owner's to free.
+fn give_elements<T: Pooled>(elements: crate::storage::Elements<T>) {
+    if let Some(v) = elements.into_owned_vec() {
+        give(v);
     }
 }
 

@@ -8,6 +8,7 @@
 //! itself cannot deadlock. Flat parameter and gradient buckets are storages that many parameter
 //! tensors view at different offsets.
 
+pub use crate::elements::{Elements, ForeignOwner};
 use crate::pool;
 use half::bf16;
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -21,15 +22,15 @@ use std::sync::Arc;
 #[derive(Clone, Debug)]
 pub enum CpuData {
     /// f32 elements.
-    F32(Vec<f32>),
+    F32(Elements<f32>),
     /// f64 elements.
-    F64(Vec<f64>),
+    F64(Elements<f64>),
     /// bf16 elements.
-    BF16(Vec<bf16>),
+    BF16(Elements<bf16>),
     /// u32 elements (indices, labels).
-    U32(Vec<u32>),
+    U32(Elements<u32>),
     /// i64 elements (PyTorch's `long`: signed targets, ids, integer buffers).
-    I64(Vec<i64>),
+    I64(Elements<i64>),
 }
 
 impl CpuData {
@@ -63,11 +64,11 @@ impl CpuData {
     /// `len` zeros of `dtype`.
     pub fn zeros(dtype: DType, len: usize) -> Self {
         match dtype {
-            DType::F32 => CpuData::F32(pool::zeroed(len)),
-            DType::F64 => CpuData::F64(pool::zeroed(len)),
-            DType::BF16 => CpuData::BF16(pool::zeroed(len)),
-            DType::U32 => CpuData::U32(pool::zeroed(len)),
-            DType::I64 => CpuData::I64(pool::zeroed(len)),
+            DType::F32 => CpuData::F32(pool::zeroed(len).into()),
+            DType::F64 => CpuData::F64(pool::zeroed(len).into()),
+            DType::BF16 => CpuData::BF16(pool::zeroed(len).into()),
+            DType::U32 => CpuData::U32(pool::zeroed(len).into()),
+            DType::I64 => CpuData::I64(pool::zeroed(len).into()),
         }
     }
 
@@ -81,7 +82,40 @@ impl CpuData {
             CpuData::I64(v) => bytemuck::cast_slice(v),
         }
     }
+
+    /// Whether the elements are borrowed from foreign memory (see [`Elements`]).
+    pub fn is_foreign(&self) -> bool {
+        match self {
+            CpuData::F32(v) => v.is_foreign(),
+            CpuData::F64(v) => v.is_foreign(),
+            CpuData::BF16(v) => v.is_foreign(),
+            CpuData::U32(v) => v.is_foreign(),
+            CpuData::I64(v) => v.is_foreign(),
+        }
+    }
+
+    /// The owner of the borrowed foreign memory, if any (see [`Elements::foreign_owner`]).
+    pub fn foreign_owner(&self) -> Option<ForeignOwner> {
+        match self {
+            CpuData::F32(v) => v.foreign_owner(),
+            CpuData::F64(v) => v.foreign_owner(),
+            CpuData::BF16(v) => v.foreign_owner(),
+            CpuData::U32(v) => v.foreign_owner(),
+            CpuData::I64(v) => v.foreign_owner(),
+        }
+    }
 }
+
+macro_rules! cpu_data_from_vec {
+    ($($t:ty => $variant:ident),*) => {$(
+        impl From<Vec<$t>> for CpuData {
+            fn from(v: Vec<$t>) -> Self {
+                CpuData::$variant(v.into())
+            }
+        }
+    )*};
+}
+cpu_data_from_vec!(f32 => F32, f64 => F64, bf16 => BF16, u32 => U32, i64 => I64);
 
 /// A shared buffer of elements, in host memory or (with the `cuda` feature) on a GPU. Cloning
 /// shares it. When the last handle of a host buffer drops, its elements go back to the process's
@@ -102,7 +136,7 @@ impl Drop for Buffer {
     #[allow(irrefutable_let_patterns, reason = "the pattern is refutable with the cuda feature")]
     fn drop(&mut self) {
         if let Buffer::Cpu(data) = self {
-            pool::give_data(std::mem::replace(data.get_mut(), CpuData::U32(Vec::new())));
+            pool::give_data(std::mem::replace(data.get_mut(), CpuData::U32(Elements::default())));
         }
     }
 }

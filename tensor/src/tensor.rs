@@ -59,7 +59,7 @@ macro_rules! element {
         impl Element for $t {
             const DTYPE: DType = DType::$d;
             fn into_data(v: Vec<Self>) -> CpuData {
-                CpuData::$d(v)
+                CpuData::$d(v.into())
             }
             fn slice(data: &CpuData) -> Option<&[Self]> {
                 match data {
@@ -96,7 +96,7 @@ impl FloatVec {
     /// Converts the results into storage data of `dtype` (rounding to bf16 when asked).
     pub fn into_data(self, dtype: DType) -> CpuData {
         match (self, dtype) {
-            (FloatVec::F32(v), DType::BF16) => CpuData::BF16(convert::f32_vec_to_bf16(&v)),
+            (FloatVec::F32(v), DType::BF16) => CpuData::BF16(convert::f32_vec_to_bf16(&v).into()),
             (FloatVec::F32(v), DType::F64) => CpuData::F64(v.into_iter().map(f64::from).collect()),
             (FloatVec::F64(v), DType::F32) => CpuData::F32(v.into_iter().map(|x| x as f32).collect()),
             (FloatVec::F64(v), DType::BF16) => CpuData::BF16(v.into_iter().map(bf16::from_f64).collect()),
@@ -104,8 +104,8 @@ impl FloatVec {
             (FloatVec::F64(v), DType::U32) => CpuData::U32(v.into_iter().map(|x| x as u32).collect()),
             (FloatVec::F32(v), DType::I64) => CpuData::I64(v.into_iter().map(|x| x as i64).collect()),
             (FloatVec::F64(v), DType::I64) => CpuData::I64(v.into_iter().map(|x| x as i64).collect()),
-            (FloatVec::F32(v), DType::F32) => CpuData::F32(v),
-            (FloatVec::F64(v), DType::F64) => CpuData::F64(v),
+            (FloatVec::F32(v), DType::F32) => CpuData::F32(v.into()),
+            (FloatVec::F64(v), DType::F64) => CpuData::F64(v.into()),
         }
     }
 }
@@ -203,11 +203,11 @@ impl Tensor {
     pub fn full(shape: &[usize], value: f64, dtype: DType) -> Tensor {
         let n: usize = shape.iter().product();
         let data = match dtype {
-            DType::F32 => CpuData::F32(vec![value as f32; n]),
-            DType::F64 => CpuData::F64(vec![value; n]),
-            DType::BF16 => CpuData::BF16(vec![bf16::from_f64(value); n]),
-            DType::U32 => CpuData::U32(vec![value as u32; n]),
-            DType::I64 => CpuData::I64(vec![value as i64; n]),
+            DType::F32 => CpuData::F32(vec![value as f32; n].into()),
+            DType::F64 => CpuData::F64(vec![value; n].into()),
+            DType::BF16 => CpuData::BF16(vec![bf16::from_f64(value); n].into()),
+            DType::U32 => CpuData::U32(vec![value as u32; n].into()),
+            DType::I64 => CpuData::I64(vec![value as i64; n].into()),
         };
         Tensor::from_parts(Storage::new(data), Layout::contiguous(shape), dtype, false, None)
     }
@@ -427,7 +427,7 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         if self.device() != Device::Cpu {
             return match crate::cuda::download(self)? {
-                CpuData::F32(v) => Ok(v),
+                CpuData::F32(v) => Ok(v.into_vec()),
                 CpuData::BF16(v) => Ok(convert::bf16_vec_to_f32(&v)),
                 other => Err(Error::UnsupportedDType { op: "to_f32_vec", dtype: other.dtype() }),
             };
@@ -476,11 +476,11 @@ impl Tensor {
         let data = self.0.storage.read()?;
         let l = &self.0.layout;
         Ok(match &*data {
-            CpuData::F32(v) => CpuData::F32(gather(l, v)?),
-            CpuData::F64(v) => CpuData::F64(gather(l, v)?),
-            CpuData::BF16(v) => CpuData::BF16(gather(l, v)?),
-            CpuData::U32(v) => CpuData::U32(gather(l, v)?),
-            CpuData::I64(v) => CpuData::I64(gather(l, v)?),
+            CpuData::F32(v) => CpuData::F32(gather(l, v)?.into()),
+            CpuData::F64(v) => CpuData::F64(gather(l, v)?.into()),
+            CpuData::BF16(v) => CpuData::BF16(gather(l, v)?.into()),
+            CpuData::U32(v) => CpuData::U32(gather(l, v)?.into()),
+            CpuData::I64(v) => CpuData::I64(gather(l, v)?.into()),
         })
     }
 

@@ -177,12 +177,12 @@ impl fmt::Display for FileDType {
 /// ([`FileDType::storage`]). The caller checked `raw.len()` against the shape. An error says
 /// which element is refused and why (the caller adds the tensor's name).
 pub(crate) fn decode(dtype: FileDType, raw: &[u8]) -> Result<CpuData, String> {
-    let ints = |v: Vec<i64>| Ok(CpuData::I64(v));
+    let ints = |v: Vec<i64>| Ok(CpuData::I64(v.into()));
     match dtype {
-        FileDType::F32 => Ok(CpuData::F32(pod_vec(raw))),
-        FileDType::F64 => Ok(CpuData::F64(pod_vec(raw))),
-        FileDType::BF16 => Ok(CpuData::BF16(pod_vec::<bf16>(raw))),
-        FileDType::U32 => Ok(CpuData::U32(pod_vec(raw))),
+        FileDType::F32 => Ok(CpuData::F32(pod_vec(raw).into())),
+        FileDType::F64 => Ok(CpuData::F64(pod_vec(raw).into())),
+        FileDType::BF16 => Ok(CpuData::BF16(pod_vec::<bf16>(raw).into())),
+        FileDType::U32 => Ok(CpuData::U32(pod_vec(raw).into())),
         FileDType::I64 => ints(pod_vec(raw)),
         FileDType::F16 => Ok(CpuData::F32(pod_vec::<f16>(raw).into_iter().map(f32::from).collect())),
         FileDType::I32 => ints(pod_vec::<i32>(raw).into_iter().map(i64::from).collect()),
@@ -194,7 +194,7 @@ pub(crate) fn decode(dtype: FileDType, raw: &[u8]) -> Result<CpuData, String> {
             Some(i) => Err(format!("BOOL element {i} is byte {}, not 0 or 1", raw[i])),
             None => ints(raw.iter().map(|&b| i64::from(b)).collect()),
         },
-        FileDType::U64 => pod_vec::<u64>(raw).into_iter().enumerate().map(|(i, v)| i64::try_from(v).map_err(|_| format!("U64 element {i} is {v}, above the I64 range it loads into"))).collect::<Result<Vec<i64>, String>>().map(CpuData::I64),
+        FileDType::U64 => pod_vec::<u64>(raw).into_iter().enumerate().map(|(i, v)| i64::try_from(v).map_err(|_| format!("U64 element {i} is {v}, above the I64 range it loads into"))).collect::<Result<Vec<i64>, String>>().map(CpuData::from),
     }
 }
 
@@ -290,11 +290,11 @@ mod tests {
         // i64::MAX, an i64 saved as I32 out of range, an f32 that is not an f16.
         assert!(decode(FileDType::Bool, &[0, 2]).unwrap_err().contains("element 1"));
         assert!(decode(FileDType::U64, &u64::MAX.to_le_bytes()).unwrap_err().contains("above the I64 range"));
-        let big = CpuData::I64(vec![1, 1 << 40]);
+        let big = CpuData::I64(vec![1, 1 << 40].into());
         assert_eq!(encode(&big, FileDType::I32).unwrap_err(), "element 1 is 1099511627776, outside the range of I32");
-        assert!(encode(&CpuData::I64(vec![-1]), FileDType::U8).is_err());
-        assert!(encode(&CpuData::I64(vec![2]), FileDType::Bool).is_err());
-        assert!(encode(&CpuData::F32(vec![0.1]), FileDType::F16).unwrap_err().contains("F16 cannot hold"));
-        assert!(encode(&CpuData::F32(vec![1.0]), FileDType::I32).is_err());
+        assert!(encode(&CpuData::I64(vec![-1].into()), FileDType::U8).is_err());
+        assert!(encode(&CpuData::I64(vec![2].into()), FileDType::Bool).is_err());
+        assert!(encode(&CpuData::F32(vec![0.1].into()), FileDType::F16).unwrap_err().contains("F16 cannot hold"));
+        assert!(encode(&CpuData::F32(vec![1.0].into()), FileDType::I32).is_err());
     }
 }

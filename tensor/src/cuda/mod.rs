@@ -190,9 +190,9 @@ pub(crate) fn download(t: &Tensor) -> Result<CpuData> {
     let full = {
         let data = t.storage().read_cuda("download")?;
         match &*data {
-            DeviceData::F32(b) => CpuData::F32(dev.dtoh(b)?),
-            DeviceData::BF16(b) => CpuData::BF16(dev.dtoh(b)?),
-            DeviceData::U32(b) => CpuData::U32(dev.dtoh(b)?),
+            DeviceData::F32(b) => CpuData::F32((dev.dtoh(b)?).into()),
+            DeviceData::BF16(b) => CpuData::BF16((dev.dtoh(b)?).into()),
+            DeviceData::U32(b) => CpuData::U32((dev.dtoh(b)?).into()),
         }
     };
     let layout = t.layout();

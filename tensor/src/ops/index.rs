@@ -65,11 +65,11 @@ impl Tensor {
         let offsets = gather_offsets(self.shape(), index.shape(), d, &idx);
         debug_assert_eq!(offsets.len(), index.numel());
         let data = with_packed_data(self, |data, base| match data {
-            CpuData::F32(v) => CpuData::F32(take(v, base, &offsets)),
-            CpuData::F64(v) => CpuData::F64(take(v, base, &offsets)),
-            CpuData::BF16(v) => CpuData::BF16(take(v, base, &offsets)),
-            CpuData::U32(v) => CpuData::U32(take(v, base, &offsets)),
-            CpuData::I64(v) => CpuData::I64(take(v, base, &offsets)),
+            CpuData::F32(v) => CpuData::F32(take(v, base, &offsets).into()),
+            CpuData::F64(v) => CpuData::F64(take(v, base, &offsets).into()),
+            CpuData::BF16(v) => CpuData::BF16(take(v, base, &offsets).into()),
+            CpuData::U32(v) => CpuData::U32(take(v, base, &offsets).into()),
+            CpuData::I64(v) => CpuData::I64(take(v, base, &offsets).into()),
         })?;
         let out = Tensor::from_data(data, index.shape())?;
         let in_shape = self.shape().to_vec();
@@ -123,11 +123,11 @@ fn select_along(op: &'static str, x: &Tensor, d: usize, idx: Vec<u32>, out_shape
     let size = x.shape()[d];
     let inner: usize = x.shape()[d + 1..].iter().product();
     let data = with_packed_data(x, |data, base| match data {
-        CpuData::F32(v) => CpuData::F32(take_rows(v, base, outer, size, inner, &idx)),
-        CpuData::F64(v) => CpuData::F64(take_rows(v, base, outer, size, inner, &idx)),
-        CpuData::BF16(v) => CpuData::BF16(take_rows(v, base, outer, size, inner, &idx)),
-        CpuData::U32(v) => CpuData::U32(take_rows(v, base, outer, size, inner, &idx)),
-        CpuData::I64(v) => CpuData::I64(take_rows(v, base, outer, size, inner, &idx)),
+        CpuData::F32(v) => CpuData::F32(take_rows(v, base, outer, size, inner, &idx).into()),
+        CpuData::F64(v) => CpuData::F64(take_rows(v, base, outer, size, inner, &idx).into()),
+        CpuData::BF16(v) => CpuData::BF16(take_rows(v, base, outer, size, inner, &idx).into()),
+        CpuData::U32(v) => CpuData::U32(take_rows(v, base, outer, size, inner, &idx).into()),
+        CpuData::I64(v) => CpuData::I64(take_rows(v, base, outer, size, inner, &idx).into()),
     })?;
     let out = Tensor::from_data(data, out_shape)?;
     let in_shape = x.shape().to_vec();

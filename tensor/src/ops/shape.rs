@@ -12,7 +12,7 @@ fn concat_data(parts: &[CpuData], outer: usize, inner: &[usize]) -> CpuData {
         ($variant:ident) => {{
             let slices: Vec<&[_]> = parts.iter().filter_map(|p| if let CpuData::$variant(v) = p { Some(v.as_slice()) } else { None }).collect();
             debug_assert_eq!(slices.len(), parts.len(), "concat_data: mixed dtypes");
-            CpuData::$variant(join_blocks(&slices, outer, inner))
+            CpuData::$variant(join_blocks(&slices, outer, inner).into())
         }};
     }
     match parts.first() {

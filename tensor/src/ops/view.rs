@@ -157,11 +157,11 @@ fn narrow_grad(g: &Tensor, dim: usize, start: usize, full: usize) -> Result<Tens
     let (block, full_block, at) = (len * inner, full * inner, start * inner);
     let src = g.to_data()?;
     let data = match &src {
-        CpuData::F32(v) => CpuData::F32(pad_blocks(v, outer, block, full_block, at)),
-        CpuData::F64(v) => CpuData::F64(pad_blocks(v, outer, block, full_block, at)),
-        CpuData::BF16(v) => CpuData::BF16(pad_blocks(v, outer, block, full_block, at)),
-        CpuData::U32(v) => CpuData::U32(pad_blocks(v, outer, block, full_block, at)),
-        CpuData::I64(v) => CpuData::I64(pad_blocks(v, outer, block, full_block, at)),
+        CpuData::F32(v) => CpuData::F32(pad_blocks(v, outer, block, full_block, at).into()),
+        CpuData::F64(v) => CpuData::F64(pad_blocks(v, outer, block, full_block, at).into()),
+        CpuData::BF16(v) => CpuData::BF16(pad_blocks(v, outer, block, full_block, at).into()),
+        CpuData::U32(v) => CpuData::U32(pad_blocks(v, outer, block, full_block, at).into()),
+        CpuData::I64(v) => CpuData::I64(pad_blocks(v, outer, block, full_block, at).into()),
     };
     pool::give_data(src);
     let dtype = g.dtype();

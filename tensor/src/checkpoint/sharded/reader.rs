@@ -397,11 +397,11 @@ fn overlaps(runs: &[(usize, usize, usize)], part: &Part, entry: &TensorEntry, di
 
 fn zeros(dtype: DType, numel: usize) -> CpuData {
     match dtype {
-        DType::F32 => CpuData::F32(vec![0.0; numel]),
-        DType::F64 => CpuData::F64(vec![0.0; numel]),
-        DType::BF16 => CpuData::BF16(vec![half::bf16::ZERO; numel]),
-        DType::U32 => CpuData::U32(vec![0; numel]),
-        DType::I64 => CpuData::I64(vec![0; numel]),
+        DType::F32 => CpuData::F32(vec![0.0; numel].into()),
+        DType::F64 => CpuData::F64(vec![0.0; numel].into()),
+        DType::BF16 => CpuData::BF16(vec![half::bf16::ZERO; numel].into()),
+        DType::U32 => CpuData::U32(vec![0; numel].into()),
+        DType::I64 => CpuData::I64(vec![0; numel].into()),
     }
 }
 
