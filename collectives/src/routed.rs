@@ -75,6 +75,26 @@ impl RoutedTransport {
         })
     }
 
+    /// Connects rank `quic.rank()` of a job spread over machines by `host_of` (rank -> machine):
+    /// shared-memory rings with the ranks of its machine (ring names `{shm.job}-h{machine}`, so
+    /// each machine has its own) and `quic` (bound, not yet connected) to every other rank at
+    /// `addrs`, both at once. Fails with [`Error::InvalidConfig`] when `host_of` does not name
+    /// every rank of the world.
+    #[cfg(all(feature = "quic", feature = "shm"))]
+    pub async fn connect_over_quic(quic: Arc<crate::QuicTransport>, addrs: &[std::net::SocketAddr], host_of: &[u32], shm: crate::ShmOptions) -> Result<RoutedTransport> {
+        let (rank, world) = (quic.rank(), quic.world_size());
+        if host_of.len() != world {
+            return Err(Error::InvalidConfig { reason: "the host map must name the machine of every rank" });
+        }
+        let host = host_of[rank];
+        let local: Vec<usize> = (0..world).filter(|&r| host_of[r] == host).collect();
+        let index = local.iter().position(|&r| r == rank).ok_or(Error::InvalidConfig { reason: "this rank is not on its own machine" })?;
+        let shm = crate::ShmOptions { job: format!("{}-h{host}", shm.job), ..shm };
+        let (shm, linked) = tokio::join!(crate::ShmTransport::connect(index, local.len(), shm), quic.connect_except(addrs, &local));
+        linked?;
+        RoutedTransport::new(quic, Arc::new(shm?), local)
+    }
+
     /// The global ranks served by the local transport, in its rank order.
     pub fn local_ranks(&self) -> &[usize] {
         &self.local_ranks

@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::*;
 use rtx_collectives::{
     AllReduceAlgorithm, ClusterCa, CommConfig, Communicator, Endpoint, Error, InProcessNetwork, QuicOptions, QuicTransport, ReduceOp, RoutedTransport,
-    ShmOptions, ShmTransport, Transport,
+    ShmOptions, Transport,
 };
 
 const HOSTS: [u32; 4] = [0, 0, 1, 1];
@@ -34,16 +34,13 @@ async fn routed_world(job: &str) -> (Vec<Communicator>, Vec<Arc<QuicTransport>>)
         (0..4).map(|r| Arc::new(QuicTransport::bind(&ca.issue(r).unwrap(), 4, listen, QuicOptions::default()).unwrap())).collect();
     let addrs: Vec<_> = quic.iter().map(|q| q.local_addr().unwrap()).collect();
     let mut tasks = tokio::task::JoinSet::new();
-    for rank in 0..4 {
-        let (q, addrs, job) = (Arc::clone(&quic[rank]), addrs.clone(), format!("{job}-host{}", HOSTS[rank]));
+    for (rank, q) in quic.iter().enumerate() {
+        let (q, addrs, job) = (Arc::clone(q), addrs.clone(), job.to_string());
         tasks.spawn(async move {
-            let local = same_host(rank);
-            let index = local.iter().position(|&r| r == rank).unwrap();
             let options = ShmOptions { job, connect_timeout: Duration::from_secs(30), ..ShmOptions::default() };
-            let (shm, linked) = tokio::join!(ShmTransport::connect(index, local.len(), options), q.connect_except(&addrs, &local));
-            linked.unwrap();
-            let network: Arc<dyn Transport> = q;
-            let routed: Arc<dyn Transport> = Arc::new(RoutedTransport::new(network, Arc::new(shm.unwrap()), local).unwrap());
+            let routed = RoutedTransport::connect_over_quic(q, &addrs, &HOSTS, options).await.unwrap();
+            assert_eq!(routed.local_ranks(), same_host(rank).as_slice());
+            let routed: Arc<dyn Transport> = Arc::new(routed);
             (rank, Endpoint::new(routed, config()).unwrap().world().unwrap())
         });
     }
@@ -154,6 +151,19 @@ fn routed_refuses_impossible_layouts() {
             Err(Error::InvalidConfig { reason }) => assert!(reason.contains(why), "{local_ranks:?}: {reason}"),
             other => panic!("{local_ranks:?} must be refused ({why}), got {other:?}"),
         }
+    }
+}
+
+#[tokio::test]
+async fn connecting_with_a_host_map_that_misses_ranks_is_a_typed_error() {
+    // Goal: a host map that does not name every rank is refused before any ring or link is made.
+    let ca = ClusterCa::generate("routed host map").unwrap();
+    let quic = Arc::new(QuicTransport::bind(&ca.issue(0).unwrap(), 4, "127.0.0.1:0".parse().unwrap(), QuicOptions::default()).unwrap());
+    let addrs = vec![quic.local_addr().unwrap(); 4];
+    let options = ShmOptions { job: format!("routed-hostmap-{}", std::process::id()), ..ShmOptions::default() };
+    match RoutedTransport::connect_over_quic(quic, &addrs, &[0, 0, 1], options).await {
+        Err(Error::InvalidConfig { reason }) => assert!(reason.contains("host map"), "{reason}"),
+        other => panic!("expected InvalidConfig, got {:?}", other.map(|_| ())),
     }
 }
 

@@ -643,7 +643,6 @@ fn worker(args: &CollectivesArgs, rank: usize) -> anyhow::Result<()> {
     rt.block_on(async {
         let config = comm_config(args, world);
         let mut quic = None;
-        let host = host_of_rank(rank, world, args.hosts);
         let job = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "bench".into());
         let shm_options = |job: String| {
             let mut options = ShmOptions { job, connect_timeout: RENDEZVOUS_TIMEOUT, max_payload_bytes: config.max_payload_bytes, ..ShmOptions::default() };
@@ -654,22 +653,19 @@ fn worker(args: &CollectivesArgs, rank: usize) -> anyhow::Result<()> {
         };
         let transport: Arc<dyn Transport> = match transport {
             BenchTransport::Quic => {
-                let t = Arc::new(quic_rank(args, rank, world, &dir, config.max_payload_bytes, &[]).await?);
+                let (t, addrs) = quic_rank_published(args, rank, world, &dir, config.max_payload_bytes).await?;
+                t.connect(&addrs).await?;
+                let t = Arc::new(t);
                 quic = Some(Arc::clone(&t));
                 t
             }
             BenchTransport::Shm => Arc::new(ShmTransport::connect(rank, world, shm_options(job)).await?),
             BenchTransport::Routed => {
                 anyhow::ensure!(args.hosts > 1, "the routed transport needs --hosts of at least 2");
-                let local: Vec<usize> = (0..world).filter(|&r| host_of_rank(r, world, args.hosts) == host).collect();
-                let index = local.iter().position(|&r| r == rank).context("this rank is on its host")?;
-                let (shm, network) = tokio::join!(
-                    ShmTransport::connect(index, local.len(), shm_options(format!("{job}-host{host}"))),
-                    quic_rank(args, rank, world, &dir, config.max_payload_bytes, &local)
-                );
-                let network = Arc::new(network?);
+                let (network, addrs) = quic_rank_published(args, rank, world, &dir, config.max_payload_bytes).await?;
+                let network = Arc::new(network);
                 quic = Some(Arc::clone(&network));
-                Arc::new(RoutedTransport::new(network, Arc::new(shm?), local)?)
+                Arc::new(RoutedTransport::connect_over_quic(network, &addrs, &config.host_of, shm_options(job)).await?)
             }
         };
         let comm = Endpoint::new(transport, config)?.world()?;
@@ -703,22 +699,25 @@ pub(super) fn write_identities(dir: &Path, world: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// This rank's QUIC transport, bound on its host's address and linked to every rank but `local`
-/// (the ranks its routed transport reaches through shared memory).
-async fn quic_rank(args: &CollectivesArgs, rank: usize, world: usize, dir: &Path, max_payload: usize, local: &[usize]) -> anyhow::Result<QuicTransport> {
+/// This rank's QUIC transport bound on its host's address, with every rank's published address,
+/// not yet connected (the routed transport links it to the ranks of other hosts).
+async fn quic_rank_published(args: &CollectivesArgs, rank: usize, world: usize, dir: &Path, max_payload: usize) -> anyhow::Result<(QuicTransport, Vec<SocketAddr>)> {
     let options = QuicOptions { max_payload_bytes: max_payload, ..quic_options(args) };
     let ip = args.host_addrs.get(host_of_rank(rank, world, args.hosts)).copied().unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
-    quic_rank_on(dir, rank, world, options, SocketAddr::new(ip, 0), local).await
+    bind_and_publish(dir, rank, world, options, SocketAddr::new(ip, 0)).await
 }
 
 /// Binds rank `rank` with its identity from `dir` (see [`write_identities`]), publishes its
 /// address there and connects to every other rank's.
 pub(super) async fn quic_rank_in(dir: &Path, rank: usize, world: usize, options: QuicOptions) -> anyhow::Result<QuicTransport> {
-    quic_rank_on(dir, rank, world, options, SocketAddr::from(([127, 0, 0, 1], 0)), &[]).await
+    let (transport, addrs) = bind_and_publish(dir, rank, world, options, SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+    transport.connect(&addrs).await?;
+    Ok(transport)
 }
 
-/// [`quic_rank_in`] bound on `listen` and linked to every rank but those in `others`.
-async fn quic_rank_on(dir: &Path, rank: usize, world: usize, options: QuicOptions, listen: SocketAddr, others: &[usize]) -> anyhow::Result<QuicTransport> {
+/// Binds rank `rank` on `listen` with its identity from `dir`, publishes its address there and
+/// reads every rank's.
+async fn bind_and_publish(dir: &Path, rank: usize, world: usize, options: QuicOptions, listen: SocketAddr) -> anyhow::Result<(QuicTransport, Vec<SocketAddr>)> {
     let read = |name: String| std::fs::read(dir.join(&name)).with_context(|| format!("read {name}"));
     let identity = NodeIdentity::from_der(rank, read("ca.der".into())?, read(format!("rank-{rank}.cert.der"))?, read(format!("rank-{rank}.key.der"))?);
     let transport = QuicTransport::bind(&identity, world, listen, options)?;
@@ -738,8 +737,7 @@ async fn quic_rank_on(dir: &Path, rank: usize, world: usize, options: QuicOption
         };
         addrs.push(text.trim().parse::<SocketAddr>()?);
     }
-    transport.connect_except(&addrs, others).await?;
-    Ok(transport)
+    Ok((transport, addrs))
 }
 
 /// Times `op` on `bytes` of f32 on every rank; rank 0 prints one JSON line with the samples.

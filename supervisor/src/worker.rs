@@ -732,15 +732,8 @@ async fn connect_generation(ctx: &WorkerCtx, g: &Generation, bound: Bound) -> Re
         (Bound::Injected, _, None) => return Err(SupervisorError::Job("internal: an injected endpoint without its wire".into())),
         // Several machines, some with several members: shared memory inside each, QUIC between.
         (Bound::Quic(transport), Some(job_name), _) if !g.host_of.is_empty() => {
-            let host = *g.host_of.get(g.rank).ok_or_else(|| SupervisorError::JobFailed { reason: format!("the host map names {} ranks, not rank {}", g.host_of.len(), g.rank) })?;
-            let local: Vec<usize> = (0..g.world).filter(|&r| g.host_of.get(r) == Some(&host)).collect();
-            let index = local.iter().position(|&r| r == g.rank).unwrap_or_default();
-            let addrs: Vec<SocketAddr> = g.addrs.iter().map(|a| a.parse().map_err(|e| SupervisorError::JobFailed { reason: format!("bad peer address {a}: {e}") })).collect::<Result<_>>()?;
-            let options = ShmOptions { job: format!("{job_name}-h{host}"), ..ShmOptions::default() };
-            let (shm, linked) = tokio::join!(ShmTransport::connect(index, local.len(), options), transport.connect_except(&addrs, &local));
-            linked?;
-            let network: Arc<dyn Transport> = Arc::clone(&transport) as Arc<dyn Transport>;
-            let routed = RoutedTransport::new(network, Arc::new(shm?), local)?;
+            let options = ShmOptions { job: job_name.clone(), ..ShmOptions::default() };
+            let routed = RoutedTransport::connect_over_quic(Arc::clone(&transport), &peer_addrs(g)?, &g.host_of, options).await?;
             (Arc::new(routed), Some(transport))
         }
         // Every member on this machine: shared-memory rings instead of QUIC.
@@ -751,11 +744,15 @@ async fn connect_generation(ctx: &WorkerCtx, g: &Generation, bound: Bound) -> Re
             (Arc::new(shm), None)
         }
         (Bound::Quic(transport), None, _) => {
-            let addrs: Vec<SocketAddr> = g.addrs.iter().map(|a| a.parse().map_err(|e| SupervisorError::JobFailed { reason: format!("bad peer address {a}: {e}") })).collect::<Result<_>>()?;
-            transport.connect(&addrs).await?;
+            transport.connect(&peer_addrs(g)?).await?;
             (Arc::clone(&transport) as Arc<dyn Transport>, Some(transport))
         }
     })
+}
+
+/// The generation's member addresses, parsed.
+fn peer_addrs(g: &Generation) -> Result<Vec<SocketAddr>> {
+    g.addrs.iter().map(|a| a.parse().map_err(|e| SupervisorError::JobFailed { reason: format!("bad peer address {a}: {e}") })).collect()
 }
 
 #[allow(clippy::too_many_arguments)]
