@@ -11,6 +11,7 @@ pub(crate) mod attention;
 pub(crate) mod binary;
 pub(crate) mod dropout;
 pub(crate) mod index;
+pub(crate) mod linear_cross_entropy;
 pub(crate) mod matmul;
 pub(crate) mod norm;
 pub(crate) mod reduce;

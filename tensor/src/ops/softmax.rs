@@ -186,13 +186,13 @@ impl Tensor {
 }
 
 /// Class targets in the width they came in (no copy into another type for u32 labels).
-enum Targets {
+pub(super) enum Targets {
     U32(Vec<u32>),
     I64(Vec<i64>),
 }
 
 impl Targets {
-    fn of(targets: &Tensor) -> Result<Targets> {
+    pub(super) fn of(targets: &Tensor) -> Result<Targets> {
         Ok(match targets.dtype() {
             DType::I64 => Targets::I64(targets.to_i64_vec()?),
             _ => Targets::U32(targets.to_u32_vec()?),
@@ -207,9 +207,17 @@ impl Targets {
     }
 
     fn rows<T: rtx_kernels::Float>(&self, logits: &[T], spec: CrossEntropySpec, losses: &mut [T], grad: Option<&mut [T]>) -> rtx_kernels::Result<usize> {
+        self.rows_at(0, logits, spec, losses, grad)
+    }
+
+    /// [`Targets::rows`] for the `losses.len()` rows from row `start` on: `logits` holds just those
+    /// rows. Returns how many of them were counted (not ignored).
+    pub(super) fn rows_at<T: rtx_kernels::Float>(&self, start: usize, logits: &[T], spec: CrossEntropySpec, losses: &mut [T], grad: Option<&mut [T]>) -> rtx_kernels::Result<usize> {
+        let rows = start..start + losses.len();
+        let out_of_range = || rtx_kernels::Error::LengthMismatch { op: "cross_entropy", arg: "targets", expected: rows.end, actual: self.len() };
         match self {
-            Targets::U32(t) => cross_entropy_rows(logits, t, spec, losses, grad),
-            Targets::I64(t) => cross_entropy_rows(logits, t, spec, losses, grad),
+            Targets::U32(t) => cross_entropy_rows(logits, t.get(rows.clone()).ok_or_else(out_of_range)?, spec, losses, grad),
+            Targets::I64(t) => cross_entropy_rows(logits, t.get(rows.clone()).ok_or_else(out_of_range)?, spec, losses, grad),
         }
     }
 }
