@@ -19,6 +19,7 @@
 //!
 //! Not here: augmentation, background prefetching, and any network access.
 
+mod bpe;
 mod idx;
 mod image_dataset;
 mod loader;
@@ -27,6 +28,7 @@ mod text;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
+pub use bpe::{tokenize_corpus_cached, Gpt2Tokenizer, GPT2_EOT, GPT2_PADDED_VOCAB, GPT2_VOCAB};
 pub use idx::{read_idx, IdxArray, IDX_MAGIC_U8_1D, IDX_MAGIC_U8_3D};
 pub use image_dataset::{
     load_digits_csv, load_fashion_mnist, load_idx_pair, load_mnist, ImageBatch, ImageDataset, Split,
@@ -74,6 +76,12 @@ pub enum DataError {
     Empty {
         /// What turned out to be empty.
         what: String,
+    },
+    /// The GPT-2 tokenizer could not be built or could not decode token ids.
+    #[error("GPT-2 tokenizer: {reason}")]
+    Tokenizer {
+        /// What failed.
+        reason: String,
     },
     /// A loader was configured with values that cannot work (zero batch size, rank >= world, ...).
     #[error("invalid loader argument: {reason}")]
