@@ -57,6 +57,7 @@ enum Kind {
 const MLP_SIZES: [usize; 4] = [12, 24, 20, 5];
 const GPT: GptConfig = GptConfig {
     vocab_size: 17,
+    vocab_pad_multiple: 1,
     context: 8,
     d_model: 16,
     n_layers: 2,

@@ -33,6 +33,7 @@ use rtx_tensor::{CrossEntropyOptions, DType, GeluApprox, Generator, Tensor};
 const TEST_TIMEOUT: Duration = Duration::from_secs(60);
 const CONFIG: GptConfig = GptConfig {
     vocab_size: 64,
+    vocab_pad_multiple: 1,
     context: 16,
     d_model: 32,
     n_layers: 2,

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""PyTorch peer of `gpt_gpu bench`: the same GPT-2 124M shape (12 layers, C 768, 12 heads,
-context 1024, byte vocabulary 256, tied head, GELU-tanh, biases, batch 16, AdamW with weight
-decay on matrices), trained on the same State of the Union bytes, in PyTorch's usual mixed
-precision (f32 parameters, bf16 autocast, flash attention through scaled_dot_product_attention,
-fused AdamW, TF32 matmuls). Eager and torch.compile modes. Prints `RESULT` lines:
+"""PyTorch peer of `gpt_gpu bench`: the same GPT-2 124M model (12 layers, C 768, 12 heads,
+context 1024, tied head, GELU-tanh, biases, batch 16, AdamW with weight decay on matrices) in
+PyTorch's usual mixed precision (f32 parameters, bf16 autocast, flash attention through
+scaled_dot_product_attention, fused AdamW, TF32 matmuls), as nanoGPT trains it. Eager and
+torch.compile modes. Vocabulary (env VOCAB): `gpt2` (default) is GPT-2's BPE padded to 50,304
+rows as nanoGPT/llm.c pad it, trained on the State of the Union token ids that `gpt_gpu` cached
+in DATA_DIR/sotu/gpt2-tokens.bin (u16 after a 28-byte header; run `gpt_gpu bench` first);
+`bytes` is the byte vocabulary 256 on the raw text. Prints `RESULT` lines:
 
     RESULT torch-eager tok_s=... step_ms=...
     RESULT torch-compile tok_s=... step_ms=...
 
-Usage: gpt2_gpu_torch.py DATA_DIR [eager|compile|both] [STEPS]
+Usage: [VOCAB=gpt2|bytes] gpt2_gpu_torch.py DATA_DIR [eager|compile|both] [STEPS]
 """
 import glob
 import math
@@ -60,22 +63,32 @@ class Gpt(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
 def main():
     data_dir = sys.argv[1]
     modes = sys.argv[2] if len(sys.argv) > 2 else "both"
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
-    text = b"".join(open(p, "rb").read() for p in sorted(glob.glob(os.path.join(data_dir, "sotu", "*.txt"))))
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    vocab_kind = os.environ.get("VOCAB", "gpt2")
+    if vocab_kind == "gpt2":
+        raw = open(os.path.join(data_dir, "sotu", "gpt2-tokens.bin"), "rb").read()
+        if raw[:8] != b"RTXBPE1\0":
+            sys.exit("gpt2-tokens.bin: not a token cache (run gpt_gpu bench first)")
+        data = torch.frombuffer(bytearray(raw[28:]), dtype=torch.int16).long() & 0xFFFF
+        vocab = 50304
+    else:
+        text = b"".join(open(p, "rb").read() for p in sorted(glob.glob(os.path.join(data_dir, "sotu", "*.txt"))))
+        data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+        vocab = 256
+    print(f"torch peer: vocabulary {vocab_kind} ({vocab} rows), {len(data)} tokens")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     b, t = 16, 1024
     gen = torch.Generator().manual_seed(1234)
     for mode in (["eager", "compile"] if modes == "both" else [modes]):
         torch.manual_seed(1234)
-        model = Gpt().cuda()
+        model = Gpt(vocab=vocab).cuda()
         n_params = sum(p.numel() for p in model.parameters())
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]

@@ -107,3 +107,29 @@ fn bad_input_is_a_typed_error_naming_the_op() {
         assert!(message.contains(names), "{message} should name {names}");
     }
 }
+
+#[test]
+fn padded_weight_rows_are_never_predicted_and_get_zero_gradient() {
+    // Goal: `linear_cross_entropy_valid` over a padded weight equals the unpadded op over its
+    // first `classes` rows, and the padding rows' gradient is exactly zero. Method: 53 classes
+    // in a 64-row weight, chunks of 8 rows, f64.
+    println!("seed {SEED}");
+    let mut g = Generator::new(SEED);
+    let (n, c, classes, padded) = (29, 12, 53, 64);
+    let hidden = randn(&[n, c], DType::F64, &mut g);
+    let weight = randn(&[padded, c], DType::F64, &mut g);
+    let targets = targets_u32(n, classes as u32);
+    let options = CrossEntropyOptions::default();
+    let fused = loss_and_grads(&hidden, &weight, |h, w| h.linear_cross_entropy_valid(w, &targets, classes, options, 8).unwrap());
+    let plain = loss_and_grads(&hidden, &weight.narrow(0, 0, classes).unwrap().contiguous().unwrap(), |h, w| h.linear_cross_entropy(w, &targets, options, 8).unwrap());
+    assert!((fused.0 - plain.0).abs() < 1e-12, "loss {} vs {}", fused.0, plain.0);
+    assert!(max_rel_diff(&fused.1, &plain.1) < 1e-12);
+    assert!(max_rel_diff(&fused.2[..classes * c], &plain.2) < 1e-12);
+    assert!(fused.2[classes * c..].iter().all(|&x| x == 0.0), "padding rows got a gradient");
+    // A target in the padding is refused, as is a class count outside the weight.
+    let bad = Tensor::from_vec(vec![0u32, 60], &[2]).unwrap();
+    let h2 = hidden.narrow(0, 0, 2).unwrap();
+    assert!(h2.linear_cross_entropy_valid(&weight, &bad, classes, options, 8).is_err());
+    assert!(matches!(hidden.linear_cross_entropy_valid(&weight, &targets, padded + 1, options, 8), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(hidden.linear_cross_entropy_valid(&weight, &targets, 0, options, 8), Err(Error::InvalidArgument { .. })));
+}

@@ -162,3 +162,38 @@ fn mlp_fits_a_small_problem() {
     }
     assert!(loss < 0.02, "final loss {loss}");
 }
+
+#[test]
+fn gpt_padded_vocabulary_matches_the_unpadded_model_and_never_predicts_padding() {
+    // Goal: padding the token table (llm.c's 50,257 -> 50,304) changes nothing a user sees:
+    // logits have V columns, the loss equals the unpadded model's with the same weights, the
+    // padding rows get exactly zero gradient, and an id in the padding is refused. Method: V 11
+    // padded to 16; the unpadded twin is loaded from the padded model's state minus the padding.
+    let config = GptConfig { vocab_pad_multiple: 8, ..tiny_gpt_config() };
+    assert_eq!(config.padded_vocab(), 16);
+    let padded = Gpt::new(config, &mut Generator::new(4)).unwrap();
+    assert_eq!(padded.tok_emb.weight.shape(), &[16, 16]);
+    let state: Vec<(String, Tensor)> = padded
+        .named_parameters()
+        .into_iter()
+        .map(|(n, t)| if n == "tok_emb.weight" { (n, t.narrow(0, 0, 11).unwrap().contiguous().unwrap()) } else { (n, t) })
+        .collect();
+    let plain = Gpt::from_state_dict(tiny_gpt_config(), &state).unwrap();
+    let ids = Tensor::from_vec(vec![1u32, 2, 3, 4, 5, 6, 7, 8, 9, 10], &[2, 5]).unwrap();
+    let targets = Tensor::from_vec(vec![2u32, 3, 4, 5, 6, 7, 8, 9, 10, 0], &[2, 5]).unwrap();
+    let mut rng = Generator::new(5);
+    let (a, b) = (padded.forward(&ids, &mut rng).unwrap(), plain.forward(&ids, &mut rng).unwrap());
+    assert_eq!(a.shape(), &[2, 5, 11]);
+    let diff = a.to_f64_vec().unwrap().iter().zip(b.to_f64_vec().unwrap()).fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+    assert!(diff < 1e-5, "logits differ by {diff}");
+    let (la, lb) = (padded.loss(&ids, &targets, &mut rng).unwrap(), plain.loss(&ids, &targets, &mut rng).unwrap());
+    assert!((la.item().unwrap() - lb.item().unwrap()).abs() < 1e-5);
+    la.backward().unwrap();
+    let grad = padded.tok_emb.weight.grad().unwrap().to_f32_vec().unwrap();
+    assert!(grad[11 * 16..].iter().all(|&g| g == 0.0), "the padding rows got a gradient");
+    assert!(grad[..11 * 16].iter().any(|&g| g != 0.0));
+    let in_padding = Tensor::from_vec(vec![12u32], &[1, 1]).unwrap();
+    assert!(padded.forward(&in_padding, &mut rng).is_err());
+    // An untied head has V rows: padding it is refused.
+    assert!(Gpt::new(GptConfig { tie_embeddings: false, ..config }, &mut Generator::new(0)).is_err());
+}

@@ -47,12 +47,15 @@ pub struct Gemm {
     pub beta: f32,
     /// f32 math mode (ignored for bf16).
     pub math: GemmMath,
+    /// Where `A`, `B` and `C` start inside their buffers, in elements (a product over a
+    /// chunk of rows of a larger buffer); 0 by default.
+    pub offsets: [usize; 3],
 }
 
 impl Gemm {
     /// `C = A·B` for one `[m, k] × [k, n]` product.
     pub fn new(m: usize, n: usize, k: usize) -> Self {
-        Gemm { m, n, k, trans_a: false, trans_b: false, batch: 1, alpha: 1.0, beta: 0.0, math: GemmMath::F32 }
+        Gemm { m, n, k, trans_a: false, trans_b: false, batch: 1, alpha: 1.0, beta: 0.0, math: GemmMath::F32, offsets: [0; 3] }
     }
 
     /// Multiply-adds × 2 (the usual FLOP count).
@@ -126,11 +129,24 @@ fn op(trans: bool) -> bsys::cublasOperation_t {
 impl Device {
     /// Runs the product described by `spec` on the device's stream (queued).
     pub fn gemm<T: GemmElem>(&self, spec: &Gemm, a: &Buffer<T>, b: &Buffer<T>, c: &mut Buffer<T>) -> Result<()> {
+        self.gemm_typed::<T, T>(spec, a, b, c)
+    }
+
+    /// [`Device::gemm`] writing (and, with `beta`, accumulating into) an f32 `C` whatever the
+    /// inputs' type: bf16 products summed over several calls (a weight gradient accumulated
+    /// chunk by chunk) round once at the end instead of at every call.
+    pub fn gemm_f32_out<T: GemmElem>(&self, spec: &Gemm, a: &Buffer<T>, b: &Buffer<T>, c: &mut Buffer<f32>) -> Result<()> {
+        self.gemm_typed::<T, f32>(spec, a, b, c)
+    }
+
+    fn gemm_typed<T: GemmElem, C: GemmElem>(&self, spec: &Gemm, a: &Buffer<T>, b: &Buffer<T>, c: &mut Buffer<C>) -> Result<()> {
         const OP: &str = "gemm";
         let (m, n, k, batch) = (spec.m, spec.n, spec.k, spec.batch);
-        check_len(OP, "a", a.len(), batch * m * k)?;
-        check_len(OP, "b", b.len(), batch * k * n)?;
-        check_len(OP, "c", c.len(), batch * m * n)?;
+        let [a_off, b_off, c_off] = spec.offsets;
+        check_len(OP, "a", a.len(), a_off + batch * m * k)?;
+        check_len(OP, "b", b.len(), b_off + batch * k * n)?;
+        check_len(OP, "c", c.len(), c_off + batch * m * n)?;
+        let (a_ptr, b_ptr, c_ptr) = (a.device_ptr_at(a_off)?, b.device_ptr_at(b_off)?, c.device_ptr_at(c_off)?);
         if m == 0 || n == 0 || batch == 0 {
             return Ok(());
         }
@@ -162,15 +178,15 @@ impl Device {
                     call.n,
                     call.k,
                     alpha_p,
-                    b.device_ptr() as *const c_void,
+                    b_ptr as *const c_void,
                     T::CUDA_TYPE,
                     call.ld_first,
-                    a.device_ptr() as *const c_void,
+                    a_ptr as *const c_void,
                     T::CUDA_TYPE,
                     call.ld_second,
                     beta_p,
-                    c.device_ptr() as *mut c_void,
-                    T::CUDA_TYPE,
+                    c_ptr as *mut c_void,
+                    C::CUDA_TYPE,
                     call.ldc,
                     compute,
                     algo,
@@ -185,17 +201,17 @@ impl Device {
                     call.n,
                     call.k,
                     alpha_p,
-                    b.device_ptr() as *const c_void,
+                    b_ptr as *const c_void,
                     T::CUDA_TYPE,
                     call.ld_first,
                     (k * n) as i64,
-                    a.device_ptr() as *const c_void,
+                    a_ptr as *const c_void,
                     T::CUDA_TYPE,
                     call.ld_second,
                     (m * k) as i64,
                     beta_p,
-                    c.device_ptr() as *mut c_void,
-                    T::CUDA_TYPE,
+                    c_ptr as *mut c_void,
+                    C::CUDA_TYPE,
                     call.ldc,
                     (m * n) as i64,
                     batch_i,

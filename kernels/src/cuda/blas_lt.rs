@@ -111,8 +111,8 @@ impl Device {
     pub fn gemm_epilogue<T: GemmElem>(&self, spec: &Gemm, a: &Buffer<T>, b: &Buffer<T>, c: &mut Buffer<T>, epilogue: Epilogue<'_, T>) -> Result<()> {
         const OP: &str = "gemm_epilogue";
         let (m, n, k) = (spec.m, spec.n, spec.k);
-        if spec.batch != 1 || spec.beta != 0.0 || k == 0 {
-            return Err(CudaError::Unsupported { op: OP, what: "batch 1, beta 0 and k > 0 only".into() });
+        if spec.batch != 1 || spec.beta != 0.0 || k == 0 || spec.offsets != [0; 3] {
+            return Err(CudaError::Unsupported { op: OP, what: "batch 1, beta 0, k > 0 and whole buffers only".into() });
         }
         check_len(OP, "a", a.len(), m * k)?;
         check_len(OP, "b", b.len(), k * n)?;

@@ -190,6 +190,74 @@ template <typename T> __device__ void cross_entropy_backward(const T* logits, co
     }
 }
 
+// ---- fused classifier: the per-chunk step of linear_cross_entropy ----
+// One block (1024 threads) per row of a chunk of logits [rows, vp], whose first v columns are
+// classes and the rest padding. losses[row] = logsumexp(x[0, v)) − x[t]: 0 for an ignored row,
+// NaN for t ≥ v. With write_grad the row is overwritten in place by its logit gradient
+// (softmax(x)[j] − [j = t]) · scale for j < v, and 0 for the padding and for an ignored row.
+// The (max, sum of exp) pairs are merged in a fixed order: deterministic.
+
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+    float mm = fmaxf(m, m2);
+    float a = (m == -INFINITY) ? 0.0f : s * expf(m - mm);
+    float b = (m2 == -INFINITY) ? 0.0f : s2 * expf(m2 - mm);
+    m = mm;
+    s = a + b;
+}
+
+template <typename T> __device__ void fused_classifier(T* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad) {
+    __shared__ float sm[32], ss[32];
+    i64 row = blockIdx.x;
+    i64 off = row * vp;
+    u32 t = targets[row];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    bool ignored = has_ignore && t == ignore;
+    if (ignored || t >= (u32)v) {
+        if (threadIdx.x == 0) losses[row] = ignored ? 0.0f : __int_as_float(0x7fc00000);
+        if (write_grad) for (int j = threadIdx.x; j < vp; j += blockDim.x) stf(logits, off + j, 0.0f);
+        return;
+    }
+    float m = -INFINITY, s = 0.0f;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        float x = ldf(logits, off + j);
+        if (x > m) { s = s * expf(m - x) + 1.0f; m = x; } else { s += expf(x - m); }
+    }
+    for (int o = 16; o > 0; o >>= 1) lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+    if (lane == 0) { sm[warp] = m; ss[warp] = s; }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < n_warps ? sm[lane] : -INFINITY;
+        s = lane < n_warps ? ss[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+        if (lane == 0) { sm[0] = m; ss[0] = s; }
+    }
+    __syncthreads();
+    m = sm[0];
+    s = ss[0];
+    float xt = ldf(logits, off + t);
+    if (threadIdx.x == 0) losses[row] = logf(s) + m - xt;
+    if (!write_grad) return;
+    // Every thread has read x[t] before any thread overwrites the row.
+    __syncthreads();
+    float inv = 1.0f / s;
+    for (int j = threadIdx.x; j < vp; j += blockDim.x) {
+        float g = 0.0f;
+        if (j < v) {
+            g = expf(ldf(logits, off + j) - m) * inv;
+            if (j == (int)t) g -= 1.0f;
+            g *= scale;
+        }
+        stf(logits, off + j, g);
+    }
+}
+
+// y = x · g[0], with g read on the device (a loss gradient); x may be f32 for a bf16 y.
+template <typename S, typename T> __device__ void scale_by_device(const S* x, const float* g, T* y, i64 n) {
+    float k = g[0];
+    GRID_STRIDE(i, n) stf(y, i, ldf(x, i) * k);
+}
+template <typename T> __device__ void scale_by_device_from_f32(const float* x, const float* g, T* y, i64 n) { scale_by_device(x, g, y, n); }
+
 // out[0] = mean of x (one block; fixed order per thread, then a fixed tree: deterministic).
 extern "C" __global__ void mean_f32(const float* x, float* out, i64 n) {
     __shared__ float scratch[32];
@@ -287,6 +355,12 @@ BOTH(embedding_backward, P_EMBB, (dout, ids, dtable, n_ids, dim))
 BOTH(cross_entropy_forward, P_CEF, (logits, targets, losses, rows, c))
 #define P_CEB(T) (const T* logits, const u32* targets, const float* g, float inv_rows, T* dlogits, i64 rows, int c)
 BOTH(cross_entropy_backward, P_CEB, (logits, targets, g, inv_rows, dlogits, rows, c))
+#define P_FC(T) (T* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad)
+BOTH(fused_classifier, P_FC, (logits, targets, losses, vp, v, has_ignore, ignore, scale, write_grad))
+#define P_SBD(T) (const T* x, const float* g, T* y, i64 n)
+BOTH(scale_by_device, P_SBD, (x, g, y, n))
+#define P_SBDF(T) (const float* x, const float* g, T* y, i64 n)
+BOTH(scale_by_device_from_f32, P_SBDF, (x, g, y, n))
 #define P_R2H(T) (const T* src, T* dst, int B, int T_, int H, int D, int row_stride, int col_off)
 BOTH(rows_to_heads, P_R2H, (src, dst, B, T_, H, D, row_stride, col_off))
 #define P_H2R(T) (const T* src, T* dst, int B, int T_, int H, int D, int row_stride, int col_off)
@@ -297,6 +371,89 @@ BOTH(adamw_master, P_ADAM, (master, param, grad, m, v, n, lr, beta1, beta2, eps,
 // Vectorized forms for bf16 with D, row_stride and col_off multiples of 8: each thread moves 8
 // elements (16 bytes), in head-major order, so both sides are read and written in 128-byte runs.
 struct __align__(16) V8 { u32 x, y, z, w; };
+
+// The fused classifier for bf16 rows of a multiple of 8 elements (16-byte aligned): each thread
+// moves 8 logits (one 16-byte word) at a time. Same results as fused_classifier_bf16 up to the
+// order of the (deterministic) sums.
+__device__ __forceinline__ void v8_unpack(V8 w, float* x) {
+    u32 words[4] = {w.x, w.y, w.z, w.w};
+    for (int k = 0; k < 4; ++k) {
+        x[2 * k] = bf16_to_f32((u16)(words[k] & 0xffffu));
+        x[2 * k + 1] = bf16_to_f32((u16)(words[k] >> 16));
+    }
+}
+
+__device__ __forceinline__ V8 v8_pack(const float* x) {
+    u32 words[4];
+    for (int k = 0; k < 4; ++k) words[k] = (u32)f32_to_bf16(x[2 * k]) | ((u32)f32_to_bf16(x[2 * k + 1]) << 16);
+    V8 w;
+    w.x = words[0]; w.y = words[1]; w.z = words[2]; w.w = words[3];
+    return w;
+}
+
+extern "C" __global__ void fused_classifier_v8_bf16(u16* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad) {
+    __shared__ float sm[32], ss[32];
+    i64 row = blockIdx.x;
+    V8* rowp = (V8*)(logits + row * vp);
+    int n8 = vp >> 3;
+    u32 t = targets[row];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    bool ignored = has_ignore && t == ignore;
+    if (ignored || t >= (u32)v) {
+        if (threadIdx.x == 0) losses[row] = ignored ? 0.0f : __int_as_float(0x7fc00000);
+        if (write_grad) {
+            V8 zero; zero.x = 0u; zero.y = 0u; zero.z = 0u; zero.w = 0u;
+            for (int c = threadIdx.x; c < n8; c += blockDim.x) rowp[c] = zero;
+        }
+        return;
+    }
+    float m = -INFINITY, s = 0.0f;
+    float x[8];
+    for (int c = threadIdx.x; c < n8; c += blockDim.x) {
+        v8_unpack(rowp[c], x);
+        int base = c * 8;
+        float cm = -INFINITY;
+        for (int k = 0; k < 8; ++k) {
+            if (base + k >= v) x[k] = -INFINITY;
+            cm = fmaxf(cm, x[k]);
+        }
+        if (cm == -INFINITY) continue;
+        if (cm > m) { s *= expf(m - cm); m = cm; }
+        for (int k = 0; k < 8; ++k) s += expf(x[k] - m);
+    }
+    for (int o = 16; o > 0; o >>= 1) lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+    if (lane == 0) { sm[warp] = m; ss[warp] = s; }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < n_warps ? sm[lane] : -INFINITY;
+        s = lane < n_warps ? ss[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+        if (lane == 0) { sm[0] = m; ss[0] = s; }
+    }
+    __syncthreads();
+    m = sm[0];
+    s = ss[0];
+    float xt = bf16_to_f32(logits[row * vp + t]);
+    if (threadIdx.x == 0) losses[row] = logf(s) + m - xt;
+    if (!write_grad) return;
+    __syncthreads();
+    float inv = 1.0f / s;
+    for (int c = threadIdx.x; c < n8; c += blockDim.x) {
+        v8_unpack(rowp[c], x);
+        int base = c * 8;
+        for (int k = 0; k < 8; ++k) {
+            float g = 0.0f;
+            if (base + k < v) {
+                g = expf(x[k] - m) * inv;
+                if (base + k == (int)t) g -= 1.0f;
+                g *= scale;
+            }
+            x[k] = g;
+        }
+        rowp[c] = v8_pack(x);
+    }
+}
+
 
 __device__ __forceinline__ i64 row_index_v8(i64 i, int T_, int H, int D8, int row_stride, int col_off) {
     int d8 = i % D8;

@@ -426,6 +426,81 @@ impl Device {
         Ok(())
     }
 
+    /// The fused classifier step of a chunk of `rows` logit rows `[rows, padded]` (row-major in
+    /// `logits`), whose first `classes` columns are classes and the rest padding, against
+    /// `targets[first_row..first_row + rows]`: writes `losses[first_row + r]` = logsumexp of the
+    /// row's classes − its target's logit (0 for a row whose target is `ignore`, NaN for a target
+    /// ≥ `classes`) and, with `grad_scale`, overwrites the logits in place by their gradient
+    /// `(softmax − onehot) · grad_scale` (0 in the padding and in ignored rows). One 1024-thread
+    /// block per row; deterministic.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fused_classifier<T: StorageElem>(
+        &self,
+        logits: &mut Buffer<T>,
+        rows: usize,
+        padded: usize,
+        classes: usize,
+        targets: &Buffer<u32>,
+        first_row: usize,
+        losses: &mut Buffer<f32>,
+        ignore: Option<u32>,
+        grad_scale: Option<f32>,
+    ) -> Result<()> {
+        const OP: &str = "fused_classifier";
+        if classes == 0 || classes > padded {
+            return Err(CudaError::Unsupported { op: OP, what: format!("classes {classes} must be in 1..={padded}") });
+        }
+        check_len(OP, "logits", logits.len(), rows * padded)?;
+        check_len(OP, "targets", targets.len(), first_row + rows)?;
+        check_len(OP, "losses", losses.len(), first_row + rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        // bf16 rows of whole 16-byte words (the buffer itself is 256-byte aligned) take the
+        // vectorized kernel.
+        let name = if T::IS_BF16 && padded.is_multiple_of(8) { "fused_classifier_v8_bf16" } else { kernel!(T, "fused_classifier") };
+        let f = self.function(Module::Mixed, name)?;
+        let (lp, tp, op_) = (logits.device_ptr(), targets.device_ptr_at(first_row)?, losses.device_ptr_at(first_row)?);
+        let (vp, v) = (int(OP, padded)?, int(OP, classes)?);
+        let (has_ignore, ignore) = (ignore.is_some() as i32, ignore.unwrap_or(0));
+        let (scale, write_grad) = (grad_scale.unwrap_or(0.0), grad_scale.is_some() as i32);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&lp).arg(&tp).arg(&op_).arg(&vp).arg(&v).arg(&has_ignore).arg(&ignore).arg(&scale).arg(&write_grad);
+        let blocks = u32::try_from(rows).map_err(|_| CudaError::Unsupported { op: OP, what: format!("{rows} rows") })?;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: lengths checked above; the kernel reads a target's logit only when the target
+        // is below `classes`.
+        unsafe { l.launch(cfg) }.op(OP)?;
+        Ok(())
+    }
+
+    /// `y = x · g[0]`, the factor read on the device (an incoming loss gradient, so backward
+    /// never waits for the host).
+    pub fn scale_by_device<T: StorageElem>(&self, x: &Buffer<T>, g: &Buffer<f32>, y: &mut Buffer<T>) -> Result<()> {
+        self.scale_by_device_typed(kernel!(T, "scale_by_device"), x, g, y)
+    }
+
+    /// [`Device::scale_by_device`] from an f32 `x` (an f32 accumulator) into `y`'s storage type.
+    pub fn scale_by_device_from_f32<T: StorageElem>(&self, x: &Buffer<f32>, g: &Buffer<f32>, y: &mut Buffer<T>) -> Result<()> {
+        self.scale_by_device_typed(kernel!(T, "scale_by_device_from_f32"), x, g, y)
+    }
+
+    fn scale_by_device_typed<S: StorageElem, T: StorageElem>(&self, name: &'static str, x: &Buffer<S>, g: &Buffer<f32>, y: &mut Buffer<T>) -> Result<()> {
+        const OP: &str = "scale_by_device";
+        check_len(OP, "g", g.len(), 1)?;
+        check_len(OP, "y", y.len(), x.len())?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, name)?;
+        let (xp, gp, yp, n) = (x.device_ptr(), g.device_ptr(), y.device_ptr(), x.len() as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&gp).arg(&yp).arg(&n);
+        // SAFETY: x and y hold n elements, g one.
+        unsafe { l.launch(grid_stride(x.len())) }.op(OP)?;
+        Ok(())
+    }
+
     /// `out[0] = mean(x)` in a fixed order.
     pub fn mean_f32(&self, x: &Buffer<f32>, out: &mut Buffer<f32>) -> Result<()> {
         const OP: &str = "mean_f32";

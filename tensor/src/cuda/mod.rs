@@ -21,6 +21,7 @@ pub(crate) mod ops;
 mod optim;
 
 pub use optim::MixedAdamW;
+pub(crate) use ops::{any_cuda, linear_cross_entropy};
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock};

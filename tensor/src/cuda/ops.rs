@@ -15,6 +15,7 @@ use rtx_kernels::{DType, Device};
 
 use super::{dense, dense_u32, device, device_of, tensor_from, DeviceData, GpuFloat};
 use crate::error::{Error, Result};
+use crate::ops::softmax::{CrossEntropyOptions, Reduction};
 use crate::tensor::Tensor;
 
 /// Runs `$f::<T>(args)` for the float dtype `$dtype` (f32 or bf16).
@@ -485,6 +486,114 @@ fn cross_entropy_t<T: GpuFloat>(logits: &Tensor, targets: &Tensor) -> Result<Ten
         let mut dl = dev.alloc::<T>(n * v)?;
         dev.cross_entropy_grad(&*dense::<T>(OP, &ld)?, v, &*dense_u32(OP, &td)?, &*dense::<f32>(OP, &g)?, 1.0 / n.max(1) as f32, &mut dl)?;
         Ok(vec![Some(wrap(ordinal, dl, &[n, v]))])
+    }))
+}
+
+// ----------------------------------------------------------------- fused head + cross-entropy
+
+/// `hidden [N, C] · weightᵀ` fused with the softmax cross-entropy over the first `classes` rows
+/// of `weight` (the rest is vocabulary padding), chunk by chunk of rows (see
+/// `ops/linear_cross_entropy.rs`). Per chunk: one GEMM makes the chunk's logits over every row of
+/// `weight` (the padding too: GEMM-friendly shapes), [`rtx_kernels::cuda::Device::fused_classifier`]
+/// turns them into loss rows and, in place, logit gradients (0 in the padding), and two GEMMs fold
+/// those into `dhidden` (the chunk's rows) and `dweight` (accumulated over chunks with `beta = 1`).
+/// Backward only scales both by the incoming gradient, read on the device. The loss is an f32
+/// scalar. Label smoothing is refused; an ignore index needs host targets (the mean's count is
+/// taken on the host).
+pub(crate) fn linear_cross_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, classes: usize, options: CrossEntropyOptions, chunk_rows: usize) -> Result<Tensor> {
+    const OP: &str = "linear_cross_entropy";
+    same_device(OP, hidden, weight)?;
+    if options.label_smoothing != 0.0 {
+        return Err(Error::UnsupportedDevice { op: "linear_cross_entropy (label smoothing)", device: hidden.device() });
+    }
+    let (ordinal, _) = device_of(OP, hidden)?;
+    let n = hidden.shape()[0];
+    let ignore = options.ignore_index.and_then(|i| u32::try_from(i).ok());
+    let (targets, counted) = match targets.device() {
+        Device::Cpu => {
+            let v = targets.to_u32_vec()?;
+            if let Some(&bad) = v.iter().find(|&&t| t as usize >= classes && Some(t) != ignore) {
+                return Err(Error::IndexOutOfRange { op: OP, index: bad as usize, size: classes });
+            }
+            let counted = v.iter().filter(|&&t| Some(t) != ignore).count();
+            (super::upload(&Tensor::from_vec(v, &[n])?, ordinal)?, counted)
+        }
+        Device::Cuda(i) if i == ordinal => {
+            if targets.dtype() != DType::U32 {
+                return Err(Error::DTypeMismatch { op: OP, lhs: targets.dtype(), rhs: DType::U32 });
+            }
+            if ignore.is_some() {
+                return Err(Error::UnsupportedDevice { op: "linear_cross_entropy (an ignore index with targets on the device: the mean's count is taken on the host)", device: targets.device() });
+            }
+            (targets.clone(), n)
+        }
+        other => return Err(Error::DeviceMismatch { op: OP, lhs: hidden.device(), rhs: other }),
+    };
+    // The logit gradient's factor, and the factor turning the mean of the N loss rows into the
+    // result: Σ/counted for the mean (NaN with nothing counted, as PyTorch), Σ for the sum.
+    let (grad_scale, loss_factor) = match options.reduction {
+        Reduction::Sum => (1.0, n as f32),
+        _ if counted == 0 => (0.0, f32::NAN),
+        _ => (1.0 / counted as f32, n as f32 / counted as f32),
+    };
+    let chunk = chunk_rows.clamp(1, n.max(1));
+    dispatch!(OP, hidden.dtype(), linear_cross_entropy_t(hidden, weight, &targets, classes, ignore, grad_scale, loss_factor, chunk))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear_cross_entropy_t<T: GpuFloat>(hidden: &Tensor, weight: &Tensor, targets: &Tensor, classes: usize, ignore: Option<u32>, grad_scale: f32, loss_factor: f32, chunk: usize) -> Result<Tensor> {
+    const OP: &str = "linear_cross_entropy";
+    let (ordinal, dev) = device_of(OP, hidden)?;
+    let (n, c, padded) = (hidden.shape()[0], hidden.shape()[1], weight.shape()[0]);
+    let grad_on = crate::autograd::is_grad_enabled();
+    let (want_h, want_w) = (grad_on && hidden.is_requires_grad(), grad_on && weight.is_requires_grad());
+    let mut losses = dev.alloc::<f32>(n)?;
+    let mut dh = if want_h { Some(dev.alloc::<T>(n * c)?) } else { None };
+    // The weight gradient sums over chunks in f32 (one rounding, in backward's scaling).
+    let mut dw = if want_w { Some(dev.alloc::<f32>(padded * c)?) } else { None };
+    {
+        let (hb, wb, tb) = (dense::<T>(OP, hidden)?, dense::<T>(OP, weight)?, dense_u32(OP, targets)?);
+        let mut logits = dev.alloc::<T>(chunk * padded)?;
+        for start in (0..n).step_by(chunk) {
+            let rows = chunk.min(n - start);
+            dev.gemm(&Gemm { trans_b: true, offsets: [start * c, 0, 0], ..Gemm::new(rows, padded, c) }, &hb, &wb, &mut logits)?;
+            dev.fused_classifier(&mut logits, rows, padded, classes, &tb, start, &mut losses, ignore, (want_h || want_w).then_some(grad_scale))?;
+            if let Some(dh) = dh.as_mut() {
+                dev.gemm(&Gemm { offsets: [0, 0, start * c], ..Gemm::new(rows, c, padded) }, &logits, &wb, dh)?;
+            }
+            if let Some(dw) = dw.as_mut() {
+                let beta = if start == 0 { 0.0 } else { 1.0 };
+                dev.gemm_f32_out(&Gemm { trans_a: true, beta, offsets: [0, start * c, 0], ..Gemm::new(padded, c, rows) }, &logits, &hb, dw)?;
+            }
+        }
+    }
+    let mut loss = dev.alloc::<f32>(1)?;
+    dev.mean_f32(&losses, &mut loss)?;
+    dev.scale_in_place(&mut loss, loss_factor)?;
+    let y = tensor_from(ordinal, DeviceData::F32(loss), &[]);
+    let dh = dh.map(|b| wrap(ordinal, b, &[n, c]));
+    let dw = dw.map(|b| wrap(ordinal, b, &[padded, c]));
+    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), DType::F32, OP, &[hidden, weight], move |g: &Tensor, _: &Tensor| {
+        let dev = device(ordinal)?;
+        let g = if g.dtype() == DType::F32 { g.clone() } else { cast(g, DType::F32)? };
+        let gb = dense::<f32>(OP, &g)?;
+        let gh = match &dh {
+            Some(made) => {
+                let mut out = dev.alloc::<T>(made.numel())?;
+                dev.scale_by_device(&*dense::<T>(OP, made)?, &gb, &mut out)?;
+                Some(wrap(ordinal, out, made.shape()))
+            }
+            None => None,
+        };
+        let gw = match &dw {
+            Some(made) => {
+                let mut out = dev.alloc::<T>(made.numel())?;
+                dev.scale_by_device_from_f32(&*dense::<f32>(OP, made)?, &gb, &mut out)?;
+                Some(wrap(ordinal, out, made.shape()))
+            }
+            None => None,
+        };
+        Ok(vec![gh, gw])
     }))
 }
 

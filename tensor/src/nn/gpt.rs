@@ -23,8 +23,14 @@ use rtx_kernels::DType;
 /// Sizes and options of a [`Gpt`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GptConfig {
-    /// Vocabulary size V.
+    /// Vocabulary size V: the tokens the model reads and predicts.
     pub vocab_size: usize,
+    /// The token table (and tied head) has V rounded up to a multiple of this many rows
+    /// ([`GptConfig::padded_vocab`]), as llm.c pads GPT-2's 50,257 tokens to 50,304 so the head's
+    /// GEMMs run on tensor-core-friendly shapes. The padding rows are never read by a token,
+    /// never predicted (the loss and [`Gpt::forward`] see only the first V logits) and get zero
+    /// gradient. 1 (the default) means no padding.
+    pub vocab_pad_multiple: usize,
     /// Longest sequence (rows of the position table).
     pub context: usize,
     /// Width C.
@@ -58,6 +64,7 @@ impl Default for GptConfig {
     fn default() -> Self {
         GptConfig {
             vocab_size: 50257,
+            vocab_pad_multiple: 1,
             context: 1024,
             d_model: 768,
             n_layers: 12,
@@ -72,6 +79,21 @@ impl Default for GptConfig {
             gelu: GeluApprox::Tanh,
         }
     }
+}
+
+impl GptConfig {
+    /// Rows of the token table: V rounded up to a multiple of `vocab_pad_multiple`.
+    pub fn padded_vocab(&self) -> usize {
+        self.vocab_size.div_ceil(self.vocab_pad_multiple.max(1)) * self.vocab_pad_multiple.max(1)
+    }
+}
+
+/// Rows of hidden states the fused head + loss takes per chunk: the chunk's logits hold at most
+/// 2^28 values (1 GiB in f32, 512 MiB in bf16), and the rows are split evenly over the chunks.
+pub fn head_chunk_rows(rows: usize, padded_vocab: usize) -> usize {
+    const MAX_CHUNK_LOGITS: usize = 1 << 28;
+    let chunks = (rows * padded_vocab).div_ceil(MAX_CHUNK_LOGITS).max(1);
+    rows.div_ceil(chunks).max(1)
 }
 
 /// A decoder-only transformer language model.
@@ -96,13 +118,16 @@ impl Gpt {
     /// A model with GPT-2 init drawn from `rng` in visit order.
     pub fn new(config: GptConfig, rng: &mut Generator) -> Result<Gpt> {
         let c = config;
-        if c.vocab_size == 0 || c.context == 0 || c.n_layers == 0 || c.mlp_ratio == 0 {
-            return Err(Error::InvalidArgument { op: "Gpt", reason: format!("vocab_size, context, n_layers and mlp_ratio must be positive: {c:?}") });
+        if c.vocab_size == 0 || c.vocab_pad_multiple == 0 || c.context == 0 || c.n_layers == 0 || c.mlp_ratio == 0 {
+            return Err(Error::InvalidArgument { op: "Gpt", reason: format!("vocab_size, vocab_pad_multiple, context, n_layers and mlp_ratio must be positive: {c:?}") });
         }
-        if u32::try_from(c.vocab_size).is_err() || u32::try_from(c.context).is_err() {
-            return Err(Error::InvalidArgument { op: "Gpt", reason: "vocab_size and context must fit in u32".into() });
+        if u32::try_from(c.padded_vocab()).is_err() || u32::try_from(c.context).is_err() {
+            return Err(Error::InvalidArgument { op: "Gpt", reason: "the padded vocabulary and context must fit in u32".into() });
         }
-        let tok_emb = Embedding::new(c.vocab_size, c.d_model, c.init_std, c.dtype, rng)?;
+        if !c.tie_embeddings && c.padded_vocab() != c.vocab_size {
+            return Err(Error::InvalidArgument { op: "Gpt", reason: "vocabulary padding is for the tied head (an untied head has V rows): set vocab_pad_multiple = 1".into() });
+        }
+        let tok_emb = Embedding::new(c.padded_vocab(), c.d_model, c.init_std, c.dtype, rng)?;
         let pos_emb = Embedding::new(c.context, c.d_model, c.init_std, c.dtype, rng)?;
         let block = BlockConfig {
             d_model: c.d_model,
@@ -152,6 +177,13 @@ impl Gpt {
         if ids.rank() != 2 || ids.shape()[1] == 0 || ids.shape()[1] > self.config.context {
             return Err(Error::BadShape { op: "Gpt", shape: ids.shape().to_vec(), reason: format!("ids must be [B, T] with 1 <= T <= context {}", self.config.context) });
         }
+        if self.config.padded_vocab() != self.config.vocab_size && ids.device() == rtx_kernels::Device::Cpu {
+            // The embedding checks ids against the padded table; a padding row is not a token.
+            let vocab = self.config.vocab_size;
+            if let Some(bad) = ids.to_u32_vec()?.into_iter().find(|&id| id as usize >= vocab) {
+                return Err(Error::IndexOutOfRange { op: "Gpt", index: bad as usize, size: vocab });
+            }
+        }
         let t = ids.shape()[1];
         let positions = Tensor::from_vec((0..t as u32).collect::<Vec<u32>>(), &[t])?;
         let x = self.tok_emb.forward(ids)?.add(&self.pos_emb.forward(&positions)?)?;
@@ -162,23 +194,43 @@ impl Gpt {
         self.ln_f.forward(&x)
     }
 
-    /// Logits `[B, T, V]` for `ids [B, T]`.
+    /// The head's weight: `[V, C]` untied, the whole (padded) token table when tied.
+    pub fn head_weight(&self) -> &Tensor {
+        match &self.lm_head {
+            Some(head) => &head.weight,
+            None => &self.tok_emb.weight,
+        }
+    }
+
+    /// Logits `[B, T, V]` for `ids [B, T]` (the padding rows of the table are not logits).
     pub fn forward(&self, ids: &Tensor, rng: &mut Generator) -> Result<Tensor> {
         let h = self.forward_hidden(ids, rng)?;
         match &self.lm_head {
             Some(head) => head.forward(&h),
-            None => h.linear(&self.tok_emb.weight, None),
+            None if self.config.padded_vocab() == self.config.vocab_size => h.linear(&self.tok_emb.weight, None),
+            // The padded logits are computed (dense operands on every device) and cut off.
+            None => h.linear(&self.tok_emb.weight, None)?.narrow(-1, 0, self.config.vocab_size),
         }
     }
 
     /// Mean next-token cross-entropy of `forward(ids)` against `targets [B, T]` (u32).
     pub fn loss(&self, ids: &Tensor, targets: &Tensor, rng: &mut Generator) -> Result<Tensor> {
-        let logits = self.forward(ids, rng)?;
-        let (b, t, v) = (logits.shape()[0], logits.shape()[1], logits.shape()[2]);
+        self.loss_with(ids, targets, CrossEntropyOptions::default(), rng)
+    }
+
+    /// Next-token cross-entropy (mean or sum, as `options` say) of `ids [B, T]` against
+    /// `targets [B, T]`, with the head and the loss fused ([`Tensor::linear_cross_entropy_valid`]):
+    /// the `[B·T, V]` logits are made and consumed [`head_chunk_rows`] rows at a time and never
+    /// exist whole.
+    pub fn loss_with(&self, ids: &Tensor, targets: &Tensor, options: CrossEntropyOptions, rng: &mut Generator) -> Result<Tensor> {
+        let h = self.forward_hidden(ids, rng)?;
+        let (b, t, c) = (h.shape()[0], h.shape()[1], h.shape()[2]);
         if targets.shape() != [b, t] {
             return Err(Error::ShapeMismatch { op: "Gpt::loss", lhs: ids.shape().to_vec(), rhs: targets.shape().to_vec() });
         }
-        logits.reshape(&[b * t, v])?.cross_entropy(&targets.reshape(&[b * t])?, CrossEntropyOptions::default())
+        let weight = self.head_weight();
+        let chunk = head_chunk_rows(b * t, weight.shape()[0]);
+        h.reshape(&[b * t, c])?.linear_cross_entropy_valid(weight, &targets.reshape(&[b * t])?, self.config.vocab_size, options, chunk)
     }
 
     /// Samples `n_new` tokens after `prompt` (one sequence), feeding at most the last `context`

@@ -35,7 +35,7 @@ pub mod jepa;
 pub use attention::MultiHeadAttention;
 pub use dropout::Dropout;
 pub use embedding::Embedding;
-pub use gpt::{Gpt, GptConfig};
+pub use gpt::{head_chunk_rows, Gpt, GptConfig};
 pub use linear::{Activation, Linear, Mlp};
 pub use norm::{LayerNorm, RmsNorm};
 pub use state_dict::{StateDictReport, StateMismatch};

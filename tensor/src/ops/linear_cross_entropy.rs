@@ -14,7 +14,9 @@
 //!
 //! Results equal the unfused `hidden.matmul(weightᵀ).cross_entropy(targets)` up to rounding
 //! (the loss is summed in f64 over chunks; `tests/linear_cross_entropy.rs` checks both ways).
-//! CPU tensors only for now; the CUDA form is issue 18's next step.
+//! On a CUDA device the same scheme runs as cuBLAS GEMMs per chunk around one fused kernel that
+//! turns the chunk's logits into its loss rows and, in place, its logit gradient
+//! (`crate::cuda::linear_cross_entropy`).
 
 use super::softmax::{CrossEntropyOptions, Reduction, Targets};
 use super::{check_float, check_same};
@@ -40,12 +42,24 @@ impl Tensor {
     /// logits: rows are processed `chunk_rows` at a time (module docs). `options` as for
     /// [`Tensor::cross_entropy`], with reduction mean or sum.
     pub fn linear_cross_entropy(&self, weight: &Tensor, targets: &Tensor, options: CrossEntropyOptions, chunk_rows: usize) -> Result<Tensor> {
+        self.linear_cross_entropy_valid(weight, targets, weight.shape().first().copied().unwrap_or(0), options, chunk_rows)
+    }
+
+    /// [`Tensor::linear_cross_entropy`] where only the first `classes` rows of `weight` are
+    /// classes and the rest are padding (a vocabulary padded to a GEMM-friendly size, as llm.c
+    /// pads GPT-2's 50,257 tokens to 50,304): the softmax runs over the first `classes` logits,
+    /// a target must be below `classes`, and the padding rows get a zero gradient. The result
+    /// equals `linear_cross_entropy` with `weight.narrow(0, 0, classes)`.
+    pub fn linear_cross_entropy_valid(&self, weight: &Tensor, targets: &Tensor, classes: usize, options: CrossEntropyOptions, chunk_rows: usize) -> Result<Tensor> {
         check_float(OP, self)?;
         check_same(OP, self, weight)?;
         if self.rank() != 2 || weight.rank() != 2 || self.shape()[1] != weight.shape()[1] {
             return Err(Error::ShapeMismatch { op: OP, lhs: self.shape().to_vec(), rhs: weight.shape().to_vec() });
         }
-        let (n, vocab) = (self.shape()[0], weight.shape()[0]);
+        let (n, rows) = (self.shape()[0], weight.shape()[0]);
+        if classes == 0 || classes > rows {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("classes {classes} must be in 1..={rows} (the weight's rows)") });
+        }
         if !matches!(targets.dtype(), DType::U32 | DType::I64) {
             return Err(Error::DTypeMismatch { op: OP, lhs: targets.dtype(), rhs: DType::I64 });
         }
@@ -61,10 +75,22 @@ impl Tensor {
         if !(0.0..1.0).contains(&options.label_smoothing) {
             return Err(Error::InvalidArgument { op: OP, reason: format!("label_smoothing {} outside [0, 1)", options.label_smoothing) });
         }
-        if self.device() != Device::Cpu {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::any_cuda(&[self, weight]) {
+            return crate::cuda::linear_cross_entropy(self, weight, targets, classes, options, chunk_rows);
+        }
+        if self.device() != Device::Cpu || weight.device() != Device::Cpu {
             return Err(Error::UnsupportedDevice { op: OP, device: self.device() });
         }
-        let spec = CrossEntropySpec { n_classes: vocab, ignore_index: options.ignore_index, label_smoothing: options.label_smoothing };
+        // The padding rows are cut off by a view, whose backward gives them a zero gradient.
+        let narrowed;
+        let weight = if classes < rows {
+            narrowed = weight.narrow(0, 0, classes)?;
+            &narrowed
+        } else {
+            weight
+        };
+        let spec = CrossEntropySpec { n_classes: classes, ignore_index: options.ignore_index, label_smoothing: options.label_smoothing };
         // Read before `no_grad`, which turns it off for the chunk ops.
         let want_grad = is_grad_enabled() && (self.is_requires_grad() || weight.is_requires_grad());
         let pass = no_grad(|| chunked_pass(self, weight, &Targets::of(targets)?, spec, chunk_rows, want_grad))?;
@@ -72,7 +98,7 @@ impl Tensor {
             Reduction::Sum => (pass.loss_sum, 1.0),
             // No counted row: 0/0 = NaN as PyTorch, and a zero gradient.
             Reduction::Mean if pass.counted == 0 => (f64::NAN, 0.0),
-            Reduction::Mean | Reduction::None => (pass.loss_sum / pass.counted as f64, 1.0 / pass.counted as f64),
+            _ => (pass.loss_sum / pass.counted as f64, 1.0 / pass.counted as f64),
         };
         let dtype = self.dtype();
         let out = Tensor::full(&[], value, dtype);
