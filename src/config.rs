@@ -14,6 +14,13 @@
 //! is the approximation GPT-2, nanoGPT and llm.c were trained with. Every GPT config in
 //! `configs/` names `"tanh"`, so runs started before the default changed keep their numbers.
 //!
+//! # Tokenizer (`[data] tokenizer`, text only)
+//! `tokenizer = "bytes"` (the default) trains a byte-level GPT: every byte is a token, vocabulary
+//! 256. `tokenizer = "gpt2"` reads GPT-2's 50,257 BPE tokens (the model's token table padded to
+//! 50,304 rows); the loss is then in nats per token, not per byte. Any other name, or a tokenizer
+//! on an image dataset, is refused here; so are pipeline and tensor parallelism with `"gpt2"`
+//! (their stages do not pad the vocabulary yet).
+//!
 //! # Device and precision (`[train] device`, `[train] precision`)
 //! `device = "cpu"` (the default) trains on host tensors in f32. `device = "cuda"` puts each
 //! worker's replica on one GPU: under `rtx launch` worker `i` takes `cuda:(i mod visible
@@ -250,7 +257,7 @@ pub enum ModelConfig {
         /// Activation between layers.
         activation: Activation,
     },
-    /// A byte-level GPT decoder (vocabulary 256).
+    /// A GPT decoder; its vocabulary comes from `[data] tokenizer` (256 bytes, or GPT-2's BPE).
     Gpt {
         /// Transformer blocks.
         n_layers: usize,
@@ -258,7 +265,7 @@ pub enum ModelConfig {
         d_model: usize,
         /// Attention heads (divides `d_model`).
         n_heads: usize,
-        /// Context length in bytes (also the training window).
+        /// Context length in tokens (bytes for the byte tokenizer; also the training window).
         context: usize,
         /// Dropout probability.
         dropout: f64,
@@ -340,6 +347,70 @@ pub struct DataConfig {
     pub val_fraction: f64,
     /// Samples (images, or text windows) per step.
     pub batch_size: usize,
+    /// How text becomes tokens (text datasets only; see [`Tokenizer`]). Left out of the
+    /// serialized config when it is the default, so the `[data]` section a byte run records in
+    /// its checkpoints is the one it recorded before the key existed (resume compares it).
+    #[serde(default, skip_serializing_if = "Tokenizer::is_bytes")]
+    pub tokenizer: Tokenizer,
+}
+
+/// `[data] tokenizer`: the tokens a GPT reads and predicts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tokenizer {
+    /// Every byte is a token (vocabulary 256): the byte-level GPT.
+    #[default]
+    Bytes,
+    /// GPT-2's byte-pair encoding (`r50k_base`, vocabulary 50,257, documents separated by
+    /// `<|endoftext|>`); the token table is padded to 50,304 rows as llm.c does. The corpus is
+    /// tokenized once into `<data>/sotu/gpt2-tokens.bin`.
+    Gpt2,
+}
+
+impl Tokenizer {
+    /// The name used in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tokenizer::Bytes => "bytes",
+            Tokenizer::Gpt2 => "gpt2",
+        }
+    }
+
+    /// Whether this is the byte tokenizer (the default).
+    pub fn is_bytes(&self) -> bool {
+        *self == Tokenizer::Bytes
+    }
+
+    /// The vocabulary V: the tokens the model reads and predicts.
+    pub fn vocab_size(self) -> usize {
+        match self {
+            Tokenizer::Bytes => GPT_VOCAB,
+            Tokenizer::Gpt2 => rtx_tensor::data::GPT2_VOCAB,
+        }
+    }
+
+    /// The token table's rows are a multiple of this (`nn::GptConfig::vocab_pad_multiple`):
+    /// 1 for bytes, 128 for GPT-2 (50,257 rows padded to 50,304, as llm.c).
+    pub fn vocab_pad_multiple(self) -> usize {
+        match self {
+            Tokenizer::Bytes => 1,
+            Tokenizer::Gpt2 => GPT2_VOCAB_PAD_MULTIPLE,
+        }
+    }
+
+    /// Rows of the token table: [`Tokenizer::vocab_size`] rounded up to
+    /// [`Tokenizer::vocab_pad_multiple`].
+    pub fn padded_vocab(self) -> usize {
+        self.vocab_size().div_ceil(self.vocab_pad_multiple()) * self.vocab_pad_multiple()
+    }
+
+    /// What one token is, for log lines and units (`nats/byte`, `nats/token`).
+    pub fn unit(self) -> &'static str {
+        match self {
+            Tokenizer::Bytes => "byte",
+            Tokenizer::Gpt2 => "token",
+        }
+    }
 }
 
 /// Optimizer settings.
@@ -452,7 +523,7 @@ pub struct SampleConfig {
     /// Text the sample continues.
     #[serde(default = "default_prompt")]
     pub prompt: String,
-    /// Bytes to generate.
+    /// Tokens to generate (bytes with the byte tokenizer).
     #[serde(default = "default_sample_length")]
     pub length: usize,
     /// Softmax temperature (> 0).
@@ -470,6 +541,8 @@ impl Default for SampleConfig {
 const MLP_DIMS: rtx_pipelines::ModelDims = rtx_pipelines::ModelDims { layers: 1, heads: 1, vocab: 1, mlp_hidden: 1 };
 /// The byte-level GPT's vocabulary.
 const GPT_VOCAB: usize = 256;
+/// GPT-2's vocabulary is padded to a multiple of this (50,257 → 50,304 = 393 · 128).
+const GPT2_VOCAB_PAD_MULTIPLE: usize = 128;
 /// The GPT's feed-forward width as a multiple of `d_model` (`nn::GptConfig::default().mlp_ratio`).
 const GPT_MLP_RATIO: usize = 4;
 
@@ -615,12 +688,12 @@ impl TrainConfig {
         })
     }
 
-    /// The model's layout for planning: a GPT's dimensions (byte vocabulary, MLP width 4·C, tied
-    /// head, as `train::model` builds it); `None` for an MLP.
+    /// The model's layout for planning: a GPT's dimensions (the tokenizer's padded vocabulary,
+    /// MLP width 4·C, tied head, as `train::model` builds it); `None` for an MLP.
     pub fn model_layout(&self) -> Option<ModelLayout> {
         match self.model {
             ModelConfig::Gpt { n_layers, d_model, n_heads, context, .. } => {
-                Some(ModelLayout { layers: n_layers, d_model, heads: n_heads, vocab: GPT_VOCAB, context, mlp_hidden: GPT_MLP_RATIO * d_model, tied: true })
+                Some(ModelLayout { layers: n_layers, d_model, heads: n_heads, vocab: self.data.tokenizer.padded_vocab(), context, mlp_hidden: GPT_MLP_RATIO * d_model, tied: true })
             }
             ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => None,
         }
@@ -703,6 +776,9 @@ impl Validator<'_> {
             }
             _ => {}
         }
+        if data.tokenizer != Tokenizer::Bytes && data.dataset.is_image() {
+            return Err(self.invalid("data.tokenizer", format!("\"{}\"", data.tokenizer.name()), format!("a tokenizer turns text into tokens: data.dataset = \"{}\" is images (use \"sotu\" with model.kind = \"gpt\", or leave data.tokenizer out)", data.dataset.name())));
+        }
         let optim = self.optim(raw.optim)?;
         let train = raw.train;
         if train.steps == 0 {
@@ -753,6 +829,13 @@ impl Validator<'_> {
     /// `[parallel]` against the model and the batch (not the world: see [`TrainConfig::mesh`]).
     fn parallel(&self, config: &TrainConfig) -> Result<(), ConfigError> {
         let p = &config.parallel;
+        if config.data.tokenizer != Tokenizer::Bytes {
+            for (key, value) in [("parallel.pp", p.pp), ("parallel.tp", p.tp)] {
+                if value > 1 {
+                    return Err(self.invalid(key, value, format!("data.tokenizer = \"{}\" pads the token table to {} rows, which pipeline and tensor parallel stages do not support yet: train it with dp (and zero) only", config.data.tokenizer.name(), config.data.tokenizer.padded_vocab())));
+                }
+            }
+        }
         let dims = match config.model_layout() {
             Some(layout) => layout.dims(),
             None => {
@@ -1133,6 +1216,40 @@ steps = 5
         assert!(e.contains("does not divide 6"), "{e}");
         let e = c.mesh(2).unwrap_err().to_string();
         assert!(e.contains("= 4 ranks") && e.contains("world has 2"), "{e}");
+    }
+
+    #[test]
+    fn tokenizer_defaults_to_bytes_and_gpt2_is_for_text_only() {
+        // Goal: `[data] tokenizer` is optional (bytes, recorded exactly as before the key
+        // existed), "gpt2" sets the model's vocabulary, and every misuse is a typed error naming
+        // the key, the value and why. Method: parse inline configs, one change at a time.
+        let bytes = TrainConfig::from_toml_str(GPT).expect("valid");
+        assert_eq!(bytes.data.tokenizer, Tokenizer::Bytes);
+        let data = serde_json::to_value(&bytes.data).expect("json");
+        assert!(data.get("tokenizer").is_none(), "a byte run's [data] section changed: {data}");
+        assert_eq!(bytes.model_layout().expect("gpt").vocab, 256);
+        let explicit = TrainConfig::from_toml_str(&GPT.replace("batch_size = 8", "batch_size = 8\ntokenizer = \"bytes\"")).expect("valid");
+        assert_eq!(explicit, bytes);
+
+        let gpt2 = TrainConfig::from_toml_str(&GPT.replace("batch_size = 8", "batch_size = 8\ntokenizer = \"gpt2\"")).expect("valid");
+        assert_eq!(gpt2.data.tokenizer, Tokenizer::Gpt2);
+        assert_eq!((gpt2.data.tokenizer.vocab_size(), gpt2.data.tokenizer.padded_vocab()), (50_257, 50_304));
+        assert_eq!(gpt2.model_layout().expect("gpt").vocab, 50_304);
+        let data = serde_json::to_value(&gpt2.data).expect("json");
+        assert_eq!(data.get("tokenizer").and_then(|t| t.as_str()), Some("gpt2"));
+
+        let e = err(&GPT.replace("batch_size = 8", "batch_size = 8\ntokenizer = \"sentencepiece\""));
+        assert!(e.contains("unknown variant `sentencepiece`") && e.contains("`bytes`") && e.contains("`gpt2`"), "{e}");
+        let e = err(&MLP.replace("batch_size = 16", "batch_size = 16\ntokenizer = \"gpt2\""));
+        assert!(e.contains("`data.tokenizer` = \"gpt2\"") && e.contains("\"digits\" is images"), "{e}");
+        // Bytes on images is the default, so writing it is harmless.
+        TrainConfig::from_toml_str(&MLP.replace("batch_size = 16", "batch_size = 16\ntokenizer = \"bytes\"")).expect("valid");
+        let with_gpt2 = GPT.replace("batch_size = 8", "batch_size = 8\ntokenizer = \"gpt2\"");
+        let e = err(&format!("{with_gpt2}\n[parallel]\npp = 2\n"));
+        assert!(e.contains("`parallel.pp` = 2") && e.contains("gpt2") && e.contains("50304 rows"), "{e}");
+        let e = err(&format!("{with_gpt2}\n[parallel]\ntp = 2\n"));
+        assert!(e.contains("`parallel.tp` = 2"), "{e}");
+        TrainConfig::from_toml_str(&format!("{with_gpt2}\n[parallel]\nzero = 1\n")).expect("data parallelism takes gpt2");
     }
 
     #[test]

@@ -412,7 +412,11 @@ async fn follow(mut supervisor: SupervisorHandle, job: &JobFiles, verbosity: Ver
     }
     joined?;
     let (eval, identical, overhead, outside) = finished.ok_or_else(|| anyhow!("the supervisor stopped without finishing the job"))?;
-    let eval_text: Vec<String> = eval.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
+    let mut eval_text: Vec<String> = eval.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
+    if !job.config.data.dataset.is_image() && !eval_text.is_empty() {
+        // Text losses and the unigram entropy are per token of the configured tokenizer.
+        eval_text.push(format!("in nats/{}", job.config.data.tokenizer.unit()));
+    }
     progress.line(&format!("done in {:.1}s: {} | replicas bit-identical: {identical} | runtime control overhead {:.2}% of step time ({:.2}% outside training steps)", job.seconds(), eval_text.join(", "), overhead * 100.0, outside * 100.0));
     summary["eval"] = json!(eval.iter().cloned().collect::<std::collections::BTreeMap<String, f64>>());
     summary["replicas_identical"] = json!(identical);

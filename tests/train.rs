@@ -1,13 +1,15 @@
 //! The library trainer (`rustytorch::train`): resume is bit-exact and runs are deterministic.
 //!
 //! Data: the digits fixture committed at `tensor/tests/fixtures/digits.csv.gz` (copied into a
-//! temporary data folder) and a small synthetic text corpus, so no download is needed.
+//! temporary data folder) and a small synthetic text corpus, so no download is needed; except the
+//! GPT-2 tokenizer run of `configs/gpt2_bpe_tiny.toml`, which reads the real SOTU corpus
+//! (`bash scripts/fetch-data.sh`) and writes its token cache there, as `rtx train` does.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
 
 use rustytorch::config::TrainConfig;
-use rustytorch::data::DataRoot;
+use rustytorch::data::{tokenize_corpus_cached, DataRoot, Gpt2Tokenizer, TextCorpus, GPT2_EOT};
 use rustytorch::train::{self, TrainError, TrainOptions, Trainer};
 
 const DIGITS_MLP: &str = r#"
@@ -179,7 +181,10 @@ fn fresh_run_refuses_an_output_folder_with_checkpoints() {
     // same folder is refused with a message naming --resume.
     let tmp = tempfile::tempdir().unwrap();
     let data = data_dir(tmp.path(), false);
-    let config = TrainConfig::from_toml_str(&DIGITS_MLP.replace("steps = 30\n", "steps = 4\n").replace("total_steps = 30", "total_steps = 4").replace("warmup_steps = 5", "warmup_steps = 1")).unwrap();
+    let config = TrainConfig::from_toml_str(
+        &DIGITS_MLP.replace("steps = 30\n", "steps = 4\n").replace("total_steps = 30", "total_steps = 4").replace("warmup_steps = 5", "warmup_steps = 1"),
+    )
+    .unwrap();
     let out = tmp.path().join("out");
     train::run(&config, options(&data, out.clone(), false)).unwrap();
     match train::run(&config, options(&data, out.clone(), false)) {
@@ -208,4 +213,100 @@ fn resume_with_a_different_model_is_refused() {
     let other = TrainConfig::from_toml_str(&DIGITS_MLP.replace("hidden = [24, 16]", "hidden = [24]")).unwrap();
     let err = Trainer::new(other, options(&data, out, true)).err().expect("must refuse");
     assert!(err.to_string().contains("[model]"), "{err}");
+}
+
+#[test]
+fn gpt2_tokenizer_trains_the_tiny_config_on_sotu() {
+    // Goal: `[data] tokenizer = "gpt2"` trains end to end through the CLI's entry
+    // (`train::run_file`): the corpus is tokenized (or its cache read), the model predicts 50,257
+    // tokens, so the first loss is ln(50257) = 10.82 nats/token at init, and it falls; the sample
+    // is decoded text. Method: configs/gpt2_bpe_tiny.toml on the real SOTU corpus, stopped after 12
+    // steps (`--steps 12`), with a 2-step warmup instead of 50 (so 12 steps reach the peak rate: the
+    // loss falls ~0.4 nats) and a smaller validation tail so the final evaluation stays short.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("configs/gpt2_bpe_tiny.toml")).unwrap();
+    let text =
+        text.replace("val_fraction = 0.02", "val_fraction = 0.002").replace("length = 100", "length = 20").replace("warmup_steps = 50", "warmup_steps = 2");
+    let tmp = tempfile::tempdir().unwrap();
+    let config_path = tmp.path().join("gpt2_bpe_tiny.toml");
+    std::fs::write(&config_path, &text).unwrap();
+    let data = DataRoot::new(root.join("data"));
+    let options = TrainOptions { stop_at: Some(12), ..options(&data, tmp.path().join("out"), false) };
+    let report = train::run_file(&config_path, options).unwrap();
+    assert_eq!(report.losses.len(), 12);
+    assert!(report.losses.iter().all(|l| l.is_finite()), "{:?}", report.losses);
+    let ln_v = (50_257f64).ln();
+    assert!((report.losses[0] - ln_v).abs() < 0.1, "first loss {} vs ln(50257) = {ln_v}", report.losses[0]);
+    let last = report.losses[9..].iter().sum::<f64>() / 3.0;
+    assert!(last < report.losses[0] - 0.2, "the loss did not fall: {:?}", report.losses);
+    assert!(report.val.loss.is_finite() && report.val.loss < ln_v + 0.1, "{:?}", report.val);
+    assert_eq!(report.text_unit, Some("token"));
+    let h = report.unigram_entropy_nats.unwrap();
+    assert!(h > 5.0 && h < ln_v, "unigram entropy {h} nats/token");
+    // Tied 50,304-row token table (padded), 64-row positions, two blocks of C 64.
+    assert_eq!(report.parameters, 50_304 * 64 + 64 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64);
+    let sample = report.sample.unwrap();
+    assert!(sample.starts_with("Fellow-Citizens of the Senate and House of Representatives:") && sample.len() > 60, "{sample}");
+    assert!(data.sotu().join("gpt2-tokens.bin").exists());
+    let summary = train::summary(&train::TrainReport { sample: None, ..report }).join("\n");
+    assert!(summary.contains("nats/token") && !summary.contains("nats/byte"), "{summary}");
+}
+
+#[test]
+fn a_damaged_or_stale_gpt2_token_cache_is_rebuilt_by_the_run() {
+    // Goal: a run never trains on a cache made from other text or a damaged one: the trainer
+    // rebuilds `<data>/sotu/gpt2-tokens.bin` from the corpus. Method: a synthetic corpus; garbage,
+    // a truncated file and a cache of other text in place of the cache; each time the file after
+    // `Trainer::new` is the one a fresh tokenization writes, and training steps.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data_dir(tmp.path(), true);
+    let gpt = r#"
+[model]
+kind = "gpt"
+gelu = "tanh"
+n_layers = 1
+d_model = 16
+n_heads = 2
+context = 16
+
+[data]
+dataset = "sotu"
+tokenizer = "gpt2"
+batch_size = 4
+
+[optim]
+kind = "adamw"
+lr = 1e-3
+
+[train]
+steps = 2
+"#;
+    let config = TrainConfig::from_toml_str(gpt).unwrap();
+    let cache = data.sotu().join("gpt2-tokens.bin");
+    let corpus = TextCorpus::load_dir(&data.sotu()).unwrap();
+    let reference = tmp.path().join("reference.bin");
+    let expected_ids = tokenize_corpus_cached(&corpus, &reference).unwrap();
+    let expected = std::fs::read(&reference).unwrap();
+    // The ids are GPT-2's: each document encoded alone and followed by <|endoftext|>.
+    let t = Gpt2Tokenizer::new().unwrap();
+    let first_doc = std::fs::read_to_string(data.sotu().join("1790_a.txt")).unwrap();
+    assert_eq!(expected_ids[..expected_ids.iter().position(|&i| i == GPT2_EOT).unwrap()], t.encode(&first_doc)[..]);
+    let other = TextCorpus::from_documents([("x.txt", b"Hello world".to_vec())]);
+    let stale = tmp.path().join("stale.bin");
+    tokenize_corpus_cached(&other, &stale).unwrap();
+    let damaged: Vec<(&str, Vec<u8>)> = vec![
+        ("garbage", b"not a token cache".to_vec()),
+        ("truncated", expected[..expected.len() - 3].to_vec()),
+        ("other text", std::fs::read(&stale).unwrap()),
+    ];
+    for (i, (what, bytes)) in damaged.into_iter().enumerate() {
+        std::fs::write(&cache, &bytes).unwrap();
+        let mut trainer = Trainer::new(config.clone(), options(&data, tmp.path().join(format!("out{i}")), false)).unwrap();
+        assert_eq!(std::fs::read(&cache).unwrap(), expected, "{what}: the cache was not rebuilt");
+        trainer.train_until(2).unwrap();
+        assert_eq!(trainer.step(), 2);
+    }
+    let leftovers: Vec<_> =
+        std::fs::read_dir(data.sotu()).unwrap().map(|e| e.unwrap().file_name()).filter(|n| n.to_string_lossy().contains("staging")).collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
 }

@@ -146,7 +146,7 @@ impl ElasticJob {
                 super::task::image_batch(&s.train, &order[start..end], s.mean, s.std).map_err(|e| e.to_string())
             }
             TaskData::Text(s) => {
-                let b = s.sampler.batch(&s.train, step).map_err(|e| e.to_string())?;
+                let b = s.train.batch(&s.sampler, step).map_err(|e| e.to_string())?;
                 super::task::text_batch(b).map_err(|e| e.to_string())
             }
         }
@@ -316,7 +316,7 @@ impl TrainJob for ElasticJob {
             Schedule::Interleaved => ScheduleKind::Interleaved { chunks: p.chunks() },
             Schedule::ZbH1 => ScheduleKind::ZeroBubbleH1,
         };
-        let (model, n_classes, seed, config, placement) = (self.config.model.clone(), self.data.n_classes(), self.config.train.seed, self.config.clone(), self.placement);
+        let (model, n_classes, pad, seed, config, placement) = (self.config.model.clone(), self.data.n_classes(), self.data.vocab_pad_multiple(), self.config.train.seed, self.config.clone(), self.placement);
         let virtual_stages = p.pp * p.chunks();
         // Config validation made `virtual_stages <= layers`; should the partition still fail, every
         // member's build reports it (training the job replicated instead would hide it).
@@ -329,7 +329,7 @@ impl TrainJob for ElasticJob {
             (None, Some(layout)) => partition_layers(&layout.static_costs(), virtual_stages).map_err(|e| format!("partitioning the layers over {virtual_stages} virtual stages: {e}")),
         };
         let build = move |request: &StageRequest| -> Result<(BoxedStage, Box<dyn optim::Optimizer + Send>), String> {
-            let Model::Gpt(gpt) = Model::build(&model, None, n_classes, &mut Generator::new(seed)).map_err(|e| e.to_string())? else {
+            let Model::Gpt(gpt) = Model::build(&model, None, n_classes, pad, &mut Generator::new(seed)).map_err(|e| e.to_string())? else {
                 return Err("pipeline and tensor parallelism train a GPT".into());
             };
             let layers = layers.as_ref().map_err(Clone::clone)?;

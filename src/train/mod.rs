@@ -42,11 +42,11 @@ mod task;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use rtx_tensor::data::{DataError, DataRoot};
+use rtx_tensor::data::{DataError, DataRoot, Gpt2Tokenizer};
 use rtx_tensor::nn::Module;
 use rtx_tensor::{Generator, Reduction, Tensor};
 
-use crate::config::{ConfigError, ModelConfig, TrainConfig};
+use crate::config::{ConfigError, ModelConfig, Tokenizer, TrainConfig};
 use crate::metrics::{MetricRecord, MetricsError, MetricsWriter};
 use crate::plot::{self, PlotError};
 use crate::progress::{human, Progress, Verbosity};
@@ -153,11 +153,12 @@ impl TrainOptions {
 /// The result of an evaluation pass.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EvalResult {
-    /// Mean cross-entropy per target (per image, or per byte in nats).
+    /// Mean cross-entropy per target (per image, or per text token in nats: per byte with the
+    /// byte tokenizer).
     pub loss: f64,
     /// Classification accuracy, for image tasks.
     pub accuracy: Option<f64>,
-    /// Targets evaluated (images or bytes).
+    /// Targets evaluated (images, or text tokens).
     pub targets: usize,
 }
 
@@ -174,8 +175,12 @@ pub struct TrainReport {
     pub test: Option<EvalResult>,
     /// Final frozen-feature evaluation of an I-JEPA run (every train and test image).
     pub probes: Option<ProbeReport>,
-    /// Unigram entropy of the corpus in nats per byte (text tasks).
+    /// Unigram entropy of the corpus in nats per token (text tasks; per byte with the byte
+    /// tokenizer).
     pub unigram_entropy_nats: Option<f64>,
+    /// What one text token is (`"byte"`, or `"token"` for GPT-2's BPE): the unit of the text
+    /// losses and entropy, `nats/<unit>`. `None` for images.
+    pub text_unit: Option<&'static str>,
     /// Generated text (GPT).
     pub sample: Option<String>,
     /// Training throughput over this process's steps: images or tokens per second.
@@ -498,7 +503,10 @@ impl Trainer {
         let records = crate::metrics::read_metrics(self.metrics.path())?;
         let title = match &self.config.model {
             ModelConfig::Mlp { .. } => format!("MLP on {}", self.config.data.dataset.name()),
-            ModelConfig::Gpt { .. } => format!("byte GPT on {}", self.config.data.dataset.name()),
+            ModelConfig::Gpt { .. } => match self.config.data.tokenizer {
+                Tokenizer::Bytes => format!("byte GPT on {} (nats/byte)", self.config.data.dataset.name()),
+                Tokenizer::Gpt2 => format!("GPT-2 BPE GPT on {} (nats/token)", self.config.data.dataset.name()),
+            },
             ModelConfig::IJepa { .. } => format!("I-JEPA ViT on {} (latent loss, probe accuracy)", self.config.data.dataset.name()),
         };
         let baseline = self.data.text().map(|t| (t.entropy_nats, "corpus unigram entropy"));
@@ -537,6 +545,7 @@ impl Trainer {
             test,
             probes,
             unigram_entropy_nats: entropy,
+            text_unit: self.data.text().map(|t| t.tokenizer.unit()),
             sample,
             throughput,
             throughput_unit: self.unit(),
@@ -579,16 +588,28 @@ impl Trainer {
         Ok(report)
     }
 
-    /// Generates `[sample] length` bytes after the prompt (GPT only).
+    /// Generates `[sample] length` tokens after the prompt (GPT only): bytes, or GPT-2 tokens
+    /// (the prompt encoded and the whole sample decoded by the tokenizer).
     fn sample(&mut self) -> Result<Option<String>> {
         let Model::Gpt(gpt) = &mut self.model else { return Ok(None) };
         let s = &self.config.sample;
         let mut rng = Generator::with_stream(self.config.train.seed, SAMPLE_STREAM);
+        let tokenizer = match self.config.data.tokenizer {
+            Tokenizer::Bytes => None,
+            Tokenizer::Gpt2 => Some(Gpt2Tokenizer::new()?),
+        };
+        let prompt: Vec<u32> = match &tokenizer {
+            None => s.prompt.bytes().map(u32::from).collect(),
+            Some(t) => t.encode(&s.prompt),
+        };
         gpt.set_training(false);
-        let prompt: Vec<u32> = s.prompt.bytes().map(u32::from).collect();
         let out = rtx_tensor::no_grad(|| gpt.generate(&prompt, s.length, s.temperature, None, &mut rng));
         gpt.set_training(true);
-        let bytes: Vec<u8> = s.prompt.bytes().chain(out?.into_iter().map(|b| b.min(255) as u8)).collect();
+        let bytes: Vec<u8> = match &tokenizer {
+            None => s.prompt.bytes().chain(out?.into_iter().map(|b| b.min(255) as u8)).collect(),
+            // The model never predicts a padding row, so every id decodes.
+            Some(t) => t.decode_bytes(&[prompt, out?].concat())?,
+        };
         Ok(Some(String::from_utf8_lossy(&bytes).into_owned()))
     }
 
@@ -644,7 +665,10 @@ pub fn summary(r: &TrainReport) -> Vec<String> {
     match r.val.accuracy {
         Some(acc) => lines.push(format!("validation: loss {:.4}, accuracy {:.2}% ({} images)", r.val.loss, acc * 100.0, r.val.targets)),
         None if r.probes.is_some() => lines.push(format!("validation latent loss: {:.4} ({} images)", r.val.loss, r.val.targets)),
-        None => lines.push(format!("validation loss: {:.4} nats/byte ({} bytes)", r.val.loss, r.val.targets)),
+        None => {
+            let unit = r.text_unit.unwrap_or("byte");
+            lines.push(format!("validation loss: {:.4} nats/{unit} ({} {unit}s)", r.val.loss, r.val.targets));
+        }
     }
     if let Some(t) = &r.test {
         match t.accuracy {
@@ -657,7 +681,8 @@ pub fn summary(r: &TrainReport) -> Vec<String> {
         lines.push(format!("frozen features: linear probe {:.2}%, k-NN {:.2}% ({} train / {} test images){pixels}", p.probe_acc * 100.0, p.knn_acc * 100.0, p.train_images, p.test_images));
     }
     if let Some(h) = r.unigram_entropy_nats {
-        lines.push(format!("corpus unigram entropy: {h:.4} nats/byte; validation loss is {:.4} below it ({:.1}%)", h - r.val.loss, 100.0 * (h - r.val.loss) / h));
+        let unit = r.text_unit.unwrap_or("byte");
+        lines.push(format!("corpus unigram entropy: {h:.4} nats/{unit}; validation loss is {:.4} below it ({:.1}%)", h - r.val.loss, 100.0 * (h - r.val.loss) / h));
     }
     if let Some(s) = &r.sample {
         lines.push("sample:".into());

@@ -1,8 +1,12 @@
-//! The model of a run: an [`Mlp`] on flattened images, a byte-level [`Gpt`] or an I-JEPA ViT, behind one enum
-//! so the loop does not care which.
+//! The model of a run: an [`Mlp`] on flattened images, a [`Gpt`] on bytes or GPT-2 tokens, or an
+//! I-JEPA ViT, behind one enum so the loop does not care which.
+//!
+//! A GPT's loss is [`Gpt::loss_with`] on every device: the head and the cross-entropy fused, so
+//! the `[B·T, V]` logits of a 50k-token vocabulary never exist whole (mean for training, sum for
+//! evaluation).
 
 use rtx_tensor::nn::{self, Mlp, Module};
-use rtx_tensor::{CrossEntropyOptions, DType, Device, Generator, Reduction, Tensor};
+use rtx_tensor::{CrossEntropyOptions, DType, Generator, Reduction, Tensor};
 
 use crate::config::{Activation, ModelConfig, TrainConfig};
 
@@ -14,7 +18,7 @@ use super::Result;
 pub enum Model {
     /// Image classifier.
     Mlp(Mlp),
-    /// Byte-level language model.
+    /// Language model (bytes or GPT-2 tokens).
     Gpt(Box<nn::Gpt>),
     /// I-JEPA encoder, predictor and EMA target encoder, with its masks and image shape.
     IJepa(Box<nn::IJepa>, Box<JepaSetup>),
@@ -30,8 +34,9 @@ pub(crate) struct BatchLoss {
 
 impl Model {
     /// Builds the model of `config`, drawing its initial parameters from `rng`. `in_features`
-    /// and `n_classes` come from the dataset.
-    pub(crate) fn build(config: &ModelConfig, in_features: Option<usize>, n_classes: usize, rng: &mut Generator) -> Result<Model> {
+    /// and `n_classes` come from the dataset (a GPT's vocabulary: the tokenizer's), and a GPT's
+    /// token table is padded to a multiple of `vocab_pad_multiple` rows.
+    pub(crate) fn build(config: &ModelConfig, in_features: Option<usize>, n_classes: usize, vocab_pad_multiple: usize, rng: &mut Generator) -> Result<Model> {
         match config {
             ModelConfig::Mlp { hidden, activation } => {
                 let input = in_features.ok_or_else(|| super::TrainError::Internal("an MLP needs image data".into()))?;
@@ -43,7 +48,7 @@ impl Model {
                     crate::config::Gelu::None => rtx_tensor::GeluApprox::None,
                     crate::config::Gelu::Tanh => rtx_tensor::GeluApprox::Tanh,
                 };
-                let cfg = nn::GptConfig { vocab_size: n_classes, context: *context, n_layers: *n_layers, d_model: *d_model, n_heads: *n_heads, dropout: *dropout, dtype: DType::F32, gelu, ..nn::GptConfig::default() };
+                let cfg = nn::GptConfig { vocab_size: n_classes, vocab_pad_multiple, context: *context, n_layers: *n_layers, d_model: *d_model, n_heads: *n_heads, dropout: *dropout, dtype: DType::F32, gelu, ..nn::GptConfig::default() };
                 Ok(Model::Gpt(Box::new(nn::Gpt::new(cfg, rng)?)))
             }
             ModelConfig::IJepa { .. } => Err(super::TrainError::Internal("an I-JEPA model is built by Model::for_config".into())),
@@ -58,7 +63,7 @@ impl Model {
                 let (model, setup) = super::jepa::build(config, image, rng)?;
                 Ok(Model::IJepa(Box::new(model), Box::new(setup)))
             }
-            other => Model::build(other, data.input_features(), data.n_classes(), rng),
+            other => Model::build(other, data.input_features(), data.n_classes(), data.vocab_pad_multiple(), rng),
         }
     }
 
@@ -106,15 +111,7 @@ impl Model {
                 Ok(BatchLoss { loss, correct, feature_std: None })
             }
             Model::Gpt(m) => {
-                let logits = m.forward(&batch.inputs, rng)?;
-                let loss = match logits.device() {
-                    Device::Cpu => logits.cross_entropy(&batch.targets, options)?,
-                    // The device kernel takes [N, V] logits (a view: no copy).
-                    _ => {
-                        let (n, v) = (batch.targets.numel(), logits.shape()[logits.rank() - 1]);
-                        logits.reshape(&[n, v])?.cross_entropy(&batch.targets.reshape(&[n])?, options)?
-                    }
-                };
+                let loss = m.loss_with(&batch.inputs, &batch.targets, options, rng)?;
                 Ok(BatchLoss { loss, correct: None, feature_std: None })
             }
             Model::IJepa(m, setup) => {

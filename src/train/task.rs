@@ -6,17 +6,42 @@
 //! normalized with the mean and standard deviation of the training part. Batches come from a
 //! [`Sampler`] whose [`Cursor`] is saved in checkpoints.
 //!
-//! Text: the corpus is split with [`TextCorpus::train_val_split`] (the tail of every document
-//! is validation); batch `k` is [`TextWindowSampler::batch`]`(train, k)`, so the step number is
-//! the whole cursor.
+//! Text: the tail `val_fraction` of every document is validation; batch `k` is
+//! [`TextWindowSampler::batch`]`(train, k)`, so the step number is the whole cursor. The tokens
+//! depend on `[data] tokenizer`:
+//! - `"bytes"`: the corpus is split with [`TextCorpus::train_val_split`] (the cut moved to a
+//!   character boundary) and each split's bytes are the tokens, nothing between documents.
+//! - `"gpt2"`: the whole corpus is tokenized once by [`tokenize_corpus_cached`] into
+//!   `<data>/sotu/gpt2-tokens.bin` (each document encoded on its own and followed by
+//!   `<|endoftext|>`; later runs read the cache, rebuilt when the text changed or the file is
+//!   damaged).
+//!
+//! **Decision:** with GPT-2 tokens the split is made on each document's tokens, not on its
+//! bytes: document `d`'s `n` tokens are cut at `round(n · (1 − val_fraction))`, the same rule
+//! the bytes use, counted in tokens. Every piece (a document's head in train, its tail in
+//! validation) is followed by [`GPT2_EOT`], so documents stay apart in both streams as in
+//! GPT-2's training data, and no window reads from one speech into the next without the
+//! separator. Cutting token lists keeps one tokenization of the corpus, the cached one:
+//! splitting the bytes first and encoding each split would need a cache per split and
+//! `val_fraction`, and would encode the words at the cut differently from the whole text. Cost:
+//! a head piece in train ends with `<|endoftext|>` although its speech goes on in validation.
+//!
+//! The unigram entropy printed beside the loss is over the unit the model predicts: bytes, or
+//! GPT-2 tokens of the whole stream (`<|endoftext|>` included), in nats per byte or per token.
 
-use rtx_tensor::data::{load_digits_csv, load_fashion_mnist, train_val_split, Cursor, DataRoot, ImageDataset, Sampler, Split, TextCorpus, TextWindowSampler};
+use rtx_tensor::data::{
+    load_digits_csv, load_fashion_mnist, tokenize_corpus_cached, train_val_split, Cursor, DataError, DataRoot, ImageDataset, Sampler, Split, TextBatch,
+    TextCorpus, TextWindowSampler, GPT2_EOT, GPT2_VOCAB,
+};
 use rtx_tensor::nn::JepaMasks;
 use rtx_tensor::Tensor;
 
-use crate::config::{Dataset, TrainConfig};
+use crate::config::{Dataset, Tokenizer, TrainConfig};
 
 use super::{Result, TrainError};
+
+/// The GPT-2 token cache's file name inside the corpus folder.
+pub(crate) const GPT2_CACHE_FILE: &str = "gpt2-tokens.bin";
 
 /// Images of one split, ready to batch.
 pub(crate) struct ImageSplits {
@@ -30,13 +55,49 @@ pub(crate) struct ImageSplits {
 
 /// A text corpus split for language modelling.
 pub(crate) struct TextSplits {
-    pub(crate) train: Vec<u8>,
-    pub(crate) val: Vec<u8>,
-    /// Unigram entropy of the whole corpus in nats per byte.
+    /// How the text became tokens.
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) train: Tokens,
+    pub(crate) val: Tokens,
+    /// Unigram entropy of the whole corpus in nats per token (per byte for bytes).
     pub(crate) entropy_nats: f64,
     pub(crate) corpus_bytes: usize,
+    /// Tokens of the whole corpus (its bytes for bytes; with every `<|endoftext|>` for GPT-2).
+    pub(crate) corpus_tokens: usize,
     pub(crate) sampler: TextWindowSampler,
     pub(crate) eval_sampler: TextWindowSampler,
+}
+
+/// One split's token stream: bytes as they are (the byte tokenizer), or token ids.
+pub(crate) enum Tokens {
+    Bytes(Vec<u8>),
+    Ids(Vec<u32>),
+}
+
+impl Tokens {
+    /// Tokens in the stream.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Tokens::Bytes(b) => b.len(),
+            Tokens::Ids(t) => t.len(),
+        }
+    }
+
+    /// The training batch of `step` (bytes widen to the same `u32` values as before ids existed).
+    pub(crate) fn batch(&self, sampler: &TextWindowSampler, step: u64) -> rtx_tensor::data::Result<TextBatch> {
+        match self {
+            Tokens::Bytes(b) => sampler.batch(b, step),
+            Tokens::Ids(t) => sampler.batch(t, step),
+        }
+    }
+
+    /// Validation batch `i`, `None` past the end.
+    pub(crate) fn eval_batch(&self, sampler: &TextWindowSampler, i: usize) -> Option<TextBatch> {
+        match self {
+            Tokens::Bytes(b) => sampler.eval_batch(b, i),
+            Tokens::Ids(t) => sampler.eval_batch(t, i),
+        }
+    }
 }
 
 /// The task's data.
@@ -82,17 +143,43 @@ impl TaskData {
             }
             Dataset::Sotu => {
                 let corpus = TextCorpus::load_dir(&root.sotu())?;
-                let entropy_nats = corpus.unigram_entropy_nats();
-                let (train, val) = corpus.train_val_split(d.val_fraction)?;
                 let seq_len = context.ok_or_else(|| TrainError::Internal("text data needs the model context".into()))?;
+                let (train, val, entropy_nats, corpus_tokens) = match d.tokenizer {
+                    Tokenizer::Bytes => {
+                        let (train, val) = corpus.train_val_split(d.val_fraction)?;
+                        (Tokens::Bytes(train.bytes().to_vec()), Tokens::Bytes(val.bytes().to_vec()), corpus.unigram_entropy_nats(), corpus.len())
+                    }
+                    Tokenizer::Gpt2 => {
+                        let tokens = tokenize_corpus_cached(&corpus, &root.sotu().join(GPT2_CACHE_FILE))?;
+                        let (train, val) = split_document_tokens(&tokens, corpus.documents().len(), d.val_fraction)?;
+                        (Tokens::Ids(train), Tokens::Ids(val), unigram_entropy_nats(&tokens, GPT2_VOCAB), tokens.len())
+                    }
+                };
+                let unit = d.tokenizer.unit();
                 let sampler = TextWindowSampler::new(d.batch_size, seq_len, seed)?;
                 let eval_sampler = TextWindowSampler::new(d.batch_size, seq_len, seed)?;
                 // Fail here, not at step 0, when the corpus is shorter than one window.
-                sampler.batch(train.bytes(), 0)?;
+                train.batch(&sampler, 0)?;
                 if eval_sampler.n_eval_batches(val.len()) == 0 {
-                    return Err(TrainError::Data(rtx_tensor::data::DataError::Empty { what: format!("validation text of {} bytes at data.val_fraction {}: shorter than one window of model.context + 1 = {} bytes", val.len(), d.val_fraction, seq_len + 1) }));
+                    return Err(TrainError::Data(DataError::Empty {
+                        what: format!(
+                            "validation text of {} {unit}s at data.val_fraction {}: shorter than one window of model.context + 1 = {} {unit}s",
+                            val.len(),
+                            d.val_fraction,
+                            seq_len + 1
+                        ),
+                    }));
                 }
-                Ok(TaskData::Text(Box::new(TextSplits { train: train.bytes().to_vec(), val: val.bytes().to_vec(), entropy_nats, corpus_bytes: corpus.len(), sampler, eval_sampler })))
+                Ok(TaskData::Text(Box::new(TextSplits {
+                    tokenizer: d.tokenizer,
+                    train,
+                    val,
+                    entropy_nats,
+                    corpus_bytes: corpus.len(),
+                    corpus_tokens,
+                    sampler,
+                    eval_sampler,
+                })))
             }
         }
     }
@@ -105,11 +192,19 @@ impl TaskData {
         }
     }
 
-    /// Classes (the MLP's output width), or 256 for bytes.
+    /// Classes (the MLP's output width), or the tokenizer's vocabulary (256 for bytes).
     pub(crate) fn n_classes(&self) -> usize {
         match self {
             TaskData::Image(s) => s.train.n_classes.max(s.val.n_classes).max(s.test.as_ref().map_or(0, |t| t.n_classes)),
-            TaskData::Text(_) => 256,
+            TaskData::Text(s) => s.tokenizer.vocab_size(),
+        }
+    }
+
+    /// The token table's padding multiple (`nn::GptConfig::vocab_pad_multiple`; 1 for images).
+    pub(crate) fn vocab_pad_multiple(&self) -> usize {
+        match self {
+            TaskData::Image(_) => 1,
+            TaskData::Text(s) => s.tokenizer.vocab_pad_multiple(),
         }
     }
 
@@ -121,7 +216,7 @@ impl TaskData {
                 image_batch(&s.train, &idx, s.mean, s.std)
             }
             TaskData::Text(s) => {
-                let b = s.sampler.batch(&s.train, step)?;
+                let b = s.train.batch(&s.sampler, step)?;
                 text_batch(b)
             }
         }
@@ -163,7 +258,7 @@ impl TaskData {
                 image_batch(set, &idx, s.mean, s.std).map(Some)
             }
             TaskData::Text(s) => match which {
-                EvalSplit::Val => s.eval_sampler.eval_batch(&s.val, i).map(text_batch).transpose(),
+                EvalSplit::Val => s.val.eval_batch(&s.eval_sampler, i).map(text_batch).transpose(),
                 EvalSplit::Test => Ok(None),
             },
         }
@@ -221,7 +316,17 @@ impl TaskData {
                 self.n_classes(),
                 s.sampler.batches_per_epoch()
             ),
-            TaskData::Text(s) => format!("{} bytes ({} train / {} val), windows of {}", s.corpus_bytes, s.train.len(), s.val.len(), s.sampler.seq_len()),
+            TaskData::Text(s) => match s.tokenizer {
+                Tokenizer::Bytes => format!("{} bytes ({} train / {} val), windows of {}", s.corpus_bytes, s.train.len(), s.val.len(), s.sampler.seq_len()),
+                Tokenizer::Gpt2 => format!(
+                    "{} bytes as {} GPT-2 tokens ({} train / {} val), windows of {} tokens",
+                    s.corpus_bytes,
+                    s.corpus_tokens,
+                    s.train.len(),
+                    s.val.len(),
+                    s.sampler.seq_len()
+                ),
+            },
         }
     }
 }
@@ -241,9 +346,145 @@ pub(crate) fn image_batch(set: &ImageDataset, idx: &[usize], mean: f32, std: f32
     Ok(Batch { inputs, targets, rows, tokens: rows, masks: None })
 }
 
-pub(crate) fn text_batch(b: rtx_tensor::data::TextBatch) -> Result<Batch> {
+/// Splits the token stream of a corpus of `n_documents` documents (each followed by
+/// [`GPT2_EOT`], as [`tokenize_corpus_cached`] makes it) into `(train, val)`: document `d`'s
+/// `n` tokens are cut at `round(n · (1 − val_fraction))` and each non-empty piece is followed by
+/// [`GPT2_EOT`] (module docs). Both sides must hold tokens.
+pub(crate) fn split_document_tokens(tokens: &[u32], n_documents: usize, val_fraction: f64) -> Result<(Vec<u32>, Vec<u32>)> {
+    if !(val_fraction > 0.0 && val_fraction < 1.0) {
+        return Err(TrainError::Data(DataError::BadArgument { reason: format!("val_fraction {val_fraction} must lie in (0, 1)") }));
+    }
+    let documents: Vec<&[u32]> = tokens.split_inclusive(|&t| t == GPT2_EOT).collect();
+    if documents.len() != n_documents || documents.last().is_some_and(|d| d.last() != Some(&GPT2_EOT)) {
+        return Err(TrainError::Internal(format!(
+            "the GPT-2 token stream holds {} end-of-text-terminated documents; the corpus has {n_documents}",
+            documents.len()
+        )));
+    }
+    let (mut train, mut val) = (Vec::with_capacity(tokens.len()), Vec::with_capacity(tokens.len() / 8));
+    for document in documents {
+        let body = &document[..document.len() - 1];
+        let cut = (((body.len() as f64) * (1.0 - val_fraction)).round() as usize).min(body.len());
+        for (side, piece) in [(&mut train, &body[..cut]), (&mut val, &body[cut..])] {
+            if !piece.is_empty() {
+                side.extend_from_slice(piece);
+                side.push(GPT2_EOT);
+            }
+        }
+    }
+    for (side, split) in [("train", &train), ("validation", &val)] {
+        if split.is_empty() {
+            return Err(TrainError::Data(DataError::Empty { what: format!("{side} split of {} GPT-2 tokens at val_fraction {val_fraction}", tokens.len()) }));
+        }
+    }
+    Ok((train, val))
+}
+
+/// Shannon entropy of the token distribution of `tokens` (ids below `vocab`), in nats per token
+/// (0 for no tokens).
+pub(crate) fn unigram_entropy_nats(tokens: &[u32], vocab: usize) -> f64 {
+    let mut counts = vec![0u64; vocab];
+    for &t in tokens {
+        if let Some(c) = counts.get_mut(t as usize) {
+            *c += 1;
+        }
+    }
+    let total = counts.iter().sum::<u64>() as f64;
+    counts
+        .iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| {
+            let p = c as f64 / total;
+            -p * p.ln()
+        })
+        .sum()
+}
+
+pub(crate) fn text_batch(b: TextBatch) -> Result<Batch> {
     let (rows, t) = (b.batch_size, b.seq_len);
     let inputs = Tensor::from_vec(b.inputs, &[rows, t])?;
     let targets = Tensor::from_vec(b.targets, &[rows, t])?;
     Ok(Batch { inputs, targets, rows, tokens: rows * t, masks: None })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn document_tokens_split_per_document_tail_with_end_of_text_after_every_piece() {
+        // Goal: the GPT-2 split follows the byte rule (the tail of every document, cut at
+        // round(n·(1 − f)) tokens), each piece ends with <|endoftext|>, empty pieces are left out,
+        // and a stream that does not match the corpus's documents is refused.
+        let e = GPT2_EOT;
+        let tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, e, 11, 12, e, 13, e];
+        let (train, val) = split_document_tokens(&tokens, 3, 0.2).unwrap();
+        // 10 tokens: cut at 8; 2 tokens: cut at round(1.6) = 2 (no validation piece); 1 token: cut at 1.
+        assert_eq!(train, vec![1, 2, 3, 4, 5, 6, 7, 8, e, 11, 12, e, 13, e]);
+        assert_eq!(val, vec![9, 10, e]);
+        let (train, val) = split_document_tokens(&tokens, 3, 0.5).unwrap();
+        assert_eq!(train, vec![1, 2, 3, 4, 5, e, 11, e, 13, e]);
+        assert_eq!(val, vec![6, 7, 8, 9, 10, e, 12, e]);
+        assert!(matches!(split_document_tokens(&tokens, 2, 0.2), Err(TrainError::Internal(_))));
+        assert!(matches!(split_document_tokens(&tokens[..15], 3, 0.2), Err(TrainError::Internal(_))));
+        assert!(matches!(split_document_tokens(&[1, e], 1, 0.2), Err(TrainError::Data(DataError::Empty { .. }))));
+        assert!(matches!(split_document_tokens(&tokens, 3, 1.0), Err(TrainError::Data(DataError::BadArgument { .. }))));
+    }
+
+    #[test]
+    fn byte_runs_get_the_byte_windows_and_model_of_before() {
+        // Goal: `tokenizer = "bytes"` (the default) is today's run: the batches are the windows
+        // the byte sampler draws from the byte split (u8 in, the same u32 tensors out), the model
+        // has a 256-row table, and its fused loss equals the unfused head + cross-entropy.
+        // Method: configs/sotu_gpt.toml on the real SOTU corpus against the byte sampler called
+        // on the byte split directly, and a pinned window.
+        use crate::train::model::Model;
+        use rtx_tensor::{CrossEntropyOptions, DType, Generator, Reduction};
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let config = TrainConfig::load(&root.join("configs/sotu_gpt.toml")).unwrap();
+        assert_eq!(config.data.tokenizer, Tokenizer::Bytes);
+        let data_root = DataRoot::new(root.join("data"));
+        let mut data = TaskData::load(&config, &data_root, Some(128)).unwrap();
+        let corpus = TextCorpus::load_dir(&data_root.sotu()).unwrap();
+        let (train, val) = corpus.train_val_split(config.data.val_fraction).unwrap();
+        let sampler = TextWindowSampler::new(16, 128, 0).unwrap();
+        for step in [0, 1, 499] {
+            let batch = data.train_batch(step).unwrap();
+            let old = sampler.batch(train.bytes(), step).unwrap();
+            assert_eq!((batch.inputs.dtype(), batch.inputs.shape(), batch.targets.shape()), (DType::U32, &[16, 128][..], &[16, 128][..]));
+            assert_eq!(batch.inputs.to_u32_vec().unwrap(), old.inputs, "step {step}");
+            assert_eq!(batch.targets.to_u32_vec().unwrap(), old.targets, "step {step}");
+        }
+        let n_eval = data.n_eval_batches(EvalSplit::Val, 1);
+        assert_eq!(n_eval, sampler.n_eval_batches(val.len()));
+        for i in [0, n_eval - 1] {
+            let batch = data.eval_batch(EvalSplit::Val, i, 1).unwrap().unwrap();
+            assert_eq!(batch.inputs.to_u32_vec().unwrap(), sampler.eval_batch(val.bytes(), i).unwrap().inputs);
+        }
+        assert_eq!(data.n_classes(), 256);
+        assert_eq!(data.vocab_pad_multiple(), 1);
+        assert!(data.describe().starts_with(&format!("{} bytes (", corpus.len())), "{}", data.describe());
+
+        let model = Model::for_config(&config, &data, &mut Generator::new(0)).unwrap();
+        let Model::Gpt(gpt) = &model else { panic!("a GPT") };
+        assert_eq!(gpt.tok_emb.weight.shape(), &[256, 128]);
+        let batch = data.train_batch(0).unwrap();
+        let mut rng = Generator::new(1);
+        let fused = model.loss(&batch, &mut rng, Reduction::Mean, false).unwrap().loss.item().unwrap();
+        let logits = gpt.forward(&batch.inputs, &mut rng).unwrap();
+        let unfused = logits.cross_entropy(&batch.targets, CrossEntropyOptions::default()).unwrap().item().unwrap();
+        assert!((fused - unfused).abs() < 1e-5 * unfused, "fused {fused} vs unfused {unfused}");
+    }
+
+    #[test]
+    fn token_unigram_entropy_matches_the_byte_formula() {
+        // Goal: the per-token entropy is the same quantity as the corpus's per-byte one, in nats.
+        let bytes = b"the state of the union is strong".to_vec();
+        let ids: Vec<u32> = bytes.iter().map(|&b| u32::from(b)).collect();
+        let corpus = TextCorpus::from_documents([("a.txt", bytes)]);
+        assert!((unigram_entropy_nats(&ids, 256) - corpus.unigram_entropy_nats()).abs() < 1e-12);
+        assert!((unigram_entropy_nats(&[7, 9, 7, 9], GPT2_VOCAB) - std::f64::consts::LN_2).abs() < 1e-12);
+        assert_eq!(unigram_entropy_nats(&[], GPT2_VOCAB), 0.0);
+    }
 }

@@ -6,7 +6,9 @@
 //! `<|endoftext|>` ([`GPT2_EOT`]), as GPT-2's training data separates documents. Ids are stored
 //! as little-endian u16 (every GPT-2 id fits) after a header naming the corpus they came from
 //! (its length and CRC-32): a cache from other text is rebuilt, never silently used. The file is
-//! written to a temporary name and renamed, so a crash leaves the old cache or none.
+//! written to a temporary name (unique to the process and call) and renamed, so a crash leaves the
+//! old cache or none, and workers building the same cache at once never read or rename a partial
+//! file.
 
 use std::path::Path;
 
@@ -52,6 +54,16 @@ impl Gpt2Tokenizer {
         }
         self.bpe.decode(tokens).map_err(|e| DataError::Tokenizer { reason: format!("decoding {} ids: {e}", tokens.len()) })
     }
+
+    /// The bytes of `tokens`, which need not be valid UTF-8 (a model's sample may stop or wander
+    /// inside a character: show it with `String::from_utf8_lossy`); an id outside the
+    /// vocabulary is an error.
+    pub fn decode_bytes(&self, tokens: &[u32]) -> Result<Vec<u8>> {
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= GPT2_VOCAB) {
+            return Err(DataError::Tokenizer { reason: format!("token id {bad} is outside the vocabulary of {GPT2_VOCAB}") });
+        }
+        self.bpe.decode_bytes(tokens).map_err(|e| DataError::Tokenizer { reason: format!("decoding {} ids: {e}", tokens.len()) })
+    }
 }
 
 /// The GPT-2 token ids of `corpus` (each document followed by [`GPT2_EOT`]), read from `cache`
@@ -81,9 +93,16 @@ pub fn tokenize_corpus_cached(corpus: &TextCorpus, cache: &Path) -> Result<Vec<u
         file.extend((t as u16).to_le_bytes());
     }
     let io = |source| DataError::Io { path: cache.to_path_buf(), source };
-    let staging = cache.with_extension("staging");
+    // A staging name of this process and call: workers of one job (processes, or threads of
+    // `rtx sim`) may build the same cache at once, and each renames only its own complete file.
+    static STAGING: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = STAGING.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let staging = cache.with_extension(format!("staging-{}-{n}", std::process::id()));
     std::fs::write(&staging, &file).map_err(io)?;
-    std::fs::rename(&staging, cache).map_err(io)?;
+    std::fs::rename(&staging, cache).map_err(|e| {
+        let _ = std::fs::remove_file(&staging);
+        io(e)
+    })?;
     tracing::info!(n_tokens = tokens.len(), "wrote the GPT-2 token cache");
     Ok(tokens)
 }
@@ -127,6 +146,12 @@ mod tests {
         let text = "Mr. Speaker, the state of our union is strong. Ünïcödé ✓";
         assert_eq!(t.decode(&t.encode(text)).unwrap(), text);
         assert!(matches!(t.decode(&[GPT2_VOCAB as u32]), Err(DataError::Tokenizer { .. })));
+        // Bytes: any ids, even those that end inside a character ("✓" is several byte tokens).
+        assert_eq!(t.decode_bytes(&t.encode(text)).unwrap(), text.as_bytes());
+        let check = t.encode("✓");
+        assert!(check.len() > 1 && t.decode(&check[..1]).is_err());
+        assert_eq!(t.decode_bytes(&check[..1]).unwrap(), "✓".as_bytes()[..t.decode_bytes(&check[..1]).unwrap().len()]);
+        assert!(matches!(t.decode_bytes(&[GPT2_VOCAB as u32]), Err(DataError::Tokenizer { .. })));
     }
 
     #[test]

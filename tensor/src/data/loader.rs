@@ -69,20 +69,25 @@ pub struct Sampler {
     order: Option<(u64, Vec<usize>)>,
 }
 
-/// Byte windows as language-model inputs and next-byte targets, each `[batch_size, seq_len]`.
+/// Token windows as language-model inputs and next-token targets, each `[batch_size, seq_len]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TextBatch {
     /// `data[s..s + seq_len]` for each window start `s`, row after row.
     pub inputs: Vec<u32>,
-    /// `data[s + 1..s + seq_len + 1]`, the byte after each input byte.
+    /// `data[s + 1..s + seq_len + 1]`, the token after each input token.
     pub targets: Vec<u32>,
     /// Rows (windows) in this batch.
     pub batch_size: usize,
-    /// Bytes per row.
+    /// Tokens per row.
     pub seq_len: usize,
 }
 
-/// Draws random windows of `seq_len + 1` bytes from a byte slice, seeded by `(seed, step)`.
+/// Draws random windows of `seq_len + 1` tokens from a token slice, seeded by `(seed, step)`.
+///
+/// The tokens are any `T: Copy + Into<u32>`: bytes (`u8`, a byte-level model) or token ids
+/// (`u16`/`u32`, e.g. GPT-2's BPE). The window starts depend only on the slice's length, the
+/// seed and the step, never on the element type, so bytes give the same batches whether they
+/// are passed as `u8` or widened to `u32` first.
 ///
 /// A batch depends only on the data, the seed and the step number, so resuming training at
 /// step `k` needs only `k`. [`TextWindowSampler::eval_batch`] gives fixed, non-overlapping
@@ -284,7 +289,7 @@ impl Sampler {
 }
 
 impl TextWindowSampler {
-    /// Batches of `batch_size` windows of `seq_len` inputs (plus one target byte each).
+    /// Batches of `batch_size` windows of `seq_len` inputs (plus one target token each).
     pub fn new(batch_size: usize, seq_len: usize, seed: u64) -> Result<Self> {
         if batch_size == 0 || seq_len == 0 {
             return Err(bad_argument(format!(
@@ -303,22 +308,22 @@ impl TextWindowSampler {
         self.batch_size
     }
 
-    /// Bytes per row.
+    /// Tokens per row.
     pub fn seq_len(&self) -> usize {
         self.seq_len
     }
 
     /// The training batch of step `step`: `batch_size` windows with starts drawn uniformly from
     /// `0..=data.len() - seq_len - 1`. Fails when `data` is shorter than `seq_len + 1`.
-    pub fn batch(&self, data: &[u8], step: u64) -> Result<TextBatch> {
+    pub fn batch<T: Copy + Into<u32>>(&self, data: &[T], step: u64) -> Result<TextBatch> {
         self.batch_shard(data, step, 0, 1)
     }
 
     /// `rank`'s rows of the global batch of step `step` (rows `B * rank / world..`, as in the
     /// module docs); `batch_size` must be a multiple of `world`.
-    pub fn batch_shard(
+    pub fn batch_shard<T: Copy + Into<u32>>(
         &self,
-        data: &[u8],
+        data: &[T],
         step: u64,
         rank: usize,
         world: usize,
@@ -327,7 +332,7 @@ impl TextWindowSampler {
         let window = self.seq_len + 1;
         if data.len() < window {
             return Err(DataError::Empty {
-                what: format!("text of {} bytes for windows of {window} bytes", data.len()),
+                what: format!("text of {} tokens for windows of {window} tokens", data.len()),
             });
         }
         let n_starts = (data.len() - window + 1) as u64;
@@ -339,15 +344,15 @@ impl TextWindowSampler {
         Ok(self.windows(data, &starts[part]))
     }
 
-    /// Number of validation batches [`TextWindowSampler::eval_batch`] gives for `data_len` bytes.
+    /// Number of validation batches [`TextWindowSampler::eval_batch`] gives for `data_len` tokens.
     pub fn n_eval_batches(&self, data_len: usize) -> usize {
         self.n_eval_windows(data_len).div_ceil(self.batch_size)
     }
 
     /// Validation batch `batch_idx`: window `k` starts at `k * seq_len`, so the windows tile
-    /// `data` and every byte after the first is a target exactly once (up to a final partial
+    /// `data` and every token after the first is a target exactly once (up to a final partial
     /// window, left out). The last batch may have fewer rows. `None` past the last batch.
-    pub fn eval_batch(&self, data: &[u8], batch_idx: usize) -> Option<TextBatch> {
+    pub fn eval_batch<T: Copy + Into<u32>>(&self, data: &[T], batch_idx: usize) -> Option<TextBatch> {
         let n_windows = self.n_eval_windows(data.len());
         let first = batch_idx
             .checked_mul(self.batch_size)
@@ -361,13 +366,13 @@ impl TextWindowSampler {
         data_len.saturating_sub(1) / self.seq_len
     }
 
-    fn windows(&self, data: &[u8], starts: &[usize]) -> TextBatch {
+    fn windows<T: Copy + Into<u32>>(&self, data: &[T], starts: &[usize]) -> TextBatch {
         let mut inputs = Vec::with_capacity(starts.len() * self.seq_len);
         let mut targets = Vec::with_capacity(starts.len() * self.seq_len);
         for &start in starts {
             let window = &data[start..start + self.seq_len + 1];
-            inputs.extend(window[..self.seq_len].iter().map(|&b| u32::from(b)));
-            targets.extend(window[1..].iter().map(|&b| u32::from(b)));
+            inputs.extend(window[..self.seq_len].iter().map(|&b| b.into()));
+            targets.extend(window[1..].iter().map(|&b| b.into()));
         }
         debug_assert_eq!(inputs.len(), targets.len());
         TextBatch {
@@ -736,6 +741,31 @@ mod tests {
             sampler.batch(&data[..8], 0),
             Err(DataError::Empty { .. })
         ));
+    }
+
+    #[test]
+    fn bytes_and_the_same_values_as_token_ids_give_identical_batches() {
+        // Goal: the sampler is generic over the token type without changing byte runs: bytes
+        // passed as u8 and widened to u32 (or u16) give the same windows, training and eval.
+        let bytes: Vec<u8> = (0..5000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+        let wide: Vec<u32> = bytes.iter().map(|&b| u32::from(b)).collect();
+        let half: Vec<u16> = bytes.iter().map(|&b| u16::from(b)).collect();
+        let sampler = TextWindowSampler::new(6, 32, 11).expect("sampler");
+        for step in [0, 1, 17, 1_000_003] {
+            let b = sampler.batch(&bytes, step).expect("bytes");
+            assert_eq!(sampler.batch(&wide, step).expect("u32"), b);
+            assert_eq!(sampler.batch(&half, step).expect("u16"), b);
+            assert_eq!(sampler.batch_shard(&wide, step, 1, 2).expect("shard"), sampler.batch_shard(&bytes, step, 1, 2).expect("shard"));
+        }
+        assert_eq!(sampler.n_eval_batches(bytes.len()), sampler.n_eval_batches(wide.len()));
+        for i in 0..sampler.n_eval_batches(bytes.len()) {
+            assert_eq!(sampler.eval_batch(&wide, i), sampler.eval_batch(&bytes, i));
+        }
+        // Token ids beyond a byte pass through unchanged.
+        let ids: Vec<u32> = (0..100).map(|i| 50_000 + i).collect();
+        let b = sampler.eval_batch(&ids, 0).expect("batch");
+        assert_eq!(b.inputs[..3], [50_000, 50_001, 50_002]);
+        assert_eq!(b.targets[..3], [50_001, 50_002, 50_003]);
     }
 
     #[test]
