@@ -425,7 +425,7 @@ fn head_rows(op: &'static str, name: &'static str, spec: &FlashSpec, t: usize, l
 }
 
 /// Lets `f` use `bytes` of dynamic shared memory (above 48 KiB a kernel must opt in).
-fn allow_smem(f: &cudarc::driver::CudaFunction, bytes: usize, op: &'static str) -> Result<()> {
+pub(super) fn allow_smem(f: &cudarc::driver::CudaFunction, bytes: usize, op: &'static str) -> Result<()> {
     // SAFETY: `f` is a loaded kernel; the attribute only asks for the largest shared-memory
     // carve-out of the SM's unified L1, so more blocks of these shared-memory-heavy kernels fit.
     unsafe {

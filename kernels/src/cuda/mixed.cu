@@ -205,23 +205,10 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
     s = a + b;
 }
 
-template <typename T> __device__ void fused_classifier(T* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad) {
-    __shared__ float sm[32], ss[32];
-    i64 row = blockIdx.x;
-    i64 off = row * vp;
-    u32 t = targets[row];
+// Merges every thread's (max, sum of exp) pair of the block into the block's pair, the same in
+// every thread, in a fixed order. sm and ss: 32 floats of shared memory each.
+__device__ __forceinline__ void block_lse(float& m, float& s, float* sm, float* ss) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    bool ignored = has_ignore && t == ignore;
-    if (ignored || t >= (u32)v) {
-        if (threadIdx.x == 0) losses[row] = ignored ? 0.0f : __int_as_float(0x7fc00000);
-        if (write_grad) for (int j = threadIdx.x; j < vp; j += blockDim.x) stf(logits, off + j, 0.0f);
-        return;
-    }
-    float m = -INFINITY, s = 0.0f;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) {
-        float x = ldf(logits, off + j);
-        if (x > m) { s = s * expf(m - x) + 1.0f; m = x; } else { s += expf(x - m); }
-    }
     for (int o = 16; o > 0; o >>= 1) lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
     if (lane == 0) { sm[warp] = m; ss[warp] = s; }
     __syncthreads();
@@ -234,6 +221,25 @@ template <typename T> __device__ void fused_classifier(T* logits, const u32* tar
     __syncthreads();
     m = sm[0];
     s = ss[0];
+}
+
+template <typename T> __device__ void fused_classifier(T* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad) {
+    __shared__ float sm[32], ss[32];
+    i64 row = blockIdx.x;
+    i64 off = row * vp;
+    u32 t = targets[row];
+    bool ignored = has_ignore && t == ignore;
+    if (ignored || t >= (u32)v) {
+        if (threadIdx.x == 0) losses[row] = ignored ? 0.0f : __int_as_float(0x7fc00000);
+        if (write_grad) for (int j = threadIdx.x; j < vp; j += blockDim.x) stf(logits, off + j, 0.0f);
+        return;
+    }
+    float m = -INFINITY, s = 0.0f;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        float x = ldf(logits, off + j);
+        if (x > m) { s = s * expf(m - x) + 1.0f; m = x; } else { s += expf(x - m); }
+    }
+    block_lse(m, s, sm, ss);
     float xt = ldf(logits, off + t);
     if (threadIdx.x == 0) losses[row] = logf(s) + m - xt;
     if (!write_grad) return;
@@ -391,13 +397,12 @@ __device__ __forceinline__ V8 v8_pack(const float* x) {
     return w;
 }
 
-extern "C" __global__ void fused_classifier_v8_bf16(u16* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad) {
+template <bool CACHE> __device__ void fused_classifier_v8(u16* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad, V8* cache) {
     __shared__ float sm[32], ss[32];
     i64 row = blockIdx.x;
     V8* rowp = (V8*)(logits + row * vp);
     int n8 = vp >> 3;
     u32 t = targets[row];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     bool ignored = has_ignore && t == ignore;
     if (ignored || t >= (u32)v) {
         if (threadIdx.x == 0) losses[row] = ignored ? 0.0f : __int_as_float(0x7fc00000);
@@ -410,7 +415,9 @@ extern "C" __global__ void fused_classifier_v8_bf16(u16* logits, const u32* targ
     float m = -INFINITY, s = 0.0f;
     float x[8];
     for (int c = threadIdx.x; c < n8; c += blockDim.x) {
-        v8_unpack(rowp[c], x);
+        V8 w = rowp[c];
+        if (CACHE) cache[c] = w;
+        v8_unpack(w, x);
         int base = c * 8;
         float cm = -INFINITY;
         for (int k = 0; k < 8; ++k) {
@@ -421,25 +428,14 @@ extern "C" __global__ void fused_classifier_v8_bf16(u16* logits, const u32* targ
         if (cm > m) { s *= expf(m - cm); m = cm; }
         for (int k = 0; k < 8; ++k) s += expf(x[k] - m);
     }
-    for (int o = 16; o > 0; o >>= 1) lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
-    if (lane == 0) { sm[warp] = m; ss[warp] = s; }
-    __syncthreads();
-    if (warp == 0) {
-        m = lane < n_warps ? sm[lane] : -INFINITY;
-        s = lane < n_warps ? ss[lane] : 0.0f;
-        for (int o = 16; o > 0; o >>= 1) lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
-        if (lane == 0) { sm[0] = m; ss[0] = s; }
-    }
-    __syncthreads();
-    m = sm[0];
-    s = ss[0];
+    block_lse(m, s, sm, ss);
     float xt = bf16_to_f32(logits[row * vp + t]);
     if (threadIdx.x == 0) losses[row] = logf(s) + m - xt;
     if (!write_grad) return;
     __syncthreads();
     float inv = 1.0f / s;
     for (int c = threadIdx.x; c < n8; c += blockDim.x) {
-        v8_unpack(rowp[c], x);
+        v8_unpack(CACHE ? cache[c] : rowp[c], x);
         int base = c * 8;
         for (int k = 0; k < 8; ++k) {
             float g = 0.0f;
@@ -452,6 +448,17 @@ extern "C" __global__ void fused_classifier_v8_bf16(u16* logits, const u32* targ
         }
         rowp[c] = v8_pack(x);
     }
+}
+
+extern "C" __global__ void fused_classifier_v8_bf16(u16* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad) {
+    fused_classifier_v8<false>(logits, targets, losses, vp, v, has_ignore, ignore, scale, write_grad, 0);
+}
+
+// The row kept in dynamic shared memory (vp·2 bytes) between the two passes: the logits are read
+// from global memory once.
+extern "C" __global__ void fused_classifier_v8_cached_bf16(u16* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad) {
+    extern __shared__ V8 row_cache[];
+    fused_classifier_v8<true>(logits, targets, losses, vp, v, has_ignore, ignore, scale, write_grad, row_cache);
 }
 
 

@@ -25,6 +25,8 @@ const BLOCK: u32 = 256;
 const MAX_BLOCKS: usize = 132 * 16;
 /// Rows (warps) per block of the row kernels; must match the kernels' `8`.
 const ROWS_PER_BLOCK: usize = 8;
+/// Largest classifier row kept in shared memory (H100/H200 blocks may take 227 KiB).
+const MAX_ROW_CACHE_BYTES: usize = 200 * 1024;
 /// Rows per chunk of the column-sum partials.
 const ROWS_PER_CHUNK: usize = 128;
 
@@ -458,8 +460,19 @@ impl Device {
         }
         // bf16 rows of whole 16-byte words (the buffer itself is 256-byte aligned) take the
         // vectorized kernel.
-        let name = if T::IS_BF16 && padded.is_multiple_of(8) { "fused_classifier_v8_bf16" } else { kernel!(T, "fused_classifier") };
+        // With a gradient to write, a row that fits in shared memory (GPT-2's 50,304 bf16 logits
+        // take 98 KiB) is read from global memory once instead of twice.
+        let vectorized = T::IS_BF16 && padded.is_multiple_of(8);
+        let cached_bytes = if vectorized && grad_scale.is_some() && padded * 2 <= MAX_ROW_CACHE_BYTES { padded * 2 } else { 0 };
+        let name = match (vectorized, cached_bytes > 0) {
+            (true, true) => "fused_classifier_v8_cached_bf16",
+            (true, false) => "fused_classifier_v8_bf16",
+            (false, _) => kernel!(T, "fused_classifier"),
+        };
         let f = self.function(Module::Mixed, name)?;
+        if cached_bytes > 0 {
+            super::attention::allow_smem(&f, cached_bytes, OP)?;
+        }
         let (lp, tp, op_) = (logits.device_ptr(), targets.device_ptr_at(first_row)?, losses.device_ptr_at(first_row)?);
         let (vp, v) = (int(OP, padded)?, int(OP, classes)?);
         let (has_ignore, ignore) = (ignore.is_some() as i32, ignore.unwrap_or(0));
@@ -467,9 +480,9 @@ impl Device {
         let mut l = self.stream().launch_builder(&f);
         l.arg(&lp).arg(&tp).arg(&op_).arg(&vp).arg(&v).arg(&has_ignore).arg(&ignore).arg(&scale).arg(&write_grad);
         let blocks = u32::try_from(rows).map_err(|_| CudaError::Unsupported { op: OP, what: format!("{rows} rows") })?;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: cached_bytes as u32 };
         // SAFETY: lengths checked above; the kernel reads a target's logit only when the target
-        // is below `classes`.
+        // is below `classes`; the cached kernel gets the row's bytes of shared memory.
         unsafe { l.launch(cfg) }.op(OP)?;
         Ok(())
     }
