@@ -330,7 +330,8 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     }
 
     /// Records the timeline of the next `steps` steps (forward, backward, each bucket's
-    /// collective, the optimizer; host buckets only, not staged device steps), read back with
+    /// collective, the optimizer; for staged device parameters also each bucket's download and
+    /// the upload, as host-side spans), read back with
     /// [`DataParallel::trace`].
     pub fn trace_steps(&mut self, steps: u64) {
         self.trace = Some(StepTrace::new(steps));
@@ -462,6 +463,13 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         self.staging.as_ref().map_or(Device::Cpu, Staging::device)
     }
 
+    /// Whether the parameters stay in the module (a model on a device, or
+    /// [`DpConfig::host_staging`]) rather than in the engine's buckets: then the optimizer updates
+    /// the module's own tensors and outlives the engine unchanged.
+    pub fn params_in_place(&self) -> bool {
+        self.staging.is_some()
+    }
+
     async fn run_step(&mut self, step: u64, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
         if self.staging.is_some() {
             return self.run_staged_step(step, forward).await;
@@ -559,21 +567,32 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     /// A step of staged parameters (see the module doc, "Parameters on a device").
     async fn run_staged_step(&mut self, step: u64, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
         let Some(staging) = self.staging.as_ref() else { return Err(Error::InvalidConfig { reason: "staged step without a host mirror" }) };
+        let traced = self.trace.as_ref().is_some_and(StepTrace::recording);
+        // (Host-side spans: on a device, forward and backward are the time to queue their
+        // kernels; the first download waits for the device to finish them.)
+        let mut spans: Vec<(&'static str, Option<usize>, Instant, Instant)> = Vec::new();
+        let forward_began = Instant::now();
         staging.clear_grads()?;
         let loss = forward(&mut self.model)?;
         if loss.numel() != 1 {
             return Err(Error::NonScalarLoss { shape: loss.shape().to_vec() });
         }
-        let loss_value = loss.item()?;
+        // The loss is read back once the step's work is queued, not between forward and
+        // backward: a read there would stall the host until the forward ran, and the device
+        // until the host queued backward's first kernels.
+        let loss_value = loss.detach();
+        let backward_began = Instant::now();
         loss.backward()?;
         drop(loss);
+        spans.push(("forward", None, forward_began, backward_began));
+        spans.push(("backward", None, backward_began, Instant::now()));
         let n_buckets = self.buckets.buckets().len();
         if self.reducer.size() == 1 {
             // A group of one: the gradients are their own average; nothing to copy or reduce.
             return match &mut self.updater {
                 Updater::Replicated { optimizer, .. } => {
                     optimizer.step()?;
-                    Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets: 0, flushed_buckets: 0 })
+                    Ok(StepStats { step, loss: loss_value.item()?, n_buckets, overlapped_buckets: 0, flushed_buckets: 0 })
                 }
                 Updater::Sharded(_) => Err(Error::ShardedDevice { device: staging.device() }),
             };
@@ -582,7 +601,9 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         let mut submitted = 0;
         let mut failure = None;
         for bucket in 0..n_buckets {
+            let began = Instant::now();
             let handed = staging.download_bucket(bucket).and_then(|()| self.reducer.submit(gradient_job::<O>(step, bucket, &self.buckets, None, false)));
+            spans.push(("download", Some(bucket), began, Instant::now()));
             match handed {
                 Ok(()) => submitted += 1,
                 Err(e) => {
@@ -591,17 +612,31 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                 }
             }
         }
-        let reports = wait_reports(&self.reducer, step, submitted, None).await;
+        let wait_began = Instant::now();
+        let reports = wait_reports(&self.reducer, step, submitted, if traced { self.trace.as_mut() } else { None }).await;
         if let Some(e) = failure {
             return Err(e);
         }
         reports?;
+        let upload_began = Instant::now();
+        spans.push(("gradient wait", None, wait_began, upload_began));
         staging.upload_grads()?;
+        let optimizer_began = Instant::now();
+        spans.push(("upload", None, upload_began, optimizer_began));
         match &mut self.updater {
             Updater::Replicated { optimizer, .. } => optimizer.step()?,
             Updater::Sharded(_) => return Err(Error::ShardedDevice { device: staging.device() }),
         }
-        Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets: 0, flushed_buckets: 0 })
+        let loss = loss_value.item()?;
+        if let Some(trace) = self.trace.as_mut().filter(|_| traced) {
+            // The optimizer span ends when the loss is read: the device has run the step.
+            spans.push(("optimizer", None, optimizer_began, Instant::now()));
+            for (name, bucket, began, ended) in spans {
+                trace.record(name, COMPUTE_TID, step, bucket, began, ended);
+            }
+            trace.step_done();
+        }
+        Ok(StepStats { step, loss, n_buckets, overlapped_buckets: 0, flushed_buckets: 0 })
     }
 }
 

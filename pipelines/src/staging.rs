@@ -9,12 +9,14 @@
 //!
 //! 1. every parameter's gradient is cleared (`set_grad(None)`); forward and backward run where
 //!    the parameters are;
-//! 2. bucket by bucket in index order, each parameter's gradient is copied device → host into the
-//!    bucket's gradient storage ([`Staging::download_bucket`]; a parameter the loss did not use
-//!    contributes zeros) and the bucket is handed to the communication thread at once, so the
-//!    all-reduce of bucket `i` overlaps the copies of bucket `i + 1`;
-//! 3. once every report is in, each averaged gradient goes back host → device as the parameter's
-//!    gradient ([`Staging::upload_grads`]) and the optimizer steps where the parameters are.
+//! 2. bucket by bucket in index order, the bucket's gradients are packed on the device and copied
+//!    device → host into the bucket's gradient storage in one transfer
+//!    ([`Staging::download_bucket`]; a parameter the loss did not use contributes zeros) and the
+//!    bucket is handed to the communication thread at once, so the all-reduce of bucket `i`
+//!    overlaps the copy of bucket `i + 1`;
+//! 3. once every report is in, each bucket's averaged gradients go back host → device in one
+//!    transfer and are unpacked into the parameters' gradients ([`Staging::upload_grads`]), and
+//!    the optimizer steps where the parameters are.
 //!
 //! The collectives are the host communicator's, in the same order with the same bits as the
 //! bucket path, so replicas stay bit-identical and nothing depends on timing; the copies are
@@ -29,7 +31,7 @@
 //! thread.
 
 use rtx_tensor::optim::ParamBuckets;
-use rtx_tensor::{CpuData, Device, Module, Storage, Tensor};
+use rtx_tensor::{Device, Module, Tensor};
 
 use crate::error::{Error, Result};
 use crate::shard::ParamSlice;
@@ -102,35 +104,60 @@ impl Staging {
     }
 
     /// Copies the gradients of bucket `bucket`'s parameters into its host gradient storage
-    /// (zeros for a parameter without a gradient). Waits for the device's queued work.
+    /// (zeros for a parameter without a gradient) in one device → host transfer
+    /// ([`rtx_tensor::download_packed`]). Waits for the device's queued work.
     pub(crate) fn download_bucket(&self, bucket: usize) -> Result<()> {
         let b = &self.mirror.buckets()[bucket];
-        for &idx in b.entries() {
+        let (start, entries) = self.tiled_entries(bucket)?;
+        let mut grads = Vec::with_capacity(entries.len());
+        for &idx in &entries {
             let entry = &self.mirror.entries()[idx];
             let (name, p) = &self.params[idx];
-            let data = match p.grad() {
-                Some(g) => {
-                    let g = if g.dtype() == b.dtype() { g } else { g.to_dtype(b.dtype())? };
-                    g.to_data()?
-                }
-                None => CpuData::zeros(b.dtype(), entry.numel),
+            let g = match p.grad() {
+                Some(g) if g.dtype() == b.dtype() => Some(g),
+                Some(g) => Some(g.to_dtype(b.dtype())?),
+                None => None,
             };
-            if data.len() != entry.numel {
-                return Err(Error::Staging { name: name.clone(), reason: format!("gradient of {} elements for a parameter of {}", data.len(), entry.numel) });
+            if let Some(g) = &g {
+                if g.numel() != entry.numel {
+                    return Err(Error::Staging { name: name.clone(), reason: format!("gradient of {} elements for a parameter of {}", g.numel(), entry.numel) });
+                }
             }
-            write_at(b.grad_storage(), entry.offset, &data, name)?;
+            grads.push((g, entry.numel));
+        }
+        let parts: Vec<(Option<&Tensor>, usize)> = grads.iter().map(|(g, n)| (g.as_ref(), *n)).collect();
+        Ok(rtx_tensor::download_packed(&parts, b.grad_storage(), start)?)
+    }
+
+    /// Sets every parameter's gradient to its averaged value from the mirror, one host → device
+    /// transfer per bucket ([`rtx_tensor::upload_packed`]).
+    pub(crate) fn upload_grads(&self) -> Result<()> {
+        for (bucket, b) in self.mirror.buckets().iter().enumerate() {
+            let (start, entries) = self.tiled_entries(bucket)?;
+            let shapes: Vec<Vec<usize>> = entries.iter().map(|&idx| self.mirror.entries()[idx].shape.clone()).collect();
+            let grads = rtx_tensor::upload_packed(b.grad_storage(), start, &shapes, self.device)?;
+            for (&idx, g) in entries.iter().zip(grads) {
+                self.params[idx].1.set_grad(Some(g))?;
+            }
         }
         Ok(())
     }
 
-    /// Sets every parameter's gradient to its averaged value from the mirror (host → device).
-    pub(crate) fn upload_grads(&self) -> Result<()> {
-        for ((_, p), entry) in self.params.iter().zip(self.mirror.entries()) {
-            let g = self.host_value(self.mirror.buckets()[entry.bucket].grads(), entry)?;
-            let g = if self.device == Device::Cpu { g } else { g.to_device(self.device)? };
-            p.set_grad(Some(g))?;
+    /// Bucket `bucket`'s entries in offset order and the first offset, checked to tile one
+    /// range of the bucket (so the bucket moves as one block).
+    fn tiled_entries(&self, bucket: usize) -> Result<(usize, Vec<usize>)> {
+        let mut entries = self.mirror.buckets()[bucket].entries().to_vec();
+        entries.sort_by_key(|&idx| self.mirror.entries()[idx].offset);
+        let start = entries.first().map_or(0, |&idx| self.mirror.entries()[idx].offset);
+        let mut at = start;
+        for &idx in &entries {
+            let entry = &self.mirror.entries()[idx];
+            if entry.offset != at {
+                return Err(Error::Staging { name: entry.name.clone(), reason: format!("bucket {bucket} has a gap before element {}", entry.offset) });
+            }
+            at += entry.numel;
         }
-        Ok(())
+        Ok((start, entries))
     }
 
     /// Writes the mirror's parameter values (after the opening broadcast) into the module's
@@ -158,20 +185,4 @@ pub(crate) fn placement(params: &[(String, Tensor)]) -> Result<Device> {
         Some((other, p)) => Err(Error::MixedDevices { first: first.clone(), first_device: device, other: other.clone(), other_device: p.device() }),
         None => Ok(device),
     }
-}
-
-/// Copies `src` into `storage[offset..]`; same dtype.
-fn write_at(storage: &Storage, offset: usize, src: &CpuData, name: &str) -> Result<()> {
-    let mut guard = storage.write()?;
-    let n = src.len();
-    if offset + n > guard.len() {
-        return Err(Error::Staging { name: name.to_string(), reason: format!("elements {offset}..{} beyond the bucket's {}", offset + n, guard.len()) });
-    }
-    match (&mut *guard, src) {
-        (CpuData::F32(d), CpuData::F32(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::F64(d), CpuData::F64(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::BF16(d), CpuData::BF16(s)) => d[offset..offset + n].copy_from_slice(s),
-        (d, s) => return Err(Error::Staging { name: name.to_string(), reason: format!("gradient dtype {} in a bucket of {}", s.dtype(), d.dtype()) }),
-    }
-    Ok(())
 }

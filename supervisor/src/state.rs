@@ -8,12 +8,14 @@
 //! take the maximum). A new generation broadcasts the source rank's parameters and full state
 //! ([`broadcast_parameters`], [`broadcast_full_state`]) and every rank cuts out what its optimizer
 //! updates ([`slice_full_state`]), so replicas restart bit-identical whatever the world size.
+//! Values travel as f32 when every tensor of the state is f32 or bf16 (what every optimizer here
+//! keeps: half the bytes of the f64 they once travelled in), else as f64; either way exactly.
 
 use std::collections::BTreeMap;
 
 use rtx_collectives::{Communicator, ReduceOp};
 use rtx_pipelines::ParamSlice;
-use rtx_tensor::{Module, Optimizer, Tensor};
+use rtx_tensor::{DType, Element, Module, Optimizer, Tensor};
 
 use crate::error::{Result, SupervisorError};
 
@@ -36,6 +38,15 @@ fn split_field(name: &str) -> Result<(&str, &str)> {
 /// The full state from this rank's (possibly sharded) optimizer state; collective under ZeRO-1.
 /// `local` is the optimizer's `state_tensors()`, `slices` what it updates.
 pub async fn gather_full_state(comm: &Communicator, local: &[(String, Tensor)], slices: &[ParamSlice], template: &[(String, Tensor)]) -> Result<NamedTensors> {
+    // The same choice on every rank (same template, same optimizer kind): see broadcast_full_state.
+    if fits_f32(template)? && fits_f32(local)? {
+        gather_values::<f32>(comm, local, slices, template).await
+    } else {
+        gather_values::<f64>(comm, local, slices, template).await
+    }
+}
+
+async fn gather_values<T: StateValue>(comm: &Communicator, local: &[(String, Tensor)], slices: &[ParamSlice], template: &[(String, Tensor)]) -> Result<NamedTensors> {
     let local: BTreeMap<&str, &Tensor> = local.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let owned: BTreeMap<&str, &ParamSlice> = slices.iter().map(|s| (s.name.as_str(), s)).collect();
     let mut values = Vec::new();
@@ -47,9 +58,9 @@ pub async fn gather_full_state(comm: &Communicator, local: &[(String, Tensor)], 
             continue;
         }
         let start = values.len();
-        values.resize(start + full.numel(), 0.0f64);
+        values.resize(start + full.numel(), T::default());
         if let (Some(t), Some(slice)) = (local.get(name.as_str()), owned.get(param)) {
-            let part = t.to_f64_vec()?;
+            let part = T::read(t)?;
             if part.len() != slice.elements.len() {
                 return Err(SupervisorError::Job(format!("state {name} holds {} values for {} owned elements", part.len(), slice.elements.len())));
             }
@@ -77,34 +88,85 @@ pub async fn broadcast_full_state(comm: &Communicator, source: usize, state: Opt
     if comm.size() == 1 {
         // Nobody to send to: the same values, copied without the f64 round trip (a large model's
         // state on a GPU is hundreds of millions of elements).
-        return template.iter().zip(given).map(|((name, want), (_, t))| Ok((name.clone(), Tensor::from_data(t.to_data()?, want.shape())?.to_dtype(want.dtype())?))).collect();
+        // (Host state tensors are never written in place: a tensor of the right shape and dtype
+        // is shared, not copied.)
+        return template
+            .iter()
+            .zip(given)
+            .map(|((name, want), (_, t))| {
+                let same = t.shape() == want.shape() && t.dtype() == want.dtype() && t.device() == want.device();
+                Ok((name.clone(), if same { t.clone() } else { Tensor::from_data(t.to_data()?, want.shape())?.to_dtype(want.dtype())? }))
+            })
+            .collect();
     }
-    let mut values = Vec::new();
     let mut steps = Vec::new();
     for (name, t) in given {
         if split_field(name)?.1 == "step" {
             steps.push(t.item()?);
-        } else {
-            values.extend(t.to_f64_vec()?);
+        }
+    }
+    comm.broadcast(&mut steps, source).await?;
+    // Every rank checks the same template, so all pick the same wire type: f32 when the state's
+    // values survive it (f32 and bf16 moments and master weights: half the bytes of f64), f64
+    // otherwise.
+    if fits_f32(template)? && fits_f32(given)? {
+        broadcast_values::<f32>(comm, source, given, template, &steps).await
+    } else {
+        broadcast_values::<f64>(comm, source, given, template, &steps).await
+    }
+}
+
+/// Broadcasts the non-step values of `given` as `T`s and rebuilds the state like `template`.
+async fn broadcast_values<T: StateValue>(comm: &Communicator, source: usize, given: &[(String, Tensor)], template: &[(String, Tensor)], steps: &[f64]) -> Result<NamedTensors> {
+    let mut values = Vec::new();
+    for (name, t) in given {
+        if split_field(name)?.1 != "step" {
+            values.extend(T::read(t)?);
         }
     }
     comm.broadcast(&mut values, source).await?;
-    comm.broadcast(&mut steps, source).await?;
-    rebuild(template, &values, &steps)
+    rebuild(template, &values, steps)
 }
 
-fn rebuild(template: &[(String, Tensor)], values: &[f64], steps: &[f64]) -> Result<NamedTensors> {
+/// A type optimizer state values travel in.
+trait StateValue: Element + rtx_collectives::Element + Copy + Default {
+    fn read(t: &Tensor) -> rtx_tensor::Result<Vec<Self>>;
+}
+
+impl StateValue for f32 {
+    fn read(t: &Tensor) -> rtx_tensor::Result<Vec<f32>> {
+        t.to_f32_vec()
+    }
+}
+
+impl StateValue for f64 {
+    fn read(t: &Tensor) -> rtx_tensor::Result<Vec<f64>> {
+        t.to_f64_vec()
+    }
+}
+
+/// Whether every value of `state` except its step counters survives a trip through f32.
+fn fits_f32(state: &[(String, Tensor)]) -> Result<bool> {
+    for (name, t) in state {
+        if split_field(name)?.1 != "step" && !matches!(t.dtype(), DType::F32 | DType::BF16) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+fn rebuild<T: Element + Copy>(template: &[(String, Tensor)], values: &[T], steps: &[f64]) -> Result<NamedTensors> {
     let (mut at, mut step_at) = (0, 0);
     let mut out = Vec::with_capacity(template.len());
     for (name, t) in template {
-        let data = if split_field(name)?.1 == "step" {
+        let tensor = if split_field(name)?.1 == "step" {
             step_at += 1;
-            vec![steps[step_at - 1]]
+            Tensor::from_vec(vec![steps[step_at - 1]], t.shape())?
         } else {
             at += t.numel();
-            values[at - t.numel()..at].to_vec()
+            Tensor::from_vec(values[at - t.numel()..at].to_vec(), t.shape())?
         };
-        out.push((name.clone(), Tensor::from_vec(data, t.shape())?.to_dtype(t.dtype())?));
+        out.push((name.clone(), tensor.to_dtype(t.dtype())?));
     }
     Ok(out)
 }

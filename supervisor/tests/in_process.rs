@@ -5,10 +5,12 @@
 //! Needs `bash scripts/fetch-data.sh`.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rtx_actors::BatchSource;
-use rtx_pipelines::ParamSlice;
+use rtx_pipelines::{DpConfig, ParamSlice};
 use rtx_supervisor::checkpoint;
 use rtx_supervisor::{query_status, run_node, run_worker, ElasticConfig, JobEvent, NodeEnv, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, WorkerOptions, WorkerOutcome};
 use rtx_tensor::data::{load_fashion_mnist, DataRoot, ImageDataset, Split};
@@ -26,6 +28,11 @@ struct Fashion {
     checkpoints: Option<PathBuf>,
     /// Every step from this one fails on every worker (a deterministic model error).
     fail_from: Option<u64>,
+    /// Parameters stay in the module with a host mirror for the collectives (the path of a model
+    /// on a GPU, `DpConfig::host_staging`).
+    staged: bool,
+    /// How many optimizers this worker's job built.
+    optimizers_built: Arc<AtomicUsize>,
 }
 
 impl Fashion {
@@ -34,7 +41,7 @@ impl Fashion {
         let root = if root.fashion_mnist().exists() { root } else { DataRoot::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data")) };
         let data = load_fashion_mnist(&root.fashion_mnist(), Split::Test).expect("Fashion-MNIST: run bash scripts/fetch-data.sh");
         let (mean, std) = data.pixel_mean_std();
-        Fashion { data, mean, std, checkpoints: None, fail_from: None }
+        Fashion { data, mean, std, checkpoints: None, fail_from: None, staged: false, optimizers_built: Arc::default() }
     }
 
     fn rows(&self, indices: &[usize]) -> (Tensor, Tensor) {
@@ -63,6 +70,7 @@ impl TrainJob for Fashion {
     }
 
     fn build_optimizer(&self, slices: &[ParamSlice]) -> Result<AdamW, String> {
+        self.optimizers_built.fetch_add(1, Ordering::SeqCst);
         let named = slices.iter().map(|s| (s.name.clone(), s.tensor.clone())).collect();
         AdamW::new(named, AdamWConfig { lr: 0.01, ..AdamWConfig::default() }).map_err(|e| e.to_string())
     }
@@ -96,6 +104,10 @@ impl TrainJob for Fashion {
 
     fn checkpoint_dir(&self) -> Option<PathBuf> {
         self.checkpoints.clone()
+    }
+
+    fn dp_config(&self) -> DpConfig {
+        DpConfig { host_staging: self.staged, ..DpConfig::default() }
     }
 }
 
@@ -340,5 +352,56 @@ async fn losing_every_holder_resumes_from_the_newest_checkpoint_not_from_step_ze
     supervisor.join().await?;
     assert_eq!(fresh.await??, WorkerOutcome::Finished);
     let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+// Goal: after a member is lost, the survivor that is the new generation's source keeps its
+// optimizer where it is (on a GPU: no 1.5 GB state round trip through the host) and the replicas
+// stay bit-identical with the one that loaded the broadcast state. Method: three workers whose
+// parameters stay in the module (the GPU path's host staging, on the CPU); one is dropped at
+// step 30; the two survivors finish. Each worker counts the optimizers its job built: one for the
+// state template and one per generation it trained, less one for every generation it reused its
+// own; the new source must have built only two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_source_keeps_its_optimizer_in_place_after_a_loss_and_replicas_stay_identical() -> anyhow::Result<()> {
+    let mut opts = options("secret");
+    opts.elastic.start_workers = 3;
+    opts.elastic.max_workers = 3;
+    let mut supervisor = SupervisorHandle::start(opts, None).await?;
+    let addr = supervisor.addr;
+    let counters: Vec<Arc<AtomicUsize>> = (0..3).map(|_| Arc::default()).collect();
+    let workers: Vec<_> = (0..3)
+        .map(|i| {
+            let built = Arc::clone(&counters[i]);
+            tokio::spawn(run_worker(WorkerOptions::new(addr, "secret".into(), format!("worker-{i}")), move |_spec| Ok(Fashion { staged: true, optimizers_built: built, ..Fashion::load() })))
+        })
+        .collect();
+    let mut killed = false;
+    let mut worlds = Vec::new();
+    let (eval, identical) = loop {
+        match tokio::time::timeout(Duration::from_secs(120), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
+            JobEvent::Generation { world, .. } => worlds.push(world),
+            JobEvent::Committed { step, .. } if step >= 30 && !killed => {
+                workers[2].abort();
+                killed = true;
+            }
+            JobEvent::Finished { eval, replicas_identical, .. } => break (eval, replicas_identical),
+            JobEvent::Failed { reason } => anyhow::bail!("job failed: {reason}"),
+            _ => {}
+        }
+    };
+    assert!(identical, "replicas must be bit-identical after the reuse");
+    assert_eq!(worlds.first(), Some(&3));
+    assert_eq!(worlds.last(), Some(&2), "the survivors trained on: {worlds:?}");
+    let acc = eval.iter().find(|(k, _)| k == "acc").map(|(_, v)| *v).unwrap_or_default();
+    assert!(acc > 0.70, "accuracy {acc}");
+    supervisor.join().await?;
+    let mut survivors = Vec::new();
+    for (i, w) in workers.into_iter().enumerate().take(2) {
+        assert_eq!(w.await??, WorkerOutcome::Finished);
+        survivors.push(counters[i].load(Ordering::SeqCst));
+    }
+    println!("optimizers built by the survivors: {survivors:?} over generations of {worlds:?}");
+    assert_eq!(survivors.iter().min(), Some(&2), "the new source must reuse its optimizer: builds {survivors:?}");
     Ok(())
 }

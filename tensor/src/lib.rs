@@ -24,6 +24,8 @@ pub mod cuda;
 pub mod data;
 pub mod nn;
 pub mod optim;
+mod packed;
+pub mod testing;
 
 pub use autograd::{is_grad_enabled, no_grad, set_grad_enabled, BackwardFn, GradModeGuard};
 pub use error::{Error, Result};
@@ -33,6 +35,8 @@ pub use nn::Module;
 pub use optim::Optimizer;
 pub use layout::{broadcast_shape, contiguous_strides, normalize_dim, Layout};
 pub use ops::softmax::{CrossEntropyOptions, Reduction, DEFAULT_IGNORE_INDEX};
+pub use ops::checksum::CHECKSUM_CHUNK;
+pub use packed::{download_packed, upload_packed};
 pub use ops::unary::GeluApprox;
 pub use rng::{Generator, GeneratorState};
 pub use rtx_kernels::{DType, Device};

@@ -507,8 +507,14 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        let data = self.to_data()?;
-        let t = Tensor::with_node(Storage::new(data), Layout::contiguous(self.shape()), self.dtype(), "contiguous", &[self], |g: &Tensor, _: &Tensor| Ok(vec![Some(g.clone())]));
+        let host = Storage::new(self.to_data()?);
+        // A device tensor stays on its device: the elements go through the host (there is no
+        // strided device copy yet), and the copy is uploaded back.
+        let storage = match self.device() {
+            Device::Cpu => host,
+            device => Tensor::from_parts(host, Layout::contiguous(self.shape()), self.dtype(), false, None).to_device(device)?.storage().clone(),
+        };
+        let t = Tensor::with_node(storage, Layout::contiguous(self.shape()), self.dtype(), "contiguous", &[self], |g: &Tensor, _: &Tensor| Ok(vec![Some(g.clone())]));
         Ok(t)
     }
 

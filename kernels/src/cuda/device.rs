@@ -305,6 +305,22 @@ impl Device {
         unsafe { drv::memcpy_dtod_async(dst.device_ptr(), src.device_ptr(), src.len() * std::mem::size_of::<T>(), self.stream.cu_stream()) }.op("copy_dtod")
     }
 
+    /// Device-to-device copy of `n` elements from `src[src_offset..]` into `dst[dst_offset..]`
+    /// (queued): packing many tensors into one buffer, or unpacking it.
+    pub fn copy_dtod_range<T: DeviceElem>(&self, src: &Buffer<T>, src_offset: usize, dst: &mut Buffer<T>, dst_offset: usize, n: usize) -> Result<()> {
+        const OP: &str = "copy_dtod_range";
+        check_len(OP, "src", src.len(), src_offset + n)?;
+        check_len(OP, "dst", dst.len(), dst_offset + n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let size = std::mem::size_of::<T>();
+        // SAFETY: both ranges were checked to lie inside their buffers; distinct buffers never
+        // overlap.
+        unsafe { drv::memcpy_dtod_async(dst.device_ptr() + (dst_offset * size) as u64, src.device_ptr() + (src_offset * size) as u64, n * size, self.stream.cu_stream()) }.op(OP)
+    }
+
     /// Runs `f` once to warm up, then `iters` times between two CUDA events; returns the mean
     /// milliseconds per run as the device measured it.
     pub fn time_ms(&self, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {

@@ -280,6 +280,22 @@ extern "C" __global__ void mean_f32(const float* x, float* out, i64 n) {
     }
 }
 
+// Chunked FNV-1a digests of raw element bits (rtx_tensor's `Tensor::bits_checksum`): thread c
+// hashes elements [c·chunk, min(n, (c+1)·chunk)) in order, starting from the FNV basis xor c, and
+// writes the 64-bit digest as out[2c] (low word), out[2c+1] (high word). Integer arithmetic only:
+// the same bits give the same digests as the host's definition.
+template <typename B> __device__ void bits_checksum_chunks(const B* x, i64 n, i64 chunk, u32* out, i64 n_chunks) {
+    for (i64 c = blockIdx.x * (i64)blockDim.x + threadIdx.x; c < n_chunks; c += (i64)gridDim.x * blockDim.x) {
+        unsigned long long h = 0xcbf29ce484222325ULL ^ (unsigned long long)c;
+        i64 end = min(n, (c + 1) * chunk);
+        for (i64 i = c * chunk; i < end; ++i) h = (h ^ (unsigned long long)x[i]) * 0x100000001b3ULL;
+        out[2 * c] = (u32)h;
+        out[2 * c + 1] = (u32)(h >> 32);
+    }
+}
+extern "C" __global__ void bits_checksum_chunks_u16(const u16* x, i64 n, i64 chunk, u32* out, i64 n_chunks) { bits_checksum_chunks(x, n, chunk, out, n_chunks); }
+extern "C" __global__ void bits_checksum_chunks_u32(const u32* x, i64 n, i64 chunk, u32* out, i64 n_chunks) { bits_checksum_chunks(x, n, chunk, out, n_chunks); }
+
 // ---- attention head layout ----
 // rows: [B, T, row_stride] with the heads at columns col_off + h·D; heads: [B, H, T, D].
 

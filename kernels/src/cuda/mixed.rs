@@ -514,6 +514,34 @@ impl Device {
         Ok(())
     }
 
+    /// Per chunk of `chunk` elements of `x` (the last one may be shorter), the 64-bit FNV-1a
+    /// digest of the elements' raw bits (bf16 as 16-bit, f32 and u32 as 32-bit integers) in
+    /// order, starting from the FNV basis xor the chunk's index: `out[2c]` holds chunk `c`'s low
+    /// word, `out[2c + 1]` its high word. Bit-exact with the host's definition in `rtx_tensor`.
+    pub fn bits_checksum_chunks<T: DeviceElem>(&self, x: &Buffer<T>, chunk: usize, out: &mut Buffer<u32>) -> Result<()> {
+        const OP: &str = "bits_checksum_chunks";
+        if chunk == 0 {
+            return Err(CudaError::Unsupported { op: OP, what: "chunks of 0 elements".into() });
+        }
+        let n_chunks = x.len().div_ceil(chunk);
+        check_len(OP, "out", out.len(), 2 * n_chunks)?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let name = match std::mem::size_of::<T>() {
+            2 => "bits_checksum_chunks_u16",
+            4 => "bits_checksum_chunks_u32",
+            other => return Err(CudaError::Unsupported { op: OP, what: format!("{other}-byte elements") }),
+        };
+        let f = self.function(Module::Mixed, name)?;
+        let (xp, op_, n, c, nc) = (x.device_ptr(), out.device_ptr(), x.len() as i64, chunk as i64, n_chunks as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&n).arg(&c).arg(&op_).arg(&nc);
+        // SAFETY: x holds n elements of the kernel's width, out 2·n_chunks words.
+        unsafe { l.launch(grid_stride(n_chunks)) }.op(OP)?;
+        Ok(())
+    }
+
     /// `out[0] = mean(x)` in a fixed order.
     pub fn mean_f32(&self, x: &Buffer<f32>, out: &mut Buffer<f32>) -> Result<()> {
         const OP: &str = "mean_f32";

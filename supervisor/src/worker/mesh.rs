@@ -67,7 +67,7 @@ pub(super) async fn run_mesh_generation<J: TrainJob>(
     g: &Generation,
     start: &MeshStart,
     bound: Bound,
-    replica: &mut Replica<J::Model>,
+    replica: &mut Replica<J::Model, J::Optim>,
     shard: &mut DataShard<J>,
     cmds: &mut Receiver<ToWorker>,
 ) -> Result<Option<ToWorker>> {
@@ -95,7 +95,7 @@ async fn train<J: TrainJob>(
     start: &MeshStart,
     endpoint: &Endpoint,
     comm: &Communicator,
-    replica: &mut Replica<J::Model>,
+    replica: &mut Replica<J::Model, J::Optim>,
     shard: &mut DataShard<J>,
     cmds: &mut Receiver<ToWorker>,
 ) -> Result<Option<ToWorker>> {

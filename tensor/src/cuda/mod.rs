@@ -19,6 +19,7 @@
 
 pub(crate) mod ops;
 mod optim;
+pub(crate) mod packed;
 
 pub use optim::MixedAdamW;
 pub(crate) use ops::{any_cuda, linear_cross_entropy};

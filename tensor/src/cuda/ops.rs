@@ -15,6 +15,7 @@ use rtx_kernels::{DType, Device};
 
 use super::{dense, dense_u32, device, device_of, tensor_from, DeviceData, GpuFloat};
 use crate::error::{Error, Result};
+use crate::ops::checksum::{self, CHECKSUM_CHUNK};
 use crate::ops::softmax::{CrossEntropyOptions, Reduction};
 use crate::tensor::Tensor;
 
@@ -712,6 +713,30 @@ fn copy_t<T: GpuFloat>(dst: &Tensor, src: &Tensor) -> Result<()> {
     let dtype = guard.dtype();
     let d = T::buffer_mut(&mut guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: <T as DeviceElem>::DTYPE })?;
     Ok(dev.copy_dtod(&s, d)?)
+}
+
+/// [`Tensor::bits_checksum`] of a device tensor: one digest per chunk computed on the device and
+/// only those copied back (8 bytes per 4,096 elements), folded on the host. A strided view is
+/// hashed through a host copy.
+pub(crate) fn bits_checksum(x: &Tensor) -> Result<u64> {
+    const OP: &str = "bits_checksum";
+    let dense_layout = x.is_contiguous() && x.layout().offset() == 0 && x.storage().len() == x.numel();
+    if !dense_layout || x.numel() == 0 {
+        return Ok(checksum::host_bits_checksum(&x.to_data()?));
+    }
+    let (_, dev) = device_of(OP, x)?;
+    let mut out = dev.alloc::<u32>(2 * x.numel().div_ceil(CHECKSUM_CHUNK))?;
+    {
+        let g = x.storage().read_cuda(OP)?;
+        match &*g {
+            DeviceData::F32(b) => dev.bits_checksum_chunks(b, CHECKSUM_CHUNK, &mut out)?,
+            DeviceData::BF16(b) => dev.bits_checksum_chunks(b, CHECKSUM_CHUNK, &mut out)?,
+            DeviceData::U32(b) => dev.bits_checksum_chunks(b, CHECKSUM_CHUNK, &mut out)?,
+        }
+    }
+    let words = dev.dtoh(&out)?;
+    let digests: Vec<u64> = words.chunks_exact(2).map(|w| u64::from(w[0]) | (u64::from(w[1]) << 32)).collect();
+    Ok(checksum::fold_digests(&digests, x.numel()))
 }
 
 /// `x · k` for a dense device tensor (the scaled loss of a data-parallel rank), differentiable.

@@ -9,6 +9,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod binary;
+pub(crate) mod checksum;
 pub(crate) mod dropout;
 pub(crate) mod index;
 pub(crate) mod linear_cross_entropy;
