@@ -763,7 +763,7 @@ fn materialise_grads(buckets: &ParamBuckets, views: &[Tensor], bucket: usize) ->
         if let Some(grad) = view.grad() {
             let values = grad.to_dtype(b.dtype())?.to_data()?;
             debug_assert_eq!(values.len(), entry.numel, "zero2: a gradient has its parameter's size");
-            crate::param_shard::copy_at(&mut flat, entry.offset, &values);
+            flat.write_at(entry.offset, &values)?;
         }
         view.set_grad(None)?;
     }

@@ -301,7 +301,7 @@ impl<O: Optimizer> ParamShard<O> {
         for (bucket, segment) in buckets.buckets().iter().zip(&self.segments) {
             let src = segment.params.storage().read()?;
             let mut dst = bucket.param_storage().write()?;
-            copy_at(&mut dst, segment.own.start, &src);
+            dst.write_at(segment.own.start, &src)?;
         }
         Ok(())
     }
@@ -373,15 +373,3 @@ pub(crate) fn check_optimizer_params<O: Optimizer>(optimizer: &O, slices: &[Para
     }
 }
 
-/// Copies `src` into `dst[offset..]`; the caller checked dtypes and bounds (the segment lies in
-/// its bucket and has its dtype).
-pub(crate) fn copy_at(dst: &mut CpuData, offset: usize, src: &CpuData) {
-    let n = src.len();
-    match (dst, src) {
-        (CpuData::F32(d), CpuData::F32(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::F64(d), CpuData::F64(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::BF16(d), CpuData::BF16(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::U32(d), CpuData::U32(s)) => d[offset..offset + n].copy_from_slice(s),
-        (d, s) => unreachable!("param shard: segment dtype {} in a bucket of {}", s.dtype(), d.dtype()),
-    }
-}

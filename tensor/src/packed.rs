@@ -47,8 +47,8 @@ pub fn download_packed(parts: &[(Option<&Tensor>, usize)], dst: &Storage, offset
     let mut at = offset;
     for (t, len) in parts {
         match t {
-            Some(t) => write_at(&mut guard, at, &t.to_data()?)?,
-            None => write_at(&mut guard, at, &CpuData::zeros(dtype, *len))?,
+            Some(t) => guard.write_at(at, &t.to_data()?)?,
+            None => guard.write_at(at, &CpuData::zeros(dtype, *len))?,
         }
         at += len;
     }
@@ -83,20 +83,6 @@ pub fn upload_packed(src: &Storage, offset: usize, shapes: &[Vec<usize>], device
         at += n;
     }
     Ok(out)
-}
-
-/// Copies `src` into `dst[offset..]`; same dtype (checked by the callers).
-fn write_at(dst: &mut CpuData, offset: usize, src: &CpuData) -> Result<()> {
-    let n = src.len();
-    match (dst, src) {
-        (CpuData::F32(d), CpuData::F32(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::F64(d), CpuData::F64(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::BF16(d), CpuData::BF16(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::U32(d), CpuData::U32(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::I64(d), CpuData::I64(s)) => d[offset..offset + n].copy_from_slice(s),
-        (d, s) => return Err(Error::DTypeMismatch { op: "download_packed", lhs: d.dtype(), rhs: s.dtype() }),
-    }
-    Ok(())
 }
 
 #[cfg(test)]

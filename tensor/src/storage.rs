@@ -12,9 +12,7 @@ pub use crate::elements::{Elements, ForeignOwner};
 use crate::pool;
 use half::bf16;
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
-#[cfg(feature = "cuda")]
-use crate::error::Error;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use rtx_kernels::{DType, Device};
 use std::sync::Arc;
 
@@ -59,6 +57,24 @@ impl CpuData {
     /// Whether there are no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Copies `src` into elements `offset..offset + src.len()`: a typed error when the dtypes
+    /// differ or the range ends beyond these elements.
+    pub fn write_at(&mut self, offset: usize, src: &CpuData) -> Result<()> {
+        let (n, len) = (src.len(), self.len());
+        if offset + n > len {
+            return Err(Error::BadShape { op: "write_at", shape: vec![len], reason: format!("elements {offset}..{} beyond the storage", offset + n) });
+        }
+        match (self, src) {
+            (CpuData::F32(d), CpuData::F32(s)) => d[offset..offset + n].copy_from_slice(s),
+            (CpuData::F64(d), CpuData::F64(s)) => d[offset..offset + n].copy_from_slice(s),
+            (CpuData::BF16(d), CpuData::BF16(s)) => d[offset..offset + n].copy_from_slice(s),
+            (CpuData::U32(d), CpuData::U32(s)) => d[offset..offset + n].copy_from_slice(s),
+            (CpuData::I64(d), CpuData::I64(s)) => d[offset..offset + n].copy_from_slice(s),
+            (d, s) => return Err(Error::DTypeMismatch { op: "write_at", lhs: d.dtype(), rhs: s.dtype() }),
+        }
+        Ok(())
     }
 
     /// `len` zeros of `dtype`.

@@ -259,14 +259,5 @@ impl Bucket {
 
 /// Copies `src` into `dst[offset..]`; both of one dtype.
 fn write_at(dst: &mut CpuData, offset: usize, src: &CpuData, name: &str) -> Result<()> {
-    let n = src.len();
-    match (dst, src) {
-        (CpuData::F32(d), CpuData::F32(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::F64(d), CpuData::F64(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::BF16(d), CpuData::BF16(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::U32(d), CpuData::U32(s)) => d[offset..offset + n].copy_from_slice(s),
-        (CpuData::I64(d), CpuData::I64(s)) => d[offset..offset + n].copy_from_slice(s),
-        (d, s) => return Err(Error::InvalidArgument { op: "ParamBuckets", reason: format!("{name}: dtype {} does not match bucket dtype {}", s.dtype(), d.dtype()) }),
-    }
-    Ok(())
+    dst.write_at(offset, src).map_err(|e| Error::InvalidArgument { op: "ParamBuckets", reason: format!("{name}: {e}") })
 }
