@@ -1102,12 +1102,14 @@ async fn leave(ctx: &WorkerCtx, completed: Option<u64>, cmds: &mut Receiver<ToWo
 pub fn parameter_checksum<M: Module + ?Sized>(model: &M) -> Result<u64> {
     const PRIME: u64 = 0x100_0000_01b3;
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for (name, p) in model.named_state() {
+    let (names, tensors): (Vec<String>, Vec<Tensor>) = model.named_state().into_iter().unzip();
+    // Hashed where the tensors live (on a GPU, 8 bytes per chunk come back, with one wait).
+    let digests = rtx_tensor::bits_checksums(&tensors)?;
+    for (name, digest) in names.iter().zip(digests) {
         for b in name.bytes() {
             hash = (hash ^ u64::from(b)).wrapping_mul(PRIME);
         }
-        // Hashed where the tensor lives (on a GPU only 8 bytes per 4,096 elements come back).
-        hash = (hash ^ p.bits_checksum()?).wrapping_mul(PRIME);
+        hash = (hash ^ digest).wrapping_mul(PRIME);
     }
     Ok(hash)
 }

@@ -333,12 +333,16 @@ fn ops(seed: u64) -> Res<bool> {
     let mut model = Gpt::new(gpt2_124m(GPT2_VOCAB, 128), &mut Generator::new(seed))?;
     cuda::move_module(&mut model, 0, DType::BF16)?;
     let params = model.named_parameters();
+    let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.clone()).collect();
     let ms = time_ms(5, || {
-        for (_, p) in &params {
-            p.bits_checksum()?;
-        }
+        rtx_tensor::bits_checksums(&tensors)?;
         Ok(())
     })?;
+    // The batched form equals the one-by-one digests.
+    let one_by_one = tensors.iter().map(Tensor::bits_checksum).collect::<Result<Vec<u64>, _>>()?;
+    let pass = rtx_tensor::bits_checksums(&tensors)? == one_by_one;
+    ok &= pass;
+    println!("bits_checksums of a model = its tensors' bits_checksum one by one: {}", if pass { "ok" } else { "FAIL" });
     let host_ms = time_ms(1, || {
         for (_, p) in &params {
             p.to_f32_vec()?;

@@ -35,7 +35,7 @@ pub use nn::Module;
 pub use optim::Optimizer;
 pub use layout::{broadcast_shape, contiguous_strides, normalize_dim, Layout};
 pub use ops::softmax::{CrossEntropyOptions, Reduction, DEFAULT_IGNORE_INDEX};
-pub use ops::checksum::CHECKSUM_CHUNK;
+pub use ops::checksum::{bits_checksums, CHECKSUM_CHUNK};
 pub use packed::{download_packed, upload_packed};
 pub use ops::unary::GeluApprox;
 pub use rng::{Generator, GeneratorState};

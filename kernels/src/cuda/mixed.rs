@@ -516,15 +516,16 @@ impl Device {
 
     /// Per chunk of `chunk` elements of `x` (the last one may be shorter), the 64-bit FNV-1a
     /// digest of the elements' raw bits (bf16 as 16-bit, f32 and u32 as 32-bit integers) in
-    /// order, starting from the FNV basis xor the chunk's index: `out[2c]` holds chunk `c`'s low
-    /// word, `out[2c + 1]` its high word. Bit-exact with the host's definition in `rtx_tensor`.
-    pub fn bits_checksum_chunks<T: DeviceElem>(&self, x: &Buffer<T>, chunk: usize, out: &mut Buffer<u32>) -> Result<()> {
+    /// order, starting from the FNV basis xor the chunk's index: `out[at + 2c]` holds chunk `c`'s
+    /// low word, `out[at + 2c + 1]` its high word (queued; several tensors can share one `out`).
+    /// Bit-exact with the host's definition in `rtx_tensor`.
+    pub fn bits_checksum_chunks<T: DeviceElem>(&self, x: &Buffer<T>, chunk: usize, out: &mut Buffer<u32>, at: usize) -> Result<()> {
         const OP: &str = "bits_checksum_chunks";
         if chunk == 0 {
             return Err(CudaError::Unsupported { op: OP, what: "chunks of 0 elements".into() });
         }
         let n_chunks = x.len().div_ceil(chunk);
-        check_len(OP, "out", out.len(), 2 * n_chunks)?;
+        check_len(OP, "out", out.len(), at + 2 * n_chunks)?;
         if x.is_empty() {
             return Ok(());
         }
@@ -534,10 +535,10 @@ impl Device {
             other => return Err(CudaError::Unsupported { op: OP, what: format!("{other}-byte elements") }),
         };
         let f = self.function(Module::Mixed, name)?;
-        let (xp, op_, n, c, nc) = (x.device_ptr(), out.device_ptr(), x.len() as i64, chunk as i64, n_chunks as i64);
+        let (xp, op_, n, c, nc) = (x.device_ptr(), out.device_ptr() + (at * 4) as u64, x.len() as i64, chunk as i64, n_chunks as i64);
         let mut l = self.stream().launch_builder(&f);
         l.arg(&xp).arg(&n).arg(&c).arg(&op_).arg(&nc);
-        // SAFETY: x holds n elements of the kernel's width, out 2·n_chunks words.
+        // SAFETY: x holds n elements of the kernel's width, out at least at + 2·n_chunks words.
         unsafe { l.launch(grid_stride(n_chunks)) }.op(OP)?;
         Ok(())
     }

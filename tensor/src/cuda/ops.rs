@@ -716,27 +716,47 @@ fn copy_t<T: GpuFloat>(dst: &Tensor, src: &Tensor) -> Result<()> {
 }
 
 /// [`Tensor::bits_checksum`] of a device tensor: one digest per chunk computed on the device and
-/// only those copied back (8 bytes per 4,096 elements), folded on the host. A strided view is
-/// hashed through a host copy.
+/// only those copied back (8 bytes per chunk), folded on the host. A strided view is hashed
+/// through a host copy.
 pub(crate) fn bits_checksum(x: &Tensor) -> Result<u64> {
-    const OP: &str = "bits_checksum";
-    let dense_layout = x.is_contiguous() && x.layout().offset() == 0 && x.storage().len() == x.numel();
-    if !dense_layout || x.numel() == 0 {
-        return Ok(checksum::host_bits_checksum(&x.to_data()?));
+    match bits_checksums(std::slice::from_ref(x))? {
+        Some(digests) => digests.first().copied().ok_or(Error::InvalidArgument { op: "bits_checksum", reason: "no digest came back".into() }),
+        None => Ok(checksum::host_bits_checksum(&x.to_data()?)),
     }
-    let (_, dev) = device_of(OP, x)?;
-    let mut out = dev.alloc::<u32>(2 * x.numel().div_ceil(CHECKSUM_CHUNK))?;
-    {
+}
+
+/// The digests of `tensors` when all are dense, non-empty and on one GPU: each tensor's chunk
+/// digests go into one shared buffer (queued kernels), copied back once. `None` otherwise.
+pub(crate) fn bits_checksums(tensors: &[Tensor]) -> Result<Option<Vec<u64>>> {
+    const OP: &str = "bits_checksum";
+    let Some(first) = tensors.first() else { return Ok(Some(Vec::new())) };
+    let device = first.device();
+    let eligible = |x: &Tensor| x.device() == device && x.numel() > 0 && x.is_contiguous() && x.layout().offset() == 0 && x.storage().len() == x.numel();
+    if device == Device::Cpu || !tensors.iter().all(eligible) {
+        return Ok(None);
+    }
+    let (_, dev) = device_of(OP, first)?;
+    let chunks: Vec<usize> = tensors.iter().map(|x| x.numel().div_ceil(CHECKSUM_CHUNK)).collect();
+    let mut out = dev.alloc::<u32>(2 * chunks.iter().sum::<usize>())?;
+    let mut at = 0;
+    for (x, n_chunks) in tensors.iter().zip(&chunks) {
         let g = x.storage().read_cuda(OP)?;
         match &*g {
-            DeviceData::F32(b) => dev.bits_checksum_chunks(b, CHECKSUM_CHUNK, &mut out)?,
-            DeviceData::BF16(b) => dev.bits_checksum_chunks(b, CHECKSUM_CHUNK, &mut out)?,
-            DeviceData::U32(b) => dev.bits_checksum_chunks(b, CHECKSUM_CHUNK, &mut out)?,
+            DeviceData::F32(b) => dev.bits_checksum_chunks(b, CHECKSUM_CHUNK, &mut out, at)?,
+            DeviceData::BF16(b) => dev.bits_checksum_chunks(b, CHECKSUM_CHUNK, &mut out, at)?,
+            DeviceData::U32(b) => dev.bits_checksum_chunks(b, CHECKSUM_CHUNK, &mut out, at)?,
         }
+        at += 2 * n_chunks;
     }
     let words = dev.dtoh(&out)?;
-    let digests: Vec<u64> = words.chunks_exact(2).map(|w| u64::from(w[0]) | (u64::from(w[1]) << 32)).collect();
-    Ok(checksum::fold_digests(&digests, x.numel()))
+    let mut digests = Vec::with_capacity(tensors.len());
+    let mut at = 0;
+    for (x, n_chunks) in tensors.iter().zip(&chunks) {
+        let mine: Vec<u64> = words[at..at + 2 * n_chunks].chunks_exact(2).map(|w| u64::from(w[0]) | (u64::from(w[1]) << 32)).collect();
+        digests.push(checksum::fold_digests(&mine, x.numel()));
+        at += 2 * n_chunks;
+    }
+    Ok(Some(digests))
 }
 
 /// `x · k` for a dense device tensor (the scaled loss of a data-parallel rank), differentiable.

@@ -35,6 +35,15 @@ pub(crate) fn check_same(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()>
     Ok(())
 }
 
+/// Checks an operand lives on the host: an op with only a CPU kernel refuses a device tensor
+/// with a typed error rather than computing on a host copy and returning a host tensor.
+pub(crate) fn check_host(op: &'static str, a: &Tensor) -> Result<()> {
+    match a.device() {
+        rtx_kernels::Device::Cpu => Ok(()),
+        device => Err(Error::UnsupportedDevice { op, device }),
+    }
+}
+
 /// Checks an operand is a float tensor.
 pub(crate) fn check_float(op: &'static str, a: &Tensor) -> Result<()> {
     if !a.dtype().is_float() {

@@ -81,6 +81,7 @@ fn reduce_values(op_name: &'static str, x: &Tensor, dims: &[usize], op: RowOp) -
 impl Tensor {
     fn reduce_op(&self, name: &'static str, dims: &[isize], keepdim: bool, op: RowOp) -> Result<(Tensor, Vec<usize>, Vec<usize>)> {
         check_float(name, self)?;
+        super::check_host(name, self)?;
         let d = reduce_dims(name, self, dims)?;
         let values = reduce_values(name, self, &d, op)?;
         let shape = reduced_shape(self.shape(), &d, keepdim);

@@ -61,6 +61,7 @@ impl Tensor {
     fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
         let name = if log { "log_softmax" } else { "softmax" };
         check_float(name, self)?;
+        super::check_host(name, self)?;
         let d = normalize_dim(name, dim, self.rank())?;
         let last = self.rank() - 1;
         if d != last {
