@@ -169,7 +169,13 @@ print(s)' "$f"
 wait_step() {  # waits until job $1 committed step $2
   local start=$SECONDS
   while [ "$(committed "$1")" -lt "$2" ]; do
-    [ "$(job_state "$1")" = RUNNING ] || [ "$(job_state "$1")" = PENDING ] || die "job $1 is $(job_state "$1") before step $2 (see $STATE/jobs/slurm-$1.out)"
+    # One reading of the state: a job just allocated is CONFIGURING for a moment (reading it
+    # three times once saw CONFIGURING, then reported RUNNING as the failure).
+    local state; state=$(job_state "$1")
+    case "$state" in
+      RUNNING|PENDING|CONFIGURING) ;;
+      *) die "job $1 is $state before step $2 (see $STATE/jobs/slurm-$1.out)" ;;
+    esac
     [ $((SECONDS - start)) -lt "$JOB_TIMEOUT" ] || die "job $1 did not reach step $2 in ${JOB_TIMEOUT}s"
     sleep 0.5
   done
