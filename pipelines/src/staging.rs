@@ -40,6 +40,9 @@ use crate::shard::ParamSlice;
 pub(crate) struct Staging {
     /// Host buckets over copies of the parameters.
     mirror: ParamBuckets,
+    /// Per bucket, its first element and its entries in offset order (they tile one range, so
+    /// the bucket moves as one block).
+    tiles: Vec<(usize, Vec<usize>)>,
     /// The module's own parameters, in visit order (index = mirror entry index).
     params: Vec<(String, Tensor)>,
     /// Where the parameters live.
@@ -76,7 +79,8 @@ impl Staging {
         let mut host = HostCopies(copies);
         let mirror = ParamBuckets::new(&mut host, bucket_bytes_max)?;
         debug_assert_eq!(mirror.entries().len(), params.len(), "staging: one mirror entry per parameter");
-        Ok(Staging { mirror, params, device })
+        let tiles = (0..mirror.buckets().len()).map(|bucket| tiled_entries(&mirror, bucket)).collect::<Result<_>>()?;
+        Ok(Staging { mirror, tiles, params, device })
     }
 
     /// The host buckets (their storages are what the collectives reduce).
@@ -108,9 +112,9 @@ impl Staging {
     /// ([`rtx_tensor::download_packed`]). Waits for the device's queued work.
     pub(crate) fn download_bucket(&self, bucket: usize) -> Result<()> {
         let b = &self.mirror.buckets()[bucket];
-        let (start, entries) = self.tiled_entries(bucket)?;
+        let (start, entries) = &self.tiles[bucket];
         let mut grads = Vec::with_capacity(entries.len());
-        for &idx in &entries {
+        for &idx in entries {
             let entry = &self.mirror.entries()[idx];
             let (name, p) = &self.params[idx];
             let g = match p.grad() {
@@ -126,38 +130,20 @@ impl Staging {
             grads.push((g, entry.numel));
         }
         let parts: Vec<(Option<&Tensor>, usize)> = grads.iter().map(|(g, n)| (g.as_ref(), *n)).collect();
-        Ok(rtx_tensor::download_packed(&parts, b.grad_storage(), start)?)
+        Ok(rtx_tensor::download_packed(&parts, b.grad_storage(), *start)?)
     }
 
     /// Sets every parameter's gradient to its averaged value from the mirror, one host → device
     /// transfer per bucket ([`rtx_tensor::upload_packed`]).
     pub(crate) fn upload_grads(&self) -> Result<()> {
-        for (bucket, b) in self.mirror.buckets().iter().enumerate() {
-            let (start, entries) = self.tiled_entries(bucket)?;
+        for (b, (start, entries)) in self.mirror.buckets().iter().zip(&self.tiles) {
             let shapes: Vec<Vec<usize>> = entries.iter().map(|&idx| self.mirror.entries()[idx].shape.clone()).collect();
-            let grads = rtx_tensor::upload_packed(b.grad_storage(), start, &shapes, self.device)?;
+            let grads = rtx_tensor::upload_packed(b.grad_storage(), *start, &shapes, self.device)?;
             for (&idx, g) in entries.iter().zip(grads) {
                 self.params[idx].1.set_grad(Some(g))?;
             }
         }
         Ok(())
-    }
-
-    /// Bucket `bucket`'s entries in offset order and the first offset, checked to tile one
-    /// range of the bucket (so the bucket moves as one block).
-    fn tiled_entries(&self, bucket: usize) -> Result<(usize, Vec<usize>)> {
-        let mut entries = self.mirror.buckets()[bucket].entries().to_vec();
-        entries.sort_by_key(|&idx| self.mirror.entries()[idx].offset);
-        let start = entries.first().map_or(0, |&idx| self.mirror.entries()[idx].offset);
-        let mut at = start;
-        for &idx in &entries {
-            let entry = &self.mirror.entries()[idx];
-            if entry.offset != at {
-                return Err(Error::Staging { name: entry.name.clone(), reason: format!("bucket {bucket} has a gap before element {}", entry.offset) });
-            }
-            at += entry.numel;
-        }
-        Ok((start, entries))
     }
 
     /// Writes the mirror's parameter values (after the opening broadcast) into the module's
@@ -185,4 +171,21 @@ pub(crate) fn placement(params: &[(String, Tensor)]) -> Result<Device> {
         Some((other, p)) => Err(Error::MixedDevices { first: first.clone(), first_device: device, other: other.clone(), other_device: p.device() }),
         None => Ok(device),
     }
+}
+
+/// Bucket `bucket`'s first element and its entries in offset order, checked to tile one range of
+/// the bucket (so the bucket moves as one block).
+fn tiled_entries(mirror: &ParamBuckets, bucket: usize) -> Result<(usize, Vec<usize>)> {
+    let mut entries = mirror.buckets()[bucket].entries().to_vec();
+    entries.sort_by_key(|&idx| mirror.entries()[idx].offset);
+    let start = entries.first().map_or(0, |&idx| mirror.entries()[idx].offset);
+    let mut at = start;
+    for &idx in &entries {
+        let entry = &mirror.entries()[idx];
+        if entry.offset != at {
+            return Err(Error::Staging { name: entry.name.clone(), reason: format!("bucket {bucket} has a gap before element {}", entry.offset) });
+        }
+        at += entry.numel;
+    }
+    Ok((start, entries))
 }

@@ -8,8 +8,9 @@
 //! take the maximum). A new generation broadcasts the source rank's parameters and full state
 //! ([`broadcast_parameters`], [`broadcast_full_state`]) and every rank cuts out what its optimizer
 //! updates ([`slice_full_state`]), so replicas restart bit-identical whatever the world size.
-//! Values travel as f32 when every tensor of the state is f32 or bf16 (what every optimizer here
-//! keeps: half the bytes of the f64 they once travelled in), else as f64; either way exactly.
+//! Values travel as f32 when every tensor of the template is f32 or bf16 (what every optimizer
+//! here keeps: half the bytes of the f64 they once travelled in), else as f64; either way the
+//! rebuilt state is exact.
 
 use std::collections::BTreeMap;
 
@@ -38,8 +39,8 @@ fn split_field(name: &str) -> Result<(&str, &str)> {
 /// The full state from this rank's (possibly sharded) optimizer state; collective under ZeRO-1.
 /// `local` is the optimizer's `state_tensors()`, `slices` what it updates.
 pub async fn gather_full_state(comm: &Communicator, local: &[(String, Tensor)], slices: &[ParamSlice], template: &[(String, Tensor)]) -> Result<NamedTensors> {
-    // The same choice on every rank (same template, same optimizer kind): see broadcast_full_state.
-    if fits_f32(template)? && fits_f32(local)? {
+    // Decided by the template alone, so every rank makes the same choice (see broadcast_full_state).
+    if fits_f32(template)? {
         gather_values::<f32>(comm, local, slices, template).await
     } else {
         gather_values::<f64>(comm, local, slices, template).await
@@ -106,10 +107,11 @@ pub async fn broadcast_full_state(comm: &Communicator, source: usize, state: Opt
         }
     }
     comm.broadcast(&mut steps, source).await?;
-    // Every rank checks the same template, so all pick the same wire type: f32 when the state's
-    // values survive it (f32 and bf16 moments and master weights: half the bytes of f64), f64
-    // otherwise.
-    if fits_f32(template)? && fits_f32(given)? {
+    // Decided by the template alone, which every rank shares (a rank's own carried state may
+    // differ, and the ranks must agree on the wire type): f32 when the rebuilt tensors are f32 or
+    // bf16 anyway (moments and master weights: half the bytes of f64), so nothing is lost on the
+    // way; f64 otherwise.
+    if fits_f32(template)? {
         broadcast_values::<f32>(comm, source, given, template, &steps).await
     } else {
         broadcast_values::<f64>(comm, source, given, template, &steps).await
@@ -145,7 +147,8 @@ impl StateValue for f64 {
     }
 }
 
-/// Whether every value of `state` except its step counters survives a trip through f32.
+/// Whether every tensor of `state` except its step counters is f32 or bf16 (so values rebuilt
+/// into it lose nothing by travelling as f32).
 fn fits_f32(state: &[(String, Tensor)]) -> Result<bool> {
     for (name, t) in state {
         if split_field(name)?.1 != "step" && !matches!(t.dtype(), DType::F32 | DType::BF16) {
