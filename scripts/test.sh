@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RUST_BACKTRACE=1
+# No incremental caches: CI builds from a clean clone once, and the caches doubled the target folder
+# (15 of 28 GB), which ran a CI machine's disk out (os error 28) while building the CUDA feature set.
+export CARGO_INCREMENTAL=0
 bash scripts/fetch-data.sh
 # Debian's Chromium and playwright-core for the live page's browser test (idempotent).
 bash scripts/setup-browser.sh
