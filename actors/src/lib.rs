@@ -12,6 +12,7 @@
 //!   sends (`tell`) or calls (`ask`) a named actor on the other side. [`Link::over_transport`]
 //!   runs the same envelopes on a side stream of the collectives' QUIC connection to a peer rank,
 //!   so one connection per peer pair carries control messages and tensors.
+//! - [`auth`]: channel-bound token proofs (HMAC over the link's TLS exporter) for joins.
 //! - [`data_shard`]: the `DataShard` role: serves training batches, prefetching the next one.
 //!
 //! Why not ractor (DESIGN.md named it): its mailboxes are unbounded by design (ractor issue #84,
@@ -20,6 +21,7 @@
 //! node-scoped names are requirements here, and the core that gives them is ~300 lines on tokio.
 
 pub mod actor;
+pub mod auth;
 pub mod data_shard;
 mod error;
 pub mod link;

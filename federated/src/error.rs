@@ -106,9 +106,30 @@ pub enum FedError {
         /// Why it cannot be built.
         reason: String,
     },
+    /// The link between the coordinator and a client host failed, or a peer broke the protocol.
+    #[error("federation link to {peer}: {reason}")]
+    Link {
+        /// The other side (address or host name).
+        peer: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The coordinator refused a client host's join (wrong token, slice taken or out of range).
+    #[error("the coordinator at {peer} refused the join: {reason}")]
+    JoinRefused {
+        /// The coordinator's address.
+        peer: String,
+        /// Its reason.
+        reason: String,
+    },
 }
 
 impl FedError {
+    /// A [`FedError::Link`] to `peer`.
+    pub fn link(peer: impl Into<String>, reason: impl std::fmt::Display) -> Self {
+        FedError::Link { peer: peer.into(), reason: reason.to_string() }
+    }
+
     /// A [`FedError::Config`] for key `field`.
     pub fn config(field: impl Into<String>, reason: impl Into<String>) -> Self {
         FedError::Config { field: field.into(), reason: reason.into() }

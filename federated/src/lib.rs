@@ -9,7 +9,8 @@
 //! Start from [`FedConfig`] (the TOML config), [`Population`] (who holds which images),
 //! [`LogRegSgd`] (the reference local workload, behind the [`LocalTrainer`] trait) and
 //! [`Federation`] (rounds, or FedBuff steps with `[async]`). Secure aggregation and client-level DP
-//! plug in through [`UpdateTransform`]; [`Plain`] is the identity.
+//! plug in through [`UpdateTransform`]; [`Plain`] is the identity. [`remote`] runs the same rounds
+//! with client hosts in other processes over QUIC.
 
 pub mod availability;
 pub mod config;
@@ -18,6 +19,7 @@ pub mod error;
 pub mod fedbuff;
 pub mod local;
 pub mod population;
+pub mod remote;
 pub mod round;
 pub mod secagg;
 pub mod strategy;
@@ -26,5 +28,5 @@ pub use config::FedConfig;
 pub use error::{FedError, Result};
 pub use local::{ClientTask, Evaluation, LocalTrainer, LogReg, LogRegSgd};
 pub use population::{splitmix64, FedData, Population};
-pub use round::{Federation, RoundReport};
+pub use round::{ClientOutcome, Federation, PartialSum, Piece, RoundReport};
 pub use strategy::{Plain, ServerOptimizer, UpdateTransform};

@@ -15,9 +15,13 @@
 //!   on, and a round where nothing arrives leaves the model unchanged.
 //!
 //! Hosts are contiguous population slices; in this in-process mode they decide which clients a
-//! host failure takes down. `rtx fed serve` / `rtx fed clients` (QUIC, not built yet) will run the
-//! same leaves on host processes.
+//! host failure takes down. Over QUIC (`crate::remote`, `rtx fed serve` / `rtx fed clients`) each
+//! host process computes its [`Piece`]s of the same tree ([`Federation::host_pieces`]: whole nodes
+//! inside its slice, single clients of leaves it shares with a neighbour) and the coordinator
+//! finishes the tree in the same order ([`Federation::finish_round`]), so the bits do not depend
+//! on the number of host processes either.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -61,17 +65,61 @@ pub struct RoundReport {
     pub peak_partials: usize,
 }
 
-/// A partial sum travelling up the tree.
-#[derive(Debug)]
-struct Partial {
-    sum: Vec<f32>,
-    weight: f64,
-    done: u64,
-    dropped: u64,
-    stragglers: u64,
-    rejected: u64,
-    empty: u64,
-    contributors: Vec<u32>,
+/// A partial sum travelling up the tree: the weighted sum of the accepted updates under one node,
+/// their total weight, what happened to the node's other clients, and who contributed (ascending).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PartialSum {
+    /// Sum of weight x update over the accepted clients, in the tree's order.
+    pub sum: Vec<f32>,
+    /// Sum of the accepted weights.
+    pub weight: f64,
+    /// Clients whose update is in `sum`.
+    pub done: u64,
+    /// Clients that never answered.
+    pub dropped: u64,
+    /// Clients cut at the deadline.
+    pub stragglers: u64,
+    /// Malformed updates refused.
+    pub rejected: u64,
+    /// Clients without data.
+    pub empty: u64,
+    /// The contributing clients, ascending.
+    pub contributors: Vec<u32>,
+}
+
+/// What became of one sampled client, as a client host reports it for a leaf it shares with
+/// another host (the coordinator finishes that leaf's sum in position order).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ClientOutcome {
+    /// Trained: its update (after the transform's `on_client`) and weight.
+    Trained { update: Vec<f32>, weight: f32 },
+    /// Never answered (dropout).
+    Dropped,
+    /// Cut at the deadline.
+    Straggler,
+    /// Its update was malformed.
+    Rejected,
+    /// It had no data.
+    Empty,
+}
+
+/// One piece of a round's aggregation tree, computed by a client host over sampled positions
+/// `lo..hi` (see [`Federation::host_pieces`] and [`Federation::finish_round`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Piece {
+    /// The whole tree node over positions `lo..hi`: all of them are this host's.
+    Node { lo: u32, hi: u32, partial: PartialSum },
+    /// The client at position `pos`, in a leaf shared with another host.
+    Client { pos: u32, outcome: ClientOutcome },
+}
+
+/// The training outcome of one client, its update left in the caller's buffer.
+enum Trained {
+    Weight(f32),
+    Dropped,
+    Straggler,
+    Rejected,
+    Empty,
 }
 
 /// What happened to one sampled client before training.
@@ -194,11 +242,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
         let round = self.round;
         let sampled = self.sample(round);
         let k = sampled.len();
-        let fan_in = self.config.round.fan_in;
-        let mut span = fan_in;
-        while span < k {
-            span = span.saturating_mul(fan_in);
-        }
+        let span = tree_span(k, self.config.round.fan_in);
         let partial = {
             let this = &*self;
             this.pool.install(|| this.reduce(&sampled, 0, k, span))
@@ -210,8 +254,128 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
         Ok(report)
     }
 
+    /// On a client host: computes this host's pieces of `round`'s aggregation tree from `model`.
+    /// `sampled` is the round's whole sample (ascending; only the positions in `own` are read).
+    /// A tree node wholly inside `own` comes back summed (on this host's pool, exactly as
+    /// in-process); a leaf shared with another host comes back client by client, and the
+    /// coordinator finishes it ([`Federation::finish_round`]). This is what keeps a round's bits
+    /// independent of how the population is cut into hosts.
+    pub fn host_pieces(&mut self, round: u32, model: &[f32], sampled: &[u32], own: Range<usize>) -> Result<Vec<Piece>> {
+        if model.len() != self.model.len() {
+            return Err(FedError::config("model", format!("the coordinator sent {} parameters, this host's model has {}", model.len(), self.model.len())));
+        }
+        if own.start > own.end || own.end > sampled.len() {
+            return Err(FedError::config("round", format!("positions {own:?} are outside the round's {} sampled clients", sampled.len())));
+        }
+        self.model.copy_from_slice(model);
+        self.round = round;
+        let fan_in = self.config.round.fan_in;
+        let mut jobs = Vec::new();
+        plan_pieces(0, sampled.len(), tree_span(sampled.len(), fan_in), fan_in, &own, &mut jobs);
+        let pieces: Vec<Piece> = {
+            let this = &*self;
+            this.pool.install(|| {
+                jobs.into_par_iter()
+                    .map(|job| match job {
+                        Job::Node { lo, hi, span } => Piece::Node { lo: lo as u32, hi: hi as u32, partial: this.reduce(sampled, lo, hi, span) },
+                        Job::Client(pos) => {
+                            let (mut scratch, mut update) = this.take_scratch();
+                            let mut indices = Vec::new();
+                            let trained = this.train_client(sampled[pos], &this.model, round, true, &mut scratch, &mut update, &mut indices);
+                            let outcome = match trained {
+                                Trained::Weight(weight) => ClientOutcome::Trained { update: update.clone(), weight },
+                                Trained::Dropped => ClientOutcome::Dropped,
+                                Trained::Straggler => ClientOutcome::Straggler,
+                                Trained::Rejected => ClientOutcome::Rejected,
+                                Trained::Empty => ClientOutcome::Empty,
+                            };
+                            this.put_scratch(scratch, update);
+                            Piece::Client { pos: pos as u32, outcome }
+                        }
+                    })
+                    .collect()
+            })
+        };
+        for piece in &pieces {
+            match piece {
+                Piece::Node { partial, .. } => partial.contributors.iter().for_each(|&c| self.population.mark_participation(c, round)),
+                Piece::Client { pos, outcome: ClientOutcome::Trained { .. } } => self.population.mark_participation(sampled[*pos as usize], round),
+                Piece::Client { .. } => {}
+            }
+        }
+        self.partials_live.store(0, Ordering::Relaxed);
+        self.partials_peak.store(0, Ordering::Relaxed);
+        Ok(pieces)
+    }
+
+    /// At the coordinator: finishes the current round from the pieces its client hosts sent (see
+    /// [`Federation::host_pieces`]) and applies the server update. Positions no piece covers count
+    /// as dropped (their host died, timed out or does not exist): the round loses only those
+    /// clients. A piece that does not fit the round (not a node of its tree, a position out of
+    /// range, counts that do not add up, a wrong length, non-finite values, a second copy) is
+    /// refused and its clients count as dropped; nothing is counted twice. With every piece in,
+    /// the model's bits equal those of the in-process round.
+    pub fn finish_round(&mut self, pieces: Vec<Piece>) -> Result<RoundReport> {
+        let round = self.round;
+        let sampled = self.sample(round);
+        let k = sampled.len();
+        let n = self.model.len();
+        let fan_in = self.config.round.fan_in;
+        let mut nodes = BTreeMap::new();
+        let mut clients = BTreeMap::new();
+        let mut refused = 0u64;
+        for piece in pieces {
+            let fits = piece_fits(&piece, &sampled, n);
+            match piece {
+                Piece::Node { lo, hi, partial } if fits && !nodes.contains_key(&(lo, hi)) => {
+                    nodes.insert((lo, hi), partial);
+                }
+                Piece::Client { pos, outcome } if fits && !clients.contains_key(&pos) => {
+                    clients.insert(pos, outcome);
+                }
+                _ => refused += 1,
+            }
+        }
+        if refused > 0 {
+            tracing::warn!(round, refused, "pieces refused: their clients count as dropped");
+        }
+        let partial = self.assemble(&sampled, 0, k, tree_span(k, fan_in), &mut nodes, &mut clients);
+        for &c in &partial.contributors {
+            self.population.mark_participation(c, round);
+        }
+        let report = self.apply(round, partial, k as u64);
+        self.round += 1;
+        Ok(report)
+    }
+
+    /// Rebuilds the sum of the node over positions `lo..hi` from the pieces: the host's sum when it
+    /// sent the whole node, else the children's (or, in a leaf, the clients') in order.
+    fn assemble(&self, sampled: &[u32], lo: usize, hi: usize, span: usize, nodes: &mut BTreeMap<(u32, u32), PartialSum>, clients: &mut BTreeMap<u32, ClientOutcome>) -> PartialSum {
+        let n = self.model.len();
+        if let Some(partial) = nodes.remove(&(lo as u32, hi as u32)) {
+            return partial;
+        }
+        let fan_in = self.config.round.fan_in;
+        if span <= fan_in {
+            let mut partial = PartialSum::empty(n);
+            for (pos, &c) in sampled.iter().enumerate().take(hi).skip(lo) {
+                match clients.remove(&(pos as u32)) {
+                    Some(ClientOutcome::Trained { update, weight }) => partial.add(c, Trained::Weight(weight), &update, 1.0),
+                    Some(ClientOutcome::Dropped) | None => partial.add(c, Trained::Dropped, &[], 1.0),
+                    Some(ClientOutcome::Straggler) => partial.add(c, Trained::Straggler, &[], 1.0),
+                    Some(ClientOutcome::Rejected) => partial.add(c, Trained::Rejected, &[], 1.0),
+                    Some(ClientOutcome::Empty) => partial.add(c, Trained::Empty, &[], 1.0),
+                }
+            }
+            return partial;
+        }
+        let child = span / fan_in;
+        let children: Vec<PartialSum> = (lo..hi).step_by(child).map(|a| self.assemble(sampled, a, (a + child).min(hi), child, nodes, clients)).collect();
+        merge(children, n)
+    }
+
     /// Applies a summed partial: transform hook, mean, server optimizer.
-    fn apply(&mut self, round: u32, mut partial: Partial, sampled: u64) -> RoundReport {
+    fn apply(&mut self, round: u32, mut partial: PartialSum, sampled: u64) -> RoundReport {
         self.partials_live.store(0, Ordering::Relaxed);
         let mut total = partial.weight;
         self.transform.on_sum(round, &mut partial.sum, &mut total, &partial.contributors);
@@ -236,13 +400,13 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
     }
 
     /// Sums positions `lo..hi` of `sampled` under a node whose subtree spans `span` positions.
-    fn reduce(&self, sampled: &[u32], lo: usize, hi: usize, span: usize) -> Partial {
+    fn reduce(&self, sampled: &[u32], lo: usize, hi: usize, span: usize) -> PartialSum {
         let fan_in = self.config.round.fan_in;
         if span <= fan_in {
             return self.leaf(sampled, lo..hi, &self.model, self.round, true, |_| 1.0);
         }
         let child = span / fan_in;
-        let children: Vec<Partial> =
+        let children: Vec<PartialSum> =
             (lo..hi).step_by(child).collect::<Vec<_>>().into_par_iter().map(|a| self.reduce(sampled, a, (a + child).min(hi), child)).collect();
         self.partials_merged(children.len());
         merge(children, self.model.len())
@@ -253,49 +417,42 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
     /// With `check_fate` each client's dropout / host failure / deadline is decided here (the
     /// asynchronous mode decides those when the client is launched).
     #[allow(clippy::too_many_arguments)]
-    fn leaf(&self, clients: &[u32], range: Range<usize>, model: &[f32], round: u32, check_fate: bool, factor: impl Fn(usize) -> f32) -> Partial {
+    fn leaf(&self, clients: &[u32], range: Range<usize>, model: &[f32], round: u32, check_fate: bool, factor: impl Fn(usize) -> f32) -> PartialSum {
         let (mut scratch, mut update) = self.take_scratch();
-        let mut partial = Partial::empty(model.len());
+        let mut partial = PartialSum::empty(model.len());
         let live = self.partials_live.fetch_add(1, Ordering::Relaxed) + 1;
         self.partials_peak.fetch_max(live, Ordering::Relaxed);
         let mut indices = Vec::new();
         for pos in range {
             let c = clients[pos];
-            let fate = if check_fate { self.fate(round, c) } else { Fate::Train };
-            match fate {
-                Fate::Dropped => {
-                    partial.dropped += 1;
-                    continue;
-                }
-                Fate::Straggler => {
-                    partial.stragglers += 1;
-                    continue;
-                }
-                Fate::Train => {}
-            }
-            self.population.indices_into(c, &mut indices);
-            let task = ClientTask { client: c, round, seed: self.config.seed, indices: &indices };
-            let mut weight = self.trainer.train(&task, model, &mut scratch, &mut update);
-            self.transform.on_client(round, c, &mut update, &mut weight);
-            if !valid_update(&update, weight, model.len()) {
-                partial.rejected += 1;
-                tracing::debug!(client = c, round, len = update.len(), weight, "malformed update rejected");
-                continue;
-            }
-            if weight == 0.0 {
-                partial.empty += 1; // a client without data contributes nothing
-                continue;
-            }
-            let w = weight * factor(pos);
-            for (s, &u) in partial.sum.iter_mut().zip(&update) {
-                *s += w * u;
-            }
-            partial.weight += f64::from(weight);
-            partial.done += 1;
-            partial.contributors.push(c);
+            let trained = self.train_client(c, model, round, check_fate, &mut scratch, &mut update, &mut indices);
+            partial.add(c, trained, &update, factor(pos));
         }
         self.put_scratch(scratch, update);
         partial
+    }
+
+    /// Trains client `c` (unless its fate says it never answers), leaving its update in `update`.
+    #[allow(clippy::too_many_arguments)]
+    fn train_client(&self, c: u32, model: &[f32], round: u32, check_fate: bool, scratch: &mut T::Scratch, update: &mut Vec<f32>, indices: &mut Vec<u32>) -> Trained {
+        let fate = if check_fate { self.fate(round, c) } else { Fate::Train };
+        match fate {
+            Fate::Dropped => return Trained::Dropped,
+            Fate::Straggler => return Trained::Straggler,
+            Fate::Train => {}
+        }
+        self.population.indices_into(c, indices);
+        let task = ClientTask { client: c, round, seed: self.config.seed, indices };
+        let mut weight = self.trainer.train(&task, model, scratch, update);
+        self.transform.on_client(round, c, update, &mut weight);
+        if !valid_update(update, weight, model.len()) {
+            tracing::debug!(client = c, round, len = update.len(), weight, "malformed update rejected");
+            return Trained::Rejected;
+        }
+        if weight == 0.0 {
+            return Trained::Empty; // a client without data contributes nothing
+        }
+        Trained::Weight(weight)
     }
 
     fn fate(&self, round: u32, c: u32) -> Fate {
@@ -343,7 +500,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
             let state = &state;
             let accepted = &arrivals.accepted;
             this.pool.install(|| {
-                let leaves: Vec<Partial> = (0..clients.len())
+                let leaves: Vec<PartialSum> = (0..clients.len())
                     .step_by(fan_in)
                     .collect::<Vec<_>>()
                     .into_par_iter()
@@ -351,7 +508,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
                         // A leaf holds consecutive arrivals; they may have trained on different
                         // versions, so each sub-run of one version is trained from its model.
                         let hi = (lo + fan_in).min(clients.len());
-                        let mut acc = Partial::empty(this.model.len());
+                        let mut acc = PartialSum::empty(this.model.len());
                         let mut a = lo;
                         while a < hi {
                             let version = accepted[a].version;
@@ -390,16 +547,38 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
     }
 }
 
-impl Partial {
-    fn empty(n: usize) -> Self {
-        Partial { sum: vec![0.0; n], weight: 0.0, done: 0, dropped: 0, stragglers: 0, rejected: 0, empty: 0, contributors: Vec::new() }
+impl PartialSum {
+    /// Nothing summed yet, for a model of `n` parameters.
+    pub fn empty(n: usize) -> Self {
+        PartialSum { sum: vec![0.0; n], weight: 0.0, done: 0, dropped: 0, stragglers: 0, rejected: 0, empty: 0, contributors: Vec::new() }
+    }
+
+    /// Adds client `c`'s outcome (its update in `update` when trained) with weight factor `factor`:
+    /// the one place a leaf's sum grows, on a host and at the coordinator alike, so both give the
+    /// same bits.
+    fn add(&mut self, c: u32, trained: Trained, update: &[f32], factor: f32) {
+        match trained {
+            Trained::Dropped => self.dropped += 1,
+            Trained::Straggler => self.stragglers += 1,
+            Trained::Rejected => self.rejected += 1,
+            Trained::Empty => self.empty += 1,
+            Trained::Weight(weight) => {
+                let w = weight * factor;
+                for (s, &u) in self.sum.iter_mut().zip(update) {
+                    *s += w * u;
+                }
+                self.weight += f64::from(weight);
+                self.done += 1;
+                self.contributors.push(c);
+            }
+        }
     }
 }
 
 /// Sums partials in their order into the first.
-fn merge(children: Vec<Partial>, n: usize) -> Partial {
+fn merge(children: Vec<PartialSum>, n: usize) -> PartialSum {
     let mut iter = children.into_iter();
-    let mut acc = iter.next().unwrap_or_else(|| Partial::empty(n));
+    let mut acc = iter.next().unwrap_or_else(|| PartialSum::empty(n));
     for p in iter {
         for (a, &b) in acc.sum.iter_mut().zip(&p.sum) {
             *a += b;
@@ -420,4 +599,65 @@ fn merge(children: Vec<Partial>, n: usize) -> Partial {
 pub fn valid_update(update: &[f32], weight: f32, n_params: usize) -> bool {
     // A non-short-circuit fold vectorizes (`all` does not); this check is on every update.
     update.len() == n_params && weight.is_finite() && weight >= 0.0 && update.iter().fold(true, |ok, u| ok & u.is_finite())
+}
+
+/// The span of the tree's root for `k` sampled clients: the smallest power of `fan_in` that is
+/// at least `k` (a node of span `s` has children of span `s / fan_in`; a leaf has span `fan_in`).
+fn tree_span(k: usize, fan_in: usize) -> usize {
+    let mut span = fan_in;
+    while span < k {
+        span = span.saturating_mul(fan_in);
+    }
+    span
+}
+
+/// A unit of a client host's work: a whole tree node, or one client of a shared leaf.
+enum Job {
+    Node { lo: usize, hi: usize, span: usize },
+    Client(usize),
+}
+
+/// The pieces of the node `lo..hi` (span `span`) that positions `own` hold, in tree order: the
+/// node itself when `own` covers it, else its children's pieces, down to single clients in leaves.
+fn plan_pieces(lo: usize, hi: usize, span: usize, fan_in: usize, own: &Range<usize>, jobs: &mut Vec<Job>) {
+    if lo >= hi || own.start >= hi || own.end <= lo {
+        return;
+    }
+    if own.start <= lo && hi <= own.end {
+        jobs.push(Job::Node { lo, hi, span });
+    } else if span <= fan_in {
+        jobs.extend((lo.max(own.start)..hi.min(own.end)).map(Job::Client));
+    } else {
+        let child = span / fan_in;
+        for a in (lo..hi).step_by(child) {
+            plan_pieces(a, (a + child).min(hi), child, fan_in, own, jobs);
+        }
+    }
+}
+
+/// Whether a host's piece fits the round: inside the sample, consistent counts and contributors,
+/// the model's length, finite values.
+fn piece_fits(piece: &Piece, sampled: &[u32], n_params: usize) -> bool {
+    match piece {
+        Piece::Node { lo, hi, partial } => {
+            let (lo, hi) = (*lo as usize, *hi as usize);
+            let counted = partial.done + partial.dropped + partial.stragglers + partial.rejected + partial.empty;
+            lo < hi
+                && hi <= sampled.len()
+                && counted == (hi - lo) as u64
+                && partial.contributors.len() as u64 == partial.done
+                && partial.contributors.windows(2).all(|w| w[0] < w[1])
+                && partial.contributors.iter().all(|c| sampled[lo..hi].binary_search(c).is_ok())
+                && partial.weight.is_finite()
+                && partial.weight >= 0.0
+                && valid_update(&partial.sum, 0.0, n_params)
+        }
+        Piece::Client { pos, outcome } => {
+            (*pos as usize) < sampled.len()
+                && match outcome {
+                    ClientOutcome::Trained { update, weight } => *weight > 0.0 && valid_update(update, *weight, n_params),
+                    _ => true,
+                }
+        }
+    }
 }

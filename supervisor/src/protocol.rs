@@ -15,7 +15,7 @@
 //! step this worker completed), then `Start` (everyone's addresses, which rank holds the newest
 //! state, the step to run next).
 
-use ring::hmac;
+use rtx_actors::auth;
 
 use crate::config::DpSharding;
 
@@ -26,7 +26,7 @@ pub const AGENT: &str = "agent";
 const WORKER_LABEL: &[u8] = b"rtx-join-worker";
 const SUPERVISOR_LABEL: &[u8] = b"rtx-join-supervisor";
 /// Label of the TLS exporter used for the join proof.
-pub const EXPORTER_LABEL: &[u8] = b"EXPORTER-rtx-join";
+pub const EXPORTER_LABEL: &[u8] = auth::EXPORTER_LABEL;
 
 /// Messages to the supervisor.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
@@ -219,25 +219,16 @@ pub fn verify_supervisor_proof(token: &str, ekm: &[u8; 32], given: &[u8]) -> boo
 }
 
 fn proof(token: &str, label: &[u8], ekm: &[u8; 32]) -> Vec<u8> {
-    let key = hmac::Key::new(hmac::HMAC_SHA256, token.as_bytes());
-    let mut ctx = hmac::Context::with_key(&key);
-    ctx.update(label);
-    ctx.update(ekm);
-    ctx.sign().as_ref().to_vec()
+    auth::prove(token, label, ekm)
 }
 
 fn verify(token: &str, label: &[u8], ekm: &[u8; 32], given: &[u8]) -> bool {
-    let key = hmac::Key::new(hmac::HMAC_SHA256, token.as_bytes());
-    let message = [label, &ekm[..]].concat();
-    hmac::verify(&key, &message, given).is_ok()
+    auth::verify(token, label, ekm, given)
 }
 
 /// A fresh random cluster token (32 bytes from the OS, hex).
 pub fn generate_token() -> Result<String, String> {
-    use ring::rand::SecureRandom;
-    let mut bytes = [0u8; 32];
-    ring::rand::SystemRandom::new().fill(&mut bytes).map_err(|_| "the OS random generator failed".to_string())?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    auth::generate_token()
 }
 
 #[cfg(test)]

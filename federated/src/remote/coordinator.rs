@@ -1,0 +1,343 @@
+//! The coordinator of a federation over QUIC (`rtx fed serve`): accepts client hosts (token proof,
+//! one population slice each, slices never overlap), and drives the caller's [`Federation`] round
+//! by round: it samples, tells every live host its positions and the model, gathers the hosts'
+//! pieces and finishes the tree ([`Federation::finish_round`]).
+//!
+//! A round closes when every host it was sent to has answered or is gone, or at the round timeout
+//! (measured with `tokio::time`), whichever comes first. A host that dies mid-round (its link
+//! closes, or the idle timeout notices) or misses the timeout loses only its clients' updates for
+//! that round; a host that died is dropped from later rounds (its clients count as dropped until a
+//! host for that slice joins again); a late host's pieces for a closed round are ignored. A piece
+//! for positions the host was not given is refused. Hosts may join between and during rounds;
+//! they train from the next round on.
+//!
+//! The network runs on a small tokio runtime owned here; the caller's thread blocks in
+//! [`Coordinator::round`], so the federation (which may borrow its data) never crosses threads.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rtx_actors::{auth, Inbound, Link, LinkListener, LinkOptions};
+use tokio::sync::mpsc;
+
+use super::protocol::{JoinReply, ToCoordinator, ToHost, COORDINATOR_ROLE, HOST, HOST_ROLE};
+use crate::error::{FedError, Result};
+use crate::local::LocalTrainer;
+use crate::round::{Federation, Piece, RoundReport};
+use crate::strategy::UpdateTransform;
+
+/// Settings of a coordinator.
+#[derive(Clone, Debug)]
+pub struct CoordinatorOptions {
+    /// Address to listen on (port 0 picks one).
+    pub listen: SocketAddr,
+    /// The shared token hosts prove they know.
+    pub token: String,
+    /// How long a round waits for its hosts' pieces.
+    pub round_timeout: Duration,
+    /// Link tuning (idle timeout: how fast a silent host counts as gone).
+    pub link: LinkOptions,
+}
+
+/// What one round over the hosts did, beyond the federation's report.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RemoteRound {
+    /// The federation's report.
+    pub report: RoundReport,
+    /// Hosts that delivered all their pieces.
+    pub hosts_done: Vec<String>,
+    /// Hosts lost during the round (link closed or silent), with the reason.
+    pub hosts_lost: Vec<(String, String)>,
+    /// Hosts still working at the round timeout.
+    pub hosts_late: Vec<String>,
+    /// Pieces refused (outside the host's positions, malformed, for another round).
+    pub pieces_refused: u64,
+}
+
+/// A joined client host.
+struct Host {
+    name: String,
+    slice: Range<u32>,
+    link: Link,
+}
+
+/// What the network tasks tell the coordinator.
+enum Event {
+    /// A message on connection `conn`.
+    Message { conn: u64, link: Link, inbound: Inbound },
+    /// Connection `conn` is gone.
+    Lost { conn: u64, reason: String },
+}
+
+/// A host's part of the current round.
+struct Assignment {
+    positions: Range<usize>,
+    done: bool,
+}
+
+/// The coordinator: its network and the hosts that joined.
+pub struct Coordinator {
+    runtime: tokio::runtime::Runtime,
+    listener: Arc<LinkListener>,
+    addr: SocketAddr,
+    events: mpsc::Receiver<Event>,
+    options: CoordinatorOptions,
+    config_toml: String,
+    n_clients: u64,
+    /// Joined hosts by connection id, in join order of their connection.
+    hosts: BTreeMap<u64, Host>,
+    joins: u32,
+}
+
+impl Coordinator {
+    /// Listens for client hosts of a federation over `n_clients` clients whose config text is
+    /// `config_toml` (sent to every host that joins).
+    pub fn bind(options: CoordinatorOptions, config_toml: String, n_clients: u64) -> Result<Coordinator> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("fed-coordinator-net")
+            .enable_all()
+            .build()
+            .map_err(|e| FedError::link(options.listen.to_string(), format!("cannot start the network runtime: {e}")))?;
+        let listener = {
+            let _entered = runtime.enter();
+            LinkListener::bind(options.listen, options.link.clone()).map_err(|e| FedError::link(options.listen.to_string(), e))?
+        };
+        let listener = Arc::new(listener);
+        let addr = listener.local_addr().map_err(|e| FedError::link(options.listen.to_string(), e))?;
+        let (tx, events) = mpsc::channel(1024);
+        runtime.spawn(accept_loop(listener.clone(), tx));
+        Ok(Coordinator { runtime, listener, addr, events, options, config_toml, n_clients, hosts: BTreeMap::new(), joins: 0 })
+    }
+
+    /// The address hosts dial.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The live hosts: name and population slice, in order of their slices.
+    pub fn hosts(&self) -> Vec<(String, Range<u32>)> {
+        let mut hosts: Vec<_> = self.hosts.values().map(|h| (h.name.clone(), h.slice.clone())).collect();
+        hosts.sort_by_key(|(_, slice)| slice.start);
+        hosts
+    }
+
+    /// Waits until `n` hosts have joined, at most `timeout`.
+    pub fn wait_for_hosts(&mut self, n: usize, timeout: Duration) -> Result<()> {
+        let runtime = self.runtime.handle().clone();
+        runtime.block_on(async {
+            let deadline = tokio::time::Instant::now() + timeout;
+            while self.hosts.len() < n {
+                match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                    Ok(Some(event)) => {
+                        self.handle(event, None).await;
+                    }
+                    Ok(None) => return Err(FedError::link(self.addr.to_string(), "the listener stopped")),
+                    Err(_) => {
+                        return Err(FedError::link(self.addr.to_string(), format!("{} of {n} client hosts joined within {} s", self.hosts.len(), timeout.as_secs_f64())));
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs the federation's next round over the live hosts.
+    pub fn round<T: LocalTrainer, X: UpdateTransform>(&mut self, federation: &mut Federation<'_, T, X>) -> Result<RemoteRound> {
+        let start = Instant::now();
+        let round = federation.rounds_done();
+        let sampled = federation.sample(round);
+        let model = federation.model().to_vec();
+        let runtime = self.runtime.handle().clone();
+        let (pieces, mut outcome) = runtime.block_on(self.gather(round, &sampled, model));
+        let mut report = federation.finish_round(pieces)?;
+        report.seconds = start.elapsed().as_secs_f64();
+        outcome.report = report;
+        Ok(outcome)
+    }
+
+    /// Tells every live host to exit, and stops listening.
+    pub fn finish(self) {
+        let Coordinator { runtime, listener, hosts, .. } = self;
+        runtime.block_on(async {
+            for host in hosts.values() {
+                let _ = host.link.remote::<ToHost>(HOST).tell(&ToHost::Finish).await;
+            }
+            // Let the tells leave before the connections close.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            listener.close();
+        });
+    }
+
+    /// Sends round `round` to the hosts and collects their pieces until all answered, were lost,
+    /// or the round timeout passed.
+    async fn gather(&mut self, round: u32, sampled: &[u32], model: Vec<f32>) -> (Vec<Piece>, RemoteRound) {
+        let k = sampled.len() as u32;
+        let mut assignments: BTreeMap<u64, Assignment> = BTreeMap::new();
+        let mut outcome = RemoteRound { report: RoundReport::default(), hosts_done: Vec::new(), hosts_lost: Vec::new(), hosts_late: Vec::new(), pieces_refused: 0 };
+        let conns: Vec<u64> = self.hosts.keys().copied().collect();
+        for conn in conns {
+            let Some(host) = self.hosts.get(&conn) else { continue };
+            let lo = sampled.partition_point(|&c| c < host.slice.start);
+            let hi = sampled.partition_point(|&c| c < host.slice.end);
+            let message = ToHost::Round { round, k, lo: lo as u32, clients: sampled[lo..hi].to_vec(), model: model.clone() };
+            match host.link.remote::<ToHost>(HOST).tell(&message).await {
+                Ok(()) => {
+                    assignments.insert(conn, Assignment { positions: lo..hi, done: false });
+                }
+                Err(e) => {
+                    let host = self.hosts.remove(&conn).map(|h| h.name).unwrap_or_default();
+                    tracing::warn!(%host, round, error = %e, "client host lost while sending the round");
+                    outcome.hosts_lost.push((host, e.to_string()));
+                }
+            }
+        }
+        let mut pieces = Vec::new();
+        let deadline = tokio::time::Instant::now() + self.options.round_timeout;
+        while assignments.values().any(|a| !a.done) {
+            let event = match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Ok(Some(event)) => event,
+                Ok(None) | Err(_) => break,
+            };
+            let lost = match &event {
+                Event::Lost { conn, reason } => Some((*conn, reason.clone())),
+                Event::Message { .. } => None,
+            };
+            let round_message = self.handle(event, Some((round, &mut assignments, &mut pieces, &mut outcome))).await;
+            if let Some((conn, reason)) = lost {
+                if let Some(assignment) = assignments.remove(&conn) {
+                    if !assignment.done {
+                        let name = round_message.unwrap_or_else(|| format!("connection {conn}"));
+                        tracing::warn!(host = %name, round, %reason, "client host lost mid-round: its clients' updates are lost for this round");
+                        outcome.hosts_lost.push((name, reason));
+                    }
+                }
+            }
+        }
+        for (conn, assignment) in &assignments {
+            if !assignment.done {
+                let name = self.hosts.get(conn).map(|h| h.name.clone()).unwrap_or_default();
+                tracing::warn!(host = %name, round, "client host missed the round timeout: its clients count as dropped");
+                outcome.hosts_late.push(name);
+            }
+        }
+        (pieces, outcome)
+    }
+
+    /// Handles one event. During a round, `current` carries the round number, the assignments and
+    /// what was gathered so far. For a lost connection, returns the lost host's name.
+    async fn handle(&mut self, event: Event, current: Option<(u32, &mut BTreeMap<u64, Assignment>, &mut Vec<Piece>, &mut RemoteRound)>) -> Option<String> {
+        match event {
+            Event::Lost { conn, reason } => {
+                let host = self.hosts.remove(&conn)?;
+                tracing::warn!(host = %host.name, slice = ?host.slice, %reason, "client host left");
+                Some(host.name)
+            }
+            Event::Message { conn, link, inbound } => {
+                let message = match inbound.decode::<ToCoordinator>() {
+                    Ok(message) => message,
+                    Err(e) => {
+                        tracing::warn!(peer = %link.peer(), error = %e, "malformed message from a client host: closing its link");
+                        link.close("malformed message");
+                        return None;
+                    }
+                };
+                match message {
+                    ToCoordinator::Join { name, pid, slice_start, slice_end, proof } => {
+                        self.on_join(conn, &link, inbound, name, pid, slice_start..slice_end, proof).await;
+                    }
+                    ToCoordinator::Piece { round, piece } => {
+                        let Some((current, assignments, pieces, outcome)) = current else { return None };
+                        let accepted = round == current
+                            && assignments.get(&conn).is_some_and(|a| !a.done)
+                            && Piece::try_from(piece).ok().filter(|p| within(p, &assignments[&conn].positions)).map(|p| pieces.push(p)).is_some();
+                        if !accepted {
+                            outcome.pieces_refused += 1;
+                            tracing::debug!(peer = %link.peer(), round, current, "piece refused");
+                        }
+                    }
+                    ToCoordinator::RoundDone { round, pieces: sent, seconds } => {
+                        let Some((current, assignments, _, outcome)) = current else { return None };
+                        if round == current {
+                            if let Some(assignment) = assignments.get_mut(&conn) {
+                                assignment.done = true;
+                                let name = self.hosts.get(&conn).map(|h| h.name.clone()).unwrap_or_default();
+                                tracing::debug!(host = %name, round, sent, seconds, "client host done");
+                                outcome.hosts_done.push(name);
+                            }
+                        }
+                    }
+                }
+                None
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn on_join(&mut self, conn: u64, link: &Link, inbound: Inbound, name: String, pid: u32, slice: Range<u32>, proof: Vec<u8>) {
+        let ekm = link.export_keying_material(auth::EXPORTER_LABEL).ok();
+        let verdict = if !ekm.is_some_and(|ekm| auth::verify(&self.options.token, HOST_ROLE, &ekm, &proof)) {
+            Err("wrong token".to_string())
+        } else if self.hosts.contains_key(&conn) {
+            Err("this connection has already joined".to_string())
+        } else if slice.start >= slice.end || u64::from(slice.end) > self.n_clients {
+            Err(format!("population slice {}..{} is empty or outside the population of {} clients", slice.start, slice.end, self.n_clients))
+        } else if let Some(other) = self.hosts.values().find(|h| h.slice.start < slice.end && slice.start < h.slice.end) {
+            Err(format!("population slice {}..{} overlaps {}'s {}..{}", slice.start, slice.end, other.name, other.slice.start, other.slice.end))
+        } else {
+            Ok(())
+        };
+        match verdict {
+            Ok(()) => {
+                let Some(ekm) = ekm else { return };
+                self.joins += 1;
+                let reply = JoinReply::Accepted { host: self.joins, proof: auth::prove(&self.options.token, COORDINATOR_ROLE, &ekm), config_toml: self.config_toml.clone() };
+                if let Err(e) = inbound.reply(&reply).await {
+                    tracing::warn!(peer = %link.peer(), error = %e, "join reply lost");
+                    return;
+                }
+                tracing::info!(host = %name, pid, slice = ?slice, peer = %link.peer(), "client host joined");
+                self.hosts.insert(conn, Host { name, slice, link: link.clone() });
+            }
+            Err(reason) => {
+                tracing::warn!(peer = %link.peer(), host = %name, %reason, "join refused");
+                let _ = inbound.reply(&JoinReply::Refused { reason }).await;
+                let closing = link.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    closing.close("join refused");
+                });
+            }
+        }
+    }
+}
+
+/// Whether a piece covers only positions in `positions`.
+fn within(piece: &Piece, positions: &Range<usize>) -> bool {
+    match piece {
+        Piece::Node { lo, hi, .. } => positions.start <= *lo as usize && *hi as usize <= positions.end,
+        Piece::Client { pos, .. } => positions.contains(&(*pos as usize)),
+    }
+}
+
+/// Accepts links and forwards their messages, tagged with a connection id.
+async fn accept_loop(listener: Arc<LinkListener>, events: mpsc::Sender<Event>) {
+    let mut next = 0u64;
+    while let Some((link, mut inbound)) = listener.accept().await {
+        next += 1;
+        let conn = next;
+        let events = events.clone();
+        tokio::spawn(async move {
+            while let Some(message) = inbound.recv().await {
+                if events.send(Event::Message { conn, link: link.clone(), inbound: message }).await.is_err() {
+                    return;
+                }
+            }
+            let reason = link.closed_reason().unwrap_or_else(|| "link closed".to_string());
+            let _ = events.send(Event::Lost { conn, reason }).await;
+        });
+    }
+}

@@ -1,0 +1,157 @@
+//! A client host over QUIC (`rtx fed clients`): one process holding the dormant state of a slice
+//! of the population, training the slice's sampled clients each round and sending the pieces of
+//! the aggregation tree back to the coordinator.
+//!
+//! Two steps, so the caller can load data between them and the federation may borrow it:
+//! [`HostConnection::join`] dials the coordinator, proves the token, checks the coordinator's proof
+//! and returns the federation's config; [`HostConnection::serve`] then answers rounds with the
+//! caller's [`Federation`] (built from that config over the same population) until the coordinator
+//! says it is over or goes away. A round message that does not fit this host (positions outside
+//! the round, clients outside its slice) is answered with no pieces and logged; it never panics.
+
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use rtx_actors::{auth, Inbound, Link, LinkOptions};
+use tokio::sync::mpsc;
+
+use super::protocol::{JoinReply, ToCoordinator, ToHost, WirePiece, COORDINATOR, COORDINATOR_ROLE, HOST_ROLE};
+use crate::config::FedConfig;
+use crate::error::{FedError, Result};
+use crate::local::LocalTrainer;
+use crate::round::Federation;
+use crate::strategy::UpdateTransform;
+
+/// Settings of a client host.
+#[derive(Clone, Debug)]
+pub struct HostOptions {
+    /// The coordinator's address.
+    pub join: SocketAddr,
+    /// The shared token.
+    pub token: String,
+    /// The population slice this host holds.
+    pub slice: Range<u32>,
+    /// This host's name in the coordinator's logs.
+    pub name: String,
+    /// Extra time each round takes on this host before its pieces leave, emulating slower edge
+    /// devices (deadline and failure drills); zero for none.
+    pub compute_delay: Duration,
+    /// Link tuning.
+    pub link: LinkOptions,
+}
+
+/// What a host did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HostSummary {
+    /// Rounds answered.
+    pub rounds: u32,
+    /// Clients trained (or found dropped/late/empty) over all rounds.
+    pub clients: u64,
+    /// Round messages refused as not fitting this host.
+    pub refused: u32,
+}
+
+/// A joined host's connection to its coordinator.
+pub struct HostConnection {
+    runtime: tokio::runtime::Runtime,
+    link: Link,
+    inbound: mpsc::Receiver<Inbound>,
+    options: HostOptions,
+    /// This host's number at the coordinator.
+    pub host: u32,
+}
+
+impl HostConnection {
+    /// Dials the coordinator and joins with `options.slice`; returns the connection and the
+    /// federation's config.
+    pub fn join(options: HostOptions) -> Result<(HostConnection, FedConfig, String)> {
+        let peer = options.join.to_string();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("fed-host-net")
+            .enable_all()
+            .build()
+            .map_err(|e| FedError::link(&peer, format!("cannot start the network runtime: {e}")))?;
+        let (link, inbound, reply) = runtime.block_on(async {
+            let (link, inbound) = Link::dial(options.join, options.link.clone()).await.map_err(|e| FedError::link(&peer, e))?;
+            let ekm = link.export_keying_material(auth::EXPORTER_LABEL).map_err(|e| FedError::link(&peer, e))?;
+            let join = ToCoordinator::Join {
+                name: options.name.clone(),
+                pid: std::process::id(),
+                slice_start: options.slice.start,
+                slice_end: options.slice.end,
+                proof: auth::prove(&options.token, HOST_ROLE, &ekm),
+            };
+            let reply: JoinReply = link.remote(COORDINATOR).ask(&join, options.link.connect_timeout).await.map_err(|e| FedError::link(&peer, e))?;
+            Ok::<_, FedError>((link, inbound, (reply, ekm)))
+        })?;
+        let (reply, ekm) = reply;
+        let (host, config_toml) = match reply {
+            JoinReply::Refused { reason } => return Err(FedError::JoinRefused { peer, reason }),
+            JoinReply::Accepted { host, proof, config_toml } => {
+                if !auth::verify(&options.token, COORDINATOR_ROLE, &ekm, &proof) {
+                    link.close("the coordinator's proof is wrong");
+                    return Err(FedError::link(&peer, "the coordinator could not prove it knows the token: refusing to trust it"));
+                }
+                (host, config_toml)
+            }
+        };
+        let config = FedConfig::from_toml_str(&config_toml)?;
+        if u64::from(options.slice.end) > config.population.n_clients {
+            link.close("slice outside the population");
+            return Err(FedError::config("population-slice", format!("{:?} is outside the population of {} clients", options.slice, config.population.n_clients)));
+        }
+        Ok((HostConnection { runtime, link, inbound, options, host }, config, config_toml))
+    }
+
+    /// Answers rounds with `federation` until the coordinator finishes the federation (`Ok`) or is
+    /// lost (`Err`).
+    pub fn serve<T: LocalTrainer, X: UpdateTransform>(mut self, federation: &mut Federation<'_, T, X>) -> Result<HostSummary> {
+        let peer = self.options.join.to_string();
+        let mut summary = HostSummary::default();
+        loop {
+            let Some(inbound) = self.runtime.block_on(self.inbound.recv()) else {
+                let reason = self.link.closed_reason().unwrap_or_else(|| "link closed".to_string());
+                return Err(FedError::link(&peer, format!("the coordinator is gone: {reason}")));
+            };
+            let message = inbound.decode::<ToHost>().map_err(|e| FedError::link(&peer, format!("malformed message from the coordinator: {e}")))?;
+            match message {
+                ToHost::Finish => {
+                    self.link.close("federation finished");
+                    return Ok(summary);
+                }
+                ToHost::Round { round, k, lo, clients, model } => {
+                    let start = Instant::now();
+                    let fits = (lo as usize).checked_add(clients.len()).is_some_and(|hi| hi <= k as usize) && clients.iter().all(|c| self.options.slice.contains(c));
+                    let pieces = if fits {
+                        let mut sampled = vec![0u32; k as usize];
+                        let own = lo as usize..lo as usize + clients.len();
+                        sampled[own.clone()].copy_from_slice(&clients);
+                        federation.host_pieces(round, &model, &sampled, own)?
+                    } else {
+                        tracing::warn!(round, k, lo, clients = clients.len(), slice = ?self.options.slice, "round message does not fit this host: answering with no pieces");
+                        summary.refused += 1;
+                        Vec::new()
+                    };
+                    if !self.options.compute_delay.is_zero() {
+                        let delay = self.options.compute_delay;
+                        self.runtime.block_on(async move { tokio::time::sleep(delay).await });
+                    }
+                    let count = pieces.len() as u32;
+                    let coordinator = self.link.remote::<ToCoordinator>(COORDINATOR);
+                    self.runtime.block_on(async {
+                        for piece in pieces {
+                            coordinator.tell(&ToCoordinator::Piece { round, piece: WirePiece::from(piece) }).await?;
+                        }
+                        coordinator.tell(&ToCoordinator::RoundDone { round, pieces: count, seconds: start.elapsed().as_secs_f64() }).await
+                    })
+                    .map_err(|e| FedError::link(&peer, e))?;
+                    summary.rounds += 1;
+                    summary.clients += clients.len() as u64;
+                    tracing::info!(round, clients = clients.len(), pieces = count, seconds = start.elapsed().as_secs_f64(), "round answered");
+                }
+            }
+        }
+    }
+}
