@@ -41,7 +41,8 @@ pub enum Command {
     Sim(SimArgs),
     /// Time rustytorch's CPU compute (JSON lines on stdout).
     Bench(crate::bench::BenchArgs),
-    /// Federated learning: `rtx fed run CONFIG.toml` runs a whole federation in this process.
+    /// Federated learning: `rtx fed run CONFIG.toml` runs a whole federation in this process;
+    /// `rtx fed serve` + `rtx fed clients` run it with client host processes over QUIC.
     Fed(crate::fed_cmd::FedArgs),
 }
 

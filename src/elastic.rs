@@ -450,7 +450,13 @@ pub fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
     }
 }
 
-fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+/// Resolves HOST:PORT to its first socket address.
+pub(crate) fn resolve_addr(text: &str) -> anyhow::Result<SocketAddr> {
+    text.to_socket_addrs().with_context(|| format!("cannot resolve the address {text}"))?.next().ok_or_else(|| anyhow!("{text} resolves to no address"))
+}
+
+/// Writes `text` to `path`, readable by its owner only (tokens).
+pub(crate) fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new().create(true).write(true).truncate(true).mode(0o600).open(path).with_context(|| format!("cannot write {}", path.display()))?;
     f.write_all(text.as_bytes())?;

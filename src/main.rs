@@ -50,9 +50,7 @@ fn main() -> ExitCode {
         }
         Command::Bench(args) => rustytorch::bench::run(args),
         Command::Fed(args) => {
-            let data_root = match &args.command {
-                rustytorch::fed_cmd::FedCommand::Run(run) => DataRoot::resolve(run.data_dir.as_deref(), std::env::var_os(DATA_DIR_ENV).as_deref()),
-            };
+            let data_root = DataRoot::resolve(rustytorch::fed_cmd::data_dir(&args.command), std::env::var_os(DATA_DIR_ENV).as_deref());
             let font: Option<std::path::PathBuf> = std::env::var_os("RTX_PLOT_FONT").map(Into::into);
             rustytorch::fed_cmd::run(&args, data_root.path(), font.as_deref())
         }

@@ -130,3 +130,85 @@ fn fed_run_with_dp_reports_a_growing_epsilon_and_still_learns() {
     let acc = records[3]["test_acc"].as_f64().unwrap();
     assert!(acc > 0.3, "digits accuracy after 4 DP rounds: {acc}");
 }
+
+/// A federation over real processes: `rtx fed serve` and three `rtx fed clients` processes on
+/// loopback QUIC. The third host is slow (2 s a round) and is killed with SIGKILL in the middle of
+/// round 2: that round closes at its timeout with the other hosts' updates, the next rounds
+/// proceed without it, and the coordinator finishes with every round's record.
+#[test]
+fn fed_serve_with_client_host_processes_survives_a_kill_9_mid_round() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    let s = setup();
+    let config = "seed = 5\n[population]\nn_clients = 400\ndataset = \"digits\"\n[round]\nrounds = 4\nclients_per_round = 120\nfan_in = 8\nhosts = 3\n[local]\nepochs = 1\nbatch_size = 4\n";
+    std::fs::write(s.root.join("fed.toml"), config).unwrap();
+    let token = "fed-cli-test-token";
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_rtx"))
+        .args(["fed", "serve", "fed.toml", "--listen", "127.0.0.1:0", "--out", "run", "--no-progress", "--round-timeout-s", "4", "--join-timeout-s", "60"])
+        .current_dir(&s.root)
+        .env_remove("RTX_DATA_DIR")
+        .env("RTX_TOKEN", token)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The coordinator prints its address first; the rest of its stderr is kept for the failure message.
+    let mut stderr = BufReader::new(serve.stderr.take().unwrap());
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "rtx fed serve exited before listening");
+        if let Some(rest) = line.strip_prefix("coordinator on ") {
+            break rest.split(':').take(2).collect::<Vec<_>>().join(":");
+        }
+    };
+    let serve_log = std::thread::spawn(move || {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+        rest
+    });
+    let host = |slice: &str, delay_ms: &str| {
+        Command::new(env!("CARGO_BIN_EXE_rtx"))
+            .args(["fed", "clients", "--join", &addr, "--population-slice", slice, "--compute-delay-ms", delay_ms])
+            .current_dir(&s.root)
+            .env_remove("RTX_DATA_DIR")
+            .env("RTX_TOKEN", token)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut fast = [host("0..150", "0"), host("150..300", "0")];
+    let mut slow = host("300..400", "2000");
+    // Kill the slow host once round 1 is recorded, while it sits in round 2.
+    let metrics = s.root.join("run/metrics.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 1 {
+        assert!(std::time::Instant::now() < deadline, "round 1 never finished");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    slow.kill().unwrap(); // SIGKILL
+    slow.wait().unwrap();
+
+    let status = serve.wait().unwrap();
+    let mut stdout = String::new();
+    std::io::Read::read_to_string(serve.stdout.as_mut().unwrap(), &mut stdout).unwrap();
+    let log = serve_log.join().unwrap();
+    assert!(status.success(), "rtx fed serve failed\nstdout: {stdout}\nstderr: {log}");
+    for host in &mut fast {
+        assert!(host.wait().unwrap().success(), "a surviving client host failed");
+    }
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(records.len(), 4, "{stdout}");
+    let done = |r: &serde_json::Value| r["clients_done"].as_u64().unwrap();
+    let dropped = |r: &serde_json::Value| r["dropped"].as_u64().unwrap();
+    assert_eq!(dropped(&records[0]), 0, "round 1 had every host: {stdout}");
+    for r in &records[1..] {
+        assert!(done(r) > 0, "the surviving hosts' updates count: {r}");
+        assert!(dropped(r) > 0, "the killed host's clients are dropped: {r}");
+    }
+    assert!(stdout.contains("round 2/4") && (stdout.contains("late clients-300..400") || stdout.contains("lost clients-300..400")), "{stdout}");
+    assert!(records[3]["test_acc"].as_f64().unwrap() > 0.5, "the federation still learns: {}", records[3]);
+}
