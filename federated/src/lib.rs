@@ -8,8 +8,9 @@
 //!
 //! Start from [`FedConfig`] (the TOML config), [`Population`] (who holds which images),
 //! [`LogRegSgd`] (the reference local workload, behind the [`LocalTrainer`] trait) and
-//! [`Federation`] (rounds, or FedBuff steps with `[async]`). Secure aggregation and client-level DP
-//! plug in through [`UpdateTransform`]; [`Plain`] is the identity.
+//! [`Federation`] (rounds, or FedBuff steps with `[async]`). Client-level DP plugs in through
+//! [`UpdateTransform`] ([`Plain`] is the identity); secure aggregation (`[secagg]`) runs its
+//! multi-phase protocol inside the synchronous round ([`SecureRound`]).
 
 pub mod availability;
 pub mod config;
@@ -26,5 +27,5 @@ pub use config::FedConfig;
 pub use error::{FedError, Result};
 pub use local::{ClientTask, Evaluation, LocalTrainer, LogReg, LogRegSgd};
 pub use population::{splitmix64, FedData, Population};
-pub use round::{Federation, RoundReport};
+pub use round::{Federation, RoundReport, SecAggAbort, SecureRound, WeightedEncoding};
 pub use strategy::{Plain, ServerOptimizer, UpdateTransform};

@@ -17,6 +17,8 @@
 //! Hosts are contiguous population slices; in this in-process mode they decide which clients a
 //! host failure takes down. `rtx fed serve` / `rtx fed clients` (QUIC, not built yet) will run the
 //! same leaves on host processes.
+//!
+//! With `[secagg]` a synchronous round runs secure aggregation instead of the plain tree: `secure.rs`.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,6 +36,9 @@ use crate::fedbuff::AsyncState;
 use crate::local::{ClientTask, LocalTrainer};
 use crate::population::{splitmix64, Population};
 use crate::strategy::{ServerOptimizer, UpdateTransform};
+
+mod secure;
+pub use secure::{encoding_for, SecAggAbort, SecureRound, WeightedEncoding};
 
 /// What one round (or asynchronous server step) did.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -59,6 +64,8 @@ pub struct RoundReport {
     /// Most model-sized partial sums alive at once during the round (the memory bound: at most
     /// about threads x depth x fan-in, independent of K).
     pub peak_partials: usize,
+    /// Secure aggregation's part of the round (`[secagg]` only).
+    pub secure: Option<SecureRound>,
 }
 
 /// A partial sum travelling up the tree.
@@ -122,6 +129,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
             .map_err(|e| FedError::config("round.threads", e.to_string()))?;
         let optimizer = ServerOptimizer::new(&config.strategy, initial.len());
         let host_slices = config.host_slices()?;
+        encoding_for(&config, &population)?;
         let async_state = config.async_mode.as_ref().map(|a| AsyncState::new(a, &config, &initial));
         Ok(Federation {
             config,
@@ -193,6 +201,9 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
     fn run_sync_round(&mut self) -> Result<RoundReport> {
         let round = self.round;
         let sampled = self.sample(round);
+        if let Some(params) = self.config.secagg_params()? {
+            return self.run_secure_round(round, sampled, params);
+        }
         let k = sampled.len();
         let fan_in = self.config.round.fan_in;
         let mut span = fan_in;
@@ -232,6 +243,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
             total_weight: total,
             seconds: 0.0,
             peak_partials: self.partials_peak.swap(0, Ordering::Relaxed),
+            secure: None,
         }
     }
 
