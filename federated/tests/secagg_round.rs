@@ -2,7 +2,8 @@
 //! regression 64 -> 10, 650 parameters): the secure round's unmasked sum is bit for bit the plain
 //! fixed-point sum of the sampled clients and its model the plain round's within the quantisation
 //! bound; dropouts at each protocol phase lose only those clients; too few survivors leave the model
-//! unchanged with a typed outcome and later rounds still run; `[dp]` composes; bad `[secagg]` values
+//! unchanged with a typed outcome and later rounds still run; the model bits do not depend on threads
+//! or hosts; `[dp]` composes; bad `[secagg]` values
 //! and `[secagg]` with `[async]` are config errors naming the key.
 #![allow(clippy::unwrap_used)]
 
@@ -124,6 +125,18 @@ fn a_secure_round_sums_exactly_what_the_plain_round_sums() {
     assert!(diff <= 1e-4, "after 3 rounds: {diff}");
     let acc = |m: &[f32]| shape(&data).evaluate(m, &data.test).accuracy;
     assert!((acc(fed.model()) - acc(plain.model())).abs() <= 0.01, "{} vs {}", acc(fed.model()), acc(plain.model()));
+}
+
+#[test]
+fn the_secure_model_is_bit_equal_for_any_thread_and_host_count() {
+    // Goal: the secure round keeps the federation's invariant: same seed, same model bits, whatever
+    // the threads and hosts (modular sums; messages to the server in id order).
+    let seed = test_seed(21);
+    let data = digits();
+    let extra = "[faults]\ndropout_rate = 0.05\n[secagg]\n";
+    let (_, one) = run(&config(seed, 200, 40, 2, &format!("threads = 1\n{extra}")), &data, Plain);
+    let (_, three) = run(&config(seed, 200, 40, 2, &format!("threads = 3\nhosts = 2\n{extra}")), &data, Plain);
+    assert!(one.iter().zip(&three).all(|(a, b)| a.to_bits() == b.to_bits()), "1 thread vs 3 threads and 2 hosts");
 }
 
 #[test]

@@ -14,7 +14,7 @@
 
 use std::path::PathBuf;
 
-use rtx_federated::config::{DpSection, SecAggSection};
+use rtx_federated::config::DpSection;
 use rtx_federated::FedConfig;
 use rtx_tensor::data::{DataRoot, DATA_DIR_ENV};
 

@@ -41,9 +41,9 @@ use crate::secagg::{drive, Dropouts, PhaseSeconds, QuantConfig, SecAggConfig, MA
 use crate::strategy::UpdateTransform;
 
 /// Salts of the per-round seeds: the clients' key streams, the neighbour graph, late dropouts.
-const CLIENT_SALT: u64 = 0x5EC_A66_C11E;
-const GRAPH_SALT: u64 = 0x5EC_A66_62A9;
-const UNMASK_SALT: u64 = 0x5EC_A66_0A5C;
+const CLIENT_SALT: u64 = 0x005E_CA66_C11E;
+const GRAPH_SALT: u64 = 0x005E_CA66_62A9;
+const UNMASK_SALT: u64 = 0x005E_CA66_0A5C;
 
 /// How a client's weighted update and weight become words of Z_2^32, and their sum back.
 #[derive(Clone, Copy, Debug, PartialEq)]
