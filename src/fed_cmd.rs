@@ -246,8 +246,11 @@ fn run_local(args: &FedRunArgs, data_root: &Path, font: Option<&Path>) -> anyhow
 fn serve(args: &FedServeArgs, data_root: &Path, font: Option<&Path>) -> anyhow::Result<()> {
     let config_toml = std::fs::read_to_string(&args.config).with_context(|| format!("read {}", args.config.display()))?;
     let config = FedConfig::from_file(&args.config)?;
-    if config.async_mode.is_some() {
-        anyhow::bail!("{}: the asynchronous mode ([async]) runs only in this process (`rtx fed run`); client host processes take synchronous rounds", args.config.display());
+    if config.async_mode.is_some() || config.secagg.is_some() {
+        anyhow::bail!(
+            "{}: the asynchronous mode ([async]) and secure aggregation ([secagg]) run only in one process (`rtx fed run`); client host processes take plain or DP synchronous rounds",
+            args.config.display()
+        );
     }
     let out = out_dir(&config, args.out.as_deref())?;
     let data = FedData::load(data_root, config.population.dataset, config.seed)?;

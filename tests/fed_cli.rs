@@ -211,4 +211,24 @@ fn fed_serve_with_client_host_processes_survives_a_kill_9_mid_round() {
     }
     assert!(stdout.contains("round 2/4") && (stdout.contains("late clients-300..400") || stdout.contains("lost clients-300..400")), "{stdout}");
     assert!(records[3]["test_acc"].as_f64().unwrap() > 0.5, "the federation still learns: {}", records[3]);
+#[test]
+fn fed_run_with_secagg_and_dp_runs_secure_rounds_and_reports_epsilon() {
+    // Goal: a config with `[secagg]` (and `[dp]`) runs end to end through `rtx fed run`: every
+    // round's record carries epsilon, the rounds aggregate under SecAgg+, and the model learns.
+    let s = setup();
+    std::fs::write(s.root.join("secure.toml"), format!("{FED}[dp]\nclip_norm = 1.0\nnoise_multiplier = 0.5\n[secagg]\n")).unwrap();
+    let out = rtx(&["fed", "run", "secure.toml", "--out", "secure", "--no-progress"], &s.root);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "stdout: {stdout}\nstderr: {}", String::from_utf8_lossy(&out.stderr));
+    let records: Vec<serde_json::Value> =
+        std::fs::read_to_string(s.root.join("secure/metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(records.len(), 4);
+    assert!(records.iter().all(|r| r["epsilon"].as_f64().is_some_and(|e| e > 0.0) && r["clients_done"].as_u64().is_some_and(|c| c > 50)), "{records:?}");
+    let acc = records[3]["test_acc"].as_f64().unwrap();
+    assert!(acc > 0.3, "digits accuracy after 4 DP + SecAgg rounds: {acc}");
+    let with_async = format!("{FED}[secagg]\n[async]\nbuffer_size = 10\nmax_staleness = 2\nconcurrency = 20\n");
+    std::fs::write(s.root.join("async.toml"), with_async).unwrap();
+    let out = rtx(&["fed", "run", "async.toml", "--out", "async"], &s.root);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("secagg") && stderr.contains("out of scope"), "{stderr}");
 }

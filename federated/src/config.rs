@@ -1,7 +1,8 @@
 //! The federation config (`rtx fed run CONFIG.toml`): population and data partition, rounds and
-//! the aggregator tree, local training, the server strategy, the asynchronous (FedBuff) mode and
-//! the fault model (deadline, dropouts, availability trace, host failures). [`FedConfig::validate`]
-//! refuses inconsistent values with a [`FedError::Config`] that names the offending key.
+//! the aggregator tree, local training, the server strategy, the asynchronous (FedBuff) mode, the
+//! fault model (deadline, dropouts, availability trace, host failures), client-level DP (`[dp]`) and
+//! secure aggregation (`[secagg]`). [`FedConfig::validate`] refuses inconsistent values with a
+//! [`FedError::Config`] that names the offending key.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -39,6 +40,56 @@ pub struct FedConfig {
     /// Client-level differential privacy (DP-FedAvg); absent means none.
     #[serde(default)]
     pub dp: Option<DpSection>,
+    /// Secure aggregation (SecAgg+) of synchronous rounds; absent means the coordinator sums plain
+    /// updates.
+    #[serde(default)]
+    pub secagg: Option<SecAggSection>,
+}
+
+/// `[secagg]`: every synchronous round runs SecAgg+ over its sampled clients, so the coordinator
+/// only learns the sum of their weighted updates and weights (see `round::secure`). Omitted keys
+/// take the defaults below; [`FedConfig::secagg_params`] resolves them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecAggSection {
+    /// Neighbours per client in the round's graph (even, >= 2); default `recommended_degree(K)`
+    /// (the even number near 3 log2 K).
+    #[serde(default)]
+    pub degree: Option<usize>,
+    /// Shares needed to rebuild a secret, `degree/2 < threshold <= degree`; default `degree/2 + 1`.
+    #[serde(default)]
+    pub threshold: Option<usize>,
+    /// Bound of every coordinate of a client's update (scaled by `weight / max_weight`) before fixed
+    /// point; default `dp.clip_norm` under `[dp]` (an L2 clip bounds every coordinate), else 1.0.
+    #[serde(default)]
+    pub clip: Option<f32>,
+    /// Fixed-point scale `2^scale_bits`; default the finest for which K clients cannot overflow
+    /// Z_2^32 (`QuantConfig::finest`).
+    #[serde(default)]
+    pub scale_bits: Option<u32>,
+    /// Largest aggregation weight a client may send (a larger one is rejected); default 1 under
+    /// `[dp]` (unit weights), else the population's largest client (its image count).
+    #[serde(default)]
+    pub max_weight: Option<f32>,
+    /// Probability that a client that sent its masked input vanishes before answering the unmask
+    /// request (its update stays in the sum while enough neighbours answer).
+    #[serde(default)]
+    pub unmask_dropout_rate: f64,
+}
+
+/// The resolved parameters of `[secagg]` (see [`FedConfig::secagg_params`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SecAggParams {
+    /// Neighbours per client.
+    pub degree: usize,
+    /// Shares per secret.
+    pub threshold: usize,
+    /// Fixed point of the update coordinates, for K clients.
+    pub quant: crate::secagg::QuantConfig,
+    /// `max_weight` when the config sets it (else resolved from the population by the round).
+    pub max_weight: Option<f32>,
+    /// `unmask_dropout_rate`.
+    pub unmask_dropout_rate: f64,
 }
 
 /// `[dp]`: client-level differential privacy of synchronous rounds (see [`crate::dp::ClientDp`]).
@@ -414,7 +465,64 @@ impl FedConfig {
             return Err(FedError::config("dp", "client-level DP is accounted for sampled synchronous rounds; remove [async] or [dp]"));
         }
         self.dp_config()?;
+        if self.secagg.is_some() && self.async_mode.is_some() {
+            return Err(FedError::config(
+                "secagg",
+                "secure aggregation runs inside synchronous rounds; FedBuff (asynchronous) with SecAgg is out of scope: remove [async] or [secagg]",
+            ));
+        }
+        self.secagg_params()?;
         Ok(())
+    }
+
+    /// The parameters of `[secagg]` with every default resolved, checked: an even degree >= 2,
+    /// `degree/2 < threshold <= degree`, at least `threshold + 1` clients per round, a positive
+    /// clip, a scale at which K clients cannot overflow Z_2^32, a positive `max_weight` whose
+    /// K-fold sum fits too, and a dropout rate in [0, 1].
+    pub fn secagg_params(&self) -> Result<Option<SecAggParams>> {
+        let Some(s) = &self.secagg else {
+            return Ok(None);
+        };
+        let k = self.round.clients_per_round;
+        let degree = match s.degree {
+            Some(d) if d < 2 || !d.is_multiple_of(2) => return Err(FedError::config("secagg.degree", format!("{d} must be even and >= 2"))),
+            Some(d) => d,
+            None => {
+                let d = crate::secagg::recommended_degree(usize::try_from(k).unwrap_or(usize::MAX)).max(2);
+                d + d % 2
+            }
+        };
+        let threshold = s.threshold.unwrap_or(degree / 2 + 1);
+        if threshold > degree || 2 * threshold <= degree {
+            return Err(FedError::config("secagg.threshold", format!("{threshold} must satisfy degree/2 < threshold <= degree = {degree}")));
+        }
+        if k < threshold as u64 + 1 {
+            return Err(FedError::config(
+                "secagg.threshold",
+                format!("threshold {threshold} needs at least {} clients per round (each must hold {threshold} neighbours' shares), K = {k}", threshold + 1),
+            ));
+        }
+        let clip = s.clip.unwrap_or_else(|| self.dp.as_ref().map_or(1.0, |d| d.clip_norm as f32));
+        if !(clip.is_finite() && clip > 0.0) {
+            return Err(FedError::config("secagg.clip", format!("{clip} must be finite and > 0")));
+        }
+        let quant = match s.scale_bits {
+            Some(bits) => crate::secagg::QuantConfig::new(clip, bits, k)?,
+            None => crate::secagg::QuantConfig::finest(clip, k)
+                .map_err(|_| FedError::config("secagg.clip", format!("K = {k} clients with clip {clip} overflow Z_2^32 even at scale 1")))?,
+        };
+        if let Some(w) = s.max_weight {
+            if !(w.is_finite() && w > 0.0) {
+                return Err(FedError::config("secagg.max_weight", format!("{w} must be finite and > 0")));
+            }
+            if f64::from(w) * k as f64 > crate::secagg::SUM_MAGNITUDE_MAX as f64 {
+                return Err(FedError::config("secagg.max_weight", format!("K = {k} weights of up to {w} overflow Z_2^32")));
+            }
+        }
+        if !(0.0..=1.0).contains(&s.unmask_dropout_rate) {
+            return Err(FedError::config("secagg.unmask_dropout_rate", format!("{} must lie in [0, 1]", s.unmask_dropout_rate)));
+        }
+        Ok(Some(SecAggParams { degree, threshold, quant, max_weight: s.max_weight, unmask_dropout_rate: s.unmask_dropout_rate }))
     }
 
     /// The DP parameters of `[dp]` (K and N from the round and population), checked.

@@ -8,9 +8,10 @@
 //!
 //! Start from [`FedConfig`] (the TOML config), [`Population`] (who holds which images),
 //! [`LogRegSgd`] (the reference local workload, behind the [`LocalTrainer`] trait) and
-//! [`Federation`] (rounds, or FedBuff steps with `[async]`). Secure aggregation and client-level DP
-//! plug in through [`UpdateTransform`]; [`Plain`] is the identity. [`remote`] runs the same rounds
-//! with client hosts in other processes over QUIC.
+//! [`Federation`] (rounds, or FedBuff steps with `[async]`). Client-level DP plugs in through
+//! [`UpdateTransform`] ([`Plain`] is the identity); secure aggregation (`[secagg]`) runs its
+//! multi-phase protocol inside the synchronous round ([`SecureRound`]). [`remote`] runs the same
+//! rounds with client hosts in other processes over QUIC.
 
 pub mod availability;
 pub mod config;
@@ -28,5 +29,5 @@ pub use config::FedConfig;
 pub use error::{FedError, Result};
 pub use local::{ClientTask, Evaluation, LocalTrainer, LogReg, LogRegSgd};
 pub use population::{splitmix64, FedData, Population};
-pub use round::{ClientOutcome, Federation, PartialSum, Piece, RoundReport};
+pub use round::{ClientOutcome, Federation, PartialSum, Piece, RoundReport, SecAggAbort, SecureRound, WeightedEncoding};
 pub use strategy::{Plain, ServerOptimizer, UpdateTransform};

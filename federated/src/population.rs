@@ -124,6 +124,14 @@ impl Population {
         }
     }
 
+    /// The most images any client holds (the largest aggregation weight of a sample-count trainer).
+    pub fn max_samples(&self) -> usize {
+        match &self.assignment {
+            Assignment::Reference { per_client, .. } => *per_client as usize,
+            Assignment::Table { offsets, .. } => offsets.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0),
+        }
+    }
+
     /// Writes client `c`'s image indices into `out` (cleared first; no allocation once `out` has
     /// grown to the largest client).
     pub fn indices_into(&self, c: u32, out: &mut Vec<u32>) {

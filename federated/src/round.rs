@@ -20,6 +20,8 @@
 //! inside its slice, single clients of leaves it shares with a neighbour) and the coordinator
 //! finishes the tree in the same order ([`Federation::finish_round`]), so the bits do not depend
 //! on the number of host processes either.
+//!
+//! With `[secagg]` a synchronous round runs secure aggregation instead of the plain tree: `secure.rs`.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -38,6 +40,9 @@ use crate::fedbuff::AsyncState;
 use crate::local::{ClientTask, LocalTrainer};
 use crate::population::{splitmix64, Population};
 use crate::strategy::{ServerOptimizer, UpdateTransform};
+
+mod secure;
+pub use secure::{encoding_for, SecAggAbort, SecureRound, WeightedEncoding};
 
 /// What one round (or asynchronous server step) did.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -63,6 +68,8 @@ pub struct RoundReport {
     /// Most model-sized partial sums alive at once during the round (the memory bound: at most
     /// about threads x depth x fan-in, independent of K).
     pub peak_partials: usize,
+    /// Secure aggregation's part of the round (`[secagg]` only).
+    pub secure: Option<SecureRound>,
 }
 
 /// A partial sum travelling up the tree: the weighted sum of the accepted updates under one node,
@@ -170,6 +177,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
             .map_err(|e| FedError::config("round.threads", e.to_string()))?;
         let optimizer = ServerOptimizer::new(&config.strategy, initial.len());
         let host_slices = config.host_slices()?;
+        encoding_for(&config, &population)?;
         let async_state = config.async_mode.as_ref().map(|a| AsyncState::new(a, &config, &initial));
         Ok(Federation {
             config,
@@ -241,6 +249,9 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
     fn run_sync_round(&mut self) -> Result<RoundReport> {
         let round = self.round;
         let sampled = self.sample(round);
+        if let Some(params) = self.config.secagg_params()? {
+            return self.run_secure_round(round, sampled, params);
+        }
         let k = sampled.len();
         let span = tree_span(k, self.config.round.fan_in);
         let partial = {
@@ -261,6 +272,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
     /// coordinator finishes it ([`Federation::finish_round`]). This is what keeps a round's bits
     /// independent of how the population is cut into hosts.
     pub fn host_pieces(&mut self, round: u32, model: &[f32], sampled: &[u32], own: Range<usize>) -> Result<Vec<Piece>> {
+        self.refuse_secagg_over_hosts()?;
         if model.len() != self.model.len() {
             return Err(FedError::config("model", format!("the coordinator sent {} parameters, this host's model has {}", model.len(), self.model.len())));
         }
@@ -316,6 +328,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
     /// refused and its clients count as dropped; nothing is counted twice. With every piece in,
     /// the model's bits equal those of the in-process round.
     pub fn finish_round(&mut self, pieces: Vec<Piece>) -> Result<RoundReport> {
+        self.refuse_secagg_over_hosts()?;
         let round = self.round;
         let sampled = self.sample(round);
         let k = sampled.len();
@@ -346,6 +359,18 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
         let report = self.apply(round, partial, k as u64);
         self.round += 1;
         Ok(report)
+    }
+
+    /// Secure aggregation runs its phases inside one process (`secure.rs`); over client host
+    /// processes the phases would need their own messages, which are not built.
+    fn refuse_secagg_over_hosts(&self) -> Result<()> {
+        if self.config.secagg.is_some() || self.async_state.is_some() {
+            return Err(FedError::config(
+                if self.config.secagg.is_some() { "secagg" } else { "async" },
+                "client host processes (rtx fed serve / clients) run plain or DP synchronous rounds only; run this config with rtx fed run",
+            ));
+        }
+        Ok(())
     }
 
     /// Rebuilds the sum of the node over positions `lo..hi` from the pieces: the host's sum when it
@@ -396,6 +421,7 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
             total_weight: total,
             seconds: 0.0,
             peak_partials: self.partials_peak.swap(0, Ordering::Relaxed),
+            secure: None,
         }
     }
 

@@ -4,16 +4,17 @@
 //! pseudo-gradient and keep first and second moments, with Flower's update rules and defaults
 //! (FedAdam with Flower's bias-corrected step size).
 //!
-//! Also here: [`UpdateTransform`], the hook where secure aggregation and client-level DP plug in
-//! (on the client before the update leaves it, and on the round's sum before the server step);
-//! [`Plain`] is the identity.
+//! Also here: [`UpdateTransform`], the hook where client-level DP plugs in (on the client before the
+//! update leaves it, and on the round's sum before the server step); [`Plain`] is the identity.
+//! Secure aggregation (`[secagg]`) is not a transform: it runs its phases inside the round
+//! (`round::secure`), between `on_client` and `on_sum`.
 
 use crate::config::{StrategyConfig, StrategyKind};
 
-/// What happens to updates between local training and the server step. Secure aggregation masks
-/// in [`UpdateTransform::on_client`] and unmasks in [`UpdateTransform::on_sum`] (it is told who
-/// contributed); client-level DP clips on the client and adds noise to the sum. The aggregator
-/// only ever adds what `on_client` produced, in the fixed tree order.
+/// What happens to updates between local training and the server step: client-level DP clips on
+/// the client and adds noise to the sum. The aggregator only ever adds what `on_client` produced,
+/// in the fixed tree order (or, under `[secagg]`, the secure round encodes and masks it and
+/// `on_sum` sees the unmasked sum, `contributors` being the clients whose masked input is in it).
 pub trait UpdateTransform: Sync {
     /// On the client, after training, before the update leaves it (e.g. clip, mask).
     fn on_client(&self, _round: u32, _client: u32, _update: &mut [f32], _weight: &mut f32) {}

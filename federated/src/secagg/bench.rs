@@ -1,11 +1,10 @@
-//! An in-process driver for whole rounds (`run_round`), used by the tests and by the overhead
-//! benchmark (`bench_overheads`) that `rtx bench fed` can call. Clients run their steps in parallel
-//! with rayon, each from its own ChaCha20 stream of one seed; the server receives their messages in
-//! client-id order, so the outcome does not depend on the thread count. A client whose own step
-//! fails (too few neighbours left, say) drops, as it would in a real round. Timings use the wall
-//! clock, for measurement only: nothing in the protocol reads it.
+//! Whole rounds over given float updates (`run_round`), used by the tests, and the module-level
+//! overhead benchmark (`bench_overheads`, `cargo bench -p rtx-federated --bench secure`). Both go
+//! through the in-process driver of `driver.rs` (clients in parallel with rayon, each from its own
+//! ChaCha20 stream of one seed; messages to the server in client-id order), which the federation's
+//! secure rounds use too. Timings use the wall clock, for measurement only.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 use rand::seq::index::sample;
@@ -14,8 +13,7 @@ use rand_chacha::ChaCha20Rng;
 use rand_distr::{Distribution, StandardNormal};
 use rayon::prelude::*;
 
-use super::client::SecAggClient;
-use super::server::{SecAggOutcome, SecAggServer};
+use super::server::SecAggOutcome;
 use super::{QuantConfig, SecAggConfig};
 use crate::dp::DpConfig;
 use crate::error::{FedError, Result};
@@ -175,107 +173,18 @@ pub fn plain_fixed_sum<'a>(quant: &QuantConfig, updates: impl Iterator<Item = &'
     sum
 }
 
-/// Clients per parallel batch of the masking phase: bounds the masked inputs held at once.
-const MASKING_BATCH_CLIENTS: usize = 512;
-
+/// Drives one round with `updates[i]` as the input of `clients[i]`, quantised by the round's
+/// `QuantConfig` (a wrong-length or non-finite update is withheld: that client drops).
 fn drive(config: &SecAggConfig, clients: &[u64], updates: &[Vec<f32>], dropouts: &Dropouts, seed: u64) -> Result<(SecAggOutcome, PhaseSeconds)> {
     if clients.len() != updates.len() {
         return Err(FedError::Config { field: "secagg.updates".to_string(), reason: format!("{} clients but {} updates", clients.len(), updates.len()) });
     }
-    let mut seconds = PhaseSeconds::default();
-    let mut server = SecAggServer::new(config);
-
-    let start = Instant::now();
-    let mut states: BTreeMap<u64, (SecAggClient, &[f32])> = BTreeMap::new();
-    let built: Vec<(SecAggClient, &[f32])> = clients
-        .par_iter()
-        .zip(updates)
-        .map(|(&id, update)| {
-            let mut rng = ChaCha20Rng::seed_from_u64(seed);
-            rng.set_stream(id);
-            SecAggClient::new(id, config, rng).map(|c| (c, update.as_slice()))
-        })
-        .collect::<Result<_>>()?;
-    let mut adverts = Vec::with_capacity(built.len());
-    for (mut client, update) in built {
-        adverts.push(client.advertise()?);
-        if states.insert(client.id(), (client, update)).is_some() {
-            return Err(FedError::Config { field: "secagg.clients".to_string(), reason: "client ids repeat".to_string() });
-        }
-    }
-    seconds.client_setup += start.elapsed().as_secs_f64();
-
-    let start = Instant::now();
-    for advert in adverts {
-        server.receive_keys(advert)?;
-    }
-    let rosters = server.close_keys()?;
-    seconds.server_setup += start.elapsed().as_secs_f64();
-
-    let start = Instant::now();
-    states.retain(|id, _| !dropouts.before_sharing.contains(id));
-    let mut work: Vec<(&mut (SecAggClient, &[f32]), _)> = Vec::new();
-    let mut by_id: BTreeMap<u64, &mut (SecAggClient, &[f32])> = states.iter_mut().map(|(id, s)| (*id, s)).collect();
-    for roster in rosters {
-        if let Some(state) = by_id.remove(&roster.client) {
-            work.push((state, roster));
-        }
-    }
-    let shares: Vec<_> = work.into_par_iter().filter_map(|(state, roster)| state.0.share_keys(&roster).ok()).collect();
-    seconds.client_setup += start.elapsed().as_secs_f64();
-
-    let start = Instant::now();
-    for msg in shares {
-        server.receive_shares(msg)?;
-    }
-    let forwarded = server.close_shares()?;
-    seconds.server_setup += start.elapsed().as_secs_f64();
-
-    states.retain(|id, _| !dropouts.before_masked_input.contains(id));
-    let mut by_id: BTreeMap<u64, &mut (SecAggClient, &[f32])> = states.iter_mut().map(|(id, s)| (*id, s)).collect();
-    let mut work = Vec::new();
-    for fwd in forwarded {
-        if let Some(state) = by_id.remove(&fwd.client) {
-            work.push((state, fwd));
-        }
-    }
-    let mut masked_ok = BTreeSet::new();
-    while !work.is_empty() {
-        let rest = work.split_off(work.len().min(MASKING_BATCH_CLIENTS));
-        let start = Instant::now();
-        let batch: Vec<_> = work.into_par_iter().filter_map(|(state, fwd)| state.0.masked_input(&fwd, state.1).ok()).collect();
-        seconds.client_masking += start.elapsed().as_secs_f64();
-        let start = Instant::now();
-        for msg in batch {
-            masked_ok.insert(msg.client);
-            server.receive_masked(msg)?;
-        }
-        seconds.server_sum += start.elapsed().as_secs_f64();
-        work = rest;
-    }
-
-    let start = Instant::now();
-    let requests = server.close_masked()?;
-    seconds.server_unmask += start.elapsed().as_secs_f64();
-    let start = Instant::now();
-    states.retain(|id, _| masked_ok.contains(id) && !dropouts.before_unmask.contains(id));
-    let mut by_id: BTreeMap<u64, &mut (SecAggClient, &[f32])> = states.iter_mut().map(|(id, s)| (*id, s)).collect();
-    let mut work = Vec::new();
-    for request in requests {
-        if let Some(state) = by_id.remove(&request.client) {
-            work.push((state, request));
-        }
-    }
-    let answers: Vec<_> = work.into_par_iter().filter_map(|(state, request)| state.0.unmask(&request).ok()).collect();
-    seconds.client_unmask += start.elapsed().as_secs_f64();
-
-    let start = Instant::now();
-    for msg in answers {
-        server.receive_unmask(msg)?;
-    }
-    let outcome = server.finish()?;
-    seconds.server_unmask += start.elapsed().as_secs_f64();
-    Ok((outcome, seconds))
+    let quant = config.quant;
+    let input = |index: usize, _id: u64| {
+        let update = &updates[index];
+        (update.len() == config.vector_len && update.iter().all(|v| v.is_finite())).then(|| update.iter().map(|&v| quant.quantize(v)).collect())
+    };
+    super::driver::drive(config, clients, dropouts, seed, input).map(|driven| (driven.outcome, driven.seconds))
 }
 
 fn synthetic_updates(clients: &[u64], vector_len: usize, seed: u64) -> Vec<Vec<f32>> {

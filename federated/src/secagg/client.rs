@@ -1,6 +1,7 @@
 //! The client's side of the protocol as a pure state machine. The caller feeds it the server's
 //! messages in order and sends back what each call returns; the legal sequence is
-//! `advertise` -> `share_keys(Roster)` -> `masked_input(ForwardedShares, update)` ->
+//! `advertise` -> `share_keys(Roster)` -> `masked_input(ForwardedShares, update)` (or
+//! `masked_input_words` with an input the caller encoded) ->
 //! `unmask(UnmaskRequest)`, and any other call is refused with a typed error. All randomness (the two
 //! X25519 secrets, the self-mask seed, the Shamir coefficients) comes from the ChaCha20 RNG handed to
 //! `SecAggClient::new`, so a client is reproducible from its seed.
@@ -163,6 +164,26 @@ impl SecAggClient {
         if let Some(idx) = update.iter().position(|v| !v.is_finite()) {
             return Err(self.malformed(PHASE, format!("update value {idx} is not finite")));
         }
+        let quant = self.config.quant;
+        self.mask(forwarded, update.iter().map(|&v| quant.quantize(v)).collect())
+    }
+
+    /// Phase 2 for a caller that encodes its own input: `words` are already fixed point in
+    /// Z_{2^32} (e.g. a weighted update followed by its weight, as a federation round sends them).
+    /// The caller is responsible for the overflow bound of its encoding over the round's clients.
+    pub fn masked_input_words(&mut self, forwarded: &ForwardedShares, words: Vec<u32>) -> Result<MaskedInput> {
+        const PHASE: &str = "masked input";
+        self.expect_phase(ClientPhase::AwaitShares, "forwarded shares")?;
+        self.check_addressee(PHASE, forwarded.client)?;
+        if words.len() != self.config.vector_len {
+            return Err(self.malformed(PHASE, format!("input has {} words, the round expects {}", words.len(), self.config.vector_len)));
+        }
+        self.mask(forwarded, words)
+    }
+
+    /// Opens the forwarded shares and masks `masked` (the quantised input) in place.
+    fn mask(&mut self, forwarded: &ForwardedShares, mut masked: Vec<u32>) -> Result<MaskedInput> {
+        const PHASE: &str = "masked input";
         let mut held = BTreeMap::new();
         for share in &forwarded.shares {
             let Some(key) = self.share_keys.get(&share.from) else {
@@ -198,8 +219,6 @@ impl SecAggClient {
         if held.len() < self.config.threshold {
             return Err(FedError::SecAggTooFewClients { phase: PHASE, have: held.len(), need: self.config.threshold });
         }
-        let quant = self.config.quant;
-        let mut masked: Vec<u32> = update.iter().map(|&v| quant.quantize(v)).collect();
         apply_mask(&mut masked, derive_key(DOMAIN_SELF_MASK, self.config.round, &self.self_seed), MaskSign::Add);
         for &other in held.keys() {
             let keys = &self.neighbours[&other];
