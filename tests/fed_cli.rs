@@ -211,6 +211,8 @@ fn fed_serve_with_client_host_processes_survives_a_kill_9_mid_round() {
     }
     assert!(stdout.contains("round 2/4") && (stdout.contains("late clients-300..400") || stdout.contains("lost clients-300..400")), "{stdout}");
     assert!(records[3]["test_acc"].as_f64().unwrap() > 0.5, "the federation still learns: {}", records[3]);
+}
+
 #[test]
 fn fed_run_with_secagg_and_dp_runs_secure_rounds_and_reports_epsilon() {
     // Goal: a config with `[secagg]` (and `[dp]`) runs end to end through `rtx fed run`: every
