@@ -98,8 +98,10 @@ fn remote_rounds_are_bit_equal_to_in_process_rounds_for_1_and_3_hosts() {
     let data = digits();
     let text = config_text(300, 90, 3, "", "");
     let (local_reports, local_model) = in_process(&text, &data);
-    for slices in [vec![0..300], vec![0..17, 17..200, 200..300]] {
-        let slices: Vec<_> = slices.into_iter().map(|s| (s, Duration::ZERO)).collect();
+    let one: &[Range<u32>] = &[Range { start: 0, end: 300 }];
+    let three: &[Range<u32>] = &[0..17, 17..200, 200..300];
+    for slices in [one, three] {
+        let slices: Vec<_> = slices.iter().map(|s| (s.clone(), Duration::ZERO)).collect();
         let (rounds, model) = remote(&text, &data, &slices, Duration::from_secs(60));
         assert_eq!(bits(&model), bits(&local_model), "{} host(s): the model differs from the in-process run", slices.len());
         for (remote, local) in rounds.iter().zip(&local_reports) {

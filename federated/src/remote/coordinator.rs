@@ -72,6 +72,14 @@ enum Event {
     Lost { conn: u64, reason: String },
 }
 
+/// The round being gathered: its number, each host's part, the pieces and the outcome so far.
+struct Gathering {
+    round: u32,
+    assignments: BTreeMap<u64, Assignment>,
+    pieces: Vec<Piece>,
+    outcome: RemoteRound,
+}
+
 /// A host's part of the current round.
 struct Assignment {
     positions: Range<usize>,
@@ -176,8 +184,8 @@ impl Coordinator {
     /// or the round timeout passed.
     async fn gather(&mut self, round: u32, sampled: &[u32], model: Vec<f32>) -> (Vec<Piece>, RemoteRound) {
         let k = sampled.len() as u32;
-        let mut assignments: BTreeMap<u64, Assignment> = BTreeMap::new();
-        let mut outcome = RemoteRound { report: RoundReport::default(), hosts_done: Vec::new(), hosts_lost: Vec::new(), hosts_late: Vec::new(), pieces_refused: 0 };
+        let outcome = RemoteRound { report: RoundReport::default(), hosts_done: Vec::new(), hosts_lost: Vec::new(), hosts_late: Vec::new(), pieces_refused: 0 };
+        let mut g = Gathering { round, assignments: BTreeMap::new(), pieces: Vec::new(), outcome };
         let conns: Vec<u64> = self.hosts.keys().copied().collect();
         for conn in conns {
             let Some(host) = self.hosts.get(&conn) else { continue };
@@ -186,18 +194,17 @@ impl Coordinator {
             let message = ToHost::Round { round, k, lo: lo as u32, clients: sampled[lo..hi].to_vec(), model: model.clone() };
             match host.link.remote::<ToHost>(HOST).tell(&message).await {
                 Ok(()) => {
-                    assignments.insert(conn, Assignment { positions: lo..hi, done: false });
+                    g.assignments.insert(conn, Assignment { positions: lo..hi, done: false });
                 }
                 Err(e) => {
                     let host = self.hosts.remove(&conn).map(|h| h.name).unwrap_or_default();
                     tracing::warn!(%host, round, error = %e, "client host lost while sending the round");
-                    outcome.hosts_lost.push((host, e.to_string()));
+                    g.outcome.hosts_lost.push((host, e.to_string()));
                 }
             }
         }
-        let mut pieces = Vec::new();
         let deadline = tokio::time::Instant::now() + self.options.round_timeout;
-        while assignments.values().any(|a| !a.done) {
+        while g.assignments.values().any(|a| !a.done) {
             let event = match tokio::time::timeout_at(deadline, self.events.recv()).await {
                 Ok(Some(event)) => event,
                 Ok(None) | Err(_) => break,
@@ -206,30 +213,30 @@ impl Coordinator {
                 Event::Lost { conn, reason } => Some((*conn, reason.clone())),
                 Event::Message { .. } => None,
             };
-            let round_message = self.handle(event, Some((round, &mut assignments, &mut pieces, &mut outcome))).await;
+            let lost_name = self.handle(event, Some(&mut g)).await;
             if let Some((conn, reason)) = lost {
-                if let Some(assignment) = assignments.remove(&conn) {
+                if let Some(assignment) = g.assignments.remove(&conn) {
                     if !assignment.done {
-                        let name = round_message.unwrap_or_else(|| format!("connection {conn}"));
+                        let name = lost_name.unwrap_or_else(|| format!("connection {conn}"));
                         tracing::warn!(host = %name, round, %reason, "client host lost mid-round: its clients' updates are lost for this round");
-                        outcome.hosts_lost.push((name, reason));
+                        g.outcome.hosts_lost.push((name, reason));
                     }
                 }
             }
         }
-        for (conn, assignment) in &assignments {
+        for (conn, assignment) in &g.assignments {
             if !assignment.done {
                 let name = self.hosts.get(conn).map(|h| h.name.clone()).unwrap_or_default();
                 tracing::warn!(host = %name, round, "client host missed the round timeout: its clients count as dropped");
-                outcome.hosts_late.push(name);
+                g.outcome.hosts_late.push(name);
             }
         }
-        (pieces, outcome)
+        (g.pieces, g.outcome)
     }
 
-    /// Handles one event. During a round, `current` carries the round number, the assignments and
-    /// what was gathered so far. For a lost connection, returns the lost host's name.
-    async fn handle(&mut self, event: Event, current: Option<(u32, &mut BTreeMap<u64, Assignment>, &mut Vec<Piece>, &mut RemoteRound)>) -> Option<String> {
+    /// Handles one event; during a round, `current` is what is being gathered. For a lost
+    /// connection, returns the lost host's name.
+    async fn handle(&mut self, event: Event, current: Option<&mut Gathering>) -> Option<String> {
         match event {
             Event::Lost { conn, reason } => {
                 let host = self.hosts.remove(&conn)?;
@@ -250,23 +257,24 @@ impl Coordinator {
                         self.on_join(conn, &link, inbound, name, pid, slice_start..slice_end, proof).await;
                     }
                     ToCoordinator::Piece { round, piece } => {
-                        let Some((current, assignments, pieces, outcome)) = current else { return None };
-                        let accepted = round == current
-                            && assignments.get(&conn).is_some_and(|a| !a.done)
-                            && Piece::try_from(piece).ok().filter(|p| within(p, &assignments[&conn].positions)).map(|p| pieces.push(p)).is_some();
-                        if !accepted {
-                            outcome.pieces_refused += 1;
-                            tracing::debug!(peer = %link.peer(), round, current, "piece refused");
+                        let g = current?;
+                        let positions = g.assignments.get(&conn).filter(|a| !a.done && round == g.round).map(|a| a.positions.clone());
+                        match positions.and_then(|positions| Piece::try_from(piece).ok().filter(|p| within(p, &positions))) {
+                            Some(piece) => g.pieces.push(piece),
+                            None => {
+                                g.outcome.pieces_refused += 1;
+                                tracing::debug!(peer = %link.peer(), round, current = g.round, "piece refused");
+                            }
                         }
                     }
                     ToCoordinator::RoundDone { round, pieces: sent, seconds } => {
-                        let Some((current, assignments, _, outcome)) = current else { return None };
-                        if round == current {
-                            if let Some(assignment) = assignments.get_mut(&conn) {
+                        let g = current?;
+                        if round == g.round {
+                            if let Some(assignment) = g.assignments.get_mut(&conn) {
                                 assignment.done = true;
                                 let name = self.hosts.get(&conn).map(|h| h.name.clone()).unwrap_or_default();
                                 tracing::debug!(host = %name, round, sent, seconds, "client host done");
-                                outcome.hosts_done.push(name);
+                                g.outcome.hosts_done.push(name);
                             }
                         }
                     }
