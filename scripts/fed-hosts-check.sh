@@ -38,7 +38,8 @@ for i in 0 1 2 3; do
   pids+=($!)
 done
 # Kill the slow host 1 s into round KILL_ROUND (it received the round when the previous one was recorded).
-while [ "$(wc -l < "$OUT/metrics.jsonl" 2>/dev/null || echo 0)" -lt "$((KILL_ROUND - 1))" ]; do
+recorded() { if [ -f "$OUT/metrics.jsonl" ]; then wc -l < "$OUT/metrics.jsonl"; else echo 0; fi; }
+while [ "$(recorded)" -lt "$((KILL_ROUND - 1))" ]; do
   kill -0 "$serve" 2>/dev/null || { cat "$OUT/serve.err"; echo "fed-hosts-check: the coordinator exited early"; exit 1; }
   sleep 0.1
 done
