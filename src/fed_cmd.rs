@@ -48,8 +48,10 @@ pub enum FedCommand {
 /// Arguments of `rtx fed serve`.
 #[derive(Args, Debug, Clone)]
 pub struct FedServeArgs {
-    /// The federation config (sent to every client host that joins).
-    pub config: PathBuf,
+    /// The config (sent to every client host that joins), output and data folders (the test set),
+    /// as for `rtx fed run`.
+    #[command(flatten)]
+    pub run: FedRunArgs,
     /// Address to listen on for client hosts.
     #[arg(long, default_value = "0.0.0.0:29500")]
     pub listen: std::net::SocketAddr,
@@ -63,15 +65,6 @@ pub struct FedServeArgs {
     /// clients' updates for the round.
     #[arg(long, default_value_t = 60.0)]
     pub round_timeout_s: f64,
-    /// Output folder (default: the config's output.dir, else runs/fed).
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-    /// Data folder, for the test set (default: $RTX_DATA_DIR, else ./data).
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
-    /// Plain log lines, no progress bar.
-    #[arg(long)]
-    pub no_progress: bool,
 }
 
 /// Arguments of `rtx fed clients`.
@@ -219,7 +212,7 @@ pub fn run(args: &FedArgs, data_root: &Path, font: Option<&Path>) -> anyhow::Res
 pub fn data_dir(command: &FedCommand) -> Option<&Path> {
     match command {
         FedCommand::Run(a) => a.data_dir.as_deref(),
-        FedCommand::Serve(a) => a.data_dir.as_deref(),
+        FedCommand::Serve(a) => a.run.data_dir.as_deref(),
         FedCommand::Clients(a) => a.data_dir.as_deref(),
     }
 }
@@ -244,15 +237,15 @@ fn run_local(args: &FedRunArgs, data_root: &Path, font: Option<&Path>) -> anyhow
 
 /// `rtx fed serve`: the coordinator over QUIC.
 fn serve(args: &FedServeArgs, data_root: &Path, font: Option<&Path>) -> anyhow::Result<()> {
-    let config_toml = std::fs::read_to_string(&args.config).with_context(|| format!("read {}", args.config.display()))?;
-    let config = FedConfig::from_file(&args.config)?;
+    let config_toml = std::fs::read_to_string(&args.run.config).with_context(|| format!("read {}", args.run.config.display()))?;
+    let config = FedConfig::from_file(&args.run.config)?;
     if config.async_mode.is_some() || config.secagg.is_some() {
         anyhow::bail!(
             "{}: the asynchronous mode ([async]) and secure aggregation ([secagg]) run only in one process (`rtx fed run`); client host processes take plain or DP synchronous rounds",
-            args.config.display()
+            args.run.config.display()
         );
     }
-    let out = out_dir(&config, args.out.as_deref())?;
+    let out = out_dir(&config, args.run.out.as_deref())?;
     let data = FedData::load(data_root, config.population.dataset, config.seed)?;
     let mut run = Run::new(&config, &data)?;
     let token = match std::env::var(TOKEN_ENV) {
@@ -279,7 +272,7 @@ fn serve(args: &FedServeArgs, data_root: &Path, font: Option<&Path>) -> anyhow::
     for (name, slice) in coordinator.hosts() {
         eprintln!("client host {name}: clients {}..{}", slice.start, slice.end);
     }
-    let result = drive(&config, &out, args.no_progress, font, &format!("{hosts} client host process(es) over QUIC"), |evaluate| {
+    let result = drive(&config, &out, args.run.no_progress, font, &format!("{hosts} client host process(es) over QUIC"), |evaluate| {
         let mut remote = None;
         let (_, record) = run.round_by(evaluate, |federation| {
             let round = coordinator.round(federation)?;
