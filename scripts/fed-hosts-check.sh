@@ -6,7 +6,8 @@
 # the next rounds proceed. Prints each round's record and a verdict.
 #   RTX_BIN=target/release/rtx bash scripts/fed-hosts-check.sh
 # Environment: RTX_BIN (default target/release/rtx, built when missing), CONFIG, PORT (29600),
-# KILL_ROUND (3), SLOW_MS (3000), ROUND_TIMEOUT_S (6), OUT (a temporary folder).
+# KILL_ROUND (3), SLOW_MS (3000), ROUND_TIMEOUT_S (6), OUT (a temporary folder), DATASETS (the
+# sets fetch-data.sh makes sure of: fashion-mnist).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RTX_BIN="${RTX_BIN:-target/release/rtx}"
@@ -17,7 +18,7 @@ SLOW_MS="${SLOW_MS:-3000}"
 ROUND_TIMEOUT_S="${ROUND_TIMEOUT_S:-6}"
 OUT="${OUT:-$(mktemp -d)/fed_hosts}"
 [ -x "$RTX_BIN" ] || cargo build --release -p rustytorch --bin rtx
-bash scripts/fetch-data.sh >/dev/null
+bash scripts/fetch-data.sh --only "${DATASETS:-fashion-mnist}" >/dev/null
 mkdir -p "$OUT"
 export RTX_TOKEN
 RTX_TOKEN="$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
