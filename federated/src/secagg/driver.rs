@@ -78,13 +78,7 @@ where
 
     let start = Instant::now();
     states.retain(|id, _| !dropouts.before_sharing.contains(id));
-    let mut by_id: BTreeMap<u64, &mut (SecAggClient, usize)> = states.iter_mut().map(|(id, s)| (*id, s)).collect();
-    let mut work = Vec::new();
-    for roster in rosters {
-        if let Some(state) = by_id.remove(&roster.client) {
-            work.push((state, roster));
-        }
-    }
+    let work = pair_by_client(&mut states, rosters, |m| m.client);
     let shares: Vec<_> = work.into_par_iter().filter_map(|(state, roster)| state.0.share_keys(&roster).ok()).collect();
     seconds.client_setup += start.elapsed().as_secs_f64();
 
@@ -96,13 +90,7 @@ where
     seconds.server_setup += start.elapsed().as_secs_f64();
 
     states.retain(|id, _| !dropouts.before_masked_input.contains(id));
-    let mut by_id: BTreeMap<u64, &mut (SecAggClient, usize)> = states.iter_mut().map(|(id, s)| (*id, s)).collect();
-    let mut work = Vec::new();
-    for fwd in forwarded {
-        if let Some(state) = by_id.remove(&fwd.client) {
-            work.push((state, fwd));
-        }
-    }
+    let mut work = pair_by_client(&mut states, forwarded, |m| m.client);
     let mut masked_ok = BTreeSet::new();
     while !work.is_empty() {
         let rest = work.split_off(work.len().min(MASKING_BATCH_CLIENTS));
@@ -126,13 +114,7 @@ where
     seconds.server_unmask += start.elapsed().as_secs_f64();
     let start = Instant::now();
     states.retain(|id, _| masked_ok.contains(id) && !dropouts.before_unmask.contains(id));
-    let mut by_id: BTreeMap<u64, &mut (SecAggClient, usize)> = states.iter_mut().map(|(id, s)| (*id, s)).collect();
-    let mut work = Vec::new();
-    for request in requests {
-        if let Some(state) = by_id.remove(&request.client) {
-            work.push((state, request));
-        }
-    }
+    let work = pair_by_client(&mut states, requests, |m| m.client);
     let answers: Vec<_> = work.into_par_iter().filter_map(|(state, request)| state.0.unmask(&request).ok()).collect();
     seconds.client_unmask += start.elapsed().as_secs_f64();
 
@@ -143,4 +125,11 @@ where
     let outcome = server.finish()?;
     seconds.server_unmask += start.elapsed().as_secs_f64();
     Ok(Driven { outcome, seconds })
+}
+
+/// Pairs each message with the live client state it is addressed to (by `client_of`), in message
+/// order; messages for clients no longer live are dropped.
+fn pair_by_client<'s, M>(states: &'s mut BTreeMap<u64, (SecAggClient, usize)>, messages: Vec<M>, client_of: impl Fn(&M) -> u64) -> Vec<(&'s mut (SecAggClient, usize), M)> {
+    let mut by_id: BTreeMap<u64, &mut (SecAggClient, usize)> = states.iter_mut().map(|(id, s)| (*id, s)).collect();
+    messages.into_iter().filter_map(|m| by_id.remove(&client_of(&m)).map(|state| (state, m))).collect()
 }
