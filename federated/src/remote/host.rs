@@ -105,6 +105,19 @@ impl HostConnection {
         Ok((HostConnection { runtime, link, inbound, options, host }, config, config_toml))
     }
 
+    /// Whether the coordinator already said the federation is over (a `Finish` waits in the
+    /// inbound queue): a host that was late for the last round finds its link closed when it
+    /// answers, and that is the normal end, not a lost coordinator. Only asked once the link
+    /// failed, so the queued messages it consumes (stale rounds) have no one to answer to.
+    fn finish_pending(&mut self) -> bool {
+        while let Ok(inbound) = self.inbound.try_recv() {
+            if matches!(inbound.decode::<ToHost>(), Ok(ToHost::Finish)) {
+                return true;
+            }
+        }
+        false
+    }
+
     /// Answers rounds with `federation` until the coordinator finishes the federation (`Ok`) or is
     /// lost (`Err`).
     pub fn serve<T: LocalTrainer, X: UpdateTransform>(mut self, federation: &mut Federation<'_, T, X>) -> Result<HostSummary> {
@@ -140,13 +153,20 @@ impl HostConnection {
                     }
                     let count = pieces.len() as u32;
                     let coordinator = self.link.remote::<ToCoordinator>(COORDINATOR);
-                    self.runtime.block_on(async {
+                    let sent = self.runtime.block_on(async {
                         for piece in pieces {
                             coordinator.tell(&ToCoordinator::Piece { round, piece: WirePiece::from(piece) }).await?;
                         }
                         coordinator.tell(&ToCoordinator::RoundDone { round, pieces: count, seconds: start.elapsed().as_secs_f64() }).await
-                    })
-                    .map_err(|e| FedError::link(&peer, e))?;
+                    });
+                    if let Err(e) = sent {
+                        if self.finish_pending() {
+                            // The federation ended while this host was late: its pieces are moot.
+                            self.link.close("federation finished");
+                            return Ok(summary);
+                        }
+                        return Err(FedError::link(&peer, e));
+                    }
                     summary.rounds += 1;
                     summary.clients += clients.len() as u64;
                     tracing::info!(round, clients = clients.len(), pieces = count, seconds = start.elapsed().as_secs_f64(), "round answered");
