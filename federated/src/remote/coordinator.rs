@@ -72,11 +72,12 @@ enum Event {
     Lost { conn: u64, reason: String },
 }
 
-/// The round being gathered: its number, each host's part, the pieces and the outcome so far.
+/// The round being gathered: its number, each host's part, the pieces (by connection) and the
+/// outcome so far.
 struct Gathering {
     round: u32,
     assignments: BTreeMap<u64, Assignment>,
-    pieces: Vec<Piece>,
+    pieces: Vec<(u64, Piece)>,
     outcome: RemoteRound,
 }
 
@@ -86,18 +87,12 @@ struct Assignment {
     done: bool,
 }
 
-/// The coordinator: its network and the hosts that joined.
+/// The coordinator over QUIC: a small network runtime of its own and the [`CoordinatorCore`]
+/// driven on it; the caller's thread blocks in each call.
 pub struct Coordinator {
     runtime: tokio::runtime::Runtime,
-    listener: Arc<LinkListener>,
+    core: CoordinatorCore,
     addr: SocketAddr,
-    events: mpsc::Receiver<Event>,
-    options: CoordinatorOptions,
-    config_toml: String,
-    n_clients: u64,
-    /// Joined hosts by connection id, in join order of their connection.
-    hosts: BTreeMap<u64, Host>,
-    joins: u32,
 }
 
 impl Coordinator {
@@ -114,16 +109,70 @@ impl Coordinator {
             let _entered = runtime.enter();
             LinkListener::bind(options.listen, options.link.clone()).map_err(|e| FedError::link(options.listen.to_string(), e))?
         };
-        let listener = Arc::new(listener);
         let addr = listener.local_addr().map_err(|e| FedError::link(options.listen.to_string(), e))?;
-        let (tx, events) = mpsc::channel(1024);
-        runtime.spawn(accept_loop(listener.clone(), tx));
-        Ok(Coordinator { runtime, listener, addr, events, options, config_toml, n_clients, hosts: BTreeMap::new(), joins: 0 })
+        let core = {
+            let _entered = runtime.enter();
+            CoordinatorCore::start(Arc::new(listener), options, config_toml, n_clients)
+        };
+        Ok(Coordinator { runtime, core, addr })
     }
 
     /// The address hosts dial.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The live hosts: name and population slice, in order of their slices.
+    pub fn hosts(&self) -> Vec<(String, Range<u32>)> {
+        self.core.hosts()
+    }
+
+    /// Waits until `n` hosts have joined, at most `timeout`.
+    pub fn wait_for_hosts(&mut self, n: usize, timeout: Duration) -> Result<()> {
+        let runtime = self.runtime.handle().clone();
+        runtime.block_on(self.core.wait_for_hosts(n, timeout))
+    }
+
+    /// Runs the federation's next round over the live hosts.
+    pub fn round<T: LocalTrainer, X: UpdateTransform>(&mut self, federation: &mut Federation<'_, T, X>) -> Result<RemoteRound> {
+        let start = Instant::now();
+        let runtime = self.runtime.handle().clone();
+        let mut outcome = runtime.block_on(self.core.round(federation))?;
+        outcome.report.seconds = start.elapsed().as_secs_f64();
+        Ok(outcome)
+    }
+
+    /// Tells every live host to exit, and stops listening.
+    pub fn finish(self) {
+        let Coordinator { runtime, core, .. } = self;
+        runtime.block_on(core.finish());
+    }
+}
+
+/// The coordinator's logic on any tokio runtime and any [`LinkListener`]: QUIC under
+/// [`Coordinator`], the simulator's in-memory links under virtual time. Holds the joined hosts and
+/// the events of their links.
+pub struct CoordinatorCore {
+    listener: Arc<LinkListener>,
+    /// The listener's address, for error messages.
+    addr: String,
+    events: mpsc::Receiver<Event>,
+    options: CoordinatorOptions,
+    config_toml: String,
+    n_clients: u64,
+    /// Joined hosts by connection id, in join order of their connection.
+    hosts: BTreeMap<u64, Host>,
+    joins: u32,
+}
+
+impl CoordinatorCore {
+    /// Starts accepting client hosts on `listener` (call inside a tokio runtime; `options.listen`
+    /// is not used here).
+    pub fn start(listener: Arc<LinkListener>, options: CoordinatorOptions, config_toml: String, n_clients: u64) -> CoordinatorCore {
+        let (tx, events) = mpsc::channel(1024);
+        tokio::spawn(accept_loop(listener.clone(), tx));
+        let addr = listener.local_addr().map_or_else(|_| options.listen.to_string(), |a| a.to_string());
+        CoordinatorCore { listener, addr, events, options, config_toml, n_clients, hosts: BTreeMap::new(), joins: 0 }
     }
 
     /// The live hosts: name and population slice, in order of their slices.
@@ -134,50 +183,49 @@ impl Coordinator {
     }
 
     /// Waits until `n` hosts have joined, at most `timeout`.
-    pub fn wait_for_hosts(&mut self, n: usize, timeout: Duration) -> Result<()> {
-        let runtime = self.runtime.handle().clone();
-        runtime.block_on(async {
-            let deadline = tokio::time::Instant::now() + timeout;
-            while self.hosts.len() < n {
-                match tokio::time::timeout_at(deadline, self.events.recv()).await {
-                    Ok(Some(event)) => {
-                        self.handle(event, None).await;
-                    }
-                    Ok(None) => return Err(FedError::link(self.addr.to_string(), "the listener stopped")),
-                    Err(_) => {
-                        return Err(FedError::link(self.addr.to_string(), format!("{} of {n} client hosts joined within {} s", self.hosts.len(), timeout.as_secs_f64())));
-                    }
+    pub async fn wait_for_hosts(&mut self, n: usize, timeout: Duration) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.hosts.len() < n {
+            match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Ok(Some(event)) => {
+                    self.handle(event, None).await;
+                }
+                Ok(None) => return Err(FedError::link(&self.addr, "the listener stopped")),
+                Err(_) => {
+                    return Err(FedError::link(&self.addr, format!("{} of {n} client hosts joined within {} s", self.hosts.len(), timeout.as_secs_f64())));
                 }
             }
-            Ok(())
-        })
+        }
+        Ok(())
     }
 
-    /// Runs the federation's next round over the live hosts.
-    pub fn round<T: LocalTrainer, X: UpdateTransform>(&mut self, federation: &mut Federation<'_, T, X>) -> Result<RemoteRound> {
-        let start = Instant::now();
+    /// Answers joins and notices lost hosts for `duration` outside any round (between rounds).
+    pub async fn idle(&mut self, duration: Duration) {
+        let deadline = tokio::time::Instant::now() + duration;
+        while let Ok(Some(event)) = tokio::time::timeout_at(deadline, self.events.recv()).await {
+            self.handle(event, None).await;
+        }
+    }
+
+    /// Runs the federation's next round over the live hosts. `report.seconds` is left at zero
+    /// (the caller's clock measures it).
+    pub async fn round<T: LocalTrainer, X: UpdateTransform>(&mut self, federation: &mut Federation<'_, T, X>) -> Result<RemoteRound> {
         let round = federation.rounds_done();
         let sampled = federation.sample(round);
         let model = federation.model().to_vec();
-        let runtime = self.runtime.handle().clone();
-        let (pieces, mut outcome) = runtime.block_on(self.gather(round, &sampled, model));
-        let mut report = federation.finish_round(pieces)?;
-        report.seconds = start.elapsed().as_secs_f64();
-        outcome.report = report;
+        let (pieces, mut outcome) = self.gather(round, &sampled, model).await;
+        outcome.report = federation.finish_round(pieces)?;
         Ok(outcome)
     }
 
     /// Tells every live host to exit, and stops listening.
-    pub fn finish(self) {
-        let Coordinator { runtime, listener, hosts, .. } = self;
-        runtime.block_on(async {
-            for host in hosts.values() {
-                let _ = host.link.remote::<ToHost>(HOST).tell(&ToHost::Finish).await;
-            }
-            // Let the tells leave before the connections close.
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            listener.close();
-        });
+    pub async fn finish(self) {
+        for host in self.hosts.values() {
+            let _ = host.link.remote::<ToHost>(HOST).tell(&ToHost::Finish).await;
+        }
+        // Let the tells leave before the connections close.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        self.listener.close();
     }
 
     /// Sends round `round` to the hosts and collects their pieces until all answered, were lost,
@@ -231,7 +279,11 @@ impl Coordinator {
                 g.outcome.hosts_late.push(name);
             }
         }
-        (g.pieces, g.outcome)
+        // Only hosts that delivered everything count: a host lost or late mid-way loses all its
+        // clients for the round, exactly like the in-process `host_down` fault.
+        let done = |conn: &u64| g.assignments.get(conn).is_some_and(|a| a.done);
+        let pieces = g.pieces.into_iter().filter(|(conn, _)| done(conn)).map(|(_, piece)| piece).collect();
+        (pieces, g.outcome)
     }
 
     /// Handles one event; during a round, `current` is what is being gathered. For a lost
@@ -260,7 +312,7 @@ impl Coordinator {
                         let g = current?;
                         let positions = g.assignments.get(&conn).filter(|a| !a.done && round == g.round).map(|a| a.positions.clone());
                         match positions.and_then(|positions| Piece::try_from(piece).ok().filter(|p| within(p, &positions))) {
-                            Some(piece) => g.pieces.push(piece),
+                            Some(piece) => g.pieces.push((conn, piece)),
                             None => {
                                 g.outcome.pieces_refused += 1;
                                 tracing::debug!(peer = %link.peer(), round, current = g.round, "piece refused");

@@ -3,15 +3,16 @@
 //! the aggregation tree back to the coordinator.
 //!
 //! Two steps, so the caller can load data between them and the federation may borrow it:
-//! [`HostConnection::join`] dials the coordinator, proves the token, checks the coordinator's proof
-//! and returns the federation's config; [`HostConnection::serve`] then answers rounds with the
+//! [`HostConnection::join`] dials the coordinator (or [`HostSession::join_over`] joins over a link
+//! the caller made, such as the simulator's), proves the token, checks the coordinator's proof
+//! and returns the federation's config; `serve` then answers rounds with the
 //! caller's [`Federation`] (built from that config over the same population) until the coordinator
 //! says it is over or goes away. A round message that does not fit this host (positions outside
 //! the round, clients outside its slice) is answered with no pieces and logged; it never panics.
 
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rtx_actors::{auth, Inbound, Link, LinkOptions};
 use tokio::sync::mpsc;
@@ -52,12 +53,11 @@ pub struct HostSummary {
     pub refused: u32,
 }
 
-/// A joined host's connection to its coordinator.
+/// A joined host's connection to its coordinator over QUIC: a small network runtime of its own
+/// and the [`HostSession`] driven on it.
 pub struct HostConnection {
     runtime: tokio::runtime::Runtime,
-    link: Link,
-    inbound: mpsc::Receiver<Inbound>,
-    options: HostOptions,
+    session: HostSession,
     /// This host's number at the coordinator.
     pub host: u32,
 }
@@ -73,20 +73,46 @@ impl HostConnection {
             .enable_all()
             .build()
             .map_err(|e| FedError::link(&peer, format!("cannot start the network runtime: {e}")))?;
-        let (link, inbound, reply) = runtime.block_on(async {
+        let (session, config, config_toml) = runtime.block_on(async {
             let (link, inbound) = Link::dial(options.join, options.link.clone()).await.map_err(|e| FedError::link(&peer, e))?;
-            let ekm = link.export_keying_material(auth::EXPORTER_LABEL).map_err(|e| FedError::link(&peer, e))?;
-            let join = ToCoordinator::Join {
-                name: options.name.clone(),
-                pid: std::process::id(),
-                slice_start: options.slice.start,
-                slice_end: options.slice.end,
-                proof: auth::prove(&options.token, HOST_ROLE, &ekm),
-            };
-            let reply: JoinReply = link.remote(COORDINATOR).ask(&join, options.link.connect_timeout).await.map_err(|e| FedError::link(&peer, e))?;
-            Ok::<_, FedError>((link, inbound, (reply, ekm)))
+            HostSession::join_over(link, inbound, options).await
         })?;
-        let (reply, ekm) = reply;
+        let host = session.host;
+        Ok((HostConnection { runtime, session, host }, config, config_toml))
+    }
+
+    /// Answers rounds with `federation` until the coordinator finishes the federation (`Ok`) or is
+    /// lost (`Err`).
+    pub fn serve<T: LocalTrainer, X: UpdateTransform>(self, federation: &mut Federation<'_, T, X>) -> Result<HostSummary> {
+        let HostConnection { runtime, session, .. } = self;
+        runtime.block_on(session.serve(federation))
+    }
+}
+
+/// A client host's logic over one link to its coordinator, on any tokio runtime: QUIC under
+/// [`HostConnection`], the simulator's in-memory links under virtual time.
+pub struct HostSession {
+    link: Link,
+    inbound: mpsc::Receiver<Inbound>,
+    options: HostOptions,
+    /// This host's number at the coordinator.
+    pub host: u32,
+}
+
+impl HostSession {
+    /// Joins over `link` (already connected to the coordinator; `options.join` names it in
+    /// errors) with `options.slice`; returns the session and the federation's config.
+    pub async fn join_over(link: Link, inbound: mpsc::Receiver<Inbound>, options: HostOptions) -> Result<(HostSession, FedConfig, String)> {
+        let peer = options.join.to_string();
+        let ekm = link.export_keying_material(auth::EXPORTER_LABEL).map_err(|e| FedError::link(&peer, e))?;
+        let join = ToCoordinator::Join {
+            name: options.name.clone(),
+            pid: std::process::id(),
+            slice_start: options.slice.start,
+            slice_end: options.slice.end,
+            proof: auth::prove(&options.token, HOST_ROLE, &ekm),
+        };
+        let reply: JoinReply = link.remote(COORDINATOR).ask(&join, options.link.connect_timeout).await.map_err(|e| FedError::link(&peer, e))?;
         let (host, config_toml) = match reply {
             JoinReply::Refused { reason } => return Err(FedError::JoinRefused { peer, reason }),
             JoinReply::Accepted { host, proof, config_toml } => {
@@ -102,7 +128,7 @@ impl HostConnection {
             link.close("slice outside the population");
             return Err(FedError::config("population-slice", format!("{:?} is outside the population of {} clients", options.slice, config.population.n_clients)));
         }
-        Ok((HostConnection { runtime, link, inbound, options, host }, config, config_toml))
+        Ok((HostSession { link, inbound, options, host }, config, config_toml))
     }
 
     /// Whether the coordinator already said the federation is over (a `Finish` waits in the
@@ -120,11 +146,11 @@ impl HostConnection {
 
     /// Answers rounds with `federation` until the coordinator finishes the federation (`Ok`) or is
     /// lost (`Err`).
-    pub fn serve<T: LocalTrainer, X: UpdateTransform>(mut self, federation: &mut Federation<'_, T, X>) -> Result<HostSummary> {
+    pub async fn serve<T: LocalTrainer, X: UpdateTransform>(mut self, federation: &mut Federation<'_, T, X>) -> Result<HostSummary> {
         let peer = self.options.join.to_string();
         let mut summary = HostSummary::default();
         loop {
-            let Some(inbound) = self.runtime.block_on(self.inbound.recv()) else {
+            let Some(inbound) = self.inbound.recv().await else {
                 let reason = self.link.closed_reason().unwrap_or_else(|| "link closed".to_string());
                 return Err(FedError::link(&peer, format!("the coordinator is gone: {reason}")));
             };
@@ -135,7 +161,8 @@ impl HostConnection {
                     return Ok(summary);
                 }
                 ToHost::Round { round, k, lo, clients, model } => {
-                    let start = Instant::now();
+                    // tokio's clock: virtual under the simulator, so the reported seconds replay.
+                    let start = tokio::time::Instant::now();
                     let fits = (lo as usize).checked_add(clients.len()).is_some_and(|hi| hi <= k as usize) && clients.iter().all(|c| self.options.slice.contains(c));
                     let pieces = if fits {
                         let mut sampled = vec![0u32; k as usize];
@@ -148,17 +175,17 @@ impl HostConnection {
                         Vec::new()
                     };
                     if !self.options.compute_delay.is_zero() {
-                        let delay = self.options.compute_delay;
-                        self.runtime.block_on(async move { tokio::time::sleep(delay).await });
+                        tokio::time::sleep(self.options.compute_delay).await;
                     }
                     let count = pieces.len() as u32;
                     let coordinator = self.link.remote::<ToCoordinator>(COORDINATOR);
-                    let sent = self.runtime.block_on(async {
+                    let sent = async {
                         for piece in pieces {
                             coordinator.tell(&ToCoordinator::Piece { round, piece: WirePiece::from(piece) }).await?;
                         }
                         coordinator.tell(&ToCoordinator::RoundDone { round, pieces: count, seconds: start.elapsed().as_secs_f64() }).await
-                    });
+                    }
+                    .await;
                     if let Err(e) = sent {
                         if self.finish_pending() {
                             // The federation ended while this host was late: its pieces are moot.

@@ -13,5 +13,5 @@ pub mod coordinator;
 pub mod host;
 pub mod protocol;
 
-pub use coordinator::{Coordinator, CoordinatorOptions, RemoteRound};
-pub use host::{HostConnection, HostOptions, HostSummary};
+pub use coordinator::{Coordinator, CoordinatorCore, CoordinatorOptions, RemoteRound};
+pub use host::{HostConnection, HostOptions, HostSession, HostSummary};
