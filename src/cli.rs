@@ -77,8 +77,9 @@ pub struct SimArgs {
     /// Data folder (default: $RTX_DATA_DIR, else ./data).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// Test-only: plant a bug in the supervisor (a re-formed group retrains its newest step) to
-    /// see the invariants catch it.
+    /// Test-only: plant a bug (elastic scenarios: a re-formed group retrains its newest step;
+    /// federated scenarios: a host that delivered and then went away loses its pieces) to see
+    /// the invariants catch it.
     #[arg(long, hide = true)]
     pub planted_bug: bool,
 }

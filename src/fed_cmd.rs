@@ -259,6 +259,7 @@ fn serve(args: &FedServeArgs, data_root: &Path, font: Option<&Path>) -> anyhow::
         token,
         round_timeout: Duration::from_secs_f64(args.round_timeout_s.max(0.001)),
         link: rtx_actors::LinkOptions::default(),
+        planted_bug: false,
     };
     let mut coordinator = Coordinator::bind(options, config_toml, config.population.n_clients)?;
     let hosts = args.hosts.unwrap_or(config.round.hosts);

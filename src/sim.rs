@@ -8,13 +8,17 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use rtx_sim::{run_seed, swarm, Outcome, RunOptions, Scenario};
+use rtx_sim::{fed_swarm, run_fed_seed, run_seed, swarm, FedOutcome, FedScenario, Outcome, RunOptions, Scenario};
 use rtx_supervisor::PlantedBug;
 
 use crate::cli::SimArgs;
 
 /// Runs `rtx sim` with data from `data_root`.
 pub fn run(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&args.scenario).with_context(|| format!("cannot read the scenario {}", args.scenario.display()))?;
+    if FedScenario::is_federated(&text) {
+        return run_federated(args, data_root);
+    }
     let scenario = Scenario::load(&args.scenario)?;
     let options = RunOptions { planted_bug: if args.planted_bug { PlantedBug::ReplayLastStep } else { PlantedBug::None }, ..RunOptions::default() };
     match (args.seed, &args.seeds) {
@@ -53,13 +57,8 @@ pub fn run(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
             Ok(())
         }
         (None, Some(range)) => {
-            let (a, b) = range.split_once("..").context("--seeds takes A..B")?;
-            let (a, b): (u64, u64) = (a.trim().parse().context("--seeds: A")?, b.trim().parse().context("--seeds: B")?);
-            if a >= b {
-                bail!("--seeds {a}..{b} is empty");
-            }
-            let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-            let report = swarm(&scenario, a..b, threads, data_root, &options)?;
+            let (seeds, threads) = (seed_range(range)?, threads(args));
+            let report = swarm(&scenario, seeds, threads, data_root, &options)?;
             let mut failing = 0;
             for outcome in report.failing() {
                 failing += 1;
@@ -92,6 +91,91 @@ pub fn run(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
         }
         (None, None) => bail!("give --seed S or --seeds A..B"),
     }
+}
+
+/// `--seeds A..B` as a range.
+fn seed_range(range: &str) -> anyhow::Result<std::ops::Range<u64>> {
+    let (a, b) = range.split_once("..").context("--seeds takes A..B")?;
+    let (a, b): (u64, u64) = (a.trim().parse().context("--seeds: A")?, b.trim().parse().context("--seeds: B")?);
+    if a >= b {
+        bail!("--seeds {a}..{b} is empty");
+    }
+    Ok(a..b)
+}
+
+fn threads(args: &SimArgs) -> usize {
+    args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// A federated scenario (`[scenario] kind = "federation"`): one seed or a swarm.
+fn run_federated(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
+    let scenario = FedScenario::load(&args.scenario)?;
+    let invariants = "twin-equal (every round's model bits and counts equal the in-process federation with the hosts that did not deliver marked down), exactly-once, round-deadline, quiet-host-kept, liveness";
+    match (args.seed, &args.seeds) {
+        (Some(seed), _) => {
+            let started = Instant::now();
+            let o = run_fed_seed(&scenario, seed, data_root, args.planted_bug)?;
+            let wall = started.elapsed().as_secs_f64();
+            println!(
+                "seed {seed}: trace {:016x}; {}/{} rounds; {} fault(s); hosts done/lost/late {}/{}/{}, {} rejoin(s); clients done {}, dropped {}; test accuracy {:.4}; {} invariant checks; virtual {:.3} s in {wall:.3} s wall",
+                o.trace,
+                o.rounds,
+                scenario.config.round.rounds,
+                o.faults,
+                o.hosts_done,
+                o.hosts_lost,
+                o.hosts_late,
+                o.rejoins,
+                o.clients_done,
+                o.dropped,
+                o.accuracy,
+                o.checks,
+                o.virtual_time.as_secs_f64()
+            );
+            if let Some(v) = &o.violation {
+                println!("the federation's log before it:");
+                for line in &v.recent {
+                    println!("  {line}");
+                }
+                print_fed_violation(&o, args);
+                bail!("seed {seed} broke invariant {}", v.invariant);
+            }
+            println!("invariants held: {invariants}");
+            Ok(())
+        }
+        (None, Some(range)) => {
+            let report = fed_swarm(&scenario, seed_range(range)?, threads(args), data_root, args.planted_bug)?;
+            let failing: Vec<&FedOutcome> = report.outcomes.iter().filter(|o| o.violation.is_some()).collect();
+            for o in &failing {
+                print_fed_violation(o, args);
+            }
+            let n = report.outcomes.len();
+            let sum = |f: fn(&FedOutcome) -> u64| report.outcomes.iter().map(f).sum::<u64>();
+            println!(
+                "{n} seeds, {} failing; {:.2} s wall on {} thread(s) ({:.1} seeds/s); hosts done/lost/late {}/{}/{}, {} rejoins over all seeds",
+                failing.len(),
+                report.wall.as_secs_f64(),
+                report.threads,
+                n as f64 / report.wall.as_secs_f64().max(1e-9),
+                sum(|o| o.hosts_done),
+                sum(|o| o.hosts_lost),
+                sum(|o| o.hosts_late),
+                sum(|o| o.rejoins)
+            );
+            if !failing.is_empty() {
+                bail!("{} seed(s) broke invariants", failing.len());
+            }
+            println!("invariants held on every seed: {invariants}");
+            Ok(())
+        }
+        (None, None) => bail!("give --seed S or --seeds A..B"),
+    }
+}
+
+fn print_fed_violation(outcome: &FedOutcome, args: &SimArgs) {
+    let Some(v) = &outcome.violation else { return };
+    println!("seed {}: VIOLATION of {}: {}", outcome.seed, v.invariant, v.detail);
+    println!("  replay: rtx sim --scenario {} --seed {}{}", args.scenario.display(), outcome.seed, if args.planted_bug { " --planted-bug" } else { "" });
 }
 
 fn print_violation(outcome: &Outcome, args: &SimArgs) {

@@ -1,7 +1,8 @@
 //! `rtx sim` end to end on the default scenario (needs `bash scripts/fetch-data.sh`): one seed
 //! prints its trace hash and the invariants held, and prints the same hash in a second process;
 //! a swarm with the planted bug exits non-zero and prints a failing seed with its replay command,
-//! and that command, run, fails the same way.
+//! and that command, run, fails the same way. The same for the federated scenario
+//! (`fed_hosts.toml`) and its planted bug.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -40,4 +41,24 @@ fn the_swarm_reports_the_planted_bug_with_a_replay_command() {
     let again = rtx(&args);
     let t2 = text(&again);
     assert!(!again.status.success() && t2.contains("VIOLATION of"), "{t2}");
+}
+
+#[test]
+fn a_federated_scenario_replays_across_processes_and_catches_its_planted_bug() {
+    let scenario = "sim/scenarios/fed_hosts.toml";
+    let a = rtx(&["sim", "--scenario", scenario, "--seed", "1"]);
+    let b = rtx(&["sim", "--scenario", scenario, "--seed", "1"]);
+    let (ta, tb) = (text(&a), text(&b));
+    println!("{ta}");
+    assert!(a.status.success() && ta.contains("invariants held: twin-equal"), "{ta}");
+    let trace = |t: &str| t.split("trace ").nth(1).and_then(|r| r.split(';').next()).map(str::to_string);
+    assert_eq!(trace(&ta), trace(&tb), "same seed, different trace across processes");
+    let out = rtx(&["sim", "--scenario", scenario, "--seeds", "0..16", "--threads", "2", "--planted-bug"]);
+    let t = text(&out);
+    println!("{t}");
+    assert!(!out.status.success() && t.contains("VIOLATION of twin-equal"), "{t}");
+    let replay = t.lines().find_map(|l| l.trim().strip_prefix("replay: rtx ")).expect("a replay command");
+    let again = rtx(&replay.split_whitespace().collect::<Vec<_>>());
+    let t2 = text(&again);
+    assert!(!again.status.success() && t2.contains("VIOLATION of twin-equal"), "{t2}");
 }

@@ -53,7 +53,7 @@ fn in_process(text: &str, data: &FedData) -> (Vec<RoundReport>, Vec<f32>) {
 
 fn options(round_timeout: Duration) -> CoordinatorOptions {
     let link = LinkOptions { idle_timeout: Duration::from_secs(5), keep_alive: Duration::from_millis(500), connect_timeout: Duration::from_secs(10) };
-    CoordinatorOptions { listen: "127.0.0.1:0".parse().unwrap(), token: TOKEN.into(), round_timeout, link }
+    CoordinatorOptions { listen: "127.0.0.1:0".parse().unwrap(), token: TOKEN.into(), round_timeout, link, planted_bug: false }
 }
 
 fn host_options(addr: SocketAddr, slice: Range<u32>, delay: Duration) -> HostOptions {

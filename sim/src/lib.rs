@@ -17,6 +17,9 @@
 //!   [`ClusterWire`] makes one per generation and maps node slots to ranks.
 //! - [`ControlNet`]: the supervisor↔node control links, production `rtx_actors::Link` envelopes
 //!   over in-memory streams with seeded latency, isolation (hangs) and idle timeouts.
+//! - [`FedScenario`] / [`run_fed_seed`] / [`fed_swarm`]: federated scenarios, the real federation
+//!   coordinator and client hosts over the control network with host crashes, partitions and slow
+//!   links, checked round by round against the in-process federation.
 //! - [`SimJob`]: a small MLP on real Fashion-MNIST images, and the [`Ledger`] of what was trained.
 //!
 //! - [`SimCheckpoints`]: the cluster's in-memory checkpoint storage (production encoding), which
@@ -30,6 +33,7 @@ mod checkpoints;
 mod cluster;
 mod control;
 mod error;
+mod federation;
 mod job;
 mod network;
 mod scenario;
@@ -41,6 +45,7 @@ pub use checkpoints::SimCheckpoints;
 pub use cluster::{run_seed, Outcome, RunOptions, Violation};
 pub use control::{ControlConfig, ControlNet, SlotDialer};
 pub use error::{Result, SimError};
+pub use federation::{fed_swarm, run_fed_seed, FedFault, FedFaultKind, FedNetwork, FedOutcome, FedRandom, FedScenario, FedShape, FedSwarmReport};
 pub use job::{Dataset, JobShape, Ledger, SimJob, Trained};
 pub use network::{run, LinkModel, SimConfig, SimNetwork, SimTransport, WireModel};
 pub use scenario::{ElasticShape, Fault, FaultKind, NetShape, RandomFaults, Scenario, Trigger};

@@ -49,16 +49,25 @@ impl SwarmReport {
 pub fn swarm(scenario: &Scenario, seeds: std::ops::Range<u64>, threads: usize, data_root: &Path, options: &RunOptions) -> Result<SwarmReport> {
     let started = Instant::now();
     let threads = threads.max(1);
+    let mut outcomes = run_seeds(seeds, threads, |seed| run_seed(scenario, seed, data_root, options))?;
+    outcomes.sort_by_key(|o| o.seed);
+    Ok(SwarmReport { outcomes, wall: started.elapsed(), threads })
+}
+
+/// Runs `run` for every seed of `seeds` on `threads` threads (at least one), each seed on the
+/// thread that picked it; returns the results in no particular order, or the first error. The
+/// federated swarm uses it too.
+pub(crate) fn run_seeds<T: Send>(seeds: std::ops::Range<u64>, threads: usize, run: impl Fn(u64) -> Result<T> + Sync) -> Result<Vec<T>> {
     let next = AtomicU64::new(seeds.start);
-    let results: Mutex<Vec<Result<Outcome>>> = Mutex::new(Vec::new());
+    let results: Mutex<Vec<Result<T>>> = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
-        for _ in 0..threads {
+        for _ in 0..threads.max(1) {
             scope.spawn(|| loop {
                 let seed = next.fetch_add(1, Ordering::Relaxed);
                 if seed >= seeds.end {
                     return;
                 }
-                let outcome = run_seed(scenario, seed, data_root, options);
+                let outcome = run(seed);
                 results.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(outcome);
             });
         }
@@ -74,6 +83,5 @@ pub fn swarm(scenario: &Scenario, seeds: std::ops::Range<u64>, threads: usize, d
             seeds.end.saturating_sub(seeds.start)
         )));
     }
-    outcomes.sort_by_key(|o| o.seed);
-    Ok(SwarmReport { outcomes, wall: started.elapsed(), threads })
+    Ok(outcomes)
 }

@@ -40,6 +40,11 @@ pub struct CoordinatorOptions {
     pub round_timeout: Duration,
     /// Link tuning (idle timeout: how fast a silent host counts as gone).
     pub link: LinkOptions,
+    /// Test-only: plant the first bug the simulator found (a host that delivered all its pieces
+    /// and then went away before the round closed lost them), so `rtx sim --planted-bug` can show
+    /// its invariants catch it. Always `false` in production.
+    #[doc(hidden)]
+    pub planted_bug: bool,
 }
 
 /// What one round over the hosts did, beyond the federation's report.
@@ -182,6 +187,11 @@ impl CoordinatorCore {
         hosts
     }
 
+    /// Joins accepted so far (a host that rejoins counts again).
+    pub fn joins(&self) -> u32 {
+        self.joins
+    }
+
     /// Waits until `n` hosts have joined, at most `timeout`.
     pub async fn wait_for_hosts(&mut self, n: usize, timeout: Duration) -> Result<()> {
         let deadline = tokio::time::Instant::now() + timeout;
@@ -262,14 +272,13 @@ impl CoordinatorCore {
                 Event::Message { .. } => None,
             };
             let lost_name = self.handle(event, Some(&mut g)).await;
-            if let Some((conn, reason)) = lost {
-                if let Some(assignment) = g.assignments.remove(&conn) {
-                    if !assignment.done {
-                        let name = lost_name.unwrap_or_else(|| format!("connection {conn}"));
-                        tracing::warn!(host = %name, round, %reason, "client host lost mid-round: its clients' updates are lost for this round");
-                        g.outcome.hosts_lost.push((name, reason));
-                    }
-                }
+            // A host that already delivered everything and then went away keeps its pieces.
+            let forget = self.options.planted_bug;
+            if let Some((conn, reason)) = lost.filter(|(conn, _)| g.assignments.get(conn).is_some_and(|a| forget || !a.done)) {
+                g.assignments.remove(&conn);
+                let name = lost_name.unwrap_or_else(|| format!("connection {conn}"));
+                tracing::warn!(host = %name, round, %reason, "client host lost mid-round: its clients' updates are lost for this round");
+                g.outcome.hosts_lost.push((name, reason));
             }
         }
         for (conn, assignment) in &g.assignments {
