@@ -313,6 +313,7 @@ fn clients(args: &FedClientsArgs, data_root: &Path) -> anyhow::Result<()> {
         token,
         slice: slice.clone(),
         name: name.clone(),
+        pid: std::process::id(),
         compute_delay: Duration::from_millis(args.compute_delay_ms),
         link: rtx_actors::LinkOptions::default(),
     };

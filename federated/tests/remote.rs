@@ -57,7 +57,7 @@ fn options(round_timeout: Duration) -> CoordinatorOptions {
 }
 
 fn host_options(addr: SocketAddr, slice: Range<u32>, delay: Duration) -> HostOptions {
-    HostOptions { join: addr, token: TOKEN.into(), slice: slice.clone(), name: format!("host-{}..{}", slice.start, slice.end), compute_delay: delay, link: options(Duration::ZERO).link }
+    HostOptions { join: addr, token: TOKEN.into(), slice: slice.clone(), name: format!("host-{}..{}", slice.start, slice.end), pid: std::process::id(), compute_delay: delay, link: options(Duration::ZERO).link }
 }
 
 /// A client host on a thread: joins, builds its federation from the coordinator's config, serves.

@@ -65,7 +65,7 @@ pub struct FedScenario {
     pub faults: Vec<FedFault>,
     /// The federation's config (as `rtx fed run` reads it).
     pub config: FedConfig,
-    /// Its TOML text, sent to every host that joins.
+    /// Its TOML text as written (sent to every host that joins).
     pub config_toml: String,
     /// Each host's population slice.
     pub slices: Vec<Range<u32>>,
@@ -209,13 +209,17 @@ impl FedScenario {
         if shape.kind != "federation" {
             return Err(bad(format!("scenario.kind is {:?}; a federated scenario says \"federation\"", shape.kind)));
         }
+        // The text sent to hosts is the table as written, so the traffic (and the trace hash) does
+        // not depend on where the checkout lives; the config everyone builds from has the
+        // availability trace's path resolved beside the scenario file.
+        let config_toml = toml::to_string(&federation).map_err(|e| bad(format!("federation: {e}")))?;
         if let Some(toml::Value::String(trace)) = federation.get_mut("faults").and_then(|f| f.get_mut("availability_trace")) {
             if Path::new(trace.as_str()).is_relative() {
                 *trace = dir.join(trace.as_str()).to_string_lossy().into_owned();
             }
         }
-        let config_toml = toml::to_string(&federation).map_err(|e| bad(format!("federation: {e}")))?;
-        let config = FedConfig::from_toml_str(&config_toml).map_err(|e| bad(format!("federation: {e}")))?;
+        let resolved = toml::to_string(&federation).map_err(|e| bad(format!("federation: {e}")))?;
+        let config = FedConfig::from_toml_str(&resolved).map_err(|e| bad(format!("federation: {e}")))?;
         if config.secagg.is_some() || config.async_mode.is_some() || config.dp.is_some() {
             return Err(bad("federation: [secagg], [async] and [dp] do not run over client hosts yet (rtx fed serve refuses them too)".into()));
         }
@@ -403,6 +407,13 @@ fn model_hash(model: &[f32]) -> u64 {
     h.value()
 }
 
+/// Whether two configs are equal but for the availability trace's path.
+fn same_but_trace(a: &FedConfig, b: &FedConfig) -> bool {
+    let mut a = a.clone();
+    a.faults.availability_trace.clone_from(&b.faults.availability_trace);
+    a == *b
+}
+
 fn host_index(name: &str) -> Option<usize> {
     name.strip_prefix("host-")?.parse().ok()
 }
@@ -449,12 +460,16 @@ impl World {
         let compute = Duration::from_millis(self.scenario.shape.host_compute_ms);
         let rejoin = Duration::from_secs_f64(self.scenario.shape.rejoin_after_s);
         loop {
-            let options = HostOptions { join: self.addr, token: self.token.clone(), slice: slice.clone(), name: format!("host-{i}"), compute_delay: compute, link: self.link.clone() };
+            let options = HostOptions { join: self.addr, token: self.token.clone(), slice: slice.clone(), name: format!("host-{i}"), pid: 1000 + i as u32, compute_delay: compute, link: self.link.clone() };
             let ended = match self.net.dialer(i).dial().await {
                 Err(e) => format!("dial failed: {e}"),
                 Ok((link, inbound)) => match HostSession::join_over(link, inbound, options).await {
                     Err(e) => format!("join failed: {e}"),
-                    Ok((session, config, _)) => match federation(&config, &self.data) {
+                    // The received text names the availability trace relative to the scenario
+                    // file; the host builds from the scenario's resolved config, checked equal
+                    // otherwise.
+                    Ok((_, received, _)) if !same_but_trace(&received, &self.scenario.config) => format!("received a config that differs from the scenario's: {received:?}"),
+                    Ok((session, _, _)) => match federation(&self.scenario.config, &self.data) {
                         Err(e) => format!("cannot build the federation: {e}"),
                         Ok(mut fed) => match session.serve(&mut fed).await {
                             Ok(_) => return,

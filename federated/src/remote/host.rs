@@ -35,6 +35,9 @@ pub struct HostOptions {
     pub slice: Range<u32>,
     /// This host's name in the coordinator's logs.
     pub name: String,
+    /// The process id the coordinator logs next to the name (the simulator gives a fixed one,
+    /// so its traffic replays byte for byte).
+    pub pid: u32,
     /// Extra time each round takes on this host before its pieces leave, emulating slower edge
     /// devices (deadline and failure drills); zero for none.
     pub compute_delay: Duration,
@@ -107,7 +110,7 @@ impl HostSession {
         let ekm = link.export_keying_material(auth::EXPORTER_LABEL).map_err(|e| FedError::link(&peer, e))?;
         let join = ToCoordinator::Join {
             name: options.name.clone(),
-            pid: std::process::id(),
+            pid: options.pid,
             slice_start: options.slice.start,
             slice_end: options.slice.end,
             proof: auth::prove(&options.token, HOST_ROLE, &ekm),
