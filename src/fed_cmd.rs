@@ -239,9 +239,9 @@ fn run_local(args: &FedRunArgs, data_root: &Path, font: Option<&Path>) -> anyhow
 fn serve(args: &FedServeArgs, data_root: &Path, font: Option<&Path>) -> anyhow::Result<()> {
     let config_toml = std::fs::read_to_string(&args.run.config).with_context(|| format!("read {}", args.run.config.display()))?;
     let config = FedConfig::from_file(&args.run.config)?;
-    if config.async_mode.is_some() || config.secagg.is_some() {
+    if config.async_mode.is_some() {
         anyhow::bail!(
-            "{}: the asynchronous mode ([async]) and secure aggregation ([secagg]) run only in one process (`rtx fed run`); client host processes take plain or DP synchronous rounds",
+            "{}: the asynchronous mode ([async]) runs only in one process (`rtx fed run`); client host processes take synchronous rounds (plain, DP or [secagg])",
             args.run.config.display()
         );
     }

@@ -29,5 +29,5 @@ pub use config::FedConfig;
 pub use error::{FedError, Result};
 pub use local::{ClientTask, Evaluation, LocalTrainer, LogReg, LogRegSgd};
 pub use population::{splitmix64, FedData, Population};
-pub use round::{ClientOutcome, Federation, PartialSum, Piece, RoundReport, SecAggAbort, SecureRound, WeightedEncoding};
+pub use round::{ClientOutcome, Federation, PartialSum, Piece, RoundReport, SecAggAbort, SecureCounts, SecureHostRound, SecureRound, WeightedEncoding};
 pub use strategy::{Plain, ServerOptimizer, UpdateTransform};

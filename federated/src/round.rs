@@ -42,7 +42,7 @@ use crate::population::{splitmix64, Population};
 use crate::strategy::{ServerOptimizer, UpdateTransform};
 
 mod secure;
-pub use secure::{encoding_for, SecAggAbort, SecureRound, WeightedEncoding};
+pub use secure::{encoding_for, SecAggAbort, SecureCounts, SecureHostRound, SecureRound, WeightedEncoding};
 
 /// What one round (or asynchronous server step) did.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -213,6 +213,11 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
         self.round
     }
 
+    /// Whether rounds run under secure aggregation (`[secagg]`, synchronous).
+    pub fn is_secure(&self) -> bool {
+        self.config.secagg.is_some() && self.async_state.is_none()
+    }
+
     /// The host owning client `c`.
     pub fn host_of(&self, c: u32) -> usize {
         self.host_slices.partition_point(|s| s.end <= c)
@@ -361,13 +366,14 @@ impl<'d, T: LocalTrainer, X: UpdateTransform> Federation<'d, T, X> {
         Ok(report)
     }
 
-    /// Secure aggregation runs its phases inside one process (`secure.rs`); over client host
-    /// processes the phases would need their own messages, which are not built.
+    /// Plain pieces are for plain (or DP) synchronous rounds: under `[secagg]` hosts run the secure
+    /// phases instead (`secure_host_start` and the rest), and the asynchronous mode runs only in
+    /// one process.
     fn refuse_secagg_over_hosts(&self) -> Result<()> {
         if self.config.secagg.is_some() || self.async_state.is_some() {
             return Err(FedError::config(
                 if self.config.secagg.is_some() { "secagg" } else { "async" },
-                "client host processes (rtx fed serve / clients) run plain or DP synchronous rounds only; run this config with rtx fed run",
+                "plain round pieces are not made under [secagg] (its rounds run the secure phases) nor under [async] (one process only: rtx fed run)",
             ));
         }
         Ok(())

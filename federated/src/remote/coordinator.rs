@@ -14,7 +14,7 @@
 //! The network runs on a small tokio runtime owned here; the caller's thread blocks in
 //! [`Coordinator::round`], so the federation (which may borrow its data) never crosses threads.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;
@@ -23,10 +23,10 @@ use std::time::{Duration, Instant};
 use rtx_actors::{auth, Inbound, Link, LinkListener, LinkOptions};
 use tokio::sync::mpsc;
 
-use super::protocol::{JoinReply, ToCoordinator, ToHost, COORDINATOR_ROLE, HOST, HOST_ROLE};
+use super::protocol::{JoinReply, ToCoordinator, ToHost, COORDINATOR_ROLE, HOST, HOST_ROLE, SECURE_CHUNK};
 use crate::error::{FedError, Result};
 use crate::local::LocalTrainer;
-use crate::round::{Federation, Piece, RoundReport};
+use crate::round::{Federation, Piece, RoundReport, SecureCounts};
 use crate::strategy::UpdateTransform;
 
 /// Settings of a coordinator.
@@ -220,6 +220,9 @@ impl CoordinatorCore {
     /// Runs the federation's next round over the live hosts. `report.seconds` is left at zero
     /// (the caller's clock measures it).
     pub async fn round<T: LocalTrainer, X: UpdateTransform>(&mut self, federation: &mut Federation<'_, T, X>) -> Result<RemoteRound> {
+        if federation.is_secure() {
+            return self.secure_round(federation).await;
+        }
         let round = federation.rounds_done();
         let sampled = federation.sample(round);
         let model = federation.model().to_vec();
@@ -328,6 +331,12 @@ impl CoordinatorCore {
                             }
                         }
                     }
+                    ToCoordinator::Adverts { round, .. } | ToCoordinator::Shares { round, .. } | ToCoordinator::Masked { round, .. } | ToCoordinator::Unmasks { round, .. } | ToCoordinator::PhaseDone { round, .. } => {
+                        tracing::debug!(peer = %link.peer(), round, "secure-round message outside its phase: ignored");
+                        if let Some(g) = current {
+                            g.outcome.pieces_refused += 1;
+                        }
+                    }
                     ToCoordinator::RoundDone { round, pieces: sent, seconds } => {
                         let g = current?;
                         if round == g.round {
@@ -381,6 +390,208 @@ impl CoordinatorCore {
                 });
             }
         }
+    }
+}
+
+/// A host's part of the secure round in hand: its sampled clients.
+type SecureParts = BTreeMap<u64, BTreeSet<u64>>;
+
+impl CoordinatorCore {
+    /// A secure round (`[secagg]`) over the hosts: the SecAgg+ server here, each host's sampled
+    /// clients there, four phases (keys, shares, masked inputs, unmasking), each closing when every
+    /// host still in the round said it is done, was lost, or at the round timeout (so a secure
+    /// round takes at most four round timeouts). A host lost or late in a phase takes no further
+    /// part in the round: its clients vanish at that phase, which the protocol tolerates as long
+    /// as enough neighbours remain; otherwise the round is aborted with the model unchanged.
+    async fn secure_round<T: LocalTrainer, X: UpdateTransform>(&mut self, federation: &mut Federation<'_, T, X>) -> Result<RemoteRound> {
+        let round = federation.rounds_done();
+        let sampled = federation.sample(round);
+        let model = federation.model().to_vec();
+        let mut server = federation.secure_server()?;
+        let mut outcome = RemoteRound { report: RoundReport::default(), hosts_done: Vec::new(), hosts_lost: Vec::new(), hosts_late: Vec::new(), pieces_refused: 0 };
+        let mut counts = SecureCounts { k: sampled.len() as u64, ..SecureCounts::default() };
+        let mut live = SecureParts::new();
+        let conns: Vec<u64> = self.hosts.keys().copied().collect();
+        for conn in conns {
+            let Some(host) = self.hosts.get(&conn) else { continue };
+            let clients: Vec<u32> = sampled.iter().copied().filter(|c| host.slice.contains(c)).collect();
+            let part = clients.iter().map(|&c| u64::from(c)).collect();
+            match host.link.remote::<ToHost>(HOST).tell(&ToHost::SecureRound { round, clients, model: model.clone() }).await {
+                Ok(()) => {
+                    live.insert(conn, part);
+                }
+                Err(e) => self.lose(conn, e.to_string(), &mut live, &mut outcome),
+            }
+        }
+        let mine = |part: &BTreeSet<u64>, client: u64| part.contains(&client);
+
+        // Phase 0: keys.
+        let [dropped, stragglers] = self
+            .secure_phase(round, 0, &mut live, &mut outcome, |part, message| match message {
+                ToCoordinator::Adverts { adverts, .. } => adverts.into_iter().all(|a| mine(part, a.client) && server.receive_keys(a).is_ok()),
+                _ => false,
+            })
+            .await;
+        (counts.dropped, counts.stragglers) = (dropped, stragglers);
+        let rosters = match server.close_keys() {
+            Ok(rosters) => rosters,
+            Err(e) => return self.abort_secure(federation, e, counts, outcome),
+        };
+
+        // Phase 1: shares.
+        self.send_secure(&mut live, &mut outcome, rosters, |r| r.client, |rosters, last| ToHost::Rosters { round, rosters, last }).await;
+        self.secure_phase(round, 1, &mut live, &mut outcome, |part, message| match message {
+            ToCoordinator::Shares { shares, .. } => shares.into_iter().all(|m| mine(part, m.client) && server.receive_shares(m).is_ok()),
+            _ => false,
+        })
+        .await;
+        let forwarded = match server.close_shares() {
+            Ok(forwarded) => forwarded,
+            Err(e) => return self.abort_secure(federation, e, counts, outcome),
+        };
+
+        // Phase 2: masked inputs (the hosts' clients train here).
+        self.send_secure(&mut live, &mut outcome, forwarded, |f| f.client, |forwarded, last| ToHost::Forwarded { round, forwarded, last }).await;
+        let [rejected, _] = self
+            .secure_phase(round, 2, &mut live, &mut outcome, |part, message| match message {
+                ToCoordinator::Masked { masked, .. } => mine(part, masked.client) && server.receive_masked(masked).is_ok(),
+                _ => false,
+            })
+            .await;
+        counts.rejected = rejected;
+        let requests = match server.close_masked() {
+            Ok(requests) => requests,
+            Err(e) => return self.abort_secure(federation, e, counts, outcome),
+        };
+
+        // Phase 3: unmasking.
+        self.send_secure(&mut live, &mut outcome, requests, |r| r.client, |requests, last| ToHost::UnmaskRequests { round, requests, last }).await;
+        let mut answered = BTreeSet::new();
+        self.secure_phase(round, 3, &mut live, &mut outcome, |part, message| match message {
+            ToCoordinator::Unmasks { unmasks, .. } => unmasks.into_iter().all(|m| {
+                let client = m.client;
+                let ok = mine(part, client) && server.receive_unmask(m).is_ok();
+                if ok {
+                    answered.insert(client);
+                }
+                ok
+            }),
+            _ => false,
+        })
+        .await;
+        outcome.hosts_done = live.keys().filter_map(|conn| self.hosts.get(conn).map(|h| h.name.clone())).collect();
+        let result = server.finish();
+        let gone = result.as_ref().map_or(0, |o| o.included.iter().filter(|c| !answered.contains(c)).count() as u64);
+        outcome.report = federation.finish_secure_round(result, counts, gone)?;
+        Ok(outcome)
+    }
+
+    /// The round could not be unmasked: the model stays, the report says why.
+    fn abort_secure<T: LocalTrainer, X: UpdateTransform>(&self, federation: &mut Federation<'_, T, X>, error: FedError, counts: SecureCounts, mut outcome: RemoteRound) -> Result<RemoteRound> {
+        outcome.report = federation.finish_secure_round(Err(error), counts, 0)?;
+        Ok(outcome)
+    }
+
+    /// Sends each live host the phase messages addressed to its clients, in chunks, the last one
+    /// flagged (an empty last chunk to a host with none, so it still answers).
+    async fn send_secure<M>(&mut self, live: &mut SecureParts, outcome: &mut RemoteRound, items: Vec<M>, client_of: impl Fn(&M) -> u64, make: impl Fn(Vec<M>, bool) -> ToHost) {
+        let mut by_conn: BTreeMap<u64, Vec<M>> = live.keys().map(|&conn| (conn, Vec::new())).collect();
+        for item in items {
+            let client = client_of(&item);
+            if let Some(conn) = live.iter().find_map(|(conn, part)| part.contains(&client).then_some(*conn)) {
+                by_conn.entry(conn).or_default().push(item);
+            }
+        }
+        for (conn, mut items) in by_conn {
+            let Some(link) = self.hosts.get(&conn).map(|h| h.link.clone()) else { continue };
+            let remote = link.remote::<ToHost>(HOST);
+            let sent = loop {
+                let rest = items.split_off(items.len().min(SECURE_CHUNK));
+                let last = rest.is_empty();
+                let sent = remote.tell(&make(items, last)).await;
+                if last || sent.is_err() {
+                    break sent;
+                }
+                items = rest;
+            };
+            if let Err(e) = sent {
+                self.lose(conn, e.to_string(), live, outcome);
+            }
+        }
+    }
+
+    /// Collects phase `phase` of secure round `round` until every live host said it is done,
+    /// was lost, or the round timeout passed (late hosts leave the round). `take` gets each
+    /// message from a live host with that host's clients and says whether it was accepted.
+    /// Returns the sum of the done hosts' counts.
+    async fn secure_phase(&mut self, round: u32, phase: u8, live: &mut SecureParts, outcome: &mut RemoteRound, mut take: impl FnMut(&BTreeSet<u64>, ToCoordinator) -> bool) -> [u64; 2] {
+        let mut done = BTreeSet::new();
+        let mut counts = [0u64; 2];
+        let deadline = tokio::time::Instant::now() + self.options.round_timeout;
+        while live.keys().any(|conn| !done.contains(conn)) {
+            let event = match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Ok(Some(event)) => event,
+                Ok(None) | Err(_) => break,
+            };
+            let (conn, message) = match event {
+                Event::Lost { conn, reason } => {
+                    if live.contains_key(&conn) && !done.contains(&conn) {
+                        self.lose(conn, reason, live, outcome);
+                    } else {
+                        self.handle(Event::Lost { conn, reason }, None).await;
+                    }
+                    continue;
+                }
+                Event::Message { conn, link, inbound } => match inbound.decode::<ToCoordinator>() {
+                    Ok(ToCoordinator::Join { .. }) | Err(_) => {
+                        self.handle(Event::Message { conn, link, inbound }, None).await;
+                        continue;
+                    }
+                    Ok(message) => (conn, message),
+                },
+            };
+            let Some(part) = live.get(&conn).filter(|_| !done.contains(&conn)) else {
+                outcome.pieces_refused += 1;
+                continue;
+            };
+            match message {
+                ToCoordinator::PhaseDone { round: r, phase: p, counts: c } if r == round && p == phase => {
+                    done.insert(conn);
+                    counts[0] += c[0];
+                    counts[1] += c[1];
+                }
+                message if secure_round_of(&message) == Some(round) => {
+                    if !take(part, message) {
+                        outcome.pieces_refused += 1;
+                    }
+                }
+                _ => outcome.pieces_refused += 1,
+            }
+        }
+        let late: Vec<u64> = live.keys().copied().filter(|conn| !done.contains(conn)).collect();
+        for conn in late {
+            live.remove(&conn);
+            let name = self.hosts.get(&conn).map(|h| h.name.clone()).unwrap_or_default();
+            tracing::warn!(host = %name, round, phase, "client host missed the secure phase's timeout: its clients leave the round");
+            outcome.hosts_late.push(name);
+        }
+        counts
+    }
+
+    /// Host `conn` is gone mid-round: it leaves the round and the coordinator.
+    fn lose(&mut self, conn: u64, reason: String, live: &mut SecureParts, outcome: &mut RemoteRound) {
+        live.remove(&conn);
+        let name = self.hosts.remove(&conn).map(|h| h.name).unwrap_or_else(|| format!("connection {conn}"));
+        tracing::warn!(host = %name, %reason, "client host lost mid-round: its clients leave the round");
+        outcome.hosts_lost.push((name, reason));
+    }
+}
+
+/// The round a secure-round message belongs to.
+fn secure_round_of(message: &ToCoordinator) -> Option<u32> {
+    match message {
+        ToCoordinator::Adverts { round, .. } | ToCoordinator::Shares { round, .. } | ToCoordinator::Masked { round, .. } | ToCoordinator::Unmasks { round, .. } => Some(*round),
+        _ => None,
     }
 }
 

@@ -17,11 +17,12 @@ use std::time::Duration;
 use rtx_actors::{auth, Inbound, Link, LinkOptions};
 use tokio::sync::mpsc;
 
-use super::protocol::{JoinReply, ToCoordinator, ToHost, WirePiece, COORDINATOR, COORDINATOR_ROLE, HOST_ROLE};
+use super::protocol::{JoinReply, ToCoordinator, ToHost, WirePiece, COORDINATOR, COORDINATOR_ROLE, HOST_ROLE, SECURE_CHUNK};
 use crate::config::FedConfig;
 use crate::error::{FedError, Result};
 use crate::local::LocalTrainer;
-use crate::round::Federation;
+use crate::round::{Federation, SecureHostRound};
+use crate::secagg::{ForwardedShares, Roster, UnmaskRequest};
 use crate::strategy::UpdateTransform;
 
 /// Settings of a client host.
@@ -152,56 +153,176 @@ impl HostSession {
     pub async fn serve<T: LocalTrainer, X: UpdateTransform>(mut self, federation: &mut Federation<'_, T, X>) -> Result<HostSummary> {
         let peer = self.options.join.to_string();
         let mut summary = HostSummary::default();
+        let mut secure: Option<SecureHost> = None;
         loop {
             let Some(inbound) = self.inbound.recv().await else {
                 let reason = self.link.closed_reason().unwrap_or_else(|| "link closed".to_string());
                 return Err(FedError::link(&peer, format!("the coordinator is gone: {reason}")));
             };
             let message = inbound.decode::<ToHost>().map_err(|e| FedError::link(&peer, format!("malformed message from the coordinator: {e}")))?;
-            match message {
+            let sent = match message {
                 ToHost::Finish => {
                     self.link.close("federation finished");
                     return Ok(summary);
                 }
-                ToHost::Round { round, k, lo, clients, model } => {
-                    // tokio's clock: virtual under the simulator, so the reported seconds replay.
-                    let start = tokio::time::Instant::now();
-                    let fits = (lo as usize).checked_add(clients.len()).is_some_and(|hi| hi <= k as usize) && clients.iter().all(|c| self.options.slice.contains(c));
-                    let pieces = if fits {
-                        let mut sampled = vec![0u32; k as usize];
-                        let own = lo as usize..lo as usize + clients.len();
-                        sampled[own.clone()].copy_from_slice(&clients);
-                        federation.host_pieces(round, &model, &sampled, own)?
-                    } else {
-                        tracing::warn!(round, k, lo, clients = clients.len(), slice = ?self.options.slice, "round message does not fit this host: answering with no pieces");
-                        summary.refused += 1;
-                        Vec::new()
-                    };
-                    if !self.options.compute_delay.is_zero() {
-                        tokio::time::sleep(self.options.compute_delay).await;
-                    }
-                    let count = pieces.len() as u32;
-                    let coordinator = self.link.remote::<ToCoordinator>(COORDINATOR);
-                    let sent = async {
-                        for piece in pieces {
-                            coordinator.tell(&ToCoordinator::Piece { round, piece: WirePiece::from(piece) }).await?;
-                        }
-                        coordinator.tell(&ToCoordinator::RoundDone { round, pieces: count, seconds: start.elapsed().as_secs_f64() }).await
-                    }
-                    .await;
-                    if let Err(e) = sent {
-                        if self.finish_pending() {
-                            // The federation ended while this host was late: its pieces are moot.
-                            self.link.close("federation finished");
-                            return Ok(summary);
-                        }
-                        return Err(FedError::link(&peer, e));
-                    }
-                    summary.rounds += 1;
-                    summary.clients += clients.len() as u64;
-                    tracing::info!(round, clients = clients.len(), pieces = count, seconds = start.elapsed().as_secs_f64(), "round answered");
+                ToHost::Round { round, k, lo, clients, model } => self.answer_round(federation, &mut summary, round, k, lo, clients, model).await?,
+                other => self.answer_secure(federation, &mut summary, &mut secure, other).await?,
+            };
+            if let Err(e) = sent {
+                if self.finish_pending() {
+                    // The federation ended while this host was late: its messages are moot.
+                    self.link.close("federation finished");
+                    return Ok(summary);
                 }
+                return Err(FedError::link(&peer, e));
             }
         }
     }
+
+    /// Trains a plain round's clients and sends the pieces; the outer `Err` is this host's own
+    /// failure, the inner one a failed send.
+    #[allow(clippy::too_many_arguments)]
+    async fn answer_round<T: LocalTrainer, X: UpdateTransform>(
+        &self,
+        federation: &mut Federation<'_, T, X>,
+        summary: &mut HostSummary,
+        round: u32,
+        k: u32,
+        lo: u32,
+        clients: Vec<u32>,
+        model: Vec<f32>,
+    ) -> Result<rtx_actors::Result<()>> {
+        // tokio's clock: virtual under the simulator, so the reported seconds replay.
+        let start = tokio::time::Instant::now();
+        let fits = (lo as usize).checked_add(clients.len()).is_some_and(|hi| hi <= k as usize) && clients.iter().all(|c| self.options.slice.contains(c));
+        let pieces = if fits {
+            let mut sampled = vec![0u32; k as usize];
+            let own = lo as usize..lo as usize + clients.len();
+            sampled[own.clone()].copy_from_slice(&clients);
+            federation.host_pieces(round, &model, &sampled, own)?
+        } else {
+            tracing::warn!(round, k, lo, clients = clients.len(), slice = ?self.options.slice, "round message does not fit this host: answering with no pieces");
+            summary.refused += 1;
+            Vec::new()
+        };
+        self.compute_delay().await;
+        let count = pieces.len() as u32;
+        let mut messages: Vec<ToCoordinator> = pieces.into_iter().map(|piece| ToCoordinator::Piece { round, piece: WirePiece::from(piece) }).collect();
+        messages.push(ToCoordinator::RoundDone { round, pieces: count, seconds: start.elapsed().as_secs_f64() });
+        let sent = self.tell_all(messages).await;
+        if sent.is_ok() {
+            summary.rounds += 1;
+            summary.clients += clients.len() as u64;
+            tracing::info!(round, clients = clients.len(), pieces = count, seconds = start.elapsed().as_secs_f64(), "round answered");
+        }
+        Ok(sent)
+    }
+
+    /// One step of a secure round (see the protocol): phase 0 starts this host's clients, a `last`
+    /// chunk of a later phase runs that phase. Messages for another round than the one in hand
+    /// are ignored (a late host's stale work).
+    async fn answer_secure<T: LocalTrainer, X: UpdateTransform>(
+        &self,
+        federation: &mut Federation<'_, T, X>,
+        summary: &mut HostSummary,
+        secure: &mut Option<SecureHost>,
+        message: ToHost,
+    ) -> Result<rtx_actors::Result<()>> {
+        let current = |round: u32, secure: &mut Option<SecureHost>| secure.as_ref().is_some_and(|s| s.state.round() == round);
+        let mut out = Vec::new();
+        match message {
+            ToHost::SecureRound { round, clients, model } => {
+                let fits = clients.iter().all(|c| self.options.slice.contains(c)) && clients.windows(2).all(|w| w[0] < w[1]);
+                let clients = if fits {
+                    clients
+                } else {
+                    tracing::warn!(round, slice = ?self.options.slice, "secure round names clients outside this host's slice: answering with none");
+                    summary.refused += 1;
+                    Vec::new()
+                };
+                let (state, adverts) = federation.secure_host_start(round, &clients)?;
+                let (dropped, stragglers) = state.counts();
+                summary.clients += clients.len() as u64;
+                out.extend(chunks(adverts).map(|adverts| ToCoordinator::Adverts { round, adverts }));
+                out.push(ToCoordinator::PhaseDone { round, phase: 0, counts: [dropped, stragglers] });
+                *secure = Some(SecureHost { state, model, rosters: Vec::new(), forwarded: Vec::new(), requests: Vec::new() });
+            }
+            ToHost::Rosters { round, rosters, last } if current(round, secure) => {
+                let Some(host) = secure.as_mut() else { return Ok(Ok(())) };
+                host.rosters.extend(rosters);
+                if last {
+                    let shares = host.state.share(std::mem::take(&mut host.rosters));
+                    out.extend(chunks(shares).map(|shares| ToCoordinator::Shares { round, shares }));
+                    out.push(ToCoordinator::PhaseDone { round, phase: 1, counts: [0, 0] });
+                }
+            }
+            ToHost::Forwarded { round, forwarded, last } if current(round, secure) => {
+                let Some(host) = secure.as_mut() else { return Ok(Ok(())) };
+                host.forwarded.extend(forwarded);
+                if last {
+                    let mut forwarded = std::mem::take(&mut host.forwarded);
+                    let rejected_before = host.state.rejected;
+                    // Train and mask a bounded batch at a time, sending each batch before the next.
+                    while !forwarded.is_empty() {
+                        let rest = forwarded.split_off(forwarded.len().min(crate::secagg::MASKING_BATCH_CLIENTS));
+                        let masked = federation.secure_host_mask(&mut host.state, &host.model, forwarded)?;
+                        if let Err(e) = self.tell_all(masked.into_iter().map(|masked| ToCoordinator::Masked { round, masked })).await {
+                            return Ok(Err(e));
+                        }
+                        forwarded = rest;
+                    }
+                    self.compute_delay().await;
+                    out.push(ToCoordinator::PhaseDone { round, phase: 2, counts: [host.state.rejected - rejected_before, 0] });
+                }
+            }
+            ToHost::UnmaskRequests { round, requests, last } if current(round, secure) => {
+                let Some(host) = secure.as_mut() else { return Ok(Ok(())) };
+                host.requests.extend(requests);
+                if last {
+                    let unmasks = host.state.unmask(std::mem::take(&mut host.requests));
+                    out.extend(chunks(unmasks).map(|unmasks| ToCoordinator::Unmasks { round, unmasks }));
+                    out.push(ToCoordinator::PhaseDone { round, phase: 3, counts: [0, 0] });
+                    *secure = None;
+                    summary.rounds += 1;
+                }
+            }
+            other => tracing::debug!(message = ?std::mem::discriminant(&other), "secure-round message for another round: ignored"),
+        }
+        Ok(self.tell_all(out).await)
+    }
+
+    /// Waits out the configured compute delay (deadline drills).
+    async fn compute_delay(&self) {
+        if !self.options.compute_delay.is_zero() {
+            tokio::time::sleep(self.options.compute_delay).await;
+        }
+    }
+
+    /// Tells the coordinator `messages` in order.
+    async fn tell_all(&self, messages: impl IntoIterator<Item = ToCoordinator>) -> rtx_actors::Result<()> {
+        let coordinator = self.link.remote::<ToCoordinator>(COORDINATOR);
+        for message in messages {
+            coordinator.tell(&message).await?;
+        }
+        Ok(())
+    }
+}
+
+/// A secure round in hand: the clients' state, the model they train at phase 2, and the chunks
+/// of the phase being received.
+struct SecureHost {
+    state: SecureHostRound,
+    model: Vec<f32>,
+    rosters: Vec<Roster>,
+    forwarded: Vec<ForwardedShares>,
+    requests: Vec<UnmaskRequest>,
+}
+
+/// `items` in chunks of at most [`SECURE_CHUNK`].
+fn chunks<M>(items: Vec<M>) -> impl Iterator<Item = Vec<M>> {
+    let mut items = items.into_iter().peekable();
+    std::iter::from_fn(move || {
+        items.peek()?;
+        Some(items.by_ref().take(SECURE_CHUNK).collect())
+    })
 }

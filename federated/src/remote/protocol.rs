@@ -9,8 +9,19 @@
 //! host's sampled positions); the host `tell`s back one [`ToCoordinator::Piece`] per piece, then
 //! [`ToCoordinator::RoundDone`] with their count. Pieces travel one per envelope, so a message is
 //! at most about one model (the link caps an envelope at 16 MiB, i.e. models up to ~4M floats).
+//!
+//! A secure round (`[secagg]`) runs the four SecAgg+ phases over the same links: the coordinator
+//! holds the server, each host its sampled clients' state; per phase the coordinator sends each
+//! host the messages addressed to its clients (in chunks, the last one flagged), the host answers
+//! with its clients' messages and [`ToCoordinator::PhaseDone`]. The coordinator only ever sees
+//! masked inputs and the sum.
 
 use crate::round::{ClientOutcome, PartialSum, Piece};
+use crate::secagg::{AdvertiseKeys, ForwardedShares, MaskedInput, Roster, ShareKeys, UnmaskRequest, UnmaskShares};
+
+/// Protocol messages per envelope in a secure round's chunks (a chunk stays a few MiB at most for
+/// neighbour degrees up to about 100).
+pub const SECURE_CHUNK: usize = 256;
 
 /// Actor name of the coordinator on its links.
 pub const COORDINATOR: &str = "fed-coordinator";
@@ -31,6 +42,17 @@ pub enum ToCoordinator {
     Piece { round: u32, piece: WirePiece },
     /// All `pieces` of `round` are sent; `seconds` is the host's wall time (reporting only).
     RoundDone { round: u32, pieces: u32, seconds: f64 },
+    /// Secure round, phase 0: advertised keys of some of the host's clients.
+    Adverts { round: u32, adverts: Vec<AdvertiseKeys> },
+    /// Secure round, phase 1: sealed shares of some of the host's clients.
+    Shares { round: u32, shares: Vec<ShareKeys> },
+    /// Secure round, phase 2: one client's masked input.
+    Masked { round: u32, masked: MaskedInput },
+    /// Secure round, phase 3: unmasking shares of some of the host's clients.
+    Unmasks { round: u32, unmasks: Vec<UnmaskShares> },
+    /// Secure round: the host sent everything of `phase`. `counts`: after phase 0 its clients
+    /// dropped and straggling by fate, after phase 2 those that withheld a malformed update.
+    PhaseDone { round: u32, phase: u8, counts: [u64; 2] },
 }
 
 /// The coordinator's answer to a join.
@@ -48,6 +70,15 @@ pub enum ToHost {
     /// Train `round`: the host's clients are `clients`, at positions `lo..lo + clients.len()` of
     /// the round's `k` sampled clients; `model` is the global model.
     Round { round: u32, k: u32, lo: u32, clients: Vec<u32>, model: Vec<f32> },
+    /// Secure round `round` (`[secagg]`), phase 0: the host's sampled `clients` (ascending) and the
+    /// global model they will train at phase 2; the host answers with their keys.
+    SecureRound { round: u32, clients: Vec<u32>, model: Vec<f32> },
+    /// Phase 1 input, in chunks; on the `last` chunk the host's clients share their keys.
+    Rosters { round: u32, rosters: Vec<Roster>, last: bool },
+    /// Phase 2 input, in chunks; on the `last` chunk the host's clients train and mask.
+    Forwarded { round: u32, forwarded: Vec<ForwardedShares>, last: bool },
+    /// Phase 3 input, in chunks; on the `last` chunk the host's clients reveal the shares asked.
+    UnmaskRequests { round: u32, requests: Vec<UnmaskRequest>, last: bool },
     /// The federation is over: exit.
     Finish,
 }

@@ -30,14 +30,22 @@
 //! K updates exists and the server keeps one running sum; what grows with K is the protocol state
 //! (each simulated client's keys and held shares, the server's share relay), O(K x degree).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha20Rng;
+use rayon::prelude::*;
 
 use super::{Fate, Federation, PartialSum, RoundReport};
 use crate::config::{FedConfig, SecAggParams};
 use crate::error::{FedError, Result};
 use crate::local::{ClientTask, LocalTrainer};
 use crate::population::{splitmix64, unit_hash, Population};
-use crate::secagg::{drive, Dropouts, PhaseSeconds, QuantConfig, SecAggConfig, MASKING_BATCH_CLIENTS, SUM_MAGNITUDE_MAX};
+use crate::secagg::{
+    drive, pair_by_client, AdvertiseKeys, Dropouts, ForwardedShares, MaskedInput, PhaseSeconds, QuantConfig, Roster, SecAggClient, SecAggConfig, SecAggOutcome, SecAggServer, ShareKeys,
+    UnmaskRequest, UnmaskShares, MASKING_BATCH_CLIENTS, SUM_MAGNITUDE_MAX,
+};
 use crate::strategy::UpdateTransform;
 
 /// Salts of the per-round seeds: the clients' key streams, the neighbour graph, late dropouts.
@@ -181,6 +189,8 @@ pub struct SecureRound {
     pub included: u64,
     /// Of those, clients that vanished before answering the unmask request.
     pub gone_before_unmask: u64,
+    /// The included clients' ids, sorted (what the sum must equal the inputs of).
+    pub included_clients: Vec<u64>,
     /// The unmasked sum in Z_2^32 as the coordinator decoded it: the update words, the weight word
     /// and the count word (empty when aborted).
     pub sum_fixed: Vec<u32>,
@@ -190,72 +200,226 @@ pub struct SecureRound {
     pub seconds: PhaseSeconds,
 }
 
+/// What both ends of a secure round derive from the config and the round number.
+struct SecureSetup {
+    params: SecAggParams,
+    config: SecAggConfig,
+    encoding: WeightedEncoding,
+    /// Client `id` draws its keys from ChaCha20 stream `id` of this seed.
+    client_seed: u64,
+}
+
+/// Which phase each sampled client vanishes at, and the counts, from their fates.
+#[derive(Default)]
+struct Fates {
+    dropouts: Dropouts,
+    dropped: u64,
+    stragglers: u64,
+}
+
+/// A client host's part of a secure round over the network (`rtx fed clients` under `[secagg]`):
+/// the SecAgg+ client state of each of its sampled clients, driven phase by phase by the
+/// coordinator's messages. Clients vanish at the same phases as in the in-process round (see the
+/// module doc), so a round whose hosts all answer gives the in-process round's bits.
+pub struct SecureHostRound {
+    round: u32,
+    /// Live clients: state and position in the host's client list.
+    states: BTreeMap<u64, (SecAggClient, usize)>,
+    clients: Vec<u32>,
+    fates: Fates,
+    masked_ok: BTreeSet<u64>,
+    /// Clients that withheld a malformed update.
+    pub rejected: u64,
+}
+
+impl SecureHostRound {
+    /// The round.
+    pub fn round(&self) -> u32 {
+        self.round
+    }
+
+    /// Clients of this host that dropped before sharing and that straggled past the masked-input
+    /// deadline, by their fates.
+    pub fn counts(&self) -> (u64, u64) {
+        (self.fates.dropped, self.fates.stragglers)
+    }
+
+    /// Phase 1: each live client seals shares of its secrets for its neighbours (clients whose
+    /// step fails drop).
+    pub fn share(&mut self, rosters: Vec<Roster>) -> Vec<ShareKeys> {
+        let work = pair_by_client(&mut self.states, rosters, |m| m.client);
+        let shares: Vec<ShareKeys> = work.into_iter().filter_map(|(state, roster)| state.0.share_keys(&roster).ok()).collect();
+        let before = &self.fates.dropouts.before_masked_input;
+        self.states.retain(|id, _| !before.contains(id));
+        shares
+    }
+
+    /// Phase 3: the clients whose masked input went out answer the unmask requests addressed to
+    /// them (those that vanish before unmasking do not).
+    pub fn unmask(&mut self, requests: Vec<UnmaskRequest>) -> Vec<UnmaskShares> {
+        let (ok, gone) = (&self.masked_ok, &self.fates.dropouts.before_unmask);
+        self.states.retain(|id, _| ok.contains(id) && !gone.contains(id));
+        let work = pair_by_client(&mut self.states, requests, |m| m.client);
+        work.into_iter().filter_map(|(state, request)| state.0.unmask(&request).ok()).collect()
+    }
+}
+
 impl<T: LocalTrainer, X: UpdateTransform> Federation<'_, T, X> {
-    /// A synchronous round under secure aggregation (see the module doc).
-    pub(super) fn run_secure_round(&mut self, round: u32, sampled: Vec<u32>, params: SecAggParams) -> Result<RoundReport> {
+    fn secure_setup(&self, round: u32, params: SecAggParams) -> Result<SecureSetup> {
         let encoding = encoding_for(&self.config, &self.population)?.ok_or_else(|| FedError::config("secagg", "absent"))?;
-        let n_params = self.model.len();
-        let k = sampled.len() as u64;
         let (seed, r) = (self.config.seed, u64::from(round));
         let graph_seed = splitmix64(seed ^ splitmix64(GRAPH_SALT ^ r));
-        let config = SecAggConfig::new(r, WeightedEncoding::words(n_params), params.degree, params.threshold, params.quant, graph_seed)?;
-        let mut dropouts = Dropouts::default();
-        let (mut dropped, mut stragglers) = (0u64, 0u64);
-        for &c in &sampled {
+        let config = SecAggConfig::new(r, WeightedEncoding::words(self.model.len()), params.degree, params.threshold, params.quant, graph_seed)?;
+        Ok(SecureSetup { params, config, encoding, client_seed: splitmix64(seed ^ splitmix64(CLIENT_SALT ^ r)) })
+    }
+
+    fn fates(&self, round: u32, clients: &[u32], params: &SecAggParams) -> Fates {
+        let (seed, r) = (self.config.seed, u64::from(round));
+        let mut fates = Fates::default();
+        for &c in clients {
             match self.fate(round, c) {
                 Fate::Dropped => {
-                    dropped += 1;
-                    dropouts.before_sharing.insert(u64::from(c));
+                    fates.dropped += 1;
+                    fates.dropouts.before_sharing.insert(u64::from(c));
                 }
                 Fate::Straggler => {
-                    stragglers += 1;
-                    dropouts.before_masked_input.insert(u64::from(c));
+                    fates.stragglers += 1;
+                    fates.dropouts.before_masked_input.insert(u64::from(c));
                 }
                 Fate::Train => {
                     if params.unmask_dropout_rate > 0.0 && unit_hash(&[seed, r, u64::from(c), UNMASK_SALT]) < params.unmask_dropout_rate {
-                        dropouts.before_unmask.insert(u64::from(c));
+                        fates.dropouts.before_unmask.insert(u64::from(c));
                     }
                 }
             }
         }
+        fates
+    }
+
+    /// A synchronous round under secure aggregation (see the module doc).
+    pub(super) fn run_secure_round(&mut self, round: u32, sampled: Vec<u32>, params: SecAggParams) -> Result<RoundReport> {
+        let setup = self.secure_setup(round, params)?;
+        let fates = self.fates(round, &sampled, &setup.params);
         let ids: Vec<u64> = sampled.iter().map(|&c| u64::from(c)).collect();
         let rejected = AtomicU64::new(0);
         let driven = {
             let this = &*self;
-            let input = |index: usize, _id: u64| sampled.get(index).and_then(|&c| this.secure_input(round, c, &encoding, &rejected));
-            this.pool.install(|| drive(&config, &ids, &dropouts, splitmix64(seed ^ splitmix64(CLIENT_SALT ^ r)), input))
+            let input = |index: usize, _id: u64| sampled.get(index).and_then(|&c| this.secure_input(round, c, &this.model, &setup.encoding, &rejected));
+            this.pool.install(|| drive(&setup.config, &ids, &fates.dropouts, setup.client_seed, input))
         };
-        let rejected = rejected.into_inner();
+        let (outcome, seconds) = match driven {
+            Ok(driven) => (Ok(driven.outcome), driven.seconds),
+            Err(error) => (Err(error), PhaseSeconds::default()),
+        };
+        let gone = |included: &[u64]| included.iter().filter(|c| fates.dropouts.before_unmask.contains(c)).count() as u64;
+        let counts = SecureCounts { k: sampled.len() as u64, dropped: fates.dropped, stragglers: fates.stragglers, rejected: rejected.into_inner() };
+        let mut report = self.apply_secure(round, &setup, outcome, counts, gone)?;
+        if let Some(info) = report.secure.as_mut() {
+            info.seconds = seconds;
+        }
+        Ok(report)
+    }
+
+    /// On a client host: starts this host's part of secure round `round` for its sampled
+    /// `clients` (ascending), returning the state and every client's advertised keys (clients
+    /// fated to drop advertise, then vanish, as in process).
+    pub fn secure_host_start(&self, round: u32, clients: &[u32]) -> Result<(SecureHostRound, Vec<AdvertiseKeys>)> {
+        let params = self.config.secagg_params()?.ok_or_else(|| FedError::config("secagg", "the coordinator runs a secure round but this host's config has no [secagg]"))?;
+        let setup = self.secure_setup(round, params)?;
+        let fates = self.fates(round, clients, &setup.params);
+        let mut states = BTreeMap::new();
+        let mut adverts = Vec::with_capacity(clients.len());
+        for (index, &c) in clients.iter().enumerate() {
+            let mut rng = ChaCha20Rng::seed_from_u64(setup.client_seed);
+            rng.set_stream(u64::from(c));
+            let mut client = SecAggClient::new(u64::from(c), &setup.config, rng)?;
+            adverts.push(client.advertise()?);
+            if !fates.dropouts.before_sharing.contains(&u64::from(c)) {
+                states.insert(u64::from(c), (client, index));
+            }
+        }
+        Ok((SecureHostRound { round, states, clients: clients.to_vec(), fates, masked_ok: BTreeSet::new(), rejected: 0 }, adverts))
+    }
+
+    /// On a client host, phase 2: the live clients addressed by `forwarded` train on `model`,
+    /// encode and mask their updates (in parallel on this host's pool); the caller passes a
+    /// bounded batch at a time (`MASKING_BATCH_CLIENTS`), so no vector of this host's updates
+    /// exists.
+    pub fn secure_host_mask(&self, host: &mut SecureHostRound, model: &[f32], forwarded: Vec<ForwardedShares>) -> Result<Vec<MaskedInput>> {
+        if model.len() != self.model.len() {
+            return Err(FedError::config("model", format!("the coordinator sent {} parameters, this host's model has {}", model.len(), self.model.len())));
+        }
+        let params = self.config.secagg_params()?.ok_or_else(|| FedError::config("secagg", "absent"))?;
+        let setup = self.secure_setup(host.round, params)?;
+        let rejected = AtomicU64::new(0);
+        let (round, clients) = (host.round, &host.clients);
+        let work = pair_by_client(&mut host.states, forwarded, |m| m.client);
+        let masked: Vec<MaskedInput> = self.pool.install(|| {
+            work.into_par_iter()
+                .filter_map(|(state, fwd)| {
+                    let words = clients.get(state.1).and_then(|&c| self.secure_input(round, c, model, &setup.encoding, &rejected))?;
+                    state.0.masked_input_words(&fwd, words).ok()
+                })
+                .collect()
+        });
+        host.masked_ok.extend(masked.iter().map(|m| m.client));
+        host.rejected += rejected.into_inner();
+        Ok(masked)
+    }
+
+    /// At the coordinator: the secure-aggregation server for the current round.
+    pub fn secure_server(&self) -> Result<SecAggServer> {
+        let params = self.config.secagg_params()?.ok_or_else(|| FedError::config("secagg", "absent"))?;
+        Ok(SecAggServer::new(&self.secure_setup(self.round, params)?.config))
+    }
+
+    /// At the coordinator: finishes the current secure round from the server's outcome (or the
+    /// shortfall that stopped it) and the hosts' counts; `gone_before_unmask` counts included
+    /// clients that did not answer the unmask request.
+    pub fn finish_secure_round(&mut self, outcome: Result<SecAggOutcome>, counts: SecureCounts, gone_before_unmask: u64) -> Result<RoundReport> {
+        let params = self.config.secagg_params()?.ok_or_else(|| FedError::config("secagg", "absent"))?;
+        let round = self.round;
+        let setup = self.secure_setup(round, params)?;
+        let report = self.apply_secure(round, &setup, outcome, counts, |_| gone_before_unmask)?;
+        self.round += 1;
+        Ok(report)
+    }
+
+    /// Client `c`'s encoded input in secure round `round` at `model` (`None` when it withholds a
+    /// malformed update): what the unmasked sum must contain for each included client. For checks
+    /// (the simulator's `unmask-exact`).
+    pub fn secure_client_words(&self, round: u32, c: u32, model: &[f32]) -> Result<Option<Vec<u32>>> {
+        let encoding = encoding_for(&self.config, &self.population)?.ok_or_else(|| FedError::config("secagg", "absent"))?;
+        Ok(self.secure_input(round, c, model, &encoding, &AtomicU64::new(0)))
+    }
+
+    /// Applies a secure round's outcome: the decoded sum through the server optimizer, or, when the
+    /// server could not unmask, an unchanged model and the reason.
+    fn apply_secure(&mut self, round: u32, setup: &SecureSetup, outcome: Result<SecAggOutcome>, counts: SecureCounts, gone_before_unmask: impl Fn(&[u64]) -> u64) -> Result<RoundReport> {
+        let SecureCounts { k, dropped, stragglers, rejected } = counts;
+        let n_params = self.model.len();
         let peak_partials = 1 + (k as usize).min(MASKING_BATCH_CLIENTS);
         let mut info = SecureRound {
-            degree: params.degree,
-            threshold: params.threshold,
-            scale_bits: params.quant.scale_bits,
-            weight_bits: encoding.weight_bits,
+            degree: setup.params.degree,
+            threshold: setup.params.threshold,
+            scale_bits: setup.params.quant.scale_bits,
+            weight_bits: setup.encoding.weight_bits,
             ..SecureRound::default()
         };
-        let driven = match driven {
-            Ok(driven) => driven,
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
             Err(error) => {
                 let abort = SecAggAbort::from_error(error)?;
                 tracing::warn!(round, %abort, "secure aggregation could not unmask the round's sum; the model is unchanged");
                 info.aborted = Some(abort);
                 self.partials_peak.store(0, Ordering::Relaxed);
-                return Ok(RoundReport {
-                    round,
-                    sampled: k,
-                    dropped,
-                    stragglers,
-                    rejected,
-                    peak_partials,
-                    secure: Some(info),
-                    ..RoundReport::default()
-                });
+                // Every update is lost: the clients that were not stragglers or rejected count as dropped.
+                let dropped = k.saturating_sub(stragglers + rejected).max(dropped);
+                return Ok(RoundReport { round, sampled: k, dropped, stragglers, rejected, peak_partials, secure: Some(info), ..RoundReport::default() });
             }
         };
-        let outcome = driven.outcome;
         let mut sum = vec![0f32; n_params];
-        let (total_weight, with_data) = encoding.decode(&outcome.sum_fixed, &mut sum)?;
+        let (total_weight, with_data) = setup.encoding.decode(&outcome.sum_fixed, &mut sum)?;
         let included = outcome.included.len() as u64;
         let contributors: Vec<u32> = outcome.included.iter().filter_map(|&c| u32::try_from(c).ok()).collect();
         for &c in &contributors {
@@ -274,24 +438,25 @@ impl<T: LocalTrainer, X: UpdateTransform> Federation<'_, T, X> {
         let mut report = self.apply(round, partial, k);
         report.peak_partials = peak_partials;
         info.included = included;
-        info.gone_before_unmask = outcome.included.iter().filter(|c| dropouts.before_unmask.contains(c)).count() as u64;
+        info.gone_before_unmask = gone_before_unmask(&outcome.included);
         info.sum_fixed = outcome.sum_fixed;
-        info.seconds = driven.seconds;
+        info.included_clients = outcome.included;
         report.secure = Some(info);
         Ok(report)
     }
 
-    /// Client `c`'s masked-input phase up to its input: trains, applies the transform, checks and
-    /// encodes; `None` (counted in `rejected`) when the client refuses its own malformed update.
-    fn secure_input(&self, round: u32, c: u32, encoding: &WeightedEncoding, rejected: &AtomicU64) -> Option<Vec<u32>> {
+    /// Client `c`'s masked-input phase up to its input: trains on `model`, applies the transform,
+    /// checks and encodes; `None` (counted in `rejected`) when the client refuses its own
+    /// malformed update.
+    fn secure_input(&self, round: u32, c: u32, model: &[f32], encoding: &WeightedEncoding, rejected: &AtomicU64) -> Option<Vec<u32>> {
         let (mut scratch, mut update) = self.take_scratch();
         let mut indices = Vec::new();
         self.population.indices_into(c, &mut indices);
         let task = ClientTask { client: c, round, seed: self.config.seed, indices: &indices };
-        let mut weight = self.trainer.train(&task, &self.model, &mut scratch, &mut update);
+        let mut weight = self.trainer.train(&task, model, &mut scratch, &mut update);
         self.transform.on_client(round, c, &mut update, &mut weight);
-        let words = if encoding.admits(&update, weight, self.model.len()) {
-            let mut words = Vec::with_capacity(WeightedEncoding::words(self.model.len()));
+        let words = if encoding.admits(&update, weight, model.len()) {
+            let mut words = Vec::with_capacity(WeightedEncoding::words(model.len()));
             encoding.encode(&update, weight, &mut words);
             Some(words)
         } else {
@@ -302,6 +467,19 @@ impl<T: LocalTrainer, X: UpdateTransform> Federation<'_, T, X> {
         self.put_scratch(scratch, update);
         words
     }
+}
+
+/// A secure round's client counts as the coordinator learns them from its hosts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SecureCounts {
+    /// Clients sampled.
+    pub k: u64,
+    /// Dropped before sharing (by fate).
+    pub dropped: u64,
+    /// Straggled past the masked-input deadline (by fate).
+    pub stragglers: u64,
+    /// Withheld a malformed update.
+    pub rejected: u64,
 }
 
 #[cfg(test)]

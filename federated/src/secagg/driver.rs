@@ -129,7 +129,7 @@ where
 
 /// Pairs each message with the live client state it is addressed to (by `client_of`), in message
 /// order; messages for clients no longer live are dropped.
-fn pair_by_client<M>(states: &mut BTreeMap<u64, (SecAggClient, usize)>, messages: Vec<M>, client_of: impl Fn(&M) -> u64) -> Vec<(&mut (SecAggClient, usize), M)> {
+pub(crate) fn pair_by_client<M>(states: &mut BTreeMap<u64, (SecAggClient, usize)>, messages: Vec<M>, client_of: impl Fn(&M) -> u64) -> Vec<(&mut (SecAggClient, usize), M)> {
     let mut by_id: BTreeMap<u64, &mut (SecAggClient, usize)> = states.iter_mut().map(|(id, s)| (*id, s)).collect();
     messages.into_iter().filter_map(|m| by_id.remove(&client_of(&m)).map(|state| (state, m))).collect()
 }

@@ -13,7 +13,7 @@ pub(crate) const SHARE_PLAINTEXT_LEN: usize = 16 + 2 * 8 * super::shamir::SHARE_
 pub const SHARE_CIPHERTEXT_LEN: usize = SHARE_PLAINTEXT_LEN + 16;
 
 /// Phase 0, client to server: the client's two X25519 public keys.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct AdvertiseKeys {
     /// The sender.
     pub client: u64,
@@ -24,7 +24,7 @@ pub struct AdvertiseKeys {
 }
 
 /// One neighbour's public keys, as the server relays them.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct NeighbourKeys {
     /// The neighbour.
     pub client: u64,
@@ -35,7 +35,7 @@ pub struct NeighbourKeys {
 }
 
 /// Phase 1, server to client: the addressee's neighbours in the round's graph, with their keys.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Roster {
     /// The addressee.
     pub client: u64,
@@ -44,7 +44,7 @@ pub struct Roster {
 }
 
 /// A Shamir share sealed (ChaCha20-Poly1305) for one neighbour; the server relays it unread.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct EncryptedShare {
     /// The client whose secrets are shared.
     pub from: u64,
@@ -55,7 +55,7 @@ pub struct EncryptedShare {
 }
 
 /// Phase 1, client to server: the sender's shares, one per neighbour.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ShareKeys {
     /// The sender.
     pub client: u64,
@@ -65,7 +65,7 @@ pub struct ShareKeys {
 
 /// Phase 2, server to client: the shares addressed to the client by neighbours that sent theirs.
 /// The client masks pairwise with exactly these neighbours.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ForwardedShares {
     /// The addressee.
     pub client: u64,
@@ -74,7 +74,7 @@ pub struct ForwardedShares {
 }
 
 /// Phase 2, client to server: the masked, quantised update.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct MaskedInput {
     /// The sender.
     pub client: u64,
@@ -84,7 +84,7 @@ pub struct MaskedInput {
 
 /// Phase 3, server to client: which of the addressee's neighbours survived (reveal their self-mask
 /// seed shares) and which dropped after sharing (reveal their mask-key shares). Disjoint.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct UnmaskRequest {
     /// The addressee.
     pub client: u64,
@@ -95,7 +95,7 @@ pub struct UnmaskRequest {
 }
 
 /// One revealed share of `owner`'s secret.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ShareReveal {
     /// The client whose secret this is a share of.
     pub owner: u64,
@@ -104,7 +104,7 @@ pub struct ShareReveal {
 }
 
 /// Phase 3, client to server: the requested shares.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct UnmaskShares {
     /// The sender.
     pub client: u64,
