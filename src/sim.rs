@@ -110,14 +110,18 @@ fn threads(args: &SimArgs) -> usize {
 /// A federated scenario (`[scenario] kind = "federation"`): one seed or a swarm.
 fn run_federated(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
     let scenario = FedScenario::load(&args.scenario)?;
-    let invariants = "twin-equal (every round's model bits and counts equal the in-process federation with the hosts that did not deliver marked down), exactly-once, round-deadline, quiet-host-kept, liveness";
+    let invariants = if scenario.config.secagg.is_some() {
+        "unmask-exact (every unmasked sum equals the sum of the included clients' encoded inputs; an aborted round left the model), exactly-once, round-deadline, quiet-host-kept, liveness"
+    } else {
+        "twin-equal (every round's model bits and counts equal the in-process federation with the hosts that did not deliver marked down), exactly-once, round-deadline, quiet-host-kept, liveness"
+    };
     match (args.seed, &args.seeds) {
         (Some(seed), _) => {
             let started = Instant::now();
             let o = run_fed_seed(&scenario, seed, data_root, args.planted_bug)?;
             let wall = started.elapsed().as_secs_f64();
             println!(
-                "seed {seed}: trace {:016x}; {}/{} rounds; {} fault(s); hosts done/lost/late {}/{}/{}, {} rejoin(s); clients done {}, dropped {}; test accuracy {:.4}; {} invariant checks; virtual {:.3} s in {wall:.3} s wall",
+                "seed {seed}: trace {:016x}; {}/{} rounds; {} fault(s); hosts done/lost/late {}/{}/{}, {} rejoin(s); clients done {}, dropped {}{}; test accuracy {:.4}; {} invariant checks; virtual {:.3} s in {wall:.3} s wall",
                 o.trace,
                 o.rounds,
                 scenario.config.round.rounds,
@@ -128,6 +132,7 @@ fn run_federated(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
                 o.rejoins,
                 o.clients_done,
                 o.dropped,
+                secure_summary(&scenario, o.secure_aborted, o.secure_recovered),
                 o.accuracy,
                 o.checks,
                 o.virtual_time.as_secs_f64()
@@ -152,7 +157,7 @@ fn run_federated(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
             let n = report.outcomes.len();
             let sum = |f: fn(&FedOutcome) -> u64| report.outcomes.iter().map(f).sum::<u64>();
             println!(
-                "{n} seeds, {} failing; {:.2} s wall on {} thread(s) ({:.1} seeds/s); hosts done/lost/late {}/{}/{}, {} rejoins over all seeds",
+                "{n} seeds, {} failing; {:.2} s wall on {} thread(s) ({:.1} seeds/s); hosts done/lost/late {}/{}/{}, {} rejoins{} over all seeds",
                 failing.len(),
                 report.wall.as_secs_f64(),
                 report.threads,
@@ -160,7 +165,8 @@ fn run_federated(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
                 sum(|o| o.hosts_done),
                 sum(|o| o.hosts_lost),
                 sum(|o| o.hosts_late),
-                sum(|o| o.rejoins)
+                sum(|o| o.rejoins),
+                secure_summary(&scenario, sum(|o| o.secure_aborted), sum(|o| o.secure_recovered))
             );
             if !failing.is_empty() {
                 bail!("{} seed(s) broke invariants", failing.len());
@@ -170,6 +176,14 @@ fn run_federated(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
         }
         (None, None) => bail!("give --seed S or --seeds A..B"),
     }
+}
+
+/// For secure scenarios: rounds aborted and clients whose self-masks were rebuilt.
+fn secure_summary(scenario: &FedScenario, aborted: u64, recovered: u64) -> String {
+    if scenario.config.secagg.is_none() {
+        return String::new();
+    }
+    format!("; secure rounds aborted {aborted}, clients unmasked from neighbours' shares {recovered}")
 }
 
 fn print_fed_violation(outcome: &FedOutcome, args: &SimArgs) {

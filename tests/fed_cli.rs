@@ -135,13 +135,15 @@ fn fed_run_with_dp_reports_a_growing_epsilon_and_still_learns() {
 /// loopback QUIC. The third host is slow (2 s a round) and is killed with SIGKILL in the middle of
 /// round 2: that round closes at its timeout with the other hosts' updates, the next rounds
 /// proceed without it, and the coordinator finishes with every round's record.
-#[test]
-fn fed_serve_with_client_host_processes_survives_a_kill_9_mid_round() {
+/// Runs `config` with `rtx fed serve` and three `rtx fed clients` processes over slices of 400
+/// clients (the third slow), kills the slow one with SIGKILL once round 1 is recorded, and returns
+/// the metrics records and the coordinator's stdout (after checking every process but the killed
+/// one succeeded).
+fn serve_with_a_kill_9(config: &str) -> (Vec<serde_json::Value>, String) {
     use std::io::{BufRead, BufReader};
     use std::process::Stdio;
 
     let s = setup();
-    let config = "seed = 5\n[population]\nn_clients = 400\ndataset = \"digits\"\n[round]\nrounds = 4\nclients_per_round = 120\nfan_in = 8\nhosts = 3\n[local]\nepochs = 1\nbatch_size = 4\n";
     std::fs::write(s.root.join("fed.toml"), config).unwrap();
     let token = "fed-cli-test-token";
     let mut serve = Command::new(env!("CARGO_BIN_EXE_rtx"))
@@ -201,15 +203,46 @@ fn fed_serve_with_client_host_processes_survives_a_kill_9_mid_round() {
         assert!(host.wait().unwrap().success(), "a surviving client host failed");
     }
     let records: Vec<serde_json::Value> = std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (records, stdout)
+}
+
+fn done(r: &serde_json::Value) -> u64 {
+    r["clients_done"].as_u64().unwrap()
+}
+
+fn dropped(r: &serde_json::Value) -> u64 {
+    r["dropped"].as_u64().unwrap()
+}
+
+#[test]
+fn fed_serve_with_client_host_processes_survives_a_kill_9_mid_round() {
+    let config = "seed = 5\n[population]\nn_clients = 400\ndataset = \"digits\"\n[round]\nrounds = 4\nclients_per_round = 120\nfan_in = 8\nhosts = 3\n[local]\nepochs = 1\nbatch_size = 4\n";
+    let (records, stdout) = serve_with_a_kill_9(config);
     assert_eq!(records.len(), 4, "{stdout}");
-    let done = |r: &serde_json::Value| r["clients_done"].as_u64().unwrap();
-    let dropped = |r: &serde_json::Value| r["dropped"].as_u64().unwrap();
     assert_eq!(dropped(&records[0]), 0, "round 1 had every host: {stdout}");
     for r in &records[1..] {
         assert!(done(r) > 0, "the surviving hosts' updates count: {r}");
         assert!(dropped(r) > 0, "the killed host's clients are dropped: {r}");
     }
     assert!(stdout.contains("round 2/4") && (stdout.contains("late clients-300..400") || stdout.contains("lost clients-300..400")), "{stdout}");
+    assert!(records[3]["test_acc"].as_f64().unwrap() > 0.5, "the federation still learns: {}", records[3]);
+}
+
+#[test]
+fn fed_serve_with_secagg_runs_secure_rounds_over_host_processes_through_a_kill_9() {
+    // Goal: `[secagg]` over real client host processes: the coordinator only sees masked inputs
+    // and the sum; killing a host mid-round loses its clients, the others' sum still unmasks and
+    // the federation learns.
+    let config = "seed = 5\n[population]\nn_clients = 400\ndataset = \"digits\"\n[round]\nrounds = 4\nclients_per_round = 120\nfan_in = 8\nhosts = 3\n[local]\nepochs = 1\nbatch_size = 4\n[secagg]\ndegree = 16\nthreshold = 9\n";
+    let (records, stdout) = serve_with_a_kill_9(config);
+    assert_eq!(records.len(), 4, "{stdout}");
+    assert_eq!((done(&records[0]), dropped(&records[0])), (120, 0), "round 1 had every host: {stdout}");
+    for r in &records[1..] {
+        assert_eq!(done(r) + dropped(r), 120, "every client is done or dropped: {r}");
+    }
+    for r in &records[2..] {
+        assert!(done(r) > 0 && dropped(r) > 0, "after the kill, the survivors' sum unmasks without the killed host's clients: {r}");
+    }
     assert!(records[3]["test_acc"].as_f64().unwrap() > 0.5, "the federation still learns: {}", records[3]);
 }
 

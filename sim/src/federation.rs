@@ -20,6 +20,10 @@
 //!   could still be catching up) delivers that round.
 //! - `liveness`: every host joins at the start and the federation finishes all its rounds
 //!   within `max_virtual_s`.
+//! - `unmask-exact` (secure rounds, `[federation.secagg]`, instead of `twin-equal`): the unmasked
+//!   sum equals the sum in Z_2^32 of the included clients' encoded inputs, recomputed from their
+//!   data; a round that could not be unmasked left the model unchanged. A secure round has four
+//!   phases, each with the round timeout, so `round-deadline` allows four.
 //!
 //! The trace hash folds in every byte the control network carried (with its virtual time), the
 //! faults and every round's model bits, so the same seed gives the same hash.
@@ -220,8 +224,8 @@ impl FedScenario {
         }
         let resolved = toml::to_string(&federation).map_err(|e| bad(format!("federation: {e}")))?;
         let config = FedConfig::from_toml_str(&resolved).map_err(|e| bad(format!("federation: {e}")))?;
-        if config.secagg.is_some() || config.async_mode.is_some() || config.dp.is_some() {
-            return Err(bad("federation: [secagg], [async] and [dp] do not run over client hosts yet (rtx fed serve refuses them too)".into()));
+        if config.async_mode.is_some() || config.dp.is_some() {
+            return Err(bad("federation: [async] does not run over client hosts (rtx fed serve refuses it too), and [dp] is not simulated yet".into()));
         }
         if !config.faults.host_down.is_empty() || config.round.hosts != 1 || !config.round.host_slices.is_empty() {
             return Err(bad("federation: hosts and their faults come from the scenario ([scenario] hosts, [[faults]]), not from round.hosts, round.host_slices or faults.host_down".into()));
@@ -326,6 +330,11 @@ pub struct FedOutcome {
     pub dropped: u64,
     /// Test accuracy of the final global model.
     pub accuracy: f64,
+    /// Secure rounds (`[secagg]`) that could not be unmasked (the model stayed).
+    pub secure_aborted: u64,
+    /// Over the secure rounds: included clients whose self-masks were rebuilt from their
+    /// neighbours' shares because they were gone before unmasking.
+    pub secure_recovered: u64,
 }
 
 /// What a federated swarm found.
@@ -346,7 +355,10 @@ pub fn run_fed_seed(scenario: &FedScenario, seed: u64, data_root: &Path, planted
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build()?;
     let local = tokio::task::LocalSet::new();
     let (mut outcome, rounds, log) = local.block_on(&runtime, simulate(scenario, seed, data.clone(), planted_bug))?;
-    if outcome.violation.is_none() {
+    // The twin models a missing host as `host_down` (its clients vanish before sharing keys); in
+    // a secure round a host can vanish at any phase, so secure rounds are checked by
+    // `unmask-exact` instead.
+    if outcome.violation.is_none() && scenario.config.secagg.is_none() {
         outcome.violation = check_twin(scenario, &data, &rounds)?.map(|v| Violation { recent: log, ..v });
         if outcome.violation.is_none() {
             outcome.checks += u64::from(outcome.rounds);
@@ -603,9 +615,12 @@ async fn simulate(scenario: &FedScenario, seed: u64, data: Arc<FedData>, planted
         clients_done: 0,
         dropped: 0,
         accuracy: 0.0,
+        secure_aborted: 0,
+        secure_recovered: 0,
     };
     let mut rounds = Vec::new();
     let mut fed = federation(&scenario.config, &data).map_err(|e| SimError::Scenario(format!("federation: {e}")))?;
+    let secure = fed.is_secure();
     if let Err(e) = core.wait_for_hosts(hosts, Duration::from_secs(30)).await {
         outcome.violation = Some(world.violation("liveness", 0, format!("the hosts did not all join at the start: {e}")));
     } else {
@@ -616,6 +631,7 @@ async fn simulate(scenario: &FedScenario, seed: u64, data: Arc<FedData>, planted
                 outcome.violation = Some(world.violation("liveness", round, format!("{} of {} rounds done after {:.1} virtual s", round, scenario.config.round.rounds, from.as_secs_f64())));
                 break;
             }
+            let before = secure.then(|| fed.model().to_vec());
             let remote: RemoteRound = core.round(&mut fed).await.map_err(|e| SimError::Scenario(format!("round {round}: {e}")))?;
             let until = world.start.elapsed();
             let r = &remote.report;
@@ -639,11 +655,17 @@ async fn simulate(scenario: &FedScenario, seed: u64, data: Arc<FedData>, planted
             outcome.dropped += r.dropped;
             outcome.rounds += 1;
             rounds.push(RoundRecord { report: r.clone(), done, model_hash: hash });
-            if let Some(v) = check_round(&world, round, &remote, (from, until), round_timeout) {
+            let check = check_round(&world, round, &remote, (from, until), round_timeout * if secure { 4 } else { 1 })
+                .or_else(|| before.and_then(|before| check_unmask(&world, round, &fed, &before, &remote)));
+            if let Some(v) = check {
                 outcome.violation = Some(v);
                 break;
             }
-            outcome.checks += 3;
+            outcome.checks += if secure { 4 } else { 3 };
+            if let Some(info) = &remote.report.secure {
+                outcome.secure_aborted += u64::from(info.aborted.is_some());
+                outcome.secure_recovered += info.gone_before_unmask;
+            }
         }
         driver.abort();
         outcome.rejoins = u64::from(core.joins()).saturating_sub(hosts as u64);
@@ -689,6 +711,32 @@ fn check_round(world: &World, round: u32, remote: &RemoteRound, span: (Duration,
         }
     }
     None
+}
+
+/// The `unmask-exact` invariant of a secure round: the unmasked sum is exactly the sum, in
+/// Z_2^32, of the included clients' encoded inputs at the round's starting model (recomputed here
+/// from the clients' data); a round that could not be unmasked left the model as it was.
+fn check_unmask(world: &World, round: u32, fed: &Federation<'_, LogRegSgd<'_>, Plain>, before: &[f32], remote: &RemoteRound) -> Option<Violation> {
+    let Some(info) = &remote.report.secure else {
+        return Some(world.violation("unmask-exact", round, "a secure round reported no secure-aggregation outcome".into()));
+    };
+    if let Some(abort) = &info.aborted {
+        return (fed.model() != before).then(|| world.violation("unmask-exact", round, format!("the round aborted ({abort}) yet the model moved")));
+    }
+    let mut expected = vec![0u32; before.len() + 2];
+    for &c in &info.included_clients {
+        let words = match u32::try_from(c).ok().map(|c| fed.secure_client_words(round, c, before)) {
+            Some(Ok(Some(words))) => words,
+            _ => return Some(world.violation("unmask-exact", round, format!("included client {c} has no input of its own"))),
+        };
+        for (e, w) in expected.iter_mut().zip(words) {
+            *e = e.wrapping_add(w);
+        }
+    }
+    (expected != info.sum_fixed).then(|| {
+        let differ = expected.iter().zip(&info.sum_fixed).filter(|(a, b)| a != b).count();
+        world.violation("unmask-exact", round, format!("the unmasked sum differs from the sum of the {} included clients' inputs in {differ} words", info.included_clients.len()))
+    })
 }
 
 /// The `twin-equal` invariant: the in-process federation, with `host_down` for every host that did

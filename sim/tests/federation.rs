@@ -2,7 +2,8 @@
 //! control network, with seeded host crashes, partitions and slow links. Every seed holds every
 //! invariant (twin-equal with the in-process federation, exactly-once, round-deadline,
 //! quiet-host-kept, liveness) and replays to the same trace; faults really cost hosts; bad
-//! scenarios are refused with a reason. `RTX_SIM_SEEDS=A..B` picks other seeds.
+//! scenarios are refused with a reason; secure rounds over the same faults unmask exactly.
+//! `RTX_SIM_SEEDS=A..B` picks other seeds.
 #![allow(clippy::unwrap_used)]
 
 use std::path::PathBuf;
@@ -70,7 +71,7 @@ fn bad_federated_scenarios_are_refused_with_the_reason() {
         (text.replace("\"1100..1500\", \"1500..2000\"", "\"1100..1500\""), "not at the population's 2000"),
         (text.replace("\"500..1100\", \"1100..1500\"", "\"500..1200\", \"1100..1500\""), "must start at 1200"),
         (text.replace("round_timeout_s = 3.0", "round_timeout_s = -1.0"), "round_timeout_s"),
-        (text.replace("[federation.faults]", "[federation.secagg]\n[federation.faults]"), "do not run over client hosts"),
+        (text.replace("[federation.faults]", "[federation.async]\nbuffer_size = 10\nmax_staleness = 2\nconcurrency = 20\n[federation.faults]"), "does not run over client hosts"),
         (text.replace("threads = 1", "threads = 1\nhosts = 4"), "come from the scenario"),
         (format!("{text}\n[[faults]]\nkind = \"crash\"\nhost = 9\nat_s = 1.0\n"), "there are 4 hosts"),
         (format!("{text}\n[[faults]]\nkind = \"partition\"\nhost = 1\nat_s = 1.0\n"), "needs for_s"),
@@ -83,4 +84,29 @@ fn bad_federated_scenarios_are_refused_with_the_reason() {
     assert!(FedScenario::is_federated(&text));
     let elastic = std::fs::read_to_string(root().join("sim/scenarios/elastic_dp.toml")).unwrap();
     assert!(!FedScenario::is_federated(&elastic));
+}
+
+#[test]
+fn secure_rounds_over_faulty_hosts_unmask_exactly_and_replay() {
+    // Goal: `[secagg]` over client hosts that crash, are cut off or slowed at any phase of the
+    // protocol: every unmasked sum equals the sum of the included clients' inputs (or the round
+    // aborts with the model unchanged), and each seed replays to the same trace.
+    let scenario = FedScenario::load(&root().join("sim/scenarios/fed_secagg_hosts.toml")).unwrap();
+    let seeds = seeds(0..10);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let first = fed_swarm(&scenario, seeds.clone(), threads, &data_root(), false).unwrap();
+    let second = fed_swarm(&scenario, seeds, threads, &data_root(), false).unwrap();
+    for (a, b) in first.outcomes.iter().zip(&second.outcomes) {
+        println!(
+            "seed {}: trace {:016x}, {} rounds, hosts done/lost/late {}/{}/{}, {} rejoins, secure rounds aborted {}, clients unmasked from shares {}",
+            a.seed, a.trace, a.rounds, a.hosts_done, a.hosts_lost, a.hosts_late, a.rejoins, a.secure_aborted, a.secure_recovered
+        );
+        if let Some(v) = &a.violation {
+            panic!("seed {} broke {}: {}\n{}\nreplay: rtx sim --scenario sim/scenarios/fed_secagg_hosts.toml --seed {}", a.seed, v.invariant, v.detail, v.recent.join("\n"), a.seed);
+        }
+        assert_eq!(a.trace, b.trace, "seed {} did not replay", a.seed);
+    }
+    let lost: u64 = first.outcomes.iter().map(|o| o.hosts_lost + o.hosts_late).sum();
+    let unmasked = first.outcomes.iter().map(|o| u64::from(o.rounds) - o.secure_aborted).sum::<u64>();
+    assert!(lost > 0 && unmasked > 0, "faults never cost a host ({lost}) or no round unmasked ({unmasked})");
 }
