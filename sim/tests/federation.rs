@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 
-use rtx_sim::{fed_swarm, run_fed_seed, FedScenario};
+use rtx_sim::{fed_swarm, run_fed_seed, FedOutcome, FedScenario};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -26,28 +26,34 @@ fn seeds(default: std::ops::Range<u64>) -> std::ops::Range<u64> {
     std::env::var("RTX_SIM_SEEDS").ok().and_then(|r| r.split_once("..").and_then(|(a, b)| Some(a.parse().ok()?..b.parse().ok()?))).unwrap_or(default)
 }
 
-#[test]
-fn every_seed_holds_every_invariant_and_replays() {
-    let scenario = scenario();
-    let seeds = seeds(0..24);
+/// Runs `seeds` of `sim/scenarios/FILE` twice; every seed must hold every invariant and replay to
+/// the same trace. Returns the first run's outcomes.
+fn swarm_twice(file: &str, seeds: std::ops::Range<u64>) -> Vec<FedOutcome> {
+    let scenario = FedScenario::load(&root().join("sim/scenarios").join(file)).unwrap();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let first = fed_swarm(&scenario, seeds.clone(), threads, &data_root(), false).unwrap();
     let second = fed_swarm(&scenario, seeds, threads, &data_root(), false).unwrap();
     for (a, b) in first.outcomes.iter().zip(&second.outcomes) {
         println!(
-            "seed {}: trace {:016x}, {} rounds, {} faults, hosts done/lost/late {}/{}/{}, {} rejoins, accuracy {:.3}, {:.1} virtual s",
-            a.seed, a.trace, a.rounds, a.faults, a.hosts_done, a.hosts_lost, a.hosts_late, a.rejoins, a.accuracy, a.virtual_time.as_secs_f64()
+            "seed {}: trace {:016x}, {} rounds, {} faults, hosts done/lost/late {}/{}/{}, {} rejoins, secure rounds aborted {}, clients unmasked from shares {}, accuracy {:.3}, {:.1} virtual s",
+            a.seed, a.trace, a.rounds, a.faults, a.hosts_done, a.hosts_lost, a.hosts_late, a.rejoins, a.secure_aborted, a.secure_recovered, a.accuracy, a.virtual_time.as_secs_f64()
         );
         if let Some(v) = &a.violation {
-            panic!("seed {} broke {}: {}\n{}\nreplay: rtx sim --scenario sim/scenarios/fed_hosts.toml --seed {}", a.seed, v.invariant, v.detail, v.recent.join("\n"), a.seed);
+            panic!("seed {} broke {}: {}\n{}\nreplay: rtx sim --scenario sim/scenarios/{file} --seed {}", a.seed, v.invariant, v.detail, v.recent.join("\n"), a.seed);
         }
-        assert_eq!(a.trace, b.trace, "seed {} did not replay: rtx sim --scenario sim/scenarios/fed_hosts.toml --seed {}", a.seed, a.seed);
+        assert_eq!(a.trace, b.trace, "seed {} did not replay: rtx sim --scenario sim/scenarios/{file} --seed {}", a.seed, a.seed);
     }
+    first.outcomes
+}
+
+#[test]
+fn every_seed_holds_every_invariant_and_replays() {
+    let outcomes = swarm_twice("fed_hosts.toml", seeds(0..24));
     // The faults bite: hosts were lost or late, processes rejoined, and the model still learned.
-    let lost: u64 = first.outcomes.iter().map(|o| o.hosts_lost + o.hosts_late).sum();
-    let rejoins: u64 = first.outcomes.iter().map(|o| o.rejoins).sum();
+    let lost: u64 = outcomes.iter().map(|o| o.hosts_lost + o.hosts_late).sum();
+    let rejoins: u64 = outcomes.iter().map(|o| o.rejoins).sum();
     assert!(lost > 0 && rejoins > 0, "no host was ever lost ({lost}) or rejoined ({rejoins}): the faults did nothing");
-    assert!(first.outcomes.iter().all(|o| o.accuracy > 0.6), "a seed's final model did not learn");
+    assert!(outcomes.iter().all(|o| o.accuracy > 0.6), "a seed's final model did not learn");
 }
 
 #[test]
@@ -91,22 +97,8 @@ fn secure_rounds_over_faulty_hosts_unmask_exactly_and_replay() {
     // Goal: `[secagg]` over client hosts that crash, are cut off or slowed at any phase of the
     // protocol: every unmasked sum equals the sum of the included clients' inputs (or the round
     // aborts with the model unchanged), and each seed replays to the same trace.
-    let scenario = FedScenario::load(&root().join("sim/scenarios/fed_secagg_hosts.toml")).unwrap();
-    let seeds = seeds(0..10);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let first = fed_swarm(&scenario, seeds.clone(), threads, &data_root(), false).unwrap();
-    let second = fed_swarm(&scenario, seeds, threads, &data_root(), false).unwrap();
-    for (a, b) in first.outcomes.iter().zip(&second.outcomes) {
-        println!(
-            "seed {}: trace {:016x}, {} rounds, hosts done/lost/late {}/{}/{}, {} rejoins, secure rounds aborted {}, clients unmasked from shares {}",
-            a.seed, a.trace, a.rounds, a.hosts_done, a.hosts_lost, a.hosts_late, a.rejoins, a.secure_aborted, a.secure_recovered
-        );
-        if let Some(v) = &a.violation {
-            panic!("seed {} broke {}: {}\n{}\nreplay: rtx sim --scenario sim/scenarios/fed_secagg_hosts.toml --seed {}", a.seed, v.invariant, v.detail, v.recent.join("\n"), a.seed);
-        }
-        assert_eq!(a.trace, b.trace, "seed {} did not replay", a.seed);
-    }
-    let lost: u64 = first.outcomes.iter().map(|o| o.hosts_lost + o.hosts_late).sum();
-    let unmasked = first.outcomes.iter().map(|o| u64::from(o.rounds) - o.secure_aborted).sum::<u64>();
+    let outcomes = swarm_twice("fed_secagg_hosts.toml", seeds(0..10));
+    let lost: u64 = outcomes.iter().map(|o| o.hosts_lost + o.hosts_late).sum();
+    let unmasked = outcomes.iter().map(|o| u64::from(o.rounds) - o.secure_aborted).sum::<u64>();
     assert!(lost > 0 && unmasked > 0, "faults never cost a host ({lost}) or no round unmasked ({unmasked})");
 }
