@@ -101,13 +101,7 @@ impl CpuData {
 
     /// Whether the elements are borrowed from foreign memory (see [`Elements`]).
     pub fn is_foreign(&self) -> bool {
-        match self {
-            CpuData::F32(v) => v.is_foreign(),
-            CpuData::F64(v) => v.is_foreign(),
-            CpuData::BF16(v) => v.is_foreign(),
-            CpuData::U32(v) => v.is_foreign(),
-            CpuData::I64(v) => v.is_foreign(),
-        }
+        self.foreign_owner().is_some()
     }
 
     /// The owner of the borrowed foreign memory, if any (see [`Elements::foreign_owner`]).

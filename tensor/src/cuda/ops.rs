@@ -578,22 +578,15 @@ fn linear_cross_entropy_t<T: GpuFloat>(hidden: &Tensor, weight: &Tensor, targets
         let dev = device(ordinal)?;
         let g = if g.dtype() == DType::F32 { g.clone() } else { cast(g, DType::F32)? };
         let gb = dense::<f32>(OP, &g)?;
-        let gh = match &dh {
-            Some(made) => {
-                let mut out = dev.alloc::<T>(made.numel())?;
-                dev.scale_by_device(&*dense::<T>(OP, made)?, &gb, &mut out)?;
-                Some(wrap(ordinal, out, made.shape()))
-            }
-            None => None,
+        // Each gradient made in forward, times the upstream scalar, by `scale` (dhidden is kept in
+        // T, dweight in its f32 accumulator).
+        let scaled = |made: &Tensor, scale: &dyn Fn(&mut Buffer<T>) -> Result<()>| -> Result<Tensor> {
+            let mut out = dev.alloc::<T>(made.numel())?;
+            scale(&mut out)?;
+            Ok(wrap(ordinal, out, made.shape()))
         };
-        let gw = match &dw {
-            Some(made) => {
-                let mut out = dev.alloc::<T>(made.numel())?;
-                dev.scale_by_device_from_f32(&*dense::<f32>(OP, made)?, &gb, &mut out)?;
-                Some(wrap(ordinal, out, made.shape()))
-            }
-            None => None,
-        };
+        let gh = dh.as_ref().map(|made| scaled(made, &|out| Ok(dev.scale_by_device(&*dense::<T>(OP, made)?, &gb, out)?))).transpose()?;
+        let gw = dw.as_ref().map(|made| scaled(made, &|out| Ok(dev.scale_by_device_from_f32(&*dense::<f32>(OP, made)?, &gb, out)?))).transpose()?;
         Ok(vec![gh, gw])
     }))
 }

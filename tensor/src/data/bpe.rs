@@ -49,10 +49,7 @@ impl Gpt2Tokenizer {
     /// The text of `tokens`; an id outside the vocabulary, or ids that end inside a UTF-8
     /// character, are an error.
     pub fn decode(&self, tokens: &[u32]) -> Result<String> {
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= GPT2_VOCAB) {
-            return Err(DataError::Tokenizer { reason: format!("token id {bad} is outside the vocabulary of {GPT2_VOCAB}") });
-        }
-        self.bpe.decode(tokens).map_err(|e| DataError::Tokenizer { reason: format!("decoding {} ids: {e}", tokens.len()) })
+        String::from_utf8(self.decode_bytes(tokens)?).map_err(|e| DataError::Tokenizer { reason: format!("decoding {} ids: not UTF-8: {e}", tokens.len()) })
     }
 
     /// The bytes of `tokens`, which need not be valid UTF-8 (a model's sample may stop or wander
