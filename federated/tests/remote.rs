@@ -3,7 +3,9 @@
 //! the global model is bit-equal to the in-process run for 1 and 3 hosts; a host that dies
 //! mid-round or misses the round timeout loses only its clients, exactly like the in-process
 //! `host_down` fault; wrong tokens, overlapping slices and pieces outside a host's positions are
-//! refused and the rounds go on.
+//! refused and the rounds go on. Secure rounds (`[secagg]`) over hosts are bit-equal to the
+//! in-process secure rounds; a host late in a phase, or one speaking for clients that are not its
+//! own, leaves the round and the sum still unmasks exactly.
 #![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
@@ -282,4 +284,52 @@ fn a_host_late_in_a_secure_round_leaves_it_and_the_sum_still_unmasks_exactly() {
     for host in hosts {
         host.join().unwrap().unwrap();
     }
+}
+
+#[test]
+fn secure_messages_for_foreign_clients_or_phases_are_refused_and_the_round_unmasks() {
+    // Goal: in a secure round, a host that speaks for clients outside its slice, answers a phase
+    // it was not asked, or goes silent gets its messages refused and leaves the round; the honest
+    // host's clients are unmasked exactly.
+    let data = digits();
+    let text = config_text(300, 90, 1, "", "") + "[secagg]\ndegree = 8\nthreshold = 5\n";
+    let config = FedConfig::from_toml_str(&text).unwrap();
+    let mut coordinator = Coordinator::bind(options(Duration::from_millis(1500)), text.clone(), 300).unwrap();
+    let addr = coordinator.addr();
+    let good = spawn_host(addr, 0..150, data.clone(), Duration::ZERO);
+    coordinator.wait_for_hosts(1, Duration::from_secs(30)).unwrap();
+    let rogue = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let (link, mut inbound, reply) = raw_join(addr, TOKEN, 150..300, &runtime);
+        assert!(matches!(reply, JoinReply::Accepted { .. }), "{reply:?}");
+        runtime.block_on(async {
+            let message = inbound.recv().await.unwrap().decode::<ToHost>().unwrap();
+            let ToHost::SecureRound { round, .. } = message else { panic!("expected a secure round, got {message:?}") };
+            let coordinator = link.remote::<ToCoordinator>(COORDINATOR);
+            // Keys for client 5, which belongs to the other host; a phase that was not asked.
+            let foreign = rtx_federated::secagg::AdvertiseKeys { client: 5, mask_public: [1; 32], share_public: [2; 32] };
+            coordinator.tell(&ToCoordinator::Adverts { round, adverts: vec![foreign] }).await.unwrap();
+            coordinator.tell(&ToCoordinator::PhaseDone { round, phase: 3, counts: [0, 0] }).await.unwrap();
+            // Then silence until the coordinator finishes.
+            while let Some(message) = inbound.recv().await {
+                if matches!(message.decode::<ToHost>(), Ok(ToHost::Finish)) {
+                    break;
+                }
+            }
+            link.close("done");
+        });
+    });
+    coordinator.wait_for_hosts(2, Duration::from_secs(30)).unwrap();
+    let mut fed = federation(&config, &data);
+    let before = fed.model().to_vec();
+    let round = coordinator.round(&mut fed).unwrap();
+    let secure = round.report.secure.clone().unwrap();
+    assert_eq!(round.hosts_late.len(), 1, "{round:?}");
+    assert!(round.pieces_refused >= 2, "the foreign keys and the unasked phase are refused: {round:?}");
+    assert!(secure.aborted.is_none(), "{secure:?}");
+    assert!(secure.included_clients.iter().all(|&c| c < 150), "only the honest host's clients are in the sum: {secure:?}");
+    assert_eq!(secure.sum_fixed, plain_sum_of(&fed, 0, &secure.included_clients, &before));
+    coordinator.finish();
+    good.join().unwrap().unwrap();
+    rogue.join().unwrap();
 }
