@@ -9,10 +9,13 @@
 //! that round; a host that died is dropped from later rounds (its clients count as dropped until a
 //! host for that slice joins again); a late host's pieces for a closed round are ignored. A piece
 //! for positions the host was not given is refused. Hosts may join between and during rounds;
-//! they train from the next round on.
+//! they train from the next round on. Under `[secagg]` a round is the four SecAgg+ phases instead
+//! (`secure_round`): this side holds the server and only ever sees masked inputs and their sum.
 //!
-//! The network runs on a small tokio runtime owned here; the caller's thread blocks in
-//! [`Coordinator::round`], so the federation (which may borrow its data) never crosses threads.
+//! The logic is [`CoordinatorCore`], on any tokio runtime and listener (the simulator drives it
+//! under virtual time); [`Coordinator`] runs it over QUIC on a small runtime of its own, and the
+//! caller's thread blocks in [`Coordinator::round`], so the federation (which may borrow its data)
+//! never crosses threads.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -207,14 +210,6 @@ impl CoordinatorCore {
             }
         }
         Ok(())
-    }
-
-    /// Answers joins and notices lost hosts for `duration` outside any round (between rounds).
-    pub async fn idle(&mut self, duration: Duration) {
-        let deadline = tokio::time::Instant::now() + duration;
-        while let Ok(Some(event)) = tokio::time::timeout_at(deadline, self.events.recv()).await {
-            self.handle(event, None).await;
-        }
     }
 
     /// Runs the federation's next round over the live hosts. `report.seconds` is left at zero
