@@ -375,3 +375,28 @@ fn outcome_does_not_depend_on_thread_count() {
     assert_eq!(one, run(2));
     assert_eq!(one.dropped, vec![4, 17]);
 }
+
+#[test]
+fn losing_a_host_with_a_quarter_of_the_round_needs_about_80_neighbours_at_k_10000() {
+    // Goal: the parameter guidance for secure rounds over client hosts, on the real neighbour graph.
+    // A host that dies takes a quarter of the round's clients at once (its population slice, random
+    // positions on the ring). At the default degree 40 / threshold 21 some surviving client keeps
+    // fewer than 21 live neighbours, which makes the round impossible to unmask; at degree 80 /
+    // threshold 41 none does (configs/fed_hosts_secagg.toml; BENCHMARKS.md has the kill -9 drill).
+    let seed = test_seed(42);
+    let clients: Vec<u64> = (0..10_000u64).map(|i| i * 10 + 3).collect();
+    let dead = |c: u64| c >= 75_000; // the last of four hosts, by slice
+    // Over 8 rounds' graphs (the count per graph is small: about one client at degree 40).
+    let short = |degree: usize, threshold: usize| -> usize {
+        (0..8u64)
+            .map(|round| {
+                let graph = neighbour_graph(&clients, degree, seed ^ round);
+                clients.iter().filter(|&&c| !dead(c)).filter(|c| graph[c].iter().filter(|&&n| !dead(n)).count() < threshold).count()
+            })
+            .sum()
+    };
+    let (at_40, at_80) = (short(40, 21), short(80, 41));
+    eprintln!("clients left below the threshold over 8 rounds: {at_40} at degree 40, {at_80} at degree 80");
+    assert!(at_40 > 0, "degree 40 was expected to leave some client short in some round");
+    assert_eq!(at_80, 0, "degree 80 must leave no client short");
+}
