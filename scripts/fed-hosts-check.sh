@@ -5,6 +5,9 @@
 # kill lands mid-round); that round closes at the round timeout with the other hosts' updates and
 # the next rounds proceed. Prints each round's record and a verdict.
 #   RTX_BIN=target/release/rtx bash scripts/fed-hosts-check.sh
+#   CONFIG=configs/fed_hosts_secagg.toml ROUND_TIMEOUT_S=300 bash scripts/fed-hosts-check.sh
+#     (the same drill with secure aggregation across the hosts; each of its four phases gets the
+#     round timeout, and on 2 cores a phase can take a minute)
 # Environment: RTX_BIN (default target/release/rtx, built when missing), CONFIG, PORT (29600),
 # KILL_ROUND (3), SLOW_MS (3000), ROUND_TIMEOUT_S (6), OUT (a temporary folder), DATASETS (the
 # sets fetch-data.sh makes sure of: fashion-mnist).
