@@ -235,6 +235,27 @@ fn run_local(args: &FedRunArgs, data_root: &Path, font: Option<&Path>) -> anyhow
     })
 }
 
+/// Under `[secagg]` with several hosts: warns when one host dying mid-round (its slice of the round
+/// gone at once) would likely leave some client short of neighbours, which aborts the round, and
+/// names a degree that would not (`rtx_federated::secagg::short_clients_after_loss`).
+fn warn_if_secagg_fragile(config: &FedConfig, hosts: usize) -> anyhow::Result<()> {
+    let Some(params) = config.secagg_params()? else { return Ok(()) };
+    if hosts < 2 {
+        return Ok(());
+    }
+    let k = config.round.clients_per_round;
+    let lost = 1.0 / hosts as f64;
+    let short = rtx_federated::secagg::short_clients_after_loss(params.degree, params.threshold, k, lost);
+    if short >= 0.01 {
+        let better = rtx_federated::secagg::degree_for_loss(k, lost, 0.01).map_or_else(|| "more hosts (no degree keeps it below 0.01 at this K)".to_string(), |d| format!("[secagg] degree = {d}, threshold = {}", d / 2 + 1));
+        eprintln!(
+            "warning: [secagg] degree {} / threshold {}: if one of {hosts} hosts dies mid-round, about {short:.2} surviving clients a round are left short of neighbours and that round cannot be unmasked; to ride out a host loss use {better}",
+            params.degree, params.threshold
+        );
+    }
+    Ok(())
+}
+
 /// `rtx fed serve`: the coordinator over QUIC.
 fn serve(args: &FedServeArgs, data_root: &Path, font: Option<&Path>) -> anyhow::Result<()> {
     let config_toml = std::fs::read_to_string(&args.run.config).with_context(|| format!("read {}", args.run.config.display()))?;
@@ -269,6 +290,7 @@ fn serve(args: &FedServeArgs, data_root: &Path, font: Option<&Path>) -> anyhow::
         token_file.display(),
         coordinator.addr().port()
     );
+    warn_if_secagg_fragile(&config, hosts)?;
     coordinator.wait_for_hosts(hosts, Duration::from_secs_f64(args.join_timeout_s))?;
     for (name, slice) in coordinator.hosts() {
         eprintln!("client host {name}: clients {}..{}", slice.start, slice.end);

@@ -137,9 +137,9 @@ fn fed_run_with_dp_reports_a_growing_epsilon_and_still_learns() {
 /// proceed without it, and the coordinator finishes with every round's record.
 /// Runs `config` with `rtx fed serve` and three `rtx fed clients` processes over slices of 400
 /// clients (the third slow), kills the slow one with SIGKILL once round 1 is recorded, and returns
-/// the metrics records and the coordinator's stdout (after checking every process but the killed
-/// one succeeded).
-fn serve_with_a_kill_9(config: &str) -> (Vec<serde_json::Value>, String) {
+/// the metrics records, the coordinator's stdout and its stderr (after checking every process but
+/// the killed one succeeded).
+fn serve_with_a_kill_9(config: &str) -> (Vec<serde_json::Value>, String, String) {
     use std::io::{BufRead, BufReader};
     use std::process::Stdio;
 
@@ -203,7 +203,7 @@ fn serve_with_a_kill_9(config: &str) -> (Vec<serde_json::Value>, String) {
         assert!(host.wait().unwrap().success(), "a surviving client host failed");
     }
     let records: Vec<serde_json::Value> = std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    (records, stdout)
+    (records, stdout, log)
 }
 
 fn done(r: &serde_json::Value) -> u64 {
@@ -217,7 +217,7 @@ fn dropped(r: &serde_json::Value) -> u64 {
 #[test]
 fn fed_serve_with_client_host_processes_survives_a_kill_9_mid_round() {
     let config = "seed = 5\n[population]\nn_clients = 400\ndataset = \"digits\"\n[round]\nrounds = 4\nclients_per_round = 120\nfan_in = 8\nhosts = 3\n[local]\nepochs = 1\nbatch_size = 4\n";
-    let (records, stdout) = serve_with_a_kill_9(config);
+    let (records, stdout, _) = serve_with_a_kill_9(config);
     assert_eq!(records.len(), 4, "{stdout}");
     assert_eq!(dropped(&records[0]), 0, "round 1 had every host: {stdout}");
     for r in &records[1..] {
@@ -234,9 +234,11 @@ fn fed_serve_with_secagg_runs_secure_rounds_over_host_processes_through_a_kill_9
     // and the sum; killing a host mid-round loses its clients, the others' sum still unmasks and
     // the federation learns.
     let config = "seed = 5\n[population]\nn_clients = 400\ndataset = \"digits\"\n[round]\nrounds = 4\nclients_per_round = 120\nfan_in = 8\nhosts = 3\n[local]\nepochs = 1\nbatch_size = 4\n[secagg]\ndegree = 16\nthreshold = 9\n";
-    let (records, stdout) = serve_with_a_kill_9(config);
+    let (records, stdout, log) = serve_with_a_kill_9(config);
     assert_eq!(records.len(), 4, "{stdout}");
     assert_eq!((done(&records[0]), dropped(&records[0])), (120, 0), "round 1 had every host: {stdout}");
+    // Degree 16 over 3 hosts is fragile to a host loss, and the coordinator says so up front.
+    assert!(log.contains("left short of neighbours"), "{log}");
     for r in &records[1..] {
         assert_eq!(done(r) + dropped(r), 120, "every client is done or dropped: {r}");
     }

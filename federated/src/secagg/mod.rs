@@ -29,7 +29,7 @@ mod shamir;
 pub use bench::{bench_overheads, plain_fixed_sum, run_round, Dropouts, PhaseSeconds, SecureBenchConfig, SecureBenchReport};
 pub use client::SecAggClient;
 pub(crate) use driver::{drive, pair_by_client, MASKING_BATCH_CLIENTS};
-pub use graph::{neighbour_graph, recommended_degree};
+pub use graph::{degree_for_loss, neighbour_graph, recommended_degree, short_clients_after_loss};
 pub use messages::{
     AdvertiseKeys, EncryptedShare, ForwardedShares, MaskedInput, NeighbourKeys, Roster, ShareKeys, ShareReveal, UnmaskRequest, UnmaskShares,
     SHARE_CIPHERTEXT_LEN,
