@@ -504,7 +504,7 @@ impl World {
             let dur = fault.for_s.map(Duration::from_secs_f64);
             // How long the fault can still matter: its span, a restart, and rounds queued behind it.
             let timeout = Duration::from_secs_f64(self.scenario.shape.round_timeout_s);
-            let tail = Duration::from_secs_f64(self.scenario.shape.rejoin_after_s + self.network_idle()) + 2 * timeout;
+            let tail = Duration::from_secs_f64(self.scenario.shape.rejoin_after_s + self.scenario.network.idle_timeout_s) + 2 * timeout;
             let from = at.duration_since(self.start);
             let until = dur.map_or(Duration::MAX, |d| from + d + tail);
             self.disturbed.borrow_mut()[i].push((from, until));
@@ -548,10 +548,6 @@ impl World {
                 }
             }
         }
-    }
-
-    fn network_idle(&self) -> f64 {
-        self.scenario.network.idle_timeout_s
     }
 
     /// Whether a fault touched host `i` during `span`.
@@ -723,16 +719,10 @@ fn check_unmask(world: &World, round: u32, fed: &Federation<'_, LogRegSgd<'_>, P
     if let Some(abort) = &info.aborted {
         return (fed.model() != before).then(|| world.violation("unmask-exact", round, format!("the round aborted ({abort}) yet the model moved")));
     }
-    let mut expected = vec![0u32; before.len() + 2];
-    for &c in &info.included_clients {
-        let words = match u32::try_from(c).ok().map(|c| fed.secure_client_words(round, c, before)) {
-            Some(Ok(Some(words))) => words,
-            _ => return Some(world.violation("unmask-exact", round, format!("included client {c} has no input of its own"))),
-        };
-        for (e, w) in expected.iter_mut().zip(words) {
-            *e = e.wrapping_add(w);
-        }
-    }
+    let expected = match fed.secure_plain_sum(round, &info.included_clients, before) {
+        Ok(expected) => expected,
+        Err(e) => return Some(world.violation("unmask-exact", round, format!("the included clients' inputs cannot be recomputed: {e}"))),
+    };
     (expected != info.sum_fixed).then(|| {
         let differ = expected.iter().zip(&info.sum_fixed).filter(|(a, b)| a != b).count();
         world.violation("unmask-exact", round, format!("the unmasked sum differs from the sum of the {} included clients' inputs in {differ} words", info.included_clients.len()))

@@ -26,7 +26,8 @@ use std::time::{Duration, Instant};
 use rtx_actors::{auth, Inbound, Link, LinkListener, LinkOptions};
 use tokio::sync::mpsc;
 
-use super::protocol::{JoinReply, ToCoordinator, ToHost, COORDINATOR_ROLE, HOST, HOST_ROLE, SECURE_CHUNK};
+use super::protocol::{JoinReply, ToCoordinator, ToHost, COORDINATOR_ROLE, HOST, HOST_ROLE};
+use super::protocol::secure_chunks;
 use crate::error::{FedError, Result};
 use crate::local::LocalTrainer;
 use crate::round::{Federation, Piece, RoundReport, SecureCounts};
@@ -497,18 +498,16 @@ impl CoordinatorCore {
                 by_conn.entry(conn).or_default().push(item);
             }
         }
-        for (conn, mut items) in by_conn {
+        for (conn, items) in by_conn {
             let Some(link) = self.hosts.get(&conn).map(|h| h.link.clone()) else { continue };
             let remote = link.remote::<ToHost>(HOST);
-            let sent = loop {
-                let rest = items.split_off(items.len().min(SECURE_CHUNK));
-                let last = rest.is_empty();
-                let sent = remote.tell(&make(items, last)).await;
-                if last || sent.is_err() {
-                    break sent;
+            let mut sent = Ok(());
+            for (chunk, last) in secure_chunks(items) {
+                sent = remote.tell(&make(chunk, last)).await;
+                if sent.is_err() {
+                    break;
                 }
-                items = rest;
-            };
+            }
             if let Err(e) = sent {
                 self.lose(conn, e.to_string(), live, outcome);
             }

@@ -17,7 +17,8 @@ use std::time::Duration;
 use rtx_actors::{auth, Inbound, Link, LinkOptions};
 use tokio::sync::mpsc;
 
-use super::protocol::{JoinReply, ToCoordinator, ToHost, WirePiece, COORDINATOR, COORDINATOR_ROLE, HOST_ROLE, SECURE_CHUNK};
+use super::protocol::{JoinReply, ToCoordinator, ToHost, WirePiece, COORDINATOR, COORDINATOR_ROLE, HOST_ROLE};
+use super::protocol::secure_chunks;
 use crate::config::FedConfig;
 use crate::error::{FedError, Result};
 use crate::local::LocalTrainer;
@@ -228,7 +229,7 @@ impl HostSession {
         secure: &mut Option<SecureHost>,
         message: ToHost,
     ) -> Result<rtx_actors::Result<()>> {
-        let current = |round: u32, secure: &mut Option<SecureHost>| secure.as_ref().is_some_and(|s| s.state.round() == round);
+        let current = |round: u32, secure: &Option<SecureHost>| secure.as_ref().is_some_and(|s| s.state.round() == round);
         let mut out = Vec::new();
         match message {
             ToHost::SecureRound { round, clients, model } => {
@@ -243,7 +244,7 @@ impl HostSession {
                 let (state, adverts) = federation.secure_host_start(round, &clients)?;
                 let (dropped, stragglers) = state.counts();
                 summary.clients += clients.len() as u64;
-                out.extend(chunks(adverts).map(|adverts| ToCoordinator::Adverts { round, adverts }));
+                out.extend(secure_chunks(adverts).map(|(adverts, _)| ToCoordinator::Adverts { round, adverts }));
                 out.push(ToCoordinator::PhaseDone { round, phase: 0, counts: [dropped, stragglers] });
                 *secure = Some(SecureHost { state, model, rosters: Vec::new(), forwarded: Vec::new(), requests: Vec::new() });
             }
@@ -252,7 +253,7 @@ impl HostSession {
                 host.rosters.extend(rosters);
                 if last {
                     let shares = host.state.share(std::mem::take(&mut host.rosters));
-                    out.extend(chunks(shares).map(|shares| ToCoordinator::Shares { round, shares }));
+                    out.extend(secure_chunks(shares).map(|(shares, _)| ToCoordinator::Shares { round, shares }));
                     out.push(ToCoordinator::PhaseDone { round, phase: 1, counts: [0, 0] });
                 }
             }
@@ -280,7 +281,7 @@ impl HostSession {
                 host.requests.extend(requests);
                 if last {
                     let unmasks = host.state.unmask(std::mem::take(&mut host.requests));
-                    out.extend(chunks(unmasks).map(|unmasks| ToCoordinator::Unmasks { round, unmasks }));
+                    out.extend(secure_chunks(unmasks).map(|(unmasks, _)| ToCoordinator::Unmasks { round, unmasks }));
                     out.push(ToCoordinator::PhaseDone { round, phase: 3, counts: [0, 0] });
                     *secure = None;
                     summary.rounds += 1;
@@ -316,13 +317,4 @@ struct SecureHost {
     rosters: Vec<Roster>,
     forwarded: Vec<ForwardedShares>,
     requests: Vec<UnmaskRequest>,
-}
-
-/// `items` in chunks of at most [`SECURE_CHUNK`].
-fn chunks<M>(items: Vec<M>) -> impl Iterator<Item = Vec<M>> {
-    let mut items = items.into_iter().peekable();
-    std::iter::from_fn(move || {
-        items.peek()?;
-        Some(items.by_ref().take(SECURE_CHUNK).collect())
-    })
 }

@@ -23,6 +23,22 @@ use crate::secagg::{AdvertiseKeys, ForwardedShares, MaskedInput, Roster, ShareKe
 /// neighbour degrees up to about 100).
 pub const SECURE_CHUNK: usize = 256;
 
+/// `items` in chunks of at most [`SECURE_CHUNK`], each with whether it is the last; always at least
+/// one chunk (an empty last one for no items), so the receiver always learns the phase's input is
+/// complete.
+pub(crate) fn secure_chunks<M>(items: Vec<M>) -> impl Iterator<Item = (Vec<M>, bool)> {
+    let mut items = items.into_iter().peekable();
+    let mut first = true;
+    std::iter::from_fn(move || {
+        if !first && items.peek().is_none() {
+            return None;
+        }
+        first = false;
+        let chunk: Vec<M> = items.by_ref().take(SECURE_CHUNK).collect();
+        Some((chunk, items.peek().is_none()))
+    })
+}
+
 /// Actor name of the coordinator on its links.
 pub const COORDINATOR: &str = "fed-coordinator";
 /// Actor name of a client host on its link.
@@ -158,5 +174,13 @@ mod tests {
             assert_eq!(Piece::try_from(wire), Ok(piece));
         }
         assert!(Piece::try_from(WirePiece::Untrained { pos: 0, why: 9 }).is_err());
+    }
+
+    #[test]
+    fn secure_chunks_always_end_with_one_flagged_last_chunk() {
+        let shape = |n: usize| secure_chunks((0..n).collect::<Vec<_>>()).map(|(c, last)| (c.len(), last)).collect::<Vec<_>>();
+        assert_eq!(shape(0), vec![(0, true)]);
+        assert_eq!(shape(SECURE_CHUNK), vec![(SECURE_CHUNK, true)]);
+        assert_eq!(shape(2 * SECURE_CHUNK + 1), vec![(SECURE_CHUNK, false), (SECURE_CHUNK, false), (1, true)]);
     }
 }

@@ -223,6 +223,7 @@ struct Fates {
 /// module doc), so a round whose hosts all answer gives the in-process round's bits.
 pub struct SecureHostRound {
     round: u32,
+    setup: SecureSetup,
     /// Live clients: state and position in the host's client list.
     states: BTreeMap<u64, (SecAggClient, usize)>,
     clients: Vec<u32>,
@@ -338,7 +339,7 @@ impl<T: LocalTrainer, X: UpdateTransform> Federation<'_, T, X> {
                 states.insert(u64::from(c), (client, index));
             }
         }
-        Ok((SecureHostRound { round, states, clients: clients.to_vec(), fates, masked_ok: BTreeSet::new(), rejected: 0 }, adverts))
+        Ok((SecureHostRound { round, setup, states, clients: clients.to_vec(), fates, masked_ok: BTreeSet::new(), rejected: 0 }, adverts))
     }
 
     /// On a client host, phase 2: the live clients addressed by `forwarded` train on `model`,
@@ -349,15 +350,13 @@ impl<T: LocalTrainer, X: UpdateTransform> Federation<'_, T, X> {
         if model.len() != self.model.len() {
             return Err(FedError::config("model", format!("the coordinator sent {} parameters, this host's model has {}", model.len(), self.model.len())));
         }
-        let params = self.config.secagg_params()?.ok_or_else(|| FedError::config("secagg", "absent"))?;
-        let setup = self.secure_setup(host.round, params)?;
         let rejected = AtomicU64::new(0);
-        let (round, clients) = (host.round, &host.clients);
+        let (round, clients, encoding) = (host.round, &host.clients, &host.setup.encoding);
         let work = pair_by_client(&mut host.states, forwarded, |m| m.client);
         let masked: Vec<MaskedInput> = self.pool.install(|| {
             work.into_par_iter()
                 .filter_map(|(state, fwd)| {
-                    let words = clients.get(state.1).and_then(|&c| self.secure_input(round, c, model, &setup.encoding, &rejected))?;
+                    let words = clients.get(state.1).and_then(|&c| self.secure_input(round, c, model, encoding, &rejected))?;
                     state.0.masked_input_words(&fwd, words).ok()
                 })
                 .collect()
@@ -385,12 +384,23 @@ impl<T: LocalTrainer, X: UpdateTransform> Federation<'_, T, X> {
         Ok(report)
     }
 
-    /// Client `c`'s encoded input in secure round `round` at `model` (`None` when it withholds a
-    /// malformed update): what the unmasked sum must contain for each included client. For checks
-    /// (the simulator's `unmask-exact`).
-    pub fn secure_client_words(&self, round: u32, c: u32, model: &[f32]) -> Result<Option<Vec<u32>>> {
+    /// The sum in Z_2^32 of `clients`' encoded inputs in secure round `round` at `model`: what an
+    /// unmasked sum over exactly those clients must equal. For checks (the simulator's
+    /// `unmask-exact`, tests); a client without an input of its own (it would withhold a
+    /// malformed update) is an error.
+    pub fn secure_plain_sum(&self, round: u32, clients: &[u64], model: &[f32]) -> Result<Vec<u32>> {
         let encoding = encoding_for(&self.config, &self.population)?.ok_or_else(|| FedError::config("secagg", "absent"))?;
-        Ok(self.secure_input(round, c, model, &encoding, &AtomicU64::new(0)))
+        let mut sum = vec![0u32; WeightedEncoding::words(model.len())];
+        for &c in clients {
+            let words = u32::try_from(c)
+                .ok()
+                .and_then(|c| self.secure_input(round, c, model, &encoding, &AtomicU64::new(0)))
+                .ok_or_else(|| FedError::config("secagg", format!("client {c} has no input of its own in round {round}")))?;
+            for (s, w) in sum.iter_mut().zip(words) {
+                *s = s.wrapping_add(w);
+            }
+        }
+        Ok(sum)
     }
 
     /// Applies a secure round's outcome: the decoded sum through the server optimizer, or, when the
