@@ -265,7 +265,10 @@ pub fn checkpoint_folder(run_dir: Option<&Path>, origin: &str) -> Option<PathBuf
         return None;
     };
     let dir = run_dir.join("checkpoints");
-    let probe = dir.join(format!(".write-probe-{}", std::process::id()));
+    // Unique per call: workers that share a process (embedded, in-process) probe the same folder
+    // at once, and one's remove must not find the other's file gone.
+    static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let probe = dir.join(format!(".write-probe-{}-{}", std::process::id(), PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
     let usable = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&probe, b"probe")).and_then(|()| std::fs::remove_file(&probe));
     match usable {
         Ok(()) => {
@@ -1139,6 +1142,21 @@ fn machine_identity() -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Workers sharing a process probe the run folder at once and every one of them finds it
+    /// usable (a probe file per process let one worker's cleanup fail the other's probe, and that
+    /// worker, rank 0 now and then, wrote no checkpoints at all).
+    #[test]
+    fn workers_of_one_process_probe_the_run_folder_at_once() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        for _ in 0..20 {
+            let found: Vec<Option<PathBuf>> = std::thread::scope(|s| {
+                let probes: Vec<_> = (0..8).map(|_| s.spawn(|| checkpoint_folder(Some(dir.path()), "test"))).collect();
+                probes.into_iter().map(|p| p.join().expect("probe thread")).collect()
+            });
+            assert!(found.iter().all(|f| f.as_deref() == Some(dir.path().join("checkpoints").as_path())), "{found:?}");
+        }
+    }
 
     /// A re-formation's abort (stale generation, superseded) is told apart from real failures,
     /// so only its repeats are demoted to debug lines.
