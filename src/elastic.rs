@@ -277,6 +277,11 @@ impl JobFiles {
         elastic.max_workers = elastic.max_workers.max(nproc);
         // A model-parallel job forms generations of whole replicas of pp·tp members.
         (elastic.pp, elastic.tp) = (self.config.parallel.pp, self.config.parallel.tp);
+        // What the supervisor needs to re-partition a mesh over fewer members (`[elastic]
+        // repartition`, on by default).
+        if elastic.pp * elastic.tp > 1 {
+            elastic.mesh_model = self.config.model_layout().map(|layout| rtx_supervisor::MeshModel { dims: layout.dims(), chunks: self.config.parallel.chunks() });
+        }
         // `[parallel] zero`: what `rtx plan` plans for every stage, the runtime runs for ZeRO-1 and
         // ZeRO-2 of a data-parallel job (the engines of `[elastic] sharding = "zero1"` / "zero2");
         // anything else is refused here rather than silently trained replicated.

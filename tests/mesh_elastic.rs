@@ -2,7 +2,9 @@
 //! trains like one process, and it survives kill -9 of a tensor-parallel member and of a pipeline
 //! stage with at most the in-flight step redone, ending bit-identical to the undisturbed run. The
 //! time from each kill to the next committed step is printed next to a data-parallel job's figure
-//! measured in the same run.
+//! measured in the same run. A (1, 2, 2) mesh that loses a member with no replacement coming
+//! re-partitions over the three it has, from its newest sharded checkpoint, and grows back to
+//! (1, 2, 2) at the first checkpoint after a new worker joins, training like the undisturbed run.
 //!
 //! Needs the SOTU corpus (`bash scripts/fetch-data.sh`). The launches run one at a time.
 
@@ -13,7 +15,9 @@ use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
-use support::{signal, Launch};
+use std::process::Stdio;
+
+use support::{rtx, signal, Launch};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -143,4 +147,61 @@ fn killing_a_tensor_parallel_member_and_a_pipeline_stage_loses_at_most_the_step_
     assert!((hurt_final - calm_final).abs() / calm_final < 0.02, "final loss {hurt_final} vs undisturbed {calm_final}");
     assert_eq!(checksum(&hurt), checksum(&calm), "the disturbed run's parameters differ from the undisturbed run's");
     assert_eq!(hurt_summary["replicas_identical"], calm_summary["replicas_identical"]);
+}
+
+/// The mesh test config with `steps` steps at (dp, pp, tp) = (1, 2, 2), a sharded checkpoint every
+/// `checkpoint_every` steps, and no replacement for a lost member.
+fn shrinking_config(steps: u64, checkpoint_every: u64) -> PathBuf {
+    let path = config(steps, true);
+    let text = std::fs::read_to_string(&path).expect("config").replace("on_failure = \"replace\"", "on_failure = \"shrink\"").replace("log_every = 10", &format!("log_every = 10\ncheckpoint_every = {checkpoint_every}"));
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+#[test]
+fn a_mesh_too_small_for_its_shape_re_partitions_from_its_checkpoint_and_grows_back() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let steps = 80;
+    let (_, calm) = Launch::start_in(Launch::fresh_out(), &shrinking_config(steps, 10), PP * TP, &[]).finish();
+
+    let launch = Launch::start_in(Launch::fresh_out(), &shrinking_config(steps, 10), PP * TP, &["--max-workers", "4"]);
+    // Kill a member after the checkpoint of step 19: three are left, too few for (1,2,2).
+    let events = launch.wait_for("step 24", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 24));
+    signal(pid_of_rank(&events, 1), "-9");
+    let three = serde_json::json!({ "dp": 1, "pp": 3, "tp": 1 });
+    let events = launch.wait_for("a (1,3,1) generation training", Duration::from_secs(120), |e| {
+        let last = e.iter().rposition(|g| g["event"] == "generation" && g["mesh"] == three);
+        last.is_some_and(|at| e[at..].iter().any(|c| c["event"] == "committed"))
+    });
+    let repartitioned = events.iter().rev().find(|g| g["event"] == "generation").expect("generation").clone();
+    assert_eq!(repartitioned["world"], 3, "{repartitioned}");
+    let checkpoint_steps: Vec<u64> = events.iter().filter(|e| e["event"] == "checkpointed").filter_map(|e| e["step"].as_u64()).collect();
+    let newest = *checkpoint_steps.iter().max().expect("a checkpoint before the kill");
+    assert_eq!(repartitioned["next_step"].as_u64(), Some(newest + 1), "the re-partitioned mesh resumes after the newest checkpoint {checkpoint_steps:?}");
+
+    // A new worker joins; the mesh returns to (1,2,2) at the next checkpoint.
+    let at = Launch::committed(&events).expect("committed");
+    launch.wait_for("two more commits", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= at + 2));
+    let cluster: Value = serde_json::from_str(&std::fs::read_to_string(launch.out.join("cluster.json")).expect("cluster")).expect("json");
+    let addr = cluster["supervisor"].as_str().expect("addr").to_string();
+    let token = std::fs::read_to_string(launch.out.join("token")).expect("token");
+    let mut joiner = rtx().args(["worker", "--join", &addr]).env("RTX_TOKEN", token.trim()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("joiner");
+    let whole = serde_json::json!({ "dp": 1, "pp": PP, "tp": TP });
+    let (summary, hurt) = launch.finish();
+    let _ = joiner.wait();
+    let shapes: Vec<(Value, u64)> = hurt.iter().filter(|e| e["event"] == "generation").map(|g| (g["mesh"].clone(), g["next_step"].as_u64().expect("next_step"))).collect();
+    println!("generations (mesh, next step): {shapes:?}");
+    assert_eq!(shapes.iter().map(|s| &s.0).collect::<Vec<_>>(), vec![&whole, &three, &whole], "mesh shapes over the run");
+    let grown_at = shapes[2].1;
+    assert!(hurt.iter().any(|e| e["event"] == "checkpointed" && e["step"].as_u64() == Some(grown_at - 1)), "the mesh grew back from the checkpoint of step {}", grown_at - 1);
+
+    // Training after each re-plan equals the undisturbed run: every step's committed loss (the
+    // last commit of a step redone after the re-partition) within 1e-5 relative.
+    let (calm, hurt_losses) = (losses(&calm), losses(&hurt));
+    assert_eq!(hurt_losses.len(), steps as usize);
+    for ((step, a), (_, b)) in calm.iter().zip(&hurt_losses) {
+        let rel = (a - b).abs() / a.abs();
+        assert!(rel < 1e-5, "step {step}: undisturbed {a}, re-partitioned run {b}, relative difference {rel:e}");
+    }
+    assert_eq!(summary["replicas_identical"], true);
 }

@@ -317,23 +317,31 @@ impl TrainJob for ElasticJob {
             Schedule::ZbH1 => ScheduleKind::ZeroBubbleH1,
         };
         let (model, n_classes, pad, seed, config, placement) = (self.config.model.clone(), self.data.n_classes(), self.data.vocab_pad_multiple(), self.config.train.seed, self.config.clone(), self.placement);
-        let virtual_stages = p.pp * p.chunks();
-        // Config validation made `virtual_stages <= layers`; should the partition still fail, every
-        // member's build reports it (training the job replicated instead would hide it).
-        let layers: Result<Vec<std::ops::Range<usize>>, String> = match (&p.stage_layers, self.config.model_layout()) {
-            (Some(counts), _) => Ok(counts.iter().scan(0, |start, n| {
-                *start += n;
-                Some(*start - n..*start)
-            }).collect()),
-            (None, None) => return None,
-            (None, Some(layout)) => partition_layers(&layout.static_costs(), virtual_stages).map_err(|e| format!("partitioning the layers over {virtual_stages} virtual stages: {e}")),
+        let (chunks, stage_layers, layout) = (p.chunks(), p.stage_layers.clone(), self.config.model_layout());
+        if stage_layers.is_none() && layout.is_none() {
+            return None;
+        }
+        // The layers of each virtual stage at `pp` stages: `[parallel] stage_layers` at its own
+        // `pp`, else balanced by cost (a re-partitioned mesh has another `pp`). Config validation
+        // made the configured split valid; should a partition still fail, every member's build
+        // reports it (training the job replicated instead would hide it).
+        let layers_at = move |pp: usize| -> Result<Vec<std::ops::Range<usize>>, String> {
+            let virtual_stages = pp * chunks;
+            match (&stage_layers, &layout) {
+                (Some(counts), _) if counts.len() == virtual_stages => Ok(counts.iter().scan(0, |start, n| {
+                    *start += n;
+                    Some(*start - n..*start)
+                }).collect()),
+                (_, Some(layout)) => partition_layers(&layout.static_costs(), virtual_stages).map_err(|e| format!("partitioning the layers over {virtual_stages} virtual stages: {e}")),
+                (_, None) => Err(format!("[parallel] stage_layers names {} virtual stages and the model's layout is unknown, so it cannot be cut into {virtual_stages}", stage_layers.as_ref().map_or(0, Vec::len))),
+            }
         };
         let build = move |request: &StageRequest| -> Result<(BoxedStage, Box<dyn optim::Optimizer + Send>), String> {
             let Model::Gpt(gpt) = Model::build(&model, None, n_classes, pad, &mut Generator::new(seed)).map_err(|e| e.to_string())? else {
                 return Err("pipeline and tensor parallelism train a GPT".into());
             };
-            let layers = layers.as_ref().map_err(Clone::clone)?;
-            let mut part = TpGptStage::from_full(&gpt, request.tp.clone(), TpOptions::default(), layers, request.coord.pp, request.shape.pp).map_err(|e| e.to_string())?;
+            let layers = layers_at(request.shape.pp)?;
+            let mut part = TpGptStage::from_full(&gpt, request.tp.clone(), TpOptions::default(), &layers, request.coord.pp, request.shape.pp).map_err(|e| e.to_string())?;
             // Clipping is the engine's (over the whole mesh), not the optimizer's. On a GPU the
             // part's slices move there and AdamW keeps f32 master weights there, as in DP.
             let optimizer = match placement {

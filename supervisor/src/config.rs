@@ -5,6 +5,16 @@ use std::time::Duration;
 
 use crate::error::{Result, SupervisorError};
 
+/// The dimensions of a mesh job's model that bound how it can be cut: the re-partition rule needs
+/// them to pick a smaller mesh ([`crate::plan::repartitioned_shape`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MeshModel {
+    /// Blocks, heads, vocabulary and MLP width.
+    pub dims: rtx_pipelines::ModelDims,
+    /// Virtual stages per pipeline rank (interleaved schedules; 1 otherwise).
+    pub chunks: usize,
+}
+
 /// Classes of failure, each with its own policy and budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum FailureClass {
@@ -137,6 +147,14 @@ pub struct ElasticConfig {
     pub pp: usize,
     /// Tensor-parallel ranks per stage.
     pub tp: usize,
+    /// Whether a mesh job whose live world no longer fills one replica of `pp · tp` is
+    /// re-partitioned over the members it has (rule 2 of [`crate::plan`], from the newest sharded
+    /// checkpoint) instead of waiting for workers (`[elastic] repartition`, default true). Needs
+    /// [`Self::mesh_model`].
+    pub repartition: bool,
+    /// What the supervisor knows of a mesh job's model to re-partition it; `None`: the job is
+    /// never re-partitioned (a generation waits for whole replicas).
+    pub mesh_model: Option<MeshModel>,
     pub crash: ClassPolicy,
     pub hang: ClassPolicy,
     pub network_loss: ClassPolicy,
@@ -163,6 +181,8 @@ impl Default for ElasticConfig {
             snapshot_every: 25,
             pp: 1,
             tp: 1,
+            repartition: true,
+            mesh_model: None,
             crash: shrink,
             hang: shrink,
             network_loss: shrink,
@@ -250,13 +270,14 @@ impl ElasticConfig {
                     };
                 }
                 "snapshot_every" => self.snapshot_every = int()?.max(1),
+                "repartition" => self.repartition = value.as_bool().ok_or_else(|| SupervisorError::InvalidConfig { reason: format!("elastic.repartition must be true or false, got {value}") })?,
                 "failure_budget" => {
                     let b = int()? as u32;
                     for p in [&mut self.crash, &mut self.hang, &mut self.network_loss, &mut self.preemption] {
                         p.budget = b;
                     }
                 }
-                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, sharding, snapshot_every)") }),
+                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, sharding, snapshot_every, repartition)") }),
             }
         }
         Ok(())
@@ -277,6 +298,11 @@ mod tests {
         assert!(err.contains("unknown key elastic.min_worker"), "{err}");
         let err = c.apply_toml(&toml::from_str("min_workers = -1").unwrap()).unwrap_err().to_string();
         assert!(err.contains("non-negative integer"), "{err}");
+        assert!(c.repartition);
+        c.apply_toml(&toml::from_str("repartition = false").unwrap()).unwrap();
+        assert!(!c.repartition);
+        let err = c.apply_toml(&toml::from_str("repartition = 1").unwrap()).unwrap_err().to_string();
+        assert!(err.contains("elastic.repartition must be true or false"), "{err}");
         c.min_workers = 5;
         assert!(c.validate().unwrap_err().to_string().contains("above elastic.max_workers"));
     }

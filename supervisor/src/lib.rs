@@ -33,7 +33,7 @@ pub mod supervisor;
 pub mod worker;
 pub mod zero1;
 
-pub use config::{ClassPolicy, DpSharding, ElasticConfig, FailureClass, OnFailure, PlantedBug, Wire};
+pub use config::{ClassPolicy, DpSharding, ElasticConfig, FailureClass, MeshModel, OnFailure, PlantedBug, Wire};
 pub use error::{Result, SupervisorError};
 pub use job::{BoxedStage, BuildStage, MeshSpec, SplitBatch, StageRequest, TrainJob};
 pub use plan::{CheckpointInfo, LayerCosts, MemberHolding, MemoryEstimate, ModelLayout, ParallelConfig, Plan, PlanError, PlanInput, RankAssignment, Schedule, ShardId, ShardNeed, Source, Unit};

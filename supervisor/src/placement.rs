@@ -19,8 +19,13 @@
 //! Sources ([`shard_sources`]): the generation resumes from the newest step `S` at which every slot
 //! has a holder among the members; a member that holds its slot at `S` keeps it (`Local`), the others
 //! receive it from a holder (spread over the holders, lowest rank first); when no step is held whole,
-//! the newest checkpoint, else the initial state. Re-partitioning layers over fewer stages when the
-//! world no longer fills one replica is not done here: such a generation waits for workers.
+//! the newest checkpoint, else the initial state.
+//!
+//! Re-partitioning is the supervisor's call (`ClusterSupervisor::mesh_candidates`): when the live
+//! world no longer fills one replica it picks a smaller `(pp, tp)` by rule 2 of [`crate::plan`] and
+//! places its members with these same rules at the new `k`. A member's [`MeshHeld`] names the
+//! shape it trained in, so a holder of an old shape's slot is never taken for a holder of the new
+//! one: [`shard_sources`] falls to the checkpoint.
 
 use crate::protocol::{MeshHeld, ShardSource};
 
@@ -69,13 +74,15 @@ pub fn place(previous: &[u64], live: &[u64], k: usize, max: usize) -> Vec<u64> {
 }
 
 /// Where each member of a generation takes its shard's state from, and the step that state is of
-/// (`None`: the initial state). `held[r]` is what rank `r` holds; `checkpoint` the newest complete
-/// sharded checkpoint `(step, location)`.
-pub fn shard_sources(held: &[Option<MeshHeld>], k: usize, checkpoint: Option<(u64, &str)>) -> (Vec<ShardSource>, Option<u64>) {
-    let k = k.max(1);
-    let holds = |h: &Option<MeshHeld>, slot: usize, step: u64| h.as_ref().is_some_and(|h| h.slots as usize == k && h.slot as usize == slot && h.step == step);
+/// (`None`: the initial state) in a mesh of `(pp, tp)`. `held[r]` is what rank `r` holds (only a
+/// slot of the same shape counts); `checkpoint` the newest complete sharded checkpoint
+/// `(step, location)`.
+pub fn shard_sources(held: &[Option<MeshHeld>], (pp, tp): (usize, usize), checkpoint: Option<(u64, &str)>) -> (Vec<ShardSource>, Option<u64>) {
+    let (k, tp) = ((pp * tp).max(1), tp.max(1));
+    let same_shape = |h: &MeshHeld| h.slots as usize == k && h.tp as usize == tp;
+    let holds = |h: &Option<MeshHeld>, slot: usize, step: u64| h.as_ref().is_some_and(|h| same_shape(h) && h.slot as usize == slot && h.step == step);
     // Candidate steps, newest first: the newest at which every slot has a holder.
-    let mut steps: Vec<u64> = held.iter().flatten().filter(|h| h.slots as usize == k).map(|h| h.step).collect();
+    let mut steps: Vec<u64> = held.iter().flatten().filter(|h| same_shape(h)).map(|h| h.step).collect();
     steps.sort_unstable_by(|a, b| b.cmp(a));
     steps.dedup();
     let whole = steps.into_iter().find(|&s| (0..k).all(|slot| held.iter().any(|h| holds(h, slot, s))));
@@ -108,7 +115,7 @@ mod tests {
     use super::*;
 
     fn held(slot: u32, step: u64) -> Option<MeshHeld> {
-        Some(MeshHeld { slots: 4, slot, step })
+        Some(MeshHeld { slots: 4, tp: 2, slot, step })
     }
 
     #[test]
@@ -153,19 +160,29 @@ mod tests {
         // Ranks 0..4 hold slots 0..4 at step 9; rank 4..8 are newcomers.
         let mut h = vec![held(0, 9), held(1, 9), held(2, 9), held(3, 9)];
         h.extend([None, None, None, None]);
-        let (sources, step) = shard_sources(&h, 4, Some((5, "ckpt-5")));
+        let (sources, step) = shard_sources(&h, (2, 2), Some((5, "ckpt-5")));
         assert_eq!(step, Some(9));
         assert_eq!(&sources[..4], &[ShardSource::Local, ShardSource::Local, ShardSource::Local, ShardSource::Local]);
         assert_eq!(sources[5], ShardSource::Member { rank: 1 });
         // One slot one step behind: the older step everyone can serve, newer holders fetch it.
         let h = vec![held(0, 10), held(1, 10), held(2, 9), held(3, 10), held(0, 9), held(1, 9), held(2, 9), held(3, 9)];
-        let (sources, step) = shard_sources(&h, 4, None);
+        let (sources, step) = shard_sources(&h, (2, 2), None);
         assert_eq!(step, Some(9));
         assert_eq!(sources[0], ShardSource::Member { rank: 4 });
         assert_eq!(sources[2], ShardSource::Local);
         // A slot nobody holds: the checkpoint, else the start.
         let h = vec![held(0, 9), held(1, 9), held(2, 9), None];
-        assert_eq!(shard_sources(&h, 4, Some((5, "c"))), (vec![ShardSource::Checkpoint { location: "c".into(), step: 5 }; 4], Some(5)));
-        assert_eq!(shard_sources(&h, 4, None), (vec![ShardSource::Initial; 4], None));
+        assert_eq!(shard_sources(&h, (2, 2), Some((5, "c"))), (vec![ShardSource::Checkpoint { location: "c".into(), step: 5 }; 4], Some(5)));
+        assert_eq!(shard_sources(&h, (2, 2), None), (vec![ShardSource::Initial; 4], None));
+    }
+
+    #[test]
+    fn a_slot_of_another_shape_is_no_source_after_a_re_partition() {
+        // Every slot of (pp, tp) = (2, 2) is held at step 9; the new mesh is (4, 1), also four
+        // slots: nobody holds its state, so every member loads the checkpoint.
+        let h = vec![held(0, 9), held(1, 9), held(2, 9), held(3, 9)];
+        assert_eq!(shard_sources(&h, (4, 1), Some((7, "c"))), (vec![ShardSource::Checkpoint { location: "c".into(), step: 7 }; 4], Some(7)));
+        assert_eq!(shard_sources(&h, (4, 1), None), (vec![ShardSource::Initial; 4], None));
+        assert_eq!(shard_sources(&h, (2, 2), Some((7, "c"))).1, Some(9));
     }
 }

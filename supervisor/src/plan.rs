@@ -339,9 +339,20 @@ fn shape_for(config: &ParallelConfig, world: usize, dims: ModelDims) -> MeshShap
         let dp = (world / (pp * tp)).min(config.dp.unwrap_or(usize::MAX)).max(1);
         return MeshShape { dp, pp, tp };
     }
+    repartitioned_shape(tp, world, dims, config.chunks())
+}
+
+/// Rule 2 of the module doc: the mesh a world of `world` members takes when it no longer fills
+/// one replica of the configured mesh (the supervisor's live re-partition calls this too). `tp` shrinks to
+/// the largest divisor of the heads, vocabulary, MLP width and the world; the stages take the
+/// rest, at most `layers / chunks` of them (each of an interleaved schedule's `chunks` virtual
+/// stages per rank needs a layer).
+pub fn repartitioned_shape(tp: usize, world: usize, dims: ModelDims, chunks: usize) -> MeshShape {
+    let world = world.max(1);
     let splittable = |d: usize| [dims.heads, dims.vocab, dims.mlp_hidden].iter().all(|v| v % d == 0);
-    let tp = (1..=tp).rev().find(|&d| splittable(d) && world % d == 0).unwrap_or(1);
-    let pp = (world / tp).clamp(1, dims.layers.max(1));
+    let tp = (1..=tp.min(world)).rev().find(|&d| splittable(d) && world % d == 0).unwrap_or(1);
+    let most_stages = (dims.layers / chunks.max(1)).max(1);
+    let pp = (world / tp).clamp(1, most_stages);
     MeshShape { dp: (world / (pp * tp)).max(1), pp, tp }
 }
 

@@ -118,6 +118,8 @@ pub struct Zero1Held {
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MeshHeld {
     pub slots: u32,
+    /// Tensor-parallel ranks of the shape (with `slots`, the shape's `(pp, tp)`).
+    pub tp: u32,
     pub slot: u32,
     pub step: u64,
 }

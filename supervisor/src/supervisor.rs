@@ -46,6 +46,7 @@ use tokio::time::Instant;
 use crate::config::{ElasticConfig, FailureClass, OnFailure, PlantedBug, Wire};
 use crate::error::{Result, SupervisorError};
 use crate::placement;
+use crate::plan;
 use crate::protocol::{self, JoinReply, MemberStatus, MeshHeld, MeshStart, StateSource, StatusReport, ToSupervisor, ToWorker, Zero1Held, AGENT, EXPORTER_LABEL};
 use crate::recovery::{plan_recovery, Holding, Recovery};
 
@@ -207,6 +208,11 @@ struct ClusterSupervisor {
     last_step_failure: Option<String>,
     /// The newest good checkpoint: (step, location).
     checkpoint: Option<(u64, String)>,
+    /// `(pp, tp)` of the newest generation (`[parallel]`'s until a re-partition changes it).
+    shape: (usize, usize),
+    /// Replacement workers asked of the launcher and not yet joined: a mesh that lost members
+    /// waits for them rather than re-partition.
+    awaited: usize,
 }
 
 /// Most re-formations of the same members after a step failed with nobody lost, without any step
@@ -231,6 +237,7 @@ impl SupervisorHandle {
         let addr = listener.local_addr()?;
         let (events_tx, events) = mpsc::channel(4096);
         let tick = options.elastic.heartbeat_interval.min(Duration::from_millis(100));
+        let shape = (options.elastic.pp.max(1), options.elastic.tp.max(1));
         let state = ClusterSupervisor {
             options,
             ca: None,
@@ -249,6 +256,8 @@ impl SupervisorHandle {
             stalled: (None, 0),
             last_step_failure: None,
             checkpoint: None,
+            shape,
+            awaited: 0,
         };
         let (actor, handle) = spawn("supervisor", state, 4096);
         let mut tasks = Vec::new();
@@ -440,7 +449,8 @@ impl ClusterSupervisor {
                     self.checkpoint = Some((step, path.clone()));
                 }
                 self.emit(JobEvent::Checkpointed { step, path }).await;
-                Ok(())
+                // A mesh waiting to change shape (back after a re-partition) does it from here.
+                self.maybe_form().await
             }
             ToSupervisor::CheckpointFailed { step, reason, .. } => {
                 self.emit(JobEvent::CheckpointFailed { step, reason }).await;
@@ -494,6 +504,7 @@ impl ClusterSupervisor {
         tracing::info!(node, %name, pid, %host, "worker joined");
         let agent = link.remote::<ToWorker>(AGENT);
         self.members.insert(node, Member { name: name.clone(), host: host.clone(), pid, link, agent, last_heard: Instant::now(), completed: None, leaving: false, finished: None });
+        self.awaited = self.awaited.saturating_sub(1);
         self.emit(JobEvent::Joined { node, name, pid, host }).await;
         self.maybe_form().await
     }
@@ -508,8 +519,18 @@ impl ClusterSupervisor {
                     self.reform().await?;
                 }
             }
-            // (A mesh grows by whole replicas only.)
-            Phase::Running { members, .. } if live.min(self.options.elastic.max_workers) / self.options.elastic.mesh_slots() * self.options.elastic.mesh_slots() > members.len() => {
+            // A mesh grows by whole replicas only, and into another shape (back to `[parallel]`'s
+            // after a re-partition) only from a sharded checkpoint of its newest state.
+            Phase::Running { members, .. } if self.options.elastic.mesh_slots() > 1 => {
+                let live: Vec<u64> = self.live_members().map(|(n, _)| *n).collect();
+                let (candidates, shape) = self.mesh_candidates(members, &live);
+                let fresh = self.checkpoint.as_ref().is_some_and(|(step, _)| self.committed.is_none_or(|c| *step >= c));
+                if candidates.len() > members.len() && (shape == self.shape || fresh) {
+                    tracing::info!(from = members.len(), to = candidates.len(), ?shape, "growing the mesh");
+                    self.reform().await?;
+                }
+            }
+            Phase::Running { members, .. } if live.min(self.options.elastic.max_workers) > members.len() => {
                 tracing::info!(from = members.len(), to = live.min(self.options.elastic.max_workers), "growing the group");
                 self.reform().await?;
             }
@@ -526,15 +547,15 @@ impl ClusterSupervisor {
             _ => Vec::new(),
         };
         let live: Vec<u64> = self.live_members().map(|(n, _)| *n).collect();
-        let slots = self.options.elastic.mesh_slots();
-        let candidates = if slots > 1 {
-            // Whole model replicas only, survivors in their old slots (see `placement`).
-            placement::place(&previous, &live, slots, self.options.elastic.max_workers)
+        let (candidates, shape) = if self.options.elastic.mesh_slots() > 1 {
+            // Whole model replicas only, survivors in their old slots (see `placement`); a world
+            // too small for one replica re-partitioned (see `mesh_candidates`).
+            self.mesh_candidates(&previous, &live)
         } else {
             let mut candidates: Vec<u64> = previous.iter().copied().filter(|n| live.contains(n)).collect();
             candidates.extend(live.iter().copied().filter(|n| !previous.contains(n)));
             candidates.truncate(self.options.elastic.max_workers);
-            candidates
+            (candidates, (1, 1))
         };
         let needed = if self.started { self.options.elastic.min_workers } else { self.options.elastic.start_workers };
         if candidates.len() < needed.max(1) {
@@ -551,6 +572,10 @@ impl ClusterSupervisor {
         }
         self.generation += 1;
         self.started = true;
+        if shape != self.shape {
+            tracing::warn!(from = ?self.shape, to = ?shape, world = candidates.len(), checkpoint = ?self.checkpoint, "re-partitioning the mesh: (pp, tp) changes; every member loads its part of the newest sharded checkpoint");
+            self.shape = shape;
+        }
         let generation = self.generation;
         let world = candidates.len();
         let injected = self.options.elastic.transport == Wire::Injected;
@@ -583,6 +608,34 @@ impl ClusterSupervisor {
         Ok(())
     }
 
+    /// The members of a mesh generation in rank order, and its `(pp, tp)`. Whole replicas of
+    /// `[parallel]`'s mesh when the live world fills one (see [`placement`]); else, with
+    /// `[elastic] repartition` on, the smaller mesh of rule 2 of [`plan`] over the live members
+    /// (`plan::repartitioned_shape`), whose members load their parts of the newest sharded
+    /// checkpoint. No candidates (wait for workers) while a replacement is on its way that would
+    /// refill the configured mesh, or when steps were committed and no checkpoint holds the state
+    /// at any step (a re-partition would train again from the initial parameters).
+    fn mesh_candidates(&self, previous: &[u64], live: &[u64]) -> (Vec<u64>, (usize, usize)) {
+        let elastic = &self.options.elastic;
+        let configured = (elastic.pp.max(1), elastic.tp.max(1));
+        // Survivors keep their slots only within the shape they trained in.
+        let at = |shape: (usize, usize)| placement::place(if shape == self.shape { previous } else { &[] }, live, shape.0 * shape.1, elastic.max_workers);
+        let whole = at(configured);
+        let Some(model) = elastic.mesh_model.filter(|_| elastic.repartition && whole.is_empty()) else { return (whole, configured) };
+        if live.len() + self.awaited >= configured.0 * configured.1 {
+            tracing::info!(live = live.len(), awaited = self.awaited, "waiting for replacements rather than re-partitioning the mesh");
+            return (Vec::new(), configured);
+        }
+        let restorable = self.committed.is_none() || self.checkpoint.is_some();
+        if !restorable {
+            tracing::warn!(live = live.len(), committed = ?self.committed, "cannot re-partition the mesh: no sharded checkpoint holds its state (set checkpoint_every); waiting for workers");
+            return (Vec::new(), configured);
+        }
+        let smaller = plan::repartitioned_shape(configured.1, live.len().min(elastic.max_workers), model.dims, model.chunks);
+        let shape = (smaller.pp, smaller.tp);
+        (at(shape), shape)
+    }
+
     async fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Vec<Zero1Held>, mesh: Option<MeshHeld>) -> Result<()> {
         let Phase::Preparing { generation: g, members, ready, .. } = &mut self.phase else { return Ok(()) };
         if *g != generation || !members.contains(&node) {
@@ -601,16 +654,16 @@ impl ClusterSupervisor {
         let holdings: Vec<Holding> = members.iter().map(|n| ready.get(n).map(|(_, h, _)| h.clone()).unwrap_or_default()).collect();
         let replay = self.options.elastic.planted_bug == PlantedBug::ReplayLastStep && generation > 1;
         let checkpoint = self.checkpoint.as_ref().map(|(s, l)| (*s, l.as_str()));
-        let (mut recovery, mesh) = match self.options.elastic.mesh_slots() {
+        let (mut recovery, mesh) = match self.shape.0 * self.shape.1 {
             1 => (plan_recovery(&holdings, checkpoint, self.options.resume_next_step, self.committed, replay), None),
             slots => {
                 let held: Vec<Option<MeshHeld>> = members.iter().map(|n| ready.get(n).and_then(|(_, _, m)| *m)).collect();
                 // The newest complete sharded checkpoint, else the one the job resumes from.
                 let resumed = self.options.resume.as_ref().and_then(|p| Some((self.options.resume_next_step.checked_sub(1)?, p.to_str()?)));
-                let (sources, step) = placement::shard_sources(&held, slots, checkpoint.or(resumed));
+                let (sources, step) = placement::shard_sources(&held, self.shape, checkpoint.or(resumed));
                 let next_step = step.map_or(self.options.resume_next_step, |s| s + 1);
                 let regressed_from = self.committed.filter(|&c| c + 1 > next_step);
-                let (pp, tp) = (self.options.elastic.pp as u32, self.options.elastic.tp as u32);
+                let (pp, tp) = (self.shape.0 as u32, self.shape.1 as u32);
                 let start = MeshStart { dp: (members.len() / slots) as u32, pp, tp, sources };
                 (Recovery { source: StateSource::Initial, next_step, regressed_from }, Some(start))
             }
@@ -640,7 +693,7 @@ impl ClusterSupervisor {
         }
         let (nodes, pids): (Vec<u64>, Vec<u32>) = members.iter().filter_map(|n| self.members.get(n).map(|m| (*n, m.pid))).unzip();
         tracing::info!(generation, world = members.len(), next_step, source, from = ?recovery.source, "generation started");
-        let (pp, tp) = (self.options.elastic.pp.max(1), self.options.elastic.tp.max(1));
+        let (pp, tp) = self.shape;
         let shape = (members.len() / (pp * tp), pp, tp);
         let transport = layout.name();
         self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members.get(source).copied().unwrap_or_default(), nodes, pids, mesh: shape, transport }).await;
@@ -713,7 +766,7 @@ impl ClusterSupervisor {
         if reports.len() + gone < members.len() {
             return Ok(());
         }
-        let slots = self.options.elastic.mesh_slots();
+        let slots = self.shape.0 * self.shape.1;
         let replicas_identical = ranked.iter().all(|(r, a)| ranked.iter().filter(|(q, _)| q % slots == r % slots).all(|(_, b)| a.checksum == b.checksum));
         let checksum = reports.first().map_or(0, |r| r.checksum);
         let eval = reports.iter().find(|r| !r.eval.is_empty()).map(|r| r.eval.clone()).unwrap_or_default();
@@ -775,7 +828,9 @@ impl ClusterSupervisor {
         }
         if policy.on_failure == OnFailure::Replace {
             if let Some(launcher) = &self.launcher {
-                let _ = launcher.send(LaunchRequest::Spawn).await;
+                if launcher.send(LaunchRequest::Spawn).await.is_ok() {
+                    self.awaited += 1;
+                }
             }
         }
         let involved = match &self.phase {
@@ -796,6 +851,13 @@ impl ClusterSupervisor {
             self.lose(node, FailureClass::Hang, format!("no heartbeat for {} ms", timeout.as_millis())).await?;
         }
         match &self.phase {
+            // Replacements that did not come within the prepare timeout: stop waiting for them
+            // (a mesh re-partitions over the members it has).
+            Phase::Waiting { since } if self.awaited > 0 && now.duration_since(*since) > self.options.elastic.prepare_timeout => {
+                tracing::warn!(awaited = self.awaited, "replacement workers did not join in time; forming with the members there are");
+                self.awaited = 0;
+                return self.reform().await;
+            }
             Phase::Waiting { since } if now.duration_since(*since) > self.options.elastic.rendezvous_timeout => {
                 let have = self.live_members().count();
                 return Err(SupervisorError::JobFailed { reason: format!("only {have} worker(s) after waiting {:?}; need {}", self.options.elastic.rendezvous_timeout, if self.started { self.options.elastic.min_workers } else { self.options.elastic.start_workers }) });

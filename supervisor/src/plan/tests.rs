@@ -541,3 +541,18 @@ fn the_simulated_bubble_matches_theory_on_equal_stages_and_grows_with_imbalance(
     assert!(inter < mean, "interleaving halves the bubble time: {inter} vs {mean}");
     assert_eq!(simulated_bubble(Schedule::OneFOneB, 4, 8, 1, &[1.0; 3]), None, "costs for 3 of 4 stages");
 }
+
+#[test]
+fn a_repartitioned_mesh_fits_the_world_the_splits_and_the_virtual_stages() {
+    // Goal: rule 2 alone, as the supervisor calls it. 3 of (1,2,2): tp 2 does not divide 3, so
+    // (1,3,1); 6 of (1,4,2) keeps tp 2; 5 members and 4 layers cap the stages at 4 (one stands
+    // by); interleaved with 2 chunks per rank over 4 layers caps them at 2; heads that 2 does
+    // not divide force tp 1.
+    let dims = |layers, heads| ModelDims { layers, heads, vocab: 256, mlp_hidden: 128 };
+    assert_eq!(repartitioned_shape(2, 3, dims(4, 4), 1), MeshShape { dp: 1, pp: 3, tp: 1 });
+    assert_eq!(repartitioned_shape(2, 6, dims(6, 4), 1), MeshShape { dp: 1, pp: 3, tp: 2 });
+    assert_eq!(repartitioned_shape(1, 5, dims(4, 4), 1), MeshShape { dp: 1, pp: 4, tp: 1 });
+    assert_eq!(repartitioned_shape(1, 3, dims(4, 4), 2), MeshShape { dp: 1, pp: 2, tp: 1 });
+    assert_eq!(repartitioned_shape(2, 2, dims(4, 3), 1), MeshShape { dp: 1, pp: 2, tp: 1 });
+    assert_eq!(repartitioned_shape(4, 1, dims(4, 4), 1), MeshShape { dp: 1, pp: 1, tp: 1 });
+}

@@ -15,7 +15,10 @@
 //! [`ShardSource::Checkpoint`] (no surviving holder, or `rtx launch --resume`) loads its part of that
 //! checkpoint, whatever mesh shape saved it.
 //!
-//! Not yet here (recorded in the issue): re-partitioning layers over fewer stages.
+//! Re-partition: when the supervisor starts a mesh of another `(pp, tp)` than the job's (the world
+//! no longer fills one replica, or it fills the job's mesh again), the member builds its part for
+//! that shape (the job's [`MeshSpec::build`] re-balances the layers over its stages) and every
+//! member's source is the newest sharded checkpoint, loaded at the new shape.
 
 use std::sync::{Arc, PoisonError};
 
@@ -38,6 +41,7 @@ use crate::protocol::{MeshHeld, MeshStart, ShardSource, ToSupervisor, ToWorker};
 /// The state of the mesh slot a member trained last.
 pub(super) struct MeshReplica {
     slots: u32,
+    tp: u32,
     slot: u32,
     step: u64,
     /// Parameters, then optimizer state, as f32.
@@ -47,7 +51,7 @@ pub(super) struct MeshReplica {
 impl MeshReplica {
     /// What the member tells the supervisor it holds.
     pub(super) fn held(&self) -> MeshHeld {
-        MeshHeld { slots: self.slots, slot: self.slot, step: self.step }
+        MeshHeld { slots: self.slots, tp: self.tp, slot: self.slot, step: self.step }
     }
 
     /// A checksum of the state's bits (the final report).
@@ -101,7 +105,9 @@ async fn train<J: TrainJob>(
 ) -> Result<Option<ToWorker>> {
     let shape = MeshShape { dp: start.dp as usize, pp: start.pp as usize, tp: start.tp as usize };
     if (shape.pp, shape.tp) != (spec.pp, spec.tp) {
-        return Err(SupervisorError::InvalidConfig { reason: format!("the supervisor's mesh {shape} does not match the job's pp = {}, tp = {}", spec.pp, spec.tp) });
+        // A re-partition: the world no longer fills the job's mesh; the part is built for this
+        // shape (layers re-balanced over its stages) and loaded from the sharded checkpoint.
+        tracing::warn!(%shape, job_pp = spec.pp, job_tp = spec.tp, "training a re-partitioned mesh");
     }
     let mesh = Mesh::new(shape, g.world).map_err(rtx_pipelines::Error::from)?;
     let groups = MeshGroups::new(endpoint, mesh, g.generation).map_err(rtx_pipelines::Error::from)?;
@@ -123,7 +129,7 @@ async fn train<J: TrainJob>(
     let source = start.sources.get(g.rank).cloned().ok_or_else(|| SupervisorError::Job(format!("no shard source for rank {}", g.rank)))?;
     match &source {
         ShardSource::Local => {
-            let held = replica.mesh.as_ref().filter(|h| h.slots == slots && h.slot == slot).ok_or_else(|| SupervisorError::Job(format!("told to keep slot {slot}, which this member does not hold")))?;
+            let held = replica.mesh.as_ref().filter(|h| h.slots == slots && h.tp == shape.tp as u32 && h.slot == slot).ok_or_else(|| SupervisorError::Job(format!("told to keep slot {slot}, which this member does not hold")))?;
             install(&part, &mut optimizer, &held.state)?;
         }
         ShardSource::Member { rank } => {
@@ -226,7 +232,7 @@ async fn train<J: TrainJob>(
     // The engine's optimizer steps last, so a failed step left the state of the last completed one.
     let (part, optimizer) = engine.into_parts();
     replica.mesh = match replica.completed {
-        Some(step) => Some(MeshReplica { slots, slot, step, state: flat_state(&part, &optimizer)? }),
+        Some(step) => Some(MeshReplica { slots, tp: shape.tp as u32, slot, step, state: flat_state(&part, &optimizer)? }),
         None => None,
     };
     outcome

@@ -58,7 +58,7 @@ pub(crate) fn to_worker(rng: &mut ChaCha8Rng) -> ToWorker {
 
 /// What a mesh member holds.
 fn mesh_held(rng: &mut ChaCha8Rng) -> MeshHeld {
-    MeshHeld { slots: Values::u32(rng), slot: Values::u32(rng), step: Values::u64(rng) }
+    MeshHeld { slots: Values::u32(rng), tp: Values::u32(rng), slot: Values::u32(rng), step: Values::u64(rng) }
 }
 
 /// A mesh generation's start.
