@@ -79,6 +79,19 @@ pub trait Transport: Send + Sync + 'static {
         self.send(peer, frame)
     }
 
+    /// Sends one frame given as its encoded `header` and a `payload` held in pieces (a received
+    /// chunked frame a ring passes on unchanged). The default copies both into a buffer from `pool`
+    /// and calls [`send`](Self::send); a transport that can send the pieces as they are (QUIC hands
+    /// them to quinn without a copy) overrides it. As atomic towards the receiver as `send`.
+    fn send_chunked<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: ChunkedBytes, pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        let mut frame = pool.take(HEADER_LEN + payload.len());
+        frame.extend_from_slice(header);
+        for chunk in payload.chunks() {
+            frame.extend_from_slice(chunk);
+        }
+        self.send(peer, frame)
+    }
+
     /// Whether this transport's channel already guarantees that bytes arrive unaltered (memory,
     /// or an authenticated cipher). Frames sent over such a transport carry a checksum of their
     /// header only (see [`crate::frame`]); the default, `false`, checksums payloads too.
@@ -102,6 +115,15 @@ pub trait Transport: Send + Sync + 'static {
     /// rank, like the config. Shared memory asks for a sixteenth of its ring, so both directions'
     /// rings stay in cache; the default (`None`) means [`crate::DEFAULT_CHUNK_BYTES`].
     fn preferred_chunk_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// How many frames a ring should send ahead of the frames it has received, if this transport
+    /// has a preference: an [`crate::Endpoint`] whose [`crate::CommConfig::ring_window`] is unset
+    /// uses it. The default (`None`) means [`crate::DEFAULT_RING_WINDOW`]. A transport whose frames
+    /// spend long in flight (QUIC: packetised, sealed and opened by other tasks) needs more of them
+    /// on the way to keep its cores busy.
+    fn preferred_ring_window(&self) -> Option<usize> {
         None
     }
 
@@ -197,6 +219,26 @@ impl ChunkedBytes {
     /// The pieces, in order.
     pub fn chunks(&self) -> impl Iterator<Item = &[u8]> {
         self.chunks.iter().map(|c| (**c).as_ref())
+    }
+
+    /// The pieces, in order, as owned values (to hand them on without a copy).
+    pub fn into_pieces(self) -> impl Iterator<Item = BytesPiece> {
+        self.chunks.into_iter().map(BytesPiece)
+    }
+}
+
+/// One piece of a [`ChunkedBytes`], owned (see [`ChunkedBytes::into_pieces`]).
+pub struct BytesPiece(Box<dyn AsRef<[u8]> + Send + Sync>);
+
+impl AsRef<[u8]> for BytesPiece {
+    fn as_ref(&self) -> &[u8] {
+        (*self.0).as_ref()
+    }
+}
+
+impl std::fmt::Debug for BytesPiece {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BytesPiece").field("len", &self.as_ref().len()).finish()
     }
 }
 
