@@ -16,13 +16,17 @@
 //! The provided methods are fast paths a transport may take; their defaults keep the simple
 //! contract above. [`Transport::send_parts`] takes a frame as its encoded header plus a borrowed
 //! payload, so a transport that copies anyway (shared memory) writes the caller's bytes straight
-//! into its ring instead of into an intermediate frame buffer. [`Transport::attach`] lets a transport
+//! into its ring instead of into an intermediate frame buffer; [`Transport::send_chunked`] takes a
+//! payload as a received frame's pieces, so a ring passing a frame on unchanged sends quinn's own
+//! received bytes back to quinn. [`Transport::attach`] lets a transport
 //! push events into the endpoint from the thread or task that read them ([`EventSink`]) instead of
 //! handing them to the dispatcher task through `recv`: one cross-thread wake-up less per frame, and
 //! the way to lend a payload in place ([`EventSink::lent_frame`], [`LentBytes`]).
 //! [`Transport::poll_incoming`] lets a waiting operation take arrived frames itself before it
 //! sleeps. [`Transport::checks_integrity`] says the channel already guarantees unaltered bytes, so
-//! payloads need no checksum.
+//! payloads need no checksum. [`Transport::preferred_chunk_bytes`] and
+//! [`Transport::preferred_ring_window`] are the frame size and send-ahead depth the transport moves
+//! best, for an endpoint whose config leaves them unset.
 
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
