@@ -11,19 +11,18 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use crate::element::{combine_into_bytes, Accumulator, Element, WireElement};
+use crate::element::{copy_parts, Accumulator, Element, WireElement};
 use crate::error::Result;
 use crate::frame::Frame;
 use crate::op::{pieces, segment_range, OpCtx};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::ReduceOp;
 
-/// Most frames a ring sends on its outgoing link ahead of the frames it has received on its
-/// incoming one. Bounds what waits in a receiver's mailbox to a few pieces, so received frames are
-/// still in cache when they are combined, pool buffers are reused instead of piling up, and a
-/// shared-memory ring never has many slots lent out. Measured 1, 2, 4 and 8 (2 and 4 ranks, 1-64
-/// MiB, both transports): 1 was slower, 2-8 within noise of each other.
-pub(crate) const RING_WINDOW: usize = 2;
+// How far a ring sends ahead of its receives is `CommConfig::ring_window` (`OpCtx::ring_window`):
+// it bounds what waits in a receiver's mailbox to a few pieces, so received frames are still in
+// cache when they are combined and pool buffers are reused instead of piling up. Two suits memory
+// transports (measured 1, 2, 4 and 8 with 2 and 4 ranks on 2 cores: 1 was slower, 2-8 within
+// noise); QUIC, whose frames spend long in other tasks, asks for more (`Transport::preferred_ring_window`).
 
 /// The local data of a ring reduce-scatter. Segments other than the owned one are only read, in
 /// the caller's element type `T`: straight from the caller's buffer when `T` is its own
@@ -185,10 +184,22 @@ enum Recv {
 /// Where a sent frame's payload comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Send {
-    /// The buffer's current values of the range (local values, or a final or gathered piece).
+    /// The buffer's current values of the range (local values, or a final piece).
     Buf,
     /// The oldest combined frame waiting to be forwarded.
     Forward,
+    /// A gathered piece: the frame it arrived in, passed on unchanged (no copy where the
+    /// transport allows, see [`OpCtx::forward_frame`]), or the buffer's copy of it when the frame
+    /// was not kept (a lent payload).
+    Pass,
+}
+
+/// A received frame waiting to be sent on, in receive order.
+enum Held {
+    /// A frame to send (combined into, for a Forward step).
+    Frame(Frame),
+    /// A gathered piece whose frame was given back: send it from the buffer.
+    Buf,
 }
 
 /// The frames of one ring operation, in link order: what each frame received from the previous
@@ -245,7 +256,7 @@ impl Schedule {
                     let at = sched.recvs.len();
                     if step + 1 < n - 1 {
                         sched.recvs.push((Recv::Gather, p.clone()));
-                        sched.sends.push((Send::Buf, p, Some(at)));
+                        sched.sends.push((Send::Pass, p, Some(at)));
                     } else {
                         sched.recvs.push((Recv::Last, p));
                     }
@@ -257,8 +268,11 @@ impl Schedule {
 }
 
 /// Runs a ring schedule: receives from the previous rank in link order, and sends to the next
-/// rank each frame as soon as what it carries is ready, at most [`RING_WINDOW`] frames ahead of the
-/// receives. Receives are posted ahead ([`OpCtx::announce`]) so frames are usually taken in place.
+/// rank each frame as soon as what it carries is ready, at most the ring window
+/// ([`OpCtx::ring_window`]) frames ahead of the receives. Receives are posted ahead
+/// ([`OpCtx::announce`]) so frames are usually taken in place. Frames received to be sent on (a
+/// Forward step's, combined into, and a Gather step's, unchanged) are sent as they are, so a
+/// transport that can send its own received bytes (QUIC) copies nothing for them.
 async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
     ctx: &mut OpCtx<'_>,
     buf: &mut B,
@@ -268,33 +282,36 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
     n: usize,
 ) -> Result<()> {
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-    let mut forwards: VecDeque<Frame> = VecDeque::new();
+    let window = ctx.ring_window();
+    let mut held: VecDeque<Held> = VecDeque::new();
     let mut sent = 0;
     ctx.announce(prev, sched.recvs.len());
     for done in 0..=sched.recvs.len() {
-        while sent < sched.sends.len() && (sent < done + RING_WINDOW || done == sched.recvs.len()) {
+        while sent < sched.sends.len() && (sent < done + window || done == sched.recvs.len()) {
             let (source, range, after) = &sched.sends[sent];
             if after.is_some_and(|i| i >= done) {
                 break;
             }
             match source {
                 Send::Buf => ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?,
-                Send::Forward => {
-                    let frame = forwards.pop_front();
-                    debug_assert!(frame.is_some(), "a forward is sent after its frame was combined");
-                    if let Some(frame) = frame {
-                        ctx.send_frame(next, Some(A::DTYPE), frame.payload()).await?;
+                Send::Forward | Send::Pass => match held.pop_front() {
+                    Some(Held::Frame(frame)) => ctx.forward_frame(next, Some(A::DTYPE), frame).await?,
+                    Some(Held::Buf) => {
+                        debug_assert_eq!(*source, Send::Pass, "a forward always keeps its frame");
+                        ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?
                     }
-                }
+                    None => debug_assert!(false, "a frame is sent on after it was received"),
+                },
             }
             sent += 1;
         }
         let Some((kind, range)) = sched.recvs.get(done) else { break };
         match kind {
             Recv::Forward => {
-                let mut frame = ctx.recv_frame(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
-                combine_into_bytes(op, frame.payload_mut(), buf.read(range.clone()));
-                forwards.push_back(ctx.hold(frame, forwards.len()));
+                let frame = ctx.recv_frame_parts(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
+                let frame = ctx.combine_forward(op, frame, buf.read(range.clone()));
+                let lent_held = held.iter().filter(|h| matches!(h, Held::Frame(f) if f.is_lent())).count();
+                held.push_back(Held::Frame(ctx.hold(frame, lent_held)));
             }
             Recv::Final => {
                 let dst = buf.write(range.clone());
@@ -305,10 +322,17 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
                     }
                 }
             }
-            Recv::Gather | Recv::Last => ctx.recv_copy(prev, buf.write(range.clone())).await?,
+            Recv::Gather => {
+                let frame = ctx.recv_frame_parts(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
+                copy_parts(buf.write(range.clone()), frame.payload_parts());
+                // A lent payload goes back to the transport now; the buffer holds a copy to send.
+                held.push_back(if frame.is_lent() { Held::Buf } else { Held::Frame(frame) });
+            }
+            Recv::Last => ctx.recv_copy(prev, buf.write(range.clone())).await?,
         }
     }
     debug_assert_eq!(sent, sched.sends.len());
+    debug_assert!(held.is_empty(), "every held frame was sent on");
     Ok(())
 }
 
@@ -343,20 +367,31 @@ pub(crate) async fn ring_all_gather<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &m
     debug_assert!(n >= 2 && rank < n);
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
     let sched = Schedule::ring(buf.len(), n, rank, ctx.piece_elems::<T>(), false, true);
+    let window = ctx.ring_window();
+    let mut held: VecDeque<Held> = VecDeque::new();
     let mut sent = 0;
     ctx.announce(prev, sched.recvs.len());
     for done in 0..=sched.recvs.len() {
-        while sent < sched.sends.len() && (sent < done + RING_WINDOW || done == sched.recvs.len()) {
-            let (_, range, after) = &sched.sends[sent];
+        while sent < sched.sends.len() && (sent < done + window || done == sched.recvs.len()) {
+            let (source, range, after) = &sched.sends[sent];
             if after.is_some_and(|i| i >= done) {
                 break;
             }
-            ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range.clone()])).await?;
+            match (source, if *source == Send::Pass { held.pop_front() } else { None }) {
+                (Send::Pass, Some(Held::Frame(frame))) => ctx.forward_frame(next, Some(T::DTYPE), frame).await?,
+                _ => ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range.clone()])).await?,
+            }
             sent += 1;
         }
-        let Some((_, range)) = sched.recvs.get(done) else { break };
-        ctx.recv_copy(prev, &mut buf[range.clone()]).await?;
+        let Some((kind, range)) = sched.recvs.get(done) else { break };
+        let frame = ctx.recv_frame_parts(prev, Some(T::DTYPE), std::mem::size_of_val(&buf[range.clone()])).await?;
+        copy_parts(&mut buf[range.clone()], frame.payload_parts());
+        if *kind == Recv::Gather {
+            // Passed on as received (see `run_ring`); a lent payload goes back now.
+            held.push_back(if frame.is_lent() { Held::Buf } else { Held::Frame(frame) });
+        }
     }
+    debug_assert!(held.is_empty(), "every held frame was sent on");
     Ok(())
 }
 

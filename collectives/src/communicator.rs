@@ -31,6 +31,9 @@
 //! under load (BENCHMARKS.md, 2026-12-01). A transport may prefer its own frame size when the config
 //! leaves it unset: shared memory takes a sixteenth of its ring (256 KiB for the default 4 MiB
 //! ring), 1.4-1.9x faster than 512 KiB frames in 16 MiB rings (BENCHMARKS.md, 2026-12-01 evening).
+//! QUIC keeps 512 KiB: on a host with cores to spare 2 MiB frames were 4-20% faster, but 14% slower
+//! at 64 MiB on 2 cores (BENCHMARKS.md, issue 20, 2026-12-04), so set `chunk_bytes`
+//! there.
 //!
 //! Cancelling an operation (dropping its future) leaves the group's sequence numbers out of step
 //! with the peers; move the group to a new generation before using it again.
@@ -55,6 +58,11 @@ use crate::ReduceOp;
 pub const DEFAULT_SMALL_MESSAGE_BYTES: usize = 256 << 10;
 /// Default: most payload bytes per frame (pipelining granularity).
 pub const DEFAULT_CHUNK_BYTES: usize = 512 << 10;
+/// Default: frames a ring sends ahead of the frames it has received ([`CommConfig::ring_window`])
+/// when the transport states no preference.
+pub const DEFAULT_RING_WINDOW: usize = 2;
+/// Most frames a ring may send ahead ([`CommConfig::ring_window`]).
+pub const MAX_RING_WINDOW: usize = 64;
 /// Default: the decoder refuses frames whose payload is larger than this.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 << 20;
 /// Default: how long an operation waits for any one frame.
@@ -79,6 +87,13 @@ pub struct CommConfig {
     pub chunk_bytes: Option<usize>,
     /// Frames with a larger payload are refused by the decoder; at least `chunk_bytes`.
     pub max_payload_bytes: usize,
+    /// Most frames a ring (all-reduce, reduce-scatter, all-gather) sends on its outgoing link
+    /// ahead of the frames it has received on its incoming one, 1 to [`MAX_RING_WINDOW`]. `None`
+    /// (the default): the transport's preference ([`crate::Transport::preferred_ring_window`];
+    /// QUIC: 8), else [`DEFAULT_RING_WINDOW`]; resolved by the [`crate::Endpoint`] like
+    /// `chunk_bytes`. Unlike the other fields it may differ between ranks: it only decides when a
+    /// rank sends, never what.
+    pub ring_window: Option<usize>,
     /// Most frames parked per group waiting for their operation.
     pub max_stored_frames: usize,
     /// The host each global rank runs on (any key; equal keys mean "same machine"), one entry per
@@ -117,6 +132,7 @@ impl Default for CommConfig {
             small_message_bytes: DEFAULT_SMALL_MESSAGE_BYTES,
             chunk_bytes: None,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            ring_window: None,
             max_stored_frames: DEFAULT_MAX_STORED_FRAMES,
             host_of: Vec::new(),
         }
@@ -129,6 +145,11 @@ impl CommConfig {
         self.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES)
     }
 
+    /// Frames a ring sends ahead: `ring_window`, or [`DEFAULT_RING_WINDOW`] when unset.
+    pub fn effective_ring_window(&self) -> usize {
+        self.ring_window.unwrap_or(DEFAULT_RING_WINDOW)
+    }
+
     /// Checks the relationships between the fields.
     pub fn validate(&self) -> Result<()> {
         if self.op_timeout.is_zero() {
@@ -139,6 +160,9 @@ impl CommConfig {
         }
         if self.effective_chunk_bytes() > self.max_payload_bytes {
             return Err(Error::InvalidConfig { reason: "chunk_bytes over max_payload_bytes" });
+        }
+        if !(1..=MAX_RING_WINDOW).contains(&self.effective_ring_window()) {
+            return Err(Error::InvalidConfig { reason: "ring_window must be 1 to 64 frames" });
         }
         if self.max_stored_frames == 0 {
             return Err(Error::InvalidConfig { reason: "max_stored_frames must be positive" });

@@ -270,6 +270,48 @@ pub(crate) fn combine_parts<'a, A: Accumulator>(op: ReduceOp, local: &mut [A], p
     assert_eq!(combined, local.len(), "combine: length checked by the caller");
 }
 
+/// `out[i] = combine(received[i], local[i])`: a received payload in pieces combined with local
+/// values into a separate buffer (`out`, raw little-endian bytes of `A`), in one pass.
+pub(crate) fn combine_parts_to<'a, A: Accumulator>(op: ReduceOp, out: &mut [u8], parts: impl Iterator<Item = &'a [u8]>, local: &[A]) {
+    assert_eq!(out.len(), std::mem::size_of_val(local), "combine: length checked by the caller");
+    let size = std::mem::size_of::<A>();
+    let combined = walk_parts(size, parts, |r, bytes| combine_to_bytes(op, &mut out[r.start * size..r.end * size], bytes, &local[r]));
+    assert_eq!(combined, local.len(), "combine: length checked by the caller");
+}
+
+/// `out[i] = combine(received[i], local[i])` over raw little-endian bytes of `A` (`out` and
+/// `received`); one loop per operation, so each compiles to straight vector code.
+fn combine_to_bytes<A: Accumulator>(op: ReduceOp, out: &mut [u8], received: &[u8], local: &[A]) {
+    debug_assert_eq!(out.len(), received.len());
+    macro_rules! each {
+        ($op:expr) => {
+            match (bytemuck::try_cast_slice_mut::<u8, A>(out), bytemuck::try_cast_slice::<u8, A>(received)) {
+                (Ok(out), Ok(received)) => {
+                    for ((o, r), l) in out.iter_mut().zip(received).zip(local) {
+                        *o = A::combine($op, *r, *l);
+                    }
+                }
+                (Ok(out), Err(_)) => {
+                    for ((o, r), l) in out.iter_mut().zip(received.chunks_exact(std::mem::size_of::<A>())).zip(local) {
+                        *o = A::combine($op, bytemuck::pod_read_unaligned(r), *l);
+                    }
+                }
+                (Err(_), _) => {
+                    let size = std::mem::size_of::<A>();
+                    for ((o, r), l) in out.chunks_exact_mut(size).zip(received.chunks_exact(size)).zip(local) {
+                        o.copy_from_slice(bytemuck::bytes_of(&A::combine($op, bytemuck::pod_read_unaligned(r), *l)));
+                    }
+                }
+            }
+        };
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => each!(ReduceOp::Sum),
+        ReduceOp::Max => each!(ReduceOp::Max),
+        ReduceOp::Min => each!(ReduceOp::Min),
+    }
+}
+
 /// [`round_bytes`] from a payload in pieces.
 pub(crate) fn round_parts<'a, T: Element>(dst: &mut [T], parts: impl Iterator<Item = &'a [u8]>) {
     let rounded = walk_parts(std::mem::size_of::<T::Acc>(), parts, |r, bytes| round_bytes(&mut dst[r], bytes));
@@ -323,6 +365,34 @@ mod tests {
             let mut rounded = vec![bf16::ZERO; 37];
             round_parts(&mut rounded, parts.iter().copied());
             assert_eq!(rounded, values.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        }
+    }
+
+    // Goal: combining pieces into a separate buffer (a ring's Forward step over QUIC) gives the
+    // same bits as combining into the received bytes in place, for every operation, with pieces
+    // cut anywhere (unaligned, elements split) and an output buffer that is aligned or not.
+    #[test]
+    fn combine_to_separate_buffer_equals_in_place() {
+        let received: Vec<f32> = (0..41).map(|i| if i % 9 == 4 { f32::NAN } else { i as f32 * 0.75 - 11.0 }).collect();
+        let local: Vec<f32> = (0..41).map(|i| if i % 5 == 0 { -0.0 } else { 13.0 - i as f32 * 0.5 }).collect();
+        let bytes: Vec<u8> = bytemuck::cast_slice(&received).to_vec();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            let mut expected = bytes.clone();
+            combine_into_bytes(op, &mut expected, &local);
+            for cuts in [vec![], vec![2], vec![3, 4, 5, 80], (1..164).step_by(7).collect::<Vec<_>>()] {
+                let mut parts = Vec::new();
+                let mut at = 0;
+                for &c in &cuts {
+                    parts.push(&bytes[at..c]);
+                    at = c;
+                }
+                parts.push(&bytes[at..]);
+                for offset in [0usize, 1] {
+                    let mut out = vec![0u8; bytes.len() + offset];
+                    combine_parts_to(op, &mut out[offset..], parts.iter().copied(), &local);
+                    assert_eq!(&out[offset..], &expected[..], "{op:?}, cuts {cuts:?}, offset {offset}");
+                }
+            }
         }
     }
 

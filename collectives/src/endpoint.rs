@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use tracing::Instrument;
 
-use crate::communicator::{CommConfig, Communicator, DEFAULT_CHUNK_BYTES};
+use crate::communicator::{CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_RING_WINDOW, MAX_RING_WINDOW};
 use crate::error::{Error, Result};
 use crate::frame::Frame;
 use crate::group::{Delivery, GroupState};
@@ -75,6 +75,9 @@ impl Endpoint {
         config.validate_for(transport.world_size())?;
         if config.chunk_bytes.is_none() {
             config.chunk_bytes = Some(transport.preferred_chunk_bytes().unwrap_or(DEFAULT_CHUNK_BYTES).max(8).min(config.max_payload_bytes));
+        }
+        if config.ring_window.is_none() {
+            config.ring_window = Some(transport.preferred_ring_window().unwrap_or(DEFAULT_RING_WINDOW).clamp(1, MAX_RING_WINDOW));
         }
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::InvalidConfig { reason: "endpoint must be created inside a tokio runtime" })?;
         let rank = transport.rank();

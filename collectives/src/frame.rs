@@ -127,6 +127,17 @@ enum FrameBytes {
     Chunked(ChunkedBytes),
 }
 
+/// A received frame's bytes, taken to be sent on unchanged or after combining into them (see
+/// [`Frame::into_outgoing`]).
+pub(crate) enum Outgoing {
+    /// Header and payload in one buffer: the new header is written over the old one.
+    Pooled(PooledBuf),
+    /// The payload in place in the transport's memory.
+    Lent(LentBytes),
+    /// The payload as the transport's pieces.
+    Chunked(ChunkedBytes),
+}
+
 /// The pieces of a frame's payload, in order (see [`Frame::payload_parts`]).
 pub(crate) enum PayloadParts<'a> {
     One(Option<&'a [u8]>),
@@ -267,6 +278,22 @@ impl Frame {
         }
     }
 
+    /// The frame's bytes, to send on (the header is encoded anew by the sender).
+    pub(crate) fn into_outgoing(self) -> Outgoing {
+        match self.bytes {
+            FrameBytes::Pooled(buf) => Outgoing::Pooled(buf),
+            FrameBytes::Lent(payload) => Outgoing::Lent(payload),
+            FrameBytes::Chunked(chunks) => Outgoing::Chunked(chunks),
+        }
+    }
+
+    /// A frame made locally in `buf` (whose first [`HEADER_LEN`] bytes are room for a header) to
+    /// be sent on like a received one; `header` describes it.
+    pub(crate) fn from_pooled(header: FrameHeader, buf: PooledBuf) -> Frame {
+        debug_assert!(buf.len() >= HEADER_LEN, "a pooled frame starts with room for its header");
+        Frame { header, bytes: FrameBytes::Pooled(buf) }
+    }
+
     /// Decodes and fully validates a frame whose payload is held in pieces.
     pub fn decode_chunked(header: &[u8; HEADER_LEN], payload: ChunkedBytes, max_payload: usize) -> Result<Frame> {
         let decoded = decode_header(header, max_payload)?;
@@ -358,6 +385,15 @@ pub fn encode_header(header: &FrameHeader, payload: &[u8]) -> [u8; HEADER_LEN] {
     let mut out = [0u8; HEADER_LEN];
     write_header(&mut out, header, payload.len() as u64);
     let crc = checksum(&out, payload);
+    out[CHECKSUM_RANGE].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// [`encode_header`] for a payload of `payload_len` bytes given as pieces, in order.
+pub fn encode_header_parts<'a>(header: &FrameHeader, payload_len: usize, payload: impl Iterator<Item = &'a [u8]>) -> [u8; HEADER_LEN] {
+    let mut out = [0u8; HEADER_LEN];
+    write_header(&mut out, header, payload_len as u64);
+    let crc = checksum_parts(&out, payload);
     out[CHECKSUM_RANGE].copy_from_slice(&crc.to_le_bytes());
     out
 }

@@ -57,7 +57,7 @@ mod transport;
 pub use collective::{Collective, CollectiveGroup};
 pub use communicator::{
     AllReduceAlgorithm, CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_STORED_FRAMES, DEFAULT_OP_TIMEOUT,
-    DEFAULT_SMALL_MESSAGE_BYTES,
+    DEFAULT_RING_WINDOW, DEFAULT_SMALL_MESSAGE_BYTES, MAX_RING_WINDOW,
 };
 pub use element::{Accumulator, Element, WireElement};
 pub use endpoint::{Endpoint, WORLD_GROUP_ID};
@@ -78,7 +78,7 @@ pub use routed::RoutedTransport;
 pub use rtx_kernels::DType;
 #[cfg(feature = "shm")]
 pub use shm::{ShmOptions, ShmTransport, DEFAULT_RING_BYTES, SHM_INBOX_FRAMES};
-pub use transport::{BoxFuture, ChunkedBytes, EventSink, Lender, LentBytes, Transport, TransportEvent};
+pub use transport::{BoxFuture, BytesPiece, ChunkedBytes, EventSink, Lender, LentBytes, Transport, TransportEvent};
 
 /// How `all_reduce`, `reduce_scatter` and `reduce` combine elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

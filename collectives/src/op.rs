@@ -10,11 +10,10 @@ use std::ops::Range;
 
 use rtx_kernels::DType;
 
-use crate::algo::RING_WINDOW;
 use crate::communicator::Communicator;
-use crate::element::{combine_parts, copy_parts, round_parts, Accumulator, Element, WireElement};
+use crate::element::{combine_into_bytes, combine_parts, combine_parts_to, copy_parts, round_parts, Accumulator, Element, WireElement};
 use crate::error::{Error, Result};
-use crate::frame::{encode_header, encode_header_only_checksum, Frame, FrameHeader, OpKind};
+use crate::frame::{encode_header, encode_header_only_checksum, encode_header_parts, Frame, FrameHeader, OpKind, Outgoing, HEADER_LEN};
 use crate::group::{Key, Lane, Slot};
 use crate::ReduceOp;
 
@@ -46,10 +45,15 @@ struct Posted {
     remaining: usize,
 }
 
-/// Receives a ring step keeps posted ahead on its incoming link. A frame that arrives while its
-/// receive is posted is handed over as is, which for the shared-memory transport means read in
-/// place; one that arrives earlier is parked, and a lent payload copied out first.
-const POST_DEPTH: usize = RING_WINDOW + 2;
+/// Receives a ring step keeps posted ahead on its incoming link, beyond its ring window
+/// ([`crate::CommConfig::ring_window`]). A frame that arrives while its receive is posted is handed
+/// over as is, which for the shared-memory transport means read in place; one that arrives earlier
+/// is parked, and a lent payload copied out first.
+const POST_AHEAD_EXTRA: usize = 2;
+/// Most received frames with a lent payload (shared-memory ring slots) an operation holds while
+/// it waits to forward them; past that, [`OpCtx::hold`] copies them out. Bounds the slots of a
+/// transport's ring an operation pins, whatever its ring window.
+const LENT_HELD_MAX: usize = 2;
 
 impl<'a> OpCtx<'a> {
     pub(crate) fn new(comm: &'a Communicator, op: OpKind, generation: u64, seq: u64) -> Self {
@@ -96,7 +100,7 @@ impl<'a> OpCtx<'a> {
     }
 
     /// Announces that `count` more frames will be received from group rank `from` in this
-    /// operation, so receives can be posted ahead (see [`POST_DEPTH`]).
+    /// operation, so receives can be posted ahead (see [`POST_AHEAD_EXTRA`]).
     pub(crate) fn announce(&mut self, from: usize, count: usize) {
         let from = self.real(from);
         let next = self.received.get(&from).copied().unwrap_or(0);
@@ -106,13 +110,14 @@ impl<'a> OpCtx<'a> {
         posted.remaining = count;
     }
 
-    /// Posts receives on the link from `from` up to [`POST_DEPTH`] ahead.
+    /// Posts receives on the link from `from` up to the ring window plus [`POST_AHEAD_EXTRA`] ahead.
     fn post_ahead(&mut self, from: usize) {
         let group = self.comm.state();
         let src = group.members[from];
         let (generation, lane, seq, op) = (self.generation, self.lane, self.seq, self.op);
         let Some(posted) = self.posted.get_mut(&from) else { return };
-        while posted.remaining > 0 && posted.slots.len() < POST_DEPTH {
+        let depth = self.comm.config().effective_ring_window() + POST_AHEAD_EXTRA;
+        while posted.remaining > 0 && posted.slots.len() < depth {
             let key = (generation, lane, src, seq, posted.next_chunk);
             // On failure (a bump, a lost peer) stop posting; the receive itself reports it.
             let Ok(slot) = group.register(key, op) else { return };
@@ -127,10 +132,15 @@ impl<'a> OpCtx<'a> {
         (self.comm.config().effective_chunk_bytes() / std::mem::size_of::<T>()).max(1)
     }
 
-    /// Sends one frame with `payload` to group rank `to`.
-    pub(crate) async fn send_frame(&mut self, to: usize, dtype: Option<DType>, payload: &[u8]) -> Result<()> {
+    /// Frames a ring sends ahead of those it has received ([`crate::CommConfig::ring_window`]).
+    pub(crate) fn ring_window(&self) -> usize {
+        self.comm.config().effective_ring_window()
+    }
+
+    /// The header of the next frame to group rank `to` (taking its chunk number), and `to`'s
+    /// global rank.
+    fn next_header(&mut self, to: usize, dtype: Option<DType>, payload_len: usize) -> (usize, FrameHeader) {
         let to = self.real(to);
-        let shared = self.comm.endpoint().shared();
         let group = self.comm.state();
         let peer = group.members[to];
         debug_assert_ne!(to, group.my_index, "no frames to self");
@@ -145,18 +155,79 @@ impl<'a> OpCtx<'a> {
             chunk,
             src: group.members[group.my_index] as u32,
             dtype,
-            payload_len: payload.len() as u64,
+            payload_len: payload_len as u64,
         };
-        let header = if shared.transport.checks_integrity() { encode_header_only_checksum(&header, payload.len()) } else { encode_header(&header, payload) };
+        (peer, header)
+    }
+
+    /// Waits for `send` (a transport send to global rank `peer`) within the operation timeout.
+    async fn finish_send(&mut self, peer: usize, send: crate::transport::BoxFuture<'_, Result<()>>) -> Result<()> {
         // A peer that is alive but never drains its link must not hang the sender either.
         let timeout = self.comm.config().op_timeout;
-        let result = match tokio::time::timeout(timeout, shared.transport.send_parts(peer, &header, payload, &shared.pool)).await {
+        let result = match tokio::time::timeout(timeout, send).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(Error::PeerLost { rank, .. })) => Err(Error::PeerLost { rank, op: self.op }),
             Ok(Err(other)) => Err(other),
             Err(_elapsed) => Err(Error::Timeout { op: self.op, waiting_for: peer, timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX) }),
         };
         self.watch(result)
+    }
+
+    /// Sends one frame with `payload` to group rank `to`.
+    pub(crate) async fn send_frame(&mut self, to: usize, dtype: Option<DType>, payload: &[u8]) -> Result<()> {
+        let (peer, header) = self.next_header(to, dtype, payload.len());
+        let shared = self.comm.endpoint().shared();
+        let header = if shared.transport.checks_integrity() { encode_header_only_checksum(&header, payload.len()) } else { encode_header(&header, payload) };
+        self.finish_send(peer, shared.transport.send_parts(peer, &header, payload, &shared.pool)).await
+    }
+
+    /// Sends `frame`'s payload (a received frame, perhaps combined into) to group rank `to` as
+    /// the next frame of this operation, without copying it where the transport allows: a pooled
+    /// buffer gets the new header written over the old one and goes to the transport as it is, a
+    /// chunked payload goes as its pieces ([`crate::Transport::send_chunked`]); a lent one is
+    /// copied by the transport from where it lies.
+    pub(crate) async fn forward_frame(&mut self, to: usize, dtype: Option<DType>, frame: Frame) -> Result<()> {
+        let payload_len = frame.payload_len();
+        let (peer, header) = self.next_header(to, dtype, payload_len);
+        let shared = self.comm.endpoint().shared();
+        let integrity = shared.transport.checks_integrity();
+        match frame.into_outgoing() {
+            Outgoing::Pooled(mut buf) => {
+                debug_assert_eq!(buf.len(), HEADER_LEN + payload_len, "a pooled frame is its header and payload");
+                let encoded = if integrity { encode_header_only_checksum(&header, payload_len) } else { encode_header(&header, &buf[HEADER_LEN..]) };
+                buf[..HEADER_LEN].copy_from_slice(&encoded);
+                self.finish_send(peer, shared.transport.send(peer, buf)).await
+            }
+            Outgoing::Chunked(chunks) => {
+                debug_assert_eq!(chunks.len(), payload_len);
+                let encoded =
+                    if integrity { encode_header_only_checksum(&header, payload_len) } else { encode_header_parts(&header, payload_len, chunks.chunks()) };
+                let send = async move { shared.transport.send_chunked(peer, &encoded, chunks, &shared.pool).await };
+                self.finish_send(peer, Box::pin(send)).await
+            }
+            Outgoing::Lent(payload) => {
+                let encoded = if integrity { encode_header_only_checksum(&header, payload_len) } else { encode_header(&header, &payload) };
+                let send = async move { shared.transport.send_parts(peer, &encoded, &payload, &shared.pool).await };
+                self.finish_send(peer, Box::pin(send)).await
+            }
+        }
+    }
+
+    /// A ring's Forward step: `received` combined with `local` (`combine(received, local)` per
+    /// element), in a frame to forward. A payload in pieces is combined into a fresh pooled
+    /// buffer in one pass (no copy to join the pieces first); a contiguous one in place.
+    pub(crate) fn combine_forward<A: Accumulator>(&self, op: ReduceOp, received: Frame, local: &[A]) -> Frame {
+        debug_assert_eq!(received.payload_len(), std::mem::size_of_val(local), "forward: length checked on receipt");
+        if !received.is_chunked() {
+            let mut frame = received;
+            combine_into_bytes(op, frame.payload_mut(), local);
+            return frame;
+        }
+        let len = received.payload_len();
+        let mut buf = self.comm.endpoint().shared().pool.take(HEADER_LEN + len);
+        buf.resize(HEADER_LEN + len, 0);
+        combine_parts_to(op, &mut buf[HEADER_LEN..], received.payload_parts(), local);
+        Frame::from_pooled(received.header, buf)
     }
 
     /// Receives the next frame from group rank `from`, checking op, dtype and payload length; its
@@ -204,11 +275,11 @@ impl<'a> OpCtx<'a> {
         Ok(frame)
     }
 
-    /// A received frame to keep while `queued` others already wait: past [`RING_WINDOW`] of them,
+    /// A received frame to keep while `queued` others already wait: past [`LENT_HELD_MAX`] of them,
     /// a payload lent by the transport is copied out, so an operation never pins more than a few
     /// slots of a transport's ring (see the shared-memory transport).
     pub(crate) fn hold(&self, frame: Frame, queued: usize) -> Frame {
-        if queued < RING_WINDOW || !frame.is_lent() {
+        if queued < LENT_HELD_MAX || !frame.is_lent() {
             return frame;
         }
         frame.into_owned(&self.comm.endpoint().shared().pool)

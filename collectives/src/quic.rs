@@ -34,11 +34,20 @@
 //! stripe 0. The dialer's count decides; an acceptor takes whatever count a peer's hellos name (up
 //! to [`MAX_STRIPES`]) and installs the link when all of them are connected.
 //!
+//! Frames a ring passes on are not copied on the way out: a received payload of quinn's pieces
+//! goes back to quinn as those pieces ([`Transport::send_chunked`]), and a frame combined into (a
+//! ring's Forward step, written out of the pieces into a fresh pooled buffer) goes as its buffer.
+//! Only a send from the caller's memory copies once, into a pooled frame. QUIC asks for a ring
+//! window of `QUIC_RING_WINDOW` (8) frames ([`Transport::preferred_ring_window`]) and keeps the
+//! default frame size: 2 MiB frames (`CommConfig::chunk_bytes`) are 4-20% faster on a host with cores
+//! to spare, but 14% slower at 64 MiB on 2 cores (BENCHMARKS.md, issue 20).
+//!
 //! Tuning (measured by `rtx bench collectives`, see BENCHMARKS.md): quinn's defaults send 1200-byte
 //! datagrams and allow 1.25 MB per stream in flight, which caps a connection near 0.5 GB/s here.
 //! Towards a loopback peer, packets are [`QuicOptions::loopback_datagram_bytes`] (the endpoint's
 //! `max_udp_payload_size` is raised with it; raising only the connection's initial MTU makes the
-//! peer drop every packet), the UDP socket buffers are [`QuicOptions::socket_buffer_bytes`], and flow
+//! peer drop every packet), the UDP socket buffers are [`QuicOptions::socket_buffer_bytes`] (past the
+//! kernel's cap where the process may, see `force_buffers`), and flow
 //! control allows [`QuicOptions::stream_window_bytes`] per stream. TLS uses AES-128-GCM only, the
 //! cheapest TLS 1.3 suite with AES instructions (quinn's handshake suite anyway). Other links keep
 //! 1200-byte packets and quinn's path MTU discovery.
@@ -125,6 +134,11 @@ pub(crate) const SIDE_STREAMS_MAX: u32 = 16;
 /// Most accepted side streams waiting per channel for [`QuicTransport::accept_stream`]; more are
 /// refused.
 pub(crate) const SIDE_QUEUE: usize = 16;
+/// [`Transport::preferred_ring_window`] of QUIC: frames a ring sends ahead of those it has
+/// received. A frame spends long between the operation and the peer (packetised, sealed, sent,
+/// opened and reassembled by other tasks), so two in flight left the cores idle (BENCHMARKS.md,
+/// issue 20); see the sweep there.
+pub(crate) const QUIC_RING_WINDOW: usize = 8;
 /// Payloads from this size on are handed to the endpoint as quinn's pieces instead of being copied
 /// into one buffer; below it, the copy is cheaper than keeping a list of pieces.
 pub(crate) const CHUNKED_FRAME_MIN_BYTES: usize = 16 << 10;
@@ -616,6 +630,13 @@ impl QuicTransport {
         self.shared.endpoint.open_connections()
     }
 
+    /// quinn's statistics of the connections to `peer` (one per stripe, in stripe order) while the
+    /// link is live: packets sent and lost, congestion events, the congestion window. For
+    /// benchmarks and diagnosis.
+    pub fn link_stats(&self, peer: usize) -> Vec<quinn::ConnectionStats> {
+        lock(&self.shared.links).get(&peer).map(|link| link.stripes.iter().map(|s| s.conn.stats()).collect()).unwrap_or_default()
+    }
+
     /// The endpoint's handshake counters (accepted, dialed, refused) over its life.
     pub fn endpoint_stats(&self) -> quinn::EndpointStats {
         self.shared.endpoint.stats()
@@ -632,22 +653,23 @@ impl Transport for QuicTransport {
     }
 
     fn send(&self, peer: usize, frame: PooledBuf) -> BoxFuture<'_, Result<()>> {
+        // quinn keeps the bytes until they are acknowledged, then the buffer goes back to the pool.
+        Box::pin(async move { self.write_frame(peer, &mut [bytes::Bytes::from_owner(frame)]).await })
+    }
+
+    fn send_chunked<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: ChunkedBytes, _pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            if peer >= self.shared.world {
-                return Err(Error::RankOutOfRange { rank: peer, size: self.shared.world });
-            }
-            let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
-            let Some(link) = lock(&self.shared.links).get(&peer).cloned() else {
-                return Err(lost);
-            };
-            let stripe = link.next_stripe();
-            let mut send = stripe.send.lock().await;
-            let mut torn = TornFrame { conn: &stripe.conn, armed: true };
-            // quinn keeps the bytes until they are acknowledged, then the buffer goes back to the pool.
-            let result = send.write_chunk(bytes::Bytes::from_owner(frame)).await.map_err(|_| lost);
-            torn.armed = false;
-            result
+            // The pieces are quinn's own received bytes: they go back to quinn as they are, and
+            // live until the peer acknowledges them.
+            let mut frame = Vec::with_capacity(1 + payload.len() / CHUNKED_FRAME_MIN_BYTES.max(1));
+            frame.push(bytes::Bytes::copy_from_slice(header));
+            frame.extend(payload.into_pieces().map(bytes::Bytes::from_owner));
+            self.write_frame(peer, &mut frame).await
         })
+    }
+
+    fn preferred_ring_window(&self) -> Option<usize> {
+        Some(QUIC_RING_WINDOW)
     }
 
     fn checks_integrity(&self) -> bool {
@@ -675,6 +697,25 @@ impl Transport for QuicTransport {
     fn abort(&self) {
         lock(&self.shared.side).take();
         self.shared.endpoint.close(1u32.into(), b"aborted");
+    }
+}
+
+impl QuicTransport {
+    /// Writes one frame, given as its pieces in order, on the next stripe of the link to `peer`.
+    async fn write_frame(&self, peer: usize, frame: &mut [bytes::Bytes]) -> Result<()> {
+        if peer >= self.shared.world {
+            return Err(Error::RankOutOfRange { rank: peer, size: self.shared.world });
+        }
+        let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
+        let Some(link) = lock(&self.shared.links).get(&peer).cloned() else {
+            return Err(lost);
+        };
+        let stripe = link.next_stripe();
+        let mut send = stripe.send.lock().await;
+        let mut torn = TornFrame { conn: &stripe.conn, armed: true };
+        let result = send.write_all_chunks(frame).await.map_err(|_| lost);
+        torn.armed = false;
+        result
     }
 }
 
@@ -933,6 +974,36 @@ fn disable_gro(socket: &std::net::UdpSocket) -> Result<()> {
     Ok(())
 }
 
+/// Where the kernel capped the socket's buffers below `bytes` (`net.core.{r,w}mem_max`, 208 KiB
+/// unless raised: three jumbo packets), asks past the cap, which a process with `CAP_NET_ADMIN`
+/// may; otherwise the capped buffers stay. A burst of packets over the receive buffer is dropped
+/// and costs a loss-recovery round and a halved congestion window.
+#[cfg(target_os = "linux")]
+fn force_buffers(socket: &socket2::Socket, bytes: usize) {
+    use std::os::fd::AsRawFd;
+    let want = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // Linux reports twice the size set (its bookkeeping overhead).
+    let short = |got: std::io::Result<usize>| !matches!(got, Ok(got) if got / 2 >= bytes);
+    for (option, got) in [(libc::SO_RCVBUFFORCE, socket.recv_buffer_size()), (libc::SO_SNDBUFFORCE, socket.send_buffer_size())] {
+        if !short(got) {
+            continue;
+        }
+        // SAFETY: a valid socket descriptor and a pointer to a c_int of the length passed.
+        let _ = unsafe {
+            libc::setsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                option,
+                (&want as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn force_buffers(_socket: &socket2::Socket, _bytes: usize) {}
+
 /// A UDP socket bound to `listen` with larger kernel buffers (a burst of 64 KB packets overflows
 /// the 208 KiB default, and every drop costs a loss-recovery round).
 fn udp_socket(listen: SocketAddr, buffer_bytes: usize) -> Result<std::net::UdpSocket> {
@@ -944,6 +1015,7 @@ fn udp_socket(listen: SocketAddr, buffer_bytes: usize) -> Result<std::net::UdpSo
     // Best effort: the kernel clamps to its maximum, and a smaller buffer still works.
     let _ = socket.set_recv_buffer_size(buffer_bytes);
     let _ = socket.set_send_buffer_size(buffer_bytes);
+    force_buffers(&socket, buffer_bytes);
     socket.bind(&listen.into()).map_err(|e| io("bind", e))?;
     Ok(socket.into())
 }

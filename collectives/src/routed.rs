@@ -211,6 +211,15 @@ impl Transport for RoutedTransport {
         })
     }
 
+    fn send_chunked<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: ChunkedBytes, pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            match self.route(peer)? {
+                Route::Local(i) => self.local.send_chunked(i, header, payload, pool).await.map_err(|e| self.globalize(e)),
+                Route::Network => self.network.send_chunked(peer, header, payload, pool).await,
+            }
+        })
+    }
+
     fn recv(&self) -> BoxFuture<'_, Option<TransportEvent>> {
         Box::pin(async move {
             // One caller at a time (the dispatcher); the lock also keeps the closed bits.

@@ -16,13 +16,17 @@
 //! The provided methods are fast paths a transport may take; their defaults keep the simple
 //! contract above. [`Transport::send_parts`] takes a frame as its encoded header plus a borrowed
 //! payload, so a transport that copies anyway (shared memory) writes the caller's bytes straight
-//! into its ring instead of into an intermediate frame buffer. [`Transport::attach`] lets a transport
+//! into its ring instead of into an intermediate frame buffer; [`Transport::send_chunked`] takes a
+//! payload as a received frame's pieces, so a ring passing a frame on unchanged sends quinn's own
+//! received bytes back to quinn. [`Transport::attach`] lets a transport
 //! push events into the endpoint from the thread or task that read them ([`EventSink`]) instead of
 //! handing them to the dispatcher task through `recv`: one cross-thread wake-up less per frame, and
 //! the way to lend a payload in place ([`EventSink::lent_frame`], [`LentBytes`]).
 //! [`Transport::poll_incoming`] lets a waiting operation take arrived frames itself before it
 //! sleeps. [`Transport::checks_integrity`] says the channel already guarantees unaltered bytes, so
-//! payloads need no checksum.
+//! payloads need no checksum. [`Transport::preferred_chunk_bytes`] and
+//! [`Transport::preferred_ring_window`] are the frame size and send-ahead depth the transport moves
+//! best, for an endpoint whose config leaves them unset.
 
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
@@ -79,6 +83,19 @@ pub trait Transport: Send + Sync + 'static {
         self.send(peer, frame)
     }
 
+    /// Sends one frame given as its encoded `header` and a `payload` held in pieces (a received
+    /// chunked frame a ring passes on unchanged). The default copies both into a buffer from `pool`
+    /// and calls [`send`](Self::send); a transport that can send the pieces as they are (QUIC hands
+    /// them to quinn without a copy) overrides it. As atomic towards the receiver as `send`.
+    fn send_chunked<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: ChunkedBytes, pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        let mut frame = pool.take(HEADER_LEN + payload.len());
+        frame.extend_from_slice(header);
+        for chunk in payload.chunks() {
+            frame.extend_from_slice(chunk);
+        }
+        self.send(peer, frame)
+    }
+
     /// Whether this transport's channel already guarantees that bytes arrive unaltered (memory,
     /// or an authenticated cipher). Frames sent over such a transport carry a checksum of their
     /// header only (see [`crate::frame`]); the default, `false`, checksums payloads too.
@@ -102,6 +119,15 @@ pub trait Transport: Send + Sync + 'static {
     /// rank, like the config. Shared memory asks for a sixteenth of its ring, so both directions'
     /// rings stay in cache; the default (`None`) means [`crate::DEFAULT_CHUNK_BYTES`].
     fn preferred_chunk_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// How many frames a ring should send ahead of the frames it has received, if this transport
+    /// has a preference: an [`crate::Endpoint`] whose [`crate::CommConfig::ring_window`] is unset
+    /// uses it. The default (`None`) means [`crate::DEFAULT_RING_WINDOW`]. A transport whose frames
+    /// spend long in flight (QUIC: packetised, sealed and opened by other tasks) needs more of them
+    /// on the way to keep its cores busy.
+    fn preferred_ring_window(&self) -> Option<usize> {
         None
     }
 
@@ -197,6 +223,26 @@ impl ChunkedBytes {
     /// The pieces, in order.
     pub fn chunks(&self) -> impl Iterator<Item = &[u8]> {
         self.chunks.iter().map(|c| (**c).as_ref())
+    }
+
+    /// The pieces, in order, as owned values (to hand them on without a copy).
+    pub fn into_pieces(self) -> impl Iterator<Item = BytesPiece> {
+        self.chunks.into_iter().map(BytesPiece)
+    }
+}
+
+/// One piece of a [`ChunkedBytes`], owned (see [`ChunkedBytes::into_pieces`]).
+pub struct BytesPiece(Box<dyn AsRef<[u8]> + Send + Sync>);
+
+impl AsRef<[u8]> for BytesPiece {
+    fn as_ref(&self) -> &[u8] {
+        (*self.0).as_ref()
+    }
+}
+
+impl std::fmt::Debug for BytesPiece {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BytesPiece").field("len", &self.as_ref().len()).finish()
     }
 }
 

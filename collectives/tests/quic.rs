@@ -17,8 +17,8 @@ use std::time::Duration;
 use common::*;
 use quinn::crypto::rustls::QuicClientConfig;
 use rtx_collectives::{
-    client_tls_config, rank_name, tls_packet_cipher_throughput, ClusterCa, CommConfig, Endpoint, Error, NodeIdentity, OpKind, QuicOptions, QuicTransport,
-    ReduceOp, Transport, ALPN,
+    client_tls_config, rank_name, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, Endpoint, Error, NodeIdentity, OpKind, QuicOptions,
+    QuicTransport, ReduceOp, Transport, ALPN,
 };
 
 const LOOPBACK: &str = "127.0.0.1:0";
@@ -225,4 +225,119 @@ fn tls_cipher_probe_measures_and_validates() {
     assert!(rate.open_bps.is_finite() && rate.open_bps > 0.0, "{rate:?}");
     let err = tls_packet_cipher_throughput(0, 1 << 20).unwrap_err();
     assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
+}
+
+/// `n` QUIC ranks on loopback with `stripes` connections per pair, and their world communicators
+/// on `config`; the transports too (to abort one).
+async fn quic_world(n: usize, stripes: usize, config: &CommConfig) -> (Vec<Arc<QuicTransport>>, Vec<Communicator>) {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let transports = QuicTransport::loopback_world(&ca, n, QuicOptions { stripes, ..options() }).await.unwrap();
+    let comms = transports
+        .iter()
+        .map(|t| {
+            let t: Arc<dyn Transport> = Arc::clone(t) as Arc<dyn Transport>;
+            Endpoint::new(t, config.clone()).unwrap().world().unwrap()
+        })
+        .collect();
+    (transports, comms)
+}
+
+// Goal: rings over QUIC whose frames arrive in quinn's pieces (frames of 20 KiB, above the
+// chunked-delivery threshold) give exact, bit-identical results on every rank: a Forward step
+// combines out of the pieces into a fresh frame and a Gather step passes quinn's received bytes on
+// unchanged. Method: 4 ranks, exact inputs (RTX_TEST_SEED), every reduce op, an odd length (uneven
+// segments, short last pieces), ring windows of 1, 8 and 64 frames, 1 and 2 stripes (frames
+// overtake each other); reduce_scatter and all_gather on the same links.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deep_windows_and_passed_on_frames_give_exact_results() {
+    let seed = seed();
+    let n = 4;
+    let len = 100_003;
+    for (stripes, window) in [(1, 1), (1, 8), (2, 64)] {
+        let config = CommConfig {
+            op_timeout: Duration::from_secs(20),
+            small_message_bytes: 0,
+            chunk_bytes: Some(20 << 10),
+            ring_window: Some(window),
+            ..CommConfig::default()
+        };
+        let (_transports, comms) = quic_world(n, stripes, &config).await;
+        for (case, op) in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg].into_iter().enumerate() {
+            let inputs = Arc::new(exact_inputs::<f32>(seed, case as u64, n, len));
+            let expected = reference(op, &inputs);
+            let out = run_ranks(&comms, |c| {
+                let inputs = Arc::clone(&inputs);
+                async move {
+                    let mut buf = inputs[c.rank()].clone();
+                    c.all_reduce(&mut buf, op).await.unwrap();
+                    buf
+                }
+            })
+            .await;
+            for (rank, got) in out.iter().enumerate() {
+                assert!(bits(got) == bits(&expected), "all_reduce {op:?}, window {window}, stripes {stripes}: rank {rank} differs");
+            }
+        }
+        let inputs = Arc::new(exact_inputs::<f32>(seed, 9, n, len));
+        let expected = reference(ReduceOp::Sum, &inputs);
+        let out = run_ranks(&comms, |c| {
+            let inputs = Arc::clone(&inputs);
+            async move {
+                let (rank, n) = (c.rank(), c.size());
+                let own = rtx_collectives::segment_range(len, n, rank);
+                let mut part = vec![0.0f32; own.len()];
+                c.reduce_scatter(&inputs[rank], &mut part, ReduceOp::Sum).await.unwrap();
+                let mut full = vec![0.0f32; len];
+                c.all_gather(&part, &mut full).await.unwrap();
+                (own, part, full)
+            }
+        })
+        .await;
+        for (rank, (own, part, full)) in out.iter().enumerate() {
+            assert!(bits(part) == bits(&expected[own.clone()]), "reduce_scatter, window {window}: rank {rank} differs");
+            assert!(bits(full) == bits(&expected), "all_gather, window {window}: rank {rank} differs");
+        }
+    }
+}
+
+// Goal: a rank that vanishes in the middle of a deep-window ring (many frames in flight, some of
+// them quinn's received pieces held to be passed on) makes the survivors' all_reduce fail with
+// PeerLost naming it, well before the operation timeout, instead of hanging. Method: 3 ranks,
+// window 64, 32 KiB frames, 32 MiB buffers; rank 2 starts the all_reduce, is cancelled after
+// 10 ms and aborts its transport.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_lost_mid_deep_window_ring_is_reported() {
+    let config =
+        CommConfig { op_timeout: Duration::from_secs(30), small_message_bytes: 0, chunk_bytes: Some(32 << 10), ring_window: Some(64), ..CommConfig::default() };
+    let (transports, mut comms) = quic_world(3, 1, &config).await;
+    let victim = comms.pop().unwrap();
+    let victim_transport = Arc::clone(&transports[2]);
+    let len = 8 << 20;
+    let killer = tokio::spawn(async move {
+        let mut buf = vec![1.0f32; len];
+        let finished = tokio::time::timeout(Duration::from_millis(10), victim.all_reduce(&mut buf, ReduceOp::Sum)).await.is_ok();
+        victim_transport.abort();
+        finished
+    });
+    let start = std::time::Instant::now();
+    let out = run_ranks(&comms, |c| async move {
+        let mut buf = vec![1.0f32; len];
+        c.all_reduce(&mut buf, ReduceOp::Sum).await
+    })
+    .await;
+    assert!(!killer.await.unwrap(), "the victim's 32 MiB all_reduce finished within 10 ms: the test did not cut it short");
+    for (rank, result) in out.into_iter().enumerate() {
+        assert!(matches!(result, Err(Error::PeerLost { rank: 2, .. })), "rank {rank}: {result:?}");
+    }
+    assert!(start.elapsed() < Duration::from_secs(20), "loss reported after {:?}", start.elapsed());
+}
+
+// Goal: a ring window of 0 or over MAX_RING_WINDOW is a typed configuration error.
+#[test]
+fn ring_window_out_of_range_is_refused() {
+    for window in [0, rtx_collectives::MAX_RING_WINDOW + 1] {
+        let err = CommConfig { ring_window: Some(window), ..CommConfig::default() }.validate().unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "ring_window = {window}: {err}");
+    }
+    assert!(CommConfig { ring_window: Some(rtx_collectives::MAX_RING_WINDOW), ..CommConfig::default() }.validate().is_ok());
 }

@@ -104,6 +104,9 @@ pub struct CollectivesArgs {
     /// Override `CommConfig::chunk_bytes` (payload bytes per frame).
     #[arg(long, value_parser = parse_size)]
     pub chunk_bytes: Option<usize>,
+    /// Override `CommConfig::ring_window` (frames a ring sends ahead of those it has received).
+    #[arg(long)]
+    pub ring_window: Option<usize>,
     /// Override `QuicOptions::loopback_datagram_bytes`.
     #[arg(long)]
     pub quic_datagram: Option<u16>,
@@ -497,6 +500,7 @@ fn run_group(
         let overrides = [
             ("--small-message-bytes", small),
             ("--chunk-bytes", args.chunk_bytes),
+            ("--ring-window", args.ring_window),
             ("--quic-datagram", args.quic_datagram.map(usize::from)),
             ("--quic-window", args.quic_window),
             ("--quic-network-datagram", args.quic_network_datagram.map(usize::from)),
@@ -624,6 +628,9 @@ fn comm_config(args: &CollectivesArgs, world: usize) -> CommConfig {
     if let Some(s) = args.small_message_bytes {
         config.small_message_bytes = s;
     }
+    if let Some(w) = args.ring_window {
+        config.ring_window = Some(w);
+    }
     if let Some(c) = args.chunk_bytes {
         config.chunk_bytes = Some(c);
         config.max_payload_bytes = config.max_payload_bytes.max(c);
@@ -679,6 +686,17 @@ fn worker(args: &CollectivesArgs, rank: usize) -> anyhow::Result<()> {
         // return from the barrier before this one goes.
         tokio::time::sleep(LINGER).await;
         if let Some(quic) = quic {
+            // Loss and congestion on this rank's links, for reading a slow run (stderr).
+            for peer in quic.connected_peers() {
+                for (stripe, stats) in quic.link_stats(peer).iter().enumerate() {
+                    eprintln!(
+                        "{}",
+                        json!({"quic_link_stats": {"rank": rank, "peer": peer, "stripe": stripe, "sent_packets": stats.path.sent_packets,
+                            "lost_packets": stats.path.lost_packets, "congestion_events": stats.path.congestion_events, "cwnd": stats.path.cwnd,
+                            "rtt_us": stats.path.rtt.as_micros()}})
+                    );
+                }
+            }
             // Frames still in flight to a peer are delivered before the connection closes.
             quic.close(Duration::from_secs(5)).await;
         }

@@ -42,13 +42,17 @@ pub fn world(n: usize, config: CommConfig) -> (InProcessNetwork, Vec<Communicato
     (net, comms)
 }
 
-/// Test configs that force each algorithm family, with tiny frames so pipelining is exercised.
+/// Test configs that force each algorithm family, with tiny frames so pipelining is exercised
+/// (indexed by position in some tests: append new ones at the end).
 pub fn configs() -> Vec<(&'static str, CommConfig)> {
     let base = CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() };
     vec![
         ("ring", CommConfig { small_message_bytes: 0, chunk_bytes: Some(24), ..base.clone() }),
         ("doubling", CommConfig { small_message_bytes: usize::MAX, chunk_bytes: Some(40), ..base.clone() }),
-        ("default", base),
+        ("default", base.clone()),
+        // A ring sending far ahead of its receives (as QUIC asks), and one frame at a time.
+        ("ring-deep-window", CommConfig { small_message_bytes: 0, chunk_bytes: Some(24), ring_window: Some(16), ..base.clone() }),
+        ("ring-window-1", CommConfig { small_message_bytes: 0, chunk_bytes: Some(32), ring_window: Some(1), ..base }),
     ]
 }
 
