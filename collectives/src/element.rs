@@ -342,6 +342,18 @@ mod tests {
         assert_eq!(f64::combine(ReduceOp::Min, 2.0, -3.0), -3.0);
     }
 
+    /// `bytes` cut at the (ascending) byte positions `cuts`.
+    fn cut_at<'a>(bytes: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
+        let mut parts = Vec::new();
+        let mut at = 0;
+        for &c in cuts {
+            parts.push(&bytes[at..c]);
+            at = c;
+        }
+        parts.push(&bytes[at..]);
+        parts
+    }
+
     // Goal: a payload cut into pieces at any byte positions (elements split across pieces,
     // unaligned pieces, empty pieces) copies, combines and rounds exactly as the whole payload.
     #[test]
@@ -349,13 +361,7 @@ mod tests {
         let values: Vec<f32> = (0..37).map(|i| i as f32 * 1.25 - 7.0).collect();
         let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
         for cuts in [vec![], vec![1], vec![3, 4, 5], vec![0, 0, 7, 7, 70, 147], (1..148).collect::<Vec<_>>()] {
-            let mut parts = Vec::new();
-            let mut at = 0;
-            for &c in &cuts {
-                parts.push(&bytes[at..c]);
-                at = c;
-            }
-            parts.push(&bytes[at..]);
+            let parts = cut_at(&bytes, &cuts);
             let mut copied = vec![0.0f32; 37];
             copy_parts(&mut copied, parts.iter().copied());
             assert_eq!(copied, values);
@@ -380,13 +386,7 @@ mod tests {
             let mut expected = bytes.clone();
             combine_into_bytes(op, &mut expected, &local);
             for cuts in [vec![], vec![2], vec![3, 4, 5, 80], (1..164).step_by(7).collect::<Vec<_>>()] {
-                let mut parts = Vec::new();
-                let mut at = 0;
-                for &c in &cuts {
-                    parts.push(&bytes[at..c]);
-                    at = c;
-                }
-                parts.push(&bytes[at..]);
+                let parts = cut_at(&bytes, &cuts);
                 for offset in [0usize, 1] {
                     let mut out = vec![0u8; bytes.len() + offset];
                     combine_parts_to(op, &mut out[offset..], parts.iter().copied(), &local);
