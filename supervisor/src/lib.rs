@@ -20,6 +20,7 @@
 
 pub mod checkpoint;
 mod config;
+pub mod decide;
 pub mod env;
 mod error;
 mod job;

@@ -21,7 +21,7 @@
 //! receive it from a holder (spread over the holders, lowest rank first); when no step is held whole,
 //! the newest checkpoint, else the initial state.
 //!
-//! Re-partitioning is the supervisor's call (`ClusterSupervisor::mesh_candidates`): when the live
+//! Re-partitioning is the supervisor's call (`SupervisorCore::mesh_candidates` in [`crate::decide`]): when the live
 //! world no longer fills one replica it picks a smaller `(pp, tp)` by rule 2 of [`crate::plan`] and
 //! places its members with these same rules at the new `k`. A member's [`MeshHeld`] names the
 //! shape it trained in, so a holder of an old shape's slot is never taken for a holder of the new

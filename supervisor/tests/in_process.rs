@@ -323,6 +323,7 @@ async fn losing_every_holder_resumes_from_the_newest_checkpoint_not_from_step_ze
         match tokio::time::timeout(Duration::from_secs(60), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
             JobEvent::Lost { .. } => lost += 1,
             JobEvent::Checkpointed { step, .. } => checkpointed = Some(step),
+            JobEvent::Committed { step, .. } => committed = Some(step),
             _ => {}
         }
     }
@@ -344,7 +345,10 @@ async fn losing_every_holder_resumes_from_the_newest_checkpoint_not_from_step_ze
         }
     };
     assert_eq!(resumed_at, Some(newest_checkpoint + 1), "the lone newcomer must resume from the checkpoint of step {newest_checkpoint}");
-    assert!(suspect, "falling back past committed steps is reported");
+    // (On a loaded machine the dying workers may still checkpoint their newest committed step:
+    // then nothing is lost and nothing is suspect.)
+    let regressed = committed.is_some_and(|c| newest_checkpoint < c);
+    assert_eq!(suspect, regressed, "falling back past committed steps (newest committed {committed:?}, checkpoint {newest_checkpoint}) is reported, and only then");
     assert_eq!(last + 1, STEPS);
     assert!(identical);
     let acc = eval.iter().find(|(k, _)| k == "acc").map(|(_, v)| *v).unwrap_or_default();

@@ -1,0 +1,204 @@
+//! The core driven directly: inputs in, commands out, virtual instants, no links or processes.
+
+use std::time::Duration;
+
+use super::*;
+use crate::config::{ElasticConfig, MeshModel};
+use crate::protocol::ShardSource;
+use rtx_pipelines::ModelDims;
+
+fn options(elastic: ElasticConfig) -> SupervisorOptions {
+    SupervisorOptions {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        token: "t".into(),
+        job: String::new(),
+        total_steps: 100,
+        stop_at: None,
+        elastic,
+        resume: None,
+        resume_next_step: 0,
+        run_dir: None,
+        link: Default::default(),
+    }
+}
+
+/// A (1, 2, 2) mesh job of 4 workers that checkpoints, with the re-partition model of a 4-block
+/// GPT of 4 heads.
+fn mesh_elastic(on_failure: OnFailure) -> ElasticConfig {
+    let mut e = ElasticConfig { start_workers: 4, max_workers: 4, pp: 2, tp: 2, checkpoint_every: 10, ..ElasticConfig::default() };
+    e.mesh_model = Some(MeshModel { dims: ModelDims { layers: 4, heads: 4, vocab: 256, mlp_hidden: 256 }, chunks: 1 });
+    for p in [&mut e.crash, &mut e.hang, &mut e.network_loss] {
+        p.on_failure = on_failure;
+    }
+    e
+}
+
+struct Driver {
+    core: SupervisorCore,
+    now: Instant,
+}
+
+impl Driver {
+    fn new(elastic: ElasticConfig) -> Driver {
+        let now = Instant::now();
+        Driver { core: SupervisorCore::new(options(elastic), "run".into(), true, now), now }
+    }
+
+    fn join(&mut self, node: u64) -> Vec<Command> {
+        self.now += Duration::from_millis(1);
+        self.core.join(node, format!("worker-{node}"), node as u32 + 1000, "host".into(), self.now).expect("no failure").expect("admitted");
+        self.core.take_commands()
+    }
+
+    fn send(&mut self, input: Input) -> Vec<Command> {
+        self.now += Duration::from_millis(1);
+        self.core.handle(input, self.now).expect("no failure");
+        self.core.take_commands()
+    }
+
+    fn message(&mut self, node: u64, msg: ToSupervisor) -> Vec<Command> {
+        self.send(Input::Message { node, msg })
+    }
+
+    /// Answers every `Prepare` in `commands` with `Ready` holding `held(node)`; the `Start`s sent.
+    fn ready_all(&mut self, commands: &[Command], held: impl Fn(u64) -> Option<MeshHeld>) -> Vec<(u64, ToWorker)> {
+        let prepared: Vec<(u64, u64)> = commands.iter().filter_map(|c| match c {
+            Command::Prepare { node, generation, .. } => Some((*node, *generation)),
+            _ => None,
+        }).collect();
+        let mut starts = Vec::new();
+        for (node, generation) in prepared {
+            for c in self.message(node, ToSupervisor::Ready { node, generation, addr: format!("a{node}"), completed: None, zero1: Vec::new(), mesh: held(node) }) {
+                if let Command::Tell { node, msg: msg @ ToWorker::Start { .. } } = c {
+                    starts.push((node, msg));
+                }
+            }
+        }
+        starts
+    }
+
+    /// Every member reports `step` of `generation`.
+    fn step(&mut self, nodes: &[u64], generation: u64, step: u64) -> Vec<Command> {
+        nodes.iter().flat_map(|&node| self.message(node, ToSupervisor::StepDone { node, generation, step, loss: 1.0, samples: 4, checksum: None })).collect()
+    }
+}
+
+fn generation_event(commands: &[Command]) -> Option<(usize, u64, (usize, usize, usize))> {
+    commands.iter().find_map(|c| match c {
+        Command::Emit(JobEvent::Generation { world, next_step, mesh, .. }) => Some((*world, *next_step, *mesh)),
+        _ => None,
+    })
+}
+
+fn prepares(commands: &[Command]) -> Vec<u64> {
+    commands.iter().filter_map(|c| match c {
+        Command::Prepare { node, .. } => Some(*node),
+        _ => None,
+    }).collect()
+}
+
+/// Goal: the decisions of a mesh that loses a member, driven through the pure core alone: with no
+/// replacement coming it re-partitions to (1,3,1) from the newest checkpoint, and goes back to
+/// (1,2,2) only at a checkpoint of its newest committed step once a worker joins; with a
+/// replacement on its way it waits for it instead.
+#[test]
+fn a_mesh_short_of_a_replica_re_partitions_from_the_checkpoint_and_grows_back_at_the_next_one() {
+    let mut d = Driver::new(mesh_elastic(OnFailure::Shrink));
+    let mut commands = Vec::new();
+    for node in 1..=4 {
+        commands.extend(d.join(node));
+    }
+    assert_eq!(prepares(&commands), vec![1, 2, 3, 4]);
+    let starts = d.ready_all(&commands, |_| None);
+    assert_eq!(starts.len(), 4);
+    for step in 0..12 {
+        d.step(&[1, 2, 3, 4], 1, step);
+    }
+    let at = |slot: u32, step: u64| Some(MeshHeld { slots: 4, tp: 2, slot, step });
+    d.message(1, ToSupervisor::Checkpointed { node: 1, step: 9, path: "ckpt-9".into() });
+
+    // Node 3 dies: three members, no replacement.
+    let lost = d.send(Input::ProcessExited { pid: 1003, status: "killed".into() });
+    assert!(d.send(Input::LinkLost { node: 3, reason: "gone".into() }).is_empty(), "a loss is decided once");
+    assert!(lost.iter().any(|c| matches!(c, Command::Emit(JobEvent::Lost { node: 3, .. }))), "{lost:?}");
+    assert_eq!(prepares(&lost), vec![1, 2, 4]);
+    let held = |node: u64| at((node - 1) as u32, 11);
+    let starts = d.ready_all(&lost, held);
+    assert_eq!(starts.len(), 3);
+    for (_, start) in &starts {
+        let ToWorker::Start { next_step, mesh: Some(mesh), .. } = start else { panic!("a mesh start: {start:?}") };
+        assert_eq!((*next_step, mesh.dp, mesh.pp, mesh.tp), (10, 1, 3, 1));
+        assert_eq!(mesh.sources, vec![ShardSource::Checkpoint { location: "ckpt-9".into(), step: 9 }; 3]);
+    }
+    for step in 10..14 {
+        d.step(&[1, 2, 4], 3, step);
+    }
+
+    // A worker joins: no change of shape until a checkpoint holds the newest committed step.
+    let joined = d.join(5);
+    assert!(prepares(&joined).is_empty(), "{joined:?}");
+    d.step(&[1, 2, 4], 3, 14);
+    let grown = d.message(1, ToSupervisor::Checkpointed { node: 1, step: 14, path: "ckpt-14".into() });
+    assert_eq!(prepares(&grown), vec![1, 2, 4, 5]);
+    let starts = d.ready_all(&grown, |node| if node == 5 { None } else { Some(MeshHeld { slots: 3, tp: 1, slot: 0, step: 14 }) });
+    assert!(starts.len() == 4 && starts.iter().all(|(_, s)| matches!(s, ToWorker::Start { next_step: 15, mesh: Some(MeshStart { dp: 1, pp: 2, tp: 2, .. }), .. })), "{starts:?}");
+}
+
+/// Goal: under `on_failure = "replace"` a mesh that lost a member waits for the replacement it
+/// asked the launcher for (no re-partition), refills the lost slot from it, and stops waiting
+/// after `prepare_timeout` if the replacement never joins.
+#[test]
+fn a_mesh_waits_for_its_replacement_and_re_partitions_only_if_it_never_comes() {
+    let mut d = Driver::new(mesh_elastic(OnFailure::Replace));
+    let mut commands = Vec::new();
+    for node in 1..=4 {
+        commands.extend(d.join(node));
+    }
+    d.ready_all(&commands, |_| None);
+    for step in 0..10 {
+        d.step(&[1, 2, 3, 4], 1, step);
+    }
+    d.message(1, ToSupervisor::Checkpointed { node: 1, step: 9, path: "ckpt-9".into() });
+    let lost = d.send(Input::LinkLost { node: 2, reason: "gone".into() });
+    assert!(lost.contains(&Command::Launch(LaunchRequest::Spawn)), "{lost:?}");
+    assert!(prepares(&lost).is_empty(), "waits for the replacement: {lost:?}");
+    assert!(generation_event(&lost).is_none());
+
+    // The replacement joins and takes slot 1; the others keep theirs.
+    let joined = d.join(5);
+    assert_eq!(prepares(&joined), vec![1, 5, 3, 4]);
+
+    // Another loss, and this time the replacement never comes: after prepare_timeout the mesh
+    // re-partitions over the three it has.
+    let held = |node: u64| Some(MeshHeld { slots: 4, tp: 2, slot: [1, 5, 3, 4].iter().position(|&n| n == node).map_or(0, |s| s as u32), step: 9 });
+    d.ready_all(&joined, held);
+    d.send(Input::LinkLost { node: 4, reason: "gone".into() });
+    d.now += ElasticConfig::default().prepare_timeout + Duration::from_millis(10);
+    for node in [1, 3, 5] {
+        d.message(node, ToSupervisor::Heartbeat { node, generation: 2, completed: Some(9) });
+    }
+    let after = d.send(Input::Tick);
+    assert_eq!(prepares(&after), vec![1, 3, 5]);
+}
+
+/// Goal: a mesh whose steps were committed but that has no checkpoint cannot re-partition (it would
+/// restart from the initial parameters): it waits for workers.
+#[test]
+fn without_a_checkpoint_a_mesh_waits_instead_of_re_partitioning() {
+    let mut d = Driver::new(mesh_elastic(OnFailure::Shrink));
+    let mut commands = Vec::new();
+    for node in 1..=4 {
+        commands.extend(d.join(node));
+    }
+    d.ready_all(&commands, |_| None);
+    d.step(&[1, 2, 3, 4], 1, 0);
+    let lost = d.send(Input::LinkLost { node: 4, reason: "gone".into() });
+    assert!(prepares(&lost).is_empty(), "{lost:?}");
+    let paused: Vec<u64> = lost.iter().filter_map(|c| match c {
+        Command::Tell { node, msg: ToWorker::Pause { .. } } => Some(*node),
+        _ => None,
+    }).collect();
+    assert_eq!(paused, vec![1, 2, 3], "the survivors stop the old generation");
+    let joined = d.join(5);
+    assert_eq!(prepares(&joined).len(), 4, "a new worker refills the mesh: {joined:?}");
+}
