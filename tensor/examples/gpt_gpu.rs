@@ -190,6 +190,51 @@ fn cases() -> Vec<OpCase> {
             scalar_out: false,
             f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5),
         },
+        // The residual add fused with the layer norm after it, and the norm's backward adding
+        // the sum's other gradient (`y + s` gives `s` two consumers): at GPT-2's width (3 words
+        // per lane, 300 rows over 5 blocks of the parameter partials, the last one partial), at
+        // 1024 (4 words) with the plain norm on a non-leaf input, broadcast at 256 (1 word), and
+        // at 200 (not 8-wide: the unfused kernels and an add).
+        OpCase {
+            name: "add+layer_norm 768",
+            inputs: vec![vec![3, 100, 768], vec![3, 100, 768], vec![768], vec![768]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| {
+                let (s, y) = x[0].add_layer_norm(&x[1], Some(&x[2]), Some(&x[3]), 1e-5)?;
+                y.add(&s)
+            },
+        },
+        OpCase {
+            name: "layer_norm+residual 1024",
+            inputs: vec![vec![2, 50, 1024], vec![2, 50, 1024], vec![1024], vec![1024]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| {
+                let s = x[0].add(&x[1])?;
+                s.layer_norm(Some(&x[2]), Some(&x[3]), 1e-5)?.add(&s)
+            },
+        },
+        OpCase {
+            name: "add+layer_norm bcast 256",
+            inputs: vec![vec![4, 24, 256], vec![24, 256], vec![256], vec![256]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| {
+                let (s, y) = x[0].add_layer_norm(&x[1], Some(&x[2]), Some(&x[3]), 1e-5)?;
+                y.add(&s)
+            },
+        },
+        OpCase {
+            name: "add+layer_norm 200",
+            inputs: vec![vec![48, 200], vec![48, 200], vec![200], vec![200]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| {
+                let (s, y) = x[0].add_layer_norm(&x[1], Some(&x[2]), Some(&x[3]), 1e-5)?;
+                y.add(&s)
+            },
+        },
         OpCase { name: "gelu", inputs: vec![vec![37, 129]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu() },
         OpCase { name: "gelu (tanh)", inputs: vec![vec![37, 129]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu_with(rtx_tensor::GeluApprox::Tanh) },
         OpCase {
@@ -660,10 +705,14 @@ fn profile(seed: u64, ids: &[u32]) -> Res<()> {
         ("layer_norm 768", vec![bf(&[rows, c], &mut r)?, bf(&[c], &mut r)?, bf(&[c], &mut r)?], |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5)),
         ("gelu [16384,3072]", vec![bf(&[rows, 4 * c], &mut r)?], |x, _| x[0].gelu_with(rtx_tensor::GeluApprox::Tanh)),
         ("add residual", vec![bf(&[b, t, c], &mut r)?, bf(&[b, t, c], &mut r)?], |x, _| x[0].add(&x[1])),
+        ("add+layer_norm 768 (fused)", vec![bf(&[b, t, c], &mut r)?, bf(&[b, t, c], &mut r)?, bf(&[c], &mut r)?, bf(&[c], &mut r)?], |x, _| {
+            let (s, y) = x[0].add_layer_norm(&x[1], Some(&x[2]), Some(&x[3]), 1e-5)?;
+            y.add(&s)
+        }),
         ("add pos [B,T,C]+[T,C]", vec![bf(&[b, t, c], &mut r)?, bf(&[t, c], &mut r)?], |x, _| x[0].add(&x[1])),
     ];
     println!("{:<32} {:>10} {:>12} {:>10}", "op (bf16)", "fwd ms", "fwd+bwd ms", "x per step");
-    let per_step = [12usize, 12, 12, 12, 12, 1, 25, 12, 24, 1];
+    let per_step = [12usize, 12, 12, 12, 12, 1, 25, 12, 24, 24, 1];
     for ((name, inputs, f), n) in cases.into_iter().zip(per_step) {
         let fwd = time_ms(10, || {
             rtx_tensor::no_grad(|| f(&inputs, &[]))?;
@@ -702,5 +751,15 @@ fn profile(seed: u64, ids: &[u32]) -> Res<()> {
         Ok(())
     })?;
     println!("{:<32} {fused_fwd:>10.3} {fused:>12.3} {:>10}", "head+loss fused 768->50304", 1);
+    // The same with fewer, larger chunks (the logits of a chunk: rows x 50,304 bf16).
+    for chunk in [8192usize, 16384] {
+        let fused = time_ms(10, || {
+            hidden.set_grad(None)?;
+            table.set_grad(None)?;
+            hidden.linear_cross_entropy_valid(&table, &targets, GPT2_VOCAB, CrossEntropyOptions::default(), chunk)?.backward()?;
+            Ok(())
+        })?;
+        println!("{:<32} {:>10} {fused:>12.3} {:>10}", format!("head+loss fused, chunks of {chunk}"), "", 1);
+    }
     Ok(())
 }

@@ -599,3 +599,155 @@ extern "C" __global__ void layer_norm_backward_v8_bf16(const u16* x, const u16* 
     }
 }
 
+
+// ---- layer norm fused with the residual stream: bf16 rows of n = 8·n8 elements, n8 ≤ 32·K ----
+// One warp per row; lane l owns the 16-byte words l, l+32, ... (K of them) and keeps them in
+// registers as packed bf16, so a row is read from global memory once.
+//
+// Forward: s = a + b (b the same shape or broadcast over leading rows: row r reads b's row
+// r % b_rows), rounded to bf16 and stored, then y = layer_norm(s) from the rounded s: the same
+// bits as the add kernel followed by the layer-norm kernel, one pass fewer (s is not read back).
+
+template <int K> __device__ void add_layer_norm_forward_k(const u16* a, const u16* b, const u16* w, const u16* bias, u16* s, u16* y, float* mean, float* rstd, i64 rows, int n, i64 b_rows, float eps) {
+    i64 row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    int n8 = n >> 3;
+    const V8* ar = (const V8*)(a + row * n);
+    const V8* br = (const V8*)(b + (row % b_rows) * n);
+    V8* sr = (V8*)(s + row * n);
+    V8 held[K];
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int j = lane + 32 * k;
+        if (j < n8) {
+            float x[8], z[8];
+            unpack8(ar[j], x);
+            unpack8(br[j], z);
+            for (int e = 0; e < 8; ++e) x[e] += z[e];
+            V8 p = pack8(x);
+            sr[j] = p;
+            held[k] = p;
+            unpack8(p, x);
+            for (int e = 0; e < 8; ++e) sum += x[e];
+        }
+    }
+    float mu = warp_sum(sum) / n;
+    float q = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (lane + 32 * k < n8) {
+            float x[8];
+            unpack8(held[k], x);
+            for (int e = 0; e < 8; ++e) { float d = x[e] - mu; q += d * d; }
+        }
+    }
+    float rs = rsqrtf(warp_sum(q) / n + eps);
+    if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
+    V8* yr = (V8*)(y + row * n);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int j = lane + 32 * k;
+        if (j < n8) {
+            float x[8], wv[8], bv[8];
+            unpack8(held[k], x);
+            if (w) unpack8(((const V8*)w)[j], wv); else for (int e = 0; e < 8; ++e) wv[e] = 1.0f;
+            if (bias) unpack8(((const V8*)bias)[j], bv); else for (int e = 0; e < 8; ++e) bv[e] = 0.0f;
+            for (int e = 0; e < 8; ++e) x[e] = (x[e] - mu) * rs * wv[e] + bv[e];
+            yr[j] = pack8(x);
+        }
+    }
+}
+
+// Backward, accumulating: dx = prior + layer_norm_backward(x, dy) (prior, the gradient the
+// residual stream already has from its other consumers, may be null), rounded once; and with pw
+// non-null the block's partial sums of dw = Σ dy·x̂ and db = Σ dy over its rows_per_block rows,
+// pw[blockIdx.x·n + j], pb[...], summed over the block's 8 warps in a fixed order (dynamic shared
+// memory: 8·n floats), later over blocks in order by col_sum_finish: deterministic. One pass over
+// x, dy and prior instead of the three of the unfused form (backward, parameter partials, add).
+
+template <int K> __device__ void layer_norm_backward_acc_k(const u16* x, const u16* w, const float* mean, const float* rstd, const u16* dy, const u16* prior, u16* dx, float* pw, float* pb, i64 rows, int n, int rows_per_block) {
+    extern __shared__ float red[];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n8 = n >> 3;
+    float aw[K * 8], ab[K * 8];
+#pragma unroll
+    for (int i = 0; i < K * 8; ++i) { aw[i] = 0.0f; ab[i] = 0.0f; }
+    i64 r0 = (i64)blockIdx.x * rows_per_block;
+    i64 r1 = min(rows, r0 + rows_per_block);
+    for (i64 row = r0 + warp; row < r1; row += 8) {
+        const V8* xr = (const V8*)(x + row * n);
+        const V8* gr = (const V8*)(dy + row * n);
+        float mu = mean[row], rs = rstd[row];
+        V8 xw[K], gw[K];
+        float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int j = lane + 32 * k;
+            if (j < n8) {
+                xw[k] = xr[j];
+                gw[k] = gr[j];
+                float v[8], g[8], wv[8];
+                unpack8(xw[k], v);
+                unpack8(gw[k], g);
+                if (w) unpack8(((const V8*)w)[j], wv); else for (int e = 0; e < 8; ++e) wv[e] = 1.0f;
+                for (int e = 0; e < 8; ++e) {
+                    float gg = g[e] * wv[e];
+                    sg += gg;
+                    sgx += gg * (v[e] - mu) * rs;
+                    aw[8 * k + e] += g[e] * (v[e] - mu) * rs;
+                    ab[8 * k + e] += g[e];
+                }
+            }
+        }
+        float mg = warp_sum(sg) / n;
+        float mgx = warp_sum(sgx) / n;
+        V8* dr = (V8*)(dx + row * n);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int j = lane + 32 * k;
+            if (j < n8) {
+                float v[8], g[8], wv[8], p[8];
+                unpack8(xw[k], v);
+                unpack8(gw[k], g);
+                if (w) unpack8(((const V8*)w)[j], wv); else for (int e = 0; e < 8; ++e) wv[e] = 1.0f;
+                if (prior) unpack8(((const V8*)(prior + row * n))[j], p); else for (int e = 0; e < 8; ++e) p[e] = 0.0f;
+                for (int e = 0; e < 8; ++e) v[e] = rs * (g[e] * wv[e] - mg - (v[e] - mu) * rs * mgx) + p[e];
+                dr[j] = pack8(v);
+            }
+        }
+    }
+    if (!pw) return;
+    float* out[2] = {pw, pb};
+    for (int which = 0; which < 2; ++which) {
+        float* src = which == 0 ? aw : ab;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int j = lane + 32 * k;
+            if (j < n8) for (int e = 0; e < 8; ++e) red[warp * n + 8 * j + e] = src[8 * k + e];
+        }
+        __syncthreads();
+        for (int col = threadIdx.x; col < n; col += blockDim.x) {
+            float t = 0.0f;
+            for (int wi = 0; wi < 8; ++wi) t += red[wi * n + col];
+            out[which][(i64)blockIdx.x * n + col] = t;
+        }
+        __syncthreads();
+    }
+}
+
+#define ADD_LN_K(K)                                                                                                                   \
+    extern "C" __global__ void add_layer_norm_forward_k##K##_bf16(const u16* a, const u16* b, const u16* w, const u16* bias, u16* s, \
+                                                                  u16* y, float* mean, float* rstd, i64 rows, int n, i64 b_rows,     \
+                                                                  float eps) {                                                        \
+        add_layer_norm_forward_k<K>(a, b, w, bias, s, y, mean, rstd, rows, n, b_rows, eps);                                           \
+    }                                                                                                                                 \
+    extern "C" __global__ void layer_norm_backward_acc_k##K##_bf16(const u16* x, const u16* w, const float* mean, const float* rstd,  \
+                                                                   const u16* dy, const u16* prior, u16* dx, float* pw, float* pb,   \
+                                                                   i64 rows, int n, int rows_per_block) {                            \
+        layer_norm_backward_acc_k<K>(x, w, mean, rstd, dy, prior, dx, pw, pb, rows, n, rows_per_block);                               \
+    }
+ADD_LN_K(1)
+ADD_LN_K(2)
+ADD_LN_K(3)
+ADD_LN_K(4)

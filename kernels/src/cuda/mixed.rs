@@ -27,6 +27,11 @@ const MAX_BLOCKS: usize = 132 * 16;
 const ROWS_PER_BLOCK: usize = 8;
 /// Largest classifier row kept in shared memory (H100/H200 blocks may take 227 KiB).
 const MAX_ROW_CACHE_BYTES: usize = 200 * 1024;
+/// Longest row of the fused residual layer-norm kernels: 4 16-byte words per lane of a warp.
+pub const FUSED_NORM_MAX: usize = 8 * 32 * 4;
+/// Rows per block of the accumulating layer-norm backward (8 warps, 8 rows each); the parameter
+/// partials are summed over `rows / 64` blocks.
+const ACC_NORM_ROWS_PER_BLOCK: usize = 64;
 /// Rows per chunk of the column-sum partials.
 const ROWS_PER_CHUNK: usize = 128;
 
@@ -350,6 +355,148 @@ impl Device {
         if let Some(db) = db {
             check_len(OP, "db", db.len(), n)?;
             self.finish_columns::<T>(&pb, chunks, db, false)?;
+        }
+        Ok(())
+    }
+
+    /// Whether rows of `n` elements of storage `T` take the fused residual layer-norm kernels
+    /// ([`Device::add_norm_forward`], and the one-pass form of
+    /// [`Device::norm_backward_accumulate`]): bf16 rows of whole 16-byte words, at most
+    /// [`FUSED_NORM_MAX`] long (a warp holds a row in registers).
+    pub fn fused_norm_supported<T: StorageElem>(n: usize) -> bool {
+        T::IS_BF16 && n > 0 && n.is_multiple_of(8) && n <= FUSED_NORM_MAX
+    }
+
+    /// The residual add fused with the layer norm after it: `s = a + b` (rounded to `T`; `b` of
+    /// `a`'s length or broadcast over its leading rows) and `y = layer_norm(s)` with `s`'s rounded
+    /// values, in one pass (the bits of [`Device::add_rows`] then [`Device::norm_forward`]).
+    /// Only where [`Device::fused_norm_supported`] says so.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_norm_forward<T: StorageElem>(
+        &self,
+        a: &Buffer<T>,
+        b: &Buffer<T>,
+        n: usize,
+        w: Option<&Buffer<T>>,
+        bias: Option<&Buffer<T>>,
+        eps: f32,
+        s: &mut Buffer<T>,
+        y: &mut Buffer<T>,
+        mean: &mut Buffer<f32>,
+        rstd: &mut Buffer<f32>,
+    ) -> Result<()> {
+        const OP: &str = "add_norm_forward";
+        if !Self::fused_norm_supported::<T>(n) {
+            return Err(CudaError::Unsupported { op: OP, what: format!("rows of {n} (bf16 rows of a multiple of 8, at most {FUSED_NORM_MAX})") });
+        }
+        let rows = rows_of(OP, a.len(), n)?;
+        let b_rows = rows_of(OP, b.len(), n)?;
+        if b_rows == 0 || !rows.is_multiple_of(b_rows) {
+            return Err(CudaError::Unsupported { op: OP, what: format!("cannot broadcast {} elements over {}", b.len(), a.len()) });
+        }
+        check_len(OP, "s", s.len(), a.len())?;
+        check_len(OP, "y", y.len(), a.len())?;
+        check_len(OP, "mean", mean.len(), rows)?;
+        check_len(OP, "rstd", rstd.len(), rows)?;
+        for (name, p) in [("weight", w), ("bias", bias)] {
+            if let Some(p) = p {
+                check_len(OP, name, p.len(), n)?;
+            }
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let name = match (n / 8).div_ceil(32) {
+            1 => "add_layer_norm_forward_k1_bf16",
+            2 => "add_layer_norm_forward_k2_bf16",
+            3 => "add_layer_norm_forward_k3_bf16",
+            _ => "add_layer_norm_forward_k4_bf16",
+        };
+        let f = self.function(Module::Mixed, name)?;
+        let (ap, bp, wp, biasp) = (a.device_ptr(), b.device_ptr(), w.map_or(0, |w| w.device_ptr()), bias.map_or(0, |b| b.device_ptr()));
+        let (sp, yp, mp, rp) = (s.device_ptr(), y.device_ptr(), mean.device_ptr(), rstd.device_ptr());
+        let (r, ni, br) = (rows as i64, int(OP, n)?, b_rows as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&ap).arg(&bp).arg(&wp).arg(&biasp).arg(&sp).arg(&yp).arg(&mp).arg(&rp).arg(&r).arg(&ni).arg(&br).arg(&eps);
+        // SAFETY: a, s, y hold rows·n elements, b b_rows·n with b_rows dividing rows, mean and
+        // rstd rows, w and bias n or null; n is a multiple of 8 within the kernel's K words per
+        // lane, and buffers start 16-byte aligned.
+        unsafe { l.launch(per_warp_rows(OP, rows)?) }.op(OP)?;
+        Ok(())
+    }
+
+    /// Layer norm backward that also adds the gradient the input already has from its other
+    /// consumers: `dx = prior + dx_norm` (rounded once on the fused path), and the parameter
+    /// gradients `dw`, `db` when asked (written). bf16 rows that
+    /// [`Device::fused_norm_supported`] takes run in one kernel pass over `x`, `dy` and `prior`
+    /// (the parameter partials made in the same pass, summed over blocks in a fixed order);
+    /// other rows run [`Device::norm_backward`] and an add.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_backward_accumulate<T: StorageElem>(
+        &self,
+        x: &Buffer<T>,
+        n: usize,
+        w: Option<&Buffer<T>>,
+        mean: &Buffer<f32>,
+        rstd: &Buffer<f32>,
+        dy: &Buffer<T>,
+        prior: Option<&Buffer<T>>,
+        dx: &mut Buffer<T>,
+        dw: Option<&mut Buffer<T>>,
+        db: Option<&mut Buffer<T>>,
+    ) -> Result<()> {
+        const OP: &str = "norm_backward_accumulate";
+        if let Some(p) = prior {
+            check_len(OP, "prior", p.len(), x.len())?;
+        }
+        if !Self::fused_norm_supported::<T>(n) {
+            self.norm_backward(x, n, w, mean, rstd, dy, dx, dw, db)?;
+            if let Some(p) = prior {
+                self.add_rows_in_place(dx, p)?;
+            }
+            return Ok(());
+        }
+        let rows = rows_of(OP, x.len(), n)?;
+        check_len(OP, "dy", dy.len(), x.len())?;
+        check_len(OP, "dx", dx.len(), x.len())?;
+        check_len(OP, "mean", mean.len(), rows)?;
+        check_len(OP, "rstd", rstd.len(), rows)?;
+        if let Some(w) = w {
+            check_len(OP, "weight", w.len(), n)?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let blocks = rows.div_ceil(ACC_NORM_ROWS_PER_BLOCK);
+        let want_params = dw.is_some() || db.is_some();
+        let (pw, pb) = if want_params { (Some(self.alloc::<f32>(blocks * n)?), Some(self.alloc::<f32>(blocks * n)?)) } else { (None, None) };
+        let name = match (n / 8).div_ceil(32) {
+            1 => "layer_norm_backward_acc_k1_bf16",
+            2 => "layer_norm_backward_acc_k2_bf16",
+            3 => "layer_norm_backward_acc_k3_bf16",
+            _ => "layer_norm_backward_acc_k4_bf16",
+        };
+        let f = self.function(Module::Mixed, name)?;
+        let smem = ROWS_PER_BLOCK * n * std::mem::size_of::<f32>();
+        super::attention::allow_smem(&f, smem, OP)?;
+        let (xp, wp, mp, rp, gp, pp, dp) = (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), mean.device_ptr(), rstd.device_ptr(), dy.device_ptr(), prior.map_or(0, |p| p.device_ptr()), dx.device_ptr());
+        let (pwp, pbp) = (pw.as_ref().map_or(0, |b| b.device_ptr()), pb.as_ref().map_or(0, |b| b.device_ptr()));
+        let (r, ni, per) = (rows as i64, int(OP, n)?, int(OP, ACC_NORM_ROWS_PER_BLOCK)?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&wp).arg(&mp).arg(&rp).arg(&gp).arg(&pp).arg(&dp).arg(&pwp).arg(&pbp).arg(&r).arg(&ni).arg(&per);
+        let grid = u32::try_from(blocks).map_err(|_| CudaError::Unsupported { op: OP, what: format!("{rows} rows") })?;
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: ((ROWS_PER_BLOCK * 32) as u32, 1, 1), shared_mem_bytes: smem as u32 };
+        // SAFETY: x, dy, dx (and prior) hold rows·n elements, mean and rstd rows, w n or null,
+        // the partials blocks·n f32s or null; n is a multiple of 8 within the kernel's K words per
+        // lane; the shared memory holds the kernel's 8·n floats and was allowed above.
+        unsafe { l.launch(cfg) }.op(OP)?;
+        if let (Some(dw), Some(pw)) = (dw, pw.as_ref()) {
+            check_len(OP, "dw", dw.len(), n)?;
+            self.finish_columns::<T>(pw, blocks, dw, false)?;
+        }
+        if let (Some(db), Some(pb)) = (db, pb.as_ref()) {
+            check_len(OP, "db", db.len(), n)?;
+            self.finish_columns::<T>(pb, blocks, db, false)?;
         }
         Ok(())
     }

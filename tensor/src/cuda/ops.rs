@@ -158,32 +158,121 @@ fn layer_norm_t<T: GpuFloat>(x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>,
         let bg = b.map(|b| dense::<T>(OP, b)).transpose()?;
         dev.norm_forward(&*dense::<T>(OP, x)?, n, wg.as_deref(), bg.as_deref(), eps as f32, &mut y, &mut mean, &mut rstd)?;
     }
-    let (mean, rstd) = (Arc::new(mean), Arc::new(rstd));
-    let (xd, wd) = (x.detach(), w.map(Tensor::detach));
-    let (want_w, want_b) = (w.is_some_and(|w| w.is_requires_grad()), b.is_some_and(|b| b.is_requires_grad()));
+    Ok(layer_norm_node(ordinal, y, mean, rstd, x, w, b))
+}
+
+/// The layer norm's output tensor `y` of input `x`, recording [`LayerNormBackward`].
+fn layer_norm_node<T: GpuFloat>(ordinal: usize, y: Buffer<T>, mean: Buffer<f32>, rstd: Buffer<f32>, x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>) -> Tensor {
+    let backward = LayerNormBackward::<T> {
+        ordinal,
+        n: x.shape().last().copied().unwrap_or(0),
+        x: x.detach(),
+        w: w.map(Tensor::detach),
+        mean,
+        rstd,
+        want: (w.is_some_and(|w| w.is_requires_grad()), b.is_some_and(|b| b.is_requires_grad())),
+        has: (w.is_some(), b.is_some()),
+        _storage: std::marker::PhantomData,
+    };
     let mut inputs = vec![x];
     inputs.extend(w);
     inputs.extend(b);
-    let has = (w.is_some(), b.is_some());
     let out = wrap(ordinal, y, x.shape());
-    Ok(Tensor::with_node(out.storage().clone(), out.layout().clone(), <T as DeviceElem>::DTYPE, OP, &inputs, move |g: &Tensor, _: &Tensor| {
+    Tensor::with_node(out.storage().clone(), out.layout().clone(), <T as DeviceElem>::DTYPE, "layer_norm", &inputs, backward)
+}
+
+/// The layer norm's backward. It takes the gradient its input already has from the other
+/// consumers (the residual stream's, in a pre-norm transformer) and adds it in the same kernel
+/// pass that makes the input gradient, with the weight and bias gradients from that pass too
+/// ([`rtx_kernels::cuda::Device::norm_backward_accumulate`]): one read of `x`, `dy` and the prior
+/// gradient, one write, where the unfused form reads and writes the rows eight times.
+struct LayerNormBackward<T> {
+    ordinal: usize,
+    n: usize,
+    x: Tensor,
+    w: Option<Tensor>,
+    mean: Buffer<f32>,
+    rstd: Buffer<f32>,
+    want: (bool, bool),
+    has: (bool, bool),
+    _storage: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T: GpuFloat> crate::autograd::BackwardFn for LayerNormBackward<T> {
+    fn backward(&self, g: &Tensor, out: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        self.backward_accumulating(g, out, None)
+    }
+
+    fn accumulates_first_input(&self) -> bool {
+        true
+    }
+
+    fn backward_accumulating(&self, g: &Tensor, _: &Tensor, prior: Option<Tensor>) -> Result<Vec<Option<Tensor>>> {
+        const OP: &str = "layer_norm";
+        let (ordinal, n) = (self.ordinal, self.n);
         let dev = device(ordinal)?;
-        let mut dx = dev.alloc::<T>(xd.numel())?;
-        let mut dw = if want_w { Some(dev.alloc::<T>(n)?) } else { None };
-        let mut db = if want_b { Some(dev.alloc::<T>(n)?) } else { None };
+        // A prior gradient the kernel cannot read in place (another dtype, a strided view) is
+        // added afterwards, as the engine would.
+        let (fused_prior, late_prior) = match prior {
+            Some(p) if p.dtype() == <T as DeviceElem>::DTYPE && p.device() == self.x.device() && p.is_contiguous() && p.layout().offset() == 0 && p.storage().len() == p.numel() => (Some(p), None),
+            other => (None, other),
+        };
+        let mut dx = dev.alloc::<T>(self.x.numel())?;
+        let mut dw = if self.want.0 { Some(dev.alloc::<T>(n)?) } else { None };
+        let mut db = if self.want.1 { Some(dev.alloc::<T>(n)?) } else { None };
         {
-            let wg = wd.as_ref().map(|w| dense::<T>(OP, w)).transpose()?;
-            dev.norm_backward(&*dense::<T>(OP, &xd)?, n, wg.as_deref(), &mean, &rstd, &*dense::<T>(OP, g)?, &mut dx, dw.as_mut(), db.as_mut())?;
+            let wg = self.w.as_ref().map(|w| dense::<T>(OP, w)).transpose()?;
+            let pg = fused_prior.as_ref().map(|p| dense::<T>(OP, p)).transpose()?;
+            dev.norm_backward_accumulate(&*dense::<T>(OP, &self.x)?, n, wg.as_deref(), &self.mean, &self.rstd, &*dense::<T>(OP, g)?, pg.as_deref(), &mut dx, dw.as_mut(), db.as_mut())?;
         }
-        let mut grads = vec![Some(wrap(ordinal, dx, xd.shape()))];
-        if has.0 {
+        let dx = wrap(ordinal, dx, self.x.shape());
+        let dx = match late_prior {
+            Some(p) => p.add(&dx)?,
+            None => dx,
+        };
+        let mut grads = vec![Some(dx)];
+        if self.has.0 {
             grads.push(dw.map(|b| wrap(ordinal, b, &[n])));
         }
-        if has.1 {
+        if self.has.1 {
             grads.push(db.map(|b| wrap(ordinal, b, &[n])));
         }
         Ok(grads)
-    }))
+    }
+}
+
+/// The residual add fused with the layer norm after it: `(s, layer_norm(s))` for `s = a + b`
+/// (`b`'s shape a suffix of `a`'s), in one kernel pass where
+/// [`rtx_kernels::cuda::Device::fused_norm_supported`] takes the rows (bf16 GPT widths), else
+/// the two ops. `s` records the add's backward and the norm records [`LayerNormBackward`] on
+/// `s`, so the graph is the unfused one.
+pub(crate) fn add_layer_norm(a: &Tensor, b: &Tensor, w: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "add_layer_norm";
+    same_device(OP, a, b)?;
+    for p in [w, bias].into_iter().flatten() {
+        same_device(OP, a, p)?;
+    }
+    let n = a.shape().last().copied().unwrap_or(0);
+    let fused = a.dtype() == DType::BF16 && rtx_kernels::cuda::Device::fused_norm_supported::<bf16>(n) && a.shape().ends_with(b.shape()) && b.rank() >= 1;
+    if !fused {
+        let s = add(a, b)?;
+        let y = layer_norm(&s, w, bias, eps)?;
+        return Ok((s, y));
+    }
+    let (ordinal, dev) = device_of(OP, a)?;
+    let rows = a.numel() / n.max(1);
+    let mut s = dev.alloc::<bf16>(a.numel())?;
+    let mut y = dev.alloc::<bf16>(a.numel())?;
+    let mut mean = dev.alloc::<f32>(rows)?;
+    let mut rstd = dev.alloc::<f32>(rows)?;
+    {
+        let wg = w.map(|w| dense::<bf16>(OP, w)).transpose()?;
+        let bg = bias.map(|b| dense::<bf16>(OP, b)).transpose()?;
+        dev.add_norm_forward(&*dense::<bf16>(OP, a)?, &*dense::<bf16>(OP, b)?, n, wg.as_deref(), bg.as_deref(), eps as f32, &mut s, &mut y, &mut mean, &mut rstd)?;
+    }
+    let s = add_node(ordinal, s, a, b);
+    let y = layer_norm_node(ordinal, y, mean, rstd, &s, w, bias);
+    Ok((s, y))
 }
 
 // ------------------------------------------------------------------------------------ gelu
@@ -230,10 +319,17 @@ fn add_t<T: GpuFloat>(big: &Tensor, small: &Tensor) -> Result<Tensor> {
     let (ordinal, dev) = device_of(OP, big)?;
     let mut out = dev.alloc::<T>(big.numel())?;
     dev.add_rows(&*dense::<T>(OP, big)?, &*dense::<T>(OP, small)?, &mut out)?;
+    Ok(add_node(ordinal, out, big, small))
+}
+
+/// The sum `out` of `big + small` as a tensor recording the add's backward (the gradient to
+/// both, column-summed for a broadcast `small`).
+fn add_node<T: GpuFloat>(ordinal: usize, out: Buffer<T>, big: &Tensor, small: &Tensor) -> Tensor {
+    const OP: &str = "add";
     let (want_big, want_small) = (big.is_requires_grad(), small.is_requires_grad());
     let (small_shape, same) = (small.shape().to_vec(), big.shape() == small.shape());
     let y = wrap(ordinal, out, big.shape());
-    Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as DeviceElem>::DTYPE, OP, &[big, small], move |g: &Tensor, _: &Tensor| {
+    Tensor::with_node(y.storage().clone(), y.layout().clone(), <T as DeviceElem>::DTYPE, OP, &[big, small], move |g: &Tensor, _: &Tensor| {
         let gs = if !want_small {
             None
         } else if same {
@@ -245,7 +341,7 @@ fn add_t<T: GpuFloat>(big: &Tensor, small: &Tensor) -> Result<Tensor> {
             Some(wrap(ordinal, s, &small_shape))
         };
         Ok(vec![want_big.then(|| g.clone()), gs])
-    }))
+    })
 }
 
 // ------------------------------------------------------------------------------- embedding

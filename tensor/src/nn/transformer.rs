@@ -128,6 +128,15 @@ impl TransformerBlock {
         let x = x.add(&self.attn.forward(&self.ln1.forward(x)?, mask, rng)?)?;
         x.add(&self.mlp.forward(&self.ln2.forward(&x)?, rng)?)
     }
+
+    /// The block on the residual stream `x` given `x_normed = ln1(x)`, returning the new stream
+    /// `y` and `next(y)`: each residual add runs fused with the norm after it
+    /// ([`LayerNorm::forward_add`]), so a stack of blocks passes each block's first norm along.
+    /// The same values as [`TransformerBlock::forward`] followed by `next`.
+    pub fn forward_norm_fused(&self, x: &Tensor, x_normed: &Tensor, next: &LayerNorm, mask: Option<&Tensor>, rng: &mut Generator) -> Result<(Tensor, Tensor)> {
+        let (x, h) = self.ln2.forward_add(x, &self.attn.forward(x_normed, mask, rng)?)?;
+        next.forward_add(&x, &self.mlp.forward(&h, rng)?)
+    }
 }
 
 impl Module for TransformerBlock {
