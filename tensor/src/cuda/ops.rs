@@ -275,6 +275,123 @@ pub(crate) fn add_layer_norm(a: &Tensor, b: &Tensor, w: Option<&Tensor>, bias: O
     Ok((s, y))
 }
 
+// ------------------------------------------------------------------- linear + GELU + linear
+
+/// The feed-forward `linear(gelu_tanh(linear(x, w1, b1)), w2, b2)` as one node. In bf16 the first
+/// GEMM adds its bias and applies the GELU in a cuBLASLt epilogue that keeps the pre-activation,
+/// and the backward's GEMM into the hidden gradient multiplies by the GELU's derivative at that
+/// pre-activation in its epilogue (the first bias's gradient comes from the next GEMM's, as in
+/// `linear`): no GELU kernels, and the
+/// hidden activations (`[rows, hidden]`, the largest of a transformer block) are read and written
+/// three times fewer per step (GPT-2 124M on the H200: 1.5 ms less per step). Where cuBLASLt
+/// refuses the forward epilogue (or not bf16) it is the three ops; a refused backward epilogue
+/// runs the GELU's backward kernel.
+pub(crate) fn linear_gelu_linear(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> Result<Tensor> {
+    const OP: &str = "linear_gelu_linear";
+    for t in [w1, b1, w2, b2] {
+        same_device(OP, x, t)?;
+    }
+    let (hidden, c_in, c_out) = (w1.shape()[0], w1.shape()[1], w2.shape()[0]);
+    let shapes_ok = w1.rank() == 2 && w2.rank() == 2 && w2.shape()[1] == hidden && b1.shape() == [hidden] && b2.shape() == [c_out] && x.rank() > 0 && x.shape()[x.rank() - 1] == c_in;
+    if !shapes_ok {
+        return Err(Error::ShapeMismatch { op: OP, lhs: x.shape().to_vec(), rhs: w1.shape().to_vec() });
+    }
+    if x.dtype() == DType::BF16 && hidden.is_multiple_of(8) {
+        if let Some(y) = linear_gelu_linear_t::<bf16>(x, w1, b1, w2, b2)? {
+            return Ok(y);
+        }
+    }
+    let h = gelu(&linear(x, w1, Some(b1))?, crate::GeluApprox::Tanh)?;
+    linear(&h, w2, Some(b2))
+}
+
+/// The fused form; `None` when cuBLASLt refuses the GELU epilogue (the caller runs the ops).
+fn linear_gelu_linear_t<T: GpuFloat>(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> Result<Option<Tensor>> {
+    const OP: &str = "linear_gelu_linear";
+    let (ordinal, dev) = device_of(OP, x)?;
+    let (hidden, c_in, c_out) = (w1.shape()[0], w1.shape()[1], w2.shape()[0]);
+    let rows = x.numel() / c_in.max(1);
+    let mut pre = dev.alloc::<T>(rows * hidden)?;
+    let mut h = dev.alloc::<T>(rows * hidden)?;
+    let mut y = dev.alloc::<T>(rows * c_out)?;
+    {
+        let (xb, w1b, b1b) = (dense::<T>(OP, x)?, dense::<T>(OP, w1)?, dense::<T>(OP, b1)?);
+        let spec = Gemm { trans_b: true, ..Gemm::new(rows, hidden, c_in) };
+        if let Err(e) = dev.gemm_epilogue(&spec, &xb, &w1b, &mut h, Epilogue::BiasGeluAux { bias: &b1b, aux: &mut pre }) {
+            tracing::debug!(error = %e, "linear_gelu_linear: no cuBLASLt GELU epilogue, running the three ops");
+            return Ok(None);
+        }
+        let (w2b, b2b) = (dense::<T>(OP, w2)?, dense::<T>(OP, b2)?);
+        let spec = Gemm { trans_b: true, ..Gemm::new(rows, c_out, hidden) };
+        if let Err(e) = dev.gemm_epilogue(&spec, &h, &w2b, &mut y, Epilogue::Bias(&b2b)) {
+            tracing::debug!(error = %e, "linear_gelu_linear: no cuBLASLt bias epilogue, adding the bias through C");
+            dev.fill_rows(&b2b, &mut y)?;
+            dev.gemm(&Gemm { beta: 1.0, ..spec }, &h, &w2b, &mut y)?;
+        }
+    }
+    let mut shape = x.shape().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = c_out;
+    }
+    let (xd, w1d, w2d) = (x.detach(), w1.detach(), w2.detach());
+    let want = [x, w1, b1, w2, b2].map(Tensor::is_requires_grad);
+    let x_shape = x.shape().to_vec();
+    let out = wrap(ordinal, y, &shape);
+    Ok(Some(Tensor::with_node(out.storage().clone(), out.layout().clone(), <T as DeviceElem>::DTYPE, OP, &[x, w1, b1, w2, b2], move |g: &Tensor, _: &Tensor| {
+        let dev = device(ordinal)?;
+        let gb = dense::<T>(OP, g)?;
+        // The second layer: dW2 = gᵀ·h with db2 in the epilogue (else a column sum).
+        let mut db2 = dev.alloc::<T>(c_out)?;
+        let mut dw2 = dev.alloc::<T>(c_out * hidden)?;
+        let spec = Gemm { trans_a: true, ..Gemm::new(c_out, hidden, rows) };
+        if let Err(e) = dev.gemm_epilogue(&spec, &gb, &h, &mut dw2, Epilogue::BiasGrad(&mut db2)) {
+            tracing::debug!(error = %e, "linear_gelu_linear backward: no cuBLASLt bias-gradient epilogue");
+            dev.gemm(&spec, &gb, &h, &mut dw2)?;
+            dev.column_sums(&gb, &mut db2, false)?;
+        }
+        // The pre-activation's gradient (g·W2) ⊙ gelu'(pre).
+        let mut dpre = dev.alloc::<T>(rows * hidden)?;
+        {
+            let w2b = dense::<T>(OP, &w2d)?;
+            let spec = Gemm::new(rows, hidden, c_out);
+            let fused = dev.gemm_epilogue(&spec, &gb, &w2b, &mut dpre, Epilogue::DGelu { aux: &pre }).map_err(|e| tracing::debug!(error = %e, "linear_gelu_linear backward: no cuBLASLt GELU-gradient epilogue")).is_ok();
+            if !fused {
+                let mut dh = dev.alloc::<T>(rows * hidden)?;
+                dev.gemm(&spec, &gb, &w2b, &mut dh)?;
+                dev.gelu_backward(&pre, &dh, &mut dpre, false)?;
+            }
+        }
+        // The first layer: dW1 = dpreᵀ·x with db1 in the epilogue (else a column sum).
+        let mut db1 = dev.alloc::<T>(hidden)?;
+        let dw1 = {
+            let mut dw1 = dev.alloc::<T>(hidden * c_in)?;
+            let spec = Gemm { trans_a: true, ..Gemm::new(hidden, c_in, rows) };
+            let xb = dense::<T>(OP, &xd)?;
+            if let Err(e) = dev.gemm_epilogue(&spec, &dpre, &xb, &mut dw1, Epilogue::BiasGrad(&mut db1)) {
+                tracing::debug!(error = %e, "linear_gelu_linear backward: no cuBLASLt bias-gradient epilogue");
+                dev.gemm(&spec, &dpre, &xb, &mut dw1)?;
+                dev.column_sums(&dpre, &mut db1, false)?;
+            }
+            want[1].then(|| wrap(ordinal, dw1, &[hidden, c_in]))
+        };
+        // dx = dpre·W1.
+        let dx = if want[0] {
+            let mut dx = dev.alloc::<T>(rows * c_in)?;
+            dev.gemm(&Gemm::new(rows, c_in, hidden), &dpre, &*dense::<T>(OP, &w1d)?, &mut dx)?;
+            Some(wrap(ordinal, dx, &x_shape))
+        } else {
+            None
+        };
+        Ok(vec![
+            dx,
+            dw1,
+            want[2].then(|| wrap(ordinal, db1, &[hidden])),
+            want[3].then(|| wrap(ordinal, dw2, &[c_out, hidden])),
+            want[4].then(|| wrap(ordinal, db2, &[c_out])),
+        ])
+    })))
+}
+
 // ------------------------------------------------------------------------------------ gelu
 
 /// GELU in the form `approx` names (exact erf or tanh).

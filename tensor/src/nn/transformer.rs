@@ -77,8 +77,12 @@ impl FeedForward {
 
     /// `x [.., C] -> [.., C]`.
     pub fn forward(&self, x: &Tensor, rng: &mut Generator) -> Result<Tensor> {
-        let h = self.activation.apply(&self.fc.forward(x)?)?;
-        self.dropout.forward(&self.proj.forward(&h)?, rng)
+        let y = match (self.activation, &self.fc.bias, &self.proj.bias) {
+            // GPT-2's feed-forward as one op (fused GEMM epilogues on a GPU).
+            (Activation::GeluTanh, Some(b1), Some(b2)) if x.rank() > 0 && x.shape()[x.rank() - 1] == self.fc.in_features() => x.linear_gelu_linear(&self.fc.weight, b1, &self.proj.weight, b2)?,
+            _ => self.proj.forward(&self.activation.apply(&self.fc.forward(x)?)?)?,
+        };
+        self.dropout.forward(&y, rng)
     }
 }
 
