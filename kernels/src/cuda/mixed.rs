@@ -19,6 +19,23 @@ use super::error::{check_len, CudaError, OpContext, Result};
 use super::nvrtc::Module;
 use super::ops::AdamW;
 
+/// One bf16 parameter of [`Device::adamw_master_multi`], with its f32 master weights, moments
+/// and gradient, and its step's hyperparameters (`hp.weight_decay` and `hp.step` its own).
+pub struct AdamWTensor<'a> {
+    /// f32 master weights.
+    pub master: &'a mut Buffer<f32>,
+    /// The bf16 parameter (written from the master).
+    pub param: &'a mut Buffer<bf16>,
+    /// Its gradient.
+    pub grad: &'a Buffer<bf16>,
+    /// First moment.
+    pub m: &'a mut Buffer<f32>,
+    /// Second moment.
+    pub v: &'a mut Buffer<f32>,
+    /// The step's hyperparameters.
+    pub hp: AdamW,
+}
+
 /// Threads per block of the grid-stride kernels.
 const BLOCK: u32 = 256;
 /// Upper bound on grid-stride blocks.
@@ -29,9 +46,9 @@ const ROWS_PER_BLOCK: usize = 8;
 const MAX_ROW_CACHE_BYTES: usize = 200 * 1024;
 /// Longest row of the fused residual layer-norm kernels: 4 16-byte words per lane of a warp.
 pub const FUSED_NORM_MAX: usize = 8 * 32 * 4;
-/// Rows per block of the accumulating layer-norm backward (8 warps, 8 rows each); the parameter
-/// partials are summed over `rows / 64` blocks.
-const ACC_NORM_ROWS_PER_BLOCK: usize = 64;
+/// Rows per block of the accumulating layer-norm backward (8 warps, 4 rows each); the parameter
+/// partials are summed over `rows / 32` blocks.
+const ACC_NORM_ROWS_PER_BLOCK: usize = 32;
 /// Rows per chunk of the column-sum partials.
 const ROWS_PER_CHUNK: usize = 128;
 
@@ -263,6 +280,24 @@ impl Device {
         self.finish_columns::<T>(&partial, chunks, out, accumulate)
     }
 
+    /// `out[j] = Σ_c partial[c·n + j]` for many chunks (hundreds): 32 columns per block, each
+    /// column's chunks split over 8 threads and their sums added in a fixed order.
+    fn finish_columns_wide<T: StorageElem>(&self, partial: &Buffer<f32>, chunks: usize, out: &mut Buffer<T>) -> Result<()> {
+        const OP: &str = "column_sums";
+        check_len(OP, "partial", partial.len(), chunks * out.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "col_sum_finish_wide"))?;
+        let (pp, op_, c, n) = (partial.device_ptr(), out.device_ptr(), int(OP, chunks)?, int(OP, out.len())?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&pp).arg(&op_).arg(&c).arg(&n);
+        let cfg = LaunchConfig { grid_dim: (u32::try_from(out.len().div_ceil(32)).map_err(|_| CudaError::Unsupported { op: OP, what: format!("{} columns", out.len()) })?, 1, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 };
+        // SAFETY: partial holds chunks·n f32s, out n elements.
+        unsafe { l.launch(cfg) }.op(OP)?;
+        Ok(())
+    }
+
     fn finish_columns<T: StorageElem>(&self, partial: &Buffer<f32>, chunks: usize, out: &mut Buffer<T>, accumulate: bool) -> Result<()> {
         const OP: &str = "column_sums";
         let f = self.function(Module::Mixed, kernel!(T, "col_sum_finish"))?;
@@ -477,7 +512,8 @@ impl Device {
             _ => "layer_norm_backward_acc_k4_bf16",
         };
         let f = self.function(Module::Mixed, name)?;
-        let smem = ROWS_PER_BLOCK * n * std::mem::size_of::<f32>();
+        // Each warp's dw and db sums: 2·n floats per warp.
+        let smem = ROWS_PER_BLOCK * 2 * n * std::mem::size_of::<f32>();
         super::attention::allow_smem(&f, smem, OP)?;
         let (xp, wp, mp, rp, gp, pp, dp) = (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), mean.device_ptr(), rstd.device_ptr(), dy.device_ptr(), prior.map_or(0, |p| p.device_ptr()), dx.device_ptr());
         let (pwp, pbp) = (pw.as_ref().map_or(0, |b| b.device_ptr()), pb.as_ref().map_or(0, |b| b.device_ptr()));
@@ -488,15 +524,15 @@ impl Device {
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: ((ROWS_PER_BLOCK * 32) as u32, 1, 1), shared_mem_bytes: smem as u32 };
         // SAFETY: x, dy, dx (and prior) hold rows·n elements, mean and rstd rows, w n or null,
         // the partials blocks·n f32s or null; n is a multiple of 8 within the kernel's K words per
-        // lane; the shared memory holds the kernel's 8·n floats and was allowed above.
+        // lane; the shared memory holds the kernel's 2·n floats per warp and was allowed above.
         unsafe { l.launch(cfg) }.op(OP)?;
         if let (Some(dw), Some(pw)) = (dw, pw.as_ref()) {
             check_len(OP, "dw", dw.len(), n)?;
-            self.finish_columns::<T>(pw, blocks, dw, false)?;
+            self.finish_columns_wide::<T>(pw, blocks, dw)?;
         }
         if let (Some(db), Some(pb)) = (db, pb.as_ref()) {
             check_len(OP, "db", db.len(), n)?;
-            self.finish_columns::<T>(pb, blocks, db, false)?;
+            self.finish_columns_wide::<T>(pb, blocks, db)?;
         }
         Ok(())
     }
@@ -740,6 +776,57 @@ impl Device {
         Ok(())
     }
 
+    /// [`Device::adamw_master`] for many bf16 tensors in one launch (each of a multiple of 8
+    /// elements, each with its own weight decay and step; `lr`, betas and `eps` shared): the
+    /// same bits per element as the per-tensor kernel. The table of tensors is uploaded first,
+    /// which waits for the device's queued work.
+    pub fn adamw_master_multi(&self, tensors: &mut [AdamWTensor<'_>]) -> Result<()> {
+        const OP: &str = "adamw_master_multi";
+        let Some(first) = tensors.first() else { return Ok(()) };
+        let (lr, beta1, beta2, eps) = (first.hp.lr, first.hp.beta1, first.hp.beta2, first.hp.eps);
+        // Per tensor: master, param, grad, m, v, n8, block_start, (weight_decay, bc1), (bc2, 0),
+        // as the kernel's `AdamTensor`.
+        let mut table: Vec<u64> = Vec::with_capacity(9 * tensors.len());
+        let mut blocks = 0usize;
+        for t in tensors.iter_mut() {
+            let n = t.master.len();
+            for (name, len) in [("param", t.param.len()), ("grad", t.grad.len()), ("m", t.m.len()), ("v", t.v.len())] {
+                check_len(OP, name, len, n)?;
+            }
+            if !n.is_multiple_of(8) || t.hp.step == 0 || (t.hp.lr, t.hp.beta1, t.hp.beta2, t.hp.eps) != (lr, beta1, beta2, eps) {
+                return Err(CudaError::Unsupported { op: OP, what: format!("tensors of a multiple of 8 elements, steps from 1 and one lr, betas and eps (got {n} elements, step {})", t.hp.step) });
+            }
+            if n == 0 {
+                continue;
+            }
+            let bc1 = (1.0 - (t.hp.beta1 as f64).powi(t.hp.step as i32)) as f32;
+            let bc2 = (1.0 - (t.hp.beta2 as f64).powi(t.hp.step as i32)) as f32;
+            let n8 = n / 8;
+            table.extend_from_slice(&[t.master.device_ptr(), t.param.device_ptr(), t.grad.device_ptr(), t.m.device_ptr(), t.v.device_ptr(), n8 as u64, blocks as u64]);
+            table.push(u64::from(t.hp.weight_decay.to_bits()) | (u64::from(bc1.to_bits()) << 32));
+            table.push(u64::from(bc2.to_bits()));
+            blocks += n8.div_ceil(BLOCK as usize);
+        }
+        let n_tensors = int(OP, table.len() / 9)?;
+        if n_tensors == 0 {
+            return Ok(());
+        }
+        // Uploaded as little-endian u32 pairs (the device reads the 8-byte fields).
+        let words: Vec<u32> = table.iter().flat_map(|&w| [w as u32, (w >> 32) as u32]).collect();
+        let table = self.htod(&words)?;
+        let f = self.function(Module::Mixed, "adamw_master_multi_v8_bf16")?;
+        let tp = table.device_ptr();
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&tp).arg(&n_tensors).arg(&lr).arg(&beta1).arg(&beta2).arg(&eps);
+        let grid = u32::try_from(blocks).map_err(|_| CudaError::Unsupported { op: OP, what: format!("{blocks} blocks") })?;
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the table lists each tensor's five buffers (lengths checked equal, n a multiple
+        // of 8, 16-byte aligned) with its word count and first block; the blocks add up to the
+        // grid, so every thread finds its tensor and stays inside its buffers.
+        unsafe { l.launch(cfg) }.op(OP)?;
+        Ok(())
+    }
+
     /// One AdamW step on f32 `master` weights (moments `m`, `v`) from storage-type `grad`,
     /// writing the rounded result into `param`.
     #[allow(clippy::too_many_arguments)]
@@ -757,12 +844,15 @@ impl Device {
         }
         let bc1 = (1.0 - (hp.beta1 as f64).powi(hp.step as i32)) as f32;
         let bc2 = (1.0 - (hp.beta2 as f64).powi(hp.step as i32)) as f32;
-        let f = self.function(Module::Mixed, kernel!(T, "adamw_master"))?;
-        let (mp, pp, gp, m1, v1, n64) = (master.device_ptr(), param.device_ptr(), grad.device_ptr(), m.device_ptr(), v.device_ptr(), n as i64);
+        // bf16 parameters of whole 8-element words update 8 elements per thread (16-byte loads;
+        // buffers start 256-byte aligned), the same arithmetic per element.
+        let width = if T::IS_BF16 && n.is_multiple_of(8) { 8 } else { 1 };
+        let f = self.function(Module::Mixed, if width == 8 { "adamw_master_v8_bf16" } else { kernel!(T, "adamw_master") })?;
+        let (mp, pp, gp, m1, v1, n64) = (master.device_ptr(), param.device_ptr(), grad.device_ptr(), m.device_ptr(), v.device_ptr(), (n / width) as i64);
         let mut l = self.stream().launch_builder(&f);
         l.arg(&mp).arg(&pp).arg(&gp).arg(&m1).arg(&v1).arg(&n64).arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps).arg(&hp.weight_decay).arg(&bc1).arg(&bc2);
-        // SAFETY: all five buffers hold n elements.
-        unsafe { l.launch(grid_stride(n)) }.op(OP)?;
+        // SAFETY: all five buffers hold n elements (n64 words of `width` of them).
+        unsafe { l.launch(grid_stride(n / width)) }.op(OP)?;
         Ok(())
     }
 }
