@@ -190,6 +190,60 @@ fn cases() -> Vec<OpCase> {
             scalar_out: false,
             f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5),
         },
+        // The residual add fused with the layer norm after it, and the norm's backward adding
+        // the sum's other gradient (`y + s` gives `s` two consumers): at GPT-2's width (3 words
+        // per lane, 300 rows over 5 blocks of the parameter partials, the last one partial), at
+        // 1024 (4 words) with the plain norm on a non-leaf input, broadcast at 256 (1 word), and
+        // at 200 (not 8-wide: the unfused kernels and an add).
+        OpCase {
+            name: "add+layer_norm 768",
+            inputs: vec![vec![3, 100, 768], vec![3, 100, 768], vec![768], vec![768]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| {
+                let (s, y) = x[0].add_layer_norm(&x[1], Some(&x[2]), Some(&x[3]), 1e-5)?;
+                y.add(&s)
+            },
+        },
+        OpCase {
+            name: "layer_norm+residual 1024",
+            inputs: vec![vec![2, 50, 1024], vec![2, 50, 1024], vec![1024], vec![1024]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| {
+                let s = x[0].add(&x[1])?;
+                s.layer_norm(Some(&x[2]), Some(&x[3]), 1e-5)?.add(&s)
+            },
+        },
+        OpCase {
+            name: "add+layer_norm bcast 256",
+            inputs: vec![vec![4, 24, 256], vec![24, 256], vec![256], vec![256]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| {
+                let (s, y) = x[0].add_layer_norm(&x[1], Some(&x[2]), Some(&x[3]), 1e-5)?;
+                y.add(&s)
+            },
+        },
+        OpCase {
+            name: "add+layer_norm 200",
+            inputs: vec![vec![48, 200], vec![48, 200], vec![200], vec![200]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| {
+                let (s, y) = x[0].add_layer_norm(&x[1], Some(&x[2]), Some(&x[3]), 1e-5)?;
+                y.add(&s)
+            },
+        },
+        // The feed-forward as one op: in bf16 the GELU, its derivative and the first bias's
+        // gradient run in cuBLASLt epilogues (f32 runs the three ops).
+        OpCase {
+            name: "linear+gelu+linear",
+            inputs: vec![vec![2, 40, 96], vec![384, 96], vec![384], vec![96, 384], vec![96]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| x[0].linear_gelu_linear(&x[1], &x[2], &x[3], &x[4]),
+        },
         OpCase { name: "gelu", inputs: vec![vec![37, 129]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu() },
         OpCase { name: "gelu (tanh)", inputs: vec![vec![37, 129]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu_with(rtx_tensor::GeluApprox::Tanh) },
         OpCase {
@@ -646,6 +700,24 @@ fn profile(seed: u64, ids: &[u32]) -> Res<()> {
     let opt = time_ms(5, || Ok(trainer.opt.step()?))?;
     println!("profile phases: forward {forward:.2} ms, backward {:.2} ms, optimizer {opt:.2} ms", fwd_bwd - forward);
     dev.synchronize()?;
+    // The host's time to queue each phase (no waits inside) against the device's time for the
+    // whole step: a phase whose host time is near its device time is host-bound.
+    for _ in 0..3 {
+        for (_, p) in trainer.model.named_parameters() {
+            p.set_grad(None)?;
+        }
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        let loss = trainer.model.loss(&x, &y, &mut rng)?;
+        let t1 = Instant::now();
+        loss.backward()?;
+        let t2 = Instant::now();
+        trainer.opt.step()?;
+        let t3 = Instant::now();
+        dev.synchronize()?;
+        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+        println!("profile host queueing: forward {:.2} ms, backward {:.2} ms, optimizer {:.2} ms; step done on the device after {:.2} ms", ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t0, Instant::now()));
+    }
 
     let mut r = Generator::new(seed);
     let bf = |shape: &[usize], r: &mut Generator| -> Res<Tensor> { Ok(random(shape, r)?.to_dtype(DType::BF16)?.to_device(GPU)?.requires_grad(true)) };
@@ -658,12 +730,19 @@ fn profile(seed: u64, ids: &[u32]) -> Res<()> {
         ("linear fc2 3072->768", vec![bf(&[rows, 4 * c], &mut r)?, bf(&[c, 4 * c], &mut r)?, bf(&[c], &mut r)?], |x, _| x[0].linear(&x[1], Some(&x[2]))),
         ("lm head 768->50304 (unfused)", vec![bf(&[rows, c], &mut r)?, bf(&[50304, c], &mut r)?], |x, _| x[0].linear(&x[1], None)),
         ("layer_norm 768", vec![bf(&[rows, c], &mut r)?, bf(&[c], &mut r)?, bf(&[c], &mut r)?], |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5)),
+        ("mlp 768->3072->768 (fused)", vec![bf(&[rows, c], &mut r)?, bf(&[4 * c, c], &mut r)?, bf(&[4 * c], &mut r)?, bf(&[c, 4 * c], &mut r)?, bf(&[c], &mut r)?], |x, _| {
+            x[0].linear_gelu_linear(&x[1], &x[2], &x[3], &x[4])
+        }),
         ("gelu [16384,3072]", vec![bf(&[rows, 4 * c], &mut r)?], |x, _| x[0].gelu_with(rtx_tensor::GeluApprox::Tanh)),
         ("add residual", vec![bf(&[b, t, c], &mut r)?, bf(&[b, t, c], &mut r)?], |x, _| x[0].add(&x[1])),
+        ("add+layer_norm 768 (fused)", vec![bf(&[b, t, c], &mut r)?, bf(&[b, t, c], &mut r)?, bf(&[c], &mut r)?, bf(&[c], &mut r)?], |x, _| {
+            let (s, y) = x[0].add_layer_norm(&x[1], Some(&x[2]), Some(&x[3]), 1e-5)?;
+            y.add(&s)
+        }),
         ("add pos [B,T,C]+[T,C]", vec![bf(&[b, t, c], &mut r)?, bf(&[t, c], &mut r)?], |x, _| x[0].add(&x[1])),
     ];
     println!("{:<32} {:>10} {:>12} {:>10}", "op (bf16)", "fwd ms", "fwd+bwd ms", "x per step");
-    let per_step = [12usize, 12, 12, 12, 12, 1, 25, 12, 24, 1];
+    let per_step = [12usize, 12, 12, 12, 12, 1, 25, 12, 12, 24, 24, 1];
     for ((name, inputs, f), n) in cases.into_iter().zip(per_step) {
         let fwd = time_ms(10, || {
             rtx_tensor::no_grad(|| f(&inputs, &[]))?;
@@ -702,5 +781,15 @@ fn profile(seed: u64, ids: &[u32]) -> Res<()> {
         Ok(())
     })?;
     println!("{:<32} {fused_fwd:>10.3} {fused:>12.3} {:>10}", "head+loss fused 768->50304", 1);
+    // The same with fewer, larger chunks (the logits of a chunk: rows x 50,304 bf16).
+    for chunk in [8192usize, 16384] {
+        let fused = time_ms(10, || {
+            hidden.set_grad(None)?;
+            table.set_grad(None)?;
+            hidden.linear_cross_entropy_valid(&table, &targets, GPT2_VOCAB, CrossEntropyOptions::default(), chunk)?.backward()?;
+            Ok(())
+        })?;
+        println!("{:<32} {:>10} {fused:>12.3} {:>10}", format!("head+loss fused, chunks of {chunk}"), "", 1);
+    }
     Ok(())
 }

@@ -19,6 +19,33 @@ use std::collections::HashMap;
 pub trait BackwardFn: Send + Sync {
     /// Computes input gradients.
     fn backward(&self, grad_output: &Tensor, output: &Tensor) -> Result<Vec<Option<Tensor>>>;
+
+    /// Whether [`BackwardFn::backward_accumulating`] folds the gradient the first input already
+    /// has into its own (a fused add, such as a layer norm's backward adding the residual
+    /// stream's gradient in the same kernel pass). The engine then hands that gradient over
+    /// instead of adding the two itself.
+    fn accumulates_first_input(&self) -> bool {
+        false
+    }
+
+    /// [`BackwardFn::backward`] given `prior`, the gradient gathered so far for the first input
+    /// (a non-leaf) from its other consumers: the first gradient returned must include it. The
+    /// default adds them as the engine would (`prior + gradient`).
+    fn backward_accumulating(&self, grad_output: &Tensor, output: &Tensor, prior: Option<Tensor>) -> Result<Vec<Option<Tensor>>> {
+        let mut grads = self.backward(grad_output, output)?;
+        if let Some(prior) = prior {
+            match grads.first_mut() {
+                Some(first) => {
+                    *first = Some(match first.take() {
+                        Some(g) => prior.add(&g)?,
+                        None => prior,
+                    })
+                }
+                None => return Err(Error::InvalidArgument { op: "backward", reason: "a gradient for the first input was handed to a node with no inputs".into() }),
+            }
+        }
+        Ok(grads)
+    }
 }
 
 impl<F> BackwardFn for F
@@ -123,7 +150,14 @@ impl Tensor {
         for t in order.iter().rev() {
             let Some(node) = &t.0.node else { continue };
             let Some(g) = grads.remove(&t.id()) else { continue };
-            let input_grads = node.backward.backward(&g, &t.detach())?;
+            let input_grads = match node.inputs.first() {
+                // The node adds the first input's gathered gradient itself (fused).
+                Some(first) if node.backward.accumulates_first_input() && !first.is_leaf() && first.is_requires_grad() => {
+                    let prior = grads.remove(&first.id());
+                    node.backward.backward_accumulating(&g, &t.detach(), prior)?
+                }
+                _ => node.backward.backward(&g, &t.detach())?,
+            };
             debug_assert_eq!(input_grads.len(), node.inputs.len(), "{}: backward returned the wrong number of gradients", node.op);
             for (input, gi) in node.inputs.iter().zip(input_grads) {
                 if !input.is_requires_grad() {

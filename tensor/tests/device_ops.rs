@@ -423,6 +423,81 @@ rtx_tensor::device_test! {
         close("db", &grad(device, &bt)?, &db, TOL)
     }
 
+    /// Goal: `add_layer_norm` (the residual add fused with the norm after it) gives the sum and
+    /// its layer norm, and when the sum has another consumer (`out = y + s`, as the next residual
+    /// add) its gradient adds both paths (the norm's backward takes the sum's other gradient).
+    /// Method: a [3, 4, 24] + b [4, 24] (broadcast over the batch) in [−2, 2]; f64 reference:
+    /// `ds = g + layer-norm backward of g`, `da = ds`, `db = Σ_batch ds`.
+    fn add_layer_norm_with_residual_use(device) -> Result<()> {
+        let mut rng = seeded(0x2a);
+        let (batch, t, c, eps) = (3, 4, 24, 1e-5);
+        let rows = batch * t;
+        let (a, b) = (uniform(&mut rng, rows * c, 2.0), uniform(&mut rng, t * c, 2.0));
+        let (w, bias, g) = (uniform(&mut rng, c, 1.0), uniform(&mut rng, c, 1.0), uniform(&mut rng, rows * c, 1.0));
+        let (at, bt) = (leaf(device, &a, &[batch, t, c])?, leaf(device, &b, &[t, c])?);
+        let (wt, biast) = (leaf(device, &w, &[c])?, leaf(device, &bias, &[c])?);
+        let (s, y) = at.add_layer_norm(&bt, Some(&wt), Some(&biast), eps)?;
+        let out = y.add(&s)?;
+        let (mut want_s, mut want_out) = (vec![0.0f64; rows * c], vec![0.0f64; rows * c]);
+        let (mut da, mut db, mut dw, mut dbias) = (vec![0.0f64; rows * c], vec![0.0f64; t * c], vec![0.0f64; c], vec![0.0f64; c]);
+        for r in 0..rows {
+            let row: Vec<f64> = (0..c).map(|j| f64::from(a[r * c + j]) + f64::from(b[(r % t) * c + j])).collect();
+            let mean = row.iter().sum::<f64>() / c as f64;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / c as f64;
+            let sigma = (var + eps).sqrt();
+            let xhat: Vec<f64> = row.iter().map(|v| (v - mean) / sigma).collect();
+            let dxhat: Vec<f64> = (0..c).map(|j| f64::from(g[r * c + j]) * f64::from(w[j])).collect();
+            let mean_d = dxhat.iter().sum::<f64>() / c as f64;
+            let mean_dx = dxhat.iter().zip(&xhat).map(|(d, xh)| d * xh).sum::<f64>() / c as f64;
+            for j in 0..c {
+                want_s[r * c + j] = row[j];
+                want_out[r * c + j] = xhat[j] * f64::from(w[j]) + f64::from(bias[j]) + row[j];
+                let ds = f64::from(g[r * c + j]) + (dxhat[j] - mean_d - xhat[j] * mean_dx) / sigma;
+                da[r * c + j] = ds;
+                db[(r % t) * c + j] += ds;
+                dw[j] += f64::from(g[r * c + j]) * xhat[j];
+                dbias[j] += f64::from(g[r * c + j]);
+            }
+        }
+        close("s", &fetch(device, &s)?, &want_s, TOL)?;
+        close("out", &fetch(device, &out)?, &want_out, TOL)?;
+        backward_from(device, &out, &g)?;
+        close("da", &grad(device, &at)?, &da, TOL)?;
+        close("db", &grad(device, &bt)?, &db, TOL)?;
+        close("dw", &grad(device, &wt)?, &dw, TOL)?;
+        close("dbias", &grad(device, &biast)?, &dbias, TOL)
+    }
+
+    /// Goal: `linear_gelu_linear` (the GPT feed-forward as one op) equals
+    /// `linear(gelu_tanh(linear(x)))` with its five gradients. Method: x [6, 16], hidden 32, out
+    /// 8; f64 reference from `linear_ref`/`linear_grads_ref` and the tanh GELU's derivative.
+    fn linear_gelu_linear_feed_forward(device) -> Result<()> {
+        let mut rng = seeded(0x2b);
+        let (rows, c_in, hidden, c_out) = (6, 16, 32, 8);
+        let (x, w1, b1) = (uniform(&mut rng, rows * c_in, 1.0), uniform(&mut rng, hidden * c_in, 0.5), uniform(&mut rng, hidden, 0.5));
+        let (w2, b2, g) = (uniform(&mut rng, c_out * hidden, 0.5), uniform(&mut rng, c_out, 0.5), uniform(&mut rng, rows * c_out, 1.0));
+        let (xt, w1t, b1t, w2t, b2t) = (leaf(device, &x, &[rows, c_in])?, leaf(device, &w1, &[hidden, c_in])?, leaf(device, &b1, &[hidden])?, leaf(device, &w2, &[c_out, hidden])?, leaf(device, &b2, &[c_out])?);
+        let y = xt.linear_gelu_linear(&w1t, &b1t, &w2t, &b2t)?;
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        let pre = linear_ref(&x, &w1, Some(&b1), rows, c_in, hidden);
+        let gelu = |v: f64| 0.5 * v * (1.0 + (k * (v + 0.044715 * v * v * v)).tanh());
+        let gelu_grad = |v: f64| {
+            let t = (k * (v + 0.044715 * v * v * v)).tanh();
+            0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * v * v)
+        };
+        let h: Vec<f32> = pre.iter().map(|&v| gelu(v) as f32).collect();
+        close("y", &fetch(device, &y)?, &linear_ref(&h, &w2, Some(&b2), rows, hidden, c_out), TOL)?;
+        backward_from(device, &y, &g)?;
+        let (dh, dw2, db2) = linear_grads_ref(&h, &w2, &g, rows, hidden, c_out);
+        let dpre: Vec<f32> = dh.iter().zip(&pre).map(|(d, &p)| (d * gelu_grad(p)) as f32).collect();
+        let (dx, dw1, db1) = linear_grads_ref(&x, &w1, &dpre, rows, c_in, hidden);
+        close("dx", &grad(device, &xt)?, &dx, TOL)?;
+        close("dw1", &grad(device, &w1t)?, &dw1, TOL)?;
+        close("db1", &grad(device, &b1t)?, &db1, TOL)?;
+        close("dw2", &grad(device, &w2t)?, &dw2, TOL)?;
+        close("db2", &grad(device, &b2t)?, &db2, TOL)
+    }
+
     /// Goal: `Tensor::embedding` gathers table rows (ids on the host or on the device) and its
     /// gradient scatter-adds, repeated ids accumulating. Method: table [10, 8], ids [2, 3] with id
     /// 3 three times; the reference copies and sums rows by index.

@@ -2,7 +2,11 @@
 //! convention as [`Device::gemm`]: `C = op(A)·op(B) + bias` (the bias over `C`'s columns, added
 //! in the GEMM's epilogue instead of a separate pass over `C`), or `C = op(A)·op(B)` together
 //! with the column sums of `A` over `k` (a linear layer's weight and bias gradients from one read
-//! of the output gradient).
+//! of the output gradient), or a linear layer with its tanh-GELU (`C = gelu(op(A)·op(B) + bias)`, the
+//! pre-activation kept for the backward) and that GELU's backward (`C = (op(A)·op(B)) ⊙ gelu'(aux)`),
+//! as llm.c fuses its feed-forward. (cuBLASLt's `DGELU_BGRAD`, which would also sum the bias
+//! gradient, measured 0.2 ms slower per GPT-2 layer than `DGELU` with the bias gradient in the
+//! next GEMM's `BGRADB`, so it is not offered.)
 //!
 //! The row-major product is the column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`, so our `B` is cuBLASLt's first
 //! operand and a bias over our columns is one over its rows (`EPILOGUE_BIAS`); the bias gradient
@@ -31,6 +35,21 @@ pub enum Epilogue<'a, T: GemmElem> {
     /// Write the sums of `A`'s columns over `k` (`A` is `[k, m]`, so one value per row of `C`,
     /// which needs `trans_a`) into the buffer.
     BiasGrad(&'a mut Buffer<T>),
+    /// Add `bias` (as [`Epilogue::Bias`]), keep that pre-activation in `aux` (`C`'s shape) and
+    /// write cuBLASLt's GELU of it (the tanh approximation, as GPT-2's) to `C`: a linear layer
+    /// and its activation in one pass, the pre-activation saved for the backward.
+    BiasGeluAux {
+        /// One value per column of `C`.
+        bias: &'a Buffer<T>,
+        /// The pre-activation, `C`'s shape.
+        aux: &'a mut Buffer<T>,
+    },
+    /// Multiply the product by the GELU's derivative at `aux` (a pre-activation saved by
+    /// [`Epilogue::BiasGeluAux`], `C`'s shape).
+    DGelu {
+        /// The saved pre-activation.
+        aux: &'a Buffer<T>,
+    },
 }
 
 /// The cuBLASLt handle and workspace of a device, and the algorithms picked so far.
@@ -117,19 +136,31 @@ impl Device {
         check_len(OP, "a", a.len(), m * k)?;
         check_len(OP, "b", b.len(), k * n)?;
         check_len(OP, "c", c.len(), m * n)?;
-        let (kind, bias_ptr) = match &epilogue {
+        let (kind, bias_ptr, aux_ptr) = match &epilogue {
             Epilogue::Bias(bias) => {
                 check_len(OP, "bias", bias.len(), n)?;
-                (ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS, bias.device_ptr())
+                (ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS, bias.device_ptr(), None)
             }
             Epilogue::BiasGrad(db) => {
                 if !spec.trans_a {
                     return Err(CudaError::Unsupported { op: OP, what: "the bias gradient reduces A stored [k, m] (trans_a)".into() });
                 }
                 check_len(OP, "bias gradient", db.len(), m)?;
-                (ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB, db.device_ptr())
+                (ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB, db.device_ptr(), None)
+            }
+            Epilogue::BiasGeluAux { bias, aux } => {
+                check_len(OP, "bias", bias.len(), n)?;
+                check_len(OP, "aux", aux.len(), m * n)?;
+                (ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias.device_ptr(), Some(aux.device_ptr()))
+            }
+            Epilogue::DGelu { aux } => {
+                check_len(OP, "aux", aux.len(), m * n)?;
+                (ltsys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DGELU, 0, Some(aux.device_ptr()))
             }
         };
+        if aux_ptr.is_some() && !n.is_multiple_of(8) {
+            return Err(CudaError::Unsupported { op: OP, what: format!("a GELU auxiliary matrix needs rows of a multiple of 8 elements, not {n}") });
+        }
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -166,6 +197,11 @@ impl Device {
             set_attr(d.desc, ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_of(call.trans_second)).map_err(|e| lt_err(OP, e))?;
             set_attr(d.desc, ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &(kind as u32)).map_err(|e| lt_err(OP, e))?;
             set_attr(d.desc, ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr).map_err(|e| lt_err(OP, e))?;
+            if let Some(aux) = aux_ptr {
+                // The auxiliary matrix has C's column-major layout (C's leading dimension).
+                set_attr(d.desc, ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux).map_err(|e| lt_err(OP, e))?;
+                set_attr(d.desc, ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(call.ldc as i64)).map_err(|e| lt_err(OP, e))?;
+            }
         }
         let key = AlgoKey { m, n, k, trans_a: spec.trans_a, trans_b: spec.trans_b, bf16, tf32, epilogue: kind as u32 };
         let workspace_bytes = WORKSPACE_WORDS * 4;

@@ -599,3 +599,246 @@ extern "C" __global__ void layer_norm_backward_v8_bf16(const u16* x, const u16* 
     }
 }
 
+
+// ---- layer norm fused with the residual stream: bf16 rows of n = 8·n8 elements, n8 ≤ 32·K ----
+// One warp per row; lane l owns the 16-byte words l, l+32, ... (K of them) and keeps them in
+// registers as packed bf16, so a row is read from global memory once.
+//
+// Forward: s = a + b (b the same shape or broadcast over leading rows: row r reads b's row
+// r % b_rows), rounded to bf16 and stored, then y = layer_norm(s) from the rounded s: the same
+// bits as the add kernel followed by the layer-norm kernel, one pass fewer (s is not read back).
+
+template <int K> __device__ void add_layer_norm_forward_k(const u16* a, const u16* b, const u16* w, const u16* bias, u16* s, u16* y, float* mean, float* rstd, i64 rows, int n, i64 b_rows, float eps) {
+    i64 row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    int n8 = n >> 3;
+    const V8* ar = (const V8*)(a + row * n);
+    const V8* br = (const V8*)(b + (row % b_rows) * n);
+    V8* sr = (V8*)(s + row * n);
+    V8 held[K];
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int j = lane + 32 * k;
+        if (j < n8) {
+            float x[8], z[8];
+            unpack8(ar[j], x);
+            unpack8(br[j], z);
+            for (int e = 0; e < 8; ++e) x[e] += z[e];
+            V8 p = pack8(x);
+            sr[j] = p;
+            held[k] = p;
+            unpack8(p, x);
+            for (int e = 0; e < 8; ++e) sum += x[e];
+        }
+    }
+    float mu = warp_sum(sum) / n;
+    float q = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (lane + 32 * k < n8) {
+            float x[8];
+            unpack8(held[k], x);
+            for (int e = 0; e < 8; ++e) { float d = x[e] - mu; q += d * d; }
+        }
+    }
+    float rs = rsqrtf(warp_sum(q) / n + eps);
+    if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
+    V8* yr = (V8*)(y + row * n);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int j = lane + 32 * k;
+        if (j < n8) {
+            float x[8], wv[8], bv[8];
+            unpack8(held[k], x);
+            if (w) unpack8(((const V8*)w)[j], wv); else for (int e = 0; e < 8; ++e) wv[e] = 1.0f;
+            if (bias) unpack8(((const V8*)bias)[j], bv); else for (int e = 0; e < 8; ++e) bv[e] = 0.0f;
+            for (int e = 0; e < 8; ++e) x[e] = (x[e] - mu) * rs * wv[e] + bv[e];
+            yr[j] = pack8(x);
+        }
+    }
+}
+
+// Backward, accumulating: dx = prior + layer_norm_backward(x, dy) (prior, the gradient the
+// residual stream already has from its other consumers, may be null), rounded once; and with pw
+// non-null the block's partial sums of dw = Σ dy·x̂ and db = Σ dy over its rows_per_block rows,
+// pw[blockIdx.x·n + j], pb[...]. Each warp adds its rows' terms into its own slice of dynamic
+// shared memory (2·n floats per warp, stored [element of the word][word] so the lanes hit
+// distinct banks); the block then sums its 8 warps in a fixed order, and col_sum_finish_wide
+// sums the blocks in order: deterministic. One pass over x, dy and prior instead of the three of
+// the unfused form (backward, parameter partials, add); the accumulators in shared memory keep
+// the registers low enough for 4 blocks (32 warps) per SM.
+
+template <int K> __device__ void layer_norm_backward_acc_k(const u16* x, const u16* w, const float* mean, const float* rstd, const u16* dy, const u16* prior, u16* dx, float* pw, float* pb, i64 rows, int n, int rows_per_block) {
+    extern __shared__ float acc[];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n8 = n >> 3;
+    float* aw = acc + (i64)warp * 2 * n;
+    float* ab = aw + n;
+    if (pw) {
+        for (int j = lane; j < 2 * n; j += 32) aw[j] = 0.0f;
+        __syncwarp();
+    }
+    i64 r0 = (i64)blockIdx.x * rows_per_block;
+    i64 r1 = min(rows, r0 + rows_per_block);
+    for (i64 row = r0 + warp; row < r1; row += 8) {
+        const V8* xr = (const V8*)(x + row * n);
+        const V8* gr = (const V8*)(dy + row * n);
+        float mu = mean[row], rs = rstd[row];
+        V8 xw[K], gw[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int j = lane + 32 * k;
+            if (j < n8) { xw[k] = xr[j]; gw[k] = gr[j]; }
+        }
+        float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int j = lane + 32 * k;
+            if (j < n8) {
+                float v[8], g[8], wv[8];
+                unpack8(xw[k], v);
+                unpack8(gw[k], g);
+                if (w) unpack8(((const V8*)w)[j], wv); else for (int e = 0; e < 8; ++e) wv[e] = 1.0f;
+                for (int e = 0; e < 8; ++e) {
+                    float gg = g[e] * wv[e];
+                    sg += gg;
+                    sgx += gg * (v[e] - mu) * rs;
+                    if (pw) {
+                        aw[e * n8 + j] += g[e] * (v[e] - mu) * rs;
+                        ab[e * n8 + j] += g[e];
+                    }
+                }
+            }
+        }
+        float mg = warp_sum(sg) / n;
+        float mgx = warp_sum(sgx) / n;
+        V8* dr = (V8*)(dx + row * n);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int j = lane + 32 * k;
+            if (j < n8) {
+                float v[8], g[8], wv[8], p[8];
+                unpack8(xw[k], v);
+                unpack8(gw[k], g);
+                if (w) unpack8(((const V8*)w)[j], wv); else for (int e = 0; e < 8; ++e) wv[e] = 1.0f;
+                if (prior) unpack8(((const V8*)(prior + row * n))[j], p); else for (int e = 0; e < 8; ++e) p[e] = 0.0f;
+                for (int e = 0; e < 8; ++e) v[e] = rs * (g[e] * wv[e] - mg - (v[e] - mu) * rs * mgx) + p[e];
+                dr[j] = pack8(v);
+            }
+        }
+    }
+    if (!pw) return;
+    __syncthreads();
+    for (int col = threadIdx.x; col < n; col += blockDim.x) {
+        int idx = (col & 7) * n8 + (col >> 3);
+        float tw = 0.0f, tb = 0.0f;
+        for (int wi = 0; wi < 8; ++wi) {
+            tw += acc[(i64)wi * 2 * n + idx];
+            tb += acc[(i64)wi * 2 * n + n + idx];
+        }
+        pw[(i64)blockIdx.x * n + col] = tw;
+        pb[(i64)blockIdx.x * n + col] = tb;
+    }
+}
+
+// out[j] = Σ_c partial[c·n + j] over many chunks: block (32, 8) per 32 columns; thread (x, y)
+// sums chunks y, y+8, ... in order, then row 0 adds the 8 sums in order (deterministic).
+template <typename T> __device__ void col_sum_finish_wide(const float* partial, T* out, int chunks, int n) {
+    __shared__ float s[8][33];
+    int col = blockIdx.x * 32 + threadIdx.x;
+    float t = 0.0f;
+    if (col < n)
+        for (int c = threadIdx.y; c < chunks; c += 8) t += partial[(i64)c * n + col];
+    s[threadIdx.y][threadIdx.x] = t;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < n) {
+        float u = 0.0f;
+        for (int k = 0; k < 8; ++k) u += s[k][threadIdx.x];
+        stf(out, col, u);
+    }
+}
+#define P_CSFW(T) (const float* partial, T* out, int chunks, int n)
+BOTH(col_sum_finish_wide, P_CSFW, (partial, out, chunks, n))
+
+#define ADD_LN_K(K)                                                                                                                   \
+    extern "C" __global__ void add_layer_norm_forward_k##K##_bf16(const u16* a, const u16* b, const u16* w, const u16* bias, u16* s, \
+                                                                  u16* y, float* mean, float* rstd, i64 rows, int n, i64 b_rows,     \
+                                                                  float eps) {                                                        \
+        add_layer_norm_forward_k<K>(a, b, w, bias, s, y, mean, rstd, rows, n, b_rows, eps);                                           \
+    }                                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 4) layer_norm_backward_acc_k##K##_bf16(const u16* x, const u16* w, const float* mean, const float* rstd,  \
+                                                                   const u16* dy, const u16* prior, u16* dx, float* pw, float* pb,   \
+                                                                   i64 rows, int n, int rows_per_block) {                            \
+        layer_norm_backward_acc_k<K>(x, w, mean, rstd, dy, prior, dx, pw, pb, rows, n, rows_per_block);                               \
+    }
+ADD_LN_K(1)
+ADD_LN_K(2)
+ADD_LN_K(3)
+ADD_LN_K(4)
+
+// AdamW on f32 master weights for bf16 parameters of a multiple of 8 elements: each thread
+// updates 8 elements per step (16-byte gradient and parameter words, 32-byte master and moment
+// runs), with adamw_master's arithmetic per element, so the results are the same bits.
+struct __align__(16) F4 { float x, y, z, w; };
+
+// The update of word i (8 elements) of one tensor.
+__device__ __forceinline__ void adamw_word(float* master, u16* param, const u16* grad, float* m, float* v, i64 i, float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2) {
+    float g[8], p[8], mi[8], vi[8];
+    unpack8(((const V8*)grad)[i], g);
+    F4* mp = (F4*)master + 2 * i;
+    F4* m4 = (F4*)m + 2 * i;
+    F4* v4 = (F4*)v + 2 * i;
+    F4 a0 = mp[0], a1 = mp[1], b0 = m4[0], b1 = m4[1], c0 = v4[0], c1 = v4[1];
+    p[0] = a0.x; p[1] = a0.y; p[2] = a0.z; p[3] = a0.w; p[4] = a1.x; p[5] = a1.y; p[6] = a1.z; p[7] = a1.w;
+    mi[0] = b0.x; mi[1] = b0.y; mi[2] = b0.z; mi[3] = b0.w; mi[4] = b1.x; mi[5] = b1.y; mi[6] = b1.z; mi[7] = b1.w;
+    vi[0] = c0.x; vi[1] = c0.y; vi[2] = c0.z; vi[3] = c0.w; vi[4] = c1.x; vi[5] = c1.y; vi[6] = c1.z; vi[7] = c1.w;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        float pe = p[e] * (1.0f - lr * weight_decay);
+        float me = beta1 * mi[e] + (1.0f - beta1) * g[e];
+        float ve = beta2 * vi[e] + (1.0f - beta2) * g[e] * g[e];
+        mi[e] = me;
+        vi[e] = ve;
+        pe -= lr * (me / bc1) / (sqrtf(ve / bc2) + eps);
+        p[e] = pe;
+    }
+    mp[0] = F4{p[0], p[1], p[2], p[3]};
+    mp[1] = F4{p[4], p[5], p[6], p[7]};
+    m4[0] = F4{mi[0], mi[1], mi[2], mi[3]};
+    m4[1] = F4{mi[4], mi[5], mi[6], mi[7]};
+    v4[0] = F4{vi[0], vi[1], vi[2], vi[3]};
+    v4[1] = F4{vi[4], vi[5], vi[6], vi[7]};
+    ((V8*)param)[i] = pack8(p);
+}
+
+extern "C" __global__ void adamw_master_v8_bf16(float* master, u16* param, const u16* grad, float* m, float* v, i64 n8, float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2) {
+    GRID_STRIDE(i, n8) adamw_word(master, param, grad, m, v, i, lr, beta1, beta2, eps, weight_decay, bc1, bc2);
+}
+
+// Every tensor of a model in one launch (a GPT-2 has ~150, most of them biases and norm
+// parameters whose own launches would cost more than their update): tensor k owns blocks
+// [block_start, next block_start), one 8-element word per thread; a block finds its tensor by
+// binary search over the table (uploaded per step: the gradients are fresh buffers).
+struct AdamTensor {
+    float* master;
+    u16* param;
+    const u16* grad;
+    float* m;
+    float* v;
+    i64 n8;
+    i64 block_start;
+    float weight_decay, bc1, bc2, pad;
+};
+
+extern "C" __global__ void adamw_master_multi_v8_bf16(const AdamTensor* ts, int n_tensors, float lr, float beta1, float beta2, float eps) {
+    int lo = 0, hi = n_tensors - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (ts[mid].block_start <= (i64)blockIdx.x) lo = mid; else hi = mid - 1;
+    }
+    const AdamTensor* t = ts + lo;
+    i64 i = ((i64)blockIdx.x - t->block_start) * blockDim.x + threadIdx.x;
+    if (i >= t->n8) return;
+    adamw_word(t->master, t->param, t->grad, t->m, t->v, i, lr, beta1, beta2, eps, t->weight_decay, t->bc1, t->bc2);
+}

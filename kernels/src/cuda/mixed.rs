@@ -19,6 +19,23 @@ use super::error::{check_len, CudaError, OpContext, Result};
 use super::nvrtc::Module;
 use super::ops::AdamW;
 
+/// One bf16 parameter of [`Device::adamw_master_multi`], with its f32 master weights, moments
+/// and gradient, and its step's hyperparameters (`hp.weight_decay` and `hp.step` its own).
+pub struct AdamWTensor<'a> {
+    /// f32 master weights.
+    pub master: &'a mut Buffer<f32>,
+    /// The bf16 parameter (written from the master).
+    pub param: &'a mut Buffer<bf16>,
+    /// Its gradient.
+    pub grad: &'a Buffer<bf16>,
+    /// First moment.
+    pub m: &'a mut Buffer<f32>,
+    /// Second moment.
+    pub v: &'a mut Buffer<f32>,
+    /// The step's hyperparameters.
+    pub hp: AdamW,
+}
+
 /// Threads per block of the grid-stride kernels.
 const BLOCK: u32 = 256;
 /// Upper bound on grid-stride blocks.
@@ -27,6 +44,11 @@ const MAX_BLOCKS: usize = 132 * 16;
 const ROWS_PER_BLOCK: usize = 8;
 /// Largest classifier row kept in shared memory (H100/H200 blocks may take 227 KiB).
 const MAX_ROW_CACHE_BYTES: usize = 200 * 1024;
+/// Longest row of the fused residual layer-norm kernels: 4 16-byte words per lane of a warp.
+pub const FUSED_NORM_MAX: usize = 8 * 32 * 4;
+/// Rows per block of the accumulating layer-norm backward (8 warps, 4 rows each); the parameter
+/// partials are summed over `rows / 32` blocks.
+const ACC_NORM_ROWS_PER_BLOCK: usize = 32;
 /// Rows per chunk of the column-sum partials.
 const ROWS_PER_CHUNK: usize = 128;
 
@@ -258,6 +280,24 @@ impl Device {
         self.finish_columns::<T>(&partial, chunks, out, accumulate)
     }
 
+    /// `out[j] = Σ_c partial[c·n + j]` for many chunks (hundreds): 32 columns per block, each
+    /// column's chunks split over 8 threads and their sums added in a fixed order.
+    fn finish_columns_wide<T: StorageElem>(&self, partial: &Buffer<f32>, chunks: usize, out: &mut Buffer<T>) -> Result<()> {
+        const OP: &str = "column_sums";
+        check_len(OP, "partial", partial.len(), chunks * out.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Module::Mixed, kernel!(T, "col_sum_finish_wide"))?;
+        let (pp, op_, c, n) = (partial.device_ptr(), out.device_ptr(), int(OP, chunks)?, int(OP, out.len())?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&pp).arg(&op_).arg(&c).arg(&n);
+        let cfg = LaunchConfig { grid_dim: (u32::try_from(out.len().div_ceil(32)).map_err(|_| CudaError::Unsupported { op: OP, what: format!("{} columns", out.len()) })?, 1, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 };
+        // SAFETY: partial holds chunks·n f32s, out n elements.
+        unsafe { l.launch(cfg) }.op(OP)?;
+        Ok(())
+    }
+
     fn finish_columns<T: StorageElem>(&self, partial: &Buffer<f32>, chunks: usize, out: &mut Buffer<T>, accumulate: bool) -> Result<()> {
         const OP: &str = "column_sums";
         let f = self.function(Module::Mixed, kernel!(T, "col_sum_finish"))?;
@@ -350,6 +390,149 @@ impl Device {
         if let Some(db) = db {
             check_len(OP, "db", db.len(), n)?;
             self.finish_columns::<T>(&pb, chunks, db, false)?;
+        }
+        Ok(())
+    }
+
+    /// Whether rows of `n` elements of storage `T` take the fused residual layer-norm kernels
+    /// ([`Device::add_norm_forward`], and the one-pass form of
+    /// [`Device::norm_backward_accumulate`]): bf16 rows of whole 16-byte words, at most
+    /// [`FUSED_NORM_MAX`] long (a warp holds a row in registers).
+    pub fn fused_norm_supported<T: StorageElem>(n: usize) -> bool {
+        T::IS_BF16 && n > 0 && n.is_multiple_of(8) && n <= FUSED_NORM_MAX
+    }
+
+    /// The residual add fused with the layer norm after it: `s = a + b` (rounded to `T`; `b` of
+    /// `a`'s length or broadcast over its leading rows) and `y = layer_norm(s)` with `s`'s rounded
+    /// values, in one pass (the bits of [`Device::add_rows`] then [`Device::norm_forward`]).
+    /// Only where [`Device::fused_norm_supported`] says so.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_norm_forward<T: StorageElem>(
+        &self,
+        a: &Buffer<T>,
+        b: &Buffer<T>,
+        n: usize,
+        w: Option<&Buffer<T>>,
+        bias: Option<&Buffer<T>>,
+        eps: f32,
+        s: &mut Buffer<T>,
+        y: &mut Buffer<T>,
+        mean: &mut Buffer<f32>,
+        rstd: &mut Buffer<f32>,
+    ) -> Result<()> {
+        const OP: &str = "add_norm_forward";
+        if !Self::fused_norm_supported::<T>(n) {
+            return Err(CudaError::Unsupported { op: OP, what: format!("rows of {n} (bf16 rows of a multiple of 8, at most {FUSED_NORM_MAX})") });
+        }
+        let rows = rows_of(OP, a.len(), n)?;
+        let b_rows = rows_of(OP, b.len(), n)?;
+        if b_rows == 0 || !rows.is_multiple_of(b_rows) {
+            return Err(CudaError::Unsupported { op: OP, what: format!("cannot broadcast {} elements over {}", b.len(), a.len()) });
+        }
+        check_len(OP, "s", s.len(), a.len())?;
+        check_len(OP, "y", y.len(), a.len())?;
+        check_len(OP, "mean", mean.len(), rows)?;
+        check_len(OP, "rstd", rstd.len(), rows)?;
+        for (name, p) in [("weight", w), ("bias", bias)] {
+            if let Some(p) = p {
+                check_len(OP, name, p.len(), n)?;
+            }
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let name = match (n / 8).div_ceil(32) {
+            1 => "add_layer_norm_forward_k1_bf16",
+            2 => "add_layer_norm_forward_k2_bf16",
+            3 => "add_layer_norm_forward_k3_bf16",
+            _ => "add_layer_norm_forward_k4_bf16",
+        };
+        let f = self.function(Module::Mixed, name)?;
+        let (ap, bp, wp, biasp) = (a.device_ptr(), b.device_ptr(), w.map_or(0, |w| w.device_ptr()), bias.map_or(0, |b| b.device_ptr()));
+        let (sp, yp, mp, rp) = (s.device_ptr(), y.device_ptr(), mean.device_ptr(), rstd.device_ptr());
+        let (r, ni, br) = (rows as i64, int(OP, n)?, b_rows as i64);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&ap).arg(&bp).arg(&wp).arg(&biasp).arg(&sp).arg(&yp).arg(&mp).arg(&rp).arg(&r).arg(&ni).arg(&br).arg(&eps);
+        // SAFETY: a, s, y hold rows·n elements, b b_rows·n with b_rows dividing rows, mean and
+        // rstd rows, w and bias n or null; n is a multiple of 8 within the kernel's K words per
+        // lane, and buffers start 16-byte aligned.
+        unsafe { l.launch(per_warp_rows(OP, rows)?) }.op(OP)?;
+        Ok(())
+    }
+
+    /// Layer norm backward that also adds the gradient the input already has from its other
+    /// consumers: `dx = prior + dx_norm` (rounded once on the fused path), and the parameter
+    /// gradients `dw`, `db` when asked (written). bf16 rows that
+    /// [`Device::fused_norm_supported`] takes run in one kernel pass over `x`, `dy` and `prior`
+    /// (the parameter partials made in the same pass, summed over blocks in a fixed order);
+    /// other rows run [`Device::norm_backward`] and an add.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_backward_accumulate<T: StorageElem>(
+        &self,
+        x: &Buffer<T>,
+        n: usize,
+        w: Option<&Buffer<T>>,
+        mean: &Buffer<f32>,
+        rstd: &Buffer<f32>,
+        dy: &Buffer<T>,
+        prior: Option<&Buffer<T>>,
+        dx: &mut Buffer<T>,
+        dw: Option<&mut Buffer<T>>,
+        db: Option<&mut Buffer<T>>,
+    ) -> Result<()> {
+        const OP: &str = "norm_backward_accumulate";
+        if let Some(p) = prior {
+            check_len(OP, "prior", p.len(), x.len())?;
+        }
+        if !Self::fused_norm_supported::<T>(n) {
+            self.norm_backward(x, n, w, mean, rstd, dy, dx, dw, db)?;
+            if let Some(p) = prior {
+                self.add_rows_in_place(dx, p)?;
+            }
+            return Ok(());
+        }
+        let rows = rows_of(OP, x.len(), n)?;
+        check_len(OP, "dy", dy.len(), x.len())?;
+        check_len(OP, "dx", dx.len(), x.len())?;
+        check_len(OP, "mean", mean.len(), rows)?;
+        check_len(OP, "rstd", rstd.len(), rows)?;
+        if let Some(w) = w {
+            check_len(OP, "weight", w.len(), n)?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let blocks = rows.div_ceil(ACC_NORM_ROWS_PER_BLOCK);
+        let want_params = dw.is_some() || db.is_some();
+        let (pw, pb) = if want_params { (Some(self.alloc::<f32>(blocks * n)?), Some(self.alloc::<f32>(blocks * n)?)) } else { (None, None) };
+        let name = match (n / 8).div_ceil(32) {
+            1 => "layer_norm_backward_acc_k1_bf16",
+            2 => "layer_norm_backward_acc_k2_bf16",
+            3 => "layer_norm_backward_acc_k3_bf16",
+            _ => "layer_norm_backward_acc_k4_bf16",
+        };
+        let f = self.function(Module::Mixed, name)?;
+        // Each warp's dw and db sums: 2·n floats per warp.
+        let smem = ROWS_PER_BLOCK * 2 * n * std::mem::size_of::<f32>();
+        super::attention::allow_smem(&f, smem, OP)?;
+        let (xp, wp, mp, rp, gp, pp, dp) = (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), mean.device_ptr(), rstd.device_ptr(), dy.device_ptr(), prior.map_or(0, |p| p.device_ptr()), dx.device_ptr());
+        let (pwp, pbp) = (pw.as_ref().map_or(0, |b| b.device_ptr()), pb.as_ref().map_or(0, |b| b.device_ptr()));
+        let (r, ni, per) = (rows as i64, int(OP, n)?, int(OP, ACC_NORM_ROWS_PER_BLOCK)?);
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&xp).arg(&wp).arg(&mp).arg(&rp).arg(&gp).arg(&pp).arg(&dp).arg(&pwp).arg(&pbp).arg(&r).arg(&ni).arg(&per);
+        let grid = u32::try_from(blocks).map_err(|_| CudaError::Unsupported { op: OP, what: format!("{rows} rows") })?;
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: ((ROWS_PER_BLOCK * 32) as u32, 1, 1), shared_mem_bytes: smem as u32 };
+        // SAFETY: x, dy, dx (and prior) hold rows·n elements, mean and rstd rows, w n or null,
+        // the partials blocks·n f32s or null; n is a multiple of 8 within the kernel's K words per
+        // lane; the shared memory holds the kernel's 2·n floats per warp and was allowed above.
+        unsafe { l.launch(cfg) }.op(OP)?;
+        if let (Some(dw), Some(pw)) = (dw, pw.as_ref()) {
+            check_len(OP, "dw", dw.len(), n)?;
+            self.finish_columns_wide::<T>(pw, blocks, dw)?;
+        }
+        if let (Some(db), Some(pb)) = (db, pb.as_ref()) {
+            check_len(OP, "db", db.len(), n)?;
+            self.finish_columns_wide::<T>(pb, blocks, db)?;
         }
         Ok(())
     }
@@ -593,6 +776,57 @@ impl Device {
         Ok(())
     }
 
+    /// [`Device::adamw_master`] for many bf16 tensors in one launch (each of a multiple of 8
+    /// elements, each with its own weight decay and step; `lr`, betas and `eps` shared): the
+    /// same bits per element as the per-tensor kernel. The table of tensors is uploaded first,
+    /// which waits for the device's queued work.
+    pub fn adamw_master_multi(&self, tensors: &mut [AdamWTensor<'_>]) -> Result<()> {
+        const OP: &str = "adamw_master_multi";
+        let Some(first) = tensors.first() else { return Ok(()) };
+        let (lr, beta1, beta2, eps) = (first.hp.lr, first.hp.beta1, first.hp.beta2, first.hp.eps);
+        // Per tensor: master, param, grad, m, v, n8, block_start, (weight_decay, bc1), (bc2, 0),
+        // as the kernel's `AdamTensor`.
+        let mut table: Vec<u64> = Vec::with_capacity(9 * tensors.len());
+        let mut blocks = 0usize;
+        for t in tensors.iter_mut() {
+            let n = t.master.len();
+            for (name, len) in [("param", t.param.len()), ("grad", t.grad.len()), ("m", t.m.len()), ("v", t.v.len())] {
+                check_len(OP, name, len, n)?;
+            }
+            if !n.is_multiple_of(8) || t.hp.step == 0 || (t.hp.lr, t.hp.beta1, t.hp.beta2, t.hp.eps) != (lr, beta1, beta2, eps) {
+                return Err(CudaError::Unsupported { op: OP, what: format!("tensors of a multiple of 8 elements, steps from 1 and one lr, betas and eps (got {n} elements, step {})", t.hp.step) });
+            }
+            if n == 0 {
+                continue;
+            }
+            let bc1 = (1.0 - (t.hp.beta1 as f64).powi(t.hp.step as i32)) as f32;
+            let bc2 = (1.0 - (t.hp.beta2 as f64).powi(t.hp.step as i32)) as f32;
+            let n8 = n / 8;
+            table.extend_from_slice(&[t.master.device_ptr(), t.param.device_ptr(), t.grad.device_ptr(), t.m.device_ptr(), t.v.device_ptr(), n8 as u64, blocks as u64]);
+            table.push(u64::from(t.hp.weight_decay.to_bits()) | (u64::from(bc1.to_bits()) << 32));
+            table.push(u64::from(bc2.to_bits()));
+            blocks += n8.div_ceil(BLOCK as usize);
+        }
+        let n_tensors = int(OP, table.len() / 9)?;
+        if n_tensors == 0 {
+            return Ok(());
+        }
+        // Uploaded as little-endian u32 pairs (the device reads the 8-byte fields).
+        let words: Vec<u32> = table.iter().flat_map(|&w| [w as u32, (w >> 32) as u32]).collect();
+        let table = self.htod(&words)?;
+        let f = self.function(Module::Mixed, "adamw_master_multi_v8_bf16")?;
+        let tp = table.device_ptr();
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&tp).arg(&n_tensors).arg(&lr).arg(&beta1).arg(&beta2).arg(&eps);
+        let grid = u32::try_from(blocks).map_err(|_| CudaError::Unsupported { op: OP, what: format!("{blocks} blocks") })?;
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the table lists each tensor's five buffers (lengths checked equal, n a multiple
+        // of 8, 16-byte aligned) with its word count and first block; the blocks add up to the
+        // grid, so every thread finds its tensor and stays inside its buffers.
+        unsafe { l.launch(cfg) }.op(OP)?;
+        Ok(())
+    }
+
     /// One AdamW step on f32 `master` weights (moments `m`, `v`) from storage-type `grad`,
     /// writing the rounded result into `param`.
     #[allow(clippy::too_many_arguments)]
@@ -610,12 +844,15 @@ impl Device {
         }
         let bc1 = (1.0 - (hp.beta1 as f64).powi(hp.step as i32)) as f32;
         let bc2 = (1.0 - (hp.beta2 as f64).powi(hp.step as i32)) as f32;
-        let f = self.function(Module::Mixed, kernel!(T, "adamw_master"))?;
-        let (mp, pp, gp, m1, v1, n64) = (master.device_ptr(), param.device_ptr(), grad.device_ptr(), m.device_ptr(), v.device_ptr(), n as i64);
+        // bf16 parameters of whole 8-element words update 8 elements per thread (16-byte loads;
+        // buffers start 256-byte aligned), the same arithmetic per element.
+        let width = if T::IS_BF16 && n.is_multiple_of(8) { 8 } else { 1 };
+        let f = self.function(Module::Mixed, if width == 8 { "adamw_master_v8_bf16" } else { kernel!(T, "adamw_master") })?;
+        let (mp, pp, gp, m1, v1, n64) = (master.device_ptr(), param.device_ptr(), grad.device_ptr(), m.device_ptr(), v.device_ptr(), (n / width) as i64);
         let mut l = self.stream().launch_builder(&f);
         l.arg(&mp).arg(&pp).arg(&gp).arg(&m1).arg(&v1).arg(&n64).arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps).arg(&hp.weight_decay).arg(&bc1).arg(&bc2);
-        // SAFETY: all five buffers hold n elements.
-        unsafe { l.launch(grid_stride(n)) }.op(OP)?;
+        // SAFETY: all five buffers hold n elements (n64 words of `width` of them).
+        unsafe { l.launch(grid_stride(n / width)) }.op(OP)?;
         Ok(())
     }
 }

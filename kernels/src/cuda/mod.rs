@@ -26,7 +26,7 @@ pub use blas::{ColumnMajorCall, Gemm, GemmElem, GemmMath};
 pub use blas_lt::Epilogue;
 pub use device::{probe_libraries, Device, STAGING_BYTES};
 pub use error::{CudaError, Result};
-pub use mixed::{HeadLayout, StorageElem};
+pub use mixed::{AdamWTensor, HeadLayout, StorageElem, FUSED_NORM_MAX};
 pub use ops::{broadcast_shape, AdamW, BinaryOp, UnaryOp, MAX_BROADCAST_DIMS};
 
 /// The cudarc crate this backend is built on, for callers that benchmark against raw cuBLAS.

@@ -1,6 +1,7 @@
 //! [`MixedAdamW`]: AdamW for parameters on a CUDA device, with f32 master weights and moments
 //! on the device and one fused kernel per parameter and step (`adamw_master`: the update runs on
-//! the f32 master copy and writes the parameter rounded to its dtype, bf16 or f32). This is
+//! the f32 master copy and writes the parameter rounded to its dtype, bf16 or f32); a model of
+//! bf16 parameters updates in one launch for all of them (`adamw_master_multi`, same bits). This is
 //! mixed precision as llm.c does it: the model computes in bf16, the optimizer keeps full
 //! precision, so small updates are not lost to bf16 rounding.
 //!
@@ -9,7 +10,7 @@
 //! names (`exp_avg`, `exp_avg_sq`, `step`) plus `master` (the f32 weights).
 
 use half::bf16;
-use rtx_kernels::cuda::{AdamW as AdamWStep, Buffer, DeviceElem};
+use rtx_kernels::cuda::{AdamW as AdamWStep, AdamWTensor, Buffer, DeviceElem};
 use rtx_kernels::{DType, Device};
 
 use super::{dense, device, device_of, tensor_from, DeviceData, GpuFloat};
@@ -89,6 +90,48 @@ impl MixedAdamW {
     }
 }
 
+impl MixedAdamW {
+    /// The step as one launch for all parameters ([`rtx_kernels::cuda::Device::adamw_master_multi`])
+    /// when every parameter with a gradient is a bf16 tensor of whole 8-element words on one
+    /// device with a bf16 gradient (a GPT's ~150 tensors, most of them small, would otherwise be
+    /// ~150 launches); `false` (nothing done) otherwise.
+    fn step_multi(&mut self) -> Result<bool> {
+        const OP: &str = "MixedAdamW::step";
+        let c = self.config;
+        let mut work: Vec<(usize, Tensor)> = Vec::with_capacity(self.slots.len());
+        for (i, slot) in self.slots.iter().enumerate() {
+            let Some(grad) = slot.param.grad() else { continue };
+            let eligible = slot.param.dtype() == DType::BF16 && grad.dtype() == DType::BF16 && slot.param.numel().is_multiple_of(8) && slot.ordinal == self.slots[0].ordinal;
+            if !eligible {
+                return Ok(false);
+            }
+            work.push((i, grad));
+        }
+        let Some(&(first, _)) = work.first() else { return Ok(false) };
+        let dev = device(self.slots[first].ordinal)?;
+        let grads = work.iter().map(|(_, g)| dense::<bf16>(OP, g)).collect::<Result<Vec<_>>>()?;
+        // Handles of the parameters (the slots are borrowed mutably for their state below).
+        let handles: Vec<Tensor> = work.iter().map(|&(i, _)| self.slots[i].param.clone()).collect();
+        let mut params = Vec::with_capacity(work.len());
+        for p in &handles {
+            params.push(p.storage().write_cuda(OP)?);
+        }
+        let chosen: std::collections::BTreeSet<usize> = work.iter().map(|&(i, _)| i).collect();
+        let mut tensors = Vec::with_capacity(work.len());
+        let mut slots = self.slots.iter_mut().enumerate().filter(|(i, _)| chosen.contains(i)).map(|(_, s)| s);
+        for (guard, grad) in params.iter_mut().zip(&grads) {
+            let slot = slots.next().ok_or(Error::InvalidArgument { op: OP, reason: "fewer slots than gradients".into() })?;
+            let dtype = guard.dtype();
+            let param = <bf16 as GpuFloat>::buffer_mut(guard).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: DType::BF16 })?;
+            slot.step += 1;
+            let hp = AdamWStep { lr: c.lr as f32, beta1: c.beta1 as f32, beta2: c.beta2 as f32, eps: c.eps as f32, weight_decay: slot.weight_decay as f32, step: slot.step };
+            tensors.push(AdamWTensor { master: &mut slot.master, param, grad, m: &mut slot.exp_avg, v: &mut slot.exp_avg_sq, hp });
+        }
+        dev.adamw_master_multi(&mut tensors)?;
+        Ok(true)
+    }
+}
+
 fn update<T: GpuFloat>(slot: &mut Slot, grad: &Tensor, hp: AdamWStep) -> Result<()> {
     const OP: &str = "MixedAdamW::step";
     let dev = device(slot.ordinal)?;
@@ -101,6 +144,9 @@ fn update<T: GpuFloat>(slot: &mut Slot, grad: &Tensor, hp: AdamWStep) -> Result<
 
 impl Optimizer for MixedAdamW {
     fn step(&mut self) -> Result<()> {
+        if self.step_multi()? {
+            return Ok(());
+        }
         let c = self.config;
         for slot in &mut self.slots {
             let Some(grad) = slot.param.grad() else { continue };

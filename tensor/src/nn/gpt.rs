@@ -188,10 +188,14 @@ impl Gpt {
         let positions = Tensor::from_vec((0..t as u32).collect::<Vec<u32>>(), &[t])?;
         let x = self.tok_emb.forward(ids)?.add(&self.pos_emb.forward(&positions)?)?;
         let mut x = self.drop.forward(&x, rng)?;
-        for block in &self.blocks {
-            x = block.forward(&x, None, rng)?;
+        // Each residual add runs fused with the norm after it (the next block's ln1, or ln_f).
+        let Some(first) = self.blocks.first() else { return self.ln_f.forward(&x) };
+        let mut h = first.ln1.forward(&x)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            let next = self.blocks.get(i + 1).map_or(&self.ln_f, |b| &b.ln1);
+            (x, h) = block.forward_norm_fused(&x, &h, next, None, rng)?;
         }
-        self.ln_f.forward(&x)
+        Ok(h)
     }
 
     /// The head's weight: `[V, C]` untied, the whole (padded) token table when tied.

@@ -52,6 +52,12 @@ impl LayerNorm {
         check_input("LayerNorm", x, self.dim)?;
         x.layer_norm(self.weight.as_ref(), self.bias.as_ref(), self.eps)
     }
+
+    /// `(s, forward(s))` for the residual sum `s = x + branch`, fused where the device can
+    /// ([`Tensor::add_layer_norm`]).
+    pub fn forward_add(&self, x: &Tensor, branch: &Tensor) -> Result<(Tensor, Tensor)> {
+        x.add_layer_norm(branch, self.weight.as_ref(), self.bias.as_ref(), self.eps)
+    }
 }
 
 impl Module for LayerNorm {

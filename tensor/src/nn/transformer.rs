@@ -77,8 +77,12 @@ impl FeedForward {
 
     /// `x [.., C] -> [.., C]`.
     pub fn forward(&self, x: &Tensor, rng: &mut Generator) -> Result<Tensor> {
-        let h = self.activation.apply(&self.fc.forward(x)?)?;
-        self.dropout.forward(&self.proj.forward(&h)?, rng)
+        let y = match (self.activation, &self.fc.bias, &self.proj.bias) {
+            // GPT-2's feed-forward as one op (fused GEMM epilogues on a GPU).
+            (Activation::GeluTanh, Some(b1), Some(b2)) if x.rank() > 0 && x.shape()[x.rank() - 1] == self.fc.in_features() => x.linear_gelu_linear(&self.fc.weight, b1, &self.proj.weight, b2)?,
+            _ => self.proj.forward(&self.activation.apply(&self.fc.forward(x)?)?)?,
+        };
+        self.dropout.forward(&y, rng)
     }
 }
 
@@ -127,6 +131,15 @@ impl TransformerBlock {
     pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>, rng: &mut Generator) -> Result<Tensor> {
         let x = x.add(&self.attn.forward(&self.ln1.forward(x)?, mask, rng)?)?;
         x.add(&self.mlp.forward(&self.ln2.forward(&x)?, rng)?)
+    }
+
+    /// The block on the residual stream `x` given `x_normed = ln1(x)`, returning the new stream
+    /// `y` and `next(y)`: each residual add runs fused with the norm after it
+    /// ([`LayerNorm::forward_add`]), so a stack of blocks passes each block's first norm along.
+    /// The same values as [`TransformerBlock::forward`] followed by `next`.
+    pub fn forward_norm_fused(&self, x: &Tensor, x_normed: &Tensor, next: &LayerNorm, mask: Option<&Tensor>, rng: &mut Generator) -> Result<(Tensor, Tensor)> {
+        let (x, h) = self.ln2.forward_add(x, &self.attn.forward(x_normed, mask, rng)?)?;
+        next.forward_add(&x, &self.mlp.forward(&h, rng)?)
     }
 }
 

@@ -101,6 +101,18 @@ impl Tensor {
             Ok(vec![ga, gb])
         })
     }
+    /// A GPT feed-forward, `linear(gelu_tanh(linear(self, w1, b1)), w2, b2)` (`w1 [hidden, in]`,
+    /// `w2 [out, hidden]`). On a GPU in bf16 it is one node whose GEMMs apply the GELU, its
+    /// derivative and the first bias's gradient in cuBLASLt epilogues (no GELU passes over the
+    /// hidden activations); elsewhere it is the three ops.
+    pub fn linear_gelu_linear(&self, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.device() != rtx_kernels::Device::Cpu {
+            return crate::cuda::ops::linear_gelu_linear(self, w1, b1, w2, b2);
+        }
+        self.linear(w1, Some(b1))?.gelu_with(crate::GeluApprox::Tanh)?.linear(w2, Some(b2))
+    }
+
     /// A fully connected layer, `self · weightᵀ + bias` over the last dim (`weight` is
     /// `[out, in]`, `bias` `[out]`, as `torch.nn.functional.linear`). For f32/f64 the bias is
     /// the starting value of one gemm (no separate add pass), and the backward writes the weight

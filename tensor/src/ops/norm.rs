@@ -30,6 +30,23 @@ impl Tensor {
         }
     }
 
+    /// The residual add fused with the layer norm that follows it, as a pre-norm transformer
+    /// runs them: returns `(s, s.layer_norm(weight, bias, eps))` for `s = self + other`
+    /// (`other`'s shape equal to or a suffix of `self`'s). The graph is the one of the two ops;
+    /// on a GPU, bf16 rows of GPT widths take one kernel pass for both (the sum is not read back),
+    /// and the norm's backward adds the sum's other gradient in its own pass. Elsewhere it is
+    /// the two ops.
+    pub fn add_layer_norm(&self, other: &Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if self.device() != rtx_kernels::Device::Cpu {
+            check_norm_args("add_layer_norm", self, &[weight, bias], eps)?;
+            return crate::cuda::ops::add_layer_norm(self, other, weight, bias, eps);
+        }
+        let s = self.add(other)?;
+        let y = s.layer_norm(weight, bias, eps)?;
+        Ok((s, y))
+    }
+
     /// RMS normalization over the last dimension: `x / sqrt(mean(x²) + eps) · weight`.
     /// `weight` has shape `[last dim]` and the dtype of `self`.
     pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
