@@ -439,3 +439,27 @@ fn under_zero3_a_killed_worker_reruns_at_most_the_step_in_flight() {
         assert!((ratio - 1.0 / world).abs() < 0.02, "world {world}: resident {resident} bytes, replicated {replicated}: ratio {ratio}");
     }
 }
+
+#[test]
+fn under_zero3_a_replacement_takes_the_lost_ranks_segments() {
+    // Goal: at the same world size a ZeRO-3 recovery re-cuts nothing: new rank r imports old
+    // segment r whole, from its own copy or its holder's (the lost rank's segment from its
+    // buddy's copy). Method: the small GPT on 3 workers with `on_failure = "replace"`; kill rank
+    // 1; the last generation is 3 wide again, resumed right after the last commit, every rank
+    // logged one imported segment, none re-sharded, and replicas agree at the end.
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+    let launch = Launch::start_in(out.clone(), &zero3_config(100, "on_failure = \"replace\"\n"), 3, &[]);
+    launch.wait_for("step 30", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 30));
+    signal(launch.pids()[1], "-9");
+    let (_summary, events) = launch.finish();
+    let at = events.iter().rposition(|g| g["event"] == "generation").expect("generation");
+    assert_eq!(events[at]["world"], 3, "{:?}", events[at]);
+    let next = events[at]["next_step"].as_u64().expect("next_step");
+    let before = Launch::committed(&events[..at]).expect("committed");
+    assert!(next > before && next <= before + 2, "committed {before}, resumed at {next}");
+    let logs: String = std::fs::read_dir(out.join("logs")).expect("logs").filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok()).collect();
+    let taken: Vec<&str> = logs.lines().filter(|l| l.contains("zero3 segment state taken from its holder")).collect();
+    assert_eq!(taken.len(), 3, "every rank of the new generation imports one old segment: {taken:?}");
+    assert!(!logs.contains("zero3 segments re-sharded"), "a same-size recovery re-sharded");
+}

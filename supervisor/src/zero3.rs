@@ -83,23 +83,20 @@ impl UnitState {
                 }
             }
         }
-        let mut values: Vec<Vec<Vec<f32>>> = vec![shard.segments.iter().map(|r| Vec::with_capacity(r.len())).collect(); fields.len()];
+        let mut values: Vec<Vec<Vec<f32>>> = vec![Vec::new(); fields.len()];
         values[0] = params;
         let mut scalars = BTreeMap::new();
-        let mut cursor = vec![0usize; n_units];
+        let runs = slice_runs(slices, &shard.segments, &unit_of)?;
+        for field in values.iter_mut().skip(1) {
+            *field = shard.segments.iter().map(|r| vec![0.0; r.len()]).collect();
+        }
         let mut tensors_used = 0usize;
-        for slice in slices {
-            let u = unit_of(&slice.name);
-            let range = shard.segments.get(u).ok_or_else(|| bad(format!("slice {} of unit {u}, beyond {n_units} units", slice.name)))?;
-            let len = slice.elements.len();
-            if cursor[u] + len > range.len() {
-                return Err(bad(format!("the slices of unit {u} hold more than its {} owned elements", range.len())));
-            }
-            // The slice is the next run of its unit's segment: its values say so.
+        for (slice, &(u, at, len)) in slices.iter().zip(&runs) {
+            // The slice views its run of the unit's segment: its values say so.
             let own = slice.tensor.to_data()?;
             let own = f32_values(&own).ok_or_else(|| bad(format!("slice {} is not f32", slice.name)))?;
-            if own.iter().map(|v| v.to_bits()).ne(values[0][u][cursor[u]..cursor[u] + len].iter().map(|v| v.to_bits())) {
-                return Err(bad(format!("slice {} is not the next run of unit {u}'s segment", slice.name)));
+            if own.iter().map(|v| v.to_bits()).ne(values[0][u][at..at + len].iter().map(|v| v.to_bits())) {
+                return Err(bad(format!("slice {} does not hold unit {u}'s elements {at}..{} of its segment", slice.name, at + len)));
             }
             for (f, field) in fields.iter().enumerate().skip(1) {
                 let name = format!("{}.{field}", slice.name);
@@ -109,7 +106,7 @@ impl UnitState {
                 if v.len() != len {
                     return Err(bad(format!("optimizer state {name} holds {} values for a slice of {len}", v.len())));
                 }
-                values[f][u].extend_from_slice(&v);
+                values[f][u][at..at + len].copy_from_slice(&v);
                 tensors_used += 1;
             }
             for field in &scalar_names {
@@ -119,12 +116,6 @@ impl UnitState {
                 let slot = scalars.entry(field.clone()).or_insert(v);
                 *slot = slot.max(v);
                 tensors_used += 1;
-            }
-            cursor[u] += len;
-        }
-        for (u, r) in shard.segments.iter().enumerate() {
-            if cursor[u] != r.len() {
-                return Err(bad(format!("the slices of unit {u} cover {} of its {} owned elements", cursor[u], r.len())));
             }
         }
         if tensors_used != shard.optimizer.len() {
@@ -137,22 +128,8 @@ impl UnitState {
     /// optimizer's current tensors are `local` (their names, shapes and dtypes are the target's).
     pub fn into_shard(self, slices: &[ParamSlice], local: &[(String, Tensor)], unit_of: impl Fn(&str) -> usize) -> Result<ShardState> {
         let field_index: BTreeMap<&str, usize> = self.fields.iter().enumerate().map(|(i, f)| (f.as_str(), i)).collect();
-        let slice_of: BTreeMap<&str, (usize, usize, usize)> = {
-            let mut cursor = vec![0usize; self.ranges.len()];
-            let mut map = BTreeMap::new();
-            for slice in slices {
-                let u = unit_of(&slice.name);
-                let at = *cursor.get(u).ok_or_else(|| bad(format!("slice {} of unit {u}, beyond {} units", slice.name, self.ranges.len())))?;
-                map.insert(slice.name.as_str(), (u, at, slice.elements.len()));
-                cursor[u] += slice.elements.len();
-            }
-            for (u, r) in self.ranges.iter().enumerate() {
-                if cursor[u] != r.len() {
-                    return Err(bad(format!("the target's slices cover {} of unit {u}'s {} elements", cursor[u], r.len())));
-                }
-            }
-            map
-        };
+        let runs = slice_runs(slices, &self.ranges, &unit_of)?;
+        let slice_of: BTreeMap<&str, (usize, usize, usize)> = slices.iter().zip(runs).map(|(slice, run)| (slice.name.as_str(), run)).collect();
         let mut optimizer = Vec::with_capacity(local.len());
         for (name, t) in local {
             let (param, field) = name.rsplit_once('.').ok_or_else(|| bad(format!("optimizer state name {name:?} has no field")))?;
@@ -329,6 +306,38 @@ pub fn decode(blob: &[u32]) -> Result<UnitState> {
     Ok(UnitState { step, engine_step, ranges, fields, values, scalars })
 }
 
+/// Where each slice lies: its unit, its first element in the unit's segment (the slice views the
+/// segment's parameter tensor, so this is its view offset) and its length. Checks that the slices
+/// of every unit tile its segment exactly (no hole, no overlap).
+fn slice_runs(slices: &[ParamSlice], ranges: &[Range<usize>], unit_of: &impl Fn(&str) -> usize) -> Result<Vec<(usize, usize, usize)>> {
+    let mut runs = Vec::with_capacity(slices.len());
+    let mut by_unit: Vec<Vec<(usize, usize)>> = vec![Vec::new(); ranges.len()];
+    for slice in slices {
+        let u = unit_of(&slice.name);
+        let unit = by_unit.get_mut(u).ok_or_else(|| bad(format!("slice {} of unit {u}, beyond {} units", slice.name, ranges.len())))?;
+        let (at, len) = (slice.tensor.layout().offset(), slice.elements.len());
+        if slice.tensor.numel() != len {
+            return Err(bad(format!("slice {} holds {} values for {len} elements", slice.name, slice.tensor.numel())));
+        }
+        unit.push((at, len));
+        runs.push((u, at, len));
+    }
+    for (u, (unit, range)) in by_unit.iter_mut().zip(ranges).enumerate() {
+        unit.sort_unstable();
+        let mut next = 0;
+        for &(at, len) in unit.iter() {
+            if at != next {
+                return Err(bad(format!("the slices of unit {u} leave a gap or overlap at element {next} of its segment (a slice starts at {at})")));
+            }
+            next = at + len;
+        }
+        if next != range.len() {
+            return Err(bad(format!("the slices of unit {u} cover {next} of its {} owned elements", range.len())));
+        }
+    }
+    Ok(runs)
+}
+
 /// Whether an optimizer field holds one value per parameter rather than one per element.
 fn is_scalar_field(field: &str) -> bool {
     field == "step"
@@ -395,6 +404,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use proptest::prelude::*;
+    use rtx_tensor::Optimizer;
 
     /// The state of segment `rank` of `world` cut straight from whole units (`whole[f][u]`).
     fn cut(whole: &[Vec<Vec<f32>>], numels: &[usize], world: usize, rank: usize, scalars: &BTreeMap<String, f64>) -> UnitState {
@@ -435,6 +445,77 @@ mod tests {
             let old: Vec<UnitState> = (0..old_world).filter(|&r| r != missing).map(|r| cut(&whole, &numels, old_world, r, &BTreeMap::new())).collect();
             let err = reshard(&numels, &old, 1).unwrap_err().to_string();
             prop_assert!(err.contains("old segments hold"), "{}", err);
+        }
+    }
+
+    /// Shards of a small GPT cut into FSDP units, rank `rank` of `world`; the optimizer's moments
+    /// hold values of their own (distinct per element), so a misplaced run shows.
+    fn gpt_shards(world: usize) -> (Vec<usize>, Vec<rtx_pipelines::ParamShard<rtx_tensor::optim::AdamW>>) {
+        use rtx_tensor::nn::{Gpt, GptConfig, Module};
+        let config = GptConfig { vocab_size: 32, context: 8, d_model: 8, n_layers: 2, n_heads: 2, ..GptConfig::default() };
+        let mut gpt = Gpt::new(config, &mut rtx_tensor::Generator::new(3)).unwrap();
+        let buckets = rtx_tensor::optim::ParamBuckets::grouped(&mut gpt, &rtx_pipelines::gpt_unit_of).unwrap();
+        let numels = buckets.buckets().iter().map(|b| b.numel()).collect();
+        let adamw = rtx_tensor::optim::AdamWConfig { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-6, weight_decay: 0.1 };
+        let shards = (0..world)
+            .map(|rank| {
+                let mut shard = rtx_pipelines::ParamShard::new(&buckets, rank, world, rtx_pipelines::adamw(adamw, |_, s| s.len() >= 2)).unwrap();
+                // Moments: element e of parameter p holds 1000·p + e (exp_avg) and its negation.
+                let moments: Vec<(String, Tensor)> = shard
+                    .optimizer()
+                    .state_tensors()
+                    .unwrap()
+                    .into_iter()
+                    .map(|(name, t)| {
+                        let (param, field) = name.rsplit_once('.').unwrap();
+                        let slice = shard.slices().iter().find(|s| s.name == param).unwrap();
+                        let p = gpt.named_parameters().iter().position(|(n, _)| n == param).unwrap() as f32;
+                        let value = match field {
+                            "step" => Tensor::scalar(5.0, t.dtype()),
+                            _ => {
+                                let sign = if field == "exp_avg" { 1.0 } else { -1.0 };
+                                Tensor::from_vec(slice.elements.clone().map(|e| sign * (1000.0 * p + e as f32)).collect::<Vec<f32>>(), t.shape()).unwrap()
+                            }
+                        };
+                        (name, value)
+                    })
+                    .collect();
+                shard.optimizer_mut().load_state(&moments).unwrap();
+                shard
+            })
+            .collect();
+        (numels, shards)
+    }
+
+    /// Goal: a real shard's state survives the unit form and the re-cut. Method: a GPT's FSDP
+    /// shards at 3 ranks (grouped buckets, whose parameter order inside a unit is not the visit
+    /// order) go to the unit form, are re-cut for 2 ranks and imported into shards of 2; their
+    /// exports equal the shards built at 2 ranks directly (same parameters, same moments). A round
+    /// trip at the same size gives the exported state back.
+    #[test]
+    fn a_gpt_shard_state_moves_through_the_unit_form_to_another_world() {
+        let unit_of = rtx_pipelines::gpt_unit_of;
+        let (numels, old) = gpt_shards(3);
+        let states: Vec<UnitState> = old.iter().map(|s| UnitState::from_shard(9, &s.export().unwrap(), s.slices(), unit_of).unwrap()).collect();
+        for (shard, state) in old.iter().zip(&states) {
+            let local = shard.optimizer().state_tensors().unwrap();
+            let back = state.clone().into_shard(shard.slices(), &local, unit_of).unwrap();
+            let exported = shard.export().unwrap();
+            assert_eq!((back.step, &back.segments, format!("{:?}", back.params)), (exported.step, &exported.segments, format!("{:?}", exported.params)));
+            assert_eq!(format!("{:?}", back.optimizer), format!("{:?}", exported.optimizer));
+        }
+        let (_, mut new) = gpt_shards(2);
+        let (_, direct) = gpt_shards(2);
+        for (rank, shard) in new.iter_mut().enumerate() {
+            let mut cutter = Cutter::new(&numels, 2, rank).unwrap();
+            for state in &states {
+                cutter.place(&decode(&encode(state)).unwrap()).unwrap();
+            }
+            let local = shard.optimizer().state_tensors().unwrap();
+            shard.import(cutter.finish().unwrap().into_shard(shard.slices(), &local, unit_of).unwrap()).unwrap();
+            let (got, want) = (shard.export().unwrap(), direct[rank].export().unwrap());
+            assert_eq!((&got.segments, format!("{:?}", got.params)), (&want.segments, format!("{:?}", want.params)));
+            assert_eq!(format!("{:?}", got.optimizer), format!("{:?}", want.optimizer));
         }
     }
 
