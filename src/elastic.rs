@@ -487,3 +487,23 @@ fn local_ip_towards(peer: SocketAddr) -> Option<IpAddr> {
     socket.connect(peer).ok()?;
     socket.local_addr().ok().map(|a| a.ip())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: ZeRO-3 is refused, with the reason, for what FSDP cannot train as asked: a model
+    /// that is not a GPT, gradient clipping by the model's norm, a GPU replica; a plain CPU GPT
+    /// passes. Method: `zero3_refusal` over parsed configs.
+    #[test]
+    fn zero3_names_why_a_job_cannot_run_under_it() {
+        let gpt = "[model]\nkind = \"gpt\"\nn_layers = 2\nd_model = 32\nn_heads = 4\ncontext = 32\n[data]\ndataset = \"sotu\"\nbatch_size = 12\n[optim]\nkind = \"adamw\"\nlr = 1e-3\n[train]\nsteps = 10\n";
+        let parse = |text: &str| TrainConfig::from_toml_str(text).expect("config");
+        assert_eq!(zero3_refusal(&parse(gpt)), None);
+        let clipped = zero3_refusal(&parse(&gpt.replace("lr = 1e-3", "lr = 1e-3\ngrad_clip = 1.0"))).expect("refused");
+        assert!(clipped.contains("optim.grad_clip") && clipped.contains("segment's norm"), "{clipped}");
+        let mlp = "[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\ndataset = \"digits\"\nbatch_size = 8\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 2\n";
+        let not_gpt = zero3_refusal(&parse(mlp)).expect("refused");
+        assert!(not_gpt.contains("cuts a GPT into units"), "{not_gpt}");
+    }
+}
