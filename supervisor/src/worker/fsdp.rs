@@ -69,16 +69,18 @@ pub(super) async fn train<J: TrainJob>(
         return Err(SupervisorError::Job("ZeRO-3 runs FsdpGpt's communication thread, which the inline mode (the simulator's Exec::Task) does not have".into()));
     }
     let spec = job.fsdp().ok_or_else(|| SupervisorError::Job("sharding = \"zero3\" trains a GPT through FSDP, and this job has no FSDP form (it is not a GPT)".into()))?;
-    let template = match replica.template.clone() {
-        Some(template) => template,
-        None => state::full_template(replica.model.as_ref().ok_or_else(internal)?, |slices| job.build_optimizer(slices))?,
-    };
-    replica.template = Some(template.clone());
+    // The full-form optimizer state of a fresh optimizer: a replica's worth (8Ψ bytes for AdamW),
+    // so made when needed (a whole-state start, a gather) and not kept between steps, unlike the
+    // data-parallel path's cached template.
+    let template = state::full_template(replica_model(&replica.model)?, |slices| job.build_optimizer(slices))?;
+    let optimizer_full_bytes: usize = template.iter().map(|(_, t)| t.numel() * t.dtype().size_in_bytes()).sum();
+    replica.template = None;
     let gpt = (spec.build)().map_err(SupervisorError::Job)?;
     let config = FsdpConfig { collective_timeout: Duration::from_secs(60), ..FsdpConfig::default() };
     let engine_comm = comm.clone();
     let mut engine = match &g.segments {
         Some(s) => {
+            drop(template);
             let mut engine = FsdpGpt::new(gpt, config, move || Ok(engine_comm), |slices: &[rtx_pipelines::ParamSlice]| job.build_optimizer(slices).map_err(|reason| rtx_tensor::Error::InvalidArgument { op: "build_optimizer", reason }))?;
             let mine = recover_unit_state(comm, &replica.zero1, s, &engine.unit_numels(), g.world, g.rank).await?;
             if mine.step != s.step {
@@ -91,6 +93,7 @@ pub(super) async fn train<J: TrainJob>(
         }
         None => {
             let full = sync_whole_state(ctx, g, comm, replica, &template).await?;
+            drop(template);
             let params = replica.model.as_ref().ok_or_else(internal)?.named_parameters();
             install_by_name(&gpt.named_parameters(), &params)?;
             let make_optimizer = |slices: &[rtx_pipelines::ParamSlice]| {
@@ -114,7 +117,9 @@ pub(super) async fn train<J: TrainJob>(
         if step >= total {
             // Every rank gathers the final state: its model then holds the run's parameters (the
             // replicas' checksum, rank 0's evaluation), and rank 0 checkpoints it.
+            let template = state::full_template(replica_model(&replica.model)?, |slices| job.build_optimizer(slices))?;
             let (params, full) = gather_whole_state(&mut engine, comm, &template).await?;
+            drop(template);
             install_by_name(&replica.model.as_ref().ok_or_else(internal)?.named_parameters(), &params)?;
             replica.optimizer_state = Some(full);
             replica.snapshot_params = None;
@@ -178,7 +183,7 @@ pub(super) async fn train<J: TrainJob>(
         exchanged.1 += 1;
         *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
         if !memory_logged {
-            log_memory(&engine, &template, g.world, &replica.zero1)?;
+            log_memory(&engine, optimizer_full_bytes, g.world, &replica.zero1)?;
             memory_logged = true;
         }
         let report_started = Instant::now();
@@ -186,7 +191,9 @@ pub(super) async fn train<J: TrainJob>(
         control += report_started.elapsed();
         // Every rank takes part in the gather (a rank-independent condition); rank 0 writes.
         if ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0 && step + 1 < total {
+            let template = state::full_template(replica_model(&replica.model)?, |slices| job.build_optimizer(slices))?;
             let (params, full) = gather_whole_state(&mut engine, comm, &template).await?;
+            drop(template);
             if g.rank == 0 && writer.enabled() {
                 // The replica's own model keeps the state it reports; the checkpoint gets a copy.
                 let written = job.build_model().map_err(SupervisorError::Job)?;
@@ -223,7 +230,10 @@ async fn sync_whole_state<M: Module, O>(ctx: &WorkerCtx, g: &Generation, comm: &
     state::install_parameters(&params, &flat)?;
     replica.zero1.clear();
     replica.completed = g.next_step.checked_sub(1);
-    replica.optimizer_state = Some(full.clone());
+    // The state of step `next_step - 1` is kept whole (a restorable point this member reports);
+    // before the first step it is a fresh optimizer's, which the template gives back, so nothing
+    // is kept.
+    replica.optimizer_state = if replica.completed.is_some() { Some(full.clone()) } else { None };
     // The model holds the parameters of that state: the FSDP engine trains a copy.
     replica.snapshot_params = None;
     *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = replica.completed;
@@ -303,6 +313,11 @@ async fn gather_whole_state<O: Optimizer + Send>(engine: &mut FsdpGpt<O>, comm: 
     Ok((params, full))
 }
 
+/// The replica's model (the job's own model object, kept next to the engine).
+fn replica_model<M>(model: &Option<M>) -> Result<&M> {
+    model.as_ref().ok_or_else(internal)
+}
+
 /// Copies `from`'s values into the parameters `into` by name (a GPT has no buffers); every
 /// tensor of `into` must be matched, with the same element count.
 fn install_by_name(into: &[(String, Tensor)], from: &[(String, Tensor)]) -> Result<()> {
@@ -319,10 +334,9 @@ fn install_by_name(into: &[(String, Tensor)], from: &[(String, Tensor)]) -> Resu
 
 /// Logs what a rank holds between steps under ZeRO-3 next to a replica of plain data
 /// parallelism (parameters, gradients and the full optimizer state), and the step's peaks.
-fn log_memory<O: Optimizer>(engine: &FsdpGpt<O>, template: &[(String, Tensor)], world: usize, copies: &BuddyCopies) -> Result<()> {
+fn log_memory<O: Optimizer>(engine: &FsdpGpt<O>, optimizer_full: usize, world: usize, copies: &BuddyCopies) -> Result<()> {
     let memory = engine.memory()?;
     let param_count: usize = engine.unit_numels().iter().sum();
-    let optimizer_full: usize = template.iter().map(|(_, t)| t.numel() * t.dtype().size_in_bytes()).sum();
     let replicated_bytes = 2 * 4 * param_count + optimizer_full;
     let resident_bytes = memory.params_bytes + memory.grads_bytes + memory.optimizer_bytes;
     tracing::info!(
