@@ -22,7 +22,7 @@ use rtx_tensor::data::{DataRoot, DATA_DIR_ENV};
 use serde_json::json;
 
 use crate::cli::{JobArgs, LaunchArgs, StatusArgs, SupervisorArgs, WorkerArgs};
-use crate::config::TrainConfig;
+use crate::config::{ConfigError, TrainConfig};
 use crate::live::{self, JobInfo, LiveFeed, LiveServer};
 use crate::metrics::{MetricRecord, MetricsWriter};
 use crate::progress::{human, Progress, Verbosity};
@@ -282,15 +282,19 @@ impl JobFiles {
         if elastic.pp * elastic.tp > 1 {
             elastic.mesh_model = self.config.model_layout().map(|layout| rtx_supervisor::MeshModel { dims: layout.dims(), chunks: self.config.parallel.chunks() });
         }
-        // `[parallel] zero`: what `rtx plan` plans for every stage, the runtime runs for ZeRO-1 and
-        // ZeRO-2 of a data-parallel job (the engines of `[elastic] sharding = "zero1"` / "zero2");
-        // anything else is refused here rather than silently trained replicated.
+        // `[parallel] zero`: what `rtx plan` plans for every stage, the runtime runs for ZeRO-1,
+        // ZeRO-2 and ZeRO-3 of a data-parallel job (the engines of `[elastic] sharding = "zero1"`,
+        // "zero2", "zero3"); anything else is refused here rather than silently trained replicated.
         match (self.config.parallel.zero, elastic.pp * elastic.tp) {
             (0, _) => {}
             (1, 1) => elastic.sharding = DpSharding::Zero1,
             (2, 1) => elastic.sharding = DpSharding::Zero2,
-            (z @ (1 | 2), _) => bail!("parallel.zero = {z} with pp = {} and tp = {}: the runtime shards optimizer state only for data-parallel jobs (pp = tp = 1) today; set parallel.zero = 0", elastic.pp, elastic.tp),
-            (z, _) => bail!("parallel.zero = {z}: ZeRO-3 is planned by `rtx plan` and measured by `rtx bench zero` but not yet run by `rtx launch`; set parallel.zero = 0, 1 or 2"),
+            (3, 1) => elastic.sharding = DpSharding::Zero3,
+            (z, _) => bail!("parallel.zero = {z} with pp = {} and tp = {}: the runtime shards optimizer state, gradients and parameters only for data-parallel jobs (pp = tp = 1) today; set parallel.zero = 0", elastic.pp, elastic.tp),
+        }
+        if elastic.sharding == DpSharding::Zero3 {
+            let key = if self.config.parallel.zero == 3 { ("parallel.zero", "3") } else { ("elastic.sharding", "\"zero3\"") };
+            zero3_refusal(&self.config).map_or(Ok(()), |allowed| Err(ConfigError::Invalid { origin: String::new(), key: key.0.into(), value: key.1.into(), allowed }))?;
         }
         if elastic.sharding.shards_optimizer() && self.config.train.device == crate::config::DeviceKind::Cuda {
             bail!("elastic.sharding = \"{}\" shards host buckets; with train.device = \"cuda\" use the replicated default (gradients are staged through host buffers)", elastic.sharding.name());
@@ -456,6 +460,20 @@ pub fn event_json(event: &JobEvent, t: f64) -> serde_json::Value {
 }
 
 /// Resolves HOST:PORT to its first socket address.
+/// Why a job cannot train under ZeRO-3 (`FsdpGpt`), if it cannot: what the key allows instead.
+fn zero3_refusal(config: &TrainConfig) -> Option<String> {
+    if !matches!(config.model, crate::config::ModelConfig::Gpt { .. }) {
+        return Some("ZeRO-3 (FSDP) cuts a GPT into units (its embedding edge and its transformer blocks) and only a GPT has that engine; this model trains with zero = 0, 1 or 2".into());
+    }
+    if config.optim.grad_clip.is_some() {
+        return Some("ZeRO-3 (FSDP) steps each rank's segments on their own, so optim.grad_clip would clip by a segment's norm, not the model's; remove optim.grad_clip or train with zero = 0, 1 or 2".into());
+    }
+    if config.train.device == crate::config::DeviceKind::Cuda {
+        return Some("ZeRO-3 (FSDP) shards host buckets; with train.device = \"cuda\" train with zero = 0".into());
+    }
+    None
+}
+
 pub(crate) fn resolve_addr(text: &str) -> anyhow::Result<SocketAddr> {
     text.to_socket_addrs().with_context(|| format!("cannot resolve the address {text}"))?.next().ok_or_else(|| anyhow!("{text} resolves to no address"))
 }
@@ -473,4 +491,24 @@ fn local_ip_towards(peer: SocketAddr) -> Option<IpAddr> {
     let socket = std::net::UdpSocket::bind(if peer.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).ok()?;
     socket.connect(peer).ok()?;
     socket.local_addr().ok().map(|a| a.ip())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: ZeRO-3 is refused, with the reason, for what FSDP cannot train as asked: a model
+    /// that is not a GPT, gradient clipping by the model's norm, a GPU replica; a plain CPU GPT
+    /// passes. Method: `zero3_refusal` over parsed configs.
+    #[test]
+    fn zero3_names_why_a_job_cannot_run_under_it() {
+        let gpt = "[model]\nkind = \"gpt\"\nn_layers = 2\nd_model = 32\nn_heads = 4\ncontext = 32\n[data]\ndataset = \"sotu\"\nbatch_size = 12\n[optim]\nkind = \"adamw\"\nlr = 1e-3\n[train]\nsteps = 10\n";
+        let parse = |text: &str| TrainConfig::from_toml_str(text).expect("config");
+        assert_eq!(zero3_refusal(&parse(gpt)), None);
+        let clipped = zero3_refusal(&parse(&gpt.replace("lr = 1e-3", "lr = 1e-3\ngrad_clip = 1.0"))).expect("refused");
+        assert!(clipped.contains("optim.grad_clip") && clipped.contains("segment's norm"), "{clipped}");
+        let mlp = "[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\ndataset = \"digits\"\nbatch_size = 8\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 2\n";
+        let not_gpt = zero3_refusal(&parse(mlp)).expect("refused");
+        assert!(not_gpt.contains("cuts a GPT into units"), "{not_gpt}");
+    }
 }

@@ -103,9 +103,11 @@ fn launch_refuses_a_mesh_larger_than_the_world_before_starting_workers() {
 }
 
 #[test]
-fn launch_refuses_a_zero_stage_it_does_not_run() {
-    // Goal: `[parallel] zero = 3` plans (`rtx plan`) but `rtx launch` refuses it, naming the key,
-    // rather than training the job replicated. Method: the digits MLP with zero = 3 on 2 processes.
+fn launch_refuses_zero3_for_a_model_that_is_not_a_gpt() {
+    // Goal: `[parallel] zero = 3` plans (`rtx plan`) for any model, but `rtx launch` runs ZeRO-3
+    // (FSDP) for a GPT only and refuses anything else before a worker starts, naming the key and
+    // why, rather than training the job replicated. Method: the digits MLP with zero = 3 on 2
+    // processes.
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     let data = digits_data(root);
@@ -116,7 +118,7 @@ fn launch_refuses_a_zero_stage_it_does_not_run() {
     let out = rtx(&["launch", config.to_str().unwrap(), "--nproc", "2", "--data-dir", data.to_str().unwrap(), "--out", out_dir.to_str().unwrap(), "--no-progress"], root);
     let (stdout, stderr) = text(&out);
     assert!(!out.status.success(), "{stdout}\n{stderr}");
-    assert!(stderr.contains("parallel.zero = 3") && stderr.contains("rtx plan"), "{stderr}");
+    assert!(stderr.contains("`parallel.zero` = 3") && stderr.contains("cuts a GPT into units"), "{stderr}");
     assert!(!out_dir.join("logs").exists(), "a worker was started");
     assert!(plan.status.success(), "rtx plan refused zero = 3: {:?}", text(&plan));
 }

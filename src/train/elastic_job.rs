@@ -35,7 +35,7 @@ use rtx_pipelines::schedule::ScheduleKind;
 use rtx_pipelines::tp::TpOptions;
 use rtx_pipelines::ParamSlice;
 use rtx_supervisor::plan::{partition_layers, Schedule};
-use rtx_supervisor::{BoxedStage, JobSpec, MeshSpec, StageRequest, TrainJob};
+use rtx_supervisor::{BoxedStage, FsdpSpec, JobSpec, MeshSpec, StageRequest, TrainJob};
 use rtx_tensor::checkpoint::sharded::ModelLayout;
 use rtx_tensor::nn::Module;
 use rtx_tensor::data::DataRoot;
@@ -364,6 +364,30 @@ impl TrainJob for ElasticJob {
             // `Model::build` leaves `tie_embeddings` at `GptConfig`'s default, the only field the
             // layout reads.
             layout: ModelLayout::gpt(&rtx_tensor::nn::GptConfig::default()),
+        })
+    }
+
+    fn fsdp(&self) -> Option<FsdpSpec<RankBatch>> {
+        // ZeRO-3 cuts a GPT into units (its edge and its blocks); `rtx launch` refuses it for any
+        // other model before a worker starts (`JobFiles::elastic`).
+        if !matches!(self.config.model, ModelConfig::Gpt { .. }) || self.jepa.is_some() {
+            return None;
+        }
+        let (model, n_classes, pad, seed) = (self.config.model.clone(), self.data.n_classes(), self.data.vocab_pad_multiple(), self.config.train.seed);
+        let build = move || -> Result<rtx_tensor::nn::Gpt, String> {
+            match Model::build(&model, None, n_classes, pad, &mut Generator::new(seed)).map_err(|e| e.to_string())? {
+                Model::Gpt(mut gpt) => {
+                    gpt.set_training(true);
+                    Ok(*gpt)
+                }
+                _ => Err("ZeRO-3 (FSDP) trains a GPT".into()),
+            }
+        };
+        Some(FsdpSpec {
+            build: Arc::new(build),
+            tokens: Arc::new(|batch: &RankBatch| Ok((batch.batch.inputs.clone(), batch.batch.targets.clone(), batch.batch.rows))),
+            // The generator `loss` draws dropout masks from, per (step, rank).
+            rng: Arc::new(move |step, rank| Generator::with_stream(seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (rank as u64).wrapping_mul(0xD1B5_4A32_D192_ED03), DROPOUT_STREAM)),
         })
     }
 

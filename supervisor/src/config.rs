@@ -53,6 +53,8 @@ pub struct ClassPolicy {
 /// ZeRO-1 and ZeRO-2 hold the same state between steps (each rank owns one segment of the
 /// optimizer state, and its buddy a copy), so they share every recovery path; ZeRO-2 additionally
 /// frees the full gradient once its segment is reduce-scattered. Their parameters are bit-equal.
+/// ZeRO-3 (FSDP, a GPT only) shards the parameters too: a rank holds only its unit segments
+/// between steps, exchanged with its buddy in the same way (`crate::zero3`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum DpSharding {
     /// Every rank holds the whole optimizer state and gradient.
@@ -62,6 +64,8 @@ pub enum DpSharding {
     Zero1,
     /// Optimizer state and gradients sharded (ZeRO stage 2).
     Zero2,
+    /// Parameters, gradients and optimizer state sharded (ZeRO stage 3, FSDP; a GPT only).
+    Zero3,
 }
 
 impl DpSharding {
@@ -76,6 +80,7 @@ impl DpSharding {
             Self::Replicated => "replicated",
             Self::Zero1 => "zero1",
             Self::Zero2 => "zero2",
+            Self::Zero3 => "zero3",
         }
     }
 }
@@ -266,7 +271,8 @@ impl ElasticConfig {
                         Some("replicated") => DpSharding::Replicated,
                         Some("zero1") => DpSharding::Zero1,
                         Some("zero2") => DpSharding::Zero2,
-                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.sharding must be \"replicated\", \"zero1\" or \"zero2\", got {value}") }),
+                        Some("zero3") => DpSharding::Zero3,
+                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.sharding must be \"replicated\", \"zero1\", \"zero2\" or \"zero3\", got {value}") }),
                     };
                 }
                 "snapshot_every" => self.snapshot_every = int()?.max(1),

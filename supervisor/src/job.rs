@@ -11,7 +11,8 @@ use rtx_pipelines::pipeline::{PipelineConfig, StageModule, TokenBatch};
 use rtx_pipelines::tp::TpHandle;
 use rtx_pipelines::{Coord, DpConfig, MeshShape, ParamSlice};
 use rtx_tensor::checkpoint::sharded::ModelLayout;
-use rtx_tensor::{Module, Optimizer, Tensor};
+use rtx_tensor::nn::Gpt;
+use rtx_tensor::{Generator, Module, Optimizer, Tensor};
 
 /// A training job as the worker runtime sees it. `batch` (from [`BatchSource`]) must be a pure
 /// function of `(step, rank, world)` whose rank parts make up the same global batch whatever
@@ -71,6 +72,33 @@ pub trait TrainJob: BatchSource {
     /// [`rtx_pipelines::pipeline::MeshEngine`], building each member's part with [`MeshSpec::build`].
     fn mesh(&self) -> Option<MeshSpec<Self::Batch>> {
         None
+    }
+
+    /// The ZeRO-3 / FSDP form of the job (`None`: it has none). With `[elastic] sharding =
+    /// "zero3"` the worker runtime trains the GPT this builds through [`rtx_pipelines::FsdpGpt`],
+    /// with [`TrainJob::build_optimizer`] over each rank's unit segments.
+    fn fsdp(&self) -> Option<FsdpSpec<Self::Batch>> {
+        None
+    }
+}
+
+/// The token ids and targets (`[B, T]`, u32) of one rank's batch, and its row count.
+pub type BatchTokens<B> = dyn Fn(&B) -> Result<(Tensor, Tensor, usize), String> + Send + Sync;
+
+/// The ZeRO-3 form of a GPT job: what the worker runtime needs to drive `FsdpGpt` without
+/// naming the job's model type.
+pub struct FsdpSpec<B> {
+    /// Builds the whole GPT with the job's initial parameters (the same on every worker).
+    pub build: Arc<dyn Fn() -> Result<Gpt, String> + Send + Sync>,
+    /// One rank's batch as token ids and targets.
+    pub tokens: Arc<BatchTokens<B>>,
+    /// The dropout generator of `(step, rank)`.
+    pub rng: Arc<dyn Fn(u64, usize) -> Generator + Send + Sync>,
+}
+
+impl<B> Clone for FsdpSpec<B> {
+    fn clone(&self) -> Self {
+        FsdpSpec { build: Arc::clone(&self.build), tokens: Arc::clone(&self.tokens), rng: Arc::clone(&self.rng) }
     }
 }
 

@@ -40,6 +40,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 use rtx_pipelines::{DataParallel, DpConfig, Sharding};
 
+mod fsdp;
 mod mesh;
 use rtx_tensor::{Module, Optimizer, Tensor};
 
@@ -726,7 +727,7 @@ async fn run_generation<J: TrainJob>(
     let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig { host_of: g.host_of.clone(), ..CommConfig::default() })?;
     let comm = endpoint.group(WORLD_GROUP_ID, (0..g.world).collect(), g.generation)?;
     ctx.shared.abort.set(comm.clone(), Arc::clone(&wire));
-    let result = train(ctx, job, g, &comm, replica, shard, writer, cmds).await;
+    let result = if ctx.sharding == DpSharding::Zero3 { fsdp::train(ctx, job, g, &comm, replica, shard, writer, cmds).await } else { train(ctx, job, g, &comm, replica, shard, writer, cmds).await };
     ctx.shared.abort.clear();
     drop(comm);
     drop(endpoint);
@@ -837,6 +838,8 @@ async fn train<J: TrainJob>(
         DpSharding::Replicated => job.dp_config().sharding,
         DpSharding::Zero1 => Sharding::Zero1,
         DpSharding::Zero2 => Sharding::Zero2,
+        // `run_generation` hands ZeRO-3 generations to `fsdp::train`.
+        DpSharding::Zero3 => return Err(SupervisorError::Job("internal: a ZeRO-3 generation in the data-parallel engine".into())),
     };
     let dp = DpConfig { collective_timeout: Duration::from_secs(60), sharding, ..job.dp_config() };
     // This worker's own optimizer holds exactly the state just broadcast when it was the source

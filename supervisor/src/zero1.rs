@@ -180,10 +180,11 @@ impl Layout {
     }
 }
 
-/// The step an encoded segment state is of.
+/// The step an encoded segment state is of (a ZeRO-1 segment state or a ZeRO-3 unit state,
+/// [`crate::zero3::encode`]: both start with their magic word and the step).
 pub fn encoded_step(blob: &[u32]) -> Result<u64> {
     let mut r = Reader { blob, at: 0 };
-    if r.word()? != MAGIC {
+    if ![MAGIC, crate::zero3::MAGIC].contains(&r.word()?) {
         return Err(bad("not a segment state (bad magic)".into()));
     }
     r.u64()

@@ -98,7 +98,7 @@ pub(crate) fn join_reply(rng: &mut ChaCha8Rng) -> JoinReply {
             resume: Values::option(rng, Values::string),
             verify_every: Values::u64(rng),
             checkpoint_every: Values::u64(rng),
-            sharding: [DpSharding::Replicated, DpSharding::Zero1, DpSharding::Zero2][rng.random_range(0..3)],
+            sharding: [DpSharding::Replicated, DpSharding::Zero1, DpSharding::Zero2, DpSharding::Zero3][rng.random_range(0..4)],
             snapshot_every: Values::u64(rng),
             run_dir: Values::option(rng, Values::string),
         }
