@@ -6,7 +6,7 @@
 //! pool of `--threads-per-rank` kernel threads (default `RTX_NUM_THREADS`, else cores / p), over
 //! the in-process transport, running [`MeshEngine`] on its [`GptStage`] of a byte-level GPT (8
 //! blocks of d_model 256, 4 heads, context 128, micro-batch 4 rows by default: one block's forward
-//! takes a few ms). After `--warmup` steps it times `--steps` steps from each stage's
+//! takes a few ms; `--pin-cores` pins each rank's kernel threads to cores of their own). After `--warmup` steps it times `--steps` steps from each stage's
 //! [`MeshEngine::last_timeline`]: a step's window runs from the first stage's start to the last
 //! stage's end of the instruction loop (the optimizer and the gradient reductions after it are
 //! left out); a stage is busy while it computes (waiting in the mailbox and sending are not
@@ -69,6 +69,10 @@ pub struct PipelineArgs {
     /// How blocks are cut into stages: `measured` (balance measured per-layer costs) or `even`.
     #[arg(long, value_enum, default_value_t = Partition::Measured)]
     pub partition: Partition,
+    /// Pins rank `r`'s kernel thread `i` to core `r * threads_per_rank + i` (Linux; the
+    /// calibration's to cores `0..threads_per_rank`).
+    #[arg(long)]
+    pub pin_cores: bool,
 }
 
 /// How `rtx bench pipeline` cuts the blocks into (virtual) stages.
@@ -152,6 +156,7 @@ pub(super) fn run(args: &PipelineArgs) -> anyhow::Result<()> {
         "warmup": args.warmup,
         "steps": args.steps,
         "partition": format!("{:?}", args.partition).to_lowercase(),
+        "pinned": args.pin_cores,
         "layer_forward_ms": ms(&times.forward),
         "layer_backward_ms": ms(&times.backward),
     }));
@@ -205,7 +210,8 @@ fn gpt_config(args: &PipelineArgs) -> GptConfig {
 fn calibrate(args: &PipelineArgs, threads: usize) -> anyhow::Result<LayerTimes> {
     let n = args.shape.layers;
     anyhow::ensure!(n > 0, "no blocks to calibrate");
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|i| format!("calibrate-k{i}")).build()?;
+    let pin = args.pin_cores;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|i| format!("calibrate-k{i}")).start_handler(move |i| pin_kernel_thread(pin, i)).build()?;
     pool.install(|| -> anyhow::Result<LayerTimes> {
         let gpt = Gpt::new(gpt_config(args), &mut Generator::new(args.seed))?;
         let ranges: Vec<std::ops::Range<usize>> = (0..n).map(|i| i..i + 1).collect();
@@ -278,7 +284,12 @@ fn run_mesh(args: &PipelineArgs, kind: ScheduleKind, m: usize, threads: usize, l
         let (handle, layers, rank) = (runtime.handle().clone(), layers.clone(), groups.coord.pp);
         let endpoint = Arc::new(std::sync::Mutex::new(Some(endpoint)));
         endpoints.push(Arc::clone(&endpoint));
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(move |i| format!("pp{rank}-k{i}")).build()?;
+        let pin = args.pin_cores;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("pp{rank}-k{i}"))
+            .start_handler(move |i| pin_kernel_thread(pin, rank * threads + i))
+            .build()?;
         handles.push(std::thread::spawn(move || {
             let result = pool.install(|| -> anyhow::Result<Vec<StageTimeline>> {
                 let gpt = Gpt::new(gpt_config, &mut Generator::new(seed))?;
@@ -317,6 +328,33 @@ fn run_mesh(args: &PipelineArgs, kind: ScheduleKind, m: usize, threads: usize, l
     drop(endpoints);
     anyhow::ensure!(errors.is_empty(), "{} m={m}: {}", kind.name(), errors.join("; "));
     Ok((args.warmup..total_steps).map(|step| per_stage.iter().map(|tl| tl[step].clone()).collect()).collect())
+}
+
+/// With `pin`, pins the calling thread to `core` (a failure leaves it unpinned, with a warning).
+fn pin_kernel_thread(pin: bool, core: usize) {
+    if pin && !pin_to_core(core) {
+        eprintln!("warning: could not pin a kernel thread to core {core}");
+    }
+}
+
+/// Pins the calling thread to `core`; false where that failed or is not supported.
+#[cfg(target_os = "linux")]
+fn pin_to_core(core: usize) -> bool {
+    if core >= libc::CPU_SETSIZE as usize {
+        return false;
+    }
+    // SAFETY: `cpu_set_t` is plain data that zeroes validly; CPU_SET writes bit `core` inside it
+    // (checked against CPU_SETSIZE above); pid 0 makes sched_setaffinity act on this thread only.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn pin_to_core(_core: usize) -> bool {
+    false
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -429,6 +467,7 @@ mod tests {
             steps: 2,
             seed: 3,
             partition: Partition::Measured,
+            pin_cores: true,
         };
         let times = calibrate(&args, 1).unwrap();
         assert!(times.forward.blocks.len() == 8 && times.forward.blocks.iter().chain(&times.backward.blocks).all(|&x| x > 0.0), "{times:?}");
