@@ -492,16 +492,17 @@ mod tests {
 
     #[test]
     fn measured_costs_cut_stages_and_sum_into_the_simulators_costs() {
-        // Goal: a head costing 1.5 blocks moves a block off the last of two stages (the even cut
-        // would make it the slowest), and each virtual stage's simulated cost is its blocks' sum
-        // plus the embedding on the first and the head on the last.
-        let forward = LayerCosts { embed: 0.25, blocks: vec![1.0; 4], head: 1.5 };
+        // Goal: a head costing 4/3 of a block moves a block off the last of two stages (the even
+        // cut would make it the slowest: 10 against 6.25; this one 9.25 against 7), and each
+        // virtual stage's simulated cost is its blocks' sum plus the embedding on the first and
+        // the head on the last.
+        let forward = LayerCosts { embed: 0.25, blocks: vec![1.0; 4], head: 3.0 };
         let backward = LayerCosts { embed: 0.0, blocks: vec![2.0; 4], head: 1.0 };
         let times = LayerTimes { forward, backward };
         let layers = partition_layers(&times.total(), 2).unwrap();
         assert_eq!(layers, vec![0..3, 3..4]);
         let costs = times.stage_costs(&layers);
-        assert_eq!(costs.forward, vec![3.25, 2.5]);
+        assert_eq!(costs.forward, vec![3.25, 4.0]);
         assert_eq!(costs.backward_input, vec![6.0, 3.0]);
         assert_eq!(costs.backward_weight, vec![0.0, 0.0]);
         assert_eq!(layer_ranges(4, 2), vec![0..2, 2..4]);
