@@ -10,7 +10,9 @@
 //! the global batch, so the sum is the global mean's gradient), clips by the global norm over
 //! the whole mesh (tensor-parallel replicas and the tied copy counted once), and steps the
 //! optimizer on the member's own parameters. Everything here is blocking and runs on a compute
-//! thread; collectives run on the endpoint's runtime through [`BlockingGroup`].
+//! thread; collectives run on the endpoint's runtime through [`BlockingGroup`], except the
+//! activations and gradients it sends, which a [`SendQueue`] thread sends in posting order while
+//! the compute thread goes on (flushed at the end of the instruction loop).
 //!
 //! A part on a CUDA device ([`StageModule::placement`]) trains there; what crosses a stage boundary
 //! is host-staged: an activation or gradient is read to the host as f32, travels through the
@@ -32,6 +34,7 @@ use crate::placement::Placement;
 use crate::mesh::{Coord, MeshGroups, MeshShape};
 use crate::pipeline::blocking::BlockingGroup;
 use crate::pipeline::mailbox::{Key, Kind, Mailbox};
+use crate::pipeline::sender::SendQueue;
 use crate::pipeline::stage::StageModule;
 use crate::pipeline::timeline::{Recorder, StageTimeline};
 use crate::schedule::{self, Instr, Op, ScheduleKind};
@@ -76,6 +79,8 @@ pub struct MeshEngine<S: StageModule, O: Optimizer> {
     config: PipelineConfig,
     program: Vec<Instr>,
     mailbox: Mailbox,
+    /// Sends this stage's activations and gradients while it computes on.
+    sends: SendQueue,
     timeline: StageTimeline,
     /// Where activations and gradients arriving from other stages are put.
     placement: Placement,
@@ -95,17 +100,20 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
         let program = schedule::instructions(config.schedule, shape.pp, config.microbatches, groups.coord.pp)?;
         let blocking = |comm: &rtx_collectives::Communicator, role| BlockingGroup::new(comm.clone(), handle.clone(), role);
         let placement = part.placement();
+        let pp = blocking(&groups.pp, "pp");
+        let sends = SendQueue::new(pp.clone())?;
         Ok(MeshEngine {
             part,
             optimizer,
             coord: groups.coord,
             shape,
-            pp: blocking(&groups.pp, "pp"),
+            pp,
             dp: blocking(&groups.dp, "dp"),
             tp: blocking(&groups.tp, "tp"),
             config,
             program,
             mailbox: Mailbox::default(),
+            sends,
             timeline: StageTimeline::empty(),
             placement,
         })
@@ -199,6 +207,7 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
                         None
                     } else {
                         let key = Key { kind: Kind::Activation, microbatch: mb, stage: v };
+                        self.sends.check()?;
                         let values = rec.waiting(|| self.mailbox.take(&self.pp, prev, key, shape.iter().product()))?;
                         Some(self.placement.put(values, &shape)?.requires_grad(true))
                     };
@@ -213,7 +222,7 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
                     } else {
                         let values = output.to_f32_vec()?;
                         let key = Key { kind: Kind::Activation, microbatch: mb, stage: v + 1 };
-                        rec.sending(|| self.mailbox.send(&self.pp, next, key, &values))?;
+                        rec.sending(|| self.mailbox.post(&self.sends, next, key, values))?;
                         output
                     };
                     slots.insert((mb, chunk), Slot { input, output });
@@ -225,6 +234,7 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
                     } else {
                         let shape = slot.output.shape().to_vec();
                         let key = Key { kind: Kind::Gradient, microbatch: mb, stage: v };
+                        self.sends.check()?;
                         let grad = rec.waiting(|| self.mailbox.take(&self.pp, next, key, shape.iter().product()))?;
                         slot.output.backward_from(self.placement.put(grad, &shape)?, |_| {})?;
                     }
@@ -232,7 +242,7 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
                         let grad = input.grad().ok_or_else(|| Error::Pipeline { reason: format!("micro-batch {mb}: virtual stage {v}'s input got no gradient") })?;
                         let values = grad.to_f32_vec()?;
                         let key = Key { kind: Kind::Gradient, microbatch: mb, stage: v - 1 };
-                        rec.sending(|| self.mailbox.send(&self.pp, prev, key, &values))?;
+                        rec.sending(|| self.mailbox.post(&self.sends, prev, key, values))?;
                     }
                 }
                 // Weight gradients were produced with the input gradients (see the module doc).
@@ -240,6 +250,9 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
             }
         }
         self.timeline = rec.finish();
+        // Every message is with the transport before the step's other `pp` communication, so
+        // transfers between a pair of ranks keep their order.
+        self.sends.flush()?;
         if !slots.is_empty() || self.mailbox.pending() != 0 {
             return Err(Error::Pipeline { reason: format!("step {step} ended with {} forwards without backward and {} unread messages", slots.len(), self.mailbox.pending()) });
         }

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
 use crate::pipeline::blocking::BlockingGroup;
+use crate::pipeline::sender::SendQueue;
 
 /// What a pipeline message carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -52,6 +53,16 @@ pub struct Key {
 
 const HEADER: usize = 4;
 
+/// The message that carries `payload` under `key`: the header, then the payload.
+pub(crate) fn frame(key: Key, payload: &[f32]) -> Vec<f32> {
+    let mut message = Vec::with_capacity(HEADER + payload.len());
+    // Small integers are exact in f32 up to 2^24; the header checks them on arrival.
+    message.extend_from_slice(&[key.kind.code(), key.microbatch as f32, key.stage as f32, payload.len() as f32]);
+    message.extend_from_slice(payload);
+    debug_assert_eq!(message.len(), HEADER + payload.len());
+    message
+}
+
 /// The pending messages of one stage.
 #[derive(Default, Debug)]
 pub struct Mailbox {
@@ -67,11 +78,17 @@ impl Mailbox {
             self.pending.insert(key, payload.to_vec());
             return Ok(());
         }
-        let mut message = Vec::with_capacity(HEADER + payload.len());
-        // Small integers are exact in f32 up to 2^24; the header checks them on arrival.
-        message.extend_from_slice(&[key.kind.code(), key.microbatch as f32, key.stage as f32, payload.len() as f32]);
-        message.extend_from_slice(payload);
-        group.send(&message, dst)
+        group.send(&frame(key, payload), dst)
+    }
+
+    /// Posts `payload` (owned, not copied) to `queue`'s thread for group rank `dst` under `key`;
+    /// a message to oneself is filed at once. The frame is the one [`Mailbox::send`] sends.
+    pub fn post(&mut self, queue: &SendQueue, dst: usize, key: Key, payload: Vec<f32>) -> Result<()> {
+        if dst == queue.rank() {
+            self.pending.insert(key, payload);
+            return Ok(());
+        }
+        queue.post(dst, key, payload)
     }
 
     /// The payload under `key` from group rank `src`, of `len` elements: from the pending messages, or

@@ -24,7 +24,7 @@ pub struct InstrSpan {
     pub end: Duration,
     /// Time spent waiting in the mailbox for its input (activation or output gradient).
     pub waiting: Duration,
-    /// Time spent handing its output to the transport.
+    /// Time spent handing its output on (posting it to the send queue; blocked while the queue is full).
     pub sending: Duration,
 }
 
