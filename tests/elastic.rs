@@ -217,6 +217,24 @@ fn a_bad_elastic_setting_is_named_before_anything_starts() {
     assert!(!output.status.success() && err.contains("min_workers"), "{err}");
 }
 
+/// Kills rank 1 of a 3-worker sharded (ZeRO) run once step `at` is committed, lets the run finish,
+/// and checks the recovery generation: 2 workers, resumed right after the newest step committed
+/// before it (steps keep committing between the test seeing step `at` and the kill landing). A
+/// committed step's segment states are held twice (the lost rank's by its buddy), so no committed
+/// step runs again, only the one in flight; the state may be one step past the last commit the
+/// supervisor recorded (every rank exchanged the step, the kill landed before the commit).
+fn kill_rank_1_and_resume_after_the_last_commit(launch: Launch, at: u64) -> (Value, Vec<Value>) {
+    launch.wait_for(&format!("step {at}"), Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= at));
+    signal(launch.pids()[1], "-9");
+    let (summary, events) = launch.finish();
+    let generation = events.iter().rposition(|g| g["event"] == "generation").expect("generation");
+    let next = events[generation]["next_step"].as_u64().expect("next_step");
+    assert_eq!(events[generation]["world"], 2, "{:?}", events[generation]);
+    let before = Launch::committed(&events[..generation]).expect("committed");
+    assert!(next > before && next <= before + 2, "committed {before}, resumed at {next}: {} committed steps ran again", (before + 1).saturating_sub(next));
+    (summary, events)
+}
+
 #[test]
 fn under_zero2_a_killed_worker_reruns_at_most_the_step_in_flight() {
     // ZeRO-2 keeps ZeRO-1's state between steps (segment states with buddy copies) and adds the
@@ -228,20 +246,7 @@ fn under_zero2_a_killed_worker_reruns_at_most_the_step_in_flight() {
     // copies of the segment states (a fallback to the snapshot would restart from the beginning).
     // Three workers: the lost rank's segment survives at its buddy, the others' at their owners.
     let launch = Launch::start_in(out.clone(), &config_with(600, "snapshot_every = 1000\n[parallel]\nzero = 2\n"), 3, &[]);
-    launch.wait_for("step 150", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 150));
-    signal(launch.pids()[1], "-9");
-    let (summary, events) = launch.finish();
-    let at = events.iter().rposition(|g| g["event"] == "generation").expect("generation");
-    let next = events[at]["next_step"].as_u64().expect("next_step");
-    assert_eq!(events[at]["world"], 2, "{:?}", events[at]);
-    // The newest step committed before the recovery generation (steps keep committing between
-    // the test seeing step 150 and the kill landing, more of them the faster the machine).
-    let before = Launch::committed(&events[..at]).expect("committed");
-    // A committed step is held twice (the lost rank's segment state by its buddy): training
-    // resumes right after it, so no committed step runs again, only the one in flight. The state
-    // may be one step past the last commit the supervisor recorded (every rank exchanged the
-    // step, the kill landed before the commit was recorded).
-    assert!(next > before && next <= before + 2, "committed {before}, resumed at {next}: {} committed steps ran again", (before + 1).saturating_sub(next));
+    let (summary, _events) = kill_rank_1_and_resume_after_the_last_commit(launch, 150);
     let acc = summary["eval"]["test_acc"].as_f64().expect("test_acc");
     assert!(acc > 0.80, "test accuracy {acc} after a ZeRO-2 recovery");
     // The workers ran the ZeRO-2 engine (each logs its sharding at every generation start).
@@ -415,16 +420,7 @@ fn under_zero3_a_killed_worker_reruns_at_most_the_step_in_flight() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let out = tempfile::tempdir().expect("tempdir").keep().join("run");
     let launch = Launch::start_in(out.clone(), &zero3_config(160, ""), 3, &[]);
-    launch.wait_for("step 40", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 40));
-    signal(launch.pids()[1], "-9");
-    let (summary, events) = launch.finish();
-    let at = events.iter().rposition(|g| g["event"] == "generation").expect("generation");
-    let next = events[at]["next_step"].as_u64().expect("next_step");
-    assert_eq!(events[at]["world"], 2, "{:?}", events[at]);
-    let before = Launch::committed(&events[..at]).expect("committed");
-    // As under ZeRO-2: resumed right after the last commit (or one past it, when every rank had
-    // exchanged the step before the kill but the commit was not recorded).
-    assert!(next > before && next <= before + 2, "committed {before}, resumed at {next}: {} committed steps ran again", (before + 1).saturating_sub(next));
+    let (summary, events) = kill_rank_1_and_resume_after_the_last_commit(launch, 40);
     let committed = Launch::committed(&events).expect("committed");
     assert_eq!(committed, 159, "the run did not reach its last step");
     let val = summary["eval"]["val_loss"].as_f64().expect("val_loss");

@@ -295,7 +295,9 @@ impl SupervisorCore {
             Phase::Running { members, .. } if self.options.elastic.mesh_slots() > 1 => {
                 let live: Vec<u64> = self.live_members().map(|(n, _)| *n).collect();
                 let (candidates, shape) = self.mesh_candidates(members, &live);
-                let fresh = self.checkpoint.as_ref().is_some_and(|(step, _)| self.committed.is_none_or(|c| *step >= c));
+                // The checkpoint must be of the newest committed step itself: one taken ahead of
+                // its commit would leave that step never committed.
+                let fresh = self.checkpoint.as_ref().is_some_and(|(step, _)| self.committed == Some(*step));
                 if candidates.len() > members.len() && (shape == self.shape || fresh) {
                     tracing::info!(from = members.len(), to = candidates.len(), ?shape, "growing the mesh");
                     self.reform(now)?;
@@ -500,6 +502,11 @@ impl SupervisorCore {
                 self.finish(members, now);
                 return Ok(());
             }
+        }
+        // A re-partitioned mesh whose checkpoint arrived ahead of the commit of its step changes
+        // back now.
+        if self.shape != (self.options.elastic.pp.max(1), self.options.elastic.tp.max(1)) {
+            self.maybe_form(now)?;
         }
         Ok(())
     }

@@ -902,13 +902,8 @@ async fn train<J: TrainJob>(
             break Ok(None);
         }
         let control_started = Instant::now();
-        match cmds.try_recv() {
-            Ok(cmd) => break Ok(Some(cmd)),
-            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => break Err(lost()),
-            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {}
-        }
-        if ctx.shared.preempt.load(Ordering::SeqCst) {
-            break leave(ctx, replica.completed, cmds).await;
+        if let Some(outcome) = between_steps(ctx, replica.completed, cmds).await {
+            break outcome;
         }
         let mut control = control_started.elapsed();
         let batch = match shard.get(step, g.rank, g.world) {
@@ -997,11 +992,7 @@ async fn train<J: TrainJob>(
                     }
                 }
                 step += 1;
-                let mut timing = ctx.timing.lock().unwrap_or_else(PoisonError::into_inner);
-                timing.0 += compute.as_secs_f64();
-                timing.1 += control.as_secs_f64();
-                timing.2 += since_last_step.map_or(loop_started.elapsed(), |t| t.elapsed()).as_secs_f64();
-                drop(timing);
+                add_step_timing(ctx, compute, control, since_last_step.map_or(loop_started.elapsed(), |t| t.elapsed()));
                 since_last_step = Some(Instant::now());
             }
             Err(e) => {
@@ -1084,6 +1075,30 @@ fn full_state_now<M, O: Optimizer>(ctx: &WorkerCtx, replica: &Replica<M, O>, opt
 }
 
 /// Graceful leave: tell the supervisor, wait for its acknowledgement (bounded).
+/// Between two steps of any engine: a command from the supervisor, a lost control link, or a
+/// preemption notice (then the supervisor is told, see [`leave`]) ends the step loop with this
+/// outcome; `None`: train on. `completed` is the member's newest completed step.
+async fn between_steps(ctx: &WorkerCtx, completed: Option<u64>, cmds: &mut Receiver<ToWorker>) -> Option<Result<Option<ToWorker>>> {
+    match cmds.try_recv() {
+        Ok(cmd) => return Some(Ok(Some(cmd))),
+        Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => return Some(Err(lost())),
+        Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {}
+    }
+    if ctx.shared.preempt.load(Ordering::SeqCst) {
+        return Some(leave(ctx, completed, cmds).await);
+    }
+    None
+}
+
+/// Adds one step's compute, control and whole-loop seconds to the worker's totals (the final
+/// report's overhead shares).
+fn add_step_timing(ctx: &WorkerCtx, compute: Duration, control: Duration, loop_time: Duration) {
+    let mut timing = ctx.timing.lock().unwrap_or_else(PoisonError::into_inner);
+    timing.0 += compute.as_secs_f64();
+    timing.1 += control.as_secs_f64();
+    timing.2 += loop_time.as_secs_f64();
+}
+
 async fn leave(ctx: &WorkerCtx, completed: Option<u64>, cmds: &mut Receiver<ToWorker>) -> Result<Option<ToWorker>> {
     ctx.supervisor.tell(&ToSupervisor::Leaving { node: ctx.node, completed, reason: "SIGTERM (preemption)".into() }).await?;
     let acknowledged = async {

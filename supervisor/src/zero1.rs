@@ -183,7 +183,7 @@ impl Layout {
 /// The step an encoded segment state is of (a ZeRO-1 segment state or a ZeRO-3 unit state,
 /// [`crate::zero3::encode`]: both start with their magic word and the step).
 pub fn encoded_step(blob: &[u32]) -> Result<u64> {
-    let mut r = Reader { blob, at: 0 };
+    let mut r = Reader::new(blob, "ZeRO-1 segment state");
     if ![MAGIC, crate::zero3::MAGIC].contains(&r.word()?) {
         return Err(bad("not a segment state (bad magic)".into()));
     }
@@ -203,7 +203,7 @@ pub struct Assembler<'a> {
 impl Assembler<'_> {
     /// Places one encoded segment state of `step`.
     pub fn place(&mut self, blob: &[u32], step: u64) -> Result<()> {
-        let mut r = Reader { blob, at: 0 };
+        let mut r = Reader::new(blob, "ZeRO-1 segment state");
         if r.word()? != MAGIC {
             return Err(bad("not a segment state (bad magic)".into()));
         }
@@ -469,9 +469,16 @@ fn split_field(name: &str) -> Result<(&str, &str)> {
     name.rsplit_once('.').ok_or_else(|| bad(format!("optimizer state name {name:?} has no field")))
 }
 
-fn push_u64(out: &mut Vec<u32>, v: u64) {
+/// Appends `v` as two little-endian words (the encoding of ZeRO-1 and ZeRO-3 segment states).
+pub(crate) fn push_u64(out: &mut Vec<u32>, v: u64) {
     out.push(v as u32);
     out.push((v >> 32) as u32);
+}
+
+/// Appends `s` as its length then one word per byte.
+pub(crate) fn push_str(out: &mut Vec<u32>, s: &str) {
+    push_u64(out, s.len() as u64);
+    out.extend(s.bytes().map(u32::from));
 }
 
 fn to_usize(v: u64) -> Result<usize> {
@@ -482,30 +489,53 @@ fn bad(reason: String) -> SupervisorError {
     SupervisorError::Job(format!("ZeRO-1 segment state: {reason}"))
 }
 
-struct Reader<'a> {
+/// Reads the words of an encoded segment state; every error names `what` is being read.
+pub(crate) struct Reader<'a> {
     blob: &'a [u32],
     at: usize,
+    what: &'static str,
 }
 
-impl Reader<'_> {
-    fn word(&mut self) -> Result<u32> {
-        let w = *self.blob.get(self.at).ok_or_else(|| bad("truncated".into()))?;
+impl<'a> Reader<'a> {
+    /// A reader of `blob`, a `what` ("ZeRO-1 segment state").
+    pub(crate) fn new(blob: &'a [u32], what: &'static str) -> Self {
+        Reader { blob, at: 0, what }
+    }
+
+    fn bad(&self, reason: &str) -> SupervisorError {
+        SupervisorError::Job(format!("{}: {reason}", self.what))
+    }
+
+    /// Words not read yet.
+    pub(crate) fn remaining(&self) -> usize {
+        self.blob.len() - self.at
+    }
+
+    pub(crate) fn word(&mut self) -> Result<u32> {
+        let w = *self.blob.get(self.at).ok_or_else(|| self.bad("truncated"))?;
         self.at += 1;
         Ok(w)
     }
 
-    fn u64(&mut self) -> Result<u64> {
+    pub(crate) fn u64(&mut self) -> Result<u64> {
         Ok(u64::from(self.word()?) | (u64::from(self.word()?) << 32))
     }
 
-    fn usize(&mut self) -> Result<usize> {
-        to_usize(self.u64()?)
+    pub(crate) fn usize(&mut self) -> Result<usize> {
+        let v = self.u64()?;
+        usize::try_from(v).map_err(|_| self.bad(&format!("length {v} does not fit this machine")))
     }
 
-    fn take(&mut self, n: usize) -> Result<&[u32]> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.blob.len()).ok_or_else(|| bad("truncated".into()))?;
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u32]> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.blob.len()).ok_or_else(|| self.bad("truncated"))?;
         let words = &self.blob[self.at..end];
         self.at = end;
         Ok(words)
+    }
+
+    pub(crate) fn string(&mut self) -> Result<String> {
+        let n = self.usize()?;
+        let bytes = self.take(n)?.iter().map(|w| u8::try_from(*w).map_err(|_| self.bad("a name byte out of range"))).collect::<Result<Vec<u8>>>()?;
+        String::from_utf8(bytes).map_err(|_| self.bad("a name that is not UTF-8"))
     }
 }

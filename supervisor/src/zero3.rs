@@ -26,6 +26,7 @@ use rtx_pipelines::{ParamSlice, ShardState};
 use rtx_tensor::{CpuData, Tensor};
 
 use crate::error::{Result, SupervisorError};
+use crate::zero1::{push_str, push_u64, Reader};
 
 /// First word of an encoded ZeRO-3 unit state (format version 1).
 pub const MAGIC: u32 = 0x5a33_5501;
@@ -270,7 +271,7 @@ pub fn encode(state: &UnitState) -> Vec<u32> {
 
 /// The state encoded in `blob`; a typed error for anything malformed.
 pub fn decode(blob: &[u32]) -> Result<UnitState> {
-    let mut r = Reader { blob, at: 0 };
+    let mut r = Reader::new(blob, "ZeRO-3 unit state");
     if r.word()? != MAGIC {
         return Err(bad("not a ZeRO-3 unit state (bad magic)".into()));
     }
@@ -297,8 +298,8 @@ pub fn decode(blob: &[u32]) -> Result<UnitState> {
         let name = r.string()?;
         scalars.insert(name, f64::from_bits(r.u64()?));
     }
-    if r.at != blob.len() {
-        return Err(bad(format!("{} words after the unit state", blob.len() - r.at)));
+    if r.remaining() != 0 {
+        return Err(bad(format!("{} words after the unit state", r.remaining())));
     }
     if fields.first().map(String::as_str) != Some(PARAM_FIELD) {
         return Err(bad(format!("the first field is {:?}, not {PARAM_FIELD}", fields.first())));
@@ -350,53 +351,8 @@ fn f32_values(data: &CpuData) -> Option<Vec<f32>> {
     }
 }
 
-fn push_u64(out: &mut Vec<u32>, v: u64) {
-    out.push(v as u32);
-    out.push((v >> 32) as u32);
-}
-
-fn push_str(out: &mut Vec<u32>, s: &str) {
-    push_u64(out, s.len() as u64);
-    out.extend(s.bytes().map(u32::from));
-}
-
 fn bad(reason: String) -> SupervisorError {
     SupervisorError::Job(format!("ZeRO-3 unit state: {reason}"))
-}
-
-struct Reader<'a> {
-    blob: &'a [u32],
-    at: usize,
-}
-
-impl Reader<'_> {
-    fn word(&mut self) -> Result<u32> {
-        let w = *self.blob.get(self.at).ok_or_else(|| bad("truncated".into()))?;
-        self.at += 1;
-        Ok(w)
-    }
-
-    fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from(self.word()?) | (u64::from(self.word()?) << 32))
-    }
-
-    fn usize(&mut self) -> Result<usize> {
-        let v = self.u64()?;
-        usize::try_from(v).map_err(|_| bad(format!("length {v} does not fit this machine")))
-    }
-
-    fn take(&mut self, n: usize) -> Result<&[u32]> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.blob.len()).ok_or_else(|| bad("truncated".into()))?;
-        let words = &self.blob[self.at..end];
-        self.at = end;
-        Ok(words)
-    }
-
-    fn string(&mut self) -> Result<String> {
-        let n = self.usize()?;
-        let bytes = self.take(n)?.iter().map(|w| u8::try_from(*w).map_err(|_| bad("a name byte out of range".into()))).collect::<Result<Vec<u8>>>()?;
-        String::from_utf8(bytes).map_err(|_| bad("a name that is not UTF-8".into()))
-    }
 }
 
 #[cfg(test)]

@@ -131,14 +131,18 @@ fn a_mesh_short_of_a_replica_re_partitions_from_the_checkpoint_and_grows_back_at
         assert_eq!(mesh.sources, vec![ShardSource::Checkpoint { location: "ckpt-9".into(), step: 9 }; 3]);
     }
     for step in 10..14 {
-        d.step(&[1, 2, 4], 3, step);
+        d.step(&[1, 2, 4], 2, step);
     }
 
-    // A worker joins: no change of shape until a checkpoint holds the newest committed step.
+    // A worker joins: no change of shape until a checkpoint holds the newest committed step. The
+    // checkpoint of step 14 arrives before step 14 is committed (its writer reports it before the
+    // others' StepDone): the mesh changes back at that commit, so no step is left uncommitted.
     let joined = d.join(5);
     assert!(prepares(&joined).is_empty(), "{joined:?}");
-    d.step(&[1, 2, 4], 3, 14);
-    let grown = d.message(1, ToSupervisor::Checkpointed { node: 1, step: 14, path: "ckpt-14".into() });
+    let early = d.message(1, ToSupervisor::Checkpointed { node: 1, step: 14, path: "ckpt-14".into() });
+    assert!(prepares(&early).is_empty(), "{early:?}");
+    let grown = d.step(&[1, 2, 4], 2, 14);
+    assert!(grown.iter().any(|c| matches!(c, Command::Emit(JobEvent::Committed { step: 14, .. }))));
     assert_eq!(prepares(&grown), vec![1, 2, 4, 5]);
     let starts = d.ready_all(&grown, |node| if node == 5 { None } else { Some(MeshHeld { slots: 3, tp: 1, slot: 0, step: 14 }) });
     assert!(starts.len() == 4 && starts.iter().all(|(_, s)| matches!(s, ToWorker::Start { next_step: 15, mesh: Some(MeshStart { dp: 1, pp: 2, tp: 2, .. }), .. })), "{starts:?}");

@@ -43,7 +43,7 @@ use rtx_tensor::{Module, Optimizer, Tensor};
 use tokio::sync::mpsc::Receiver;
 use tokio::time::Instant;
 
-use super::{internal, leave, lost, Exec, Generation, Replica, SegmentSource, WorkerCtx};
+use super::{internal, lost, Exec, Generation, Replica, SegmentSource, WorkerCtx};
 use crate::checkpoint::CheckpointWriter;
 use crate::error::{Result, SupervisorError};
 use crate::job::TrainJob;
@@ -136,13 +136,8 @@ pub(super) async fn train<J: TrainJob>(
             break Ok(None);
         }
         let control_started = Instant::now();
-        match cmds.try_recv() {
-            Ok(cmd) => break Ok(Some(cmd)),
-            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => break Err(lost()),
-            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {}
-        }
-        if ctx.shared.preempt.load(std::sync::atomic::Ordering::SeqCst) {
-            break leave(ctx, replica.completed, cmds).await;
+        if let Some(outcome) = super::between_steps(ctx, replica.completed, cmds).await {
+            break outcome;
         }
         let mut control = control_started.elapsed();
         let batch = match shard.get(step, g.rank, g.world) {
@@ -204,11 +199,7 @@ pub(super) async fn train<J: TrainJob>(
             }
         }
         step += 1;
-        let mut timing = ctx.timing.lock().unwrap_or_else(PoisonError::into_inner);
-        timing.0 += compute.as_secs_f64();
-        timing.1 += control.as_secs_f64();
-        timing.2 += since_last_step.map_or(loop_started.elapsed(), |t| t.elapsed()).as_secs_f64();
-        drop(timing);
+        super::add_step_timing(ctx, compute, control, since_last_step.map_or(loop_started.elapsed(), |t| t.elapsed()));
         since_last_step = Some(Instant::now());
     };
     if exchanged.1 > 0 {

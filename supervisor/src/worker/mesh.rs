@@ -32,7 +32,7 @@ use rtx_tensor::checkpoint::CheckpointMeta;
 use rtx_tensor::{Module, Optimizer, Tensor};
 use tokio::sync::mpsc::Receiver;
 
-use super::{connect_generation, leave, lost, Bound, Generation, Replica, WorkerCtx};
+use super::{connect_generation, lost, Bound, Generation, Replica, WorkerCtx};
 use crate::checkpoint::sharded_path_for;
 use crate::error::{Result, SupervisorError};
 use crate::job::{BoxedStage, MeshSpec, StageRequest, TrainJob};
@@ -163,13 +163,8 @@ async fn train<J: TrainJob>(
         if step >= total {
             break Ok(None);
         }
-        match cmds.try_recv() {
-            Ok(cmd) => break Ok(Some(cmd)),
-            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => break Err(lost()),
-            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {}
-        }
-        if ctx.shared.preempt.load(std::sync::atomic::Ordering::SeqCst) {
-            break leave(ctx, replica.completed, cmds).await;
+        if let Some(outcome) = super::between_steps(ctx, replica.completed, cmds).await {
+            break outcome;
         }
         // Every member of a replica trains on the replica's share of the global batch.
         let batch = match shard.get(step, coord.dp, shape.dp) {
