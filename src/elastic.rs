@@ -292,6 +292,15 @@ impl JobFiles {
             (3, 1) => elastic.sharding = DpSharding::Zero3,
             (z, _) => bail!("parallel.zero = {z} with pp = {} and tp = {}: the runtime shards optimizer state, gradients and parameters only for data-parallel jobs (pp = tp = 1) today; set parallel.zero = 0", elastic.pp, elastic.tp),
         }
+        // ZeRO-1/2 step each rank's optimizer over its own segments, and the job's optimizer clips
+        // what it steps: by the segment's norm, not the model's (a global-norm clip needs a
+        // collective in the sharded engine's step, not built). Said out loud rather than refused,
+        // so existing configs keep running.
+        if matches!(elastic.sharding, DpSharding::Zero1 | DpSharding::Zero2) {
+            if let Some(max) = self.config.optim.grad_clip {
+                eprintln!("warning: optim.grad_clip = {max} under elastic.sharding = \"{}\" clips each rank's gradient segment by its own norm, not the whole model's (not the replicated job's clipping; remove optim.grad_clip or train with zero = 0 for that)", elastic.sharding.name());
+            }
+        }
         if elastic.sharding == DpSharding::Zero3 {
             let key = if self.config.parallel.zero == 3 { ("parallel.zero", "3") } else { ("elastic.sharding", "\"zero3\"") };
             zero3_refusal(&self.config).map_or(Ok(()), |allowed| Err(ConfigError::Invalid { origin: String::new(), key: key.0.into(), value: key.1.into(), allowed }))?;

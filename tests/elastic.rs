@@ -254,6 +254,18 @@ fn under_zero2_a_killed_worker_reruns_at_most_the_step_in_flight() {
     assert!(logs.lines().any(|l| l.contains("buddy copies") && l.contains("zero2")), "no worker logged ZeRO-2 sharding");
 }
 
+/// Goal: `optim.grad_clip` under ZeRO-1/2 is said out loud at launch (each rank clips its own
+/// gradient segment by its own norm, which is not the replicated job's clipping), and the run goes on.
+#[test]
+fn grad_clip_under_zero2_is_named_at_launch() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tempfile::tempdir().expect("tempdir").keep().join("run");
+    let output = rtx().args(["launch", "--nproc", "1", "--no-progress", "--out"]).arg(&out).arg(config_with(25, "[parallel]\nzero = 2\n")).output().expect("rtx launch");
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("optim.grad_clip = 5 under elastic.sharding = \"zero2\" clips each rank's gradient segment by its own norm"), "{err}");
+}
+
 /// `rtx supervisor` and `rtx worker` started as a Slurm job step starts them: the variables
 /// Slurm sets (job id, task ids, node list, CPUs per task), no `MASTER_PORT`, no `RTX_RUN_DIR`.
 /// Returns the supervisor (already listening) and its output folder.
