@@ -83,10 +83,21 @@ type StepReport = (f64, u64, Option<u64>);
 #[derive(Debug)]
 enum Phase {
     Waiting { since: Instant },
-    Preparing { generation: u64, members: Vec<u64>, ready: BTreeMap<u64, (String, Holding, Option<MeshHeld>)>, acknowledged: Vec<u64>, since: Instant, extended: bool },
+    Preparing { generation: u64, members: Vec<u64>, ready: BTreeMap<u64, (String, Holding, Option<MeshHeld>)>, acknowledged: Vec<u64>, since: Instant, extended: bool, interrupted: Option<Interrupted> },
     Running { generation: u64, members: Vec<u64>, reports: BTreeMap<u64, BTreeMap<u64, StepReport>>, failed_since: Option<Instant> },
     Finishing { members: Vec<u64>, since: Instant },
     Done,
+}
+
+/// The running generation a new one interrupted, with the step reports it had not committed: a
+/// member's `StepDone` sent before it saw `Prepare` still arrives (before its `Ready`, on the same
+/// link), and a step every member of that generation reported is committed then, so a new
+/// generation that resumes after it leaves no committed step out.
+#[derive(Debug)]
+struct Interrupted {
+    generation: u64,
+    members: Vec<u64>,
+    reports: BTreeMap<u64, BTreeMap<u64, StepReport>>,
 }
 
 /// The supervisor's state and decisions (see the module doc).
@@ -358,7 +369,12 @@ impl SupervisorCore {
         }
         tracing::info!(generation, world, "preparing generation");
         self.last_members.clone_from(&candidates);
-        self.phase = Phase::Preparing { generation, members: candidates, ready: BTreeMap::new(), acknowledged: Vec::new(), since: now, extended: false };
+        let interrupted = match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Running { generation, members, reports, .. } => Some(Interrupted { generation, members, reports }),
+            Phase::Preparing { interrupted, .. } => interrupted,
+            _ => None,
+        };
+        self.phase = Phase::Preparing { generation, members: candidates, ready: BTreeMap::new(), acknowledged: Vec::new(), since: now, extended: false, interrupted };
         Ok(())
     }
 
@@ -469,10 +485,13 @@ impl SupervisorCore {
             m.completed = Some(step);
         }
         let total = self.end_step();
-        let Phase::Running { generation: g, members, reports, .. } = &mut self.phase else { return Ok(()) };
-        if *g != generation || !members.contains(&node) {
-            return Ok(());
-        }
+        // The running generation's reports, or those of the one a new generation interrupted
+        // (which commit but never finish the job: the new generation's start does).
+        let (members, reports, running) = match &mut self.phase {
+            Phase::Running { generation: g, members, reports, .. } if *g == generation && members.contains(&node) => (members, reports, true),
+            Phase::Preparing { interrupted: Some(i), .. } if i.generation == generation && i.members.contains(&node) => (&mut i.members, &mut i.reports, false),
+            _ => return Ok(()),
+        };
         reports.entry(step).or_default().insert(node, (loss, samples, checksum));
         let mut commits = Vec::new();
         while let Some(entry) = reports.first_entry() {
@@ -498,7 +517,7 @@ impl SupervisorCore {
             }
             let checksum = if sums.len() == by_node.len() { sums.first().copied() } else { None };
             self.emit(JobEvent::Committed { step, loss, samples, world, generation, checksum });
-            if step + 1 >= total {
+            if running && step + 1 >= total {
                 self.finish(members, now);
                 return Ok(());
             }

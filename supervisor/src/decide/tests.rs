@@ -206,3 +206,24 @@ fn without_a_checkpoint_a_mesh_waits_instead_of_re_partitioning() {
     let joined = d.join(5);
     assert_eq!(prepares(&joined).len(), 4, "a new worker refills the mesh: {joined:?}");
 }
+
+/// Goal: a step every member of a generation reported is committed even when a new generation
+/// (here: a grow, a worker joined) interrupted it before the last report arrived, so the new
+/// generation, which resumes after the step its members hold, leaves no committed step out.
+#[test]
+fn a_step_reported_after_a_new_generation_began_is_still_committed() {
+    let mut d = Driver::new(ElasticConfig { start_workers: 2, max_workers: 3, ..ElasticConfig::default() });
+    let mut commands = d.join(1);
+    commands.extend(d.join(2));
+    d.ready_all(&commands, |_| None);
+    for step in 0..6 {
+        d.step(&[1, 2], 1, step);
+    }
+    d.message(1, ToSupervisor::StepDone { node: 1, generation: 1, step: 6, loss: 1.0, samples: 4, checksum: None });
+    let grown = d.join(3);
+    assert_eq!(prepares(&grown), vec![1, 2, 3]);
+    let late = d.message(2, ToSupervisor::StepDone { node: 2, generation: 1, step: 6, loss: 1.0, samples: 4, checksum: None });
+    assert!(late.iter().any(|c| matches!(c, Command::Emit(JobEvent::Committed { step: 6, generation: 1, .. }))), "{late:?}");
+    // A report of a generation that was never interrupted this way is still ignored.
+    assert!(d.message(2, ToSupervisor::StepDone { node: 2, generation: 0, step: 7, loss: 1.0, samples: 4, checksum: None }).is_empty());
+}
