@@ -19,6 +19,7 @@
 //! recovers: a failed step is an error for the supervisor, which re-forms the group.
 
 mod data_parallel;
+pub mod driver;
 mod error;
 mod fsdp;
 pub mod memory;
@@ -34,6 +35,7 @@ pub mod tp;
 pub mod trace;
 
 pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
+pub use driver::{drive, ComputeDone, ComputeDriver, RuntimeDriver};
 pub use error::{Error, Result};
 pub use fsdp::{gpt_unit_of, FsdpConfig, FsdpGpt, FsdpStats};
 pub use memory::{MemoryPerRank, ZeroStage};

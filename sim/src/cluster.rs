@@ -63,6 +63,7 @@ use tokio::time::Instant;
 use crate::checkpoints::SimCheckpoints;
 use crate::control::{ControlConfig, ControlNet};
 use crate::error::Result;
+use crate::baton::Baton;
 use crate::job::{build_model, global_samples, sampler_of, Dataset, EpochCache, Ledger, SimJob};
 use crate::network::{LinkModel, SimConfig};
 use crate::scenario::{Fault, FaultKind, Scenario, Trigger};
@@ -420,6 +421,7 @@ impl Cluster {
             host: Some(format!("sim-host-{slot}")),
             watch_sigterm: false,
             checkpoints: Some(Arc::clone(&self.checkpoints) as Arc<dyn rtx_supervisor::checkpoint::CheckpointStore>),
+            compute: Some(Arc::new(Baton::new(tokio::runtime::Handle::current()))),
         };
         let options = WorkerOptions::new(self.addr, self.token.clone(), format!("slot-{slot}"));
         let (shape, data, ledger) = (self.scenario.job.clone(), Arc::clone(&self.data), Arc::clone(&self.ledger));

@@ -22,6 +22,9 @@
 //!   links, checked round by round against the in-process federation.
 //! - [`SimJob`]: a small MLP on real Fashion-MNIST images, and the [`Ledger`] of what was trained.
 //!
+//! - [`Baton`]: the compute driver of model-parallel members: one baton handed between the
+//!   runtime thread and the compute threads, so exactly one runs at a time and virtual time stands
+//!   still while a compute thread works.
 //! - [`SimCheckpoints`]: the cluster's in-memory checkpoint storage (production encoding), which
 //!   a `checkpoint_fail` fault makes fail.
 //!
@@ -29,6 +32,7 @@
 //! `GenerationWire`, `ControlDialer`, `LinkListener::channel`, the supervisor's launch channel,
 //! `Exec::Task`), never through `cfg` branches.
 
+mod baton;
 mod checkpoints;
 mod cluster;
 mod control;
@@ -41,6 +45,7 @@ mod swarm;
 mod trace;
 mod wire;
 
+pub use baton::Baton;
 pub use checkpoints::SimCheckpoints;
 pub use cluster::{run_seed, Outcome, RunOptions, Violation};
 pub use control::{ControlConfig, ControlNet, SlotDialer};

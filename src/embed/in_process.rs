@@ -115,7 +115,7 @@ impl<T: EmbeddedTask> NodeLauncher for ThreadLauncher<T> {
         self.next_index += 1;
         let pid = SYNTHETIC_PID_BASE + index;
         let options = WorkerOptions::new(self.join, self.token.clone(), format!("embedded-{index}"));
-        let env = NodeEnv { control: None, wire: Some(Arc::clone(&self.wire) as Arc<dyn GenerationWire>), exec: Exec::Thread, pid, host: None, watch_sigterm: false, checkpoints: None };
+        let env = NodeEnv { control: None, wire: Some(Arc::clone(&self.wire) as Arc<dyn GenerationWire>), exec: Exec::Thread, pid, host: None, watch_sigterm: false, checkpoints: None, compute: None };
         let (task, seed, nodes) = (Arc::clone(&self.task), self.seed, Arc::clone(&self.nodes));
         let make_job = move |spec: &JobSpec| {
             nodes.lock().unwrap_or_else(PoisonError::into_inner).insert(pid, spec.node);

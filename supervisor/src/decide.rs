@@ -503,19 +503,17 @@ impl SupervisorCore {
         }
         let world = members.len();
         let members = members.clone();
+        let slots = self.shape.0 * self.shape.1;
         for (step, by_node) in commits {
             let samples: u64 = by_node.values().map(|r| r.1).sum();
             let loss = by_node.values().map(|r| r.0 * r.1 as f64).sum::<f64>() / samples.max(1) as f64;
-            let sums: Vec<u64> = by_node.values().filter_map(|r| r.2).collect();
-            if sums.len() == by_node.len() && sums.windows(2).any(|w| w[0] != w[1]) {
-                return Err(SupervisorError::JobFailed { reason: format!("replicas diverged at step {step}: parameter checksums {sums:x?}") });
-            }
+            let checksum = combined_checksum(&members, slots, |node| by_node.get(&node).and_then(|r| r.2))
+                .map_err(|(slot, sums)| SupervisorError::JobFailed { reason: format!("replicas diverged at step {step}: parameter checksums {sums:x?} (slot {slot} of {slots})") })?;
             self.committed = Some(step);
             self.commit_times.push((now, step, samples));
             if self.commit_times.len() > 64 {
                 self.commit_times.remove(0);
             }
-            let checksum = if sums.len() == by_node.len() { sums.first().copied() } else { None };
             self.emit(JobEvent::Committed { step, loss, samples, world, generation, checksum });
             if running && step + 1 >= total {
                 self.finish(members, now);
@@ -551,7 +549,12 @@ impl SupervisorCore {
         }
         let slots = self.shape.0 * self.shape.1;
         let replicas_identical = ranked.iter().all(|(r, a)| ranked.iter().filter(|(q, _)| q % slots == r % slots).all(|(_, b)| a.checksum == b.checksum));
-        let checksum = reports.first().map_or(0, |r| r.checksum);
+        // A mesh's checksum covers every slot (the first report of each, in slot order).
+        let checksum = if slots > 1 {
+            (0..slots).filter_map(|slot| ranked.iter().find(|(r, _)| r % slots == slot).map(|(_, f)| f.checksum)).fold(FNV_OFFSET, fold_checksum)
+        } else {
+            reports.first().map_or(0, |r| r.checksum)
+        };
         let eval = reports.iter().find(|r| !r.eval.is_empty()).map(|r| r.eval.clone()).unwrap_or_default();
         let sums = reports.iter().fold([0.0; 3], |acc, r| [acc[0] + r.timing[0], acc[1] + r.timing[1], acc[2] + r.timing[2]]);
         let share = |part: f64| if sums[2] > 0.0 { part / sums[2] } else { 0.0 };
@@ -713,6 +716,36 @@ impl SupervisorCore {
         };
         StatusReport { phase: phase.into(), generation: self.generation, committed: self.committed, total_steps: self.options.total_steps, members, steps_per_sec, samples_per_sec, failures: self.failures.values().map(|&c| u64::from(c)).sum() }
     }
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// Folds one slot's checksum into a mesh's (FNV-1a over the 8 bytes).
+fn fold_checksum(hash: u64, value: u64) -> u64 {
+    value.to_le_bytes().iter().fold(hash, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The replicas' checksum of one step, from each member's (`members` in rank order; rank `r`
+/// holds slot `r % slots`). Data parallelism (one slot): the replicas' common checksum. A mesh:
+/// the slots' checksums folded in slot order. `None` when some member sent none; the slot and
+/// its holders' checksums when two holders of one slot disagree.
+fn combined_checksum(members: &[u64], slots: usize, of: impl Fn(u64) -> Option<u64>) -> std::result::Result<Option<u64>, (usize, Vec<u64>)> {
+    let sums: Option<Vec<u64>> = members.iter().map(|node| of(*node)).collect();
+    let Some(sums) = sums else { return Ok(None) };
+    let slots = slots.max(1);
+    let mut per_slot = Vec::with_capacity(slots);
+    for slot in 0..slots {
+        let held: Vec<u64> = sums.iter().enumerate().filter(|(rank, _)| rank % slots == slot).map(|(_, sum)| *sum).collect();
+        if held.windows(2).any(|w| w[0] != w[1]) {
+            return Err((slot, held));
+        }
+        per_slot.extend(held.first().copied());
+    }
+    Ok(match per_slot.as_slice() {
+        [] => None,
+        [one] if slots == 1 => Some(*one),
+        all => Some(all.iter().copied().fold(FNV_OFFSET, fold_checksum)),
+    })
 }
 
 #[cfg(test)]

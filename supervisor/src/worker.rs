@@ -38,7 +38,7 @@ use rtx_collectives::{BoxFuture, CommConfig, Communicator, Endpoint, NodeIdentit
 use tokio::sync::mpsc::{Receiver, Sender};
 use tokio::time::Instant;
 use tracing::Instrument;
-use rtx_pipelines::{DataParallel, DpConfig, Sharding};
+use rtx_pipelines::{ComputeDriver, DataParallel, DpConfig, Sharding};
 
 mod fsdp;
 mod mesh;
@@ -154,19 +154,23 @@ pub struct NodeEnv {
     /// Where rank 0's checkpoints go; `None`: files in the job's checkpoint folder (if any).
     /// An injected store is called inline in [`Exec::Task`] mode, on a thread otherwise.
     pub checkpoints: Option<Arc<dyn CheckpointStore>>,
+    /// How a model-parallel member's compute threads start and wait for communication; `None`:
+    /// OS threads blocking on the worker's runtime ([`rtx_pipelines::RuntimeDriver`]). The
+    /// simulator hands in its baton driver.
+    pub compute: Option<Arc<dyn ComputeDriver>>,
 }
 
 impl NodeEnv {
     /// A real worker process. Its host identity is [`HOST_ID_ENV`] when set, else this machine's.
     pub fn process() -> NodeEnv {
         let host = std::env::var(HOST_ID_ENV).ok().filter(|h| !h.trim().is_empty());
-        NodeEnv { control: None, wire: None, exec: Exec::Thread, pid: std::process::id(), host, watch_sigterm: true, checkpoints: None }
+        NodeEnv { control: None, wire: None, exec: Exec::Thread, pid: std::process::id(), host, watch_sigterm: true, checkpoints: None, compute: None }
     }
 }
 
 impl std::fmt::Debug for NodeEnv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NodeEnv").field("custom_control", &self.control.is_some()).field("custom_wire", &self.wire.is_some()).field("exec", &self.exec).field("pid", &self.pid).field("host", &self.host).field("custom_checkpoints", &self.checkpoints.is_some()).finish()
+        f.debug_struct("NodeEnv").field("custom_control", &self.control.is_some()).field("custom_wire", &self.wire.is_some()).field("exec", &self.exec).field("pid", &self.pid).field("host", &self.host).field("custom_checkpoints", &self.checkpoints.is_some()).field("custom_compute", &self.compute.is_some()).finish()
     }
 }
 
@@ -325,7 +329,7 @@ where
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(supervisor.clone(), node, heartbeat, Arc::clone(&shared))));
 
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::channel::<ToWorker>(COMMAND_QUEUE);
-    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, verify_every, checkpoint_every, sharding, snapshot_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
+    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, compute: env.compute.clone(), verify_every, checkpoint_every, sharding, snapshot_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
     let spec = JobSpec { node, job: job_text, resume, run_dir };
     let worker = async move {
         let job = make_job(&spec).map_err(SupervisorError::Job)?;
@@ -499,6 +503,7 @@ struct WorkerCtx {
     wire: Option<Arc<dyn GenerationWire>>,
     checkpoints: Option<Arc<dyn CheckpointStore>>,
     exec: Exec,
+    compute: Option<Arc<dyn ComputeDriver>>,
     verify_every: u64,
     checkpoint_every: u64,
     /// ZeRO-1/2 optimizer sharding, and how often its state is gathered into a restorable snapshot.

@@ -4,16 +4,19 @@
 //! the endpoint's tokio runtime and waits for it. Calling it from a runtime thread is refused with a
 //! typed error instead of the runtime's panic. A size-1 group does no communication.
 
+use std::sync::Arc;
+
 use rtx_collectives::{Communicator, Element, ReduceOp, WireElement};
 use tokio::runtime::Handle;
 
+use crate::driver::{drive, ComputeDriver, RuntimeDriver};
 use crate::error::{Error, Result};
 
-/// A communicator plus the runtime its endpoint runs on, used from a non-runtime thread.
+/// A communicator plus the driver of the runtime its endpoint runs on, used from a compute thread.
 #[derive(Clone)]
 pub struct BlockingGroup {
     comm: Communicator,
-    handle: Handle,
+    driver: Arc<dyn ComputeDriver>,
     /// What the group is for (`pp`, `dp`, `tp`), in errors.
     role: &'static str,
 }
@@ -27,7 +30,17 @@ impl std::fmt::Debug for BlockingGroup {
 impl BlockingGroup {
     /// Wraps `comm`, whose endpoint runs on `handle`'s runtime.
     pub fn new(comm: Communicator, handle: Handle, role: &'static str) -> BlockingGroup {
-        BlockingGroup { comm, handle, role }
+        BlockingGroup::with_driver(comm, Arc::new(RuntimeDriver::new(handle)), role)
+    }
+
+    /// Wraps `comm`; the compute thread waits for its collectives through `driver`.
+    pub fn with_driver(comm: Communicator, driver: Arc<dyn ComputeDriver>, role: &'static str) -> BlockingGroup {
+        BlockingGroup { comm, driver, role }
+    }
+
+    /// The driver the compute thread waits through.
+    pub fn driver(&self) -> &Arc<dyn ComputeDriver> {
+        &self.driver
     }
 
     /// This member's group rank.
@@ -49,7 +62,7 @@ impl BlockingGroup {
         if Handle::try_current().is_ok() {
             return Err(Error::BlockingOnRuntime { op, role: self.role });
         }
-        self.handle.block_on(work).map_err(|source| Error::Group { op, role: self.role, source })
+        drive(self.driver.as_ref(), work)?.map_err(|source| Error::Group { op, role: self.role, source })
     }
 
     /// Sums `buf` over the group in place.

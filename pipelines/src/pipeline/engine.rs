@@ -25,10 +25,12 @@
 //! by `rtx bench bubble`.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use rtx_tensor::{Generator, Optimizer, Tensor};
 use tokio::runtime::Handle;
 
+use crate::driver::{ComputeDriver, RuntimeDriver};
 use crate::error::{Error, Result};
 use crate::placement::Placement;
 use crate::mesh::{Coord, MeshGroups, MeshShape};
@@ -89,6 +91,12 @@ pub struct MeshEngine<S: StageModule, O: Optimizer> {
 impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
     /// The engine of the member `groups` describes; `handle` runs its endpoint.
     pub fn new(part: S, optimizer: O, groups: &MeshGroups, handle: Handle, config: PipelineConfig) -> Result<Self> {
+        MeshEngine::with_driver(part, optimizer, groups, Arc::new(RuntimeDriver::new(handle)), config)
+    }
+
+    /// The engine of the member `groups` describes; its compute thread waits for the groups'
+    /// collectives through `driver` (and sends inline when the driver allows no side threads).
+    pub fn with_driver(part: S, optimizer: O, groups: &MeshGroups, driver: Arc<dyn ComputeDriver>, config: PipelineConfig) -> Result<Self> {
         let shape = groups.mesh.shape();
         let chunks = match config.schedule {
             ScheduleKind::Interleaved { chunks } => chunks,
@@ -98,10 +106,10 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
             return Err(Error::Pipeline { reason: format!("the stage holds {} model chunks, the {:?} schedule needs {chunks}", part.chunks(), config.schedule) });
         }
         let program = schedule::instructions(config.schedule, shape.pp, config.microbatches, groups.coord.pp)?;
-        let blocking = |comm: &rtx_collectives::Communicator, role| BlockingGroup::new(comm.clone(), handle.clone(), role);
+        let blocking = |comm: &rtx_collectives::Communicator, role| BlockingGroup::with_driver(comm.clone(), Arc::clone(&driver), role);
         let placement = part.placement();
         let pp = blocking(&groups.pp, "pp");
-        let sends = SendQueue::new(pp.clone())?;
+        let sends = if driver.side_threads() { SendQueue::new(pp.clone())? } else { SendQueue::inline(pp.clone()) };
         Ok(MeshEngine {
             part,
             optimizer,

@@ -15,6 +15,9 @@
 //! Decision: the first failed send is kept and returned by the next [`SendQueue::post`],
 //! [`SendQueue::check`] or [`SendQueue::flush`]; later messages are dropped, not sent out of
 //! order. A failed send fails the step, as it did when the compute thread sent.
+//!
+//! [`SendQueue::inline`] has no thread: the compute thread sends each message as it posts it
+//! (for a [`crate::ComputeDriver`] that schedules every thread itself, such as the simulator's).
 
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -29,7 +32,10 @@ pub const SEND_QUEUE_MAX: usize = 64;
 /// A stage's queue of outgoing pipeline messages and the thread that sends them.
 #[derive(Debug)]
 pub struct SendQueue {
-    jobs: SyncSender<Job>,
+    /// The sender thread's queue; `None`: inline, [`SendQueue::inline`].
+    jobs: Option<SyncSender<Job>>,
+    /// The group an inline queue sends through.
+    inline: Option<BlockingGroup>,
     shared: Arc<Shared>,
     rank: usize,
 }
@@ -83,7 +89,12 @@ impl SendQueue {
                 }
             })
             .map_err(Error::CommThread)?;
-        Ok(SendQueue { jobs, shared, rank })
+        Ok(SendQueue { jobs: Some(jobs), inline: None, shared, rank })
+    }
+
+    /// A queue without a thread: [`SendQueue::post`] sends on the caller's thread before it returns.
+    pub fn inline(group: BlockingGroup) -> SendQueue {
+        SendQueue { jobs: None, rank: group.rank(), inline: Some(group), shared: Arc::new(Shared::default()) }
     }
 
     /// This queue's group rank (messages to it are filed, not sent).
@@ -95,12 +106,17 @@ impl SendQueue {
     /// wait. Fails with an earlier send's error.
     pub fn post(&self, dst: usize, key: Key, payload: Vec<f32>) -> Result<()> {
         assert_ne!(dst, self.rank, "{key:?}: a message to oneself is filed by the mailbox, not sent");
+        if let Some(group) = &self.inline {
+            report(&mut lock(&self.shared.state))?;
+            return group.send(&frame(key, &payload), dst).inspect_err(|_| lock(&self.shared.state).broken = true);
+        }
         {
             let mut state = lock(&self.shared.state);
             report(&mut state)?;
             state.in_flight += 1;
         }
-        if self.jobs.send(Job { dst, key, payload }).is_err() {
+        let Some(jobs) = &self.jobs else { return Err(self.gone()) };
+        if jobs.send(Job { dst, key, payload }).is_err() {
             lock(&self.shared.state).in_flight -= 1;
             return Err(self.gone());
         }
@@ -205,6 +221,27 @@ mod tests {
         assert_eq!(after, [9.0, 8.0, 7.0]);
         assert_eq!(pending, 0);
         assert_eq!(mailbox.take(&g0, 0, Key { kind: Kind::Gradient, microbatch: 7, stage: 0 }, 2).unwrap(), vec![1.0, 2.0]);
+    }
+
+    #[test]
+    fn an_inline_queue_sends_before_post_returns_and_refuses_posts_after_a_failure() {
+        // Goal: the thread-less queue (the simulator's) delivers in posting order with the same
+        // frames, and after a failed send it sends nothing more.
+        let (_runtime, _endpoints, groups) = two_stages();
+        let g1 = groups[1].clone();
+        let receiver = std::thread::spawn(move || {
+            let mut mailbox = Mailbox::default();
+            (0..2).map(|mb| mailbox.take(&g1, 0, activation(mb), 2).unwrap()).collect::<Vec<_>>()
+        });
+        let queue = SendQueue::inline(groups[0].clone());
+        queue.post(1, activation(0), vec![1.0, 2.0]).unwrap();
+        assert_eq!(queue.in_flight(), 0);
+        queue.post(1, activation(1), vec![3.0, 4.0]).unwrap();
+        queue.flush().unwrap();
+        assert_eq!(receiver.join().unwrap(), vec![vec![1.0, 2.0], vec![3.0, 4.0]]);
+        let err = queue.post(5, activation(2), vec![1.0]).unwrap_err();
+        assert!(matches!(err, Error::Group { op: "send", role: "pp", .. }), "{err}");
+        assert!(matches!(queue.post(1, activation(3), vec![1.0]), Err(Error::Pipeline { .. })));
     }
 
     #[test]

@@ -1,10 +1,11 @@
 //! The tensor-parallel group as the compute thread sees it: [`TpComm`], a blocking trait
 //! (rank, size, sum and max all-reduce, all-gather, reduce-scatter on f32 host buffers), and
-//! [`TpGroup`], its implementation over a [`Communicator`] and the [`tokio::runtime::Handle`] of the
+//! [`TpGroup`], its implementation over a [`Communicator`] and the [`ComputeDriver`] of the
 //! runtime that drives the communicator's endpoint.
 //!
 //! Forward and backward closures run on a plain compute thread and must finish a collective
-//! before they return, so every call blocks that thread on [`Handle::block_on`]. A thread inside a
+//! before they return, so every call blocks that thread through the driver (production:
+//! [`Handle::block_on`]; the simulator: its baton). A thread inside a
 //! tokio runtime context (a worker thread, a task, a thread that entered a handle) gets
 //! [`Error::TpOnRuntimeThread`] instead of tokio's panic. The handle's runtime must be driven by
 //! some other thread: a multi-thread runtime, or a current-thread runtime whose `block_on` runs
@@ -26,6 +27,7 @@ use rtx_collectives::{Communicator, ReduceOp};
 use rtx_tensor::Tensor;
 use tokio::runtime::Handle;
 
+use crate::driver::{drive, ComputeDriver, RuntimeDriver};
 use crate::error::{Error, Result};
 
 /// A shared handle to a tensor-parallel group, as layers and autograd closures hold it.
@@ -56,10 +58,10 @@ pub trait TpComm: Send + Sync + std::fmt::Debug {
     fn reduce_scatter_sum(&self, input: &[f32], output: &mut [f32]) -> Result<()>;
 }
 
-/// [`TpComm`] over a [`Communicator`], blocking the calling thread on a runtime handle.
+/// [`TpComm`] over a [`Communicator`], blocking the calling thread through a [`ComputeDriver`].
 #[derive(Debug)]
 pub struct TpGroup {
-    link: Option<(Communicator, Handle)>,
+    link: Option<(Communicator, Arc<dyn ComputeDriver>)>,
     rank: usize,
     size: usize,
     broken: AtomicBool,
@@ -68,8 +70,13 @@ pub struct TpGroup {
 impl TpGroup {
     /// A group over `comm`, whose endpoint runs on the runtime of `handle`.
     pub fn new(comm: Communicator, handle: Handle) -> TpGroup {
+        TpGroup::with_driver(comm, Arc::new(RuntimeDriver::new(handle)))
+    }
+
+    /// A group over `comm` whose collectives the compute thread waits for through `driver`.
+    pub fn with_driver(comm: Communicator, driver: Arc<dyn ComputeDriver>) -> TpGroup {
         let (rank, size) = (comm.rank(), comm.size());
-        TpGroup { link: Some((comm, handle)), rank, size, broken: AtomicBool::new(false) }
+        TpGroup { link: Some((comm, driver)), rank, size, broken: AtomicBool::new(false) }
     }
 
     /// A group of one rank: no communicator, no runtime, every operation local.
@@ -92,7 +99,7 @@ impl TpGroup {
     where
         F: std::future::Future<Output = rtx_collectives::Result<()>> + 'a,
     {
-        let Some((comm, handle)) = &self.link else { return Ok(()) };
+        let Some((comm, driver)) = &self.link else { return Ok(()) };
         let _span = tracing::debug_span!("tp_collective", op, group = comm.group_id(), generation = comm.generation(), rank = self.rank, bytes).entered();
         if self.is_broken() {
             return Err(Error::TpBroken { op, rank: self.rank });
@@ -100,7 +107,8 @@ impl TpGroup {
         if Handle::try_current().is_ok() {
             return Err(Error::TpOnRuntimeThread { op });
         }
-        handle.block_on(collective(comm)).map_err(|source| {
+        let outcome = drive(driver.as_ref(), collective(comm)).inspect_err(|_| self.broken.store(true, Ordering::Release))?;
+        outcome.map_err(|source| {
             self.broken.store(true, Ordering::Release);
             tracing::warn!(op, rank = self.rank, size = self.size, error = %source, "tensor-parallel collective failed");
             Error::TpCollective { op, rank: self.rank, size: self.size, source }

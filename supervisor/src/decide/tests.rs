@@ -227,3 +227,22 @@ fn a_step_reported_after_a_new_generation_began_is_still_committed() {
     // A report of a generation that was never interrupted this way is still ignored.
     assert!(d.message(2, ToSupervisor::StepDone { node: 2, generation: 0, step: 7, loss: 1.0, samples: 4, checksum: None }).is_empty());
 }
+
+#[test]
+fn a_mesh_step_checksum_covers_every_slot_and_names_the_slot_whose_replicas_disagree() {
+    // Goal: data parallelism keeps the replicas' own checksum; a mesh's folds each slot's in slot
+    // order (rank r holds slot r % slots), so a change in any slot changes it; two holders of one
+    // slot that disagree name that slot; a member without a checksum gives none.
+    let members = [10, 11, 12, 13];
+    let dp = |node: u64| Some(if node < 100 { 7 } else { 8 });
+    assert_eq!(combined_checksum(&members, 1, dp), Ok(Some(7)));
+    let slot_sum = |slot_of_changed: u64, value: u64| move |node: u64| Some(if node % 2 == slot_of_changed { value } else { (node % 2) + 100 });
+    let base = combined_checksum(&members, 2, slot_sum(0, 100)).expect("agree").expect("complete");
+    let changed = combined_checksum(&members, 2, slot_sum(0, 555)).expect("agree").expect("complete");
+    assert_ne!(base, changed);
+    let swapped = combined_checksum(&members, 2, |node| Some(if node % 2 == 0 { 101 } else { 100 })).expect("agree").expect("complete");
+    assert_ne!(base, swapped, "the slot order is part of the checksum");
+    let diverged = combined_checksum(&members, 2, |node| Some(if node == 13 { 9 } else { node % 2 }));
+    assert_eq!(diverged, Err((1, vec![1, 9])));
+    assert_eq!(combined_checksum(&members, 2, |node| (node != 12).then_some(1)), Ok(None));
+}

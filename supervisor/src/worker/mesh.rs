@@ -26,7 +26,7 @@ use rtx_actors::DataShard;
 use rtx_collectives::{CommConfig, Communicator, Endpoint, WORLD_GROUP_ID};
 use rtx_pipelines::pipeline::{load_shard, DynOptimizer, MeshEngine};
 use rtx_pipelines::tp::TpGroup;
-use rtx_pipelines::{Mesh, MeshGroups, MeshShape};
+use rtx_pipelines::{ComputeDriver, Mesh, MeshGroups, MeshShape, RuntimeDriver};
 use rtx_tensor::checkpoint::sharded::ShardedCheckpoint;
 use rtx_tensor::checkpoint::CheckpointMeta;
 use rtx_tensor::{Module, Optimizer, Tensor};
@@ -56,8 +56,13 @@ impl MeshReplica {
 
     /// A checksum of the state's bits (the final report).
     pub(super) fn checksum(&self) -> u64 {
-        self.state.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3))
+        state_checksum(&self.state)
     }
+}
+
+/// FNV-1a over the bits of a slot's flat state (parameters, then optimizer state).
+fn state_checksum(state: &[f32]) -> u64 {
+    state.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3))
 }
 
 type Engine = MeshEngine<BoxedStage, DynOptimizer>;
@@ -113,8 +118,11 @@ async fn train<J: TrainJob>(
     let groups = MeshGroups::new(endpoint, mesh, g.generation).map_err(rtx_pipelines::Error::from)?;
     let coord = groups.coord;
     let (slots, slot) = ((shape.pp * shape.tp) as u32, (coord.pp * shape.tp + coord.tp) as u32);
-    let handle = tokio::runtime::Handle::current();
-    let tp = TpGroup::new(groups.tp.clone(), handle.clone()).into_handle();
+    let driver: Arc<dyn ComputeDriver> = match &ctx.compute {
+        Some(driver) => Arc::clone(driver),
+        None => Arc::new(RuntimeDriver::new(tokio::runtime::Handle::current())),
+    };
+    let tp = TpGroup::with_driver(groups.tp.clone(), Arc::clone(&driver)).into_handle();
     let (part, optimizer) = (spec.build)(&StageRequest { coord, shape, tp }).map_err(SupervisorError::Job)?;
     let mut optimizer = DynOptimizer(optimizer);
 
@@ -154,7 +162,7 @@ async fn train<J: TrainJob>(
     *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = replica.completed;
     tracing::info!(%coord, next_step = g.next_step, ?source, "mesh generation started");
 
-    let mut engine: Engine = MeshEngine::new(part, optimizer, &groups, handle, spec.pipeline)?;
+    let mut engine: Engine = MeshEngine::with_driver(part, optimizer, &groups, Arc::clone(&driver), spec.pipeline)?;
     let total = job.total_steps().min(g.stop_step);
     let global = job.global_batch().max(1) as f64;
     let checkpoint_dir = job.checkpoint_dir();
@@ -181,28 +189,37 @@ async fn train<J: TrainJob>(
         // A sharded checkpoint after this step: every `checkpoint_every` steps and after the last.
         let save_dir = checkpoint_dir.as_ref().filter(|_| (ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0) || step + 1 == total).map(|dir| sharded_path_for(dir, step));
         let layout = spec.layout.clone();
-        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-        std::thread::Builder::new()
-            .name(format!("rtx-mesh-step-{step}"))
-            .spawn(move || {
+        // The slot's checksum on verification steps: the supervisor compares it across the
+        // slot's data-parallel replicas.
+        let verify = step % ctx.verify_every.max(1) == 0 || step + 1 == total;
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let compute = driver.spawn(
+            format!("rtx-mesh-step-{step}"),
+            Box::new(move || {
                 let result = engine.step(step, &micro, &scales);
                 // Only after a step every member completed; a failed save leaves the step done.
                 let saved = match (&result, &save_dir) {
                     (Ok(_), Some(dir)) => Some(engine.save_sharded(dir, step, &layout, &CheckpointMeta { step, ..CheckpointMeta::default() }).map(|index| (dir.clone(), index.is_some()))),
                     _ => None,
                 };
-                let _ = done_tx.send((engine, result, saved));
-            })
-            .map_err(|e| SupervisorError::Job(format!("cannot start the compute thread: {e}")))?;
-        let (returned, result, saved) = done_rx.await.map_err(|_| SupervisorError::Job("the compute thread of a mesh step ended without an answer".into()))?;
+                let checksum = match &result {
+                    Ok(_) if verify => Some(flat_state(engine.part(), engine.optimizer()).map(|state| state_checksum(&state))),
+                    _ => None,
+                };
+                let _ = done_tx.send((engine, result, saved, checksum));
+            }),
+        );
+        compute.await?;
+        let (returned, result, saved, checksum) = done_rx.try_recv().map_err(|_| SupervisorError::Job("the compute thread of a mesh step ended without an answer".into()))?;
         engine = returned;
+        let checksum = checksum.transpose()?;
         match result {
             Ok(out) => {
                 replica.completed = Some(step);
                 *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
                 // The replica's first member counts its samples, so the supervisor's sum is the global batch.
                 let samples = if coord.pp == 0 && coord.tp == 0 { rows as u64 } else { 0 };
-                ctx.supervisor.tell(&ToSupervisor::StepDone { node: ctx.node, generation: g.generation, step, loss: out.loss, samples, checksum: None }).await?;
+                ctx.supervisor.tell(&ToSupervisor::StepDone { node: ctx.node, generation: g.generation, step, loss: out.loss, samples, checksum }).await?;
                 match saved {
                     // The member that wrote the index reports the complete checkpoint.
                     Some(Ok((dir, true))) => {
