@@ -77,7 +77,8 @@ pub struct SimArgs {
     /// Data folder (default: $RTX_DATA_DIR, else ./data).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// Test-only: plant a bug (elastic scenarios: a re-formed group retrains its newest step;
+    /// Test-only: plant a bug (elastic scenarios: a re-formed group retrains its newest step; mesh
+    /// scenarios: a replacement starts its slot from the initial parameters;
     /// federated scenarios: a host that delivered and then went away loses its pieces) to see
     /// the invariants catch it.
     #[arg(long, hide = true)]

@@ -20,7 +20,14 @@ pub fn run(args: &SimArgs, data_root: &Path) -> anyhow::Result<()> {
         return run_federated(args, data_root);
     }
     let scenario = Scenario::load(&args.scenario)?;
-    let options = RunOptions { planted_bug: if args.planted_bug { PlantedBug::ReplayLastStep } else { PlantedBug::None }, ..RunOptions::default() };
+    // The planted bug of the scenario's kind: a replayed step (data parallelism), a replacement
+    // that starts its mesh slot from the initial parameters (a `[mesh]` scenario).
+    let planted_bug = match (args.planted_bug, scenario.mesh.is_some()) {
+        (false, _) => PlantedBug::None,
+        (true, false) => PlantedBug::ReplayLastStep,
+        (true, true) => PlantedBug::MeshSlotFromInitial,
+    };
+    let options = RunOptions { planted_bug, ..RunOptions::default() };
     match (args.seed, &args.seeds) {
         (Some(seed), _) => {
             let started = Instant::now();

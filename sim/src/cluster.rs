@@ -64,6 +64,7 @@ use crate::checkpoints::SimCheckpoints;
 use crate::control::{ControlConfig, ControlNet};
 use crate::error::Result;
 use crate::baton::Baton;
+use crate::mesh_job::{MeshJobShape, MeshSimJob};
 use crate::job::{build_model, global_samples, sampler_of, Dataset, EpochCache, Ledger, SimJob};
 use crate::network::{LinkModel, SimConfig};
 use crate::scenario::{Fault, FaultKind, Scenario, Trigger};
@@ -139,9 +140,61 @@ pub(crate) const RECENT: usize = 48;
 pub fn run_seed(scenario: &Scenario, seed: u64, data_root: &Path, options: &RunOptions) -> Result<Outcome> {
     let data = Dataset::load(data_root)?;
     let reference = if options.no_faults { None } else { Some(reference_checksum(scenario, data_root)?) };
+    let mesh = match &scenario.mesh {
+        Some(shape) => Some(MeshRun { shape: shape.clone(), data_root: data_root.to_path_buf(), folder: MeshFolder::claim(&scenario.name, seed, options.no_faults)? }),
+        None => None,
+    };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build()?;
     let local = tokio::task::LocalSet::new();
-    local.block_on(&runtime, simulate(scenario, seed, data, options, reference))
+    local.block_on(&runtime, simulate(scenario, seed, data, mesh, options, reference))
+}
+
+/// A mesh scenario's run: the job's shape, where its corpus is, and its checkpoint folder.
+struct MeshRun {
+    shape: MeshJobShape,
+    data_root: std::path::PathBuf,
+    folder: MeshFolder,
+}
+
+/// The sharded-checkpoint folder of one mesh run. Its path is a function of the scenario, the seed
+/// and the mode only (it travels in control messages, which the trace hashes, so a replay must
+/// see the same bytes); one run of this process holds it at a time (a swarm that runs a seed
+/// twice waits), and it is emptied before and after the run. Two processes running the same
+/// scenario and seed at once would share it: not supported.
+struct MeshFolder {
+    path: std::path::PathBuf,
+}
+
+fn claimed_folders() -> &'static (Mutex<std::collections::BTreeSet<std::path::PathBuf>>, std::sync::Condvar) {
+    static CLAIMED: OnceLock<(Mutex<std::collections::BTreeSet<std::path::PathBuf>>, std::sync::Condvar)> = OnceLock::new();
+    CLAIMED.get_or_init(Default::default)
+}
+
+impl MeshFolder {
+    fn claim(scenario: &str, seed: u64, reference: bool) -> Result<MeshFolder> {
+        let name: String = scenario.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+        let path = std::env::temp_dir().join("rtx-sim-mesh").join(format!("{name}-seed{seed}{}", if reference { "-reference" } else { "" }));
+        let (lock, freed) = claimed_folders();
+        let mut claimed = lock.lock().unwrap_or_else(PoisonError::into_inner);
+        while claimed.contains(&path) {
+            claimed = freed.wait(claimed).unwrap_or_else(PoisonError::into_inner);
+        }
+        claimed.insert(path.clone());
+        drop(claimed);
+        let folder = MeshFolder { path };
+        let _ = std::fs::remove_dir_all(&folder.path);
+        std::fs::create_dir_all(&folder.path).map_err(|e| crate::SimError::Scenario(format!("cannot create the mesh checkpoint folder {}: {e}", folder.path.display())))?;
+        Ok(folder)
+    }
+}
+
+impl Drop for MeshFolder {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+        let (lock, freed) = claimed_folders();
+        lock.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.path);
+        freed.notify_all();
+    }
 }
 
 /// The final checksum of the fault-free run of `scenario` (computed once per process).
@@ -169,6 +222,8 @@ struct Cluster {
     control: ControlNet,
     wire: ClusterWire,
     data: Arc<Dataset>,
+    /// A mesh scenario's job and checkpoint folder.
+    mesh: Option<MeshRun>,
     ledger: Arc<Ledger>,
     checkpoints: Arc<SimCheckpoints>,
     addr: std::net::SocketAddr,
@@ -195,7 +250,7 @@ enum Action {
     Apply(Fault),
 }
 
-async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &RunOptions, reference: Option<u64>) -> Result<Outcome> {
+async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, mesh: Option<MeshRun>, options: &RunOptions, reference: Option<u64>) -> Result<Outcome> {
     let start = Instant::now();
     let net = &scenario.net;
     let (control, listener) =
@@ -229,6 +284,9 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
         hang: policy,
         network_loss: policy,
         preemption: policy,
+        pp: mesh.as_ref().map_or(1, |m| m.shape.pp),
+        tp: mesh.as_ref().map_or(1, |m| m.shape.tp),
+        mesh_model: mesh.as_ref().map(|m| m.shape.model()),
         ..ElasticConfig::default()
     };
     let link_options = LinkOptions { idle_timeout: net.idle_timeout, keep_alive: net.idle_timeout / 4, connect_timeout: Duration::from_secs(10) };
@@ -257,6 +315,7 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
         control,
         wire,
         data,
+        mesh,
         ledger: Arc::clone(&ledger),
         checkpoints: Arc::clone(&checkpoints),
         addr,
@@ -281,7 +340,8 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, options: &
     let mut by_step: Vec<Fault> = plan.iter().filter(|f| matches!(f.when, Trigger::Step(_))).cloned().collect();
     let mut by_loss: Vec<Fault> = plan.iter().filter(|f| matches!(f.when, Trigger::Loss { .. })).cloned().collect();
     let mut losses = 0u64;
-    let sampler = sampler_of(&scenario.job)?;
+    // A mesh job's batches are windows of text, not sampled images: no sampler to check against.
+    let sampler = if scenario.mesh.is_some() { None } else { Some(sampler_of(&scenario.job)?) };
     let mut checker = Checker::new(scenario, sampler, ledger, Arc::clone(&checkpoints), reference)?;
     let mut fired = 0usize;
     let deadline = start + scenario.max_virtual;
@@ -425,13 +485,17 @@ impl Cluster {
         };
         let options = WorkerOptions::new(self.addr, self.token.clone(), format!("slot-{slot}"));
         let (shape, data, ledger) = (self.scenario.job.clone(), Arc::clone(&self.data), Arc::clone(&self.ledger));
+        let mesh = self.mesh.as_ref().map(|m| (m.shape.clone(), m.data_root.clone(), m.folder.path.clone()));
         let exits = self.exits.clone();
         let startup = if self.start.elapsed().is_zero() { Duration::ZERO } else { self.scenario.startup };
         let task = tokio::task::spawn_local(async move {
             if !startup.is_zero() {
                 tokio::time::sleep(startup).await;
             }
-            let result = rtx_supervisor::run_node(options, env, move |spec| SimJob::new(spec.node, shape, data, ledger).map_err(|e| e.to_string())).await;
+            let result = match mesh {
+                Some((mesh, root, folder)) => rtx_supervisor::run_node(options, env, move |_| MeshSimJob::new(mesh, &shape, &root, folder).map_err(|e| e.to_string())).await,
+                None => rtx_supervisor::run_node(options, env, move |spec| SimJob::new(spec.node, shape, data, ledger).map_err(|e| e.to_string())).await,
+            };
             let status = match result {
                 Ok(outcome) => format!("exited: {outcome:?}"),
                 Err(e) => format!("exited with error: {e}"),
@@ -562,7 +626,7 @@ struct Checker {
     workers: usize,
     total_steps: u64,
     global_batch: usize,
-    sampler: Sampler,
+    sampler: Option<Sampler>,
     epochs: EpochCache,
     ledger: Arc<Ledger>,
     checkpoints: Arc<SimCheckpoints>,
@@ -597,12 +661,18 @@ struct Checker {
     rollbacks: u64,
     /// The last job events and faults, for a violation's report.
     recent: std::collections::VecDeque<String>,
+    /// A mesh job: no ledger (the engine, not the job, runs forward), sharded checkpoints in files.
+    mesh: bool,
+    /// A mesh job's newest sharded checkpoint the supervisor heard of (and the checker opened).
+    mesh_checkpoint: Option<u64>,
 }
 
 impl Checker {
-    fn new(scenario: &Scenario, sampler: Sampler, ledger: Arc<Ledger>, checkpoints: Arc<SimCheckpoints>, reference: Option<u64>) -> Result<Checker> {
-        let initial = build_model(&scenario.job).map_err(crate::SimError::Scenario)?;
-        ledger.set_initial(rtx_supervisor::parameter_checksum(&initial).map_err(|e| crate::SimError::Scenario(e.to_string()))?);
+    fn new(scenario: &Scenario, sampler: Option<Sampler>, ledger: Arc<Ledger>, checkpoints: Arc<SimCheckpoints>, reference: Option<u64>) -> Result<Checker> {
+        if scenario.mesh.is_none() {
+            let initial = build_model(&scenario.job).map_err(crate::SimError::Scenario)?;
+            ledger.set_initial(rtx_supervisor::parameter_checksum(&initial).map_err(|e| crate::SimError::Scenario(e.to_string()))?);
+        }
         Ok(Checker {
             workers: scenario.workers,
             total_steps: scenario.job.total_steps,
@@ -631,6 +701,8 @@ impl Checker {
             scratch_baseline: None,
             rollbacks: 0,
             recent: std::collections::VecDeque::new(),
+            mesh: scenario.mesh.is_some(),
+            mesh_checkpoint: None,
         })
     }
 
@@ -652,6 +724,9 @@ impl Checker {
     /// The newest good checkpoint's step: one the supervisor was told of and the store still
     /// holds byte for byte.
     fn good_checkpoint(&self) -> Option<u64> {
+        if self.mesh {
+            return self.mesh_checkpoint;
+        }
         let (step, bytes) = self.last_good.as_ref()?;
         (self.checkpoints.get(*step).as_ref() == Some(bytes)).then_some(*step)
     }
@@ -661,7 +736,9 @@ impl Checker {
     fn check_generation(&mut self, generation: u64, next_step: u64, pids: &[u32]) -> std::result::Result<(), String> {
         self.checks += 1;
         let checkpoint = self.good_checkpoint();
-        let holder = pids.iter().filter_map(|p| self.held.get(p).map(|s| (*s, *p))).max();
+        // In a mesh a member holds one slot, not the model: a slot without a surviving holder
+        // falls back to the checkpoint, so only the checkpoint bounds a mesh generation.
+        let holder = if self.mesh { None } else { pids.iter().filter_map(|p| self.held.get(p).map(|s| (*s, *p))).max() };
         let need = checkpoint.map(|c| c + 1).max(holder.map(|(s, _)| s + 1)).unwrap_or(0);
         if next_step < need {
             let mut why = Vec::new();
@@ -693,6 +770,9 @@ impl Checker {
     /// `no-restart-from-scratch`: no training from the initial parameters once a step was
     /// committed and a good checkpoint exists.
     fn check_no_scratch(&mut self, event: String, at: Duration) {
+        if self.mesh {
+            return;
+        }
         let from_initial = self.ledger.from_initial();
         match self.scratch_baseline {
             None => {
@@ -740,7 +820,7 @@ impl Checker {
                     *held = (*held).max(*step);
                 }
                 self.checks += 1;
-                if let Some((again, first, later)) = self.ledger.retrained(&self.lost) {
+                if let Some((again, first, later)) = self.ledger.retrained(&self.lost).filter(|_| !self.mesh) {
                     fail(self, "samples-exactly-once", format!("step {again} was trained again from another state (parameter checksum {later:016x}, first {first:016x}): its samples are counted twice"));
                     return;
                 }
@@ -766,6 +846,9 @@ impl Checker {
                     if w != self.workers {
                         self.full_world_throughout = false;
                     }
+                    if self.mesh {
+                        continue;
+                    }
                     if let Err(detail) = self.check_step(s, w) {
                         fail(self, if detail.starts_with("replica") { "replicas-identical" } else { "samples-exactly-once" }, detail);
                         return;
@@ -777,7 +860,7 @@ impl Checker {
             }
             JobEvent::Finished { replicas_identical, checksum, .. } => {
                 self.checks += 1;
-                if let Some((again, first, later)) = self.ledger.retrained(&self.lost) {
+                if let Some((again, first, later)) = self.ledger.retrained(&self.lost).filter(|_| !self.mesh) {
                     fail(self, "samples-exactly-once", format!("step {again} was trained again from another state (parameter checksum {later:016x}, first {first:016x}): its samples are counted twice"));
                     return;
                 }
@@ -789,6 +872,9 @@ impl Checker {
                     let w = generations.iter().rev().find(|(next, _)| *next <= s).map_or(self.workers, |(_, w)| *w);
                     if w != self.workers {
                         self.full_world_throughout = false;
+                    }
+                    if self.mesh {
+                        continue;
                     }
                     if let Err(detail) = self.check_step(s, w) {
                         fail(self, if detail.starts_with("replica") { "replicas-identical" } else { "samples-exactly-once" }, detail);
@@ -817,12 +903,23 @@ impl Checker {
                 }
             }
             JobEvent::Failed { reason } => {
-                fail(self, "liveness", format!("the job failed: {reason}"));
+                // The supervisor fails the job when two holders of one state differ at a verified step.
+                let invariant = if reason.contains("replicas diverged") { "replicas-identical" } else { "liveness" };
+                fail(self, invariant, format!("the job failed: {reason}"));
             }
             JobEvent::Lost { node, pid, .. } => {
                 self.lost.insert(*node);
                 // Its state is gone (killed, or evicted and killed).
                 self.held.remove(pid);
+            }
+            JobEvent::Checkpointed { step, path } if self.mesh => {
+                // A sharded checkpoint: complete (its index written last) and of the step named.
+                self.checks += 1;
+                match rtx_tensor::checkpoint::sharded::ShardedCheckpoint::open(Path::new(path)) {
+                    Ok(ckpt) if ckpt.step() == *step => self.mesh_checkpoint = self.mesh_checkpoint.max(Some(*step)),
+                    Ok(ckpt) => fail(self, "checkpoint-intact", format!("the sharded checkpoint reported for step {step} at {path} is of step {}", ckpt.step())),
+                    Err(e) => fail(self, "checkpoint-intact", format!("the sharded checkpoint reported for step {step} at {path} does not open: {e}")),
+                }
             }
             JobEvent::Checkpointed { step, .. } => {
                 // Reports can arrive late (a node's held control bytes): a checkpoint the store
@@ -890,7 +987,8 @@ impl Checker {
     /// Step `step` trained by `world` ranks: together exactly the global batch, from one state.
     fn check_step(&mut self, step: u64, world: usize) -> std::result::Result<(), String> {
         self.checks += 2;
-        let want = global_samples(&self.sampler, &self.epochs, self.global_batch, step);
+        let Some(sampler) = &self.sampler else { return Ok(()) };
+        let want = global_samples(sampler, &self.epochs, self.global_batch, step);
         let mut got = Vec::new();
         let mut start_sums = Vec::new();
         for rank in 0..world {

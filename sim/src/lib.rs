@@ -21,6 +21,9 @@
 //!   coordinator and client hosts over the control network with host crashes, partitions and slow
 //!   links, checked round by round against the in-process federation.
 //! - [`SimJob`]: a small MLP on real Fashion-MNIST images, and the [`Ledger`] of what was trained.
+//! - [`MeshSimJob`]: a byte-level GPT on the real State of the Union corpus, trained as a
+//!   `(dp, pp, tp)` mesh (a scenario's `[mesh]` table) with tensor-parallel stages and sharded
+//!   checkpoints.
 //!
 //! - [`Baton`]: the compute driver of model-parallel members: one baton handed between the
 //!   runtime thread and the compute threads, so exactly one runs at a time and virtual time stands
@@ -39,6 +42,7 @@ mod control;
 mod error;
 mod federation;
 mod job;
+mod mesh_job;
 mod network;
 mod scenario;
 mod swarm;
@@ -52,6 +56,7 @@ pub use control::{ControlConfig, ControlNet, SlotDialer};
 pub use error::{Result, SimError};
 pub use federation::{fed_swarm, run_fed_seed, FedFault, FedFaultKind, FedNetwork, FedOutcome, FedRandom, FedScenario, FedShape, FedSwarmReport};
 pub use job::{Dataset, JobShape, Ledger, SimJob, Trained};
+pub use mesh_job::{MeshJobShape, MeshSimJob};
 pub use network::{run, LinkModel, SimConfig, SimNetwork, SimTransport, WireModel};
 pub use scenario::{ElasticShape, Fault, FaultKind, NetShape, RandomFaults, Scenario, Trigger};
 pub use swarm::{swarm, SwarmReport};

@@ -50,6 +50,8 @@ use rtx_supervisor::OnFailure;
 
 use crate::error::{Result, SimError};
 use crate::job::JobShape;
+use crate::mesh_job::MeshJobShape;
+use rtx_pipelines::schedule::ScheduleKind;
 use crate::network::WireModel;
 use crate::wire::derive;
 
@@ -70,6 +72,9 @@ pub struct Scenario {
     pub max_virtual: Duration,
     /// The training job.
     pub job: JobShape,
+    /// `Some`: the job is the byte-level GPT trained as this `(dp, pp, tp)` mesh
+    /// ([`crate::MeshSimJob`]) instead of the data-parallel MLP; `[job]`'s image fields are unused.
+    pub mesh: Option<MeshJobShape>,
     /// Network and timing.
     pub net: NetShape,
     /// Elastic settings handed to the supervisor.
@@ -205,6 +210,8 @@ struct File {
     max_virtual_s: f64,
     job: FileJob,
     #[serde(default)]
+    mesh: Option<FileMesh>,
+    #[serde(default)]
     network: FileNet,
     #[serde(default)]
     elastic: FileElastic,
@@ -217,13 +224,32 @@ struct File {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileJob {
+    #[serde(default)]
     n_train: usize,
+    #[serde(default)]
     n_eval: usize,
     global_batch: usize,
+    #[serde(default)]
     hidden: usize,
     total_steps: u64,
     data_seed: u64,
     lr: f64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileMesh {
+    pp: usize,
+    tp: usize,
+    microbatches: usize,
+    /// `gpipe`, `1f1b`, `interleaved` (with `chunks`) or `zb-h1`.
+    schedule: String,
+    #[serde(default)]
+    chunks: Option<usize>,
+    layers: usize,
+    d_model: usize,
+    heads: usize,
+    context: usize,
 }
 
 #[derive(Deserialize)]
@@ -368,6 +394,19 @@ impl Scenario {
             "replace" => OnFailure::Replace,
             other => return Err(SimError::Scenario(format!("elastic.on_failure must be \"shrink\" or \"replace\", got {other:?}"))),
         };
+        let mesh = match file.mesh {
+            None => None,
+            Some(m) => {
+                let schedule = match (m.schedule.as_str(), m.chunks) {
+                    ("gpipe", None) => ScheduleKind::GPipe,
+                    ("1f1b", None) => ScheduleKind::OneFOneB,
+                    ("zb-h1", None) => ScheduleKind::ZeroBubbleH1,
+                    ("interleaved", Some(chunks)) => ScheduleKind::Interleaved { chunks },
+                    (other, chunks) => return Err(SimError::Scenario(format!("mesh.schedule must be \"gpipe\", \"1f1b\", \"zb-h1\" or \"interleaved\" (with mesh.chunks, only there), got {other:?} with chunks {chunks:?}"))),
+                };
+                Some(MeshJobShape { pp: m.pp, tp: m.tp, microbatches: m.microbatches, schedule, layers: m.layers, d_model: m.d_model, heads: m.heads, context: m.context })
+            }
+        };
         let prepare = file.elastic.prepare_timeout_ms;
         let stuck_ms = file.random.stuck_ms.unwrap_or([prepare / 2, prepare * 3]);
         let scenario = Scenario {
@@ -386,6 +425,7 @@ impl Scenario {
                 data_seed: file.job.data_seed,
                 lr: file.job.lr,
             },
+            mesh,
             net: NetShape {
                 latency: us(file.network.latency_us),
                 jitter: us(file.network.jitter_us),
@@ -429,6 +469,19 @@ impl Scenario {
         let bad = |reason: String| Err(SimError::Scenario(reason));
         if self.workers == 0 || self.min_workers == 0 || self.min_workers > self.workers {
             return bad(format!("need 1 <= min_workers ({}) <= workers ({})", self.min_workers, self.workers));
+        }
+        match &self.mesh {
+            None if self.job.n_train == 0 || self.job.hidden == 0 => return bad("job.n_train and job.hidden must be positive (the data-parallel MLP job)".into()),
+            Some(m) => {
+                let slots = m.pp * m.tp;
+                if slots == 0 || self.workers % slots != 0 || self.min_workers == 0 {
+                    return bad(format!("mesh: workers ({}) must be a positive multiple of pp · tp = {} · {}", self.workers, m.pp, m.tp));
+                }
+                if self.random.checkpoint_failures > 0 || self.faults.iter().any(|f| f.kind == FaultKind::CheckpointFail) {
+                    return bad("mesh scenarios write sharded checkpoints to files; checkpoint_fail faults act on the simulated store only".into());
+                }
+            }
+            None => {}
         }
         if self.random.window.0 >= self.random.window.1 {
             return bad("random.window_ms must be increasing".into());

@@ -109,6 +109,9 @@ pub enum PlantedBug {
     /// After a re-formation the group restarts at the newest completed step instead of the one
     /// after it: that step is trained (its samples counted, its buckets reduced) twice.
     ReplayLastStep,
+    /// In a mesh, a member that should fetch its slot's state from a surviving holder starts from
+    /// the initial parameters instead: that slot's holders disagree from then on.
+    MeshSlotFromInitial,
 }
 
 /// Settings of an elastic job.

@@ -21,7 +21,7 @@ use crate::config::{FailureClass, OnFailure, PlantedBug};
 use crate::error::{Result, SupervisorError};
 use crate::placement;
 use crate::plan;
-use crate::protocol::{MemberStatus, MeshHeld, MeshStart, StateSource, StatusReport, ToSupervisor, ToWorker, Zero1Held};
+use crate::protocol::{MemberStatus, MeshHeld, MeshStart, ShardSource, StateSource, StatusReport, ToSupervisor, ToWorker, Zero1Held};
 use crate::recovery::{plan_recovery, Holding, Recovery};
 use crate::supervisor::{CollectivesLayout, JobEvent, LaunchRequest, SupervisorOptions, MAX_STALLED_REFORMS};
 
@@ -431,7 +431,14 @@ impl SupervisorCore {
                 let held: Vec<Option<MeshHeld>> = members.iter().map(|n| ready.get(n).and_then(|(_, _, m)| *m)).collect();
                 // The newest complete sharded checkpoint, else the one the job resumes from.
                 let resumed = self.options.resume.as_ref().and_then(|p| Some((self.options.resume_next_step.checked_sub(1)?, p.to_str()?)));
-                let (sources, step) = placement::shard_sources(&held, self.shape, checkpoint.or(resumed));
+                let (mut sources, step) = placement::shard_sources(&held, self.shape, checkpoint.or(resumed));
+                if self.options.elastic.planted_bug == PlantedBug::MeshSlotFromInitial {
+                    for source in &mut sources {
+                        if matches!(source, ShardSource::Member { .. }) {
+                            *source = ShardSource::Initial;
+                        }
+                    }
+                }
                 let next_step = step.map_or(self.options.resume_next_step, |s| s + 1);
                 let regressed_from = self.committed.filter(|&c| c + 1 > next_step);
                 let (pp, tp) = (self.shape.0 as u32, self.shape.1 as u32);
