@@ -113,6 +113,9 @@ pub struct Outcome {
     pub checkpoints: (u64, u64),
     /// Final evaluation (accuracy on held-out images).
     pub eval: Vec<(String, f64)>,
+    /// The `(dp, pp, tp)` mesh of every generation, in order (`(world, 1, 1)` for data
+    /// parallelism): where a mesh was re-partitioned and changed back.
+    pub shapes: Vec<(usize, usize, usize)>,
 }
 
 /// A broken invariant: which one, what was seen, and the event where it broke.
@@ -466,6 +469,7 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, mesh: Opti
         events: checker.events,
         checkpoints: checkpoints.counts(),
         eval,
+        shapes: checker.shapes,
     })
 }
 
@@ -665,6 +669,8 @@ struct Checker {
     mesh: bool,
     /// A mesh job's newest sharded checkpoint the supervisor heard of (and the checker opened).
     mesh_checkpoint: Option<u64>,
+    /// The mesh shape of every generation.
+    shapes: Vec<(usize, usize, usize)>,
 }
 
 impl Checker {
@@ -703,6 +709,7 @@ impl Checker {
             recent: std::collections::VecDeque::new(),
             mesh: scenario.mesh.is_some(),
             mesh_checkpoint: None,
+            shapes: Vec::new(),
         })
     }
 
@@ -799,8 +806,9 @@ impl Checker {
         self.check_no_scratch(text.clone(), at);
         let fail = |this: &mut Checker, invariant: &'static str, detail: String| this.violate(invariant, detail, text.clone(), at);
         match event {
-            JobEvent::Generation { generation, world, next_step, pids, .. } => {
+            JobEvent::Generation { generation, world, next_step, pids, mesh, .. } => {
                 self.checks += 1;
+                self.shapes.push(*mesh);
                 if *generation <= self.last_generation {
                     fail(self, "committed-monotone", format!("generation {generation} after {}", self.last_generation));
                 }

@@ -67,3 +67,20 @@ fn a_replacement_that_skips_its_slots_state_is_caught() {
         assert_eq!(violation.invariant, "replicas-identical", "seed {seed}: {}", violation.detail);
     }
 }
+
+#[test]
+fn a_mesh_too_small_for_its_shape_re_partitions_at_random_moments_and_comes_back() {
+    let outcomes = twice("mesh_repartition.toml", seeds(0..6));
+    for o in &outcomes {
+        assert_eq!(o.committed, 150, "seed {}", o.seed);
+    }
+    let generations: u64 = outcomes.iter().map(|o| o.generations).sum();
+    assert!(generations >= 3 * outcomes.len() as u64, "only {generations} generations in {} seeds", outcomes.len());
+    // Seeds whose mesh was re-partitioned and later changed back to its configured shape.
+    let configured = (1, 2, 2);
+    let round_trips = outcomes.iter().filter(|o| o.shapes.iter().position(|s| *s != configured).is_some_and(|first| o.shapes[first..].contains(&configured))).count();
+    for o in &outcomes {
+        println!("seed {}: shapes {:?}, {} faults, {:?} virtual", o.seed, o.shapes, o.faults, o.virtual_time);
+    }
+    assert!(round_trips * 2 >= outcomes.len(), "only {round_trips} of {} seeds re-partitioned and came back", outcomes.len());
+}
