@@ -10,8 +10,9 @@
 //! - [`link`]: remote actor references. A [`Link`] is one QUIC connection between two nodes
 //!   carrying length-prefixed envelopes whose bodies are rkyv-archived messages; [`RemoteRef`]
 //!   sends (`tell`) or calls (`ask`) a named actor on the other side. [`Link::over_transport`]
-//!   runs the same envelopes on a side stream of the collectives' QUIC connection to a peer rank,
-//!   so one connection per peer pair carries control messages and tensors.
+//!   runs the same envelopes on a side stream of the collectives' QUIC transport to a peer rank,
+//!   on its control connection (its own socket and thread by default), so control messages do not
+//!   wait behind tensors.
 //! - [`auth`]: channel-bound token proofs (HMAC over the link's TLS exporter) for joins.
 //! - [`data_shard`]: the `DataShard` role: serves training batches, prefetching the next one.
 //!

@@ -23,13 +23,17 @@
 //! for closing and keying material, and [`LinkListener::channel`] accepts links a caller hands
 //! in. The simulator uses both to carry the very same envelopes over its virtual network.
 //!
-//! Over the collectives connection: [`Link::over_transport`] and [`Link::accept_over_transport`]
-//! run the envelope protocol on a side stream of a [`QuicTransport`]'s connection to a peer rank
-//! (tagged with a channel, [`ACTOR_CHANNEL`] by convention), so one QUIC connection per peer pair
-//! carries both the collectives' frames and actor messages, under the cluster CA's mutual TLS.
-//! Such a link borrows the connection and never closes it: closing the link (or a malformed
-//! envelope) resets only its stream; the link is lost with the connection (the peer's transport
-//! dropped or closed, or the idle timeout), which fails pending `ask`s with `LinkClosed`.
+//! Over the collectives transport: [`Link::over_transport`] and [`Link::accept_over_transport`]
+//! run the envelope protocol on a side stream of a [`QuicTransport`] to a peer rank (tagged with a
+//! channel, [`ACTOR_CHANNEL`] by convention), under the cluster CA's mutual TLS. The stream rides
+//! the transport's control connection (`rtx_collectives::ControlPath`: by default a connection of
+//! its own, driven by a thread of its own, so calls do not queue behind the collectives' bulk
+//! frames), and the link's reader and writer tasks run on that thread's runtime
+//! ([`QuicTransport::control_runtime`]). A call is one request envelope and one reply envelope on
+//! the one long-lived stream, no stream or connection per call. Such a link borrows the connection
+//! and never closes it: closing the link (or a malformed envelope) resets only its stream; the
+//! link is lost with the connection (the peer's transport dropped or closed, or the idle timeout),
+//! which fails pending `ask`s with `LinkClosed`.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -385,10 +389,22 @@ impl Link {
     fn over_side(transport: &Arc<QuicTransport>, peer: usize, address: SocketAddr, send: quinn::SendStream, recv: quinn::RecvStream) -> (Link, mpsc::Receiver<Inbound>) {
         let stream = Arc::new(SideStream { send: Mutex::new(send), recv: Mutex::new(recv), closed: std::sync::atomic::AtomicBool::new(false), reader: Mutex::new(None) });
         let conn = SideConn { transport: Arc::downgrade(transport), peer, address, stream: Arc::clone(&stream) };
-        Link::start(side_peer_name(peer), Conn::Side(conn), SideSend(Arc::clone(&stream)), SideRecv(stream))
+        // The link's reader and writer run where the control connection is driven (its own thread
+        // when the transport has one), so a busy caller runtime does not hold a call's hops back.
+        let on = transport.control_runtime();
+        Link::start_on(on.as_ref(), side_peer_name(peer), Conn::Side(conn), SideSend(Arc::clone(&stream)), SideRecv(stream))
     }
 
-    fn start<R, W>(peer: String, connection: Conn, mut send: W, mut recv: R) -> (Link, mpsc::Receiver<Inbound>)
+    fn start<R, W>(peer: String, connection: Conn, send: W, recv: R) -> (Link, mpsc::Receiver<Inbound>)
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        Link::start_on(None, peer, connection, send, recv)
+    }
+
+    /// Starts the link's writer and reader tasks on `runtime` (`None`: the caller's).
+    fn start_on<R, W>(runtime: Option<&tokio::runtime::Handle>, peer: String, connection: Conn, mut send: W, mut recv: R) -> (Link, mpsc::Receiver<Inbound>)
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
@@ -406,7 +422,11 @@ impl Link {
             }),
         };
         let writer = link.clone();
-        tokio::spawn(async move {
+        let spawn = |task: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>| match runtime {
+            Some(runtime) => drop(runtime.spawn(task)),
+            None => drop(tokio::spawn(task)),
+        };
+        spawn(Box::pin(async move {
             while let Some(bytes) = out_rx.recv().await {
                 if let Err(e) = send.write_all(&bytes).await {
                     writer.mark_closed(format!("write failed: {e}"));
@@ -414,15 +434,15 @@ impl Link {
                 }
             }
             let _ = send.shutdown().await;
-        });
+        }));
         // The reader holds only a weak reference so that dropping every `Link` closes the connection.
         let weak = Arc::downgrade(&link.inner);
-        tokio::spawn(async move {
+        spawn(Box::pin(async move {
             let reason = read_loop(&weak, &mut recv, &inbound_tx).await;
             if let Some(inner) = weak.upgrade() {
                 Link { inner }.mark_closed(reason);
             }
-        });
+        }));
         (link, inbound_rx)
     }
 

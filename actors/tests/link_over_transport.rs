@@ -1,20 +1,23 @@
-//! Actor links over the collectives' QUIC connection (`Link::over_transport`): one connection per
-//! peer pair carries both all_reduce frames and actor envelopes, asks go both ways while
-//! all_reduces run, and a peer whose transport is dropped fails the pending ask with a typed error
-//! instead of a hang.
+//! Actor links over the collectives' QUIC transport (`Link::over_transport`): actor envelopes
+//! travel on the transport's control path (`ControlPath`: stripe 0 of the collectives connection,
+//! or a control connection of its own between second endpoints, driven by the caller's runtime or
+//! by a thread of its own), asks go both ways while all_reduces run and all answers are right, a
+//! peer whose transport is dropped fails the pending ask with a typed error instead of a hang, and
+//! an oversized envelope closes the link with a typed reason while the control connection stays.
 //!
 //! Method: two real `QuicTransport`s on 127.0.0.1 with certificates from one `ClusterCa` (mutual
 //! TLS, as the collectives' own QUIC tests set them up), each wrapped in an `Endpoint` for
-//! collectives and used for one side-stream link. "One connection" is checked three ways: the
-//! endpoints' open connections (one each), their handshake counters (no handshake after the
-//! collectives' connection was made), and quinn's connection id, the same before and after.
+//! collectives and used for one side-stream link. "No new connection for the link" is checked
+//! three ways: the endpoints' open connections, their handshake counters (no handshake after
+//! `connect`), and quinn's connection id, the same before and after; which connection carries the
+//! link is checked against the id of the frames' connection.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use rtx_actors::{ActorError, Inbound, Link, ACTOR_CHANNEL};
-use rtx_collectives::{ClusterCa, CommConfig, Communicator, Endpoint, QuicOptions, QuicTransport, ReduceOp, Transport};
+use rtx_collectives::{ClusterCa, CommConfig, Communicator, ControlPath, Endpoint, QuicOptions, QuicTransport, ReduceOp, Transport};
 use tokio::sync::mpsc;
 
 /// Wall-clock bound on each test body.
@@ -33,18 +36,19 @@ enum Calc {
     Hold,
 }
 
-fn options() -> QuicOptions {
+fn options(control: ControlPath) -> QuicOptions {
     QuicOptions {
         connect_timeout: Duration::from_secs(20),
         idle_timeout: Duration::from_secs(3),
         keep_alive: Duration::from_millis(500),
+        control,
         ..QuicOptions::default()
     }
 }
 
 /// Two connected ranks on loopback.
-async fn pair(ca: &ClusterCa) -> Vec<Arc<QuicTransport>> {
-    QuicTransport::loopback_world(ca, 2, options()).await.unwrap()
+async fn pair(ca: &ClusterCa, control: ControlPath) -> Vec<Arc<QuicTransport>> {
+    QuicTransport::loopback_world(ca, 2, options(control)).await.unwrap()
 }
 
 fn communicator(transport: &Arc<QuicTransport>) -> Communicator {
@@ -87,10 +91,34 @@ fn serve(rank: u64, mut inbound: mpsc::Receiver<Inbound>) -> tokio::task::JoinHa
 // replies encode the answering rank, the sums are exact; then the connection counters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn asks_and_all_reduce_share_one_connection() {
+    asks_during_all_reduce(ControlPath::Shared).await;
+}
+
+// Goal: the same with the actor link on a control connection of its own (default path): asks and
+// all_reduces interleave with correct results, the link rides the one control connection per
+// pair that `connect` made, which is not the frames' connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asks_during_all_reduce_on_the_control_thread() {
+    asks_during_all_reduce(ControlPath::OwnThread).await;
+}
+
+// Goal: the same with the control endpoint driven by the caller's runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asks_during_all_reduce_on_a_control_endpoint() {
+    asks_during_all_reduce(ControlPath::OwnEndpoint).await;
+}
+
+async fn asks_during_all_reduce(control: ControlPath) {
     tokio::time::timeout(TEST_TIMEOUT, async {
         let ca = ClusterCa::generate("rtx actor-link test cluster").unwrap();
-        let transports = pair(&ca).await;
+        let transports = pair(&ca, control).await;
         let ids: Vec<usize> = vec![transports[0].connection_id(1).unwrap(), transports[1].connection_id(0).unwrap()];
+        for (t, peer) in [(&transports[0], 1), (&transports[1], 0)] {
+            let on_frames = t.connection_id(peer) == t.frame_connection_id(peer);
+            assert_eq!(on_frames, control == ControlPath::Shared, "{control:?}");
+            assert_eq!(t.open_control_connections(), usize::from(control != ControlPath::Shared), "{control:?}");
+            assert_eq!(t.control_runtime().is_some(), control == ControlPath::OwnThread);
+        }
         let handshakes = |t: &QuicTransport| {
             let stats = t.endpoint_stats();
             (stats.outgoing_handshakes, stats.accepted_handshakes)
@@ -140,6 +168,7 @@ async fn asks_and_all_reduce_share_one_connection() {
         assert_eq!(transports[1].connection_id(0), Some(ids[1]));
         for t in &transports {
             assert_eq!(t.open_connections(), 1);
+            assert_eq!(t.open_control_connections(), usize::from(control != ControlPath::Shared));
         }
         let handshakes_after: Vec<(u64, u64)> = transports.iter().map(|t| handshakes(t)).collect();
         assert_eq!(handshakes_after, handshakes_before, "the actor link made a connection of its own");
@@ -180,7 +209,7 @@ async fn asks_and_all_reduce_share_one_connection() {
 async fn a_dropped_peer_transport_fails_the_pending_ask() {
     tokio::time::timeout(TEST_TIMEOUT, async {
         let ca = ClusterCa::generate("rtx actor-link test cluster").unwrap();
-        let mut transports = pair(&ca).await;
+        let mut transports = pair(&ca, ControlPath::default()).await;
         let mut comms: Vec<Communicator> = transports.iter().map(communicator).collect();
         let [(link0, _inbound0), (link1, mut inbound1)] = links(&transports).await;
 
@@ -249,6 +278,45 @@ async fn a_dropped_peer_transport_fails_the_pending_ask() {
         }
         assert!(link1.closed_reason().is_some(), "rank 1's link never saw its transport go");
         assert!(link1.export_keying_material(b"test").is_err());
+    })
+    .await
+    .expect("test body timed out");
+}
+
+// Goal: a malformed control frame (an envelope whose length is over the cap) is a typed error, not
+// a hang or a huge allocation: the receiving link closes with the reason, the sender's pending ask
+// fails with LinkClosed, and the control connection stays up for a new link. Method: on the
+// control thread path, rank 0 sends a raw length prefix past MAX_ENVELOPE_BYTES with an ask
+// pending; then a fresh link is opened and answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_envelope_closes_only_the_link() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let ca = ClusterCa::generate("rtx actor-link test cluster").unwrap();
+        let transports = pair(&ca, ControlPath::OwnThread).await;
+        let control_ids = (transports[0].connection_id(1).unwrap(), transports[1].connection_id(0).unwrap());
+        let [(link0, _inbound0), (link1, mut inbound1)] = links(&transports).await;
+        let calc = link0.remote::<Calc>("calc");
+        let pending = tokio::spawn({
+            let calc = calc.clone();
+            async move { calc.ask::<u64>(&Calc::Hold, Duration::from_secs(30)).await }
+        });
+        let held = inbound1.recv().await.unwrap();
+        let oversized = (rtx_actors::MAX_ENVELOPE_BYTES as u32 + 1).to_le_bytes().to_vec();
+        link0.raw_send_for_tests(oversized).await.unwrap();
+        let reason = tokio::time::timeout(Duration::from_secs(5), link1.closed()).await.unwrap();
+        assert!(reason.contains("over the"), "{reason}");
+        let answer = tokio::time::timeout(Duration::from_secs(5), pending).await.unwrap().unwrap();
+        assert!(matches!(answer, Err(ActorError::LinkClosed { .. })), "{answer:?}");
+        assert!(inbound1.recv().await.is_none(), "nothing malformed is delivered");
+        drop(held);
+        // The control connection is untouched: a new link on it works.
+        assert_eq!((transports[0].connection_id(1).unwrap(), transports[1].connection_id(0).unwrap()), control_ids);
+        let [(again0, _i0), (_again1, inbound)] = links(&transports).await;
+        let server = serve(1, inbound);
+        let answer: u64 = again0.remote::<Calc>("calc").ask(&Calc::Mix { a: 2, b: 3 }, ASK_TIMEOUT).await.unwrap();
+        assert_eq!(answer, 2004);
+        again0.close("done");
+        assert_eq!(server.await.unwrap(), 1);
     })
     .await
     .expect("test body timed out");

@@ -72,7 +72,7 @@ pub use pool::{BufferPool, PoolStats, PooledBuf, POOL_MAX_BYTES, POOL_MAX_CLASS_
 #[cfg(feature = "quic")]
 pub use quic::{
     client_tls_config, quic_stream_throughput, rank_name, server_tls_config, tls_packet_cipher_throughput, CipherThroughput, ClusterCa, NodeIdentity,
-    QuicOptions, QuicTransport, ALPN, DEFAULT_LOOPBACK_DATAGRAM_BYTES, DEFAULT_NETWORK_DATAGRAM_BYTES, MAX_STRIPES, QUIC_INBOX_FRAMES,
+    ControlPath, QuicOptions, QuicTransport, ALPN, CONTROL_ALPN, DEFAULT_LOOPBACK_DATAGRAM_BYTES, DEFAULT_NETWORK_DATAGRAM_BYTES, MAX_STRIPES, QUIC_INBOX_FRAMES,
 };
 pub use routed::RoutedTransport;
 pub use rtx_kernels::DType;

@@ -31,8 +31,9 @@
 //! arrival. What the group's lost-peer rule needs is kept: a peer is reported lost only after every
 //! stripe's reader has ended (so every frame it sent is delivered first), and a stripe that breaks
 //! closes its siblings at once, so the loss is not held back by the idle timeout. Side streams use
-//! stripe 0. The dialer's count decides; an acceptor takes whatever count a peer's hellos name (up
-//! to [`MAX_STRIPES`]) and installs the link when all of them are connected.
+//! stripe 0 when they ride the collectives connection ([`ControlPath::Shared`]). The dialer's count
+//! decides; an acceptor takes whatever count a peer's hellos name (up to [`MAX_STRIPES`]) and
+//! installs the link when all of them are connected.
 //!
 //! Frames a ring passes on are not copied on the way out: a received payload of quinn's pieces
 //! goes back to quinn as those pieces ([`Transport::send_chunked`]), and a frame combined into (a
@@ -52,20 +53,32 @@
 //! cheapest TLS 1.3 suite with AES instructions (quinn's handshake suite anyway). Other links keep
 //! 1200-byte packets and quinn's path MTU discovery.
 //!
-//! Side streams: the same connection also carries bidirectional streams for other protocols (the
-//! actors' envelopes, so one connection per peer pair carries both control messages and tensors).
-//! [`QuicTransport::open_stream`] opens one to a peer, tagged with a `u32` channel written as the
-//! stream's first 8 bytes (`RTXS` + channel, LE); the peer's per-connection acceptor reads the tag
-//! and queues the stream for [`QuicTransport::accept_stream`] on that channel. Collective frames
-//! only ever travel on the two unidirectional streams, so a side stream can neither be mistaken
-//! for one nor stall one (QUIC flow control is per stream; an unread side stream holds at most
-//! one stream window of the connection's two). At most `SIDE_STREAMS_MAX` (16) side
-//! streams are open per connection and direction, and at most `SIDE_QUEUE` (16) wait unaccepted per
-//! channel; a stream beyond that, or with a bad tag, is refused (reset and stopped). What the
-//! streams carry is the caller's business: this crate only hands out quinn's halves, which are
-//! tokio `AsyncRead`/`AsyncWrite`. A side stream lives and dies with its connection. Side streams
-//! send at a higher quinn priority than frame streams, so a control message is not queued behind a
-//! tensor's frames at the sender.
+//! Side streams: bidirectional streams for other protocols (the actors' envelopes) beside the
+//! frames. [`QuicTransport::open_stream`] opens one to a peer, tagged with a `u32` channel written
+//! as the stream's first 8 bytes (`RTXS` + channel, LE); the peer's per-connection acceptor reads
+//! the tag and queues the stream for [`QuicTransport::accept_stream`] on that channel. Where they
+//! travel is [`QuicOptions::control`] ([`ControlPath`]):
+//! - by default on a **control connection** per peer pair, between second endpoints that each rank
+//!   binds beside its collectives endpoint (a UDP socket of their own, on the same address). Each
+//!   hello names its sender's control port (0: none); when both do, the lower rank dials the
+//!   higher one's control endpoint with the same certificates (mutual TLS against the cluster CA,
+//!   ALPN [`CONTROL_ALPN`]) and an 8-byte hello (`RTXK`, rank u32, LE) that the acceptor checks
+//!   against the certificate like a stripe's, and [`QuicTransport::connect`] returns once the
+//!   control connections are up too. With [`ControlPath::OwnThread`] (the default) that endpoint
+//!   and its connections are driven by a current-thread runtime on a thread of its own, so a call's
+//!   packets are neither queued behind bulk packets in a socket or connection driver nor behind
+//!   bulk tasks on the caller's runtime (BENCHMARKS.md, issue 20). A control connection that ends
+//!   takes only the side streams on it; a link that goes down closes its control connection.
+//! - with [`ControlPath::Shared`], on stripe 0, as before the control path existed: one connection
+//!   per peer pair, at a higher quinn send priority than frame streams.
+//!
+//! Collective frames only ever travel on the unidirectional frame streams, so a side stream can
+//! neither be mistaken for one nor stall one (QUIC flow control is per stream). At most
+//! `SIDE_STREAMS_MAX` (16) side streams are open per connection and direction, and at most
+//! `SIDE_QUEUE` (16) wait unaccepted per channel; a stream beyond that, or with a bad tag, is
+//! refused (reset and stopped). What the streams carry is the caller's business: this crate only
+//! hands out quinn's halves, which are tokio `AsyncRead`/`AsyncWrite`
+//! ([`QuicTransport::control_runtime`] names the runtime their tasks best run on).
 //!
 //! Peer loss is reported once per link, when its stream or connection ends (including the idle
 //! timeout, [`QuicOptions::idle_timeout`], for a peer that vanished without closing). Key generation
@@ -89,7 +102,9 @@ use crate::pool::{BufferPool, PooledBuf};
 use crate::transport::{BoxFuture, ChunkedBytes, EventSink, Transport, TransportEvent};
 
 /// ALPN protocol id both sides require.
-pub const ALPN: &[u8] = b"rtx-collectives/2";
+pub const ALPN: &[u8] = b"rtx-collectives/3";
+/// ALPN of the control connections ([`ControlPath`]), on the control endpoints only.
+pub const CONTROL_ALPN: &[u8] = b"rtx-collectives-control/1";
 /// Most received frames waiting for the dispatcher before readers stop reading (QUIC flow control
 /// then slows the sender).
 pub const QUIC_INBOX_FRAMES: usize = 256;
@@ -101,8 +116,13 @@ pub const DEFAULT_NETWORK_DATAGRAM_BYTES: u16 = 1452;
 const MAX_LOOPBACK_DATAGRAM_BYTES: u16 = 65_487;
 
 const HELLO_MAGIC: [u8; 4] = *b"RTXH";
-/// `RTXH`, the sender's rank (u32), the connection's stripe index and the stripe count (u16 each).
-const HELLO_LEN: usize = 12;
+/// `RTXH`, the sender's rank (u32), the connection's stripe index and the stripe count (u16 each),
+/// the port of the sender's control endpoint (u16; 0: none, side streams stay on stripe 0).
+const HELLO_LEN: usize = 14;
+/// First bytes of a control connection's only unidirectional stream, followed by the dialer's rank
+/// (u32, LE).
+const CONTROL_HELLO_MAGIC: [u8; 4] = *b"RTXK";
+const CONTROL_HELLO_LEN: usize = 8;
 /// Most connections per peer pair ([`QuicOptions::stripes`]).
 pub const MAX_STRIPES: usize = 16;
 const CLOSE_REFUSED: u32 = 1;
@@ -197,6 +217,27 @@ pub struct QuicOptions {
     /// sealed, opened and acknowledged by its own quinn driver task, so on a multi-threaded tokio
     /// runtime `stripes` connections use up to `stripes` cores (see the module doc).
     pub stripes: usize,
+    /// Which connection carries side streams (actor calls): see [`ControlPath`].
+    pub control: ControlPath,
+}
+
+/// Where a transport's side streams (the actors' control messages) travel.
+///
+/// Measured by `rtx bench actors` (BENCHMARKS.md, issue 20): on the collectives connection a call
+/// waits behind the bulk packets queued ahead of it in the same UDP socket and connection driver,
+/// up to hundreds of microseconds during a large all_reduce.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ControlPath {
+    /// On stripe 0 of the collectives connection: one connection per peer pair.
+    Shared,
+    /// On a control connection per peer pair between second endpoints (a UDP socket of their own,
+    /// dialed by the lower rank to the port the peer's hello names), driven by the caller's runtime.
+    OwnEndpoint,
+    /// As `OwnEndpoint`, with the control endpoint, its connections and the actor links on them
+    /// driven by a thread of their own (a current-thread runtime), so that bulk work queued on the
+    /// caller's runtime does not delay their packets.
+    #[default]
+    OwnThread,
 }
 
 /// A rank's QUIC endpoint and its links to every other rank.
@@ -231,6 +272,31 @@ struct QuicShared {
     /// Accepted side streams by channel, waiting for `accept_stream`; `None` once the transport
     /// is closed or dropped, which ends every waiting `accept_stream`.
     side: Mutex<Option<BTreeMap<u32, SideQueue>>>,
+    /// The control endpoint, unless side streams ride stripe 0 ([`ControlPath::Shared`]).
+    control: Option<ControlEndpoint>,
+    /// Live control connections by peer.
+    controls: Mutex<BTreeMap<usize, quinn::Connection>>,
+    /// Peers whose side streams travel on a control connection (both ends have a control endpoint):
+    /// such a peer is linked only once its control connection is up too.
+    control_wanted: Mutex<BTreeSet<usize>>,
+}
+
+/// The second endpoint of a transport, for control connections only, and what drives it.
+struct ControlEndpoint {
+    endpoint: quinn::Endpoint,
+    client_config: quinn::ClientConfig,
+    /// The dedicated thread under [`ControlPath::OwnThread`].
+    thread: Option<ControlThread>,
+}
+
+/// A current-thread tokio runtime on a thread of its own that drives the control endpoint. It stops
+/// (after closing the endpoint, so every stream on it fails rather than hangs) when this is dropped.
+struct ControlThread {
+    handle: tokio::runtime::Handle,
+    /// Dropped with this: the thread then closes its endpoint and ends.
+    _stop: tokio::sync::oneshot::Sender<()>,
+    /// Where [`ControlThread::watch`] hands the endpoint over.
+    endpoint: Mutex<Option<tokio::sync::oneshot::Sender<quinn::Endpoint>>>,
 }
 
 /// An accepted side stream: the peer's rank and quinn's two halves.
@@ -316,6 +382,7 @@ impl Default for QuicOptions {
             network_datagram_bytes: DEFAULT_NETWORK_DATAGRAM_BYTES,
             socket_buffer_bytes: 4 << 20,
             stripes: 1,
+            control: ControlPath::default(),
         }
     }
 }
@@ -438,6 +505,10 @@ impl QuicTransport {
             return Err(Error::InvalidConfig { reason: "stripes must be 1 to 16 connections per peer pair" });
         }
         let EndpointParts { endpoint, client_config, loopback_client_config } = EndpointParts::new(identity, listen, &options)?;
+        let control = match options.control {
+            ControlPath::Shared => None,
+            path => Some(ControlEndpoint::bind(identity, SocketAddr::new(listen.ip(), 0), &options, path == ControlPath::OwnThread)?),
+        };
         let (events, inbox) = mpsc::channel(QUIC_INBOX_FRAMES);
         let shared = Arc::new(QuicShared {
             rank,
@@ -457,8 +528,15 @@ impl QuicTransport {
             pool: BufferPool::new(),
             tasks: Mutex::new(Vec::new()),
             side: Mutex::new(Some(BTreeMap::new())),
+            control,
+            controls: Mutex::new(BTreeMap::new()),
+            control_wanted: Mutex::new(BTreeSet::new()),
         });
         let accept_task = tokio::spawn(accept_loop(Arc::clone(&shared))).abort_handle();
+        if shared.control.is_some() {
+            let task = tokio::spawn(control_accept_loop(Arc::clone(&shared))).abort_handle();
+            lock(&shared.tasks).push(task);
+        }
         Ok(QuicTransport { shared, inbox: tokio::sync::Mutex::new(inbox), accept_task })
     }
 
@@ -551,6 +629,9 @@ impl QuicTransport {
         let _ = tokio::time::timeout(timeout, drain).await;
         lock(&self.shared.side).take();
         self.shared.endpoint.close(0u32.into(), b"closed");
+        if let Some(control) = &self.shared.control {
+            control.endpoint.close(0u32.into(), b"closed");
+        }
         let _ = tokio::time::timeout(timeout, self.shared.endpoint.wait_idle()).await;
     }
 
@@ -574,7 +655,7 @@ impl QuicTransport {
             return Err(Error::SelfPeer { op: OpKind::Send, rank: peer });
         }
         let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
-        let Some(conn) = lock(&shared.links).get(&peer).map(|link| link.control().clone()) else {
+        let Some(conn) = shared.side_conn(peer) else {
             return Err(lost);
         };
         let span = tracing::debug_span!("side_stream", op = "open", rank = shared.rank, peer, channel);
@@ -604,10 +685,32 @@ impl QuicTransport {
         rx.recv().await.ok_or(Error::TransportClosed)
     }
 
-    /// quinn's stable id of the connection to `peer` that carries side streams (stripe 0), while
-    /// it is live. With one stripe, collective frames and side streams share this one connection.
+    /// quinn's stable id of the connection to `peer` that carries side streams while it is live:
+    /// the control connection, or stripe 0 under [`ControlPath::Shared`] (with one stripe,
+    /// collective frames and side streams then share this one connection).
     pub fn connection_id(&self, peer: usize) -> Option<usize> {
+        self.shared.side_conn(peer).map(|conn| conn.stable_id())
+    }
+
+    /// quinn's stable id of stripe 0 of the link to `peer` (frames), while it is live.
+    pub fn frame_connection_id(&self, peer: usize) -> Option<usize> {
         lock(&self.shared.links).get(&peer).map(|link| link.control().stable_id())
+    }
+
+    /// The address of this rank's control endpoint (`None` under [`ControlPath::Shared`]).
+    pub fn control_addr(&self) -> Option<SocketAddr> {
+        self.shared.control.as_ref().and_then(|c| c.endpoint.local_addr().ok())
+    }
+
+    /// Connections open on the control endpoint now (one per peer with a control connection).
+    pub fn open_control_connections(&self) -> usize {
+        self.shared.control.as_ref().map_or(0, |c| c.endpoint.open_connections())
+    }
+
+    /// The runtime that drives the control connections under [`ControlPath::OwnThread`]: tasks
+    /// that read and write side streams belong there, off the caller's (busy) runtime.
+    pub fn control_runtime(&self) -> Option<tokio::runtime::Handle> {
+        self.shared.control.as_ref().and_then(|c| c.thread.as_ref()).map(|t| t.handle.clone())
     }
 
     /// The address of `peer`'s end of the connection, while it is live.
@@ -615,10 +718,10 @@ impl QuicTransport {
         lock(&self.shared.links).get(&peer).map(|link| link.control().remote_address())
     }
 
-    /// 32 bytes of TLS keying material of the connection to `peer` (RFC 5705 exporter with
+    /// 32 bytes of TLS keying material of the connection to `peer` that carries side streams (RFC 5705 exporter with
     /// `label`), the same on both ends, for binding a proof to this channel.
     pub fn export_keying_material(&self, peer: usize, label: &[u8]) -> Result<[u8; 32]> {
-        let conn = lock(&self.shared.links).get(&peer).map(|link| link.control().clone()).ok_or(Error::PeerLost { rank: peer, op: OpKind::Send })?;
+        let conn = self.shared.side_conn(peer).ok_or(Error::PeerLost { rank: peer, op: OpKind::Send })?;
         let mut out = [0u8; 32];
         conn.export_keying_material(&mut out, label, b"rtx-collectives").map_err(|_| Error::Tls { reason: "TLS exporter unavailable".into() })?;
         Ok(out)
@@ -697,6 +800,9 @@ impl Transport for QuicTransport {
     fn abort(&self) {
         lock(&self.shared.side).take();
         self.shared.endpoint.close(1u32.into(), b"aborted");
+        if let Some(control) = &self.shared.control {
+            control.endpoint.close(1u32.into(), b"aborted");
+        }
     }
 }
 
@@ -749,6 +855,11 @@ impl Drop for QuicTransport {
         lock(&self.shared.side).take();
         let links: Vec<Link> = lock(&self.shared.links).values().cloned().collect();
         let endpoint = self.shared.endpoint.clone();
+        // Control messages need no draining (a side stream lives with its connection): the control
+        // endpoint closes at once, so the peers' actor links see the loss without waiting.
+        if let Some(control) = &self.shared.control {
+            control.endpoint.close(0u32.into(), b"closed");
+        }
         let linger = self.shared.options.idle_timeout;
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) if !links.is_empty() => {
@@ -778,14 +889,60 @@ impl std::fmt::Debug for QuicTransport {
 }
 
 impl QuicShared {
+    /// The port this rank's hellos name for its control endpoint (0: none).
+    fn control_port(&self) -> u16 {
+        self.control.as_ref().and_then(|c| c.endpoint.local_addr().ok()).map_or(0, |a| a.port())
+    }
+
+    /// The connection that carries side streams to `peer`: its control connection when both ends
+    /// have one, else stripe 0 of the link.
+    fn side_conn(&self, peer: usize) -> Option<quinn::Connection> {
+        let link = lock(&self.links).get(&peer).map(|link| link.control().clone())?;
+        if lock(&self.control_wanted).contains(&peer) {
+            return lock(&self.controls).get(&peer).cloned();
+        }
+        Some(link)
+    }
+
+    /// Records the control connection to `peer` (replacing and closing an older one) and starts
+    /// accepting the side streams it carries; it leaves the map when it closes.
+    fn install_control(self: &Arc<Self>, peer: usize, conn: quinn::Connection) {
+        if let Some(old) = lock(&self.controls).insert(peer, conn.clone()) {
+            old.close(CLOSE_REFUSED.into(), b"control connection dialed again");
+        }
+        let side = tokio::spawn(accept_side_streams(Arc::clone(self), peer, conn.clone()));
+        let shared = Arc::clone(self);
+        let watch = tokio::spawn(async move {
+            let reason = conn.closed().await;
+            let mut controls = lock(&shared.controls);
+            if controls.get(&peer).is_some_and(|c| c.stable_id() == conn.stable_id()) {
+                controls.remove(&peer);
+                tracing::debug!(rank = shared.rank, peer, %reason, "quic control connection closed");
+            }
+        });
+        lock(&self.tasks).extend([side.abort_handle(), watch.abort_handle()]);
+        self.links_changed.send_replace(());
+        tracing::debug!(rank = self.rank, peer, "quic control connection up");
+    }
+
     fn missing_peer(&self) -> Option<usize> {
         let (links, unlinked) = (lock(&self.links), lock(&self.unlinked));
-        (0..self.world).find(|&p| p != self.rank && !links.contains_key(&p) && !unlinked.contains(&p))
+        let (controls, wanted) = (lock(&self.controls), lock(&self.control_wanted));
+        let up = |p: &usize| links.contains_key(p) && (!wanted.contains(p) || controls.contains_key(p));
+        (0..self.world).find(|p| *p != self.rank && !up(p) && !unlinked.contains(p))
     }
 
     /// Records one connected stripe of the link to `peer`; when all of its stripes are connected,
     /// installs the link and starts reading its frames.
-    fn register(self: &Arc<Self>, peer: usize, id: StripeId, parts: StripeParts) {
+    fn register(self: &Arc<Self>, peer: usize, id: StripeId, peer_control_port: u16, parts: StripeParts) {
+        if id.stripe == 0 {
+            let mut wanted = lock(&self.control_wanted);
+            if self.control.is_some() && peer_control_port != 0 {
+                wanted.insert(peer);
+            } else {
+                wanted.remove(&peer);
+            }
+        }
         let complete = {
             let mut pending = lock(&self.pending);
             let entry = pending.entry(peer).or_insert_with(|| PendingLink { of: id.of, parts: BTreeMap::new() });
@@ -840,6 +997,7 @@ impl QuicShared {
             shared.link_down(&route, peer, link.control()).await;
         });
         lock(&self.tasks).push(task.abort_handle());
+        // Side streams on stripe 0 too: a peer without a control endpoint opens them there.
         let side = tokio::spawn(accept_side_streams(Arc::clone(self), peer, control));
         lock(&self.tasks).push(side.abort_handle());
         self.links_changed.send_replace(());
@@ -878,6 +1036,10 @@ impl QuicShared {
             let mut links = lock(&self.links);
             if links.get(&peer).is_some_and(|l| l.control().stable_id() == conn.stable_id()) {
                 links.remove(&peer);
+                // Side streams end with the link: its control connection goes too.
+                if let Some(control) = lock(&self.controls).remove(&peer) {
+                    control.close(0u32.into(), b"link lost");
+                }
             }
         }
         let first = lock(&self.lost).insert(peer);
@@ -1117,6 +1279,108 @@ impl EndpointParts {
     }
 }
 
+impl ControlEndpoint {
+    /// Binds the control endpoint on `listen` (port 0 picks one) with the rank's identity under
+    /// the same mutual TLS as the collectives' endpoint (ALPN [`CONTROL_ALPN`]), driven by the
+    /// caller's runtime or, with `own_thread`, by a runtime on a thread of its own.
+    fn bind(identity: &NodeIdentity, listen: SocketAddr, options: &QuicOptions, own_thread: bool) -> Result<ControlEndpoint> {
+        let config = Arc::new(control_transport_config(options)?);
+        let mut server_tls = server_tls_config(identity)?;
+        server_tls.alpn_protocols = vec![CONTROL_ALPN.to_vec()];
+        let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(QuicServerConfig::try_from(server_tls).map_err(tls)?));
+        server_config.transport_config(Arc::clone(&config));
+        let mut client_tls = client_tls_config(identity)?;
+        client_tls.alpn_protocols = vec![CONTROL_ALPN.to_vec()];
+        let mut client_config = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(client_tls).map_err(tls)?));
+        client_config.transport_config(config);
+        let socket = std::net::UdpSocket::bind(listen).map_err(|e| io("bind control endpoint", e))?;
+        let (runtime, thread): (Arc<dyn quinn::Runtime>, _) = if own_thread {
+            let thread = ControlThread::start(identity.rank)?;
+            (Arc::new(OnHandle(thread.handle.clone())), Some(thread))
+        } else {
+            (quinn::default_runtime().ok_or(Error::InvalidConfig { reason: "QUIC transport must be bound inside a tokio runtime" })?, None)
+        };
+        let endpoint = quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server_config), socket, runtime).map_err(|e| io("bind control endpoint", e))?;
+        if let Some(thread) = &thread {
+            thread.watch(endpoint.clone());
+        }
+        Ok(ControlEndpoint { endpoint, client_config, thread })
+    }
+}
+
+impl ControlThread {
+    /// Starts the thread and its runtime.
+    fn start(rank: usize) -> Result<ControlThread> {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| io("control runtime", e))?;
+        let handle = runtime.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (endpoint_tx, endpoint_rx) = tokio::sync::oneshot::channel::<quinn::Endpoint>();
+        std::thread::Builder::new()
+            .name(format!("rtx-quic-control-{rank}"))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let endpoint = endpoint_rx.await.ok();
+                    let _ = stopped.await;
+                    // Close before the runtime goes: every stream on the endpoint then fails at
+                    // once instead of waiting on a driver that no longer runs.
+                    if let Some(endpoint) = endpoint {
+                        endpoint.close(0u32.into(), b"closed");
+                        let _ = tokio::time::timeout(Duration::from_millis(200), endpoint.wait_idle()).await;
+                    }
+                });
+                runtime.shutdown_timeout(Duration::from_millis(100));
+            })
+            .map_err(|e| io("control thread", e))?;
+        Ok(ControlThread { handle, _stop: stop, endpoint: Mutex::new(Some(endpoint_tx)) })
+    }
+
+    /// Hands the thread the endpoint it closes when it stops.
+    fn watch(&self, endpoint: quinn::Endpoint) {
+        if let Some(tx) = lock(&self.endpoint).take() {
+            let _ = tx.send(endpoint);
+        }
+    }
+}
+
+/// quinn's tokio runtime bound to one runtime's handle: timers, sockets and the tasks quinn spawns
+/// (the endpoint's and connections' drivers) all live on that runtime, whoever calls.
+#[derive(Debug)]
+struct OnHandle(tokio::runtime::Handle);
+
+impl quinn::Runtime for OnHandle {
+    fn new_timer(&self, at: std::time::Instant) -> std::pin::Pin<Box<dyn quinn::AsyncTimer>> {
+        let _entered = self.0.enter();
+        quinn::Runtime::new_timer(&quinn::TokioRuntime, at)
+    }
+
+    fn spawn(&self, future: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>) {
+        self.0.spawn(future);
+    }
+
+    fn wrap_udp_socket(&self, socket: std::net::UdpSocket) -> std::io::Result<Arc<dyn quinn::AsyncUdpSocket>> {
+        let _entered = self.0.enter();
+        quinn::Runtime::wrap_udp_socket(&quinn::TokioRuntime, socket)
+    }
+
+    fn now(&self) -> std::time::Instant {
+        let _entered = self.0.enter();
+        quinn::Runtime::now(&quinn::TokioRuntime)
+    }
+}
+
+/// Transport parameters of control connections: small messages, quinn's packet size and windows;
+/// bidirectional streams are side streams, one unidirectional stream carries the hello.
+fn control_transport_config(options: &QuicOptions) -> Result<quinn::TransportConfig> {
+    let mut config = quinn::TransportConfig::default();
+    let idle = quinn::IdleTimeout::try_from(options.idle_timeout).map_err(|_| Error::InvalidConfig { reason: "idle_timeout out of range" })?;
+    config.max_idle_timeout(Some(idle));
+    config.keep_alive_interval(Some(options.keep_alive));
+    config.max_concurrent_bidi_streams(SIDE_STREAMS_MAX.into());
+    config.max_concurrent_uni_streams(1u32.into());
+    config.datagram_receive_buffer_size(None);
+    Ok(config)
+}
+
 /// A reference measurement for benchmarks: the throughput of one raw quinn stream (no frames, no
 /// copies out of quinn's buffers) between two endpoints of this process on 127.0.0.1, configured
 /// exactly as [`QuicTransport`] with `options`, mutual TLS included. Sends `bytes` in 1 MiB chunks;
@@ -1262,7 +1526,7 @@ async fn accept_one(shared: &Arc<QuicShared>, incoming: quinn::Incoming) -> std:
         why.to_string()
     };
     let mut recv = conn.accept_uni().await.map_err(|e| e.to_string())?;
-    let (peer, id) = read_hello(&mut recv).await?;
+    let (peer, id, peer_control) = read_hello(&mut recv).await?;
     if peer >= shared.world || peer >= shared.rank {
         return Err(refuse(&conn, "hello names a rank that does not dial this one"));
     }
@@ -1273,8 +1537,8 @@ async fn accept_one(shared: &Arc<QuicShared>, incoming: quinn::Incoming) -> std:
         return Err(refuse(&conn, "client certificate does not name the claimed rank"));
     }
     let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
-    send.write_all(&hello(shared.rank, id)).await.map_err(|e| e.to_string())?;
-    shared.register(peer, id, (conn, send, recv));
+    send.write_all(&hello(shared.rank, id, shared.control_port())).await.map_err(|e| e.to_string())?;
+    shared.register(peer, id, peer_control, (conn, send, recv));
     Ok(())
 }
 
@@ -1296,15 +1560,100 @@ async fn dial_once(shared: &Arc<QuicShared>, peer: usize, addr: SocketAddr, id: 
     let connecting = shared.endpoint.connect_with(config.clone(), addr, &rank_name(peer)).map_err(|e| e.to_string())?;
     let conn = connecting.await.map_err(|e| e.to_string())?;
     let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
-    send.write_all(&hello(shared.rank, id)).await.map_err(|e| e.to_string())?;
+    send.write_all(&hello(shared.rank, id, shared.control_port())).await.map_err(|e| e.to_string())?;
     let mut recv = conn.accept_uni().await.map_err(|e| e.to_string())?;
-    let (claimed, echoed) = read_hello(&mut recv).await?;
+    let (claimed, echoed, peer_control) = read_hello(&mut recv).await?;
     if claimed != peer || echoed != id {
         conn.close(CLOSE_REFUSED.into(), b"hello names another rank or stripe");
         return Err(format!("rank {peer} answered as rank {claimed}, stripe {echoed:?} for {id:?}"));
     }
-    shared.register(peer, id, (conn, send, recv));
+    shared.register(peer, id, peer_control, (conn, send, recv));
+    if id.stripe == 0 && peer_control != 0 && shared.control.is_some() {
+        let task = tokio::spawn(dial_control(Arc::clone(shared), peer, SocketAddr::new(addr.ip(), peer_control))).abort_handle();
+        lock(&shared.tasks).push(task);
+    }
     Ok(())
+}
+
+/// Dials `peer`'s control endpoint at `addr` until it answers (the caller's `connect` bounds the
+/// wait), proves nothing beyond TLS (the certificate names the rank, checked by the acceptor), and
+/// installs the connection.
+async fn dial_control(shared: Arc<QuicShared>, peer: usize, addr: SocketAddr) {
+    let Some(control) = &shared.control else { return };
+    loop {
+        let attempt = async {
+            let connecting = control.endpoint.connect_with(control.client_config.clone(), addr, &rank_name(peer)).map_err(|e| e.to_string())?;
+            let conn = connecting.await.map_err(|e| e.to_string())?;
+            let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
+            send.write_all(&control_hello(shared.rank)).await.map_err(|e| e.to_string())?;
+            let _ = send.finish();
+            Ok::<_, String>(conn)
+        };
+        match attempt.await {
+            Ok(conn) => {
+                shared.install_control(peer, conn);
+                return;
+            }
+            Err(reason) => {
+                tracing::debug!(rank = shared.rank, peer, %reason, "control dial failed, retrying");
+                lock(&shared.dial_errors).insert(peer, format!("control connection: {reason}"));
+                tokio::time::sleep(DIAL_RETRY).await;
+            }
+        }
+    }
+}
+
+/// Accepts control connections from lower ranks on the control endpoint.
+async fn control_accept_loop(shared: Arc<QuicShared>) {
+    let Some(control) = &shared.control else { return };
+    let endpoint = control.endpoint.clone();
+    while let Some(incoming) = endpoint.accept().await {
+        let handler = Arc::clone(&shared);
+        let task = tokio::spawn(async move {
+            if let Err(reason) = accept_control(&handler, incoming).await {
+                tracing::warn!(rank = handler.rank, %reason, "refused incoming control connection");
+            }
+        });
+        lock(&shared.tasks).push(task.abort_handle());
+    }
+}
+
+async fn accept_control(shared: &Arc<QuicShared>, incoming: quinn::Incoming) -> std::result::Result<(), String> {
+    let conn = incoming.await.map_err(|e| e.to_string())?;
+    let refuse = |conn: &quinn::Connection, why: &str| {
+        conn.close(CLOSE_REFUSED.into(), why.as_bytes());
+        why.to_string()
+    };
+    let hello = async {
+        let mut recv = conn.accept_uni().await.map_err(|e| e.to_string())?;
+        let mut buf = [0u8; CONTROL_HELLO_LEN];
+        recv.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(buf)
+    };
+    let buf = match tokio::time::timeout(SIDE_HEADER_TIMEOUT, hello).await {
+        Ok(Ok(buf)) => buf,
+        Ok(Err(reason)) => return Err(refuse(&conn, &format!("control hello: {reason}"))),
+        Err(_) => return Err(refuse(&conn, "no control hello in time")),
+    };
+    if buf[..4] != CONTROL_HELLO_MAGIC {
+        return Err(refuse(&conn, "bad control hello magic"));
+    }
+    let peer = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
+    if peer >= shared.world || peer >= shared.rank {
+        return Err(refuse(&conn, "control hello names a rank that does not dial this one"));
+    }
+    if !cert_names_rank(&conn, peer) {
+        return Err(refuse(&conn, "client certificate does not name the claimed rank"));
+    }
+    shared.install_control(peer, conn);
+    Ok(())
+}
+
+fn control_hello(rank: usize) -> [u8; CONTROL_HELLO_LEN] {
+    let mut out = [0u8; CONTROL_HELLO_LEN];
+    out[..4].copy_from_slice(&CONTROL_HELLO_MAGIC);
+    out[4..].copy_from_slice(&(rank as u32).to_le_bytes());
+    out
 }
 
 /// How a stripe's frame stream ended.
@@ -1413,17 +1762,19 @@ struct StripeId {
     of: usize,
 }
 
-fn hello(rank: usize, id: StripeId) -> [u8; HELLO_LEN] {
+fn hello(rank: usize, id: StripeId, control_port: u16) -> [u8; HELLO_LEN] {
     let mut out = [0u8; HELLO_LEN];
     out[..4].copy_from_slice(&HELLO_MAGIC);
     out[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
     // Both are below MAX_STRIPES (checked at bind and on receipt).
     out[8..10].copy_from_slice(&(id.stripe as u16).to_le_bytes());
     out[10..12].copy_from_slice(&(id.of as u16).to_le_bytes());
+    out[12..14].copy_from_slice(&control_port.to_le_bytes());
     out
 }
 
-async fn read_hello(recv: &mut quinn::RecvStream) -> std::result::Result<(usize, StripeId), String> {
+/// Reads a hello: the sender's rank, the stripe it names, and its control endpoint's port (0: none).
+async fn read_hello(recv: &mut quinn::RecvStream) -> std::result::Result<(usize, StripeId, u16), String> {
     let mut buf = [0u8; HELLO_LEN];
     recv.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
     if buf[..4] != HELLO_MAGIC {
@@ -1431,7 +1782,7 @@ async fn read_hello(recv: &mut quinn::RecvStream) -> std::result::Result<(usize,
     }
     let rank = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
     let id = StripeId { stripe: usize::from(u16::from_le_bytes([buf[8], buf[9]])), of: usize::from(u16::from_le_bytes([buf[10], buf[11]])) };
-    Ok((rank, id))
+    Ok((rank, id, u16::from_le_bytes([buf[12], buf[13]])))
 }
 
 /// Whether the peer's (already CA-verified) leaf certificate is valid for `rank`'s name.

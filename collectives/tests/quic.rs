@@ -18,7 +18,7 @@ use common::*;
 use quinn::crypto::rustls::QuicClientConfig;
 use rtx_collectives::{
     client_tls_config, rank_name, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, Endpoint, Error, NodeIdentity, OpKind, QuicOptions,
-    QuicTransport, ReduceOp, Transport, ALPN,
+    QuicTransport, ReduceOp, Transport, ALPN, CONTROL_ALPN,
 };
 
 const LOOPBACK: &str = "127.0.0.1:0";
@@ -114,9 +114,11 @@ async fn rogue_connect_stripe(client: rustls::ClientConfig, addr: SocketAddr, se
         hello.extend_from_slice(&claim.to_le_bytes());
         hello.extend_from_slice(&stripe.to_le_bytes());
         hello.extend_from_slice(&of.to_le_bytes());
+        // No control endpoint: side streams would stay on this connection.
+        hello.extend_from_slice(&0u16.to_le_bytes());
         send.write_all(&hello).await.map_err(|e| e.to_string())?;
         let mut recv = conn.accept_uni().await.map_err(|e| e.to_string())?;
-        let mut answer = [0u8; 12];
+        let mut answer = [0u8; 14];
         recv.read_exact(&mut answer).await.map_err(|e| e.to_string())?;
         Ok(())
     };
@@ -190,6 +192,51 @@ async fn mutual_tls_refuses_unauthenticated_peers() {
     let refused = rogue_connect(client_tls_config(&rank0).unwrap(), stranger.local_addr().unwrap(), 2, 0).await;
     eprintln!("server from another CA: {refused:?}");
     assert!(refused.unwrap_err().contains("UnknownIssuer"), "client did not refuse a server from another CA");
+}
+
+/// Dials the control endpoint at `addr` as a plain quinn client with `client` (ALPN set to the
+/// control ALPN) and sends `hello` on a unidirectional stream. `Ok` means the connection was still
+/// open a second later (accepted); `Err` carries the server's close reason.
+async fn rogue_control(mut client: rustls::ClientConfig, addr: SocketAddr, server_rank: usize, hello: &[u8]) -> Result<(), String> {
+    client.alpn_protocols = vec![CONTROL_ALPN.to_vec()];
+    let endpoint = quinn::Endpoint::client(LOOPBACK.parse().unwrap()).unwrap();
+    let config = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(client).unwrap()));
+    let conn = endpoint.connect_with(config, addr, &rank_name(server_rank)).unwrap().await.map_err(|e| e.to_string())?;
+    let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
+    send.write_all(hello).await.map_err(|e| e.to_string())?;
+    match tokio::time::timeout(Duration::from_secs(1), conn.closed()).await {
+        Ok(reason) => Err(reason.to_string()),
+        Err(_) => Ok(()),
+    }
+}
+
+fn control_hello(claim: u32) -> Vec<u8> {
+    [&b"RTXK"[..], &claim.to_le_bytes()].concat()
+}
+
+// Goal: the control endpoint (where actor links travel) is as closed as the collectives' one: no
+// certificate, another CA's, a certificate used to claim another rank, a rank that does not dial
+// this one and a bad hello are all refused; the right certificate for the claimed lower rank is
+// accepted (positive control).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_endpoint_refuses_unauthenticated_peers() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let other = ClusterCa::generate("some other cluster").unwrap();
+    let server = QuicTransport::bind(&ca.issue(1).unwrap(), 3, LOOPBACK.parse().unwrap(), options()).unwrap();
+    let addr = server.control_addr().expect("the default control path has its own endpoint");
+    assert_ne!(addr, server.local_addr().unwrap());
+    let no_cert = rogue_control(client_config(&ca, None), addr, 1, &control_hello(0)).await;
+    assert!(no_cert.unwrap_err().contains("no certificates"), "peer without a certificate was not refused by TLS");
+    let foreign = rogue_control(client_config(&ca, Some(&other.issue(0).unwrap())), addr, 1, &control_hello(0)).await;
+    assert!(foreign.unwrap_err().contains("UnknownIssuer"), "another CA's certificate was not refused by TLS");
+    let rank0 = ca.issue(0).unwrap();
+    let impostor = rogue_control(client_config(&ca, Some(&ca.issue(2).unwrap())), addr, 1, &control_hello(0)).await;
+    assert!(impostor.unwrap_err().contains("does not name the claimed rank"));
+    let higher = rogue_control(client_config(&ca, Some(&ca.issue(2).unwrap())), addr, 1, &control_hello(2)).await;
+    assert!(higher.unwrap_err().contains("does not dial this one"));
+    let garbage = rogue_control(client_config(&ca, Some(&rank0)), addr, 1, b"RTXH\0\0\0\0").await;
+    assert!(garbage.unwrap_err().contains("bad control hello magic"));
+    rogue_control(client_config(&ca, Some(&rank0)), addr, 1, &control_hello(0)).await.unwrap();
 }
 
 // Goal: a stripe count of 0 or over MAX_STRIPES is a typed configuration error at bind.

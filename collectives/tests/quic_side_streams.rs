@@ -1,6 +1,7 @@
-//! Side streams of the QUIC transport: extra bidirectional streams on the connection that carries
-//! the collectives, routed by channel, that neither open a second connection nor stall the
-//! collectives when nobody reads them; and typed errors for bad peers and a closed transport.
+//! Side streams of the QUIC transport: extra bidirectional streams to a peer rank, routed by
+//! channel, on the control connection `connect` made beside the collectives' (no connection is
+//! opened per stream), that do not stall the collectives when nobody reads them; and typed errors
+//! for bad peers and a closed transport.
 //!
 //! Method: two or three ranks on 127.0.0.1 with certificates from one `ClusterCa`; side streams
 //! echo bytes; the connection is identified by quinn's stable id and the endpoints' counters.
@@ -68,7 +69,10 @@ async fn side_streams_are_routed_by_channel_on_the_one_connection() {
         assert_eq!((t[0].connection_id(2).unwrap(), t[2].connection_id(0).unwrap()), ids);
         for transport in &t {
             assert_eq!(transport.open_connections(), 2);
+            // By default side streams ride a control connection of their own per peer pair.
+            assert_eq!(transport.open_control_connections(), 2);
         }
+        assert_ne!(t[0].connection_id(2), t[0].frame_connection_id(2));
         assert_eq!(t[0].export_keying_material(2, b"x").unwrap(), t[2].export_keying_material(0, b"x").unwrap());
         assert_ne!(t[0].export_keying_material(2, b"x").unwrap(), t[0].export_keying_material(1, b"x").unwrap());
     })

@@ -3,26 +3,32 @@
 //! loopback to a child `rtx bench actors --serve` process), as medians over `--calls` calls.
 //! Printed against the published figure of Ray's synchronous actor call (~500 µs).
 //!
-//! With `--load-bytes N` (default 64 MiB) it also times calls on an actor link that rides a side
-//! stream of a collectives `QuicTransport` between this process and a child, first idle and then
-//! while both processes run `all_reduce` of N bytes back to back on the same connection pair: the
-//! control path must stay fast while tensors move. Both are printed as ratios to the loopback TCP
-//! round trip of 64 bytes measured in the same run.
+//! With `--load-bytes N` (default 64 MiB) it also times calls on an actor link over a side stream
+//! of the collectives `QuicTransport` between this process and a child (`Link::over_transport`,
+//! on the transport's control path, `--control`), first idle and then while both processes run
+//! `all_reduce` of N bytes back to back through the same transports (the same endpoints the
+//! collectives use in production): the control path must stay fast while tensors move. The
+//! reference is the loopback TCP round trip between the same two processes (blocking std sockets,
+//! `TCP_NODELAY`, a payload of the call's request envelope size, echoed by the child), measured in
+//! the same run, idle and during the all_reduces. Each figure is printed as median and p99, and
+//! the calls as ratios to the idle TCP round trip (issue 20's bar: at most 2x, idle and loaded).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context as _};
 use rtx_actors::{spawn, Actor, Context, Link, LinkListener, LinkOptions, Reply};
-use rtx_collectives::{CommConfig, Communicator, Endpoint, QuicOptions, ReduceOp};
+use rtx_collectives::{CommConfig, Communicator, ControlPath, Endpoint, QuicOptions, ReduceOp};
 use serde_json::json;
 
 /// Side-stream channel of the actor link in the `--load-bytes` part.
 const LOAD_CHANNEL: u32 = 7;
+/// All_reduces that must finish while the loaded calls are timed.
+const LOADED_ROUNDS: u64 = 3;
 
 /// Arguments of `rtx bench actors`.
 #[derive(clap::Args, Debug, Clone)]
@@ -43,9 +49,39 @@ pub struct ActorsArgs {
     /// tokio worker threads per process.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
+    /// Which connection carries the actor link of the `--load-bytes` part
+    /// (`QuicOptions::control`): `shared` (stripe 0 of the collectives connection), `endpoint` (a
+    /// control connection between second endpoints), `thread` (the same, driven by a thread of its
+    /// own).
+    #[arg(long, default_value = "thread", value_parser = parse_control)]
+    pub control: ControlPath,
     /// Internal: be rank 1 of the `--load-bytes` part, with identities in this folder.
     #[arg(long, hide = true)]
     pub serve_load: Option<PathBuf>,
+}
+
+fn parse_control(text: &str) -> Result<ControlPath, String> {
+    match text {
+        "shared" => Ok(ControlPath::Shared),
+        "endpoint" => Ok(ControlPath::OwnEndpoint),
+        "thread" => Ok(ControlPath::OwnThread),
+        other => Err(format!("unknown control path `{other}` (shared, endpoint, thread)")),
+    }
+}
+
+fn control_name(path: ControlPath) -> &'static str {
+    match path {
+        ControlPath::Shared => "shared",
+        ControlPath::OwnEndpoint => "endpoint",
+        ControlPath::OwnThread => "thread",
+    }
+}
+
+/// Bytes of the request envelope of one echo call (`u64` body to actor `echo`): the TCP reference
+/// moves the same payload each way.
+fn call_bytes() -> anyhow::Result<usize> {
+    // u32 length, u8 kind, u64 correlation, u16 name length, the name, the rkyv body.
+    Ok(4 + 1 + 8 + 2 + "echo".len() + rtx_actors::encode(&0u64)?.len())
 }
 
 struct Echo;
@@ -102,8 +138,8 @@ pub(super) fn run(args: &ActorsArgs) -> anyhow::Result<()> {
         link.close("bench done");
         let _ = child.kill();
         let _ = child.wait();
-        let (l, c) = (median_us(&mut local), median_us(&mut cross));
-        super::emit(json!({ "bench": "actors", "calls": args.calls, "in_process_median_us": l, "cross_process_quic_median_us": c, "ray_sync_call_us": 497.0, "ratio_vs_ray": c / 497.0, "bar_us": 100.0 }));
+        let (l, c) = (Summary::of(&mut local), Summary::of(&mut cross));
+        super::emit(json!({ "bench": "actors", "calls": args.calls, "in_process_median_us": l.median, "in_process_p99_us": l.p99, "cross_process_quic_median_us": c.median, "cross_process_quic_p99_us": c.p99, "ray_sync_call_us": 497.0, "ratio_vs_ray": c.median / 497.0, "bar_us": 100.0 }));
         Ok::<_, anyhow::Error>(())
     })?;
     if args.load_bytes > 0 {
@@ -128,6 +164,8 @@ fn under_load(args: &ActorsArgs, runtime: &tokio::runtime::Runtime) -> anyhow::R
         .arg(args.stripes.to_string())
         .arg("--threads")
         .arg(args.threads.to_string())
+        .arg("--control")
+        .arg(control_name(args.control))
         .arg("--serve-load")
         .arg(&dir)
         .stdin(Stdio::null())
@@ -145,15 +183,22 @@ fn under_load(args: &ActorsArgs, runtime: &tokio::runtime::Runtime) -> anyhow::R
     Ok(())
 }
 
-/// One side of the `--load-bytes` part. Rank 0 times calls to rank 1's echo over a side stream:
-/// idle, then while both run all_reduce of `--load-bytes` in a loop; each loop turn ends with a
-/// one-element all_reduce of "go on" (rank 0 says stop when its calls are done).
+/// One side of the `--load-bytes` part. Rank 0 times calls to rank 1's echo over a side stream,
+/// and TCP round trips to rank 1's TCP echo: idle, then while both run all_reduce of
+/// `--load-bytes` in a loop; each loop turn ends with a one-element all_reduce of "go on" (rank 0
+/// says stop when its timings are done).
 async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -> anyhow::Result<()> {
-    let options = QuicOptions { connect_timeout: Duration::from_secs(60), stripes: args.stripes, ..QuicOptions::default() };
+    let options = QuicOptions { connect_timeout: Duration::from_secs(60), stripes: args.stripes, control: args.control, ..QuicOptions::default() };
     let transport = Arc::new(super::collectives::quic_rank_in(dir, rank, 2, options).await?);
     let comm = Endpoint::new(Arc::clone(&transport) as Arc<dyn rtx_collectives::Transport>, CommConfig { op_timeout: Duration::from_secs(120), ..CommConfig::default() })?.world()?;
     let stop = Arc::new(AtomicBool::new(false));
+    let payload = call_bytes()?;
     if rank == 1 {
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let staging = dir.join("tcp-echo.staging");
+        std::fs::write(&staging, tcp.local_addr()?.to_string())?;
+        std::fs::rename(&staging, dir.join("tcp-echo"))?;
+        std::thread::spawn(move || tcp_echo(&tcp, payload));
         let (_peer, link, mut inbound) = Link::accept_over_transport(&transport, LOAD_CHANNEL).await?;
         let echo = tokio::spawn(async move {
             while let Some(msg) = inbound.recv().await {
@@ -170,12 +215,31 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
         return Ok(());
     }
     let (link, _inbound) = Link::over_transport(&transport, 1, LOAD_CHANNEL).await?;
+    let tcp_addr: std::net::SocketAddr = loop {
+        if let Ok(text) = std::fs::read_to_string(dir.join("tcp-echo")) {
+            break text.trim().parse().context("rank 1's TCP echo address")?;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let mut tcp = std::net::TcpStream::connect(tcp_addr)?;
+    tcp.set_nodelay(true)?;
     let remote = link.remote::<u64>("echo");
-    let time_calls = |n: usize| {
-        let remote = &remote;
+    let rounds = Arc::new(AtomicU64::new(0));
+    // Idle: `calls` calls. Loaded: at least `calls`, and on until LOADED_ROUNDS all_reduces have
+    // finished since the first timed call, so the calls span the load rather than a gap in it.
+    let time_calls = |n: usize, until_rounds: Option<u64>| {
+        let (remote, rounds) = (&remote, &rounds);
         async move {
             let mut samples = Vec::with_capacity(n);
-            for i in 0..(n + 200) as u64 {
+            let mut from = rounds.load(Ordering::SeqCst);
+            for i in 0u64.. {
+                if i == 200 {
+                    from = rounds.load(Ordering::SeqCst);
+                }
+                let enough = samples.len() >= n && until_rounds.is_none_or(|k| rounds.load(Ordering::SeqCst) >= from + k);
+                if enough {
+                    break;
+                }
                 let t = Instant::now();
                 let v: u64 = remote.ask(&i, Duration::from_secs(10)).await?;
                 anyhow::ensure!(v == i + 1, "remote echo answered {v} to {i}");
@@ -183,44 +247,99 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
                     samples.push(t.elapsed());
                 }
             }
-            Ok::<_, anyhow::Error>(samples)
+            Ok::<_, anyhow::Error>((samples, rounds.load(Ordering::SeqCst) - from))
         }
     };
-    let mut idle = time_calls(calls).await?;
+    let mut tcp_idle = tokio::task::block_in_place(|| tcp_round_trips(&mut tcp, payload, calls))?;
+    let (mut idle, _) = time_calls(calls, None).await?;
     let load = {
-        let (comm, stop) = (comm.clone(), Arc::clone(&stop));
+        let (comm, stop, counter) = (comm.clone(), Arc::clone(&stop), Arc::clone(&rounds));
         let bytes = args.load_bytes;
-        tokio::spawn(async move { all_reduce_loop(&comm, bytes, &stop).await })
+        tokio::spawn(async move { all_reduce_loop_counted(&comm, bytes, &stop, Some(&counter)).await })
     };
     // Let the first all_reduce get going.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let mut loaded = time_calls(calls).await?;
+    let (mut loaded, rounds_during_calls) = time_calls(calls, Some(LOADED_ROUNDS)).await?;
+    let mut tcp_loaded = tokio::task::block_in_place(|| tcp_round_trips(&mut tcp, payload, calls))?;
     stop.store(true, Ordering::SeqCst);
-    let rounds = load.await.map_err(|e| anyhow!("all_reduce loop: {e}"))??;
+    let rounds_total = load.await.map_err(|e| anyhow!("all_reduce loop: {e}"))??;
+    drop(tcp);
     link.close("bench done");
-    let rtt = super::collectives::tcp_round_trip_us(2000)?;
-    let (i, l) = (median_us(&mut idle), median_us(&mut loaded));
+    let (rtt, i, l, rtt_l) = (Summary::of(&mut tcp_idle), Summary::of(&mut idle), Summary::of(&mut loaded), Summary::of(&mut tcp_loaded));
     eprintln!(
-        "actor call over the collectives connection ({} stripe(s)): idle {i:.1} us = {:.2}x TCP rtt, during {} all_reduce of {} MiB {l:.1} us = {:.2}x TCP rtt ({rtt:.1} us)",
+        "actor call across processes, control path `{}` ({} stripe(s), {} threads): TCP round trip ({payload} B, to the same peer process) median {:.1} / p99 {:.1} us; \
+         call idle {:.1} / {:.1} us = {:.2}x TCP; {} calls during {} all_reduce of {} MiB {:.1} / {:.1} us = {:.2}x TCP (TCP itself then {:.1} / {:.1} us)",
+        control_name(args.control),
         args.stripes,
-        i / rtt,
-        rounds,
+        args.threads,
+        rtt.median,
+        rtt.p99,
+        i.median,
+        i.p99,
+        i.median / rtt.median,
+        loaded.len(),
+        rounds_during_calls,
         args.load_bytes >> 20,
-        l / rtt
+        l.median,
+        l.p99,
+        l.median / rtt.median,
+        rtt_l.median,
+        rtt_l.p99,
     );
-    super::emit(json!({ "bench": "actors", "part": "over_collectives_connection", "calls": calls, "stripes": args.stripes, "threads": args.threads, "load_bytes": args.load_bytes,
-        "all_reduces_during": rounds, "idle_median_us": i, "loaded_median_us": l, "tcp_rtt_us": rtt, "idle_over_tcp_rtt": i / rtt, "loaded_over_tcp_rtt": l / rtt, "bar_over_tcp_rtt": 2.0 }));
+    super::emit(json!({ "bench": "actors", "part": "over_collectives_transport", "control": control_name(args.control), "calls": calls, "stripes": args.stripes, "threads": args.threads, "load_bytes": args.load_bytes,
+        "payload_bytes": payload, "all_reduces_during_calls": rounds_during_calls, "all_reduces": rounds_total, "loaded_calls": loaded.len(), "tcp_rtt_median_us": rtt.median, "tcp_rtt_p99_us": rtt.p99, "idle_median_us": i.median, "idle_p99_us": i.p99,
+        "loaded_median_us": l.median, "loaded_p99_us": l.p99, "tcp_rtt_loaded_median_us": rtt_l.median, "tcp_rtt_loaded_p99_us": rtt_l.p99,
+        "idle_over_tcp_rtt": i.median / rtt.median, "loaded_over_tcp_rtt": l.median / rtt.median, "bar_over_tcp_rtt": 2.0 }));
     transport.close(Duration::from_secs(5)).await;
     Ok(())
 }
 
+/// Echoes `payload`-byte messages on each accepted TCP connection until it ends (rank 1's TCP
+/// reference).
+fn tcp_echo(listener: &std::net::TcpListener, payload: usize) {
+    use std::io::{Read, Write};
+    while let Ok((mut stream, _)) = listener.accept() {
+        let _ = stream.set_nodelay(true);
+        let mut buf = vec![0u8; payload];
+        while stream.read_exact(&mut buf).is_ok() {
+            if stream.write_all(&buf).is_err() {
+                break;
+            }
+        }
+    }
+}
+
+/// `n` timed round trips of `payload` bytes (after 200 untimed ones) on `stream`.
+fn tcp_round_trips(stream: &mut std::net::TcpStream, payload: usize, n: usize) -> anyhow::Result<Vec<Duration>> {
+    use std::io::{Read, Write};
+    let mut buf = vec![7u8; payload];
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n + 200 {
+        let t = Instant::now();
+        stream.write_all(&buf)?;
+        stream.read_exact(&mut buf)?;
+        if i >= 200 {
+            samples.push(t.elapsed());
+        }
+    }
+    Ok(samples)
+}
+
 /// all_reduce of `bytes` back to back until rank 0 sets `stop`; returns how many ran.
 async fn all_reduce_loop(comm: &Communicator, bytes: usize, stop: &AtomicBool) -> anyhow::Result<u64> {
+    all_reduce_loop_counted(comm, bytes, stop, None).await
+}
+
+/// [`all_reduce_loop`], counting finished all_reduces in `counter` as they finish.
+async fn all_reduce_loop_counted(comm: &Communicator, bytes: usize, stop: &AtomicBool, counter: Option<&AtomicU64>) -> anyhow::Result<u64> {
     let mut data = vec![1.0f32; bytes / 4];
     let mut rounds = 0;
     loop {
         comm.all_reduce(&mut data, ReduceOp::Avg).await?;
         rounds += 1;
+        if let Some(counter) = counter {
+            counter.fetch_add(1, Ordering::SeqCst);
+        }
         let mut go_on = [if stop.load(Ordering::SeqCst) { 0.0f32 } else { 1.0 }];
         comm.all_reduce(&mut go_on, ReduceOp::Min).await?;
         if go_on[0] == 0.0 {
@@ -243,7 +362,19 @@ async fn serve() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn median_us(samples: &mut [Duration]) -> f64 {
-    samples.sort();
-    samples.get(samples.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e6)
+/// Median and 99th percentile of timings, in microseconds.
+struct Summary {
+    median: f64,
+    p99: f64,
+}
+
+impl Summary {
+    fn of(samples: &mut [Duration]) -> Summary {
+        samples.sort();
+        let at = |q: f64| {
+            let i = ((samples.len() as f64 * q) as usize).min(samples.len().saturating_sub(1));
+            samples.get(i).map_or(0.0, |d| d.as_secs_f64() * 1e6)
+        };
+        Summary { median: at(0.5), p99: at(0.99) }
+    }
 }
