@@ -94,7 +94,7 @@ async fn asks_and_all_reduce_share_one_connection() {
     asks_during_all_reduce(ControlPath::Shared).await;
 }
 
-// Goal: the same with the actor link on a control connection of its own (default path): asks and
+// Goal: the same with the actor link on a control connection of its own (`OwnThread`): asks and
 // all_reduces interleave with correct results, the link rides the one control connection per
 // pair that `connect` made, which is not the frames' connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

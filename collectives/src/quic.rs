@@ -226,9 +226,16 @@ pub struct QuicOptions {
 /// Measured by `rtx bench actors` (BENCHMARKS.md, issue 20): on the collectives connection a call
 /// waits behind the bulk packets queued ahead of it in the same UDP socket and connection driver,
 /// up to hundreds of microseconds during a large all_reduce.
+///
+/// Decision: the default is [`ControlPath::Shared`]. The other two bind a second UDP socket, run a
+/// second TLS handshake per peer pair in every generation's `connect` (and `OwnThread` a thread per
+/// transport), which a transport that carries no actor links (every worker generation today: the
+/// runtime's control traffic travels on the supervisor link) pays for nothing. A transport that
+/// carries latency-sensitive actor calls beside bulk collectives chooses `OwnThread`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ControlPath {
     /// On stripe 0 of the collectives connection: one connection per peer pair.
+    #[default]
     Shared,
     /// On a control connection per peer pair between second endpoints (a UDP socket of their own,
     /// dialed by the lower rank to the port the peer's hello names), driven by the caller's runtime.
@@ -236,7 +243,6 @@ pub enum ControlPath {
     /// As `OwnEndpoint`, with the control endpoint, its connections and the actor links on them
     /// driven by a thread of their own (a current-thread runtime), so that bulk work queued on the
     /// caller's runtime does not delay their packets.
-    #[default]
     OwnThread,
 }
 

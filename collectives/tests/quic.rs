@@ -17,7 +17,7 @@ use std::time::Duration;
 use common::*;
 use quinn::crypto::rustls::QuicClientConfig;
 use rtx_collectives::{
-    client_tls_config, rank_name, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, Endpoint, Error, NodeIdentity, OpKind, QuicOptions,
+    client_tls_config, rank_name, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, ControlPath, Endpoint, Error, NodeIdentity, OpKind, QuicOptions,
     QuicTransport, ReduceOp, Transport, ALPN, CONTROL_ALPN,
 };
 
@@ -222,8 +222,8 @@ fn control_hello(claim: u32) -> Vec<u8> {
 async fn the_control_endpoint_refuses_unauthenticated_peers() {
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
     let other = ClusterCa::generate("some other cluster").unwrap();
-    let server = QuicTransport::bind(&ca.issue(1).unwrap(), 3, LOOPBACK.parse().unwrap(), options()).unwrap();
-    let addr = server.control_addr().expect("the default control path has its own endpoint");
+    let server = QuicTransport::bind(&ca.issue(1).unwrap(), 3, LOOPBACK.parse().unwrap(), QuicOptions { control: ControlPath::OwnThread, ..options() }).unwrap();
+    let addr = server.control_addr().expect("the OwnThread control path has its own endpoint");
     assert_ne!(addr, server.local_addr().unwrap());
     let no_cert = rogue_control(client_config(&ca, None), addr, 1, &control_hello(0)).await;
     assert!(no_cert.unwrap_err().contains("no certificates"), "peer without a certificate was not refused by TLS");

@@ -1,6 +1,6 @@
 //! Side streams of the QUIC transport: extra bidirectional streams to a peer rank, routed by
-//! channel, on the control connection `connect` made beside the collectives' (no connection is
-//! opened per stream), that do not stall the collectives when nobody reads them; and typed errors
+//! channel, on the control connection `connect` made beside the collectives' with
+//! `ControlPath::OwnThread` (no connection is opened per stream), that do not stall the collectives when nobody reads them; and typed errors
 //! for bad peers and a closed transport.
 //!
 //! Method: two or three ranks on 127.0.0.1 with certificates from one `ClusterCa`; side streams
@@ -14,13 +14,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use rtx_collectives::{ClusterCa, CommConfig, Endpoint, Error, OpKind, QuicOptions, QuicTransport, ReduceOp, Transport};
+use rtx_collectives::{ClusterCa, CommConfig, ControlPath, Endpoint, Error, OpKind, QuicOptions, QuicTransport, ReduceOp, Transport};
 
 fn options() -> QuicOptions {
     QuicOptions {
         connect_timeout: Duration::from_secs(20),
         idle_timeout: Duration::from_secs(3),
         keep_alive: Duration::from_millis(500),
+        control: ControlPath::OwnThread,
         ..QuicOptions::default()
     }
 }
@@ -69,7 +70,7 @@ async fn side_streams_are_routed_by_channel_on_the_one_connection() {
         assert_eq!((t[0].connection_id(2).unwrap(), t[2].connection_id(0).unwrap()), ids);
         for transport in &t {
             assert_eq!(transport.open_connections(), 2);
-            // By default side streams ride a control connection of their own per peer pair.
+            // With `OwnThread` side streams ride a control connection of their own per peer pair.
             assert_eq!(transport.open_control_connections(), 2);
         }
         assert_ne!(t[0].connection_id(2), t[0].frame_connection_id(2));

@@ -70,9 +70,12 @@ impl MeshJobShape {
     }
 }
 
+/// Corpora loaded so far, by data root.
+type CorpusCache = Mutex<Vec<(PathBuf, Arc<Vec<u8>>)>>;
+
 /// The corpus, loaded once per process and data root.
 fn corpus(root: &Path) -> Result<Arc<Vec<u8>>> {
-    static CACHE: OnceLock<Mutex<Vec<(PathBuf, Arc<Vec<u8>>)>>> = OnceLock::new();
+    static CACHE: OnceLock<CorpusCache> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(Vec::new()));
     let mut cache = cache.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some((_, text)) = cache.iter().find(|(r, _)| r == root) {
