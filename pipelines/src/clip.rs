@@ -37,8 +37,8 @@ pub(crate) fn validate(grad_clip: Option<f64>) -> Result<()> {
 /// ranks' segments) is at most `max_norm`; returns that norm before scaling. Collective: every
 /// rank of the group calls it at the same point of step `step`, after its reduce-scatters.
 /// `job_index` numbers the collective's job (one past the engine's last bucket), for reports
-/// and errors.
-pub(crate) async fn clip_segments<O: Optimizer>(reducer: &Reducer, step: u64, job_index: usize, shard: &ParamShard<O>, max_norm: f64) -> Result<f64> {
+/// and errors. (The shard is borrowed mutably, so the future is `Send` for any `Send` optimizer.)
+pub(crate) async fn clip_segments<O: Optimizer>(reducer: &Reducer, step: u64, job_index: usize, shard: &mut ParamShard<O>, max_norm: f64) -> Result<f64> {
     let share = shard.grad_sum_squares()?;
     let total_sq = sum_shares(reducer, step, job_index, share).await?;
     let norm = total_sq.sqrt();

@@ -553,7 +553,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         let overlapped_buckets = reports?;
         debug_assert_eq!(submitted, n_buckets, "every bucket is reduced once per step");
 
-        let grad_norm = match (&self.updater, self.config.grad_clip) {
+        let grad_norm = match (&mut self.updater, self.config.grad_clip) {
             (_, None) => None,
             (Updater::Replicated { slices, .. }, Some(max)) => Some(clip_whole(slices, max)?),
             // The norm's collective is numbered one past the last bucket.

@@ -373,7 +373,7 @@ impl<O: Optimizer> FsdpGpt<O> {
         // The norm's collective is numbered one past the last unit; it consumes its own report.
         let units = self.buckets.buckets().len();
         let grad_norm = match self.config.grad_clip {
-            Some(max) => Some(block_on(crate::clip::clip_segments(&self.reducer, step, units, &self.shard, max))?),
+            Some(max) => Some(block_on(crate::clip::clip_segments(&self.reducer, step, units, &mut self.shard, max))?),
             None => None,
         };
         self.shard.apply_reduced(step)?;
