@@ -24,6 +24,7 @@
 //! in the configured precision and steps them with the device AdamW; the engine host-stages what
 //! crosses stages and tensor-parallel ranks (see `rtx_pipelines::Placement`).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -47,7 +48,7 @@ use crate::config::{ModelConfig, TrainConfig};
 use super::device::{resolve_device, Placement};
 use super::jepa::{self, JepaSetup};
 use super::model::Model;
-use super::optimizer::{build_inner, build_schedule};
+use super::optimizer::{build_inner, build_inner_by, build_schedule};
 use super::task::{Batch, EvalSplit, TaskData};
 use super::{DROPOUT_STREAM, IMAGE_EVAL_BATCH};
 
@@ -223,8 +224,12 @@ impl TrainJob for ElasticJob {
 
     fn build_optimizer(&self, slices: &[ParamSlice]) -> Result<JobOptimizer, String> {
         let named: Vec<(String, Tensor)> = slices.iter().map(|s| (s.name.clone(), s.tensor.clone())).collect();
+        // Under ZeRO a slice is a 1-d piece of its parameter: AdamW's weight decay follows the
+        // parameter's full shape (matrices and embeddings), as it does on whole parameters.
+        let ranks: BTreeMap<String, usize> = slices.iter().map(|s| (s.name.clone(), s.param_shape.len())).collect();
+        let decays = move |name: &str, _: &Tensor| ranks.get(name).is_some_and(|&rank| rank >= 2);
         let inner = match self.placement {
-            Placement::Cpu => build_inner(&self.config.optim, named).map_err(|e| e.to_string())?.0,
+            Placement::Cpu => build_inner_by(&self.config.optim, named, decays).map_err(|e| e.to_string())?.0,
             Placement::Cuda { .. } => device_optimizer(&self.config, named)?,
         };
         Ok(JobOptimizer { inner })
