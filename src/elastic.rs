@@ -292,15 +292,8 @@ impl JobFiles {
             (3, 1) => elastic.sharding = DpSharding::Zero3,
             (z, _) => bail!("parallel.zero = {z} with pp = {} and tp = {}: the runtime shards optimizer state, gradients and parameters only for data-parallel jobs (pp = tp = 1) today; set parallel.zero = 0", elastic.pp, elastic.tp),
         }
-        // ZeRO-1/2 step each rank's optimizer over its own segments, and the job's optimizer clips
-        // what it steps: by the segment's norm, not the model's (a global-norm clip needs a
-        // collective in the sharded engine's step, not built). Said out loud rather than refused,
-        // so existing configs keep running.
-        if matches!(elastic.sharding, DpSharding::Zero1 | DpSharding::Zero2) {
-            if let Some(max) = self.config.optim.grad_clip {
-                eprintln!("warning: optim.grad_clip = {max} under elastic.sharding = \"{}\" clips each rank's gradient segment by its own norm, not the whole model's (not the replicated job's clipping; remove optim.grad_clip or train with zero = 0 for that)", elastic.sharding.name());
-            }
-        }
+        // `optim.grad_clip` clips by the whole model's gradient norm under every sharding: the
+        // engines gather each rank's share of the squared norm (`rtx_pipelines` `clip.rs`).
         if elastic.sharding == DpSharding::Zero3 {
             let key = if self.config.parallel.zero == 3 { ("parallel.zero", "3") } else { ("elastic.sharding", "\"zero3\"") };
             zero3_refusal(&self.config).map_or(Ok(()), |allowed| Err(ConfigError::Invalid { origin: String::new(), key: key.0.into(), value: key.1.into(), allowed }))?;
@@ -474,9 +467,6 @@ fn zero3_refusal(config: &TrainConfig) -> Option<String> {
     if !matches!(config.model, crate::config::ModelConfig::Gpt { .. }) {
         return Some("ZeRO-3 (FSDP) cuts a GPT into units (its embedding edge and its transformer blocks) and only a GPT has that engine; this model trains with zero = 0, 1 or 2".into());
     }
-    if config.optim.grad_clip.is_some() {
-        return Some("ZeRO-3 (FSDP) steps each rank's segments on their own, so optim.grad_clip would clip by a segment's norm, not the model's; remove optim.grad_clip or train with zero = 0, 1 or 2".into());
-    }
     if config.train.device == crate::config::DeviceKind::Cuda {
         return Some("ZeRO-3 (FSDP) shards host buckets; with train.device = \"cuda\" train with zero = 0".into());
     }
@@ -507,15 +497,14 @@ mod tests {
     use super::*;
 
     /// Goal: ZeRO-3 is refused, with the reason, for what FSDP cannot train as asked: a model
-    /// that is not a GPT, gradient clipping by the model's norm, a GPU replica; a plain CPU GPT
-    /// passes. Method: `zero3_refusal` over parsed configs.
+    /// that is not a GPT, a GPU replica; a plain CPU GPT passes, with gradient clipping too (the
+    /// engine clips by the model's norm). Method: `zero3_refusal` over parsed configs.
     #[test]
     fn zero3_names_why_a_job_cannot_run_under_it() {
         let gpt = "[model]\nkind = \"gpt\"\nn_layers = 2\nd_model = 32\nn_heads = 4\ncontext = 32\n[data]\ndataset = \"sotu\"\nbatch_size = 12\n[optim]\nkind = \"adamw\"\nlr = 1e-3\n[train]\nsteps = 10\n";
         let parse = |text: &str| TrainConfig::from_toml_str(text).expect("config");
         assert_eq!(zero3_refusal(&parse(gpt)), None);
-        let clipped = zero3_refusal(&parse(&gpt.replace("lr = 1e-3", "lr = 1e-3\ngrad_clip = 1.0"))).expect("refused");
-        assert!(clipped.contains("optim.grad_clip") && clipped.contains("segment's norm"), "{clipped}");
+        assert_eq!(zero3_refusal(&parse(&gpt.replace("lr = 1e-3", "lr = 1e-3\ngrad_clip = 1.0"))), None, "clipping trains under ZeRO-3");
         let mlp = "[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\ndataset = \"digits\"\nbatch_size = 8\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 2\n";
         let not_gpt = zero3_refusal(&parse(mlp)).expect("refused");
         assert!(not_gpt.contains("cuts a GPT into units"), "{not_gpt}");

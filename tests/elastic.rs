@@ -254,16 +254,46 @@ fn under_zero2_a_killed_worker_reruns_at_most_the_step_in_flight() {
     assert!(logs.lines().any(|l| l.contains("buddy copies") && l.contains("zero2")), "no worker logged ZeRO-2 sharding");
 }
 
-/// Goal: `optim.grad_clip` under ZeRO-1/2 is said out loud at launch (each rank clips its own
-/// gradient segment by its own norm, which is not the replicated job's clipping), and the run goes on.
+/// Goal: `optim.grad_clip` clips by the whole model's gradient norm under ZeRO-2 and ZeRO-3 as
+/// under replicated data parallelism: no warning, no refusal, and the committed losses of each are
+/// those of the zero = 0 run with the same clip (within 1e-5 relative, the tolerance of
+/// `pipelines/tests/zero_equivalence.rs`); the clip is active (the unclipped run commits other
+/// losses). Method: the ZeRO-3 test GPT with `grad_clip = 0.1` on 2 workers for 20 steps at
+/// zero = 0, 2 and 3, and once without the clip.
 #[test]
-fn grad_clip_under_zero2_is_named_at_launch() {
+fn grad_clip_under_zero2_and_zero3_is_the_replicated_clip() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let out = tempfile::tempdir().expect("tempdir").keep().join("run");
-    let output = rtx().args(["launch", "--nproc", "1", "--no-progress", "--out"]).arg(&out).arg(config_with(25, "[parallel]\nzero = 2\n")).output().expect("rtx launch");
-    let err = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{err}");
-    assert!(err.contains("optim.grad_clip = 5 under elastic.sharding = \"zero2\" clips each rank's gradient segment by its own norm"), "{err}");
+    let run = |zero: u32, clip: &str| -> Vec<f64> {
+        let text = std::fs::read_to_string(zero3_config(20, "")).expect("config");
+        let text = text.replace("[parallel]\nzero = 3\n", &format!("[parallel]\nzero = {zero}\n")).replace("weight_decay = 0.1\n", &format!("weight_decay = 0.1\n{clip}"));
+        let dir = tempfile::tempdir().expect("tempdir").keep();
+        let config = dir.join("clip.toml");
+        std::fs::write(&config, text).expect("write config");
+        let out = dir.join("run");
+        let output = rtx().args(["launch", "--nproc", "2", "--no-progress", "--out"]).arg(&out).arg(&config).output().expect("rtx launch");
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "zero = {zero}: {err}");
+        assert!(!err.contains("warning: optim.grad_clip") && !err.contains("segment's norm"), "zero = {zero}: {err}");
+        let events: Vec<Value> = std::fs::read_to_string(out.join("events.jsonl")).expect("events").lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        let mut losses: Vec<(u64, f64)> = events.iter().filter(|e| e["event"] == "committed").map(|e| (e["step"].as_u64().expect("step"), e["loss"].as_f64().expect("loss"))).collect();
+        losses.sort_by_key(|(step, _)| *step);
+        assert_eq!(losses.iter().map(|(step, _)| *step).collect::<Vec<_>>(), (0..20).collect::<Vec<_>>(), "zero = {zero}: every step committed once");
+        losses.into_iter().map(|(_, loss)| loss).collect()
+    };
+    let clip = "grad_clip = 0.1\n";
+    let replicated = run(0, clip);
+    for zero in [2, 3] {
+        let sharded = run(zero, clip);
+        for (step, (a, b)) in replicated.iter().zip(&sharded).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "zero = {zero} step {step}: loss {b} vs zero = 0 {a}");
+        }
+        let worst = replicated.iter().zip(&sharded).map(|(a, b)| (a - b).abs() / a.abs()).fold(0f64, f64::max);
+        eprintln!("zero = {zero}: worst relative loss difference to zero = 0 {worst:.2e}");
+    }
+    let unclipped = run(0, "");
+    let gap = replicated.iter().zip(&unclipped).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+    eprintln!("losses with the clip {:?}, without {:?}", &replicated[..5], &unclipped[..5]);
+    assert!(gap > 1e-3, "the clip changes training (largest loss gap {gap}): it is active");
 }
 
 /// `rtx supervisor` and `rtx worker` started as a Slurm job step starts them: the variables
@@ -397,9 +427,8 @@ fn on_two_machines_a_killed_worker_is_recovered_over_the_routed_layout() {
 
 /// A small byte-level GPT (SOTU bytes, 2 blocks of width 32) under `[parallel] zero = 3`, for
 /// the ZeRO-3 runs: 12 rows per step split evenly over 3 or 2 workers (FSDP averages the ranks'
-/// mean losses, which is the global mean only for equal parts); no gradient clipping (ZeRO-3
-/// refuses it: a segment's norm is not the model's); no snapshot (the state between steps lives
-/// only in the unit segments and their buddy copies).
+/// mean losses, which is the global mean only for equal parts); no snapshot (the state between
+/// steps lives only in the unit segments and their buddy copies).
 fn zero3_config(steps: u64, elastic_extra: &str) -> PathBuf {
     let text = format!(
         "[model]\nkind = \"gpt\"\nn_layers = 2\nd_model = 32\nn_heads = 4\ncontext = 32\ndropout = 0.0\n\

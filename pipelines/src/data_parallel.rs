@@ -20,6 +20,11 @@
 //!    optimizer state for those segments only; the reduce-scatter wrote the averaged gradient
 //!    straight into its gradient segments. The updated parameter segments are copied into the
 //!    buckets and every bucket's parameters are `all_gather`ed so all replicas are identical.
+//!    With [`DpConfig::grad_clip`] the averaged gradient is clipped by its norm over the whole
+//!    model first: replicated, as `rtx_tensor::optim::clip_grad_norm` over every parameter;
+//!    under ZeRO-1/2, where a rank holds only its segments, each rank's share of the squared norm
+//!    is gathered in one small collective and every rank scales its segments by the same factor
+//!    ([`crate::clip`]).
 //!
 //! # Who owns a bucket buffer when
 //!
@@ -130,7 +135,7 @@ pub enum Sharding {
 }
 
 /// Configuration of a [`DataParallel`] engine; must be the same on every rank.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct DpConfig {
     /// Most bytes per bucket (a larger parameter gets a bucket of its own).
     pub bucket_bytes_max: usize,
@@ -144,6 +149,11 @@ pub struct DpConfig {
     /// path parameters on a device always take (see the module doc); for host models this only
     /// costs copies, and lets CPU tests run the device path's logic.
     pub host_staging: bool,
+    /// Clip the averaged gradient to this L2 norm over the whole model before the optimizer
+    /// steps (`None`: no clipping). Under ZeRO-1/2 too: the norm is the model's, not a segment's
+    /// (see the module doc). An optimizer that clips inside its own `step` would see only this
+    /// rank's segments under ZeRO; clip here instead.
+    pub grad_clip: Option<f64>,
 }
 
 /// What one step did.
@@ -159,6 +169,9 @@ pub struct StepStats {
     pub overlapped_buckets: usize,
     /// Buckets handed over only after backward because some parameter in them was unused.
     pub flushed_buckets: usize,
+    /// The averaged gradient's norm over the whole model before clipping, when
+    /// [`DpConfig::grad_clip`] is set (the same on every rank).
+    pub grad_norm: Option<f64>,
 }
 
 /// One rank of a data-parallel group: model, flat buckets, optimizer and communication thread.
@@ -193,7 +206,7 @@ pub(crate) struct BucketTracker {
 
 impl Default for DpConfig {
     fn default() -> Self {
-        DpConfig { bucket_bytes_max: DEFAULT_BUCKET_BYTES_MAX, sharding: Sharding::Replicated, queue_depth: DEFAULT_QUEUE_DEPTH, collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT, host_staging: false }
+        DpConfig { bucket_bytes_max: DEFAULT_BUCKET_BYTES_MAX, sharding: Sharding::Replicated, queue_depth: DEFAULT_QUEUE_DEPTH, collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT, host_staging: false, grad_clip: None }
     }
 }
 
@@ -209,7 +222,7 @@ impl DpConfig {
         if self.collective_timeout.is_zero() {
             return Err(Error::InvalidConfig { reason: "collective_timeout must be positive" });
         }
-        Ok(())
+        crate::clip::validate(self.grad_clip)
     }
 }
 
@@ -540,6 +553,12 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         let overlapped_buckets = reports?;
         debug_assert_eq!(submitted, n_buckets, "every bucket is reduced once per step");
 
+        let grad_norm = match (&mut self.updater, self.config.grad_clip) {
+            (_, None) => None,
+            (Updater::Replicated { slices, .. }, Some(max)) => Some(clip_whole(slices, max)?),
+            // The norm's collective is numbered one past the last bucket.
+            (Updater::Sharded(shard), Some(max)) => Some(crate::clip::clip_segments(&self.reducer, step, n_buckets, shard, max).await?),
+        };
         match &mut self.updater {
             Updater::Replicated { optimizer, .. } => optimizer.step()?,
             Updater::Sharded(shard) => {
@@ -559,7 +578,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             trace.record("optimizer", COMPUTE_TID, step, None, optimizer_began, ended);
             trace.step_done();
         }
-        Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets, flushed_buckets: n_buckets - handed_during_backward })
+        Ok(StepStats { step, loss: loss_value, n_buckets, overlapped_buckets, flushed_buckets: n_buckets - handed_during_backward, grad_norm })
     }
 }
 
@@ -590,9 +609,10 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         if self.reducer.size() == 1 {
             // A group of one: the gradients are their own average; nothing to copy or reduce.
             return match &mut self.updater {
-                Updater::Replicated { optimizer, .. } => {
+                Updater::Replicated { optimizer, slices } => {
+                    let grad_norm = self.config.grad_clip.map(|max| clip_whole(slices, max)).transpose()?;
                     optimizer.step()?;
-                    Ok(StepStats { step, loss: loss_value.item()?, n_buckets, overlapped_buckets: 0, flushed_buckets: 0 })
+                    Ok(StepStats { step, loss: loss_value.item()?, n_buckets, overlapped_buckets: 0, flushed_buckets: 0, grad_norm })
                 }
                 Updater::Sharded(_) => Err(Error::ShardedDevice { device: staging.device() }),
             };
@@ -623,10 +643,14 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         staging.upload_grads()?;
         let optimizer_began = Instant::now();
         spans.push(("upload", None, upload_began, optimizer_began));
-        match &mut self.updater {
-            Updater::Replicated { optimizer, .. } => optimizer.step()?,
+        let grad_norm = match &mut self.updater {
+            Updater::Replicated { optimizer, slices } => {
+                let grad_norm = self.config.grad_clip.map(|max| clip_whole(slices, max)).transpose()?;
+                optimizer.step()?;
+                grad_norm
+            }
             Updater::Sharded(_) => return Err(Error::ShardedDevice { device: staging.device() }),
-        }
+        };
         let loss = loss_value.item()?;
         if let Some(trace) = self.trace.as_mut().filter(|_| traced) {
             // The optimizer span ends when the loss is read: the device has run the step.
@@ -636,7 +660,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             }
             trace.step_done();
         }
-        Ok(StepStats { step, loss, n_buckets, overlapped_buckets: 0, flushed_buckets: 0 })
+        Ok(StepStats { step, loss, n_buckets, overlapped_buckets: 0, flushed_buckets: 0, grad_norm })
     }
 }
 
@@ -725,6 +749,13 @@ pub(crate) async fn run_jobs(reducer: &Reducer, step: u64, jobs: impl Iterator<I
     }
     wait_reports(reducer, step, submitted, None).await?;
     submit_error.map_or(Ok(()), Err)
+}
+
+/// Clips the averaged gradients of whole parameters (a replicated engine) by their norm, as
+/// `rtx_tensor::optim::clip_grad_norm` over the optimizer's parameters; returns the norm.
+fn clip_whole(slices: &[ParamSlice], max_norm: f64) -> Result<f64> {
+    let params: Vec<Tensor> = slices.iter().map(|s| s.tensor.clone()).collect();
+    Ok(rtx_tensor::optim::clip_grad_norm(&params, max_norm)?)
 }
 
 /// The gradient collective of `bucket`: an all-reduce, or under ZeRO-1 a reduce-scatter into the

@@ -34,6 +34,14 @@
 //! buffer until the embedding backward adds its part, then the unit is reduce-scattered once, so
 //! the edge unit's full gradient lives through the whole backward (reported in [`MemoryPerRank`]).
 //!
+//! # Clipping
+//!
+//! With [`FsdpConfig::grad_clip`], once every unit's gradient is reduce-scattered, the averaged
+//! gradient is clipped by its norm over the whole model before the optimizer steps: each rank's
+//! share of the squared norm (its segments) is gathered in one small collective and every rank
+//! scales its segments by the same factor, the replicated engine's ([`crate::clip`]). The tied
+//! embedding and head are one parameter in the edge unit, so they count once.
+//!
 //! # Prefetch and ownership
 //!
 //! Collectives run on the rank's communication thread ([`crate::reducer`]) one at a time in
@@ -68,7 +76,7 @@ use crate::shard::ParamSlice;
 use crate::{DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
 
 /// Configuration of an [`FsdpGpt`] engine; must be the same on every rank.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct FsdpConfig {
     /// Most collectives queued for the communication thread.
     pub queue_depth: usize,
@@ -76,6 +84,9 @@ pub struct FsdpConfig {
     pub collective_timeout: Duration,
     /// Gather the next unit while this one computes (off: gather just before use, for measuring).
     pub prefetch: bool,
+    /// Clip the averaged gradient to this L2 norm over the whole model before the optimizer
+    /// steps (`None`: no clipping); see the module doc.
+    pub grad_clip: Option<f64>,
 }
 
 /// What one step did.
@@ -87,6 +98,9 @@ pub struct FsdpStats {
     pub loss: f64,
     /// All-gathers this step ran (two per block, three of the edge unit).
     pub gathers: usize,
+    /// The averaged gradient's norm over the whole model before clipping, when
+    /// [`FsdpConfig::grad_clip`] is set (the same on every rank).
+    pub grad_norm: Option<f64>,
 }
 
 /// One rank of ZeRO-3 / FSDP over a [`Gpt`] (see the module doc).
@@ -111,7 +125,7 @@ pub struct FsdpGpt<O> {
 
 impl Default for FsdpConfig {
     fn default() -> Self {
-        FsdpConfig { queue_depth: DEFAULT_QUEUE_DEPTH, collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT, prefetch: true }
+        FsdpConfig { queue_depth: DEFAULT_QUEUE_DEPTH, collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT, prefetch: true, grad_clip: None }
     }
 }
 
@@ -124,7 +138,7 @@ impl FsdpConfig {
         if self.collective_timeout.is_zero() {
             return Err(Error::InvalidConfig { reason: "collective_timeout must be positive" });
         }
-        Ok(())
+        crate::clip::validate(self.grad_clip)
     }
 }
 
@@ -356,8 +370,14 @@ impl<O: Optimizer> FsdpGpt<O> {
         self.wait(step, last)?;
         debug_assert_eq!(self.submitted, self.reported, "fsdp: every collective of the step is done");
         debug_assert_eq!((self.gathered_bytes, self.grads_bytes), (0, 0), "fsdp: nothing full outlives the step");
+        // The norm's collective is numbered one past the last unit; it consumes its own report.
+        let units = self.buckets.buckets().len();
+        let grad_norm = match self.config.grad_clip {
+            Some(max) => Some(block_on(crate::clip::clip_segments(&self.reducer, step, units, &mut self.shard, max))?),
+            None => None,
+        };
         self.shard.apply_reduced(step)?;
-        Ok(FsdpStats { step, loss: loss_value, gathers: self.gathers })
+        Ok(FsdpStats { step, loss: loss_value, gathers: self.gathers, grad_norm })
     }
 
     /// `ids` and `targets` are u32 `[B, T]` with `1 <= T <= context`, and every id and target is

@@ -18,6 +18,7 @@
 //! shape). No engine picks batches, detects failures beyond what its collectives report, or
 //! recovers: a failed step is an error for the supervisor, which re-forms the group.
 
+mod clip;
 mod data_parallel;
 pub mod driver;
 mod error;

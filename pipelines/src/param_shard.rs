@@ -197,6 +197,24 @@ impl<O: Optimizer> ParamShard<O> {
         self.run_optimizer(step)
     }
 
+    /// Σ g² over this rank's gradient segments, in f64 (buckets in order, each segment in the
+    /// fixed chunks of [`rtx_tensor::optim::sum_squares`]). The segments of a group's ranks tile
+    /// every bucket exactly once, with no padding, so the group's sum of these is the squared
+    /// norm of the whole averaged gradient (see [`crate::clip`]).
+    pub fn grad_sum_squares(&self) -> Result<f64> {
+        let grads: Vec<Tensor> = self.segments.iter().map(|s| s.grads.clone()).collect();
+        Ok(rtx_tensor::optim::sum_squares(&grads)?)
+    }
+
+    /// Multiplies every gradient segment by `coef` in place (the clipping factor, before the
+    /// optimizer reads them).
+    pub(crate) fn scale_grads(&self, coef: f64) -> Result<()> {
+        for segment in &self.segments {
+            segment.grads.scale_(coef)?;
+        }
+        Ok(())
+    }
+
     /// A copy of the whole state.
     pub fn export(&self) -> Result<ShardState> {
         let _span = tracing::debug_span!("param_shard", actor = "param_shard", msg = "export", rank = self.rank, step = self.next_step).entered();

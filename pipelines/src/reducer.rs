@@ -118,6 +118,9 @@ pub(crate) enum BucketOp {
     /// ZeRO-3: fill `params` (allocated to the bucket's full length by the compute thread) with
     /// every rank's segment; this rank's is read from `segment`, its own storage.
     Gather { params: Storage, segment: Storage },
+    /// Gradient clipping under ZeRO: `values` holds one f64 per rank, this rank's (its share of
+    /// the squared gradient norm) at its rank; afterwards every rank's, in rank order.
+    NormShares { values: Storage },
 }
 
 impl BucketOp {
@@ -128,6 +131,7 @@ impl BucketOp {
             BucketOp::AllGather { .. } => "all_gather",
             BucketOp::Broadcast { .. } => "broadcast",
             BucketOp::Gather { .. } => "all_gather",
+            BucketOp::NormShares { .. } => "grad_norm_all_gather",
         }
     }
 }
@@ -367,6 +371,15 @@ async fn run(comm: &Communicator, job: &Job, timeout: Duration, scratch: &mut BT
             let mut data = take(params);
             let outcome = bounded(timeout, broadcast(comm, &mut data)).await;
             restore(params, data);
+            outcome
+        }
+        BucketOp::NormShares { values } => {
+            let mut data = take(values);
+            let outcome = match &mut data {
+                CpuData::F64(v) => bounded(timeout, async { comm.all_gather_in_place(v).await.map_err(Failure::Comm) }).await,
+                other => Err(Failure::Unsupported(other.dtype())),
+            };
+            restore(values, data);
             outcome
         }
     }

@@ -24,6 +24,7 @@
 //! in the configured precision and steps them with the device AdamW; the engine host-stages what
 //! crosses stages and tensor-parallel ranks (see `rtx_pipelines::Placement`).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -33,7 +34,7 @@ use std::sync::Arc;
 use rtx_pipelines::pipeline::{PipelineConfig, TokenBatch, TpGptStage};
 use rtx_pipelines::schedule::ScheduleKind;
 use rtx_pipelines::tp::TpOptions;
-use rtx_pipelines::ParamSlice;
+use rtx_pipelines::{DpConfig, ParamSlice};
 use rtx_supervisor::plan::{partition_layers, Schedule};
 use rtx_supervisor::{BoxedStage, FsdpSpec, JobSpec, MeshSpec, StageRequest, TrainJob};
 use rtx_tensor::checkpoint::sharded::ModelLayout;
@@ -47,7 +48,7 @@ use crate::config::{ModelConfig, TrainConfig};
 use super::device::{resolve_device, Placement};
 use super::jepa::{self, JepaSetup};
 use super::model::Model;
-use super::optimizer::{build_inner, build_schedule};
+use super::optimizer::{build_inner, build_inner_by, build_schedule};
 use super::task::{Batch, EvalSplit, TaskData};
 use super::{DROPOUT_STREAM, IMAGE_EVAL_BATCH};
 
@@ -69,12 +70,12 @@ pub(crate) struct RankBatch {
     rank: usize,
 }
 
-/// The optimizer of an elastic job: the configured algorithm with gradient clipping inside its
-/// `step` (gradients are already averaged across ranks when it runs).
+/// The optimizer of an elastic job: the configured algorithm. Gradients are already averaged
+/// across ranks, and clipped, when it runs: `optim.grad_clip` is the engine's
+/// (`DpConfig::grad_clip`, by the whole model's norm under replication and ZeRO-1/2/3 alike),
+/// because under ZeRO this optimizer steps only its rank's segments.
 pub(crate) struct JobOptimizer {
     inner: Box<dyn optim::Optimizer + Send>,
-    grad_clip: Option<f64>,
-    params: Vec<Tensor>,
 }
 
 impl ElasticJob {
@@ -223,12 +224,20 @@ impl TrainJob for ElasticJob {
 
     fn build_optimizer(&self, slices: &[ParamSlice]) -> Result<JobOptimizer, String> {
         let named: Vec<(String, Tensor)> = slices.iter().map(|s| (s.name.clone(), s.tensor.clone())).collect();
-        let params = named.iter().map(|(_, t)| t.clone()).collect();
+        // Under ZeRO a slice is a 1-d piece of its parameter: AdamW's weight decay follows the
+        // parameter's full shape (matrices and embeddings), as it does on whole parameters.
+        let ranks: BTreeMap<String, usize> = slices.iter().map(|s| (s.name.clone(), s.param_shape.len())).collect();
+        let decays = move |name: &str, _: &Tensor| ranks.get(name).is_some_and(|&rank| rank >= 2);
         let inner = match self.placement {
-            Placement::Cpu => build_inner(&self.config.optim, named).map_err(|e| e.to_string())?.0,
+            Placement::Cpu => build_inner_by(&self.config.optim, named, decays).map_err(|e| e.to_string())?.0,
             Placement::Cuda { .. } => device_optimizer(&self.config, named)?,
         };
-        Ok(JobOptimizer { inner, grad_clip: self.config.optim.grad_clip, params })
+        Ok(JobOptimizer { inner })
+    }
+
+    fn dp_config(&self) -> DpConfig {
+        // Clipping by the model's norm is the engine's in every sharding (see `JobOptimizer`).
+        DpConfig { grad_clip: self.config.optim.grad_clip, ..DpConfig::default() }
     }
 
     fn loss(&self, model: &mut Model, batch: &RankBatch, step: u64) -> rtx_tensor::Result<(Tensor, usize)> {
@@ -438,9 +447,6 @@ fn device_optimizer(_config: &TrainConfig, _named: Vec<(String, Tensor)>) -> Res
 
 impl optim::Optimizer for JobOptimizer {
     fn step(&mut self) -> rtx_tensor::Result<()> {
-        if let Some(max) = self.grad_clip {
-            optim::clip_grad_norm(&self.params, max)?;
-        }
         self.inner.step()
     }
 

@@ -89,6 +89,12 @@ impl Optimizer {
 
 /// The configured algorithm over `named` parameters, and a one-line description.
 pub(crate) fn build_inner(config: &OptimConfig, named: Vec<(String, Tensor)>) -> Result<(Box<dyn optim::Optimizer + Send>, String)> {
+    build_inner_by(config, named, AdamW::decay_matrices)
+}
+
+/// [`build_inner`] where AdamW decays the parameters `decays(name, tensor)` picks (for tensors
+/// that are slices of parameters, whose own shape does not say what the parameter is).
+pub(crate) fn build_inner_by(config: &OptimConfig, named: Vec<(String, Tensor)>, decays: impl Fn(&str, &Tensor) -> bool) -> Result<(Box<dyn optim::Optimizer + Send>, String)> {
     Ok(match config.kind {
         OptimKind::Sgd { momentum } => {
             let cfg = SgdConfig { lr: config.lr, momentum, weight_decay: config.weight_decay, ..SgdConfig::default() };
@@ -97,7 +103,7 @@ pub(crate) fn build_inner(config: &OptimConfig, named: Vec<(String, Tensor)>) ->
         OptimKind::AdamW { betas, eps } => {
             let cfg = AdamWConfig { lr: config.lr, beta1: betas.0, beta2: betas.1, eps, weight_decay: config.weight_decay };
             // Decay weights and embeddings only, not biases or norm scales (nanoGPT's rule).
-            (Box::new(AdamW::with_decay_filter(named, cfg, AdamW::decay_matrices)?), format!("adamw lr {} betas ({}, {}) weight_decay {} (matrices only)", config.lr, betas.0, betas.1, config.weight_decay))
+            (Box::new(AdamW::with_decay_filter(named, cfg, decays)?), format!("adamw lr {} betas ({}, {}) weight_decay {} (matrices only)", config.lr, betas.0, betas.1, config.weight_decay))
         }
     })
 }

@@ -20,7 +20,9 @@ use rtx_tensor::{Generator, Module, Optimizer, Tensor};
 pub trait TrainJob: BatchSource {
     /// The model.
     type Model: Module + Send + 'static;
-    /// The optimizer (it may clip gradients inside `step`).
+    /// The optimizer. It should not clip gradients inside `step`: under ZeRO it steps only this
+    /// rank's segments, so it would clip by a segment's norm; [`TrainJob::dp_config`]'s
+    /// `grad_clip` clips by the whole model's norm in every engine.
     type Optim: Optimizer + Send + 'static;
 
     /// Builds the model; every worker must get the same initial parameters.
@@ -53,7 +55,8 @@ pub trait TrainJob: BatchSource {
     /// Evaluates the final model (called on rank 0 only): named metrics.
     fn evaluate(&self, model: &mut Self::Model) -> Result<Vec<(String, f64)>, String>;
 
-    /// Data-parallel engine settings (bucket size, sharding).
+    /// Data-parallel engine settings (bucket size, sharding, gradient clipping). Its
+    /// `grad_clip` also clips the ZeRO-3 engine ([`rtx_pipelines::FsdpConfig::grad_clip`]).
     fn dp_config(&self) -> DpConfig {
         DpConfig::default()
     }

@@ -327,8 +327,7 @@ impl<S: StageModule, O: Optimizer> MeshEngine<S, O> {
         self.tp.all_reduce_sum(&mut sum_sq)?;
         self.pp.all_reduce_sum(&mut sum_sq)?;
         let norm = sum_sq[0].sqrt();
-        let coef = max_norm / (norm + 1e-6);
-        if norm.is_finite() && coef < 1.0 {
+        if let Some(coef) = rtx_tensor::optim::clip_coefficient(norm, max_norm) {
             for (name, _) in &params {
                 param_grad(&params, name)?.scale_(coef)?;
             }

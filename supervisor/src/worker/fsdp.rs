@@ -76,7 +76,8 @@ pub(super) async fn train<J: TrainJob>(
     let optimizer_full_bytes: usize = template.iter().map(|(_, t)| t.numel() * t.dtype().size_in_bytes()).sum();
     replica.template = None;
     let gpt = (spec.build)().map_err(SupervisorError::Job)?;
-    let config = FsdpConfig { collective_timeout: Duration::from_secs(60), ..FsdpConfig::default() };
+    // The job's clipping bound is the engine's: by the model's norm over every rank's segments.
+    let config = FsdpConfig { collective_timeout: Duration::from_secs(60), grad_clip: job.dp_config().grad_clip, ..FsdpConfig::default() };
     let engine_comm = comm.clone();
     let mut engine = match &g.segments {
         Some(s) => {

@@ -4,7 +4,8 @@
 //!   `state_tensors` / `load_state` for checkpoints. [`Sgd`] and [`AdamW`] follow
 //!   `torch.optim.SGD` and `torch.optim.AdamW` (single-tensor path) operation for operation.
 //! - [`LrSchedule`]: [`ConstantLr`] and [`WarmupCosine`], pure functions of the step.
-//! - [`clip_grad_norm`]: global L2 norm clipping as `torch.nn.utils.clip_grad_norm_`.
+//! - [`clip_grad_norm`]: global L2 norm clipping as `torch.nn.utils.clip_grad_norm_`; its parts
+//!   ([`sum_squares`], [`clip_coefficient`]) for gradients split over processes.
 //! - [`ParamBuckets`]: moves a module's parameters and gradients into a few flat buffers so a
 //!   data-parallel layer can all-reduce whole buckets in place.
 //!
@@ -70,22 +71,20 @@ pub trait Optimizer {
 
 /// Clips gradients by their global L2 norm, as `torch.nn.utils.clip_grad_norm_`: the total norm
 /// over every gradient of `params` is computed in f64 in a fixed order (parameters in order,
-/// fixed 64Ki-element chunks summed in order), and when `max_norm / (total + 1e-6) < 1` every
-/// gradient is scaled by that factor in place. Returns the total norm before clipping.
+/// fixed 64Ki-element chunks summed in order, [`sum_squares`]), and when
+/// `max_norm / (total + 1e-6) < 1` every gradient is scaled by that factor in place
+/// ([`clip_coefficient`]). Returns the total norm before clipping.
 /// Parameters without a gradient are skipped. A non-finite total is returned without scaling
 /// anything (PyTorch would scale by NaN or 0); the caller decides whether to skip the step.
+///
+/// A caller whose gradients are split over several processes (ZeRO) sums each part's
+/// [`sum_squares`], takes the root and scales each part by [`clip_coefficient`]: the same
+/// formula, with the sum taken in another order.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64> {
-    if max_norm.is_nan() || max_norm <= 0.0 || max_norm.is_infinite() {
-        return Err(Error::InvalidArgument { op: "clip_grad_norm", reason: format!("max_norm must be positive and finite, got {max_norm}") });
-    }
+    check_max_norm(max_norm)?;
     let grads: Vec<Tensor> = params.iter().filter_map(|p| p.grad()).collect();
-    let mut total_sq = 0.0f64;
-    for g in &grads {
-        total_sq += sum_squares(g)?;
-    }
-    let total = total_sq.sqrt();
-    let coef = max_norm / (total + 1e-6);
-    if total.is_finite() && coef < 1.0 {
+    let total = sum_squares(&grads)?.sqrt();
+    if let Some(coef) = clip_coefficient(total, max_norm) {
         for g in &grads {
             g.scale_(coef)?;
         }
@@ -93,10 +92,37 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64> {
     Ok(total)
 }
 
+/// Refuses a clipping bound that is not positive and finite (what [`clip_grad_norm`] accepts).
+pub fn check_max_norm(max_norm: f64) -> Result<()> {
+    if max_norm.is_nan() || max_norm <= 0.0 || max_norm.is_infinite() {
+        return Err(Error::InvalidArgument { op: "clip_grad_norm", reason: format!("max_norm must be positive and finite, got {max_norm}") });
+    }
+    Ok(())
+}
+
+/// The factor [`clip_grad_norm`] scales gradients by when their norm is `total_norm`:
+/// `max_norm / (total_norm + 1e-6)` when that is below 1 and the norm is finite, else `None`
+/// (nothing is scaled).
+pub fn clip_coefficient(total_norm: f64, max_norm: f64) -> Option<f64> {
+    let coef = max_norm / (total_norm + 1e-6);
+    (total_norm.is_finite() && coef < 1.0).then_some(coef)
+}
+
+/// Σ x² over every element of `tensors`, in f64: each tensor in fixed 64Ki-element chunks
+/// combined in chunk order, tensors added in order starting from 0 (independent of the thread
+/// count). [`clip_grad_norm`]'s squared norm.
+pub fn sum_squares(tensors: &[Tensor]) -> Result<f64> {
+    let mut total_sq = 0.0f64;
+    for t in tensors {
+        total_sq += tensor_sum_squares(t)?;
+    }
+    Ok(total_sq)
+}
+
 const NORM_CHUNK: usize = 1 << 16;
 
 /// Σ x² in f64 over fixed chunks, combined in chunk order (independent of thread count).
-fn sum_squares(t: &Tensor) -> Result<f64> {
+fn tensor_sum_squares(t: &Tensor) -> Result<f64> {
     t.with_float_slice(|s| {
         let partials: Vec<f64> = match s {
             FloatSlice::F32(x) => x.par_chunks(NORM_CHUNK).map(|c| c.iter().map(|&v| f64::from(v) * f64::from(v)).sum()).collect(),
