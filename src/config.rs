@@ -168,6 +168,84 @@ pub struct JepaConfig {
     /// Also probe raw pixels the same way at the end (the baseline to beat).
     #[serde(default = "default_true")]
     pub pixel_baseline: bool,
+    /// Frozen-feature readouts the probes score, a name or a list of names (see
+    /// [`ProbeReadout`]); the first is the run's headline `probe_acc` / `knn_acc`.
+    #[serde(default = "default_probe_features", deserialize_with = "one_or_many_readouts")]
+    pub probe_features: Vec<ProbeReadout>,
+}
+
+/// `[jepa] probe_features`: how the frozen encoder's final token grid becomes the probes' input
+/// (the computation is `train::readout`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProbeReadout {
+    /// Mean over all tokens of the final (layer-normed) output: `C` values (the I-JEPA paper's).
+    Mean,
+    /// The token grid average-pooled over 2x2 regions, concatenated: `4·C` values.
+    Grid2,
+    /// The token grid average-pooled over 3x3 regions, concatenated: `9·C` values.
+    Grid3,
+    /// Every token of the final output, concatenated: `N·C` values.
+    Tokens,
+    /// Mean-pooled outputs of the last 4 blocks (each through the final norm), concatenated:
+    /// `min(4, layers)·C` values.
+    MeanLast4,
+}
+
+impl ProbeReadout {
+    /// Every readout, in the order the docs list them.
+    pub const ALL: [ProbeReadout; 5] = [ProbeReadout::Mean, ProbeReadout::Grid2, ProbeReadout::Grid3, ProbeReadout::Tokens, ProbeReadout::MeanLast4];
+
+    /// The config name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ProbeReadout::Mean => "mean",
+            ProbeReadout::Grid2 => "grid2",
+            ProbeReadout::Grid3 => "grid3",
+            ProbeReadout::Tokens => "tokens",
+            ProbeReadout::MeanLast4 => "mean-last4",
+        }
+    }
+
+    /// The readout called `name`, if any.
+    pub fn from_name(name: &str) -> Option<ProbeReadout> {
+        Self::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// The allowed names, quoted and comma-separated (for error messages).
+    pub fn allowed() -> String {
+        Self::ALL.iter().map(|r| format!("\"{}\"", r.name())).collect::<Vec<_>>().join(", ")
+    }
+}
+
+impl<'de> Deserialize<'de> for ProbeReadout {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        ProbeReadout::from_name(&name)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown probe readout \"{name}\" in jepa.probe_features: allowed {}", ProbeReadout::allowed())))
+    }
+}
+
+/// `probe_features = "grid3"` or `probe_features = ["mean", "grid3"]`.
+fn one_or_many_readouts<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<ProbeReadout>, D::Error> {
+    struct Visitor;
+    impl<'de> serde::de::Visitor<'de> for Visitor {
+        type Value = Vec<ProbeReadout>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "a probe readout name or a list of them ({})", ProbeReadout::allowed())
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            ProbeReadout::deserialize(serde::de::value::StrDeserializer::<E>::new(v)).map(|r| vec![r])
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(r) = seq.next_element::<ProbeReadout>()? {
+                out.push(r);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_any(Visitor)
 }
 
 /// `[jepa] loss`.
@@ -203,6 +281,7 @@ impl Default for JepaConfig {
             probe_epochs: default_probe_epochs(),
             knn_k: default_knn_k(),
             pixel_baseline: true,
+            probe_features: default_probe_features(),
         }
     }
 }
@@ -242,6 +321,9 @@ fn default_probe_epochs() -> usize {
 }
 fn default_knn_k() -> usize {
     20
+}
+fn default_probe_features() -> Vec<ProbeReadout> {
+    vec![ProbeReadout::Mean]
 }
 fn default_true() -> bool {
     true
@@ -1000,6 +1082,12 @@ impl Validator<'_> {
             }
         }
         self.nonzero("jepa.knn_k", j.knn_k)?;
+        if j.probe_features.is_empty() {
+            return Err(self.invalid("jepa.probe_features", "[]", format!("name at least one readout: {}", ProbeReadout::allowed())));
+        }
+        if let Some((i, r)) = j.probe_features.iter().enumerate().find(|(i, r)| j.probe_features[..*i].contains(r)) {
+            return Err(self.invalid("jepa.probe_features", format!("\"{}\" (entry {})", r.name(), i + 1), "each readout at most once"));
+        }
         Ok(Some(j))
     }
 
@@ -1303,5 +1391,65 @@ steps = 5
             }
         }
         assert!(gpt_configs >= 6, "found {gpt_configs} GPT configs");
+    }
+
+    const IJEPA: &str = r#"
+[model]
+kind = "ijepa"
+patch_size = 2
+d_model = 16
+n_layers = 2
+n_heads = 2
+
+[jepa]
+predictor_width = 8
+predictor_heads = 2
+
+[data]
+dataset = "digits"
+batch_size = 16
+
+[optim]
+kind = "adamw"
+lr = 1e-3
+
+[train]
+steps = 10
+"#;
+
+    fn readouts(text: &str) -> Vec<ProbeReadout> {
+        TrainConfig::from_toml_str(text).expect("valid").jepa.expect("[jepa]").probe_features
+    }
+
+    #[test]
+    fn probe_features_take_a_name_or_a_list() {
+        assert_eq!(readouts(IJEPA), vec![ProbeReadout::Mean], "default: mean pooling");
+        let one = IJEPA.replace("predictor_heads = 2", "predictor_heads = 2\nprobe_features = \"grid3\"");
+        assert_eq!(readouts(&one), vec![ProbeReadout::Grid3]);
+        let all = IJEPA.replace("predictor_heads = 2", "predictor_heads = 2\nprobe_features = [\"grid3\", \"mean\", \"grid2\", \"tokens\", \"mean-last4\"]");
+        assert_eq!(readouts(&all), vec![ProbeReadout::Grid3, ProbeReadout::Mean, ProbeReadout::Grid2, ProbeReadout::Tokens, ProbeReadout::MeanLast4]);
+        // The config's order is kept through serialisation (the run's config.json).
+        let c = TrainConfig::from_toml_str(&all).expect("valid");
+        let json = serde_json::to_string(&c.jepa).expect("json");
+        assert!(json.contains(r#""probe_features":["grid3","mean","grid2","tokens","mean-last4"]"#), "{json}");
+    }
+
+    #[test]
+    fn bad_probe_features_name_the_allowed_readouts() {
+        let allowed = [r#""mean""#, r#""grid2""#, r#""grid3""#, r#""tokens""#, r#""mean-last4""#];
+        for bad in [r#""grid4""#, r#"["mean", "Mean"]"#] {
+            let text = IJEPA.replace("predictor_heads = 2", &format!("predictor_heads = 2\nprobe_features = {bad}"));
+            let e = TrainConfig::from_toml_str(&text).expect_err("bad readout");
+            assert!(matches!(e, ConfigError::Parse { .. }), "{e:?}");
+            let msg = e.to_string();
+            assert!(msg.contains("unknown probe readout") && msg.contains("jepa.probe_features") && allowed.iter().all(|a| msg.contains(a)), "{msg}");
+        }
+        let e = TrainConfig::from_toml_str(&IJEPA.replace("predictor_heads = 2", "predictor_heads = 2\nprobe_features = 3")).expect_err("a number");
+        assert!(e.to_string().contains("a probe readout name or a list of them"), "{e}");
+        let e = TrainConfig::from_toml_str(&IJEPA.replace("predictor_heads = 2", "predictor_heads = 2\nprobe_features = []")).expect_err("empty");
+        assert!(matches!(&e, ConfigError::Invalid { key, .. } if key == "jepa.probe_features") && e.to_string().contains(r#""grid3""#), "{e}");
+        let e = TrainConfig::from_toml_str(&IJEPA.replace("predictor_heads = 2", "predictor_heads = 2\nprobe_features = [\"grid3\", \"mean\", \"grid3\"]"))
+            .expect_err("twice");
+        assert!(matches!(&e, ConfigError::Invalid { key, .. } if key == "jepa.probe_features") && e.to_string().contains("entry 3"), "{e}");
     }
 }

@@ -1,9 +1,9 @@
 //! `metrics.jsonl`: one JSON object per line, appended as training goes.
 //!
 //! A record is a training log line (`loss`, `lr`, throughput, `feature_std` for I-JEPA), an
-//! evaluation (`val_loss`, `val_acc`), a frozen-feature evaluation (`probe_acc`, `knn_acc`,
-//! `pixel_probe_acc`) or the final test result (`test_loss`, `test_acc`); fields that do not apply are
-//! left out. `wall_s` (seconds since the run or resume started) is the only non-deterministic
+//! evaluation (`val_loss`, `val_acc`), a frozen-feature evaluation (`probe_acc`, `knn_acc` of
+//! `probe_readout`, every readout's in `probe_readouts`, `pixel_probe_acc`) or the final test
+//! result (`test_loss`, `test_acc`); fields that do not apply are left out. `wall_s` (seconds since the run or resume started) is the only non-deterministic
 //! field, and nothing reads it back into training. On resume, records past the checkpoint's step
 //! are dropped so the file describes one consistent run.
 
@@ -64,11 +64,30 @@ pub struct MetricRecord {
     /// Linear-probe test accuracy on raw pixels, trained the same way (the baseline).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pixel_probe_acc: Option<f64>,
+    /// The readout (`[jepa] probe_features`, the first listed) `probe_acc` and `knn_acc` are of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_readout: Option<String>,
+    /// Every readout's accuracies of this evaluation, in the config's order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub probe_readouts: Vec<ReadoutMetric>,
     /// Training images the probes used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probe_train_images: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wall_s: Option<f64>,
+}
+
+/// One readout's accuracies in a frozen-feature evaluation (I-JEPA).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ReadoutMetric {
+    /// Its `[jepa] probe_features` name.
+    pub readout: String,
+    /// Feature length.
+    pub dim: usize,
+    /// Linear-probe test accuracy.
+    pub probe_acc: f64,
+    /// k-NN test accuracy.
+    pub knn_acc: f64,
 }
 
 /// Errors of the metrics file.

@@ -41,6 +41,7 @@ probe_every = 20
 probe_train_images = 800
 probe_test_images = 300
 probe_epochs = 10
+probe_features = ["mean", "grid2", "mean-last4"]
 final_weight_decay = 0.2
 
 [data]
@@ -106,7 +107,17 @@ fn ijepa_does_not_collapse_and_its_probes_beat_chance() {
     // Periodic probes at step 20 and the final one (all 1,437 train / 360 validation images).
     let probes: Vec<_> = records.iter().filter(|r| r.probe_acc.is_some()).collect();
     assert_eq!(probes.len(), 2, "{probes:?}");
+    // Every readout is probed from the same encoder and recorded by name, the first as the
+    // headline (4x4 grid of width 32, 2 blocks: mean-last4 concatenates both).
+    for r in &probes {
+        assert_eq!(r.probe_readout.as_deref(), Some("mean"));
+        let named: Vec<(&str, usize)> = r.probe_readouts.iter().map(|x| (x.readout.as_str(), x.dim)).collect();
+        assert_eq!(named, [("mean", 32), ("grid2", 128), ("mean-last4", 64)]);
+        assert_eq!((r.probe_readouts[0].probe_acc, r.probe_readouts[0].knn_acc), (r.probe_acc.unwrap(), r.knn_acc.unwrap()));
+        assert!(r.probe_readouts.iter().all(|x| x.probe_acc > 0.25 && x.knn_acc > 0.2), "{:?}", r.probe_readouts);
+    }
     let p = report.probes.expect("final probes");
+    assert_eq!(p.readouts.len(), 3);
     assert!(p.probe_acc > 0.4 && p.knn_acc > 0.25, "10 classes (chance 0.1): linear probe {}, k-NN {}", p.probe_acc, p.knn_acc);
     assert!(p.pixel_probe_acc.expect("pixel baseline") > 0.8);
     assert!(out.join("loss.png").exists());

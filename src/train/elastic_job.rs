@@ -157,7 +157,8 @@ impl ElasticJob {
 impl ElasticJob {
     /// The final evaluation of an I-JEPA job: the latent loss on the validation split (fixed
     /// masks) and the frozen-feature probes on the `[jepa]` periodic subsets (the linear probe,
-    /// k-NN and the pixel baseline).
+    /// k-NN and the pixel baseline; readouts after the first as `probe_acc_<name>` /
+    /// `knn_acc_<name>`).
     fn evaluate_jepa(&self, model: &mut rtx_tensor::nn::IJepa, setup: &JepaSetup) -> Result<Vec<(String, f64)>, String> {
         let j = jepa::jepa_config(&self.config).map_err(|e| e.to_string())?;
         let s = self.data.images().ok_or("I-JEPA needs image data")?;
@@ -181,6 +182,10 @@ impl ElasticJob {
         let test = s.test.as_ref().unwrap_or(&s.val);
         let report = jepa::probes(model, setup, j, &s.train, test, s.mean, s.std, Some((j.probe_train_images, j.probe_test_images)), j.pixel_baseline).map_err(|e| e.to_string())?;
         let mut metrics = vec![("val_loss".to_string(), sum / rows.max(1) as f64), ("probe_acc".into(), report.probe_acc), ("knn_acc".into(), report.knn_acc)];
+        for r in report.readouts.iter().skip(1) {
+            metrics.push((format!("probe_acc_{}", r.readout.name()), r.probe_acc));
+            metrics.push((format!("knn_acc_{}", r.readout.name()), r.knn_acc));
+        }
         if let Some(p) = report.pixel_probe_acc {
             metrics.push(("pixel_probe_acc".into(), p));
         }

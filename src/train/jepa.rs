@@ -6,8 +6,9 @@
 //! rows with `JepaMasks::rows`. Validation masks use the same function at steps counted down from
 //! `u64::MAX`, so every validation pass scores the same masks.
 //!
-//! Evaluation ([`probes`]) freezes the context encoder and mean-pools its tokens over whole
-//! images: a linear probe (multinomial logistic regression on standardised features, AdamW with
+//! Evaluation ([`probes`]) freezes the context encoder, runs it on whole images and reads its
+//! tokens out as each `[jepa] probe_features` readout asks (mean pooling by default; grids of
+//! regions, all tokens, the last blocks: [`super::readout`]). For every readout, a linear probe (multinomial logistic regression on standardised features, AdamW with
 //! a cosine rate, seeded order) is trained on the train split and scored on the test split, and a
 //! k-NN classifier (cosine similarity, k neighbours voting with weights `exp(sim / 0.07)`, as
 //! DINO's) is scored on the same test images. A linear probe on raw pixels, trained the same way,
@@ -19,9 +20,9 @@ use rtx_tensor::nn::{IJepa, IJepaConfig, JepaLoss, JepaMasks, Linear, MaskConfig
 use rtx_tensor::optim::{AdamW, AdamWConfig, Optimizer};
 use rtx_tensor::{no_grad, CrossEntropyOptions, DType, Generator, Tensor};
 
-use crate::config::{JepaConfig, JepaLossKind, ModelConfig, TrainConfig};
+use crate::config::{JepaConfig, JepaLossKind, ModelConfig, ProbeReadout, TrainConfig};
 
-use super::{Result, TrainError};
+use super::{readout, Result, TrainError};
 
 /// Mask stream of the run's seed.
 const MASK_STREAM: u64 = 3;
@@ -52,18 +53,35 @@ pub struct JepaSetup {
 }
 
 /// Accuracies of one evaluation of frozen features.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ProbeReport {
-    /// Linear-probe test accuracy on the encoder's features.
+    /// The first configured readout, whose accuracies `probe_acc` / `knn_acc` are.
+    pub readout: ProbeReadout,
+    /// Linear-probe test accuracy on the first readout.
     pub probe_acc: f64,
-    /// k-NN test accuracy on the encoder's features.
+    /// k-NN test accuracy on the first readout.
     pub knn_acc: f64,
+    /// Every configured readout's accuracies, in the config's order (the first one included).
+    pub readouts: Vec<ReadoutReport>,
     /// Linear-probe test accuracy on raw pixels (when the baseline is on).
     pub pixel_probe_acc: Option<f64>,
     /// Training images the probes used.
     pub train_images: usize,
     /// Test images scored.
     pub test_images: usize,
+}
+
+/// Accuracies of one readout of the frozen features.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReadoutReport {
+    /// The readout.
+    pub readout: ProbeReadout,
+    /// Its feature length.
+    pub dim: usize,
+    /// Linear-probe test accuracy.
+    pub probe_acc: f64,
+    /// k-NN test accuracy.
+    pub knn_acc: f64,
 }
 
 /// The I-JEPA model of `config` for images of `image` = `[h, w]` (grayscale), drawn from `rng`.
@@ -144,19 +162,62 @@ pub(crate) fn weight_decay_at(config: &TrainConfig, step: u64) -> Option<f64> {
     Some(end + 0.5 * (start - end) * (1.0 + (std::f64::consts::PI * t).cos()))
 }
 
-/// Mean-pooled frozen encoder features `[n, C]` (flat, row-major) of images `indices` of `set`.
-fn features(model: &IJepa, setup: &JepaSetup, set: &ImageDataset, indices: &[usize], mean: f32, std: f32) -> Result<Vec<f32>> {
+/// Frozen encoder readouts of images `indices` of `set`: one flat row-major `[n, dim]` buffer per
+/// entry of `readouts` (see [`super::readout`]), all from one pass of the encoder.
+fn features(model: &IJepa, setup: &JepaSetup, set: &ImageDataset, indices: &[usize], mean: f32, std: f32, readouts: &[ProbeReadout]) -> Result<Vec<Vec<f32>>> {
     let mut scratch = Generator::new(0);
-    let mut out = Vec::new();
+    let mut out = vec![Vec::new(); readouts.len()];
+    let last_blocks = if readouts.iter().any(|&r| readout::needs_blocks(r)) { readout::LAST_BLOCKS } else { 0 };
+    let channels = model.encoder.config().d_model;
+    let per_image = setup.grid[0] * setup.grid[1] * channels;
     no_grad(|| -> Result<()> {
         for chunk in indices.chunks(FEATURE_BATCH) {
             let batch = super::task::image_batch(set, chunk, mean, std)?;
-            let f = model.features(&setup.images(&batch.inputs)?, &mut scratch)?;
-            out.extend(f.to_f32_vec()?);
+            let (last, blocks) = encoder_tokens(model, &setup.images(&batch.inputs)?, last_blocks, &mut scratch)?;
+            let last = last.to_f32_vec()?;
+            let blocks = blocks.iter().map(|b| b.to_f32_vec()).collect::<std::result::Result<Vec<_>, _>>()?;
+            if last.len() != chunk.len() * per_image || blocks.iter().any(|b| b.len() != last.len()) {
+                return Err(TrainError::Internal(format!("encoder output of {} values for {} images of {per_image}", last.len(), chunk.len())));
+            }
+            for i in 0..chunk.len() {
+                let rows = i * per_image..(i + 1) * per_image;
+                let block_rows: Vec<&[f32]> = blocks.iter().map(|b| &b[rows.clone()]).collect();
+                let image = readout::ImageTokens { last: &last[rows.clone()], blocks: &block_rows, grid: setup.grid, channels };
+                for (r, buf) in readouts.iter().zip(&mut out) {
+                    readout::append(*r, &image, buf);
+                }
+            }
         }
         Ok(())
     })?;
     Ok(out)
+}
+
+/// The frozen context encoder on whole `images`: the final layer-normed tokens `[B, N, C]` and,
+/// when `last_blocks > 0`, the outputs of the last `last_blocks` blocks (at most all of them),
+/// each through the final norm, earliest first (the last one is the final output). Without
+/// intermediate outputs this is exactly [`rtx_tensor::nn::Vit::forward_features`]; with them it
+/// runs the same blocks one by one (the encoder has no class token and, in evaluation mode, no
+/// dropout).
+pub(crate) fn encoder_tokens(model: &IJepa, images: &Tensor, last_blocks: usize, rng: &mut Generator) -> Result<(Tensor, Vec<Tensor>)> {
+    let enc = &model.encoder;
+    if last_blocks == 0 {
+        return Ok((enc.forward_features(images, rng)?, Vec::new()));
+    }
+    if enc.cls_token.is_some() {
+        return Err(TrainError::Internal("intermediate readouts of an encoder with a class token".into()));
+    }
+    let first = enc.blocks.len().saturating_sub(last_blocks);
+    let mut x = enc.embed_patches(images)?;
+    let mut kept = Vec::new();
+    for (i, block) in enc.blocks.iter().enumerate() {
+        x = block.forward(&x, None, rng)?;
+        if i >= first {
+            kept.push(enc.norm.forward(&x)?);
+        }
+    }
+    let last = kept.last().cloned().ok_or_else(|| TrainError::Internal("an encoder without blocks".into()))?;
+    Ok((last, kept))
 }
 
 /// Raw normalised pixels `[n, H·W]` of images `indices` of `set`.
@@ -165,7 +226,8 @@ fn pixels(set: &ImageDataset, indices: &[usize], mean: f32, std: f32) -> Vec<f32
 }
 
 /// Linear probe, k-NN and (optionally) the pixel baseline for `model` on `train` / `test`: the
-/// first `n_train` / `n_test` images (all of them when `None`).
+/// first `n_train` / `n_test` images (all of them when `None`), for every readout of
+/// `j.probe_features` (features from one encoder pass; each readout probed separately).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn probes(
     model: &mut IJepa,
@@ -184,20 +246,31 @@ pub(crate) fn probes(
     let train_y = &train.labels[..n_train];
     let test_y = &test.labels[..n_test];
     let n_classes = train.n_classes.max(test.n_classes);
+    let readouts = &j.probe_features;
+    let primary = *readouts.first().ok_or_else(|| TrainError::Internal("no probe readout configured".into()))?;
     model.set_training(false);
-    let feats = features(model, setup, train, &train_idx, mean, std).and_then(|tr| Ok((tr, features(model, setup, test, &test_idx, mean, std)?)));
+    let feats =
+        features(model, setup, train, &train_idx, mean, std, readouts).and_then(|tr| Ok((tr, features(model, setup, test, &test_idx, mean, std, readouts)?)));
     model.set_training(true);
     let (train_x, test_x) = feats?;
-    let dim = train_x.len() / n_train.max(1);
-    let probe_acc = linear_probe(&train_x, train_y, &test_x, test_y, dim, n_classes, j.probe_epochs, setup.seed)?;
-    let knn_acc = knn(&train_x, train_y, &test_x, test_y, dim, n_classes, j.knn_k)?;
+    let (channels, layers) = (model.encoder.config().d_model, model.encoder.blocks.len());
+    let mut results = Vec::with_capacity(readouts.len());
+    for ((&readout, tr), te) in readouts.iter().zip(&train_x).zip(&test_x) {
+        // linear_probe and knn refuse buffers whose length is not rows x dim.
+        let dim = readout::dim(readout, setup.grid, channels, layers);
+        let probe_acc = linear_probe(tr, train_y, te, test_y, dim, n_classes, j.probe_epochs, setup.seed)?;
+        let knn_acc = knn(tr, train_y, te, test_y, dim, n_classes, j.knn_k)?;
+        results.push(ReadoutReport { readout, dim, probe_acc, knn_acc });
+    }
+    drop((train_x, test_x));
     let pixel_probe_acc = if pixel_baseline {
         let (px_train, px_test) = (pixels(train, &train_idx, mean, std), pixels(test, &test_idx, mean, std));
         Some(linear_probe(&px_train, train_y, &px_test, test_y, train.pixels_per_image(), n_classes, j.probe_epochs, setup.seed)?)
     } else {
         None
     };
-    Ok(ProbeReport { probe_acc, knn_acc, pixel_probe_acc, train_images: n_train, test_images: n_test })
+    let (probe_acc, knn_acc) = results.first().map_or((0.0, 0.0), |r| (r.probe_acc, r.knn_acc));
+    Ok(ProbeReport { readout: primary, probe_acc, knn_acc, readouts: results, pixel_probe_acc, train_images: n_train, test_images: n_test })
 }
 
 /// Multinomial logistic regression on standardised `train_x [n, dim]`, scored on `test_x`:
@@ -341,6 +414,53 @@ mod tests {
             y.push(if shuffle_labels { rng.below(3) as u32 } else { class });
         }
         (x, y)
+    }
+
+    /// A 3-block encoder on 8x8 images (4x4 grid of width 8), and a batch of images.
+    fn tiny() -> (IJepa, Tensor) {
+        let mut rng = Generator::new(7);
+        let encoder = VitConfig {
+            image_size: [8, 8],
+            patch_size: 2,
+            in_channels: 1,
+            d_model: 8,
+            n_layers: 3,
+            n_heads: 2,
+            pooling: Pooling::Mean,
+            ..VitConfig::default()
+        };
+        let cfg = IJepaConfig { encoder, predictor_width: 8, predictor_depth: 1, predictor_heads: 2, ..IJepaConfig::default() };
+        let model = IJepa::new(cfg, &mut rng).expect("model");
+        let images = Tensor::randn(&[5, 1, 8, 8], 0.0, 1.0, DType::F32, &mut rng).expect("images");
+        (model, images)
+    }
+
+    #[test]
+    fn intermediate_outputs_leave_the_final_tokens_and_the_mean_readout_unchanged() {
+        let (mut model, images) = tiny();
+        model.set_training(false);
+        let mut rng = Generator::new(0);
+        no_grad(|| {
+            let (plain, none) = encoder_tokens(&model, &images, 0, &mut rng).expect("plain");
+            assert!(none.is_empty());
+            let (last, blocks) = encoder_tokens(&model, &images, readout::LAST_BLOCKS, &mut rng).expect("blocks");
+            // 3 blocks: mean-last4 takes all 3, the last being the final output.
+            assert_eq!(blocks.len(), 3);
+            assert_eq!(plain.shape(), &[5, 16, 8]);
+            let plain = plain.to_f32_vec().expect("f32");
+            assert_eq!(last.to_f32_vec().expect("f32"), plain, "bit-identical final tokens");
+            assert_eq!(blocks[2].to_f32_vec().expect("f32"), plain);
+            assert_ne!(blocks[0].to_f32_vec().expect("f32"), plain);
+            // The "mean" readout is the encoder's own mean pooling (the features probed before
+            // readouts existed), up to the f64 accumulation.
+            let pooled = model.features(&images, &mut rng).expect("features").to_f32_vec().expect("f32");
+            let mut mean = Vec::new();
+            for img in plain.chunks(16 * 8) {
+                readout::append(ProbeReadout::Mean, &readout::ImageTokens { last: img, blocks: &[], grid: [4, 4], channels: 8 }, &mut mean);
+            }
+            assert_eq!(mean.len(), pooled.len());
+            assert!(mean.iter().zip(&pooled).all(|(a, b)| (a - b).abs() < 1e-5), "{mean:?} vs {pooled:?}");
+        });
     }
 
     #[test]

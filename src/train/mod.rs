@@ -37,6 +37,7 @@ pub(crate) mod elastic_job;
 mod jepa;
 mod model;
 mod optimizer;
+mod readout;
 mod task;
 
 use std::path::{Path, PathBuf};
@@ -47,13 +48,13 @@ use rtx_tensor::nn::Module;
 use rtx_tensor::{Generator, Reduction, Tensor};
 
 use crate::config::{ConfigError, ModelConfig, Tokenizer, TrainConfig};
-use crate::metrics::{MetricRecord, MetricsError, MetricsWriter};
+use crate::metrics::{MetricRecord, MetricsError, MetricsWriter, ReadoutMetric};
 use crate::plot::{self, PlotError};
 use crate::progress::{human, Progress, Verbosity};
 
 pub use ckpt::CHECKPOINT_DIR;
 pub use device::{resolve_device, DeviceError, Placement};
-pub use jepa::{JepaSetup, ProbeReport};
+pub use jepa::{JepaSetup, ProbeReport, ReadoutReport};
 pub use model::Model;
 
 use optimizer::Optimizer;
@@ -578,12 +579,29 @@ impl Trainer {
             probe_acc: Some(report.probe_acc),
             knn_acc: Some(report.knn_acc),
             pixel_probe_acc: report.pixel_probe_acc,
+            probe_readout: Some(report.readout.name().to_string()),
+            probe_readouts: report
+                .readouts
+                .iter()
+                .map(|r| ReadoutMetric { readout: r.readout.name().to_string(), dim: r.dim, probe_acc: r.probe_acc, knn_acc: r.knn_acc })
+                .collect(),
             probe_train_images: Some(report.train_images),
             wall_s: Some(self.started.elapsed().as_secs_f64()),
             ..Default::default()
         })?;
         let pixels = report.pixel_probe_acc.map_or(String::new(), |p| format!(" | pixel probe {:.2}%", p * 100.0));
-        progress.line(&format!("step {:>6} | linear probe {:.2}% | k-NN {:.2}%{pixels} ({} train / {} test images, {:.1}s)", self.step, report.probe_acc * 100.0, report.knn_acc * 100.0, report.train_images, report.test_images, t0.elapsed().as_secs_f64()));
+        let readouts: String = report
+            .readouts
+            .iter()
+            .map(|r| format!(" | {} ({}): linear probe {:.2}%, k-NN {:.2}%", r.readout.name(), r.dim, r.probe_acc * 100.0, r.knn_acc * 100.0))
+            .collect();
+        progress.line(&format!(
+            "step {:>6}{readouts}{pixels} ({} train / {} test images, {:.1}s)",
+            self.step,
+            report.train_images,
+            report.test_images,
+            t0.elapsed().as_secs_f64()
+        ));
         self.plot()?;
         Ok(report)
     }
@@ -678,7 +696,12 @@ pub fn summary(r: &TrainReport) -> Vec<String> {
     }
     if let Some(p) = &r.probes {
         let pixels = p.pixel_probe_acc.map_or(String::new(), |a| format!("; linear probe on raw pixels {:.2}%", a * 100.0));
-        lines.push(format!("frozen features: linear probe {:.2}%, k-NN {:.2}% ({} train / {} test images){pixels}", p.probe_acc * 100.0, p.knn_acc * 100.0, p.train_images, p.test_images));
+        let readouts: Vec<String> = p
+            .readouts
+            .iter()
+            .map(|r| format!("{} ({} dims): linear probe {:.2}%, k-NN {:.2}%", r.readout.name(), r.dim, r.probe_acc * 100.0, r.knn_acc * 100.0))
+            .collect();
+        lines.push(format!("frozen features ({} train / {} test images): {}{pixels}", p.train_images, p.test_images, readouts.join("; ")));
     }
     if let Some(h) = r.unigram_entropy_nats {
         let unit = r.text_unit.unwrap_or("byte");
