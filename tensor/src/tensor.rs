@@ -507,12 +507,15 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
+        // A device view is copied on its device by the strided-copy kernel.
+        #[cfg(feature = "cuda")]
+        if self.device() != Device::Cpu {
+            return crate::cuda::views::contiguous(self);
+        }
         let host = Storage::new(self.to_data()?);
-        // A device tensor stays on its device: the elements go through the host (there is no
-        // strided device copy yet), and the copy is uploaded back.
         let storage = match self.device() {
             Device::Cpu => host,
-            device => Tensor::from_parts(host, Layout::contiguous(self.shape()), self.dtype(), false, None).to_device(device)?.storage().clone(),
+            device => return Err(Error::UnsupportedDevice { op: "contiguous", device }),
         };
         let t = Tensor::with_node(storage, Layout::contiguous(self.shape()), self.dtype(), "contiguous", &[self], |g: &Tensor, _: &Tensor| Ok(vec![Some(g.clone())]));
         Ok(t)

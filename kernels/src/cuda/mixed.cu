@@ -842,3 +842,146 @@ extern "C" __global__ void adamw_master_multi_v8_bf16(const AdamTensor* ts, int 
     if (i >= t->n8) return;
     adamw_word(t->master, t->param, t->grad, t->m, t->v, i, lr, beta1, beta2, eps, t->weight_decay, t->bc1, t->bc2);
 }
+
+// ---- strided copies (contiguous(), cat and narrow gradients of device views) ----
+
+// Up to 8 dimensions; `shape` is the copied region, each side with its own strides and offset
+// (in elements). Element i of the region is decoded row-major from `shape`.
+#define MAX_COPY_DIMS 8
+struct CopyDims {
+    i64 shape[MAX_COPY_DIMS];
+    i64 src_stride[MAX_COPY_DIMS];
+    i64 dst_stride[MAX_COPY_DIMS];
+    i64 src_offset, dst_offset, n;
+    int ndim;
+};
+
+template <typename W> __device__ void strided_copy(const W* src, W* dst, const CopyDims d) {
+    GRID_STRIDE(i, d.n) {
+        i64 rest = i, s = d.src_offset, t = d.dst_offset;
+        for (int k = d.ndim - 1; k >= 0; --k) {
+            i64 c = rest % d.shape[k];
+            rest /= d.shape[k];
+            s += c * d.src_stride[k];
+            t += c * d.dst_stride[k];
+        }
+        dst[t] = src[s];
+    }
+}
+
+extern "C" __global__ void strided_copy_u16(const u16* src, u16* dst, const CopyDims d) { strided_copy(src, dst, d); }
+extern "C" __global__ void strided_copy_u32(const u32* src, u32* dst, const CopyDims d) { strided_copy(src, dst, d); }
+
+// ---- latent regression losses (JEPA): mean of l(pred - target) over all elements ----
+// kind 0: squared error d²; kind 1: smooth L1 with beta 1 (0.5·d² where |d| < 1, else |d| - 0.5).
+// Two passes, deterministic: each block writes a partial sum, `latent_loss_finish` adds the
+// partials in order and divides by n.
+
+__device__ __forceinline__ float latent_term(float d, int kind) {
+    if (kind == 0) return d * d;
+    float a = fabsf(d);
+    return a < 1.0f ? 0.5f * d * d : a - 0.5f;
+}
+
+__device__ __forceinline__ float latent_grad(float d, int kind) {
+    if (kind == 0) return 2.0f * d;
+    return fabsf(d) < 1.0f ? d : (d > 0.0f ? 1.0f : -1.0f);
+}
+
+template <typename T> __device__ void latent_loss_partials(const T* pred, const T* target, i64 n, int kind, float* partials) {
+    __shared__ float scratch[32];
+    float s = 0.0f;
+    GRID_STRIDE(i, n) s += latent_term(ldf(pred, i) - ldf(target, i), kind);
+    s = warp_sum(s);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    if (lane == 0) scratch[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < n_warps ? scratch[lane] : 0.0f;
+        t = warp_sum(t);
+        if (lane == 0) partials[blockIdx.x] = t;
+    }
+}
+
+extern "C" __global__ void latent_loss_finish(const float* partials, int n_partials, float inv_n, float* out) {
+    __shared__ float scratch[32];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n_partials; i += blockDim.x) s += partials[i];
+    s = warp_sum(s);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    if (lane == 0) scratch[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < n_warps ? scratch[lane] : 0.0f;
+        t = warp_sum(t);
+        if (lane == 0) out[0] = t * inv_n;
+    }
+}
+
+// dpred = g[0] · inv_n · l'(pred - target) (g read on the device: backward never waits for the host).
+template <typename T> __device__ void latent_loss_backward(const T* pred, const T* target, const float* g, i64 n, int kind, float inv_n, T* dpred) {
+    float k = g[0] * inv_n;
+    GRID_STRIDE(i, n) stf(dpred, i, k * latent_grad(ldf(pred, i) - ldf(target, i), kind));
+}
+
+// ---- the collapse monitor: mean over features of the batch std of token-mean features ----
+// z [B, K, C]: `feature_means` writes each image's mean over its K tokens per feature
+// (means [B, C], one thread per (b, c)); `feature_stds` takes, per feature, the unbiased std over
+// the B images (two passes, f32) into stds[c]; the mean over c is `mean_f32` (fixed order).
+template <typename T> __device__ void feature_means(const T* z, int B, int K, int C, float* means) {
+    GRID_STRIDE(i, (i64)B * C) {
+        i64 b = i / C, c = i % C;
+        float m = 0.0f;
+        for (int k = 0; k < K; ++k) m += ldf(z, (b * K + k) * C + c);
+        means[i] = m / (float)K;
+    }
+}
+
+extern "C" __global__ void feature_stds(const float* means, int B, int C, float* stds) {
+    GRID_STRIDE(c, C) {
+        float sum = 0.0f;
+        for (int b = 0; b < B; ++b) sum += means[(i64)b * C + c];
+        float mean = sum / (float)B, ss = 0.0f;
+        for (int b = 0; b < B; ++b) {
+            float d = means[(i64)b * C + c] - mean;
+            ss += d * d;
+        }
+        stds[c] = B > 1 ? sqrtf(ss / (float)(B - 1)) : 0.0f;
+    }
+}
+
+#define P_LOSS_PARTIALS(T) (const T* pred, const T* target, i64 n, int kind, float* partials)
+#define P_LOSS_BACKWARD(T) (const T* pred, const T* target, const float* g, i64 n, int kind, float inv_n, T* dpred)
+#define P_FEATURE_MEANS(T) (const T* z, int B, int K, int C, float* means)
+BOTH(latent_loss_partials, P_LOSS_PARTIALS, (pred, target, n, kind, partials))
+BOTH(latent_loss_backward, P_LOSS_BACKWARD, (pred, target, g, n, kind, inv_n, dpred))
+BOTH(feature_means, P_FEATURE_MEANS, (z, B, K, C, means))
+
+// ---- EMA of a whole encoder in one launch: target = m·target + (1 - m)·source ----
+// The targets are f32 (the EMA state itself); the sources f32 or bf16 (a bf16 encoder's
+// parameters). Rounded multiply and add (no FMA contraction), so f32 results equal the host's
+// `m * t + (1 - m) * s` bit for bit. Tensor k owns blocks [block_start, next); a block finds its
+// tensor by binary search, as in `adamw_master_multi`.
+struct EmaTensor {
+    float* target;
+    const void* source;
+    i64 n;
+    i64 block_start;
+};
+
+template <typename S> __device__ void ema_multi(const EmaTensor* ts, int n_tensors, float m, float one_minus_m) {
+    int lo = 0, hi = n_tensors - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (ts[mid].block_start <= (i64)blockIdx.x) lo = mid; else hi = mid - 1;
+    }
+    const EmaTensor t = ts[lo];
+    i64 i = ((i64)blockIdx.x - t.block_start) * blockDim.x + threadIdx.x;
+    if (i < t.n) {
+        float s = ldf((const S*)t.source, i);
+        t.target[i] = __fadd_rn(__fmul_rn(m, t.target[i]), __fmul_rn(one_minus_m, s));
+    }
+}
+
+extern "C" __global__ void ema_multi_f32(const EmaTensor* ts, int n_tensors, float m, float one_minus_m) { ema_multi<float>(ts, n_tensors, m, one_minus_m); }
+extern "C" __global__ void ema_multi_bf16(const EmaTensor* ts, int n_tensors, float m, float one_minus_m) { ema_multi<u16>(ts, n_tensors, m, one_minus_m); }

@@ -16,6 +16,7 @@ mod blas;
 mod blas_lt;
 mod device;
 mod error;
+mod jepa;
 mod mixed;
 mod nvrtc;
 mod ops;
@@ -26,7 +27,9 @@ pub use blas::{ColumnMajorCall, Gemm, GemmElem, GemmMath};
 pub use blas_lt::Epilogue;
 pub use device::{probe_libraries, Device, STAGING_BYTES};
 pub use error::{CudaError, Result};
+pub use jepa::{EmaPair, LatentLoss, StridedSide, MAX_COPY_DIMS};
 pub use mixed::{AdamWTensor, HeadLayout, StorageElem, FUSED_NORM_MAX};
+pub use nvrtc::compile_all;
 pub use ops::{broadcast_shape, AdamW, BinaryOp, UnaryOp, MAX_BROADCAST_DIMS};
 
 /// The cudarc crate this backend is built on, for callers that benchmark against raw cuBLAS.

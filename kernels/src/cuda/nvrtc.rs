@@ -81,6 +81,18 @@ pub(crate) fn cubin(module: Module, cc: (i32, i32)) -> Result<Ptx> {
     Ok(ptx)
 }
 
+/// Compiles every built-in module for compute capability `cc` without a GPU (NVRTC alone is
+/// enough: no driver, no device); returns each module's name and CUBIN size. This is how a kernel
+/// change is checked for compile errors on a machine without a GPU (`scripts/nvrtc-check.sh`).
+pub fn compile_all(cc: (i32, i32)) -> Result<Vec<(&'static str, usize)>> {
+    // SAFETY: this only tries to dlopen the library and drops the handle.
+    if !unsafe { rsys::is_culib_present() } {
+        return Err(super::error::CudaError::LibraryNotFound { name: "nvrtc" });
+    }
+    let arch = format!("--gpu-architecture=sm_{}{}", cc.0, cc.1);
+    Module::ALL.iter().map(|&m| Ok((m.name(), compile(m, &[arch.as_str(), "--std=c++17"])?.len()))).collect()
+}
+
 /// Owns an NVRTC program and destroys it on drop.
 struct Program(rsys::nvrtcProgram);
 

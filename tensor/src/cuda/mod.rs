@@ -20,6 +20,8 @@
 pub(crate) mod ops;
 mod optim;
 pub(crate) mod packed;
+pub(crate) mod jepa;
+pub(crate) mod views;
 
 pub use optim::MixedAdamW;
 pub(crate) use ops::{any_cuda, linear_cross_entropy};
@@ -279,6 +281,24 @@ pub fn move_module(module: &mut dyn crate::nn::Module, ordinal: usize, dtype: DT
         Some(e) => Err(e),
         None => Ok(masters),
     }
+}
+
+/// Moves every buffer of `module` (non-trainable state such as an EMA target encoder) to CUDA
+/// device `ordinal` in `dtype`, detached. An I-JEPA trained in bf16 keeps its target encoder in
+/// f32 here: the EMA state, which bf16 could not hold (a step of `(1 − m)·Δ` vanishes below
+/// bf16's resolution).
+pub fn move_buffers(module: &mut dyn crate::nn::Module, ordinal: usize, dtype: DType) -> Result<()> {
+    let mut failure = None;
+    module.visit_buffers_mut("", &mut |_, b| {
+        if failure.is_some() {
+            return;
+        }
+        match b.detach().to_dtype(dtype).and_then(|t| upload(&t, ordinal)) {
+            Ok(moved) => *b = moved,
+            Err(e) => failure = Some(e),
+        }
+    });
+    failure.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ pub use norm::{LayerNorm, RmsNorm};
 pub use state_dict::{StateDictReport, StateMismatch};
 pub use transformer::{BlockConfig, FeedForward, TransformerBlock};
 pub use vit::{patchify, PatchEmbed, Pooling, Vit, VitConfig};
-pub use jepa::{IJepa, IJepaConfig, JepaLoss, JepaMasks, JepaOutput, JepaPredictor, MaskConfig};
+pub use jepa::{collapse_std, IJepa, IJepaConfig, JepaLoss, JepaMasks, JepaOutput, JepaPredictor, MaskConfig};
 
 use crate::error::Result;
 use crate::tensor::{Tensor, TensorId};

@@ -231,7 +231,9 @@ impl Vit {
         }
         let x = self.patch_embed.forward(images)?;
         let first = usize::from(self.cls_token.is_some());
-        x.add(&self.pos_embed.narrow(1, first, self.n_patches())?)
+        // `[N, C]` rather than `[1, N, C]`: a broadcast over the leading dimension, which the
+        // device's add takes.
+        x.add(&self.pos_embed.narrow(1, first, self.n_patches())?.reshape(&[self.n_patches(), self.config.d_model])?)
     }
 
     /// Gathers tokens `x [B, N, C]` at per-image indices `ids [B, K]` (u32 < N) into
@@ -276,6 +278,22 @@ impl Vit {
             x = block.forward(&x, None, rng)?;
         }
         self.norm.forward(&x)
+    }
+
+    /// A detached copy whose tensors are cast to `dtype` (on their device): how an f32 EMA
+    /// target encoder runs its forward in a bf16 model's precision.
+    pub fn cast_copy(&self, dtype: DType) -> Result<Vit> {
+        let mut copy = self.clone();
+        let mut failure = None;
+        copy.visit_params_mut("", &mut |_, t| {
+            if failure.is_none() {
+                match t.detach().to_dtype(dtype) {
+                    Ok(c) => *t = c,
+                    Err(e) => failure = Some(e),
+                }
+            }
+        });
+        failure.map_or(Ok(copy), Err)
     }
 
     /// Encoded tokens `[B, N(+1), C]` of `images [B, C_in, H, W]` (class token first).

@@ -177,6 +177,13 @@ impl Tensor {
         if self.shape() != target.shape() {
             return Err(Error::ShapeMismatch { op: "mse", lhs: self.shape().to_vec(), rhs: target.shape().to_vec() });
         }
+        #[cfg(feature = "cuda")]
+        if crate::cuda::ops::any_cuda(&[self, target]) {
+            return match reduction {
+                Reduction::Mean => crate::cuda::jepa::latent_loss(self, target, rtx_kernels::cuda::LatentLoss::Squared),
+                _ => Err(Error::UnsupportedDevice { op: "mse (reductions other than mean)", device: self.device() }),
+            };
+        }
         let sq = self.sub(target)?.square()?;
         match reduction {
             Reduction::Mean => sq.mean_all(),

@@ -23,6 +23,7 @@ use crate::error::{Error, Result};
 use crate::ops::softmax::Reduction;
 use crate::rng::Generator;
 use crate::tensor::Tensor;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// The latent loss between predicted and target features.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -85,6 +86,8 @@ pub struct JepaPredictor {
     pub proj: Linear,
     /// `[N, P]` fixed 2-D sin-cos positions (a function of the grid: neither trained nor saved).
     pos: Tensor,
+    /// `pos` on the device and in the dtype the last forward ran in (moved once, not per step).
+    pos_cache: Arc<Mutex<Option<Tensor>>>,
 }
 
 /// An I-JEPA model: `encoder.*` and `predictor.*` are parameters, `target_encoder.*` buffers.
@@ -167,7 +170,21 @@ impl JepaPredictor {
         let norm = LayerNorm::new(width, true, encoder.layer_norm_eps, dtype)?;
         let proj = Linear::normal(width, encoder_width, true, std, dtype, rng)?;
         let pos = Tensor::from_vec(sincos_2d(grid, width)?, &[grid[0] * grid[1], width])?.to_dtype(dtype)?;
-        Ok(JepaPredictor { mask_token, embed, blocks, norm, proj, pos })
+        Ok(JepaPredictor { mask_token, embed, blocks, norm, proj, pos, pos_cache: Arc::default() })
+    }
+
+    /// The positions on `like`'s device and in its dtype.
+    fn positions(&self, like: &Tensor) -> Result<Tensor> {
+        if self.pos.device() == like.device() && self.pos.dtype() == like.dtype() {
+            return Ok(self.pos.clone());
+        }
+        let mut cache = self.pos_cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(p) = cache.as_ref().filter(|p| p.device() == like.device() && p.dtype() == like.dtype()) {
+            return Ok(p.clone());
+        }
+        let p = self.pos.to_dtype(like.dtype())?.to_device(like.device())?;
+        *cache = Some(p.clone());
+        Ok(p)
     }
 
     /// Predicts `[M·B, Kt, C]` target features from context features `z [B, Kc, C]` at
@@ -181,15 +198,18 @@ impl JepaPredictor {
         }
         let m = mb / b;
         let width = self.embed.out_features();
-        let x = self.embed.forward(z)?.add(&Tensor::embedding(&self.pos, context)?)?;
+        let pos = self.positions(z)?;
+        let x = self.embed.forward(z)?.add(&Tensor::embedding(&pos, context)?)?;
         let repeated: Vec<&Tensor> = std::iter::repeat_n(&x, m).collect();
         let x = if m == 1 { x.clone() } else { Tensor::cat(&repeated, 0)? };
-        let queries = self.mask_token.expand(&[mb, kt, width])?.add(&Tensor::embedding(&self.pos, targets)?)?;
+        // The mask token as a `[P]` row broadcast over the queries (the device's add takes it).
+        let queries = Tensor::embedding(&pos, targets)?.add(&self.mask_token.reshape(&[width])?)?;
+        debug_assert_eq!(queries.shape(), [mb, kt, width]);
         let mut x = Tensor::cat(&[&x, &queries], 1)?;
         for block in &self.blocks {
             x = block.forward(&x, None, rng)?;
         }
-        let x = self.norm.forward(&x)?.narrow(1, kc, kt)?;
+        let x = self.norm.forward(&x)?.narrow(1, kc, kt)?.contiguous()?;
         self.proj.forward(&x)
     }
 }
@@ -273,6 +293,14 @@ impl IJepa {
             });
         }
         let (mf, nf) = (m as f32, (1.0 - m) as f32);
+        // On a GPU: every tensor in one launch, bit-exact with the f32 loop below. The targets
+        // must be f32 there (the EMA state of a bf16 encoder).
+        #[cfg(feature = "cuda")]
+        if targets.iter().any(|(_, t)| t.device() != rtx_kernels::Device::Cpu) {
+            let t: Vec<Tensor> = targets.into_iter().map(|(_, t)| t).collect();
+            let s: Vec<Tensor> = sources.into_iter().map(|(_, s)| s).collect();
+            return crate::cuda::jepa::ema_update(&t, &s, mf, nf);
+        }
         for ((_, src), (_, dst)) in sources.iter().zip(&targets) {
             if src.shape() != dst.shape() {
                 return Err(Error::ShapeMismatch { op: "IJepa::ema_update", lhs: src.shape().to_vec(), rhs: dst.shape().to_vec() });
@@ -301,7 +329,16 @@ impl IJepa {
         let targets = masks.targets_tensor()?;
         let eps = self.config.encoder.layer_norm_eps;
         let h = crate::no_grad(|| -> Result<Tensor> {
-            let all = self.target_encoder.forward_features(images, rng)?;
+            // An f32 target encoder of a bf16 model (the GPU's EMA state) runs in bf16.
+            let dtype = self.encoder.pos_embed.dtype();
+            let cast;
+            let target = if self.target_encoder.pos_embed.dtype() == dtype {
+                &self.target_encoder
+            } else {
+                cast = self.target_encoder.cast_copy(dtype)?;
+                &cast
+            };
+            let all = target.forward_features(images, rng)?;
             let all = all.layer_norm(None, None, eps)?;
             let m = masks.n_targets;
             let repeated: Vec<&Tensor> = std::iter::repeat_n(&all, m).collect();
@@ -309,13 +346,7 @@ impl IJepa {
             Ok(Vit::select_tokens(&all, &targets)?.detach())
         })?;
         let z = self.encoder.forward_features_subset(images, &context, rng)?;
-        let feature_std = crate::no_grad(|| -> Result<f64> {
-            let pooled = z.mean(&[1], false)?;
-            if pooled.shape()[0] < 2 {
-                return Ok(0.0);
-            }
-            pooled.var(&[0], false, 1)?.sqrt()?.mean_all()?.item()
-        })?;
+        let feature_std = collapse_std(&z)?;
         let pred = self.predictor.forward(&z, &context, &targets, rng)?;
         let loss = match self.config.loss {
             JepaLoss::L2 => pred.mse(&h, Reduction::Mean)?,
@@ -331,8 +362,32 @@ impl IJepa {
     }
 }
 
+/// The collapse monitor of encoded tokens `z [B, K, C]`: the mean over features of the standard
+/// deviation (unbiased) across the batch of each image's token-mean feature; 0 when `B < 2` or
+/// every image maps to the same vector. Computed on `z`'s device, outside autograd.
+pub fn collapse_std(z: &Tensor) -> Result<f64> {
+    if z.rank() != 3 {
+        return Err(Error::BadShape { op: "collapse_std", shape: z.shape().to_vec(), reason: "expected [B, K, C]".into() });
+    }
+    crate::no_grad(|| -> Result<f64> {
+        #[cfg(feature = "cuda")]
+        if z.device() != rtx_kernels::Device::Cpu {
+            return crate::cuda::jepa::feature_std(z);
+        }
+        let pooled = z.mean(&[1], false)?;
+        if pooled.shape()[0] < 2 {
+            return Ok(0.0);
+        }
+        pooled.var(&[0], false, 1)?.sqrt()?.mean_all()?.item()
+    })
+}
+
 /// Mean smooth L1 (β = 1): `0.5·d²` where `|d| < 1`, else `|d| − 0.5`.
 fn smooth_l1(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::ops::any_cuda(&[pred, target]) {
+        return crate::cuda::jepa::latent_loss(pred, target, rtx_kernels::cuda::LatentLoss::SmoothL1);
+    }
     let d = pred.sub(target)?;
     let a = d.abs()?;
     let quadratic = d.square()?.mul_scalar(0.5)?;
