@@ -64,9 +64,9 @@ class Block(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, c=768, layers=12, heads=12, patch=16, grid=14):
+    def __init__(self, c=768, layers=12, heads=12, patch=16, grid=14, in_ch=3):
         super().__init__()
-        self.patch = nn.Conv2d(3, c, patch, patch)
+        self.patch = nn.Conv2d(in_ch, c, patch, patch)
         self.pos = nn.Parameter(sincos_2d(grid, c).unsqueeze(0))
         self.blocks = nn.ModuleList([Block(c, heads) for _ in range(layers)])
         self.norm = nn.LayerNorm(c, eps=1e-6)
@@ -103,22 +103,26 @@ class Predictor(nn.Module):
 
 
 class IJepa(nn.Module):
-    def __init__(self):
+    """Encoder, predictor and EMA target encoder; the defaults are the GPU bench's ViT-B/16."""
+
+    def __init__(self, c=768, layers=12, heads=12, patch=16, grid=14, in_ch=3, p=384, depth=6, p_heads=6, loss="smooth_l1"):
         super().__init__()
-        self.encoder = Encoder()
-        self.predictor = Predictor()
-        self.target = Encoder()
+        self.c, self.loss = c, loss
+        self.encoder = Encoder(c, layers, heads, patch, grid, in_ch)
+        self.predictor = Predictor(c, p, depth, p_heads, grid)
+        self.target = Encoder(c, layers, heads, patch, grid, in_ch)
         self.target.load_state_dict(self.encoder.state_dict())
         self.target.requires_grad_(False)
 
     def forward(self, images, context, targets):
+        c = self.c
         with torch.no_grad():
-            h = F.layer_norm(self.target(images), (768,))
+            h = F.layer_norm(self.target(images), (c,))
             m = targets.shape[0] // images.shape[0]
-            h = torch.gather(h.repeat(m, 1, 1), 1, targets.unsqueeze(-1).expand(-1, -1, 768))
+            h = torch.gather(h.repeat(m, 1, 1), 1, targets.unsqueeze(-1).expand(-1, -1, c))
         z = self.encoder(images, context)
         pred = self.predictor(z, context, targets)
-        loss = F.smooth_l1_loss(pred, h)
+        loss = F.smooth_l1_loss(pred, h) if self.loss == "smooth_l1" else F.mse_loss(pred, h)
         std = z.detach().mean(1).std(0).mean()
         return loss, std
 
@@ -135,6 +139,7 @@ def step_flops(n, kc, m, kt, c, layers, patch_in, p, depth):
 
 
 def masks(batch, gen, grid=14, kc=100, m=4, bh=4, bw=8):
+    """Fixed-shape masks as rustytorch's `JepaMasks::fixed_blocks` draws them (own generator)."""
     context = torch.empty(batch, kc, dtype=torch.long)
     targets = torch.empty(m, batch, bh * bw, dtype=torch.long)
     for b in range(batch):

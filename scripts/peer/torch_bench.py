@@ -2,7 +2,7 @@
 """PyTorch side of `scripts/bench-vs-torch.sh`: the same benchmarks as `rtx bench`, same shapes.
 
     torch_bench.py matmul [--warmup 2] [--repeats 7]
-    torch_bench.py step --model mlp|gpt [--warmup 3] [--repeats 15]
+    torch_bench.py step --model mlp|gpt|ijepa [--warmup 3] [--repeats 15]
     torch_bench.py ops --model mlp|gpt  # each op of the step alone (see src/bench/ops.rs)
 
 Threads: torch.set_num_threads(RTX_NUM_THREADS, default all cores), interop threads 1.
@@ -14,6 +14,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -159,7 +160,47 @@ GPT_BATCH = 16
 LR, WEIGHT_DECAY = 1e-3, 0.01
 
 
+def bench_ijepa_step(args):
+    """rustytorch's `rtx bench step --model ijepa` (src/bench/jepa_step.rs): configs/ijepa_fashion.toml's
+    I-JEPA (ViT 28x28 patch 4 d64 L4 h4, predictor 3x48 h4, L2), 4 targets of 3x3, 20 context tokens,
+    batch 128, AdamW (wd 0.04 on matrices, betas 0.9/0.95), EMA, zero_grad; fixed batch and masks."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ijepa_gpu_torch import IJepa, masks
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batch = 128
+    model = IJepa(c=64, layers=4, heads=4, patch=4, grid=7, in_ch=1, p=48, depth=3, p_heads=4, loss="l2")
+    images = torch.randn(batch, 1, 28, 28, generator=g)
+    context, targets = masks(batch, g, grid=7, kc=20, m=4, bh=3, bw=3)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in trained if p.dim() >= 2], "weight_decay": 0.04},
+                             {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.95))
+    src, tgt = list(model.encoder.parameters()), list(model.target.parameters())
+    n_params = sum(p.numel() for p in trained)
+    state = {"step": 0}
+
+    def step():
+        loss, std = model(images, context, targets)
+        loss.backward()
+        opt.step()
+        mom = 0.996 + (1.0 - 0.996) * state["step"] / 1000
+        with torch.no_grad():
+            torch._foreach_mul_(tgt, mom)
+            torch._foreach_add_(tgt, src, alpha=1.0 - mom)
+        opt.zero_grad()
+        state["step"] += 1
+        assert math.isfinite(loss.item()) and math.isfinite(std.item())
+        return loss
+
+    st = measure(args.warmup, args.repeats, step)
+    shape = "ijepa vit 28x28 p4 d64 L4 h4, context 20 of 49, 4 targets of 3x3, predictor 3x48 h4, batch 128"
+    emit(impl="torch", bench="step", model="ijepa", shape=shape, params=n_params, threads=torch.get_num_threads(), **st)
+
+
 def bench_step(args):
+    if args.model == "ijepa":
+        return bench_ijepa_step(args)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if args.model == "mlp":
@@ -276,7 +317,7 @@ def main():
     pm.add_argument("--repeats", type=int, default=7)
     pm.add_argument("--shapes", default="1024x1024x1024,4096x4096x1024", help="MxNxK,... (lhs MxK, rhs KxN)")
     ps = sub.add_parser("step")
-    ps.add_argument("--model", choices=["mlp", "gpt"], required=True)
+    ps.add_argument("--model", choices=["mlp", "gpt", "ijepa"], required=True)
     ps.add_argument("--warmup", type=int, default=3)
     ps.add_argument("--repeats", type=int, default=15)
     ps.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True, help="tie lm_head to tok_emb (as rustytorch's Gpt)")

@@ -17,6 +17,7 @@ mod actors;
 mod bubble;
 mod collectives;
 mod fed;
+mod jepa_step;
 mod matmul;
 mod ops;
 mod pipeline;

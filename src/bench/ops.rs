@@ -168,6 +168,7 @@ pub(crate) fn run(args: &OpsArgs) -> anyhow::Result<()> {
     let ops = match args.model {
         StepModel::Mlp => mlp_ops(&mut rng)?,
         StepModel::Gpt => gpt_ops(&mut rng)?,
+        StepModel::Ijepa => anyhow::bail!("`rtx bench ops` breaks down the MLP and GPT steps; time the I-JEPA step with `rtx bench step --model ijepa`"),
     };
     let mut sum_ms = 0.0;
     for op in &ops {

@@ -17,6 +17,8 @@ pub enum StepModel {
     Mlp,
     /// GPT 4 layers, d=256, 4 heads, T=128, batch 16, byte vocab 256.
     Gpt,
+    /// I-JEPA of `configs/ijepa_fashion.toml`'s shapes, batch 128 (see `jepa_step.rs`).
+    Ijepa,
 }
 
 /// Arguments of `rtx bench step`.
@@ -99,6 +101,10 @@ pub(crate) fn run(args: &StepArgs) -> anyhow::Result<()> {
     let mut work = match args.model {
         StepModel::Mlp => mlp_workload(&mut rng)?,
         StepModel::Gpt => gpt_workload(&mut rng)?,
+        StepModel::Ijepa => {
+            anyhow::ensure!(!args.phases, "--phases is not broken down for the I-JEPA step");
+            return super::jepa_step::run(args.warmup, args.repeats);
+        }
     };
     let n_params: usize = work.params.iter().map(|(_, t)| t.numel()).sum();
     let mut opt = AdamW::new(work.params.clone(), AdamWConfig { lr: 1e-3, weight_decay: 0.01, ..AdamWConfig::default() })?;

@@ -310,40 +310,6 @@ fn step_flops(n: usize, kc: usize, m: usize, kt: usize, c: usize, layers: usize,
     ctx + tgt + pred
 }
 
-/// Masks of the benchmark's fixed shapes: per image, `m` target blocks of 4×8 patches at random
-/// places and `kc` context tokens drawn from the patches outside the targets.
-fn bench_masks(batch: usize, grid: usize, kc: usize, m: usize, rng: &mut Generator) -> Res<JepaMasks> {
-    let (bh, bw) = (4usize, 8usize);
-    let mut context = Vec::with_capacity(batch * kc);
-    let mut targets = vec![0u32; m * batch * bh * bw];
-    for b in 0..batch {
-        let mut covered = vec![false; grid * grid];
-        for k in 0..m {
-            let (r0, c0) = (rng.below((grid - bh + 1) as u64) as usize, rng.below((grid - bw + 1) as u64) as usize);
-            for i in 0..bh {
-                for j in 0..bw {
-                    let id = (r0 + i) * grid + c0 + j;
-                    covered[id] = true;
-                    targets[(k * batch + b) * bh * bw + i * bw + j] = id as u32;
-                }
-            }
-        }
-        let mut free: Vec<u32> = (0..grid * grid).filter(|&i| !covered[i]).map(|i| i as u32).collect();
-        if free.len() < kc {
-            // Overlapping targets left fewer than kc free patches: fill from the covered ones.
-            free.extend((0..grid * grid).filter(|&i| covered[i]).map(|i| i as u32));
-        }
-        for i in 0..kc {
-            let j = i + rng.below((free.len() - i) as u64) as usize;
-            free.swap(i, j);
-        }
-        let mut chosen = free[..kc].to_vec();
-        chosen.sort_unstable();
-        context.extend(chosen);
-    }
-    Ok(JepaMasks { batch, n_context: kc, n_targets: m, n_target_tokens: bh * bw, context, targets, target_block: (bh, bw) })
-}
-
 fn bench(batch: usize) -> Res<()> {
     let steps = std::env::var("RTX_BENCH_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(20usize);
     let (grid, kc, m) = (14usize, 100usize, 4usize);
@@ -371,7 +337,7 @@ fn bench(batch: usize) -> Res<()> {
     for i in 0..total {
         // The batch is uploaded before the clock starts (the torch peer does the same).
         let x = random(&[batch, 3, 224, 224], &mut rng)?.to_dtype(DType::BF16)?.to_device(GPU)?;
-        let masks = bench_masks(batch, grid, kc, m, &mut rng)?;
+        let masks = JepaMasks::fixed_blocks(batch, [grid, grid], kc, m, (4, 8), &mut rng)?;
         let start = Instant::now();
         for (_, p) in model.named_parameters() {
             p.set_grad(None)?;

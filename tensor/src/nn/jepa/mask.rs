@@ -159,6 +159,51 @@ impl JepaMasks {
         Ok(JepaMasks { batch: len, context, targets, ..self.clone() })
     }
 
+    /// Masks of fixed shapes, for benchmarks that must match a peer's shapes exactly: per image,
+    /// `n_targets` target blocks of `block` = (height, width) patches at uniformly drawn places
+    /// of a `grid`, and `n_context` context tokens drawn without replacement from the patches no
+    /// target covers (topped up from the covered ones when too few are free), ascending.
+    pub fn fixed_blocks(batch: usize, grid: [usize; 2], n_context: usize, n_targets: usize, block: (usize, usize), rng: &mut Generator) -> Result<JepaMasks> {
+        let [gh, gw] = grid;
+        let (bh, bw) = block;
+        let cells = gh * gw;
+        if batch == 0 || n_targets == 0 || bh == 0 || bw == 0 || bh > gh || bw > gw || n_context == 0 || n_context > cells {
+            return Err(Error::InvalidArgument {
+                op: "JepaMasks::fixed_blocks",
+                reason: format!("batch {batch}, {n_targets} blocks of {bh}x{bw} and {n_context} context tokens on a {gh}x{gw} grid"),
+            });
+        }
+        let mut context = Vec::with_capacity(batch * n_context);
+        let mut targets = vec![0u32; n_targets * batch * bh * bw];
+        for b in 0..batch {
+            let mut covered = vec![false; cells];
+            for k in 0..n_targets {
+                let (r0, c0) = (rng.below((gh - bh + 1) as u64) as usize, rng.below((gw - bw + 1) as u64) as usize);
+                for i in 0..bh {
+                    for j in 0..bw {
+                        let id = (r0 + i) * gw + c0 + j;
+                        covered[id] = true;
+                        targets[(k * batch + b) * bh * bw + i * bw + j] = id as u32;
+                    }
+                }
+            }
+            // The uncovered patches first, then the covered ones; draws stay among the uncovered
+            // ones until they run out.
+            let mut free: Vec<u32> = (0..cells).filter(|&i| !covered[i]).map(|i| i as u32).collect();
+            let uncovered = free.len();
+            free.extend((0..cells).filter(|&i| covered[i]).map(|i| i as u32));
+            for i in 0..n_context {
+                let pool = if i < uncovered { uncovered } else { cells };
+                let j = i + rng.below((pool - i) as u64) as usize;
+                free.swap(i, j);
+            }
+            let mut chosen = free[..n_context].to_vec();
+            chosen.sort_unstable();
+            context.extend(chosen);
+        }
+        Ok(JepaMasks { batch, n_context, n_targets, n_target_tokens: bh * bw, context, targets, target_block: block })
+    }
+
     /// `[B, Kc]` u32 context indices.
     pub fn context_tensor(&self) -> Result<Tensor> {
         Tensor::from_vec(self.context.clone(), &[self.batch, self.n_context])

@@ -158,3 +158,34 @@ fn checkpoints_carry_the_target_encoder() {
     assert!(err.to_string().contains("target_encoder"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn fixed_block_masks_have_the_asked_shapes() {
+    let seed = 20261205;
+    println!("seed {seed}");
+    let m = JepaMasks::fixed_blocks(5, [14, 14], 100, 4, (4, 8), &mut Generator::new(seed)).expect("masks");
+    assert_eq!((m.batch, m.n_context, m.n_targets, m.n_target_tokens), (5, 100, 4, 32));
+    assert_eq!(m.context.len(), 5 * 100);
+    assert_eq!(m.targets.len(), 4 * 5 * 32);
+    for b in 0..5 {
+        let ctx = &m.context[b * 100..(b + 1) * 100];
+        assert!(ctx.windows(2).all(|w| w[0] < w[1]), "context of image {b} is ascending and distinct");
+        for k in 0..4 {
+            let block = &m.targets[(k * 5 + b) * 32..(k * 5 + b + 1) * 32];
+            let (r0, c0) = (block[0] / 14, block[0] % 14);
+            for (i, &id) in block.iter().enumerate() {
+                assert_eq!((id / 14, id % 14), (r0 + (i / 8) as u32, c0 + (i % 8) as u32), "block {k} of image {b} is a 4x8 rectangle");
+            }
+        }
+    }
+    // Few targets on a large grid: the context never touches a target.
+    let m = JepaMasks::fixed_blocks(3, [7, 7], 20, 2, (2, 2), &mut Generator::new(seed)).expect("masks");
+    for b in 0..3 {
+        let covered: Vec<u32> = (0..2).flat_map(|k| m.targets[(k * 3 + b) * 4..(k * 3 + b + 1) * 4].to_vec()).collect();
+        assert!(m.context[b * 20..(b + 1) * 20].iter().all(|c| !covered.contains(c)));
+    }
+    assert!(JepaMasks::fixed_blocks(2, [7, 7], 50, 1, (2, 2), &mut Generator::new(seed)).is_err(), "more context tokens than patches");
+    assert!(JepaMasks::fixed_blocks(2, [7, 7], 10, 1, (8, 2), &mut Generator::new(seed)).is_err(), "a block taller than the grid");
+    let again = JepaMasks::fixed_blocks(3, [7, 7], 20, 2, (2, 2), &mut Generator::new(seed)).expect("masks");
+    assert_eq!(again, m, "the same seed gives the same masks");
+}
