@@ -111,10 +111,7 @@ impl Tensor {
         }
         let seed = match self.device() {
             rtx_kernels::Device::Cpu => Tensor::ones(self.shape(), self.dtype()),
-            #[cfg(feature = "cuda")]
-            rtx_kernels::Device::Cuda(i) => crate::cuda::full(i, self.shape(), 1.0, self.dtype())?,
-            #[cfg(not(feature = "cuda"))]
-            device => return Err(Error::UnsupportedDevice { op: "backward", device }),
+            device @ rtx_kernels::Device::Cuda(i) => crate::backend::required("backward", device)?.full(i, self.shape(), 1.0, self.dtype())?,
         };
         self.backward_from(seed, on_leaf_ready)
     }

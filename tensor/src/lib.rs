@@ -12,6 +12,7 @@ mod elements;
 mod error;
 mod gradcheck;
 mod layout;
+mod backend;
 mod ops;
 mod pool;
 mod rng;

@@ -38,9 +38,8 @@ pub fn download_packed(parts: &[(Option<&Tensor>, usize)], dst: &Storage, offset
             return Err(Error::DTypeMismatch { op: OP, lhs: guard.dtype(), rhs: t.dtype() });
         }
     }
-    #[cfg(feature = "cuda")]
-    if device != Device::Cpu {
-        return crate::cuda::packed::download(parts, total, dst, offset);
+    if let Some(backend) = crate::backend::of_device(device) {
+        return backend.download_packed(parts, total, dst, offset);
     }
     let mut guard = dst.write()?;
     let dtype = guard.dtype();
@@ -66,9 +65,8 @@ pub fn upload_packed(src: &Storage, offset: usize, shapes: &[Vec<usize>], device
             return Err(Error::BadShape { op: OP, shape: vec![guard.len()], reason: format!("elements {offset}..{} beyond the storage", offset + total) });
         }
     }
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(ordinal) = device {
-        return crate::cuda::packed::upload(src, offset, total, shapes, ordinal);
+    if let (Some(backend), Device::Cuda(ordinal)) = (crate::backend::of_device(device), device) {
+        return backend.upload_packed(src, offset, total, shapes, ordinal);
     }
     if device != Device::Cpu {
         return Err(Error::UnsupportedDevice { op: OP, device });

@@ -346,7 +346,6 @@ impl Tensor {
     /// Runs `f` on the elements as a contiguous compute slice (borrowed when already
     /// contiguous f32/f64, gathered or widened otherwise). Errors on integer tensors.
     pub fn with_float_slice<R>(&self, f: impl FnOnce(FloatSlice<'_>) -> R) -> Result<R> {
-        #[cfg(feature = "cuda")]
         if self.device() != Device::Cpu {
             return self.to_device(Device::Cpu)?.with_float_slice(f);
         }
@@ -383,7 +382,6 @@ impl Tensor {
     /// checked element by element ([`Error::IntegerOutOfRange`] for the first value outside
     /// `0..=u32::MAX`, so i64 ids and labels index like u32 ones).
     pub fn to_u32_vec(&self) -> Result<Vec<u32>> {
-        #[cfg(feature = "cuda")]
         if self.device() != Device::Cpu {
             return self.to_device(Device::Cpu)?.to_u32_vec();
         }
@@ -402,7 +400,6 @@ impl Tensor {
 
     /// The elements of an integer tensor (u32 or i64) as i64, contiguous.
     pub fn to_i64_vec(&self) -> Result<Vec<i64>> {
-        #[cfg(feature = "cuda")]
         if self.device() != Device::Cpu {
             return self.to_device(Device::Cpu)?.to_i64_vec();
         }
@@ -424,9 +421,8 @@ impl Tensor {
         if self.dtype() == DType::I64 {
             return Ok(self.to_i64_vec()?.into_iter().map(|x| x as f32).collect());
         }
-        #[cfg(feature = "cuda")]
-        if self.device() != Device::Cpu {
-            return match crate::cuda::download(self)? {
+        if let Some(device) = crate::backend::of(&[self]) {
+            return match device.download(self)? {
                 CpuData::F32(v) => Ok(v.into_vec()),
                 CpuData::BF16(v) => Ok(convert::bf16_vec_to_f32(&v)),
                 other => Err(Error::UnsupportedDType { op: "to_f32_vec", dtype: other.dtype() }),
@@ -469,9 +465,8 @@ impl Tensor {
     /// A contiguous copy of the elements in storage form (for checkpoints and transports).
     /// A device tensor is copied to the host.
     pub fn to_data(&self) -> Result<CpuData> {
-        #[cfg(feature = "cuda")]
-        if self.device() != Device::Cpu {
-            return crate::cuda::download(self);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.download(self);
         }
         let data = self.0.storage.read()?;
         let l = &self.0.layout;
@@ -507,10 +502,9 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        // A device view is copied on its device by the strided-copy kernel.
-        #[cfg(feature = "cuda")]
-        if self.device() != Device::Cpu {
-            return crate::cuda::views::contiguous(self);
+        // A device view is copied on its device.
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.contiguous(self);
         }
         let host = Storage::new(self.to_data()?);
         let storage = match self.device() {
@@ -526,9 +520,8 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
-        #[cfg(feature = "cuda")]
-        if self.device() != Device::Cpu {
-            return crate::cuda::ops::cast(self, dtype);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.cast(self, dtype);
         }
         match (self.dtype(), dtype) {
             (DType::U32, DType::I64) => return Tensor::from_vec(self.to_i64_vec()?, self.shape()),
@@ -558,19 +551,15 @@ impl Tensor {
         if device == self.device() {
             return Ok(self.clone());
         }
-        #[cfg(feature = "cuda")]
-        {
-            let requires = self.is_requires_grad() && self.is_leaf();
-            match device {
-                Device::Cpu => Ok(Tensor::from_data(self.to_data()?, self.shape())?.requires_grad(requires)),
-                Device::Cuda(i) => {
-                    let host = if self.device() == Device::Cpu { self.clone() } else { self.to_device(Device::Cpu)? };
-                    crate::cuda::upload(&host, i)
-                }
+        let requires = self.is_requires_grad() && self.is_leaf();
+        match device {
+            Device::Cpu => Ok(Tensor::from_data(self.to_data()?, self.shape())?.requires_grad(requires)),
+            Device::Cuda(i) => {
+                let backend = crate::backend::of_device(device).ok_or_else(|| Error::DeviceUnavailable { device, reason: "this build has no CUDA backend (build with --features cuda)".into() })?;
+                let host = if self.device() == Device::Cpu { self.clone() } else { self.to_device(Device::Cpu)? };
+                backend.upload(&host, i)
             }
         }
-        #[cfg(not(feature = "cuda"))]
-        Err(Error::DeviceUnavailable { device, reason: "this build has no CUDA backend (build with --features cuda)".into() })
     }
 
     // ---------------------------------------------------------------- gradients
@@ -613,10 +602,7 @@ impl Tensor {
                 } else {
                     match g.device() {
                         Device::Cpu => Tensor::from_data(g.to_data()?, g.shape())?,
-                        #[cfg(feature = "cuda")]
-                        Device::Cuda(_) => crate::cuda::ops::clone_dense(&g)?,
-                        #[cfg(not(feature = "cuda"))]
-                        device => return Err(Error::UnsupportedDevice { op: "accumulate_grad", device }),
+                        device => crate::backend::required("accumulate_grad", device)?.clone_dense(&g)?,
                     }
                 });
             }
@@ -669,9 +655,8 @@ impl Tensor {
 
     /// `self += other` in place (other broadcast to self's shape). Not recorded by autograd.
     pub fn add_assign_(&self, other: &Tensor) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if self.device() != Device::Cpu {
-            return crate::cuda::ops::add_assign(self, other);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.add_assign(self, other);
         }
         let src = self.prepare_source("add_assign_", other)?;
         match src {
@@ -694,9 +679,8 @@ impl Tensor {
     /// must have self's shape and live on the host or the same device; it is rounded to self's
     /// dtype.
     pub fn copy_from_(&self, other: &Tensor) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if self.device() != Device::Cpu {
-            return crate::cuda::ops::copy_(self, other);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.copy_(self, other);
         }
         let src = self.prepare_source("copy_from_", other)?;
         match src {
@@ -715,18 +699,16 @@ impl Tensor {
 
     /// Sets every element to zero in place.
     pub fn zero_(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if self.device() != Device::Cpu {
-            return crate::cuda::ops::fill_(self, 0.0);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.fill_(self, 0.0);
         }
         self.update_(|d| d.fill(0.0), |d| d.fill(0.0))
     }
 
     /// Multiplies every element by `k` in place.
     pub fn scale_(&self, k: f64) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if self.device() != Device::Cpu {
-            return crate::cuda::ops::scale_(self, k);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.scale_(self, k);
         }
         self.update_(|d| elementwise::map_inplace(d, |x| x * k as f32), |d| elementwise::map_inplace(d, |x| x * k))
     }

@@ -20,11 +20,11 @@
 pub(crate) mod ops;
 mod optim;
 pub(crate) mod packed;
+pub(crate) mod backend;
 pub(crate) mod jepa;
 pub(crate) mod views;
 
 pub use optim::MixedAdamW;
-pub(crate) use ops::{any_cuda, linear_cross_entropy};
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock};

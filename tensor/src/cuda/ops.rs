@@ -30,11 +30,6 @@ macro_rules! dispatch {
     };
 }
 
-/// Whether any operand lives on a CUDA device (then the op runs there).
-pub(crate) fn any_cuda(ts: &[&Tensor]) -> bool {
-    ts.iter().any(|t| matches!(t.device(), Device::Cuda(_)))
-}
-
 fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
     if a.device() != b.device() {
         return Err(Error::DeviceMismatch { op, lhs: a.device(), rhs: b.device() });

@@ -87,10 +87,9 @@ impl Tensor {
         }
         let (b, t, c) = (qkv.shape()[0], qkv.shape()[1], qkv.shape()[2] / 3);
         let d = c / n_heads;
-        #[cfg(feature = "cuda")]
-        if qkv.device() != rtx_kernels::Device::Cpu {
+        if let Some(device) = crate::backend::of(&[qkv]) {
             let scale = scale.unwrap_or_else(|| 1.0 / (d.max(1) as f64).sqrt());
-            return crate::cuda::ops::attention_packed(qkv, n_heads, causal, scale);
+            return device.attention_packed(qkv, n_heads, causal, scale);
         }
         if !matches!(qkv.dtype(), DType::F32 | DType::F64) {
             let split = qkv.reshape(&[b, t, 3, n_heads, d])?.permute(&[2, 0, 3, 1, 4])?;

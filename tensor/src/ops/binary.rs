@@ -115,9 +115,8 @@ fn compare<F: CmpFn>(op: &'static str, a: &Tensor, b: &Tensor, f: F) -> Result<T
 impl Tensor {
     /// `self + other` (broadcasting).
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if crate::cuda::ops::any_cuda(&[self, other]) {
-            return crate::cuda::ops::add(self, other);
+        if let Some(device) = crate::backend::of(&[self, other]) {
+            return device.add(self, other);
         }
         let (v, shape) = broadcast_apply("add", self, other, AddFn)?;
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());

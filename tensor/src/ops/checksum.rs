@@ -27,9 +27,8 @@ impl Tensor {
     /// the same dtype give the same digest on every device; reading a device tensor's digest
     /// waits for its queued work.
     pub fn bits_checksum(&self) -> Result<u64> {
-        #[cfg(feature = "cuda")]
-        if self.device() != rtx_kernels::Device::Cpu {
-            return crate::cuda::ops::bits_checksum(self);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.bits_checksum(self);
         }
         Ok(host_bits_checksum(&self.to_data()?))
     }
@@ -39,9 +38,10 @@ impl Tensor {
 /// with their digests gathered in one buffer, so the host waits for the device once for all of
 /// them (a model's parameters: one wait instead of one per tensor).
 pub fn bits_checksums(tensors: &[Tensor]) -> Result<Vec<u64>> {
-    #[cfg(feature = "cuda")]
-    if let Some(digests) = crate::cuda::ops::bits_checksums(tensors)? {
-        return Ok(digests);
+    if let Some(device) = tensors.first().and_then(|t| crate::backend::of(&[t])) {
+        if let Some(digests) = device.bits_checksums(tensors)? {
+            return Ok(digests);
+        }
     }
     tensors.iter().map(Tensor::bits_checksum).collect()
 }

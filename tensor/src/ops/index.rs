@@ -25,9 +25,8 @@ impl Tensor {
         if weight.rank() != 2 {
             return Err(Error::BadShape { op: OP, shape: weight.shape().to_vec(), reason: "weight must be [num_embeddings, dim]".into() });
         }
-        #[cfg(feature = "cuda")]
-        if weight.device() != rtx_kernels::Device::Cpu {
-            return crate::cuda::ops::embedding(weight, ids);
+        if let Some(device) = crate::backend::of(&[weight]) {
+            return device.embedding(weight, ids);
         }
         let idx = checked_indices(OP, ids, weight.shape()[0])?;
         let mut shape = ids.shape().to_vec();

@@ -75,9 +75,8 @@ impl Tensor {
         if !(0.0..1.0).contains(&options.label_smoothing) {
             return Err(Error::InvalidArgument { op: OP, reason: format!("label_smoothing {} outside [0, 1)", options.label_smoothing) });
         }
-        #[cfg(feature = "cuda")]
-        if crate::cuda::any_cuda(&[self, weight]) {
-            return crate::cuda::linear_cross_entropy(self, weight, targets, classes, options, chunk_rows);
+        if let Some(device) = crate::backend::of(&[self, weight]) {
+            return device.linear_cross_entropy(self, weight, targets, classes, options, chunk_rows);
         }
         if self.device() != Device::Cpu || weight.device() != Device::Cpu {
             return Err(Error::UnsupportedDevice { op: OP, device: self.device() });

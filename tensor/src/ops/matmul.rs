@@ -106,9 +106,8 @@ impl Tensor {
     /// derivative and the first bias's gradient in cuBLASLt epilogues (no GELU passes over the
     /// hidden activations); elsewhere it is the three ops.
     pub fn linear_gelu_linear(&self, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if self.device() != rtx_kernels::Device::Cpu {
-            return crate::cuda::ops::linear_gelu_linear(self, w1, b1, w2, b2);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.linear_gelu_linear(self, w1, b1, w2, b2);
         }
         self.linear(w1, Some(b1))?.gelu_with(crate::GeluApprox::Tanh)?.linear(w2, Some(b2))
     }
@@ -120,9 +119,8 @@ impl Tensor {
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         const OP: &str = "linear";
         check_same(OP, self, weight)?;
-        #[cfg(feature = "cuda")]
-        if self.device() != rtx_kernels::Device::Cpu && weight.rank() == 2 && self.rank() > 0 && self.shape()[self.rank() - 1] == weight.shape()[1] && bias.is_none_or(|b| b.shape() == [weight.shape()[0]]) {
-            return crate::cuda::ops::linear(self, weight, bias);
+        if let Some(device) = crate::backend::of(&[self]).filter(|_| weight.rank() == 2 && self.rank() > 0 && self.shape()[self.rank() - 1] == weight.shape()[1] && bias.is_none_or(|b| b.shape() == [weight.shape()[0]])) {
+            return device.linear(self, weight, bias);
         }
         super::check_float(OP, self)?;
         if weight.rank() != 2 || self.rank() == 0 || self.shape()[self.rank() - 1] != weight.shape()[1] {

@@ -19,9 +19,8 @@ impl Tensor {
     /// shape `[last dim]` and the dtype of `self`.
     pub fn layer_norm(&self, weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         let n = check_norm_args("layer_norm", self, &[weight, bias], eps)?;
-        #[cfg(feature = "cuda")]
-        if self.device() != rtx_kernels::Device::Cpu {
-            return crate::cuda::ops::layer_norm(self, weight, bias, eps);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.layer_norm(self, weight, bias, eps);
         }
         if self.dtype() == DType::F64 {
             layer_norm_typed::<f64>(self, n, weight, bias, eps)
@@ -37,10 +36,9 @@ impl Tensor {
     /// and the norm's backward adds the sum's other gradient in its own pass. Elsewhere it is
     /// the two ops.
     pub fn add_layer_norm(&self, other: &Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor)> {
-        #[cfg(feature = "cuda")]
-        if self.device() != rtx_kernels::Device::Cpu {
+        if let Some(device) = crate::backend::of(&[self]) {
             check_norm_args("add_layer_norm", self, &[weight, bias], eps)?;
-            return crate::cuda::ops::add_layer_norm(self, other, weight, bias, eps);
+            return device.add_layer_norm(self, other, weight, bias, eps);
         }
         let s = self.add(other)?;
         let y = s.layer_norm(weight, bias, eps)?;

@@ -51,9 +51,8 @@ impl Tensor {
                 return Err(Error::ShapeMismatch { op: "cat", lhs: first.shape().to_vec(), rhs: t.shape().to_vec() });
             }
         }
-        #[cfg(feature = "cuda")]
-        if crate::cuda::ops::any_cuda(tensors) {
-            return crate::cuda::views::cat(tensors, d);
+        if let Some(device) = crate::backend::of(tensors) {
+            return device.cat(tensors, d);
         }
         let outer: usize = first.shape()[..d].iter().product();
         let inner: Vec<usize> = tensors.iter().map(|t| t.shape()[d..].iter().product()).collect();

@@ -112,12 +112,11 @@ impl Tensor {
         if !(0.0..1.0).contains(&options.label_smoothing) {
             return Err(Error::InvalidArgument { op: "cross_entropy", reason: format!("label_smoothing {} outside [0, 1)", options.label_smoothing) });
         }
-        #[cfg(feature = "cuda")]
-        if self.device() != rtx_kernels::Device::Cpu {
+        if let Some(device) = crate::backend::of(&[self]) {
             if options != CrossEntropyOptions::default() || self.rank() != 2 || targets.dtype() != DType::U32 {
                 return Err(Error::UnsupportedDevice { op: "cross_entropy (options other than mean over [N, V] logits)", device: self.device() });
             }
-            return crate::cuda::ops::cross_entropy(self, targets);
+            return device.cross_entropy(self, targets);
         }
         let c = self.shape()[self.rank() - 1];
         let t = Targets::of(targets)?;
@@ -177,10 +176,9 @@ impl Tensor {
         if self.shape() != target.shape() {
             return Err(Error::ShapeMismatch { op: "mse", lhs: self.shape().to_vec(), rhs: target.shape().to_vec() });
         }
-        #[cfg(feature = "cuda")]
-        if crate::cuda::ops::any_cuda(&[self, target]) {
+        if let Some(device) = crate::backend::of(&[self, target]) {
             return match reduction {
-                Reduction::Mean => crate::cuda::jepa::latent_loss(self, target, rtx_kernels::cuda::LatentLoss::Squared),
+                Reduction::Mean => device.latent_loss(self, target, crate::backend::LatentLossKind::Squared),
                 _ => Err(Error::UnsupportedDevice { op: "mse (reductions other than mean)", device: self.device() }),
             };
         }

@@ -235,9 +235,8 @@ impl Tensor {
 
     /// GELU in the form `approx` names (`GeluApprox::Tanh` for GPT-2's approximation).
     pub fn gelu_with(&self, approx: GeluApprox) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if self.device() != rtx_kernels::Device::Cpu {
-            return crate::cuda::ops::gelu(self, approx);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.gelu(self, approx);
         }
         match approx {
             GeluApprox::None => unary(self, GeluErf),
@@ -260,9 +259,8 @@ impl Tensor {
 
     /// x · c.
     pub fn mul_scalar(&self, c: f64) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if self.device() != rtx_kernels::Device::Cpu {
-            return crate::cuda::ops::mul_scalar(self, c);
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.mul_scalar(self, c);
         }
         self.mul(&self.scalar_like(c))
     }

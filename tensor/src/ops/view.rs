@@ -155,9 +155,8 @@ fn narrow_grad(g: &Tensor, dim: usize, start: usize, full: usize) -> Result<Tens
     let mut full_shape = shape.to_vec();
     full_shape[dim] = full;
     let (block, full_block, at) = (len * inner, full * inner, start * inner);
-    #[cfg(feature = "cuda")]
-    if g.device() != rtx_kernels::Device::Cpu {
-        return crate::cuda::views::narrow_grad(g, dim, start, full);
+    if let Some(device) = crate::backend::of(&[g]) {
+        return device.narrow_grad(g, dim, start, full);
     }
     let src = g.to_data()?;
     let data = match &src {

@@ -295,11 +295,10 @@ impl IJepa {
         let (mf, nf) = (m as f32, (1.0 - m) as f32);
         // On a GPU: every tensor in one launch, bit-exact with the f32 loop below. The targets
         // must be f32 there (the EMA state of a bf16 encoder).
-        #[cfg(feature = "cuda")]
-        if targets.iter().any(|(_, t)| t.device() != rtx_kernels::Device::Cpu) {
+        if let Some(device) = targets.iter().find_map(|(_, t)| crate::backend::of(&[t])) {
             let t: Vec<Tensor> = targets.into_iter().map(|(_, t)| t).collect();
             let s: Vec<Tensor> = sources.into_iter().map(|(_, s)| s).collect();
-            return crate::cuda::jepa::ema_update(&t, &s, mf, nf);
+            return device.ema_update(&t, &s, mf, nf);
         }
         for ((_, src), (_, dst)) in sources.iter().zip(&targets) {
             if src.shape() != dst.shape() {
@@ -370,9 +369,8 @@ pub fn collapse_std(z: &Tensor) -> Result<f64> {
         return Err(Error::BadShape { op: "collapse_std", shape: z.shape().to_vec(), reason: "expected [B, K, C]".into() });
     }
     crate::no_grad(|| -> Result<f64> {
-        #[cfg(feature = "cuda")]
-        if z.device() != rtx_kernels::Device::Cpu {
-            return crate::cuda::jepa::feature_std(z);
+        if let Some(device) = crate::backend::of(&[z]) {
+            return device.collapse_std(z);
         }
         let pooled = z.mean(&[1], false)?;
         if pooled.shape()[0] < 2 {
@@ -384,9 +382,8 @@ pub fn collapse_std(z: &Tensor) -> Result<f64> {
 
 /// Mean smooth L1 (β = 1): `0.5·d²` where `|d| < 1`, else `|d| − 0.5`.
 fn smooth_l1(pred: &Tensor, target: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if crate::cuda::ops::any_cuda(&[pred, target]) {
-        return crate::cuda::jepa::latent_loss(pred, target, rtx_kernels::cuda::LatentLoss::SmoothL1);
+    if let Some(device) = crate::backend::of(&[pred, target]) {
+        return device.latent_loss(pred, target, crate::backend::LatentLossKind::SmoothL1);
     }
     let d = pred.sub(target)?;
     let a = d.abs()?;
