@@ -155,8 +155,8 @@ fn loss_checks(c: &mut Checks, rng: &mut Generator) -> Res<()> {
             c.check("mse mean f32 backward (pred)", rel_err(&gd[0], &gh[0])?, tol);
             c.check("mse mean f32 backward (target)", rel_err(&gd[1], &gh[1])?, tol);
         }
-        // bf16 on the device against f32 on the host of the same rounded inputs.
-        let (pb, tb) = (p.to_dtype(DType::BF16)?.to_dtype(DType::F32)?, t.to_dtype(DType::BF16)?.to_dtype(DType::F32)?);
+        // The device in `dtype` against f32 on the host of the same inputs rounded to `dtype`.
+        let (pb, tb) = (p.to_dtype(dtype)?.to_dtype(DType::F32)?, t.to_dtype(dtype)?.to_dtype(DType::F32)?);
         let yref = pb.mse(&tb, Reduction::Mean)?;
         let ydev = p.to_dtype(dtype)?.to_device(GPU)?.mse(&t.to_dtype(dtype)?.to_device(GPU)?, Reduction::Mean)?;
         c.check(&format!("mse mean {dtype:?} forward vs host f32"), rel_err(&ydev, &yref)?, tol);
