@@ -57,6 +57,7 @@ pub(crate) fn run(warmup: usize, repeats: usize) -> anyhow::Result<()> {
     );
     obj.insert("params".into(), n_params.into());
     obj.insert("threads".into(), threads().into());
+    obj.insert("buffer_pool_held_mib".into(), (rtx_tensor::buffer_pool_held_bytes() >> 20).into());
     stats.json_fields(&mut obj);
     emit(obj.into());
     Ok(())
