@@ -776,6 +776,9 @@ fn peer_addrs(g: &Generation) -> Result<Vec<SocketAddr>> {
     g.addrs.iter().map(|a| a.parse().map_err(|e| SupervisorError::JobFailed { reason: format!("bad peer address {a}: {e}") })).collect()
 }
 
+/// Sets up one data-parallel generation (replicated, ZeRO-1 or ZeRO-2): the state sync from the
+/// source or from segment copies, the [`DataParallel`] engine; then trains it through the step
+/// loop ([`steps::run`]) behind its adapter ([`dp::DpSteps`]).
 #[allow(clippy::too_many_arguments)]
 async fn train<J: TrainJob>(
     ctx: &WorkerCtx,
