@@ -1,6 +1,8 @@
 //! A ZeRO-3 / FSDP generation of a GPT job ([`crate::TrainJob::fsdp`]): the worker drives
 //! [`FsdpGpt`] instead of the data-parallel engine, and keeps the job's state between steps only
-//! as unit segments ([`crate::zero3`]) with buddy copies.
+//! as unit segments ([`crate::zero3`]) with buddy copies. The generation's set-up is here; its steps
+//! run in the worker's one step loop (`steps.rs`) through `FsdpSteps`, ZeRO-3's adapter to the
+//! [`Engine`] contract.
 //!
 //! # Where a generation's state comes from
 //!

@@ -6,6 +6,9 @@
 //! runtime thread). Between generations the member keeps its slot's state as one flat vector
 //! ([`MeshReplica`]): parameters in visit order, then the optimizer state in its order. The part
 //! is rebuilt every generation, because its tensor-parallel layers hold the old generation's group.
+//! The set-up above is this module's; the steps run in the worker's one step loop (`steps.rs`)
+//! through `MeshSteps`, the mesh's adapter to the [`Engine`] contract (the step, its sharded save
+//! and the verification checksum on the compute thread; reports and time accounting in the loop).
 //!
 //! Sharded checkpoints: every `checkpoint_every` steps, and after the last step of the run (or of
 //! a `--steps` part of it), the whole mesh saves its state into `<checkpoint dir>/step-NNNNNNNN/`
