@@ -6,27 +6,33 @@
 # /tmp/rtx-torch-venv), the same number of kills of a comparable torchrun elastic job
 # (scripts/peer/torchrun_elastic.py: same MLP shape, batch, AdamW, gloo, checkpoint every 100 steps)
 # runs in the same invocation and the ratio is printed. Usage: KILLS=5 scripts/bench-recovery.sh
+# RTX_BIN names the binary to measure (default ./target/release/rtx, built unless SKIP_BUILD is
+# set): an A/B of two builds runs the same script against each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/fetch-data.sh >/dev/null
 [ -n "${SKIP_BUILD:-}" ] || cargo build --release --locked --bin rtx >/dev/null
 KILLS=${KILLS:-5}
+RTX_BIN=${RTX_BIN:-./target/release/rtx}
 TORCH_VENV=${TORCH_VENV:-/tmp/rtx-torch-venv}
-python3 - "$KILLS" "$TORCH_VENV" <<'PY'
+python3 - "$KILLS" "$TORCH_VENV" "$RTX_BIN" <<'PY'
 import json, os, signal, statistics, subprocess, sys, tempfile, time
 kills = int(sys.argv[1])
 venv = sys.argv[2]
+rtx_bin = sys.argv[3]
 cfg = open("tests/configs/elastic_fashion.toml").read().replace("steps = 600", "steps = 1500")
 detect, commit, lost_steps = [], [], []
 for i in range(kills):
     d = tempfile.mkdtemp()
     path = os.path.join(d, "c.toml"); open(path, "w").write(cfg)
     out = os.path.join(d, "run")
-    p = subprocess.Popen(["./target/release/rtx", "launch", "--nproc", "2", "--no-progress", "--out", out, path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen([rtx_bin, "launch", "--nproc", "2", "--no-progress", "--out", out, path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ev = os.path.join(out, "events.jsonl")
     def events():
-        try: return [json.loads(l) for l in open(ev)]
+        # The supervisor may be half-way through writing the last line: read complete lines only.
+        try: text = open(ev).read()
         except FileNotFoundError: return []
+        return [json.loads(l) for l in text.split("\n")[:-1] if l.strip()]
     while not any(e["event"] == "committed" and e["step"] >= 300 + 37 * i for e in events()):
         time.sleep(0.01)
     pid = json.load(open(os.path.join(out, "cluster.json")))["pids"][1]

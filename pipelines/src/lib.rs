@@ -13,14 +13,17 @@
 //! [`FsdpGpt`]; [`memory`] counts each stage's bytes per rank.
 //! Model parallelism: [`mesh`] (the mesh, coordinates, sub-communicators), [`schedule`] (GPipe,
 //! 1F1B, interleaved, ZB-H1 as pure instruction lists, and a virtual-time simulator), [`tp`]
-//! (tensor-parallel layers and the TP forms of the GPT and ViT) and [`pipeline`] (the engine
-//! contract: `StageModule`, and `MeshEngine`, which runs one member's step of any schedule and
-//! shape). No engine picks batches, detects failures beyond what its collectives report, or
+//! (tensor-parallel layers and the TP forms of the GPT and ViT) and [`pipeline`] (a member's
+//! part of the model, `StageModule`, and `MeshEngine`, which runs one member's step of any schedule and
+//! shape). [`Engine`] is the contract the worker runtime drives every one of them through, one
+//! step at a time, without naming it. No engine picks batches, detects failures beyond what its
+//! collectives report, or
 //! recovers: a failed step is an error for the supervisor, which re-forms the group.
 
 mod clip;
 mod data_parallel;
 pub mod driver;
+pub mod engine;
 mod error;
 mod fsdp;
 pub mod memory;
@@ -37,6 +40,7 @@ pub mod trace;
 
 pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
 pub use driver::{drive, ComputeDone, ComputeDriver, RuntimeDriver};
+pub use engine::{DataShare, Duties, Engine, StepReport};
 pub use error::{Error, Result};
 pub use fsdp::{gpt_unit_of, FsdpConfig, FsdpGpt, FsdpStats};
 pub use memory::{MemoryPerRank, ZeroStage};

@@ -39,17 +39,21 @@ enum Holder {
     Runtime,
     /// The compute thread runs; the runtime thread waits.
     Compute,
+    /// The runtime side abandoned the step (its future was dropped): every wait of the compute
+    /// thread fails at once until its work returns.
+    Abandoned,
     /// The compute thread's work returned (`true`: it panicked).
     Done { panicked: bool },
 }
 
-/// One compute thread's baton and the wake-up of its runtime-side future.
+/// One compute thread's baton and the wake-up of its runtime-side future. `holder` is the whole
+/// state, under one lock with one condition variable: `Runtime` and `Compute` alternate;
+/// the runtime side moves `Runtime` to `Abandoned` (dropped future); the compute thread moves any
+/// state to `Done` when its work returns, and nothing leaves `Done`.
 #[derive(Debug)]
 struct Turn {
     holder: Mutex<Holder>,
     changed: Condvar,
-    /// Set when the runtime side abandoned the step (its future was dropped).
-    abandoned: Mutex<bool>,
     /// Woken by the compute thread's communication futures.
     wake: Notify,
 }
@@ -57,10 +61,6 @@ struct Turn {
 impl Turn {
     fn lock(&self) -> MutexGuard<'_, Holder> {
         self.holder.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn is_abandoned(&self) -> bool {
-        *self.abandoned.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Runtime side: gives the baton to the compute thread and waits until it comes back.
@@ -79,6 +79,7 @@ impl Turn {
     /// Compute side: gives the baton back and waits for it (false: the step was abandoned).
     fn yield_to_runtime(&self) -> bool {
         let mut holder = self.lock();
+        debug_assert_eq!(*holder, Holder::Compute, "a compute thread yields only a baton it holds");
         *holder = Holder::Runtime;
         self.changed.notify_all();
         drop(holder);
@@ -88,10 +89,10 @@ impl Turn {
     /// Compute side: waits until the thread holds the baton (false: the step was abandoned).
     fn wait_for_baton(&self) -> bool {
         let mut holder = self.lock();
-        while *holder == Holder::Runtime && !self.is_abandoned() {
+        while *holder == Holder::Runtime {
             holder = self.changed.wait(holder).unwrap_or_else(PoisonError::into_inner);
         }
-        !self.is_abandoned()
+        *holder == Holder::Compute
     }
 
     fn finish(&self, panicked: bool) {
@@ -142,8 +143,12 @@ impl Drop for AbandonOnDrop {
         if self.done {
             return;
         }
-        *self.turn.abandoned.lock().unwrap_or_else(PoisonError::into_inner) = true;
         let mut holder = self.turn.lock();
+        // The runtime thread drops the future, so it holds the baton (or the work is done).
+        debug_assert!(matches!(*holder, Holder::Runtime | Holder::Done { .. }), "abandoned in {:?}", *holder);
+        if *holder == Holder::Runtime {
+            *holder = Holder::Abandoned;
+        }
         self.turn.changed.notify_all();
         // The thread unwinds its step (every wait fails at once) while the runtime thread waits.
         while !matches!(*holder, Holder::Done { .. }) {
@@ -161,7 +166,7 @@ impl ComputeDriver for Baton {
         let waker = Waker::from(Arc::new(WakeTurn(Arc::clone(&turn))));
         let mut cx = Context::from_waker(&waker);
         loop {
-            if turn.is_abandoned() {
+            if *turn.lock() == Holder::Abandoned {
                 return Err(abandoned());
             }
             let polled = {
@@ -180,7 +185,7 @@ impl ComputeDriver for Baton {
     }
 
     fn spawn(&self, name: String, work: Box<dyn FnOnce() + Send>) -> ComputeDone {
-        let turn = Arc::new(Turn { holder: Mutex::new(Holder::Runtime), changed: Condvar::new(), abandoned: Mutex::new(false), wake: Notify::new() });
+        let turn = Arc::new(Turn { holder: Mutex::new(Holder::Runtime), changed: Condvar::new(), wake: Notify::new() });
         let thread_turn = Arc::clone(&turn);
         let started = std::thread::Builder::new().name(name.clone()).spawn(move || {
             let run = thread_turn.wait_for_baton();
@@ -202,7 +207,7 @@ impl ComputeDriver for Baton {
                         }
                         return Ok(());
                     }
-                    Holder::Runtime | Holder::Compute => guard.turn.wake.notified().await,
+                    Holder::Runtime | Holder::Compute | Holder::Abandoned => guard.turn.wake.notified().await,
                 }
             }
         })

@@ -125,8 +125,10 @@ pub type BuildStage = dyn Fn(&StageRequest) -> Result<(BoxedStage, Box<dyn Optim
 /// Cuts one replica's batch into `m` micro-batches.
 pub type SplitBatch<B> = dyn Fn(&B, usize) -> Result<Vec<TokenBatch>, String> + Send + Sync;
 
-/// The model-parallel form of a job: the engine contract the worker runtime drives without naming
-/// the model. Token models (the GPT) for now: micro-batches are [`TokenBatch`]es.
+/// The model-parallel form of a job: what the worker's mesh generation builds its part from
+/// without naming the model (it then drives the part's `MeshEngine` through the
+/// [`rtx_pipelines::Engine`] contract). Token models (the GPT) for now: micro-batches are
+/// [`TokenBatch`]es.
 pub struct MeshSpec<B> {
     /// Pipeline stages.
     pub pp: usize,

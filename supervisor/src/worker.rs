@@ -11,7 +11,9 @@
 //!   replica and optimizer. Per generation it binds a QUIC collectives endpoint with the rank
 //!   certificate it was given, answers `Ready` with the last step it completed, and on `Start`
 //!   takes the newest state from the source rank (parameters and optimizer state, broadcast),
-//!   builds the [`DataParallel`] engine and trains, reporting each step. A step that fails (a peer
+//!   builds the generation's engine ([`DataParallel`] in `dp.rs`, ZeRO-3 in `fsdp.rs`, the mesh
+//!   in `mesh.rs`) and trains it through the one step loop of `steps.rs`, which drives any
+//!   [`rtx_pipelines::Engine`] and reports each step. A step that fails (a peer
 //!   died) leaves the parameters at the last completed step: in plain data parallelism every
 //!   collective precedes the optimizer update, so a failed step changes nothing.
 //! - The worker's **data shard** ([`DataShard`]) prefetches the next batch. Batches are indexed
@@ -36,12 +38,13 @@ use std::time::Duration;
 use rtx_actors::{DataShard, Inbound, Link, LinkOptions, RemoteRef};
 use rtx_collectives::{BoxFuture, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, RoutedTransport, ShmOptions, ShmTransport, Transport, WORLD_GROUP_ID};
 use tokio::sync::mpsc::{Receiver, Sender};
-use tokio::time::Instant;
 use tracing::Instrument;
 use rtx_pipelines::{ComputeDriver, DataParallel, DpConfig, Sharding};
 
+mod dp;
 mod fsdp;
 mod mesh;
+mod steps;
 use rtx_tensor::{Module, Optimizer, Tensor};
 
 use crate::config::DpSharding;
@@ -773,6 +776,9 @@ fn peer_addrs(g: &Generation) -> Result<Vec<SocketAddr>> {
     g.addrs.iter().map(|a| a.parse().map_err(|e| SupervisorError::JobFailed { reason: format!("bad peer address {a}: {e}") })).collect()
 }
 
+/// Sets up one data-parallel generation (replicated, ZeRO-1 or ZeRO-2): the state sync from the
+/// source or from segment copies, the [`DataParallel`] engine; then trains it through the step
+/// loop ([`steps::run`]) behind its adapter ([`dp::DpSteps`]).
 #[allow(clippy::too_many_arguments)]
 async fn train<J: TrainJob>(
     ctx: &WorkerCtx,
@@ -883,154 +889,9 @@ async fn train<J: TrainJob>(
     if ctx.sharding.shards_optimizer() {
         log_zero1_memory(&engine, &layout, &template, g.world, ctx.sharding)?;
     }
-    // Time spent exchanging segment states with the buddies, and the number of exchanges.
-    let mut exchanged = (Duration::ZERO, 0u32);
-
     let total = job.total_steps().min(g.stop_step);
-    let global = job.global_batch().max(1) as f64;
-    let mut step = g.next_step;
-    // The loop time of a step runs from the end of the previous step (data wait included).
-    let mut since_last_step: Option<Instant> = None;
-    let outcome: Result<Option<ToWorker>> = loop {
-        if step >= total {
-            // The end of the run (or of this part of it): a final checkpoint to resume from.
-            if g.rank == 0 && total > g.next_step {
-                let already = ctx.checkpoint_every > 0 && total % ctx.checkpoint_every == 0;
-                if writer.enabled() && !already {
-                    let full = full_state_now(ctx, replica, engine.optimizer())?;
-                    let report = writer.write(total - 1, engine.model(), full, engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
-                    if let Some(report) = report {
-                        ctx.supervisor.tell(&report).await?;
-                    }
-                }
-            }
-            break Ok(None);
-        }
-        let control_started = Instant::now();
-        if let Some(outcome) = between_steps(ctx, replica.completed, cmds).await {
-            break outcome;
-        }
-        let mut control = control_started.elapsed();
-        let batch = match shard.get(step, g.rank, g.world) {
-            Ok(batch) => batch,
-            Err(e) => break Err(e.into()),
-        };
-        let loop_started = Instant::now();
-        job.set_lr(engine.optimizer_mut(), step);
-        let (mut unscaled_loss, mut rows_seen) = (None, 0usize);
-        let (unscaled_out, rows_out) = (&mut unscaled_loss, &mut rows_seen);
-        let result = engine
-            .step_async(move |model| {
-                let batch = batch;
-                let (loss, rows) = job.loss(model, &batch, step)?;
-                // Read after the step: a read here would wait for the forward (on a GPU, the
-                // device would then idle while backward's first kernels are queued).
-                *unscaled_out = Some(loss.detach());
-                *rows_out = rows;
-                // Each rank's mean, scaled so that the group's average is the global batch's mean.
-                loss.mul_scalar(rows as f64 * g.world as f64 / global)
-            })
-            .await;
-        let result = result.and_then(|stats| match &unscaled_loss {
-            Some(loss) => Ok((stats, loss.item()?)),
-            None => Err(rtx_pipelines::Error::from(rtx_tensor::Error::InvalidArgument { op: "step", reason: "the step ran no forward".into() })),
-        });
-        let compute = loop_started.elapsed();
-        // Non-trainable state follows the updated parameters on every replica (an EMA target).
-        let result = match result {
-            Ok(v) => job.after_step(engine.model_mut(), step).map(|()| v).map_err(|reason| rtx_pipelines::Error::from(rtx_tensor::Error::InvalidArgument { op: "after_step", reason })),
-            Err(e) => Err(e),
-        };
-        match result {
-            Ok((_, unscaled)) => {
-                if ctx.sharding.shards_optimizer() {
-                    // A rank holds only its segment of the optimizer state: the step is restorable
-                    // (and reported done) once its segment state is also held by its buddy.
-                    let started = Instant::now();
-                    replica.zero1.drop_previous();
-                    // (Encoded before the await: no borrow of the engine lives across it.)
-                    let mut own = replica.zero1.spare();
-                    let encoded = engine.optimizer().state_tensors().map_err(SupervisorError::from).and_then(|local| layout.encode_into(&mut own, step, engine.param_slices(), &local));
-                    let exchanged_now = match encoded {
-                        Ok(()) => replica.zero1.exchange_step(comm, g.generation, step, own).await,
-                        Err(e) => Err(e),
-                    };
-                    if let Err(e) = exchanged_now {
-                        tracing::warn!(step, error = %e, "segment exchange failed");
-                        let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
-                        break cmds.recv().await.map(Some).ok_or_else(lost);
-                    }
-                    exchanged.0 += started.elapsed();
-                    exchanged.1 += 1;
-                }
-                *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
-                // Under ZeRO-1 the restorable point without the buddies (a rank lost with its
-                // buddy) is the last snapshot, which gathers the full state on every rank.
-                let snapshot_due = (step + 1) % ctx.snapshot_every.max(1) == 0 || step + 1 == total || (ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0);
-                if !ctx.sharding.shards_optimizer() {
-                    replica.completed = Some(step);
-                } else if snapshot_due {
-                    let local = engine.optimizer().state_tensors()?;
-                    match state::gather_full_state(comm, &local, engine.param_slices(), &template).await {
-                        Ok(full) => {
-                            replica.optimizer_state = Some(full);
-                            replica.snapshot_params = Some(state::flat_parameters(engine.model())?);
-                            replica.completed = Some(step);
-                        }
-                        Err(e) => {
-                            tracing::warn!(step, error = %e, "snapshot failed");
-                            let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
-                            break cmds.recv().await.map(Some).ok_or_else(lost);
-                        }
-                    }
-                }
-                let verify = step % ctx.verify_every.max(1) == 0 || step + 1 == total;
-                let checksum = if verify { Some(parameter_checksum(engine.model())?) } else { None };
-                let report_started = Instant::now();
-                ctx.supervisor.tell(&ToSupervisor::StepDone { node: ctx.node, generation: g.generation, step, loss: unscaled, samples: rows_seen as u64, checksum }).await?;
-                control += report_started.elapsed();
-                if g.rank == 0 && writer.enabled() && ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0 {
-                    let full = full_state_now(ctx, replica, engine.optimizer())?;
-                    let report = writer.write(step, engine.model(), full, engine.optimizer(), ctx.supervisor.clone(), ctx.node)?;
-                    if let Some(report) = report {
-                        ctx.supervisor.tell(&report).await?;
-                    }
-                }
-                step += 1;
-                add_step_timing(ctx, compute, control, since_last_step.map_or(loop_started.elapsed(), |t| t.elapsed()));
-                since_last_step = Some(Instant::now());
-            }
-            Err(e) => {
-                ctx.shared.log_failure("step failed", step, &e, is_stale_engine_failure(&e));
-                let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
-                // Wait for the supervisor's decision (a new generation, or eviction).
-                break cmds.recv().await.map(Some).ok_or_else(lost);
-            }
-        }
-    };
-    if exchanged.1 > 0 {
-        tracing::info!(exchanges = exchanged.1, mean_ms = exchanged.0.as_secs_f64() * 1e3 / f64::from(exchanged.1), "zero1 buddy exchanges");
-    }
-    if let (Some((_, dir)), Some(trace)) = (&trace_to, engine.trace().filter(|t| !t.events().is_empty())) {
-        // A measurement for people: failing to write it costs the file, not the job.
-        let path = dir.join(format!("trace-rank{}.json", g.rank));
-        match std::fs::write(&path, trace.to_chrome_json(g.rank).to_string()) {
-            Ok(()) => tracing::info!(path = %path.display(), events = trace.events().len(), "step trace written"),
-            Err(e) => tracing::warn!(path = %path.display(), error = %e, "cannot write the step trace"),
-        }
-    }
-    let keep_optimizer = engine.params_in_place() && sharding == Sharding::Replicated;
-    let (model, _buckets, optimizer) = engine.into_parts();
-    if !ctx.sharding.shards_optimizer() {
-        // Plain data parallelism: the optimizer holds the full state of the last completed step.
-        replica.optimizer_state = Some(optimizer.state_tensors()?);
-        replica.snapshot_params = None;
-        if keep_optimizer {
-            replica.kept_optimizer = Some(optimizer);
-        }
-    }
-    replica.model = Some(model);
-    outcome
+    let engine = dp::DpSteps { ctx, job: job.as_ref(), g, comm, replica, writer, engine, sharding, layout, template, trace_to, exchanged: (Duration::ZERO, 0) };
+    steps::run(ctx, g, total, engine, shard, cmds).await
 }
 
 /// Logs what the buddy copies cost per rank, next to the ZeRO-1/2 shard itself and a replica.

@@ -1,6 +1,8 @@
 //! A ZeRO-3 / FSDP generation of a GPT job ([`crate::TrainJob::fsdp`]): the worker drives
 //! [`FsdpGpt`] instead of the data-parallel engine, and keeps the job's state between steps only
-//! as unit segments ([`crate::zero3`]) with buddy copies.
+//! as unit segments ([`crate::zero3`]) with buddy copies. The generation's set-up is here; its steps
+//! run in the worker's one step loop (`steps.rs`) through `FsdpSteps`, ZeRO-3's adapter to the
+//! [`Engine`] contract.
 //!
 //! # Where a generation's state comes from
 //!
@@ -38,15 +40,15 @@ use std::time::Duration;
 
 use rtx_actors::DataShard;
 use rtx_collectives::Communicator;
-use rtx_pipelines::{gpt_unit_of, FsdpConfig, FsdpGpt};
+use rtx_pipelines::{gpt_unit_of, DataShare, Duties, Engine, FsdpConfig, FsdpGpt, StepReport};
 use rtx_tensor::{Module, Optimizer, Tensor};
 use tokio::sync::mpsc::Receiver;
 use tokio::time::Instant;
 
-use super::{internal, lost, Exec, Generation, Replica, SegmentSource, WorkerCtx};
+use super::{internal, Exec, Generation, Replica, SegmentSource, WorkerCtx};
 use crate::checkpoint::CheckpointWriter;
 use crate::error::{Result, SupervisorError};
-use crate::job::TrainJob;
+use crate::job::{FsdpSpec, TrainJob};
 use crate::protocol::{ToSupervisor, ToWorker};
 use crate::state::{self, NamedTensors};
 use crate::zero1::BuddyCopies;
@@ -79,7 +81,7 @@ pub(super) async fn train<J: TrainJob>(
     // The job's clipping bound is the engine's: by the model's norm over every rank's segments.
     let config = FsdpConfig { collective_timeout: Duration::from_secs(60), grad_clip: job.dp_config().grad_clip, ..FsdpConfig::default() };
     let engine_comm = comm.clone();
-    let mut engine = match &g.segments {
+    let engine = match &g.segments {
         Some(s) => {
             drop(template);
             let mut engine = FsdpGpt::new(gpt, config, move || Ok(engine_comm), |slices: &[rtx_pipelines::ParamSlice]| job.build_optimizer(slices).map_err(|reason| rtx_tensor::Error::InvalidArgument { op: "build_optimizer", reason }))?;
@@ -110,103 +112,126 @@ pub(super) async fn train<J: TrainJob>(
     tracing::info!(next_step = g.next_step, source = g.source, from_segments = g.segments.is_some(), sharding = "zero3", "generation started");
 
     let total = job.total_steps().min(g.stop_step);
-    let mut step = g.next_step;
-    let mut memory_logged = false;
-    let mut exchanged = (Duration::ZERO, 0u32);
-    let mut since_last_step: Option<Instant> = None;
-    let outcome: Result<Option<ToWorker>> = loop {
-        if step >= total {
-            // Every rank gathers the final state: its model then holds the run's parameters (the
-            // replicas' checksum, rank 0's evaluation), and rank 0 checkpoints it.
-            let template = state::full_template(replica_model(&replica.model)?, |slices| job.build_optimizer(slices))?;
-            let (params, full) = gather_whole_state(&mut engine, comm, &template).await?;
-            drop(template);
-            install_by_name(&replica.model.as_ref().ok_or_else(internal)?.named_parameters(), &params)?;
-            replica.optimizer_state = Some(full);
-            replica.snapshot_params = None;
-            replica.completed = total.checked_sub(1);
-            *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = replica.completed;
-            let already = ctx.checkpoint_every > 0 && total % ctx.checkpoint_every == 0;
-            if g.rank == 0 && total > g.next_step && writer.enabled() && !already {
-                let model = replica.model.as_ref().ok_or_else(internal)?;
-                let full = replica.optimizer_state.clone().ok_or_else(internal)?;
-                if let Some(report) = writer.write(total - 1, model, full, engine.optimizer(), ctx.supervisor.clone(), ctx.node)? {
-                    ctx.supervisor.tell(&report).await?;
-                }
-            }
-            break Ok(None);
-        }
-        let control_started = Instant::now();
-        if let Some(outcome) = super::between_steps(ctx, replica.completed, cmds).await {
-            break outcome;
-        }
-        let mut control = control_started.elapsed();
-        let batch = match shard.get(step, g.rank, g.world) {
-            Ok(batch) => batch,
-            Err(e) => break Err(e.into()),
-        };
-        let (ids, targets, rows) = (spec.tokens)(&batch).map_err(SupervisorError::Job)?;
-        let loop_started = Instant::now();
-        job.set_lr(engine.optimizer_mut(), step);
-        let mut rng = (spec.rng)(step, g.rank);
+    let steps = FsdpSteps { ctx, job: job.as_ref(), spec, g, comm, replica, writer, engine, optimizer_full_bytes, memory_logged: false, exchanged: (Duration::ZERO, 0) };
+    super::steps::run(ctx, g, total, steps, shard, cmds).await
+}
+
+/// One ZeRO-3 generation's engine behind the [`Engine`] contract: [`FsdpGpt`] and what its steps
+/// need from the worker (see the module doc for what is specific to ZeRO-3).
+struct FsdpSteps<'a, J: TrainJob> {
+    ctx: &'a WorkerCtx,
+    job: &'a J,
+    spec: FsdpSpec<J::Batch>,
+    g: &'a Generation,
+    comm: &'a Communicator,
+    replica: &'a mut Replica<J::Model, J::Optim>,
+    writer: &'a mut CheckpointWriter,
+    engine: FsdpGpt<J::Optim>,
+    /// The full-form optimizer state's bytes (the memory log's comparison).
+    optimizer_full_bytes: usize,
+    memory_logged: bool,
+    /// Time spent exchanging segment states with the buddies, and the number of exchanges.
+    exchanged: (Duration, u32),
+}
+
+impl<J: TrainJob> Engine for FsdpSteps<'_, J> {
+    type Batch = J::Batch;
+    type Error = SupervisorError;
+    type Note = ToSupervisor;
+
+    fn name(&self) -> &'static str {
+        "zero3"
+    }
+
+    fn data_share(&self) -> DataShare {
+        DataShare { rank: self.g.rank, world: self.g.world }
+    }
+
+    fn restorable(&self) -> Option<u64> {
+        self.replica.completed
+    }
+
+    async fn step(&mut self, step: u64, batch: J::Batch, _duties: Duties) -> Result<StepReport> {
+        let (ids, targets, rows) = (self.spec.tokens)(&batch).map_err(SupervisorError::Job)?;
+        self.job.set_lr(self.engine.optimizer_mut(), step);
+        let mut rng = (self.spec.rng)(step, self.g.rank);
         // Blocking: this is the worker's own thread (Exec::Thread), and the collectives run on
         // the engine's communication thread.
-        let result = engine.step(&ids, &targets, &mut rng);
-        let compute = loop_started.elapsed();
-        let stats = match result {
-            Ok(stats) => stats,
-            Err(e) => {
-                ctx.shared.log_failure("step failed", step, &e, super::is_stale_engine_failure(&e));
-                let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
-                break cmds.recv().await.map(Some).ok_or_else(lost);
-            }
-        };
+        let stats = self.engine.step(&ids, &targets, &mut rng)?;
+        Ok(StepReport { loss: stats.loss, samples: rows as u64 })
+    }
+
+    async fn secure(&mut self, step: u64) -> Result<()> {
         // The step is restorable (and reported done) once this rank's segments are held by its
         // buddy too.
         let started = Instant::now();
-        replica.zero1.drop_previous();
-        let own = engine.param_shard().export().map_err(SupervisorError::from).and_then(|s| UnitState::from_shard(step, &s, engine.param_shard().slices(), gpt_unit_of)).map(|u| zero3::encode(&u));
-        let exchanged_now = match own {
-            Ok(own) => replica.zero1.exchange_step(comm, g.generation, step, own).await,
-            Err(e) => Err(e),
-        };
-        if let Err(e) = exchanged_now {
-            tracing::warn!(step, error = %e, "segment exchange failed");
-            let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
-            break cmds.recv().await.map(Some).ok_or_else(lost);
-        }
-        exchanged.0 += started.elapsed();
-        exchanged.1 += 1;
-        *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
-        if !memory_logged {
-            log_memory(&engine, optimizer_full_bytes, g.world, &replica.zero1)?;
-            memory_logged = true;
-        }
-        let report_started = Instant::now();
-        ctx.supervisor.tell(&ToSupervisor::StepDone { node: ctx.node, generation: g.generation, step, loss: stats.loss, samples: rows as u64, checksum: None }).await?;
-        control += report_started.elapsed();
-        // Every rank takes part in the gather (a rank-independent condition); rank 0 writes.
-        if ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0 && step + 1 < total {
-            let template = state::full_template(replica_model(&replica.model)?, |slices| job.build_optimizer(slices))?;
-            let (params, full) = gather_whole_state(&mut engine, comm, &template).await?;
-            drop(template);
-            if g.rank == 0 && writer.enabled() {
-                // The replica's own model keeps the state it reports; the checkpoint gets a copy.
-                let written = job.build_model().map_err(SupervisorError::Job)?;
-                install_by_name(&written.named_parameters(), &params)?;
-                if let Some(report) = writer.write(step, &written, full, engine.optimizer(), ctx.supervisor.clone(), ctx.node)? {
-                    ctx.supervisor.tell(&report).await?;
-                }
-            }
-        }
-        step += 1;
-        super::add_step_timing(ctx, compute, control, since_last_step.map_or(loop_started.elapsed(), |t| t.elapsed()));
-        since_last_step = Some(Instant::now());
-    };
-    if exchanged.1 > 0 {
-        tracing::info!(exchanges = exchanged.1, mean_ms = exchanged.0.as_secs_f64() * 1e3 / f64::from(exchanged.1), "zero3 buddy exchanges");
+        self.replica.zero1.drop_previous();
+        let shard = self.engine.param_shard();
+        let own = zero3::encode(&UnitState::from_shard(step, &shard.export()?, shard.slices(), gpt_unit_of)?);
+        self.replica.zero1.exchange_step(self.comm, self.g.generation, step, own).await?;
+        self.exchanged.0 += started.elapsed();
+        self.exchanged.1 += 1;
+        Ok(())
     }
-    outcome
+
+    async fn keep(&mut self, _step: u64, _duties: Duties) -> Result<()> {
+        // The buddy copies are the restorable point; only the first step's memory is logged here.
+        if !self.memory_logged {
+            log_memory(&self.engine, self.optimizer_full_bytes, self.g.world, &self.replica.zero1)?;
+            self.memory_logged = true;
+        }
+        Ok(())
+    }
+
+    fn checksum(&mut self) -> Result<Option<u64>> {
+        // No rank holds a replica's parameters between steps: nothing to compare.
+        Ok(None)
+    }
+
+    async fn checkpoint(&mut self, step: u64, duties: Duties) -> Result<Vec<ToSupervisor>> {
+        // Every rank takes part in the gather (a rank-independent condition); rank 0 writes. The
+        // last step's checkpoint is `finish_run`'s.
+        if !duties.checkpoint || duties.last {
+            return Ok(Vec::new());
+        }
+        let template = state::full_template(replica_model(&self.replica.model)?, |slices| self.job.build_optimizer(slices))?;
+        let (params, full) = gather_whole_state(&mut self.engine, self.comm, &template).await?;
+        drop(template);
+        if self.g.rank != 0 || !self.writer.enabled() {
+            return Ok(Vec::new());
+        }
+        // The replica's own model keeps the state it reports; the checkpoint gets a copy.
+        let written = self.job.build_model().map_err(SupervisorError::Job)?;
+        install_by_name(&written.named_parameters(), &params)?;
+        Ok(self.writer.write(step, &written, full, self.engine.optimizer(), self.ctx.supervisor.clone(), self.ctx.node)?.into_iter().collect())
+    }
+
+    async fn finish_run(&mut self, total: u64) -> Result<Vec<ToSupervisor>> {
+        // Every rank gathers the final state: its model then holds the run's parameters (the
+        // replicas' checksum, rank 0's evaluation), and rank 0 checkpoints it.
+        let template = state::full_template(replica_model(&self.replica.model)?, |slices| self.job.build_optimizer(slices))?;
+        let (params, full) = gather_whole_state(&mut self.engine, self.comm, &template).await?;
+        drop(template);
+        install_by_name(&self.replica.model.as_ref().ok_or_else(internal)?.named_parameters(), &params)?;
+        self.replica.optimizer_state = Some(full);
+        self.replica.snapshot_params = None;
+        self.replica.completed = total.checked_sub(1);
+        *self.ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = self.replica.completed;
+        let already = self.ctx.checkpoint_every > 0 && total % self.ctx.checkpoint_every == 0;
+        if self.g.rank != 0 || total <= self.g.next_step || !self.writer.enabled() || already {
+            return Ok(Vec::new());
+        }
+        let model = self.replica.model.as_ref().ok_or_else(internal)?;
+        let full = self.replica.optimizer_state.clone().ok_or_else(internal)?;
+        Ok(self.writer.write(total - 1, model, full, self.engine.optimizer(), self.ctx.supervisor.clone(), self.ctx.node)?.into_iter().collect())
+    }
+
+    fn finish_generation(self) -> Result<()> {
+        if self.exchanged.1 > 0 {
+            tracing::info!(exchanges = self.exchanged.1, mean_ms = self.exchanged.0.as_secs_f64() * 1e3 / f64::from(self.exchanged.1), "zero3 buddy exchanges");
+        }
+        Ok(())
+    }
 }
 
 /// The whole state of the generation's source (parameters into the replica's model, and the full

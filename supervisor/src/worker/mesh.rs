@@ -6,6 +6,9 @@
 //! runtime thread). Between generations the member keeps its slot's state as one flat vector
 //! ([`MeshReplica`]): parameters in visit order, then the optimizer state in its order. The part
 //! is rebuilt every generation, because its tensor-parallel layers hold the old generation's group.
+//! The set-up above is this module's; the steps run in the worker's one step loop (`steps.rs`)
+//! through `MeshSteps`, the mesh's adapter to the [`Engine`] contract (the step, its sharded save
+//! and the verification checksum on the compute thread; reports and time accounting in the loop).
 //!
 //! Sharded checkpoints: every `checkpoint_every` steps, and after the last step of the run (or of
 //! a `--steps` part of it), the whole mesh saves its state into `<checkpoint dir>/step-NNNNNNNN/`
@@ -20,19 +23,20 @@
 //! that shape (the job's [`MeshSpec::build`] re-balances the layers over its stages) and every
 //! member's source is the newest sharded checkpoint, loaded at the new shape.
 
+use std::path::PathBuf;
 use std::sync::{Arc, PoisonError};
 
 use rtx_actors::DataShard;
 use rtx_collectives::{CommConfig, Communicator, Endpoint, WORLD_GROUP_ID};
 use rtx_pipelines::pipeline::{load_shard, DynOptimizer, MeshEngine};
 use rtx_pipelines::tp::TpGroup;
-use rtx_pipelines::{ComputeDriver, Mesh, MeshGroups, MeshShape, RuntimeDriver};
+use rtx_pipelines::{ComputeDriver, Coord, DataShare, Duties, Engine, Mesh, MeshGroups, MeshShape, RuntimeDriver, StepReport};
 use rtx_tensor::checkpoint::sharded::ShardedCheckpoint;
 use rtx_tensor::checkpoint::CheckpointMeta;
-use rtx_tensor::{Module, Optimizer, Tensor};
+use rtx_tensor::{DType, FloatSlice, Module, Optimizer, Tensor};
 use tokio::sync::mpsc::Receiver;
 
-use super::{connect_generation, lost, Bound, Generation, Replica, WorkerCtx};
+use super::{connect_generation, Bound, Generation, Replica, WorkerCtx};
 use crate::checkpoint::sharded_path_for;
 use crate::error::{Result, SupervisorError};
 use crate::job::{BoxedStage, MeshSpec, StageRequest, TrainJob};
@@ -65,7 +69,33 @@ fn state_checksum(state: &[f32]) -> u64 {
     state.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3))
 }
 
-type Engine = MeshEngine<BoxedStage, DynOptimizer>;
+/// [`state_checksum`] of [`flat_state`]`(part, optimizer)` without building the flat vector:
+/// each parameter is hashed where it lies (a contiguous f32 tensor is read in place), the
+/// optimizer's state tensors one by one (`Optimizer::state_tensors` is the only read access the
+/// optimizers give), each element as the f32 that `flat_state` would hold.
+fn slot_checksum<M: Module + ?Sized, O: Optimizer>(part: &M, optimizer: &O) -> Result<u64> {
+    const PRIME: u64 = 0x0100_0000_01b3;
+    let fold = |hash: u64, t: &Tensor| -> Result<u64> {
+        Ok(match t.dtype() {
+            // Integer tensors: what `to_f32_vec` makes of them.
+            DType::U32 | DType::I64 => t.to_f32_vec()?.iter().fold(hash, |h, v| (h ^ u64::from(v.to_bits())).wrapping_mul(PRIME)),
+            _ => t.with_float_slice(|values| match values {
+                FloatSlice::F32(x) => x.iter().fold(hash, |h, v| (h ^ u64::from(v.to_bits())).wrapping_mul(PRIME)),
+                FloatSlice::F64(x) => x.iter().fold(hash, |h, &v| (h ^ u64::from((v as f32).to_bits())).wrapping_mul(PRIME)),
+            })?,
+        })
+    };
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for (_, p) in part.named_parameters() {
+        hash = fold(hash, &p)?;
+    }
+    for (_, t) in optimizer.state_tensors()? {
+        hash = fold(hash, &t)?;
+    }
+    Ok(hash)
+}
+
+type MeshStepEngine = MeshEngine<BoxedStage, DynOptimizer>;
 
 /// Trains one mesh generation. Returns the command that interrupted it, or `None` at the last step.
 #[allow(clippy::too_many_arguments)]
@@ -162,38 +192,66 @@ async fn train<J: TrainJob>(
     *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = replica.completed;
     tracing::info!(%coord, next_step = g.next_step, ?source, "mesh generation started");
 
-    let mut engine: Engine = MeshEngine::with_driver(part, optimizer, &groups, Arc::clone(&driver), spec.pipeline)?;
+    let engine: MeshStepEngine = MeshEngine::with_driver(part, optimizer, &groups, Arc::clone(&driver), spec.pipeline)?;
     let total = job.total_steps().min(g.stop_step);
-    let global = job.global_batch().max(1) as f64;
-    let checkpoint_dir = job.checkpoint_dir();
-    let mut step = g.next_step;
-    let outcome: Result<Option<ToWorker>> = loop {
-        if step >= total {
-            break Ok(None);
-        }
-        if let Some(outcome) = super::between_steps(ctx, replica.completed, cmds).await {
-            break outcome;
-        }
+    let steps: MeshSteps<'_, J> = MeshSteps { ctx, spec, replica, engine: Some(engine), driver, coord, shape, slots, slot, global: job.global_batch().max(1) as f64, checkpoint_dir: job.checkpoint_dir(), saved: None, checksum: None };
+    super::steps::run(ctx, g, total, steps, shard, cmds).await
+}
+
+/// One mesh generation's engine behind the [`Engine`] contract: the member's [`MeshEngine`],
+/// moved to a compute thread for each step and back, and what its steps need from the worker.
+struct MeshSteps<'a, J: TrainJob> {
+    ctx: &'a WorkerCtx,
+    spec: &'a MeshSpec<J::Batch>,
+    replica: &'a mut Replica<J::Model, J::Optim>,
+    /// `None` only when a compute thread ended without handing the engine back.
+    engine: Option<MeshStepEngine>,
+    driver: Arc<dyn ComputeDriver>,
+    coord: Coord,
+    shape: MeshShape,
+    slots: u32,
+    slot: u32,
+    global: f64,
+    checkpoint_dir: Option<PathBuf>,
+    /// The sharded checkpoint the last step wrote on its compute thread (folder, and whether this
+    /// member wrote the index), for [`Engine::checkpoint`] to report.
+    saved: Option<rtx_pipelines::Result<(PathBuf, bool)>>,
+    /// The slot's checksum the last step took on its compute thread (verification steps).
+    checksum: Option<Result<u64>>,
+}
+
+impl<J: TrainJob> Engine for MeshSteps<'_, J> {
+    type Batch = J::Batch;
+    type Error = SupervisorError;
+    type Note = ToSupervisor;
+
+    fn name(&self) -> &'static str {
+        "mesh"
+    }
+
+    fn data_share(&self) -> DataShare {
         // Every member of a replica trains on the replica's share of the global batch.
-        let batch = match shard.get(step, coord.dp, shape.dp) {
-            Ok(batch) => batch,
-            Err(e) => break Err(e.into()),
-        };
-        let micro = match (spec.split)(&batch, spec.pipeline.microbatches) {
-            Ok(micro) => micro,
-            Err(reason) => break Err(SupervisorError::Job(reason)),
-        };
+        DataShare { rank: self.coord.dp, world: self.shape.dp }
+    }
+
+    fn restorable(&self) -> Option<u64> {
+        self.replica.completed
+    }
+
+    async fn step(&mut self, step: u64, batch: J::Batch, duties: Duties) -> Result<StepReport> {
+        let micro = (self.spec.split)(&batch, self.spec.pipeline.microbatches).map_err(SupervisorError::Job)?;
         let rows: usize = micro.iter().map(|m| m.rows()).sum();
-        let scales: Vec<f64> = micro.iter().map(|m| m.rows() as f64 / global).collect();
-        engine.optimizer_mut().set_lr((spec.lr)(step));
+        let scales: Vec<f64> = micro.iter().map(|m| m.rows() as f64 / self.global).collect();
+        let mut engine = self.engine.take().ok_or_else(|| SupervisorError::Job("the mesh engine was lost with an earlier step's compute thread".into()))?;
+        engine.optimizer_mut().set_lr((self.spec.lr)(step));
         // A sharded checkpoint after this step: every `checkpoint_every` steps and after the last.
-        let save_dir = checkpoint_dir.as_ref().filter(|_| (ctx.checkpoint_every > 0 && (step + 1) % ctx.checkpoint_every == 0) || step + 1 == total).map(|dir| sharded_path_for(dir, step));
-        let layout = spec.layout.clone();
+        let save_dir = self.checkpoint_dir.as_ref().filter(|_| duties.checkpoint || duties.last).map(|dir| sharded_path_for(dir, step));
+        let layout = self.spec.layout.clone();
         // The slot's checksum on verification steps: the supervisor compares it across the
         // slot's data-parallel replicas.
-        let verify = step % ctx.verify_every.max(1) == 0 || step + 1 == total;
+        let verify = duties.verify;
         let (done_tx, done_rx) = std::sync::mpsc::channel();
-        let compute = driver.spawn(
+        let compute = self.driver.spawn(
             format!("rtx-mesh-step-{step}"),
             Box::new(move || {
                 let result = engine.step(step, &micro, &scales);
@@ -203,7 +261,7 @@ async fn train<J: TrainJob>(
                     _ => None,
                 };
                 let checksum = match &result {
-                    Ok(_) if verify => Some(flat_state(engine.part(), engine.optimizer()).map(|state| state_checksum(&state))),
+                    Ok(_) if verify => Some(slot_checksum(engine.part(), engine.optimizer())),
                     _ => None,
                 };
                 let _ = done_tx.send((engine, result, saved, checksum));
@@ -211,43 +269,59 @@ async fn train<J: TrainJob>(
         );
         compute.await?;
         let (returned, result, saved, checksum) = done_rx.try_recv().map_err(|_| SupervisorError::Job("the compute thread of a mesh step ended without an answer".into()))?;
-        engine = returned;
-        let checksum = checksum.transpose()?;
-        match result {
-            Ok(out) => {
-                replica.completed = Some(step);
-                *ctx.shared.completed.lock().unwrap_or_else(PoisonError::into_inner) = Some(step);
-                // The replica's first member counts its samples, so the supervisor's sum is the global batch.
-                let samples = if coord.pp == 0 && coord.tp == 0 { rows as u64 } else { 0 };
-                ctx.supervisor.tell(&ToSupervisor::StepDone { node: ctx.node, generation: g.generation, step, loss: out.loss, samples, checksum }).await?;
-                match saved {
-                    // The member that wrote the index reports the complete checkpoint.
-                    Some(Ok((dir, true))) => {
-                        tracing::info!(step, dir = %dir.display(), "sharded checkpoint written");
-                        ctx.supervisor.tell(&ToSupervisor::Checkpointed { node: ctx.node, step, path: dir.display().to_string() }).await?;
-                    }
-                    Some(Err(e)) if coord == (rtx_pipelines::Coord { dp: 0, pp: 0, tp: 0 }) => {
-                        tracing::error!(step, error = %e, "sharded checkpoint failed; the previous one stays valid");
-                        ctx.supervisor.tell(&ToSupervisor::CheckpointFailed { node: ctx.node, step, reason: e.to_string() }).await?;
-                    }
-                    _ => {}
-                }
-                step += 1;
+        self.engine = Some(returned);
+        self.saved = saved;
+        self.checksum = checksum;
+        let out = result?;
+        // The replica's first member counts its samples, so the supervisor's sum is the global batch.
+        let samples = if self.coord.pp == 0 && self.coord.tp == 0 { rows as u64 } else { 0 };
+        Ok(StepReport { loss: out.loss, samples })
+    }
+
+    async fn secure(&mut self, _step: u64) -> Result<()> {
+        // Every collective precedes the optimizer: a completed step is held by the slot's holders.
+        Ok(())
+    }
+
+    async fn keep(&mut self, step: u64, _duties: Duties) -> Result<()> {
+        self.replica.completed = Some(step);
+        Ok(())
+    }
+
+    fn checksum(&mut self) -> Result<Option<u64>> {
+        self.checksum.take().transpose()
+    }
+
+    async fn checkpoint(&mut self, step: u64, _duties: Duties) -> Result<Vec<ToSupervisor>> {
+        Ok(match self.saved.take() {
+            // The member that wrote the index reports the complete checkpoint.
+            Some(Ok((dir, true))) => {
+                tracing::info!(step, dir = %dir.display(), "sharded checkpoint written");
+                vec![ToSupervisor::Checkpointed { node: self.ctx.node, step, path: dir.display().to_string() }]
             }
-            Err(e) => {
-                ctx.shared.log_failure("mesh step failed", step, &e, super::is_stale_engine_failure(&e));
-                let _ = ctx.supervisor.tell(&ToSupervisor::StepFailed { node: ctx.node, generation: g.generation, step, reason: e.to_string() }).await;
-                break cmds.recv().await.map(Some).ok_or_else(lost);
+            Some(Err(e)) if self.coord == (Coord { dp: 0, pp: 0, tp: 0 }) => {
+                tracing::error!(step, error = %e, "sharded checkpoint failed; the previous one stays valid");
+                vec![ToSupervisor::CheckpointFailed { node: self.ctx.node, step, reason: e.to_string() }]
             }
-        }
-    };
-    // The engine's optimizer steps last, so a failed step left the state of the last completed one.
-    let (part, optimizer) = engine.into_parts();
-    replica.mesh = match replica.completed {
-        Some(step) => Some(MeshReplica { slots, tp: shape.tp as u32, slot, step, state: flat_state(&part, &optimizer)? }),
-        None => None,
-    };
-    outcome
+            _ => Vec::new(),
+        })
+    }
+
+    async fn finish_run(&mut self, _total: u64) -> Result<Vec<ToSupervisor>> {
+        // The last step's sharded checkpoint was written with it.
+        Ok(Vec::new())
+    }
+
+    fn finish_generation(self) -> Result<()> {
+        // The engine's optimizer steps last, so a failed step left the state of the last completed one.
+        let Some(engine) = self.engine else { return Ok(()) };
+        let (part, optimizer) = engine.into_parts();
+        self.replica.mesh = match self.replica.completed {
+            Some(step) => Some(MeshReplica { slots: self.slots, tp: self.shape.tp as u32, slot: self.slot, step, state: flat_state(&part, &optimizer)? }),
+            None => None,
+        };
+        Ok(())
+    }
 }
 
 /// A part's parameters (visit order) then its optimizer's state, as one f32 vector.
@@ -283,4 +357,29 @@ fn install<M: Module + ?Sized, O: Optimizer>(part: &M, optimizer: &mut O, flat: 
         return Err(SupervisorError::Job(format!("slot state has {} values, the part and optimizer {offset}", flat.len())));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rtx_tensor::nn::{Activation, Mlp};
+    use rtx_tensor::optim::{AdamW, AdamWConfig};
+    use rtx_tensor::Generator;
+
+    /// The verification checksum hashed in place equals the checksum of the flat slot state it
+    /// replaced (parameters, AdamW moments and its f64 step counters), before and after a step.
+    #[test]
+    fn the_slot_checksum_in_place_equals_the_flat_states() {
+        let part = Mlp::new(&[5, 7, 3], Activation::Relu, rtx_tensor::DType::F32, &mut Generator::new(3)).expect("mlp");
+        let mut optimizer = AdamW::new(part.named_parameters(), AdamWConfig::default()).expect("adamw");
+        let before = state_checksum(&flat_state(&part, &optimizer).expect("flat"));
+        assert_eq!(slot_checksum(&part, &optimizer).expect("checksum"), before);
+        for (_, p) in part.named_parameters() {
+            p.set_grad(Some(p.mul_scalar(0.5).expect("grad").detach())).expect("grad");
+        }
+        optimizer.step().expect("step");
+        let after = state_checksum(&flat_state(&part, &optimizer).expect("flat"));
+        assert_ne!(after, before);
+        assert_eq!(slot_checksum(&part, &optimizer).expect("checksum"), after);
+    }
 }
