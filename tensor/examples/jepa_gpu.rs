@@ -295,18 +295,40 @@ fn ops(seed: u64) -> Res<bool> {
 
 // ------------------------------------------------------------------------------------ bench
 
+/// The shapes [`step_flops`] counts.
+struct StepShape {
+    /// Patches per image.
+    n: usize,
+    /// Context tokens.
+    kc: usize,
+    /// Target blocks.
+    m: usize,
+    /// Tokens per target block.
+    kt: usize,
+    /// Encoder width.
+    c: usize,
+    /// Encoder blocks.
+    layers: usize,
+    /// Inputs of the patch embedding (channels · p · p).
+    patch_in: usize,
+    /// Predictor width.
+    p: usize,
+    /// Predictor blocks.
+    depth: usize,
+}
+
 /// FLOPs of one I-JEPA step per image (matrix products and attention; forward 1×, backward 2×
 /// for the trained parts): context encoder fwd+bwd on `kc` tokens, target encoder forward on all
 /// `n` tokens, predictor fwd+bwd on `m` sequences of `kc + kt` tokens, the patch embedding on all
 /// `n` patches (forward; its weight gradient once more). The same formula as the torch peer's.
-fn step_flops(n: usize, kc: usize, m: usize, kt: usize, c: usize, layers: usize, patch_in: usize, p: usize, depth: usize) -> f64 {
+fn step_flops(s: &StepShape) -> f64 {
     let block = |t: usize, w: usize| 24.0 * (w * w * t) as f64 + 4.0 * (t * t * w) as f64;
-    let encoder = |t: usize| layers as f64 * block(t, c);
-    let patch = 2.0 * (patch_in * c * n) as f64;
-    let ctx = 3.0 * encoder(kc) + 2.0 * patch;
-    let tgt = encoder(n) + patch;
-    let s = kc + kt;
-    let pred = 3.0 * m as f64 * (2.0 * (c * p * kc) as f64 + depth as f64 * block(s, p) + 2.0 * (p * c * kt) as f64);
+    let encoder = |t: usize| s.layers as f64 * block(t, s.c);
+    let patch = 2.0 * (s.patch_in * s.c * s.n) as f64;
+    let ctx = 3.0 * encoder(s.kc) + 2.0 * patch;
+    let tgt = encoder(s.n) + patch;
+    let seq = s.kc + s.kt;
+    let pred = 3.0 * s.m as f64 * (2.0 * (s.c * s.p * s.kc) as f64 + s.depth as f64 * block(seq, s.p) + 2.0 * (s.p * s.c * s.kt) as f64);
     ctx + tgt + pred
 }
 
@@ -353,7 +375,7 @@ fn bench(batch: usize) -> Res<()> {
     }
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
-    let flops = step_flops(grid * grid, kc, m, 32, 768, 12, 3 * 16 * 16, 384, 6) * batch as f64;
+    let flops = step_flops(&StepShape { n: grid * grid, kc, m, kt: 32, c: 768, layers: 12, patch_in: 3 * 16 * 16, p: 384, depth: 6 }) * batch as f64;
     let img_s = batch as f64 / median;
     let mfu = flops / median / PEAK_BF16;
     let stats = cuda::device(0)?.memory_stats();
