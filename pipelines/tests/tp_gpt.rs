@@ -45,6 +45,8 @@ const CONFIG: GptConfig = GptConfig {
     layer_norm_eps: 1e-5,
     init_std: 0.02,
     dtype: DType::F32,
+    frames: 1,
+    tubelet: 1,
     gelu: GeluApprox::Tanh,
 };
 const T: usize = 16;
@@ -427,6 +429,8 @@ const VIT: VitConfig = VitConfig {
     layer_norm_eps: 1e-6,
     init_std: 0.02,
     dtype: DType::F32,
+    frames: 1,
+    tubelet: 1,
     gelu: GeluApprox::Tanh,
 };
 
