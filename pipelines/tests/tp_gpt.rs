@@ -45,8 +45,6 @@ const CONFIG: GptConfig = GptConfig {
     layer_norm_eps: 1e-5,
     init_std: 0.02,
     dtype: DType::F32,
-    frames: 1,
-    tubelet: 1,
     gelu: GeluApprox::Tanh,
 };
 const T: usize = 16;

@@ -282,6 +282,7 @@ fn pixels(set: &ImageDataset, indices: &[usize], mean: f32, std: f32) -> Vec<f32
 /// readout of `j.probe_features` (features from one encoder pass; each readout probed
 /// separately). For clips, every readout is also probed on the direction label, and with
 /// `attentive`'s epochs the attentive probe runs on the final tokens for both labels.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn probes(
     model: &mut IJepa,
     setup: &JepaSetup,

@@ -232,7 +232,7 @@ impl Vit {
         if c.n_layers == 0 || c.mlp_ratio == 0 || c.in_channels == 0 {
             return Err(Error::InvalidArgument { op: "Vit", reason: "n_layers, mlp_ratio and in_channels must be positive".into() });
         }
-        if c.tubelet == 0 || c.frames == 0 || c.frames % c.tubelet != 0 {
+        if c.frames == 0 || c.frames.checked_rem(c.tubelet) != Some(0) {
             return Err(Error::InvalidArgument { op: "Vit", reason: format!("{} frames do not split into tubelets of {}", c.frames, c.tubelet) });
         }
         if c.pooling == Pooling::Cls && !c.cls_token {
