@@ -354,17 +354,91 @@ pub enum ModelConfig {
         /// The feed-forward GELU (`[model] gelu`, default exact).
         gelu: Gelu,
     },
-    /// An I-JEPA ViT encoder (with its EMA target and predictor, see `[jepa]`) on images.
+    /// An I-JEPA ViT encoder (with its EMA target and predictor, see `[jepa]`) on images, or,
+    /// with `video` (`model.kind = "vjepa"`), a V-JEPA encoder of tubelets on moving-item clips.
     IJepa {
-        /// Patch side (divides the image sides).
+        /// Patch side (divides the image sides, or the canvas side of clips).
         patch_size: usize,
-        /// Encoder width (a multiple of 4: the position embedding starts at 2-D sin-cos).
+        /// Encoder width (a multiple of 4: the position embedding starts at 2-D sin-cos; of 8
+        /// for clips: 3-D sin-cos).
         d_model: usize,
         /// Encoder blocks.
         n_layers: usize,
         /// Encoder heads (divides `d_model`).
         n_heads: usize,
+        /// The clips and tubelets of a V-JEPA run (`[video]`); `None` for I-JEPA on images.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        video: Option<VideoConfig>,
     },
+}
+
+/// `[video]`: the clips and tubelets of `model.kind = "vjepa"` (moving dataset items, see
+/// `rtx_tensor::data::MovingConfig`), and its attentive probe.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VideoConfig {
+    /// Canvas side in pixels (a multiple of `model.patch_size`).
+    #[serde(default = "default_canvas")]
+    pub canvas: usize,
+    /// Frames per clip (a multiple of `tubelet`).
+    #[serde(default = "default_frames")]
+    pub frames: usize,
+    /// Frames per tubelet.
+    #[serde(default = "default_tubelet")]
+    pub tubelet: usize,
+    /// Motion directions (the direction label's classes), evenly spaced.
+    #[serde(default = "default_directions")]
+    pub directions: usize,
+    /// Speed range in pixels per frame.
+    #[serde(default = "default_speed")]
+    pub speed: (f64, f64),
+    /// Also train an attentive probe (a learned query attending over the frozen tokens, then a
+    /// linear classifier) for both labels.
+    #[serde(default = "default_true")]
+    pub attentive_probe: bool,
+    /// Epochs of the attentive probe (at least 600 steps, like the linear probe).
+    #[serde(default = "default_attentive_epochs")]
+    pub attentive_epochs: usize,
+}
+
+impl Default for VideoConfig {
+    fn default() -> Self {
+        VideoConfig {
+            canvas: default_canvas(),
+            frames: default_frames(),
+            tubelet: default_tubelet(),
+            directions: default_directions(),
+            speed: default_speed(),
+            attentive_probe: true,
+            attentive_epochs: default_attentive_epochs(),
+        }
+    }
+}
+
+impl VideoConfig {
+    /// The clip generator of this section.
+    pub fn moving(&self) -> rtx_tensor::data::MovingConfig {
+        rtx_tensor::data::MovingConfig { canvas: self.canvas, frames: self.frames, directions: self.directions, speed: self.speed }
+    }
+}
+
+fn default_canvas() -> usize {
+    48
+}
+fn default_frames() -> usize {
+    8
+}
+fn default_tubelet() -> usize {
+    2
+}
+fn default_directions() -> usize {
+    8
+}
+fn default_speed() -> (f64, f64) {
+    (1.5, 2.5)
+}
+fn default_attentive_epochs() -> usize {
+    10
 }
 
 /// Activation functions an MLP may use.
@@ -668,6 +742,8 @@ struct RawConfig {
     elastic: Option<toml::Table>,
     #[serde(default)]
     jepa: Option<JepaConfig>,
+    #[serde(default)]
+    video: Option<VideoConfig>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -676,6 +752,7 @@ enum RawModelKind {
     Mlp,
     Gpt,
     Ijepa,
+    Vjepa,
 }
 
 #[derive(Deserialize)]
@@ -845,7 +922,16 @@ impl Validator<'_> {
     }
 
     fn validate(&self, raw: RawConfig) -> Result<TrainConfig, ConfigError> {
-        let model = self.model(raw.model)?;
+        let video_kind = raw.model.kind == RawModelKind::Vjepa;
+        if raw.video.is_some() && !video_kind {
+            return Err(self.invalid("video", "(section)", "only allowed with model.kind = \"vjepa\""));
+        }
+        let mut model = self.model(raw.model)?;
+        if let ModelConfig::IJepa { video, .. } = &mut model {
+            if video_kind {
+                *video = Some(raw.video.unwrap_or_default());
+            }
+        }
         let data = raw.data;
         self.unit_open("data.val_fraction", data.val_fraction, false)?;
         self.nonzero("data.batch_size", data.batch_size)?;
@@ -1012,16 +1098,17 @@ impl Validator<'_> {
                 self.unit_open("model.dropout", dropout, true)?;
                 Ok(ModelConfig::Gpt { n_layers, d_model, n_heads, context, dropout, gelu: m.gelu.unwrap_or_default() })
             }
-            RawModelKind::Ijepa => {
-                self.not_for("model.hidden", m.hidden.is_some(), "model.kind", "ijepa", "mlp")?;
-                self.not_for("model.activation", m.activation.is_some(), "model.kind", "ijepa", "mlp")?;
-                self.not_for("model.context", m.context.is_some(), "model.kind", "ijepa", "gpt")?;
-                self.not_for("model.dropout", m.dropout.is_some(), "model.kind", "ijepa", "gpt")?;
-                self.not_for("model.gelu", m.gelu.is_some(), "model.kind", "ijepa", "gpt")?;
-                let patch_size = self.require("model.patch_size", m.patch_size, "model.kind", "ijepa")?;
-                let d_model = self.require("model.d_model", m.d_model, "model.kind", "ijepa")?;
-                let n_layers = self.require("model.n_layers", m.n_layers, "model.kind", "ijepa")?;
-                let n_heads = self.require("model.n_heads", m.n_heads, "model.kind", "ijepa")?;
+            RawModelKind::Ijepa | RawModelKind::Vjepa => {
+                let kind = if m.kind == RawModelKind::Vjepa { "vjepa" } else { "ijepa" };
+                self.not_for("model.hidden", m.hidden.is_some(), "model.kind", kind, "mlp")?;
+                self.not_for("model.activation", m.activation.is_some(), "model.kind", kind, "mlp")?;
+                self.not_for("model.context", m.context.is_some(), "model.kind", kind, "gpt")?;
+                self.not_for("model.dropout", m.dropout.is_some(), "model.kind", kind, "gpt")?;
+                self.not_for("model.gelu", m.gelu.is_some(), "model.kind", kind, "gpt")?;
+                let patch_size = self.require("model.patch_size", m.patch_size, "model.kind", kind)?;
+                let d_model = self.require("model.d_model", m.d_model, "model.kind", kind)?;
+                let n_layers = self.require("model.n_layers", m.n_layers, "model.kind", kind)?;
+                let n_heads = self.require("model.n_heads", m.n_heads, "model.kind", kind)?;
                 self.nonzero("model.patch_size", patch_size)?;
                 self.nonzero("model.n_layers", n_layers)?;
                 self.nonzero("model.n_heads", n_heads)?;
@@ -1031,30 +1118,38 @@ impl Validator<'_> {
                 if d_model % n_heads != 0 {
                     return Err(self.invalid("model.n_heads", n_heads, format!("must divide model.d_model ({d_model})")));
                 }
-                Ok(ModelConfig::IJepa { patch_size, d_model, n_layers, n_heads })
+                Ok(ModelConfig::IJepa { patch_size, d_model, n_layers, n_heads, video: None })
             }
         }
     }
 
     /// `[jepa]` against the model kind (present exactly for I-JEPA) and its own ranges.
     fn jepa(&self, model: &ModelConfig, data: &DataConfig, raw: Option<JepaConfig>) -> Result<Option<JepaConfig>, ConfigError> {
-        let ModelConfig::IJepa { patch_size, .. } = model else {
+        let ModelConfig::IJepa { patch_size, d_model, video, .. } = model else {
             if raw.is_some() {
-                return Err(self.invalid("jepa", "(section)", "only allowed with model.kind = \"ijepa\""));
+                return Err(self.invalid("jepa", "(section)", "only allowed with model.kind = \"ijepa\" or \"vjepa\""));
             }
             return Ok(None);
         };
         if !data.dataset.is_image() {
-            return Err(self.invalid("data.dataset", format!("\"{}\"", data.dataset.name()), "model.kind = \"ijepa\" trains on images: use \"fashion-mnist\" or \"digits\""));
+            return Err(self.invalid("data.dataset", format!("\"{}\"", data.dataset.name()), "model.kind = \"ijepa\" / \"vjepa\" trains on images: use \"fashion-mnist\" or \"digits\""));
         }
-        let side = match data.dataset {
+        let item = match data.dataset {
             Dataset::FashionMnist => 28,
             _ => 8,
         };
-        if side % patch_size != 0 {
-            return Err(self.invalid("model.patch_size", patch_size, format!("must divide the image side ({side} for {})", data.dataset.name())));
-        }
         let j = raw.unwrap_or_default();
+        let side = match video {
+            None => item,
+            Some(v) => {
+                self.video(v, item, *patch_size, *d_model, &j)?;
+                v.canvas
+            }
+        };
+        if side % patch_size != 0 {
+            let what = if video.is_some() { "video.canvas" } else { "the image side" };
+            return Err(self.invalid("model.patch_size", patch_size, format!("must divide {what} ({side} for {})", data.dataset.name())));
+        }
         self.nonzero("jepa.predictor_width", j.predictor_width)?;
         self.nonzero("jepa.predictor_depth", j.predictor_depth)?;
         self.nonzero("jepa.predictor_heads", j.predictor_heads)?;
@@ -1089,6 +1184,38 @@ impl Validator<'_> {
             return Err(self.invalid("jepa.probe_features", format!("\"{}\" (entry {})", r.name(), i + 1), "each readout at most once"));
         }
         Ok(Some(j))
+    }
+
+    /// `[video]` of a V-JEPA run on items of side `item`.
+    fn video(&self, v: &VideoConfig, item: usize, patch_size: usize, d_model: usize, j: &JepaConfig) -> Result<(), ConfigError> {
+        self.nonzero("video.tubelet", v.tubelet)?;
+        self.nonzero("video.attentive_epochs", v.attentive_epochs)?;
+        if v.frames < 2 || !v.frames.is_multiple_of(v.tubelet) {
+            return Err(self.invalid("video.frames", v.frames, format!("must be at least 2 and a multiple of video.tubelet ({})", v.tubelet)));
+        }
+        if v.directions < 2 {
+            return Err(self.invalid("video.directions", v.directions, "must be at least 2"));
+        }
+        let (lo, hi) = v.speed;
+        if !(lo.is_finite() && hi.is_finite() && lo >= 0.0 && lo <= hi) {
+            return Err(self.invalid("video.speed", format!("[{lo}, {hi}]"), "must be 0 <= lo <= hi pixels per frame"));
+        }
+        v.moving().validate([item, item]).map_err(|e| self.invalid("video.canvas", v.canvas, format!("too small for the motion: {e}")))?;
+        if !v.canvas.is_multiple_of(patch_size) {
+            return Err(self.invalid("model.patch_size", patch_size, format!("must divide video.canvas ({})", v.canvas)));
+        }
+        if v.frames / v.tubelet > 1 {
+            if !d_model.is_multiple_of(8) {
+                return Err(self.invalid("model.d_model", d_model, "must be a multiple of 8 for clips (3-D sin-cos positions)"));
+            }
+            if !j.predictor_width.is_multiple_of(8) {
+                return Err(self.invalid("jepa.predictor_width", j.predictor_width, "must be a multiple of 8 for clips (3-D sin-cos positions)"));
+            }
+        }
+        if let Some(r) = j.probe_features.iter().find(|r| matches!(r, ProbeReadout::Grid2 | ProbeReadout::Grid3)) {
+            return Err(self.invalid("jepa.probe_features", format!("\"{}\"", r.name()), "region grids are image readouts; a V-JEPA run takes \"mean\", \"tokens\" or \"mean-last4\""));
+        }
+        Ok(())
     }
 
     fn optim(&self, o: RawOptim) -> Result<OptimConfig, ConfigError> {

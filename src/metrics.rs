@@ -73,6 +73,18 @@ pub struct MetricRecord {
     /// Training images the probes used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probe_train_images: Option<usize>,
+    /// V-JEPA: linear-probe test accuracy on the motion direction (first readout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direction_probe_acc: Option<f64>,
+    /// V-JEPA: k-NN test accuracy on the motion direction (first readout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direction_knn_acc: Option<f64>,
+    /// V-JEPA: attentive-probe test accuracy on the item's class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attentive_probe_acc: Option<f64>,
+    /// V-JEPA: attentive-probe test accuracy on the motion direction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attentive_direction_acc: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wall_s: Option<f64>,
 }
@@ -88,6 +100,12 @@ pub struct ReadoutMetric {
     pub probe_acc: f64,
     /// k-NN test accuracy.
     pub knn_acc: f64,
+    /// V-JEPA: linear-probe test accuracy on the motion direction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direction_probe_acc: Option<f64>,
+    /// V-JEPA: k-NN test accuracy on the motion direction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direction_knn_acc: Option<f64>,
 }
 
 /// Errors of the metrics file.

@@ -427,6 +427,8 @@ const VIT: VitConfig = VitConfig {
     layer_norm_eps: 1e-6,
     init_std: 0.02,
     dtype: DType::F32,
+    frames: 1,
+    tubelet: 1,
     gelu: GeluApprox::Tanh,
 };
 

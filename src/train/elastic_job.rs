@@ -144,7 +144,8 @@ impl ElasticJob {
                 let order = cache.as_ref().map(|(_, o)| o.as_slice()).unwrap_or_default();
                 let start = index * self.config.data.batch_size;
                 let end = (start + self.config.data.batch_size).min(order.len());
-                super::task::image_batch(&s.train, &order[start..end], s.mean, s.std).map_err(|e| e.to_string())
+                // Images, or their clips of this epoch (V-JEPA): any rank regenerates the same rows.
+                s.rows(&s.train, &order[start..end], super::task::ClipSplit::Train, epoch).map(|(b, _)| b).map_err(|e| e.to_string())
             }
             TaskData::Text(s) => {
                 let b = s.train.batch(&s.sampler, step).map_err(|e| e.to_string())?;
@@ -180,8 +181,20 @@ impl ElasticJob {
         model.set_training(true);
         let (sum, rows) = val?;
         let test = s.test.as_ref().unwrap_or(&s.val);
-        let report = jepa::probes(model, setup, j, &s.train, test, s.mean, s.std, Some((j.probe_train_images, j.probe_test_images)), j.pixel_baseline).map_err(|e| e.to_string())?;
+        let attentive = match &self.config.model {
+            ModelConfig::IJepa { video: Some(v), .. } if v.attentive_probe => Some(v.attentive_epochs),
+            _ => None,
+        };
+        let report = jepa::probes(model, setup, j, s, test, Some((j.probe_train_images, j.probe_test_images)), j.pixel_baseline, attentive).map_err(|e| e.to_string())?;
         let mut metrics = vec![("val_loss".to_string(), sum / rows.max(1) as f64), ("probe_acc".into(), report.probe_acc), ("knn_acc".into(), report.knn_acc)];
+        if let Some((p, k)) = report.readouts.first().and_then(|r| r.direction) {
+            metrics.push(("direction_probe_acc".into(), p));
+            metrics.push(("direction_knn_acc".into(), k));
+        }
+        if let Some((c, d)) = report.attentive {
+            metrics.push(("attentive_probe_acc".into(), c));
+            metrics.push(("attentive_direction_acc".into(), d));
+        }
         for r in report.readouts.iter().skip(1) {
             metrics.push((format!("probe_acc_{}", r.readout.name()), r.probe_acc));
             metrics.push((format!("knn_acc_{}", r.readout.name()), r.knn_acc));

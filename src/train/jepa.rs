@@ -1,5 +1,9 @@
 //! The I-JEPA side of a run (`model.kind = "ijepa"`, `[jepa]`): the model built from the config,
-//! the masks of a step, the weight-decay schedule, and the frozen-feature evaluation.
+//! the masks of a step, the weight-decay schedule, and the frozen-feature evaluation. A V-JEPA run
+//! (`model.kind = "vjepa"`, `[video]`) is the same code over clips: the encoder embeds tubelets,
+//! the masks are tubes (the spatial masks of the step in every time slot), and the probes score
+//! two labels (the item's class and its motion direction) and add an attentive probe
+//! ([`super::attentive`]) over the frozen tokens.
 //!
 //! Masks of step `s` are drawn for the whole global batch from `Generator::with_stream(seed ^
 //! mix(s), MASK_STREAM)`, so they do not depend on the world size: a data-parallel rank takes its
@@ -12,8 +16,9 @@
 //! a cosine rate, seeded order) is trained on the train split and scored on the test split, and a
 //! k-NN classifier (cosine similarity, k neighbours voting with weights `exp(sim / 0.07)`, as
 //! DINO's) is scored on the same test images. A linear probe on raw pixels, trained the same way,
-//! is the baseline. Periodic probes use the first `probe_train_images` / `probe_test_images`
-//! images; the final one uses every image of both splits.
+//! is the baseline (images only: a clip has `frames·canvas²` pixels). Periodic probes use the first
+//! `probe_train_images` / `probe_test_images` images; the final one uses every image of both
+//! splits. Probe clips are fixed: train items at [`PROBE_EPOCH`], test items at [`EVAL_EPOCH`].
 
 use rtx_tensor::data::ImageDataset;
 use rtx_tensor::nn::{IJepa, IJepaConfig, JepaLoss, JepaMasks, Linear, MaskConfig, Module, Pooling, VitConfig};
@@ -22,7 +27,8 @@ use rtx_tensor::{no_grad, CrossEntropyOptions, DType, Generator, Tensor};
 
 use crate::config::{JepaConfig, JepaLossKind, ModelConfig, ProbeReadout, TrainConfig};
 
-use super::{readout, Result, TrainError};
+use super::task::{ClipSplit, ImageSplits, EVAL_EPOCH, PROBE_EPOCH};
+use super::{attentive, readout, Result, TrainError};
 
 /// Mask stream of the run's seed.
 const MASK_STREAM: u64 = 3;
@@ -50,6 +56,8 @@ pub struct JepaSetup {
     pub(crate) image: [usize; 2],
     pub(crate) seed: u64,
     pub(crate) total_steps: u64,
+    /// V-JEPA: `(frames, time slots)` of a clip; `None` for images.
+    pub(crate) video: Option<(usize, usize)>,
 }
 
 /// Accuracies of one evaluation of frozen features.
@@ -63,6 +71,8 @@ pub struct ProbeReport {
     pub knn_acc: f64,
     /// Every configured readout's accuracies, in the config's order (the first one included).
     pub readouts: Vec<ReadoutReport>,
+    /// V-JEPA: the attentive probe's test accuracies (class, direction).
+    pub attentive: Option<(f64, f64)>,
     /// Linear-probe test accuracy on raw pixels (when the baseline is on).
     pub pixel_probe_acc: Option<f64>,
     /// Training images the probes used.
@@ -82,15 +92,22 @@ pub struct ReadoutReport {
     pub probe_acc: f64,
     /// k-NN test accuracy.
     pub knn_acc: f64,
+    /// V-JEPA: the linear probe's and k-NN's test accuracies on the motion direction.
+    pub direction: Option<(f64, f64)>,
 }
 
 /// The I-JEPA model of `config` for images of `image` = `[h, w]` (grayscale), drawn from `rng`.
 pub(crate) fn build(config: &TrainConfig, image: [usize; 2], rng: &mut Generator) -> Result<(IJepa, JepaSetup)> {
-    let ModelConfig::IJepa { patch_size, d_model, n_layers, n_heads } = config.model else {
+    let ModelConfig::IJepa { patch_size, d_model, n_layers, n_heads, ref video } = config.model else {
         return Err(TrainError::Internal("an I-JEPA setup for another model kind".into()));
     };
     let j = jepa_config(config)?;
-    let encoder = VitConfig { image_size: image, patch_size, in_channels: 1, d_model, n_layers, n_heads, pooling: Pooling::Mean, ..VitConfig::default() };
+    let mut encoder = VitConfig { image_size: image, patch_size, in_channels: 1, d_model, n_layers, n_heads, pooling: Pooling::Mean, ..VitConfig::default() };
+    if let Some(v) = video {
+        encoder.image_size = [v.canvas, v.canvas];
+        encoder.frames = v.frames;
+        encoder.tubelet = v.tubelet;
+    }
     let loss = match j.loss {
         JepaLossKind::L2 => JepaLoss::L2,
         JepaLossKind::SmoothL1 => JepaLoss::SmoothL1,
@@ -114,11 +131,13 @@ pub(crate) fn build(config: &TrainConfig, image: [usize; 2], rng: &mut Generator
 
 /// The masks, image shape and schedule length of an I-JEPA `config` for images of `image`.
 pub(crate) fn setup(config: &TrainConfig, image: [usize; 2]) -> Result<JepaSetup> {
-    let ModelConfig::IJepa { patch_size, .. } = config.model else {
+    let ModelConfig::IJepa { patch_size, ref video, .. } = config.model else {
         return Err(TrainError::Internal("an I-JEPA setup for another model kind".into()));
     };
     let j = jepa_config(config)?;
+    let image = video.as_ref().map_or(image, |v| [v.canvas, v.canvas]);
     let grid = [image[0] / patch_size.max(1), image[1] / patch_size.max(1)];
+    let video = video.as_ref().map(|v| (v.frames, v.frames / v.tubelet.max(1)));
     let masks = MaskConfig {
         n_targets: j.n_targets,
         target_scale: j.target_scale,
@@ -126,7 +145,7 @@ pub(crate) fn setup(config: &TrainConfig, image: [usize; 2]) -> Result<JepaSetup
         context_scale: j.context_scale,
         min_keep: j.min_keep,
     };
-    Ok(JepaSetup { masks, grid, image, seed: config.train.seed, total_steps: config.train.steps })
+    Ok(JepaSetup { masks, grid, image, seed: config.train.seed, total_steps: config.train.steps, video })
 }
 
 /// The `[jepa]` section (present for I-JEPA configs).
@@ -138,7 +157,12 @@ impl JepaSetup {
     /// The masks of global batch `step` (`rows` images).
     pub(crate) fn masks_for_step(&self, step: u64, rows: usize) -> Result<JepaMasks> {
         let mut rng = Generator::with_stream(self.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15), MASK_STREAM);
-        Ok(self.masks.sample(self.grid, rows, &mut rng)?)
+        let masks = self.masks.sample(self.grid, rows, &mut rng)?;
+        match self.video {
+            // V-JEPA's tube masks: the same blocks in every time slot.
+            Some((_, slots)) => Ok(masks.tubes(self.grid[0] * self.grid[1], slots)?),
+            None => Ok(masks),
+        }
     }
 
     /// The masks of validation batch `i`.
@@ -146,10 +170,25 @@ impl JepaSetup {
         self.masks_for_step(u64::MAX - i as u64, rows)
     }
 
-    /// `[B, H·W]` flat pixels as `[B, 1, H, W]` images.
+    /// `[B, H·W]` flat pixels as `[B, 1, H, W]` images, or `[B, T·H·W]` as `[B, 1, T, H, W]`
+    /// clips.
     pub(crate) fn images(&self, flat: &Tensor) -> Result<Tensor> {
         let b = flat.shape()[0];
-        Ok(flat.reshape(&[b, 1, self.image[0], self.image[1]])?)
+        match self.video {
+            Some((frames, _)) => Ok(flat.reshape(&[b, 1, frames, self.image[0], self.image[1]])?),
+            None => Ok(flat.reshape(&[b, 1, self.image[0], self.image[1]])?),
+        }
+    }
+
+    /// Time slots of the token grid (1 for images).
+    pub(crate) fn slots(&self) -> usize {
+        self.video.map_or(1, |(_, slots)| slots)
+    }
+
+    /// The token grid as the readouts see it: `[slots·h, w]` rows of tokens (time-major), so
+    /// `mean`, `tokens` and `mean-last4` cover every token of a clip.
+    pub(crate) fn readout_grid(&self) -> [usize; 2] {
+        [self.slots() * self.grid[0], self.grid[1]]
     }
 }
 
@@ -162,17 +201,30 @@ pub(crate) fn weight_decay_at(config: &TrainConfig, step: u64) -> Option<f64> {
     Some(end + 0.5 * (start - end) * (1.0 + (std::f64::consts::PI * t).cos()))
 }
 
-/// Frozen encoder readouts of images `indices` of `set`: one flat row-major `[n, dim]` buffer per
-/// entry of `readouts` (see [`super::readout`]), all from one pass of the encoder.
-fn features(model: &IJepa, setup: &JepaSetup, set: &ImageDataset, indices: &[usize], mean: f32, std: f32, readouts: &[ProbeReadout]) -> Result<Vec<Vec<f32>>> {
+/// Frozen encoder outputs of some rows: one flat row-major `[n, dim]` buffer per readout, and for
+/// clips their direction labels.
+struct Features {
+    readouts: Vec<Vec<f32>>,
+    directions: Option<Vec<u32>>,
+}
+
+/// Frozen encoder readouts of images (or clips) `indices` of `set`: one flat row-major `[n, dim]`
+/// buffer per entry of `readouts` (see [`super::readout`]), all from one pass of the encoder.
+fn features(model: &IJepa, setup: &JepaSetup, splits: &ImageSplits, set: &ImageDataset, indices: &[usize], split: ClipSplit, readouts: &[ProbeReadout]) -> Result<Features> {
     let mut scratch = Generator::new(0);
     let mut out = vec![Vec::new(); readouts.len()];
+    let mut directions: Option<Vec<u32>> = None;
     let last_blocks = if readouts.iter().any(|&r| readout::needs_blocks(r)) { readout::LAST_BLOCKS } else { 0 };
     let channels = model.encoder.config().d_model;
-    let per_image = setup.grid[0] * setup.grid[1] * channels;
+    let grid = setup.readout_grid();
+    let per_image = grid[0] * grid[1] * channels;
+    let epoch = if split == ClipSplit::Train { PROBE_EPOCH } else { EVAL_EPOCH };
     no_grad(|| -> Result<()> {
         for chunk in indices.chunks(FEATURE_BATCH) {
-            let batch = super::task::image_batch(set, chunk, mean, std)?;
+            let (batch, dirs) = splits.rows(set, chunk, split, epoch)?;
+            if let Some(d) = dirs {
+                directions.get_or_insert_with(Vec::new).extend(d);
+            }
             let (last, blocks) = encoder_tokens(model, &setup.images(&batch.inputs)?, last_blocks, &mut scratch)?;
             let last = last.to_f32_vec()?;
             let blocks = blocks.iter().map(|b| b.to_f32_vec()).collect::<std::result::Result<Vec<_>, _>>()?;
@@ -182,7 +234,7 @@ fn features(model: &IJepa, setup: &JepaSetup, set: &ImageDataset, indices: &[usi
             for i in 0..chunk.len() {
                 let rows = i * per_image..(i + 1) * per_image;
                 let block_rows: Vec<&[f32]> = blocks.iter().map(|b| &b[rows.clone()]).collect();
-                let image = readout::ImageTokens { last: &last[rows.clone()], blocks: &block_rows, grid: setup.grid, channels };
+                let image = readout::ImageTokens { last: &last[rows.clone()], blocks: &block_rows, grid, channels };
                 for (r, buf) in readouts.iter().zip(&mut out) {
                     readout::append(*r, &image, buf);
                 }
@@ -190,7 +242,7 @@ fn features(model: &IJepa, setup: &JepaSetup, set: &ImageDataset, indices: &[usi
         }
         Ok(())
     })?;
-    Ok(out)
+    Ok(Features { readouts: out, directions })
 }
 
 /// The frozen context encoder on whole `images`: the final layer-normed tokens `[B, N, C]` and,
@@ -225,52 +277,84 @@ fn pixels(set: &ImageDataset, indices: &[usize], mean: f32, std: f32) -> Vec<f32
     set.batch(indices, mean, std).pixels
 }
 
-/// Linear probe, k-NN and (optionally) the pixel baseline for `model` on `train` / `test`: the
-/// first `n_train` / `n_test` images (all of them when `None`), for every readout of
-/// `j.probe_features` (features from one encoder pass; each readout probed separately).
+/// Linear probe, k-NN and (optionally) the pixel baseline for `model` on the train split of
+/// `splits` / `test`: the first `n_train` / `n_test` images (all of them when `None`), for every
+/// readout of `j.probe_features` (features from one encoder pass; each readout probed
+/// separately). For clips, every readout is also probed on the direction label, and with
+/// `attentive`'s epochs the attentive probe runs on the final tokens for both labels.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn probes(
     model: &mut IJepa,
     setup: &JepaSetup,
     j: &JepaConfig,
-    train: &ImageDataset,
+    splits: &ImageSplits,
     test: &ImageDataset,
-    mean: f32,
-    std: f32,
     limit: Option<(usize, usize)>,
     pixel_baseline: bool,
+    attentive_epochs: Option<usize>,
 ) -> Result<ProbeReport> {
+    let (train, mean, std) = (&splits.train, splits.mean, splits.std);
     let (n_train, n_test) = limit.map_or((train.n, test.n), |(a, b)| (a.min(train.n), b.min(test.n)));
     let train_idx: Vec<usize> = (0..n_train).collect();
     let test_idx: Vec<usize> = (0..n_test).collect();
     let train_y = &train.labels[..n_train];
     let test_y = &test.labels[..n_test];
     let n_classes = train.n_classes.max(test.n_classes);
-    let readouts = &j.probe_features;
-    let primary = *readouts.first().ok_or_else(|| TrainError::Internal("no probe readout configured".into()))?;
+    let primary = *j.probe_features.first().ok_or_else(|| TrainError::Internal("no probe readout configured".into()))?;
+    // The attentive probe reads every final token: computed with the readouts, not reported as one.
+    let mut readouts = j.probe_features.clone();
+    let attentive_at = match attentive_epochs {
+        Some(_) if splits.clips.is_some() => Some(readouts.iter().position(|&r| r == ProbeReadout::Tokens).unwrap_or_else(|| {
+            readouts.push(ProbeReadout::Tokens);
+            readouts.len() - 1
+        })),
+        _ => None,
+    };
     model.set_training(false);
-    let feats =
-        features(model, setup, train, &train_idx, mean, std, readouts).and_then(|tr| Ok((tr, features(model, setup, test, &test_idx, mean, std, readouts)?)));
+    let feats = features(model, setup, splits, train, &train_idx, ClipSplit::Train, &readouts)
+        .and_then(|tr| Ok((tr, features(model, setup, splits, test, &test_idx, ClipSplit::HeldOut, &readouts)?)));
     model.set_training(true);
-    let (train_x, test_x) = feats?;
+    let (train_f, test_f) = feats?;
+    let (train_x, test_x) = (&train_f.readouts, &test_f.readouts);
+    let directions = match (&train_f.directions, &test_f.directions, &splits.clips) {
+        (Some(tr), Some(te), Some(c)) => Some((tr.as_slice(), te.as_slice(), c.moving.directions)),
+        _ => None,
+    };
     let (channels, layers) = (model.encoder.config().d_model, model.encoder.blocks.len());
-    let mut results = Vec::with_capacity(readouts.len());
-    for ((&readout, tr), te) in readouts.iter().zip(&train_x).zip(&test_x) {
+    let grid = setup.readout_grid();
+    let mut results = Vec::with_capacity(j.probe_features.len());
+    for ((&readout, tr), te) in j.probe_features.iter().zip(train_x).zip(test_x) {
         // linear_probe and knn refuse buffers whose length is not rows x dim.
-        let dim = readout::dim(readout, setup.grid, channels, layers);
+        let dim = readout::dim(readout, grid, channels, layers);
         let probe_acc = linear_probe(tr, train_y, te, test_y, dim, n_classes, j.probe_epochs, setup.seed)?;
         let knn_acc = knn(tr, train_y, te, test_y, dim, n_classes, j.knn_k)?;
-        results.push(ReadoutReport { readout, dim, probe_acc, knn_acc });
+        let direction = match directions {
+            Some((dtr, dte, n_dir)) => {
+                Some((linear_probe(tr, dtr, te, dte, dim, n_dir, j.probe_epochs, setup.seed)?, knn(tr, dtr, te, dte, dim, n_dir, j.knn_k)?))
+            }
+            None => None,
+        };
+        results.push(ReadoutReport { readout, dim, probe_acc, knn_acc, direction });
     }
-    drop((train_x, test_x));
-    let pixel_probe_acc = if pixel_baseline {
+    let attentive = match (attentive_at, attentive_epochs, directions) {
+        (Some(at), Some(epochs), Some((dtr, dte, n_dir))) => {
+            let n_tokens = grid[0] * grid[1];
+            let (tr, te) = (&train_x[at], &test_x[at]);
+            let class = attentive::attentive_probe(tr, train_y, te, test_y, n_tokens, channels, n_classes, epochs, setup.seed)?;
+            let direction = attentive::attentive_probe(tr, dtr, te, dte, n_tokens, channels, n_dir, epochs, setup.seed)?;
+            Some((class, direction))
+        }
+        _ => None,
+    };
+    drop((train_f, test_f));
+    let pixel_probe_acc = if pixel_baseline && splits.clips.is_none() {
         let (px_train, px_test) = (pixels(train, &train_idx, mean, std), pixels(test, &test_idx, mean, std));
         Some(linear_probe(&px_train, train_y, &px_test, test_y, train.pixels_per_image(), n_classes, j.probe_epochs, setup.seed)?)
     } else {
         None
     };
     let (probe_acc, knn_acc) = results.first().map_or((0.0, 0.0), |r| (r.probe_acc, r.knn_acc));
-    Ok(ProbeReport { readout: primary, probe_acc, knn_acc, readouts: results, pixel_probe_acc, train_images: n_train, test_images: n_test })
+    Ok(ProbeReport { readout: primary, probe_acc, knn_acc, readouts: results, attentive, pixel_probe_acc, train_images: n_train, test_images: n_test })
 }
 
 /// Multinomial logistic regression on standardised `train_x [n, dim]`, scored on `test_x`:

@@ -31,6 +31,7 @@
 //! everything the next step depends on, so `N` steps straight and `N/2 + resume + N/2` give
 //! bit-identical parameters.
 
+mod attentive;
 mod ckpt;
 mod device;
 pub(crate) mod elastic_job;
@@ -508,7 +509,8 @@ impl Trainer {
                 Tokenizer::Bytes => format!("byte GPT on {} (nats/byte)", self.config.data.dataset.name()),
                 Tokenizer::Gpt2 => format!("GPT-2 BPE GPT on {} (nats/token)", self.config.data.dataset.name()),
             },
-            ModelConfig::IJepa { .. } => format!("I-JEPA ViT on {} (latent loss, probe accuracy)", self.config.data.dataset.name()),
+            ModelConfig::IJepa { video: None, .. } => format!("I-JEPA ViT on {} (latent loss, probe accuracy)", self.config.data.dataset.name()),
+            ModelConfig::IJepa { video: Some(_), .. } => format!("V-JEPA ViT on moving {} (latent loss, class probe accuracy)", self.config.data.dataset.name()),
         };
         let baseline = self.data.text().map(|t| (t.entropy_nats, "corpus unigram entropy"));
         plot::plot_loss_curve(&records, &self.out_dir.join("loss.png"), &title, baseline, self.plot_text)?;
@@ -573,7 +575,12 @@ impl Trainer {
         let test = s.test.as_ref().unwrap_or(&s.val);
         let limit = if full { Some((j.final_probe_train_images.unwrap_or(usize::MAX), j.final_probe_test_images.unwrap_or(usize::MAX))) } else { Some((j.probe_train_images, j.probe_test_images)) };
         let t0 = Instant::now();
-        let report = jepa::probes(model, setup, &j, &s.train, test, s.mean, s.std, limit, full && j.pixel_baseline)?;
+        let attentive = match &self.config.model {
+            ModelConfig::IJepa { video: Some(v), .. } if v.attentive_probe => Some(v.attentive_epochs),
+            _ => None,
+        };
+        let report = jepa::probes(model, setup, &j, s, test, limit, full && j.pixel_baseline, attentive)?;
+        let first_direction = report.readouts.first().and_then(|r| r.direction);
         self.metrics.write(&MetricRecord {
             step: self.step,
             probe_acc: Some(report.probe_acc),
@@ -583,20 +590,28 @@ impl Trainer {
             probe_readouts: report
                 .readouts
                 .iter()
-                .map(|r| ReadoutMetric { readout: r.readout.name().to_string(), dim: r.dim, probe_acc: r.probe_acc, knn_acc: r.knn_acc })
+                .map(|r| ReadoutMetric {
+                    readout: r.readout.name().to_string(),
+                    dim: r.dim,
+                    probe_acc: r.probe_acc,
+                    knn_acc: r.knn_acc,
+                    direction_probe_acc: r.direction.map(|d| d.0),
+                    direction_knn_acc: r.direction.map(|d| d.1),
+                })
                 .collect(),
             probe_train_images: Some(report.train_images),
+            direction_probe_acc: first_direction.map(|d| d.0),
+            direction_knn_acc: first_direction.map(|d| d.1),
+            attentive_probe_acc: report.attentive.map(|a| a.0),
+            attentive_direction_acc: report.attentive.map(|a| a.1),
             wall_s: Some(self.started.elapsed().as_secs_f64()),
             ..Default::default()
         })?;
         let pixels = report.pixel_probe_acc.map_or(String::new(), |p| format!(" | pixel probe {:.2}%", p * 100.0));
-        let readouts: String = report
-            .readouts
-            .iter()
-            .map(|r| format!(" | {} ({}): linear probe {:.2}%, k-NN {:.2}%", r.readout.name(), r.dim, r.probe_acc * 100.0, r.knn_acc * 100.0))
-            .collect();
+        let readouts: String = report.readouts.iter().map(|r| format!(" | {}", readout_line(r))).collect();
+        let attentive = report.attentive.map_or(String::new(), |(c, d)| format!(" | attentive probe: class {:.2}%, direction {:.2}%", c * 100.0, d * 100.0));
         progress.line(&format!(
-            "step {:>6}{readouts}{pixels} ({} train / {} test images, {:.1}s)",
+            "step {:>6}{readouts}{attentive}{pixels} ({} train / {} test images, {:.1}s)",
             self.step,
             report.train_images,
             report.test_images,
@@ -669,6 +684,12 @@ fn restore(path: &Path, config: &TrainConfig, model: &Model, optimizer: &mut Opt
     Ok(state)
 }
 
+/// One readout's accuracies for the log: class, and the direction when the run has clips.
+fn readout_line(r: &ReadoutReport) -> String {
+    let direction = r.direction.map_or(String::new(), |(p, k)| format!("; direction: linear probe {:.2}%, k-NN {:.2}%", p * 100.0, k * 100.0));
+    format!("{} ({} dims): linear probe {:.2}%, k-NN {:.2}%{direction}", r.readout.name(), r.dim, r.probe_acc * 100.0, r.knn_acc * 100.0)
+}
+
 /// The summary lines printed at the end of a run.
 pub fn summary(r: &TrainReport) -> Vec<String> {
     let mut lines = vec![format!(
@@ -696,12 +717,9 @@ pub fn summary(r: &TrainReport) -> Vec<String> {
     }
     if let Some(p) = &r.probes {
         let pixels = p.pixel_probe_acc.map_or(String::new(), |a| format!("; linear probe on raw pixels {:.2}%", a * 100.0));
-        let readouts: Vec<String> = p
-            .readouts
-            .iter()
-            .map(|r| format!("{} ({} dims): linear probe {:.2}%, k-NN {:.2}%", r.readout.name(), r.dim, r.probe_acc * 100.0, r.knn_acc * 100.0))
-            .collect();
-        lines.push(format!("frozen features ({} train / {} test images): {}{pixels}", p.train_images, p.test_images, readouts.join("; ")));
+        let readouts: Vec<String> = p.readouts.iter().map(readout_line).collect();
+        let attentive = p.attentive.map_or(String::new(), |(c, d)| format!("; attentive probe: class {:.2}%, direction {:.2}%", c * 100.0, d * 100.0));
+        lines.push(format!("frozen features ({} train / {} test images): {}{attentive}{pixels}", p.train_images, p.test_images, readouts.join("; ")));
     }
     if let Some(h) = r.unigram_entropy_nats {
         let unit = r.text_unit.unwrap_or("byte");

@@ -6,6 +6,14 @@
 //! normalized with the mean and standard deviation of the training part. Batches come from a
 //! [`Sampler`] whose [`Cursor`] is saved in checkpoints.
 //!
+//! Clips (V-JEPA, `model.kind = "vjepa"`): the same splits and sampler, but every row is a clip
+//! of its item moving across a canvas ([`rtx_tensor::data::MovingConfig`]), made when the batch is:
+//! a training row from `(train.seed, item index in the train split, epoch)` on the train clip
+//! stream, so each epoch shows an item moving differently; a validation, test or probe row from a
+//! fixed epoch ([`EVAL_EPOCH`], [`PROBE_EPOCH`]), so every evaluation scores the same clips.
+//! Clip pixels are normalized with the mean and standard deviation a clip of the training items
+//! has (the items' statistics diluted by the blank canvas).
+//!
 //! Text: the tail `val_fraction` of every document is validation; batch `k` is
 //! [`TextWindowSampler::batch`]`(train, k)`, so the step number is the whole cursor. The tokens
 //! depend on `[data] tokenizer`:
@@ -30,18 +38,23 @@
 //! GPT-2 tokens of the whole stream (`<|endoftext|>` included), in nats per byte or per token.
 
 use rtx_tensor::data::{
-    load_digits_csv, load_fashion_mnist, tokenize_corpus_cached, train_val_split, Cursor, DataError, DataRoot, ImageDataset, Sampler, Split, TextBatch,
-    TextCorpus, TextWindowSampler, GPT2_EOT, GPT2_VOCAB,
+    load_digits_csv, load_fashion_mnist, tokenize_corpus_cached, train_val_split, ClipKey, Cursor, DataError, DataRoot, ImageDataset, MovingConfig, Sampler,
+    Split, TextBatch, TextCorpus, TextWindowSampler, GPT2_EOT, GPT2_VOCAB, TEST_CLIP_STREAM, TRAIN_CLIP_STREAM,
 };
 use rtx_tensor::nn::JepaMasks;
 use rtx_tensor::Tensor;
 
-use crate::config::{Dataset, Tokenizer, TrainConfig};
+use crate::config::{Dataset, ModelConfig, Tokenizer, TrainConfig};
 
 use super::{Result, TrainError};
 
 /// The GPT-2 token cache's file name inside the corpus folder.
 pub(crate) const GPT2_CACHE_FILE: &str = "gpt2-tokens.bin";
+
+/// The epoch of validation and test clips.
+pub(crate) const EVAL_EPOCH: u64 = u64::MAX;
+/// The epoch of the probes' training clips.
+pub(crate) const PROBE_EPOCH: u64 = u64::MAX - 1;
 
 /// Images of one split, ready to batch.
 pub(crate) struct ImageSplits {
@@ -51,6 +64,27 @@ pub(crate) struct ImageSplits {
     pub(crate) mean: f32,
     pub(crate) std: f32,
     pub(crate) sampler: Sampler,
+    /// The clips every row becomes (V-JEPA); `None` for images.
+    pub(crate) clips: Option<ClipSource>,
+}
+
+/// How a V-JEPA run turns items into clips.
+pub(crate) struct ClipSource {
+    pub(crate) moving: MovingConfig,
+    /// The run seed.
+    pub(crate) seed: u64,
+    /// Normalization of clip pixels (see the module docs).
+    pub(crate) mean: f32,
+    pub(crate) std: f32,
+}
+
+/// Which clip stream a set's rows come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ClipSplit {
+    /// The training split (train clip stream).
+    Train,
+    /// Validation or test (held-out clip stream).
+    HeldOut,
 }
 
 /// A text corpus split for language modelling.
@@ -139,7 +173,16 @@ impl TaskData {
                 let (mean, std) = train.pixel_mean_std();
                 let std = if std > 0.0 { std } else { 1.0 };
                 let sampler = Sampler::new(train.n, d.batch_size, seed, false)?;
-                Ok(TaskData::Image(Box::new(ImageSplits { train, val, test, mean, std, sampler })))
+                let clips = match &config.model {
+                    ModelConfig::IJepa { video: Some(v), .. } => {
+                        let moving = v.moving();
+                        moving.validate([train.height, train.width])?;
+                        let (m, sd) = moving.pixel_mean_std([train.height, train.width], mean, std);
+                        Some(ClipSource { moving, seed, mean: m, std: if sd > 0.0 { sd } else { 1.0 } })
+                    }
+                    _ => None,
+                };
+                Ok(TaskData::Image(Box::new(ImageSplits { train, val, test, mean, std, sampler, clips })))
             }
             Dataset::Sotu => {
                 let corpus = TextCorpus::load_dir(&root.sotu())?;
@@ -213,7 +256,8 @@ impl TaskData {
         match self {
             TaskData::Image(s) => {
                 let idx = s.sampler.next_batch();
-                image_batch(&s.train, &idx, s.mean, s.std)
+                let epoch = s.sampler.cursor().epoch;
+                Ok(s.rows(&s.train, &idx, ClipSplit::Train, epoch)?.0)
             }
             TaskData::Text(s) => {
                 let b = s.train.batch(&s.sampler, step)?;
@@ -255,7 +299,7 @@ impl TaskData {
                     return Ok(None);
                 }
                 let idx: Vec<usize> = (start..(start + image_batch_size).min(set.n)).collect();
-                image_batch(set, &idx, s.mean, s.std).map(Some)
+                Ok(Some(s.rows(set, &idx, ClipSplit::HeldOut, EVAL_EPOCH)?.0))
             }
             TaskData::Text(s) => match which {
                 EvalSplit::Val => s.val.eval_batch(&s.eval_sampler, i).map(text_batch).transpose(),
@@ -307,14 +351,18 @@ impl TaskData {
     pub(crate) fn describe(&self) -> String {
         match self {
             TaskData::Image(s) => format!(
-                "{} train / {} val{} images of {}x{}, {} classes, {} batches per epoch",
+                "{} train / {} val{} images of {}x{}, {} classes, {} batches per epoch{}",
                 s.train.n,
                 s.val.n,
                 s.test.as_ref().map_or(String::new(), |t| format!(" / {} test", t.n)),
                 s.train.height,
                 s.train.width,
                 self.n_classes(),
-                s.sampler.batches_per_epoch()
+                s.sampler.batches_per_epoch(),
+                s.clips.as_ref().map_or(String::new(), |c| format!(
+                    ", as clips of {} frames on a {}x{} canvas moving in {} directions at {}-{} px/frame",
+                    c.moving.frames, c.moving.canvas, c.moving.canvas, c.moving.directions, c.moving.speed.0, c.moving.speed.1
+                ))
             ),
             TaskData::Text(s) => match s.tokenizer {
                 Tokenizer::Bytes => format!("{} bytes ({} train / {} val), windows of {}", s.corpus_bytes, s.train.len(), s.val.len(), s.sampler.seq_len()),
@@ -336,6 +384,35 @@ impl TaskData {
 pub(crate) enum EvalSplit {
     Val,
     Test,
+}
+
+impl ImageSplits {
+    /// Rows `idx` of `set` as a batch: the images, or (V-JEPA) their clips of `epoch` on `split`'s
+    /// stream, `[B, frames·canvas²]` normalized pixels, with the clips' direction labels.
+    pub(crate) fn rows(&self, set: &ImageDataset, idx: &[usize], split: ClipSplit, epoch: u64) -> Result<(Batch, Option<Vec<u32>>)> {
+        let Some(c) = &self.clips else { return Ok((image_batch(set, idx, self.mean, self.std)?, None)) };
+        let stream = match split {
+            ClipSplit::Train => TRAIN_CLIP_STREAM,
+            ClipSplit::HeldOut => TEST_CLIP_STREAM,
+        };
+        let per_clip = c.moving.pixels_per_clip();
+        let scale = 1.0 / (f32::from(set.pixel_max) * c.std);
+        let shift = c.mean / c.std;
+        let table: Vec<f32> = (0..=255u8).map(|v| f32::from(v) * scale - shift).collect();
+        let mut pixels = Vec::with_capacity(idx.len() * per_clip);
+        let mut directions = Vec::with_capacity(idx.len());
+        let mut labels = Vec::with_capacity(idx.len());
+        for &i in idx {
+            let clip = c.moving.clip(set.image(i), [set.height, set.width], ClipKey { seed: c.seed, stream, index: i as u64, epoch })?;
+            pixels.extend(clip.pixels.iter().map(|&p| table[usize::from(p)]));
+            directions.push(clip.direction);
+            labels.push(set.labels[i]);
+        }
+        let rows = idx.len();
+        debug_assert_eq!(pixels.len(), rows * per_clip);
+        let batch = Batch { inputs: Tensor::from_vec(pixels, &[rows, per_clip])?, targets: Tensor::from_vec(labels, &[rows])?, rows, tokens: rows, masks: None };
+        Ok((batch, Some(directions)))
+    }
 }
 
 pub(crate) fn image_batch(set: &ImageDataset, idx: &[usize], mean: f32, std: f32) -> Result<Batch> {

@@ -8,6 +8,7 @@
 //! - [`DataRoot`]: where the data folder is, and the path of each dataset inside it.
 //! - [`ImageDataset`] via [`load_fashion_mnist`], [`load_mnist`], [`load_idx_pair`] or
 //!   [`load_digits_csv`]; [`read_idx`] for a single IDX file (gzipped or raw).
+//! - [`MovingConfig`]: moving-item clips made from an image dataset on the fly, by seed (V-JEPA).
 //! - [`TextCorpus`]: a directory of `.txt` documents as one byte vector with document boundaries.
 //! - [`Sampler`] / [`EpochPlan`]: seeded shuffling and batching with a resumable [`Cursor`] and
 //!   [`EpochPlan::shard`] for data parallelism; [`ImageDataset::batch`] and
@@ -23,6 +24,7 @@ mod bpe;
 mod idx;
 mod image_dataset;
 mod loader;
+mod moving;
 mod text;
 
 use std::ffi::OsStr;
@@ -34,6 +36,7 @@ pub use image_dataset::{
     load_digits_csv, load_fashion_mnist, load_idx_pair, load_mnist, ImageBatch, ImageDataset, Split,
 };
 pub use loader::{train_val_split, Cursor, EpochPlan, Sampler, TextBatch, TextWindowSampler};
+pub use moving::{Clip, ClipKey, MovingConfig, TEST_CLIP_STREAM, TRAIN_CLIP_STREAM};
 pub use text::{Document, TextCorpus, TextSplit};
 
 /// Environment variable a binary may read to locate the data folder (see [`DataRoot::resolve`]).

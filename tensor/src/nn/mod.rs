@@ -40,8 +40,8 @@ pub use linear::{Activation, Linear, Mlp};
 pub use norm::{LayerNorm, RmsNorm};
 pub use state_dict::{StateDictReport, StateMismatch};
 pub use transformer::{BlockConfig, FeedForward, TransformerBlock};
-pub use vit::{patchify, PatchEmbed, Pooling, Vit, VitConfig};
-pub use jepa::{collapse_std, IJepa, IJepaConfig, JepaLoss, JepaMasks, JepaOutput, JepaPredictor, MaskConfig};
+pub use vit::{patchify, patchify_3d, PatchEmbed, Pooling, Vit, VitConfig};
+pub use jepa::{collapse_std, sincos_2d, sincos_3d, IJepa, IJepaConfig, JepaLoss, JepaMasks, JepaOutput, JepaPredictor, MaskConfig};
 
 use crate::error::Result;
 use crate::tensor::{Tensor, TensorId};

@@ -3,13 +3,20 @@
 //! an optional class token, run through full-attention [`TransformerBlock`]s and a final norm,
 //! then pooled (class token or mean of patch tokens) and optionally classified by `head`.
 //!
+//! Video: with `frames > 1` the input is a clip `[B, C, T, H, W]`, cut into `tubelet × p × p`
+//! tubes ([`patchify_3d`]): the tokens form a `[T/tubelet, H/p, W/p]` grid, flattened time-major
+//! (slot by slot, each slot row by row), the V-JEPA layout. Everything after the embedding is the
+//! same code for images and clips; an image is the `frames = 1` case (`tubelet = 1`) and keeps
+//! every parameter shape and initial value it always had.
+//!
 //! The token-level steps are public ([`Vit::embed_patches`], [`Vit::select_tokens`],
 //! [`Vit::encode_tokens`]) so a JEPA trainer can encode a subset of patches (context encoder) or
 //! feed its own tokens.
 //!
 //! Parameter names, in visit order (timm's names): `cls_token` `[1, 1, C]` (if any),
 //! `pos_embed` `[1, N(+1), C]`, `patch_embed.proj.{weight,bias}` (`[C, in_ch·p·p]`: the
-//! flattened `[C, in_ch, p, p]` Conv2d weight of timm, same element order), `blocks.{i}.*` as in
+//! flattened `[C, in_ch, p, p]` Conv2d weight of timm, same element order; `[C, in_ch·t·p·p]`, a
+//! flattened Conv3d weight, for tubelets of `t` frames), `blocks.{i}.*` as in
 //! [`TransformerBlock`], `norm.{weight,bias}`, `head.{weight,bias}` (if `n_classes`).
 
 use super::{join_name, BlockConfig, Dropout, LayerNorm, Linear, Module, TransformerBlock};
@@ -60,6 +67,10 @@ pub struct VitConfig {
     pub init_std: f64,
     /// Parameter dtype.
     pub dtype: DType,
+    /// Frames per clip; 1 for images (the input is then `[B, C, H, W]`).
+    pub frames: usize,
+    /// Frames per tubelet (divides `frames`; 1 for images).
+    pub tubelet: usize,
     /// The feed-forward GELU. The default stays the tanh approximation this encoder (and the
     /// I-JEPA runs built on it) has always used; `GeluApprox::None` is timm's and PyTorch's
     /// exact `nn.GELU()`.
@@ -84,17 +95,21 @@ impl Default for VitConfig {
             layer_norm_eps: 1e-6,
             init_std: 0.02,
             dtype: DType::F32,
+            frames: 1,
+            tubelet: 1,
             gelu: GeluApprox::Tanh,
         }
     }
 }
 
-/// A Linear over flattened patches: `[B, C_in, H, W] -> [B, N, C]`.
+/// A Linear over flattened patches: `[B, C_in, H, W] -> [B, N, C]`, or over flattened tubelets:
+/// `[B, C_in, T, H, W] -> [B, N, C]`.
 #[derive(Clone, Debug)]
 pub struct PatchEmbed {
-    /// `[C, C_in·p·p]`.
+    /// `[C, C_in·t·p·p]` (`t` = 1 for images).
     pub proj: Linear,
     patch_size: usize,
+    tubelet: usize,
 }
 
 /// A Vision Transformer encoder with an optional classification head.
@@ -123,20 +138,50 @@ pub struct Vit {
 pub fn patchify(images: &Tensor, patch_size: usize) -> Result<Tensor> {
     let p = patch_size;
     if images.rank() != 4 || p == 0 || images.shape()[2] % p != 0 || images.shape()[3] % p != 0 {
-        return Err(Error::BadShape { op: "patchify", shape: images.shape().to_vec(), reason: format!("expected [B, C, H, W] with H and W multiples of patch size {p}") });
+        return Err(Error::BadShape {
+            op: "patchify",
+            shape: images.shape().to_vec(),
+            reason: format!("expected [B, C, H, W] with H and W multiples of patch size {p}"),
+        });
     }
     let (b, c, h, w) = (images.shape()[0], images.shape()[1], images.shape()[2], images.shape()[3]);
     let (gh, gw) = (h / p, w / p);
     images.reshape(&[b, c, gh, p, gw, p])?.permute(&[0, 2, 4, 1, 3, 5])?.reshape(&[b, gh * gw, c * p * p])
 }
 
+/// Cuts `clips [B, C, T, H, W]` into non-overlapping `t×p×p` tubelets:
+/// `[B, (T/t)·(H/p)·(W/p), C·t·p·p]`, tubelets in time-major grid order (slot, row, column), each
+/// flattened in `(c, dt, i, j)` order (as a Conv3d with kernel and stride `(t, p, p)` sees them).
+/// Differentiable.
+#[allow(clippy::manual_is_multiple_of, reason = "is_multiple_of needs Rust 1.87; the workspace says 1.85")]
+pub fn patchify_3d(clips: &Tensor, tubelet: usize, patch_size: usize) -> Result<Tensor> {
+    let (t, p) = (tubelet, patch_size);
+    let s = clips.shape();
+    if clips.rank() != 5 || p == 0 || t == 0 || s[2] % t != 0 || s[3] % p != 0 || s[4] % p != 0 {
+        return Err(Error::BadShape {
+            op: "patchify_3d",
+            shape: s.to_vec(),
+            reason: format!("expected [B, C, T, H, W] with T a multiple of tubelet {t} and H, W multiples of patch size {p}"),
+        });
+    }
+    let (b, c, f, h, w) = (s[0], s[1], s[2], s[3], s[4]);
+    let (gt, gh, gw) = (f / t, h / p, w / p);
+    clips.reshape(&[b, c, gt, t, gh, p, gw, p])?.permute(&[0, 2, 4, 6, 1, 3, 5, 7])?.reshape(&[b, gt * gh * gw, c * t * p * p])
+}
+
 impl PatchEmbed {
     /// A patch embedding with weight ~ N(0, std²) and zero bias.
     pub fn new(in_channels: usize, patch_size: usize, d_model: usize, std: f64, dtype: DType, rng: &mut Generator) -> Result<PatchEmbed> {
-        if patch_size == 0 {
-            return Err(Error::InvalidArgument { op: "PatchEmbed", reason: "patch size must be positive".into() });
+        PatchEmbed::tubelets(in_channels, 1, patch_size, d_model, std, dtype, rng)
+    }
+
+    /// A tubelet embedding of `tubelet` frames (1: the image patch embedding of [`PatchEmbed::new`],
+    /// same draws), weight ~ N(0, std²), zero bias.
+    pub fn tubelets(in_channels: usize, tubelet: usize, patch_size: usize, d_model: usize, std: f64, dtype: DType, rng: &mut Generator) -> Result<PatchEmbed> {
+        if patch_size == 0 || tubelet == 0 {
+            return Err(Error::InvalidArgument { op: "PatchEmbed", reason: "patch size and tubelet must be positive".into() });
         }
-        Ok(PatchEmbed { proj: Linear::normal(in_channels * patch_size * patch_size, d_model, true, std, dtype, rng)?, patch_size })
+        Ok(PatchEmbed { proj: Linear::normal(in_channels * tubelet * patch_size * patch_size, d_model, true, std, dtype, rng)?, patch_size, tubelet })
     }
 
     /// Patch side.
@@ -144,9 +189,24 @@ impl PatchEmbed {
         self.patch_size
     }
 
-    /// `[B, C_in, H, W] -> [B, N, C]`.
-    pub fn forward(&self, images: &Tensor) -> Result<Tensor> {
-        self.proj.forward(&patchify(images, self.patch_size)?)
+    /// Frames per tubelet (1 for images).
+    pub fn tubelet(&self) -> usize {
+        self.tubelet
+    }
+
+    /// `[B, C_in, H, W] -> [B, N, C]` (images), or `[B, C_in, T, H, W] -> [B, N, C]` (clips).
+    pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        if input.rank() == 5 {
+            return self.proj.forward(&patchify_3d(input, self.tubelet, self.patch_size)?);
+        }
+        if self.tubelet != 1 {
+            return Err(Error::BadShape {
+                op: "PatchEmbed",
+                shape: input.shape().to_vec(),
+                reason: format!("a tubelet embedding of {} frames takes [B, C, T, H, W]", self.tubelet),
+            });
+        }
+        self.proj.forward(&patchify(input, self.patch_size)?)
     }
 }
 
@@ -172,14 +232,17 @@ impl Vit {
         if c.n_layers == 0 || c.mlp_ratio == 0 || c.in_channels == 0 {
             return Err(Error::InvalidArgument { op: "Vit", reason: "n_layers, mlp_ratio and in_channels must be positive".into() });
         }
+        if c.frames == 0 || c.frames.checked_rem(c.tubelet) != Some(0) {
+            return Err(Error::InvalidArgument { op: "Vit", reason: format!("{} frames do not split into tubelets of {}", c.frames, c.tubelet) });
+        }
         if c.pooling == Pooling::Cls && !c.cls_token {
             return Err(Error::InvalidArgument { op: "Vit", reason: "class-token pooling needs cls_token = true".into() });
         }
-        let n_patches = (h / c.patch_size) * (w / c.patch_size);
+        let n_patches = (c.frames / c.tubelet) * (h / c.patch_size) * (w / c.patch_size);
         let n_tokens = n_patches + usize::from(c.cls_token);
         let cls_token = if c.cls_token { Some(super::param(Tensor::randn(&[1, 1, c.d_model], 0.0, c.init_std, c.dtype, rng)?)) } else { None };
         let pos_embed = super::param(Tensor::randn(&[1, n_tokens, c.d_model], 0.0, c.init_std, c.dtype, rng)?);
-        let patch_embed = PatchEmbed::new(c.in_channels, c.patch_size, c.d_model, c.init_std, c.dtype, rng)?;
+        let patch_embed = PatchEmbed::tubelets(c.in_channels, c.tubelet, c.patch_size, c.d_model, c.init_std, c.dtype, rng)?;
         let block = BlockConfig {
             d_model: c.d_model,
             n_heads: c.n_heads,
@@ -216,18 +279,27 @@ impl Vit {
         &self.config
     }
 
-    /// Number of patches per image.
+    /// Number of patches (tokens, without the class token) per image or clip.
     pub fn n_patches(&self) -> usize {
-        let [h, w] = self.config.image_size;
-        (h / self.config.patch_size) * (w / self.config.patch_size)
+        self.token_grid().iter().product()
     }
 
-    /// Patch tokens with their position embeddings: `[B, C_in, H, W] -> [B, N, C]` (no class
-    /// token).
+    /// The token grid `[time slots, rows, columns]` (`[1, H/p, W/p]` for images).
+    pub fn token_grid(&self) -> [usize; 3] {
+        let c = &self.config;
+        [c.frames / c.tubelet, c.image_size[0] / c.patch_size, c.image_size[1] / c.patch_size]
+    }
+
+    /// Patch tokens with their position embeddings: `[B, C_in, H, W] -> [B, N, C]` (images) or
+    /// `[B, C_in, T, H, W] -> [B, N, C]` (clips, `frames > 1`); no class token.
     pub fn embed_patches(&self, images: &Tensor) -> Result<Tensor> {
         let [h, w] = self.config.image_size;
-        if images.rank() != 4 || images.shape()[1..] != [self.config.in_channels, h, w] {
-            return Err(Error::BadShape { op: "Vit", shape: images.shape().to_vec(), reason: format!("expected [B, {}, {h}, {w}]", self.config.in_channels) });
+        let (ch, frames) = (self.config.in_channels, self.config.frames);
+        let ok =
+            if frames == 1 { images.rank() == 4 && images.shape()[1..] == [ch, h, w] } else { images.rank() == 5 && images.shape()[1..] == [ch, frames, h, w] };
+        if !ok {
+            let expected = if frames == 1 { format!("[B, {ch}, {h}, {w}]") } else { format!("[B, {ch}, {frames}, {h}, {w}]") };
+            return Err(Error::BadShape { op: "Vit", shape: images.shape().to_vec(), reason: format!("expected {expected}") });
         }
         let x = self.patch_embed.forward(images)?;
         let first = usize::from(self.cls_token.is_some());
@@ -310,7 +382,11 @@ impl Vit {
     pub fn pool(&self, features: &Tensor) -> Result<Tensor> {
         let first = usize::from(self.cls_token.is_some());
         if features.rank() != 3 || features.shape()[1] <= first {
-            return Err(Error::BadShape { op: "Vit::pool", shape: features.shape().to_vec(), reason: "expected [B, tokens, C] with at least one patch token".into() });
+            return Err(Error::BadShape {
+                op: "Vit::pool",
+                shape: features.shape().to_vec(),
+                reason: "expected [B, tokens, C] with at least one patch token".into(),
+            });
         }
         match self.config.pooling {
             Pooling::Cls => features.narrow(1, 0, 1)?.squeeze(1),

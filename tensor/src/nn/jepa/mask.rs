@@ -13,6 +13,8 @@
 //!
 //! Every draw comes from the [`Generator`] handed in, in a fixed order, so a seed fixes the masks.
 //! [`JepaMasks::rows`] cuts out a contiguous range of images (a data-parallel rank's part).
+//! [`JepaMasks::tubes`] turns the masks of a spatial grid into V-JEPA's tube masks of a clip's
+//! `[t, h, w]` token grid: the same blocks in every time slot.
 
 use crate::error::{Error, Result};
 use crate::rng::Generator;
@@ -204,6 +206,37 @@ impl JepaMasks {
         Ok(JepaMasks { batch, n_context, n_targets, n_target_tokens: bh * bw, context, targets, target_block: block })
     }
 
+    /// The tube masks of clips whose token grid is `slots` time slots of this mask's spatial grid
+    /// of `tokens_per_slot` (= h·w) tokens, time-major: every spatial index `s` becomes
+    /// `t·tokens_per_slot + s` for each slot `t`, so a target block is hidden (and the context
+    /// kept) through the whole clip. Indices stay ascending; token counts grow `slots`-fold.
+    pub fn tubes(&self, tokens_per_slot: usize, slots: usize) -> Result<JepaMasks> {
+        let too_big = self.context.iter().chain(&self.targets).any(|&i| i as usize >= tokens_per_slot);
+        if slots == 0 || too_big || u32::try_from(tokens_per_slot * slots).is_err() {
+            return Err(Error::InvalidArgument {
+                op: "JepaMasks::tubes",
+                reason: format!("{slots} slots of {tokens_per_slot} tokens do not hold these masks"),
+            });
+        }
+        let expand = |ids: &[u32], out: &mut Vec<u32>| {
+            for t in 0..slots {
+                out.extend(ids.iter().map(|&i| (t * tokens_per_slot) as u32 + i));
+            }
+        };
+        let (kc, kt) = (self.n_context, self.n_target_tokens);
+        let mut context = Vec::with_capacity(self.context.len() * slots);
+        for row in self.context.chunks(kc.max(1)) {
+            expand(row, &mut context);
+        }
+        let mut targets = Vec::with_capacity(self.targets.len() * slots);
+        for block in self.targets.chunks(kt.max(1)) {
+            expand(block, &mut targets);
+        }
+        debug_assert_eq!(context.len(), self.batch * kc * slots);
+        debug_assert_eq!(targets.len(), self.n_targets * self.batch * kt * slots);
+        Ok(JepaMasks { n_context: kc * slots, n_target_tokens: kt * slots, context, targets, ..self.clone() })
+    }
+
     /// `[B, Kc]` u32 context indices.
     pub fn context_tensor(&self) -> Result<Tensor> {
         Tensor::from_vec(self.context.clone(), &[self.batch, self.n_context])
@@ -301,6 +334,28 @@ mod tests {
             assert_eq!(part.targets[m * 3 * kt..(m + 1) * 3 * kt], all.targets[(m * 6 + 2) * kt..(m * 6 + 5) * kt]);
         }
         assert!(all.rows(5, 2).is_err());
+    }
+
+    #[test]
+    fn tubes_repeat_the_blocks_in_every_time_slot() {
+        // Goal: a tube mask is the spatial mask in every slot (time-major, ascending), cutting rows
+        // commutes with making tubes, and masks that do not fit the slot are refused.
+        let cfg = MaskConfig { n_targets: 2, ..MaskConfig::default() };
+        let flat = cfg.sample([6, 6], 4, &mut Generator::new(5)).expect("masks");
+        let tubes = flat.tubes(36, 3).expect("tubes");
+        assert_eq!((tubes.n_context, tubes.n_target_tokens), (3 * flat.n_context, 3 * flat.n_target_tokens));
+        for img in 0..4 {
+            let ctx = &tubes.context[img * tubes.n_context..(img + 1) * tubes.n_context];
+            assert!(ctx.windows(2).all(|w| w[0] < w[1]));
+            let spatial = &flat.context[img * flat.n_context..(img + 1) * flat.n_context];
+            for t in 0..3u32 {
+                let slot: Vec<u32> = ctx.iter().filter(|&&i| i / 36 == t).map(|&i| i % 36).collect();
+                assert_eq!(slot, spatial, "image {img} slot {t}");
+            }
+        }
+        assert_eq!(tubes.rows(1, 2).expect("rows"), flat.rows(1, 2).expect("rows").tubes(36, 3).expect("tubes"));
+        assert!(flat.tubes(10, 3).is_err());
+        assert!(flat.tubes(36, 0).is_err());
     }
 
     #[test]

@@ -11,6 +11,12 @@
 //! `momentum.0` to `momentum.1` over the run). The target encoder's tensors (`target_encoder.*`)
 //! are buffers: checkpoints and elastic state sync carry them, the optimizer never sees them.
 //!
+//! V-JEPA is the same model over space-time tokens: an encoder with `frames > 1` embeds clips
+//! `[B, C, T, H, W]` as tubelets (a `[t, h, w]` token grid, time-major), the positions (the
+//! encoder's initial ones and the predictor's fixed ones) are 3-D sin-cos ([`sincos_3d`]), and the
+//! masks are tubes ([`JepaMasks::tubes`]: a multi-block mask of the spatial grid repeated in every
+//! time slot). Images are the `t = 1` case and keep their 2-D positions.
+//!
 //! The predictor runs once per target block, as I-JEPA's: the context tokens are repeated `M`
 //! times along the batch (block-major, matching [`JepaMasks::targets_tensor`]).
 
@@ -135,14 +141,49 @@ pub fn sincos_2d(grid: [usize; 2], dim: usize) -> Result<Vec<f32>> {
     Ok(out)
 }
 
+/// 3-D sin-cos positions of a `[t, h, w]` token grid (time-major, as [`JepaMasks::tubes`] and
+/// tubelet embeddings order tokens) of width `dim` (a multiple of 8), V-JEPA's layout: the
+/// column's 1-D sin-cos in `dim/4` values, then the row's in `dim/4`, then the time slot's in
+/// `dim/2`. A grid of one time slot (an image) gets the 2-D positions of [`sincos_2d`] instead,
+/// so image models are unchanged.
+#[allow(clippy::manual_is_multiple_of, reason = "is_multiple_of needs Rust 1.87; the workspace says 1.85")]
+pub fn sincos_3d(grid: [usize; 3], dim: usize) -> Result<Vec<f32>> {
+    let [gt, gh, gw] = grid;
+    if gt == 1 {
+        return sincos_2d([gh, gw], dim);
+    }
+    if dim == 0 || dim % 8 != 0 {
+        return Err(Error::InvalidArgument { op: "sincos_3d", reason: format!("embedding width {dim} of a {gt}-slot grid is not a positive multiple of 8") });
+    }
+    let one_d = |pos: usize, width: usize, out: &mut Vec<f32>| {
+        let half = width / 2;
+        let omega = |i: usize| 1.0 / 10000f64.powf(i as f64 / half as f64);
+        out.extend((0..half).map(|i| (pos as f64 * omega(i)).sin() as f32));
+        out.extend((0..half).map(|i| (pos as f64 * omega(i)).cos() as f32));
+    };
+    let mut out = Vec::with_capacity(gt * gh * gw * dim);
+    for t in 0..gt {
+        for r in 0..gh {
+            for c in 0..gw {
+                one_d(c, dim / 4, &mut out);
+                one_d(r, dim / 4, &mut out);
+                one_d(t, dim / 2, &mut out);
+            }
+        }
+    }
+    debug_assert_eq!(out.len(), gt * gh * gw * dim);
+    Ok(out)
+}
+
 impl JepaPredictor {
-    /// A predictor for `grid` patches of an encoder of width `encoder_width`.
+    /// A predictor for a `grid` of `[t, h, w]` tokens (`t = 1` for images) of an encoder of width
+    /// `encoder_width`.
     pub fn new(
         encoder_width: usize,
         width: usize,
         depth: usize,
         heads: usize,
-        grid: [usize; 2],
+        grid: [usize; 3],
         encoder: &VitConfig,
         rng: &mut Generator,
     ) -> Result<JepaPredictor> {
@@ -169,7 +210,7 @@ impl JepaPredictor {
         let blocks = (0..depth).map(|_| TransformerBlock::new(&block, rng)).collect::<Result<Vec<_>>>()?;
         let norm = LayerNorm::new(width, true, encoder.layer_norm_eps, dtype)?;
         let proj = Linear::normal(width, encoder_width, true, std, dtype, rng)?;
-        let pos = Tensor::from_vec(sincos_2d(grid, width)?, &[grid[0] * grid[1], width])?.to_dtype(dtype)?;
+        let pos = Tensor::from_vec(sincos_3d(grid, width)?, &[grid.iter().product(), width])?.to_dtype(dtype)?;
         Ok(JepaPredictor { mask_token, embed, blocks, norm, proj, pos, pos_cache: Arc::default() })
     }
 
@@ -245,10 +286,9 @@ impl IJepa {
             return Err(Error::InvalidArgument { op: "IJepa", reason: format!("EMA momentum range {:?} must lie in [0, 1]", config.momentum) });
         }
         let encoder = Vit::new(enc_cfg, rng)?;
-        let p = enc_cfg.patch_size;
-        let grid = [enc_cfg.image_size[0] / p, enc_cfg.image_size[1] / p];
+        let grid = encoder.token_grid();
         if config.sincos_pos_init {
-            let values = sincos_2d(grid, enc_cfg.d_model)?;
+            let values = sincos_3d(grid, enc_cfg.d_model)?;
             encoder.pos_embed.copy_from_(&Tensor::from_vec(values, encoder.pos_embed.shape())?.to_dtype(enc_cfg.dtype)?)?;
         }
         let predictor = JepaPredictor::new(enc_cfg.d_model, config.predictor_width, config.predictor_depth, config.predictor_heads, grid, &enc_cfg, rng)?;
@@ -267,10 +307,15 @@ impl IJepa {
         &self.config
     }
 
-    /// The patch grid `[h, w]`.
+    /// The spatial patch grid `[h, w]` (the masks' grid).
     pub fn grid(&self) -> [usize; 2] {
         let c = &self.config.encoder;
         [c.image_size[0] / c.patch_size, c.image_size[1] / c.patch_size]
+    }
+
+    /// The token grid `[t, h, w]` (`t` = 1 for images).
+    pub fn token_grid(&self) -> [usize; 3] {
+        self.encoder.token_grid()
     }
 
     /// The EMA momentum after step `step` (0-based) of `total_steps`: linear from `momentum.0`
@@ -315,13 +360,14 @@ impl IJepa {
         Ok(())
     }
 
-    /// The latent loss of a batch `images [B, C, H, W]` under `masks`, and the collapse monitor.
+    /// The latent loss of a batch `images [B, C, H, W]` (clips `[B, C, T, H, W]` for a video
+    /// encoder, with tube masks) under `masks`, and the collapse monitor.
     pub fn loss(&self, images: &Tensor, masks: &JepaMasks, rng: &mut Generator) -> Result<JepaOutput> {
-        if images.rank() != 4 || images.shape()[0] != masks.batch {
+        if !(images.rank() == 4 || images.rank() == 5) || images.shape()[0] != masks.batch {
             return Err(Error::BadShape {
                 op: "IJepa::loss",
                 shape: images.shape().to_vec(),
-                reason: format!("expected [{}, C, H, W] (the masks' batch)", masks.batch),
+                reason: format!("expected [{}, C, (T,) H, W] (the masks' batch)", masks.batch),
             });
         }
         let context = masks.context_tensor()?;

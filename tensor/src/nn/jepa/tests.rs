@@ -1,5 +1,6 @@
 //! Tests of the I-JEPA model: buffers, the EMA update, a finite-difference gradient check, and
-//! checkpoints that carry the target encoder.
+//! checkpoints that carry the target encoder; and of its V-JEPA form (tubelets, 3-D positions,
+//! tube masks): the tubelet embedding's layout and gradients, and the video loss's gradients.
 
 use super::*;
 use crate::checkpoint::{self, CheckpointMeta};
@@ -83,18 +84,40 @@ fn ema_update_is_exact() {
 #[test]
 fn jepa_loss_gradcheck() {
     for loss in [JepaLoss::L2, JepaLoss::SmoothL1] {
-        let model = IJepa::new(tiny(DType::F64, loss), &mut Generator::new(4)).expect("model");
+        gradcheck(tiny(DType::F64, loss), &images(3, DType::F64, 6), &masks(3, 7));
+    }
+}
+
+/// A V-JEPA config: 8x8 clips of 4 frames, tubelets of 2 frames x 2x2 pixels (a [2, 4, 4] grid).
+fn tiny_video(dtype: DType, loss: JepaLoss) -> IJepaConfig {
+    let mut cfg = tiny(dtype, loss);
+    cfg.encoder.frames = 4;
+    cfg.encoder.tubelet = 2;
+    cfg
+}
+
+/// The same gradient check for the video model: tubelet embedding, 3-D positions, tube masks.
+#[test]
+fn vjepa_loss_gradcheck() {
+    for loss in [JepaLoss::L2, JepaLoss::SmoothL1] {
+        let clips = Tensor::randn(&[3, 1, 4, 8, 8], 0.0, 1.0, DType::F64, &mut Generator::new(16)).expect("clips");
+        gradcheck(tiny_video(DType::F64, loss), &clips, &masks(3, 17).tubes(16, 2).expect("tubes"));
+    }
+}
+
+fn gradcheck(config: IJepaConfig, x: &Tensor, mk: &JepaMasks) {
+    let loss = config.loss;
+    {
+        let model = IJepa::new(config, &mut Generator::new(4)).expect("model");
         // Make the target differ from the encoder, as after some training.
         model.ema_update(0.0).expect("ema");
         let mut rng = Generator::new(5);
         for (_, p) in model.encoder.named_parameters() {
             p.update_(|_| {}, |d| d.iter_mut().for_each(|v| *v += 0.3 * rng.normal())).expect("perturb");
         }
-        let x = images(3, DType::F64, 6);
-        let mk = masks(3, 7);
-        let eval = |m: &IJepa| -> f64 { m.loss(&x, &mk, &mut Generator::new(0)).expect("loss").loss.item().expect("item") };
+        let eval = |m: &IJepa| -> f64 { m.loss(x, mk, &mut Generator::new(0)).expect("loss").loss.item().expect("item") };
         model.zero_grad().expect("zero");
-        let out = model.loss(&x, &mk, &mut Generator::new(0)).expect("loss");
+        let out = model.loss(x, mk, &mut Generator::new(0)).expect("loss");
         out.loss.backward().expect("backward");
         assert!(model.named_buffers().iter().all(|(_, t)| t.grad().is_none()), "a target tensor got a gradient");
         let eps = 1e-5;
@@ -188,4 +211,90 @@ fn fixed_block_masks_have_the_asked_shapes() {
     assert!(JepaMasks::fixed_blocks(2, [7, 7], 10, 1, (8, 2), &mut Generator::new(seed)).is_err(), "a block taller than the grid");
     let again = JepaMasks::fixed_blocks(3, [7, 7], 20, 2, (2, 2), &mut Generator::new(seed)).expect("masks");
     assert_eq!(again, m, "the same seed gives the same masks");
+}
+
+#[test]
+fn tubelets_are_cut_time_major_like_a_conv3d() {
+    // Goal: patchify_3d puts input element (b, c, f, y, x) at token (f/t, y/p, x/p) in time-major
+    // order and feature (c, f%t, y%p, x%p), as a Conv3d of kernel and stride (t, p, p) reads it.
+    let (b, c, f, h, w, t, p) = (2, 2, 4, 6, 4, 2, 2);
+    let n = b * c * f * h * w;
+    let x = Tensor::from_vec((0..n).map(|i| i as f32).collect::<Vec<_>>(), &[b, c, f, h, w]).expect("x");
+    let tokens = crate::nn::patchify_3d(&x, t, p).expect("patchify");
+    let (gt, gh, gw) = (f / t, h / p, w / p);
+    assert_eq!(tokens.shape(), &[b, gt * gh * gw, c * t * p * p]);
+    let v = tokens.to_f32_vec().expect("values");
+    for bi in 0..b {
+        for ci in 0..c {
+            for fi in 0..f {
+                for yi in 0..h {
+                    for xi in 0..w {
+                        let src = (((bi * c + ci) * f + fi) * h + yi) * w + xi;
+                        let token = ((fi / t) * gh + yi / p) * gw + xi / p;
+                        let feature = ((ci * t + fi % t) * p + yi % p) * p + xi % p;
+                        assert_eq!(v[(bi * gt * gh * gw + token) * c * t * p * p + feature], src as f32);
+                    }
+                }
+            }
+        }
+    }
+    assert!(crate::nn::patchify_3d(&x, 3, p).is_err());
+    assert!(crate::nn::patchify_3d(&x.reshape(&[b * c, f, h, w]).expect("4-d"), t, p).is_err());
+}
+
+/// Central differences against autograd for the tubelet embedding alone (weight, bias, input),
+/// in f64, under a fixed random weighting of its outputs.
+#[test]
+fn tubelet_embedding_gradcheck() {
+    let mut rng = Generator::new(18);
+    let embed = crate::nn::PatchEmbed::tubelets(2, 2, 2, 5, 0.5, DType::F64, &mut rng).expect("embed");
+    let x = Tensor::randn(&[2, 2, 4, 4, 4], 0.0, 1.0, DType::F64, &mut rng).expect("x").requires_grad(true);
+    let weights = Tensor::randn(&[2, 8, 5], 0.0, 1.0, DType::F64, &mut rng).expect("weights");
+    let eval = || -> f64 { embed.forward(&x).expect("forward").mul(&weights).expect("mul").sum_all().expect("sum").item().expect("item") };
+    let out = embed.forward(&x).expect("forward").mul(&weights).expect("mul").sum_all().expect("sum");
+    out.backward().expect("backward");
+    let mut tensors = embed.named_parameters();
+    tensors.push(("input".into(), x.clone()));
+    for (name, p) in tensors {
+        let grad = p.grad().unwrap_or_else(|| panic!("{name} has no gradient")).to_f64_vec().expect("grad");
+        let n = p.numel();
+        for i in [0, 1, n / 3, n / 2, n - 1] {
+            let eps = 1e-6;
+            let bump = |delta: f64| p.update_(|_| {}, |d| d[i] += delta).expect("bump");
+            bump(eps);
+            let up = eval();
+            bump(-2.0 * eps);
+            let down = eval();
+            bump(eps);
+            let numeric = (up - down) / (2.0 * eps);
+            assert!((numeric - grad[i]).abs() < 1e-6 * numeric.abs().max(1.0), "{name}[{i}]: autograd {} vs numeric {numeric}", grad[i]);
+        }
+    }
+}
+
+#[test]
+fn vjepa_loss_is_deterministic_and_positions_are_3d() {
+    // Goal: the video model's loss is a pure function of (model, clips, masks); its encoder
+    // starts at the 3-D sin-cos positions, its predictor's are the same layout; image-shaped
+    // input and 2-D masks are refused; a width that is not a multiple of 8 is refused.
+    let model = IJepa::new(tiny_video(DType::F32, JepaLoss::L2), &mut Generator::new(19)).expect("model");
+    assert_eq!(model.token_grid(), [2, 4, 4]);
+    let expected = sincos_3d([2, 4, 4], 8).expect("positions");
+    assert_eq!(model.encoder.pos_embed.to_f32_vec().expect("pos"), expected);
+    // Slot 0 and slot 1 of the same spatial token share the spatial half and differ in time.
+    assert_eq!(expected[..4], expected[16 * 8..16 * 8 + 4]);
+    assert_ne!(expected[4..8], expected[16 * 8 + 4..16 * 8 + 8]);
+    assert_eq!(sincos_3d([1, 4, 4], 8).expect("2-d"), sincos_2d([4, 4], 8).expect("2-d"));
+    assert!(sincos_3d([2, 2, 2], 12).is_err());
+    let clips = Tensor::randn(&[4, 1, 4, 8, 8], 0.0, 1.0, DType::F32, &mut Generator::new(20)).expect("clips");
+    let mk = masks(4, 21).tubes(16, 2).expect("tubes");
+    let a = model.loss(&clips, &mk, &mut Generator::new(0)).expect("loss");
+    let b = model.loss(&clips, &mk, &mut Generator::new(0)).expect("loss");
+    assert_eq!(a.loss.item().expect("item").to_bits(), b.loss.item().expect("item").to_bits());
+    assert!(a.loss.item().expect("item") > 0.0 && a.feature_std > 0.0);
+    assert!(model.loss(&images(4, DType::F32, 9), &masks(4, 21), &mut Generator::new(0)).is_err());
+    assert_eq!(model.features(&clips, &mut Generator::new(0)).expect("features").shape(), &[4, 8]);
+    let mut narrow = tiny_video(DType::F32, JepaLoss::L2);
+    narrow.predictor_width = 12;
+    assert!(IJepa::new(narrow, &mut Generator::new(0)).is_err());
 }
