@@ -506,11 +506,7 @@ impl Tensor {
         if let Some(device) = crate::backend::of(&[self]) {
             return device.contiguous(self);
         }
-        let host = Storage::new(self.to_data()?);
-        let storage = match self.device() {
-            Device::Cpu => host,
-            device => return Err(Error::UnsupportedDevice { op: "contiguous", device }),
-        };
+        let storage = Storage::new(self.to_data()?);
         let t = Tensor::with_node(storage, Layout::contiguous(self.shape()), self.dtype(), "contiguous", &[self], |g: &Tensor, _: &Tensor| Ok(vec![Some(g.clone())]));
         Ok(t)
     }

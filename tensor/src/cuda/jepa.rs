@@ -4,7 +4,6 @@
 //! the EMA of a target encoder in one launch ([`ema_update`]). The loss is an f32 scalar on the
 //! device whatever the inputs' dtype; its backward reads the incoming gradient on the device.
 
-use half::bf16;
 use rtx_kernels::cuda::{EmaPair, LatentLoss};
 use rtx_kernels::DType;
 
@@ -13,16 +12,6 @@ use super::{dense, device, device_of, tensor_from, DeviceData, GpuFloat};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// Runs `$f::<T>(args)` for the float dtype `$dtype` (f32 or bf16).
-macro_rules! dispatch {
-    ($op:expr, $dtype:expr, $f:ident($($arg:expr),*)) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            other => Err(Error::UnsupportedDType { op: $op, dtype: other }),
-        }
-    };
-}
 
 /// A dense (offset 0, contiguous, whole storage) form of `x`, copying only a view.
 fn densified(x: &Tensor) -> Result<Tensor> {

@@ -17,6 +17,18 @@
 //! bf16 parameters, activations and gradients, f32 accumulation inside every kernel, and f32
 //! master weights and moments in [`MixedAdamW`].
 
+/// Runs `$f::<T>(args)` for the float dtype `$dtype` (f32 or bf16); defined before the modules
+/// that use it (`ops`, `jepa`).
+macro_rules! dispatch {
+    ($op:expr, $dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            rtx_kernels::DType::F32 => $f::<f32>($($arg),*),
+            rtx_kernels::DType::BF16 => $f::<half::bf16>($($arg),*),
+            other => Err($crate::error::Error::UnsupportedDType { op: $op, dtype: other }),
+        }
+    };
+}
+
 pub(crate) mod ops;
 mod optim;
 pub(crate) mod packed;

@@ -19,16 +19,6 @@ use crate::ops::checksum::{self, CHECKSUM_CHUNK};
 use crate::ops::softmax::{CrossEntropyOptions, Reduction};
 use crate::tensor::Tensor;
 
-/// Runs `$f::<T>(args)` for the float dtype `$dtype` (f32 or bf16).
-macro_rules! dispatch {
-    ($op:expr, $dtype:expr, $f:ident($($arg:expr),*)) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            other => Err(Error::UnsupportedDType { op: $op, dtype: other }),
-        }
-    };
-}
 
 fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
     if a.device() != b.device() {
