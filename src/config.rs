@@ -370,6 +370,32 @@ pub enum ModelConfig {
         #[serde(skip_serializing_if = "Option::is_none")]
         video: Option<VideoConfig>,
     },
+    /// A ViT classifier trained supervised end to end (`model.kind = "vit"`): the I-JEPA
+    /// encoder's shape (same keys) with mean pooling and a linear head, the twin that says how
+    /// far the self-supervised features are from supervised ones.
+    Vit {
+        /// Patch side (divides the image sides).
+        patch_size: usize,
+        /// Encoder width (a multiple of 4: the position embedding starts at 2-D sin-cos).
+        d_model: usize,
+        /// Encoder blocks.
+        n_layers: usize,
+        /// Encoder heads (divides `d_model`).
+        n_heads: usize,
+    },
+}
+
+impl ModelConfig {
+    /// The `model.kind` this configuration was read from.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            ModelConfig::Mlp { .. } => "mlp",
+            ModelConfig::Gpt { .. } => "gpt",
+            ModelConfig::IJepa { video: None, .. } => "ijepa",
+            ModelConfig::IJepa { video: Some(_), .. } => "vjepa",
+            ModelConfig::Vit { .. } => "vit",
+        }
+    }
 }
 
 /// `[video]`: the clips and tubelets of `model.kind = "vjepa"` (moving dataset items, see
@@ -753,6 +779,7 @@ enum RawModelKind {
     Gpt,
     Ijepa,
     Vjepa,
+    Vit,
 }
 
 #[derive(Deserialize)]
@@ -854,7 +881,7 @@ impl TrainConfig {
             ModelConfig::Gpt { n_layers, d_model, n_heads, context, .. } => {
                 Some(ModelLayout { layers: n_layers, d_model, heads: n_heads, vocab: self.data.tokenizer.padded_vocab(), context, mlp_hidden: GPT_MLP_RATIO * d_model, tied: true })
             }
-            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => None,
+            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } | ModelConfig::Vit { .. } => None,
         }
     }
 
@@ -936,8 +963,8 @@ impl Validator<'_> {
         self.unit_open("data.val_fraction", data.val_fraction, false)?;
         self.nonzero("data.batch_size", data.batch_size)?;
         match (&model, data.dataset) {
-            (ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. }, Dataset::Sotu) => {
-                return Err(self.invalid("data.dataset", "\"sotu\"", "model.kind = \"mlp\" trains on images: use \"fashion-mnist\" or \"digits\" (or model.kind = \"gpt\" for text)"));
+            (ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } | ModelConfig::Vit { .. }, Dataset::Sotu) => {
+                return Err(self.invalid("data.dataset", "\"sotu\"", format!("model.kind = \"{}\" trains on images: use \"fashion-mnist\" or \"digits\" (or model.kind = \"gpt\" for text)", model.kind_name())));
             }
             (ModelConfig::Gpt { .. }, d) if d.is_image() => {
                 return Err(self.invalid("data.dataset", format!("\"{}\"", d.name()), "model.kind = \"gpt\" trains on text: use \"sotu\" (or model.kind = \"mlp\" for images)"));
@@ -1047,7 +1074,7 @@ impl Validator<'_> {
                 }
             }
             DeviceKind::Cuda => match model {
-                ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => return Err(self.invalid("train.device", "\"cuda\"", "the GPU path trains model.kind = \"gpt\" (its kernels cover GPT training); use train.device = \"cpu\" for an MLP or I-JEPA")),
+                ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } | ModelConfig::Vit { .. } => return Err(self.invalid("train.device", "\"cuda\"", "the GPU path trains model.kind = \"gpt\" (its kernels cover GPT training); use train.device = \"cpu\" for an MLP or I-JEPA")),
                 ModelConfig::Gpt { dropout, d_model, n_heads, .. } => {
                     let head_dim = d_model / n_heads;
                     if head_dim != 64 && head_dim != 128 {
@@ -1098,8 +1125,12 @@ impl Validator<'_> {
                 self.unit_open("model.dropout", dropout, true)?;
                 Ok(ModelConfig::Gpt { n_layers, d_model, n_heads, context, dropout, gelu: m.gelu.unwrap_or_default() })
             }
-            RawModelKind::Ijepa | RawModelKind::Vjepa => {
-                let kind = if m.kind == RawModelKind::Vjepa { "vjepa" } else { "ijepa" };
+            RawModelKind::Ijepa | RawModelKind::Vjepa | RawModelKind::Vit => {
+                let kind = match m.kind {
+                    RawModelKind::Vjepa => "vjepa",
+                    RawModelKind::Vit => "vit",
+                    _ => "ijepa",
+                };
                 self.not_for("model.hidden", m.hidden.is_some(), "model.kind", kind, "mlp")?;
                 self.not_for("model.activation", m.activation.is_some(), "model.kind", kind, "mlp")?;
                 self.not_for("model.context", m.context.is_some(), "model.kind", kind, "gpt")?;
@@ -1118,6 +1149,9 @@ impl Validator<'_> {
                 if d_model % n_heads != 0 {
                     return Err(self.invalid("model.n_heads", n_heads, format!("must divide model.d_model ({d_model})")));
                 }
+                if m.kind == RawModelKind::Vit {
+                    return Ok(ModelConfig::Vit { patch_size, d_model, n_layers, n_heads });
+                }
                 Ok(ModelConfig::IJepa { patch_size, d_model, n_layers, n_heads, video: None })
             }
         }
@@ -1128,6 +1162,12 @@ impl Validator<'_> {
         let ModelConfig::IJepa { patch_size, d_model, video, .. } = model else {
             if raw.is_some() {
                 return Err(self.invalid("jepa", "(section)", "only allowed with model.kind = \"ijepa\" or \"vjepa\""));
+            }
+            if let ModelConfig::Vit { patch_size, .. } = model {
+                let side = if data.dataset == Dataset::FashionMnist { 28 } else { 8 };
+                if side % patch_size != 0 {
+                    return Err(self.invalid("model.patch_size", patch_size, format!("must divide the image side ({side} for {})", data.dataset.name())));
+                }
             }
             return Ok(None);
         };

@@ -86,7 +86,7 @@ impl ElasticJob {
         let placement = resolve_device(&config, local_rank).map_err(|e| e.to_string())?;
         let context = match &config.model {
             ModelConfig::Gpt { context, .. } => Some(*context),
-            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => None,
+            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } | ModelConfig::Vit { .. } => None,
         };
         let data = TaskData::load(&config, data_root, context).map_err(|e| e.to_string())?;
         let schedule = build_schedule(&config.optim, &config.schedule);
@@ -128,7 +128,7 @@ impl ElasticJob {
     pub(crate) fn unit(config: &TrainConfig) -> (&'static str, u64) {
         match &config.model {
             ModelConfig::Gpt { context, .. } => ("tokens", (config.data.batch_size * context) as u64),
-            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => ("samples", config.data.batch_size as u64),
+            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } | ModelConfig::Vit { .. } => ("samples", config.data.batch_size as u64),
         }
     }
 

@@ -270,7 +270,7 @@ impl Trainer {
 
         let context = match &config.model {
             ModelConfig::Gpt { context, .. } => Some(*context),
-            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } => None,
+            ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } | ModelConfig::Vit { .. } => None,
         };
         let mut data = TaskData::load(&config, &options.data_root, context)?;
         let seed = config.train.seed;
@@ -511,6 +511,7 @@ impl Trainer {
             },
             ModelConfig::IJepa { video: None, .. } => format!("I-JEPA ViT on {} (latent loss, probe accuracy)", self.config.data.dataset.name()),
             ModelConfig::IJepa { video: Some(_), .. } => format!("V-JEPA ViT on moving {} (latent loss, class probe accuracy)", self.config.data.dataset.name()),
+            ModelConfig::Vit { .. } => format!("ViT classifier on {} (supervised)", self.config.data.dataset.name()),
         };
         let baseline = self.data.text().map(|t| (t.entropy_nats, "corpus unigram entropy"));
         plot::plot_loss_curve(&records, &self.out_dir.join("loss.png"), &title, baseline, self.plot_text)?;

@@ -1,5 +1,6 @@
-//! The model of a run: an [`Mlp`] on flattened images, a [`Gpt`] on bytes or GPT-2 tokens, or an
-//! I-JEPA ViT, behind one enum so the loop does not care which.
+//! The model of a run: an [`Mlp`] on flattened images, a [`Gpt`] on bytes or GPT-2 tokens, an
+//! I-JEPA ViT, or a ViT classifier trained supervised (the I-JEPA encoder's twin), behind one enum
+//! so the loop does not care which.
 //!
 //! A GPT's loss is [`Gpt::loss_with`] on every device: the head and the cross-entropy fused, so
 //! the `[B·T, V]` logits of a 50k-token vocabulary never exist whole (mean for training, sum for
@@ -22,6 +23,8 @@ pub enum Model {
     Gpt(Box<nn::Gpt>),
     /// I-JEPA encoder, predictor and EMA target encoder, with its masks and image shape.
     IJepa(Box<nn::IJepa>, Box<JepaSetup>),
+    /// ViT classifier (mean pooling, linear head) on images of `[height, width]`.
+    Vit(Box<nn::Vit>, [usize; 2]),
 }
 
 /// The loss of one batch, and the count of correct predictions when classifying.
@@ -51,7 +54,7 @@ impl Model {
                 let cfg = nn::GptConfig { vocab_size: n_classes, vocab_pad_multiple, context: *context, n_layers: *n_layers, d_model: *d_model, n_heads: *n_heads, dropout: *dropout, dtype: DType::F32, gelu, ..nn::GptConfig::default() };
                 Ok(Model::Gpt(Box::new(nn::Gpt::new(cfg, rng)?)))
             }
-            ModelConfig::IJepa { .. } => Err(super::TrainError::Internal("an I-JEPA model is built by Model::for_config".into())),
+            ModelConfig::IJepa { .. } | ModelConfig::Vit { .. } => Err(super::TrainError::Internal("a ViT model is built by Model::for_config".into())),
         }
     }
 
@@ -62,6 +65,25 @@ impl Model {
                 let image = data.image_size().ok_or_else(|| super::TrainError::Internal("I-JEPA needs image data".into()))?;
                 let (model, setup) = super::jepa::build(config, image, rng)?;
                 Ok(Model::IJepa(Box::new(model), Box::new(setup)))
+            }
+            ModelConfig::Vit { patch_size, d_model, n_layers, n_heads } => {
+                let image = data.image_size().ok_or_else(|| super::TrainError::Internal("a ViT classifier needs image data".into()))?;
+                // The I-JEPA encoder's configuration (super::jepa::build), plus the head.
+                let cfg = nn::VitConfig {
+                    image_size: image,
+                    patch_size: *patch_size,
+                    in_channels: 1,
+                    d_model: *d_model,
+                    n_layers: *n_layers,
+                    n_heads: *n_heads,
+                    n_classes: Some(data.n_classes()),
+                    ..nn::VitConfig::default()
+                };
+                let vit = nn::Vit::new(cfg, rng)?;
+                // Positions start at 2-D sin-cos, as the I-JEPA encoder's.
+                let grid = [image[0] / patch_size, image[1] / patch_size];
+                vit.pos_embed.copy_from_(&Tensor::from_vec(nn::sincos_2d(grid, *d_model)?, vit.pos_embed.shape())?)?;
+                Ok(Model::Vit(Box::new(vit), image))
             }
             other => Model::build(other, data.input_features(), data.n_classes(), data.vocab_pad_multiple(), rng),
         }
@@ -82,6 +104,7 @@ impl Model {
             Model::Mlp(m) => m,
             Model::Gpt(m) => m.as_ref(),
             Model::IJepa(m, _) => m.as_ref(),
+            Model::Vit(m, _) => m.as_ref(),
         }
     }
 
@@ -91,6 +114,7 @@ impl Model {
             Model::Mlp(m) => m,
             Model::Gpt(m) => m.as_mut(),
             Model::IJepa(m, _) => m.as_mut(),
+            Model::Vit(m, _) => m.as_mut(),
         }
     }
 
@@ -98,17 +122,10 @@ impl Model {
     pub(crate) fn loss(&self, batch: &Batch, rng: &mut Generator, reduction: Reduction, count_correct: bool) -> Result<BatchLoss> {
         let options = CrossEntropyOptions { reduction, ..CrossEntropyOptions::default() };
         match self {
-            Model::Mlp(m) => {
-                let logits = m.forward(&batch.inputs)?;
-                let loss = logits.cross_entropy(&batch.targets, options)?;
-                let correct = if count_correct {
-                    let pred = logits.argmax(-1, false)?.to_u32_vec()?;
-                    let labels = batch.targets.to_u32_vec()?;
-                    Some(pred.iter().zip(&labels).filter(|(p, l)| p == l).count())
-                } else {
-                    None
-                };
-                Ok(BatchLoss { loss, correct, feature_std: None })
+            Model::Mlp(m) => classify(m.forward(&batch.inputs)?, batch, options, count_correct),
+            Model::Vit(m, [h, w]) => {
+                let images = batch.inputs.reshape(&[batch.rows, 1, *h, *w])?;
+                classify(m.forward(&images, rng)?, batch, options, count_correct)
             }
             Model::Gpt(m) => {
                 let loss = m.loss_with(&batch.inputs, &batch.targets, options, rng)?;
@@ -145,6 +162,20 @@ impl Module for Model {
     fn set_training(&mut self, training: bool) {
         self.module_mut().set_training(training)
     }
+}
+
+/// The cross-entropy of `logits` against the batch's labels, and the count of correct argmax
+/// predictions when asked.
+fn classify(logits: Tensor, batch: &Batch, options: CrossEntropyOptions, count_correct: bool) -> Result<BatchLoss> {
+    let loss = logits.cross_entropy(&batch.targets, options)?;
+    let correct = if count_correct {
+        let pred = logits.argmax(-1, false)?.to_u32_vec()?;
+        let labels = batch.targets.to_u32_vec()?;
+        Some(pred.iter().zip(&labels).filter(|(p, l)| p == l).count())
+    } else {
+        None
+    };
+    Ok(BatchLoss { loss, correct, feature_std: None })
 }
 
 fn nn_activation(a: Activation) -> nn::Activation {
