@@ -28,7 +28,9 @@
 //! by the same communicator as on the CPU. On the GPU, `precision = "bf16"` (the default there)
 //! keeps parameters, activations and gradients in bf16 with f32 master weights and moments in the
 //! optimizer; `"f32"` keeps everything in f32. The GPU path supports what its kernels cover: a GPT
-//! without dropout, trained with AdamW. Whether a GPU is really there is checked when a job starts
+//! without dropout, and I-JEPA / V-JEPA (`model.kind = "ijepa"` / `"vjepa"`), trained with AdamW,
+//! with attention heads of 64 or 128 channels (the encoder's `d_model / n_heads`, the predictor's
+//! `predictor_width / predictor_heads`); an MLP trains on the CPU. Whether a GPU is really there is checked when a job starts
 //! ([`crate::train::resolve_device`]), not here: a config is valid on any machine.
 //!
 //! # Parallelism (`[parallel]`)
@@ -1003,7 +1005,6 @@ impl Validator<'_> {
                 ScheduleConfig { warmup_steps: s.warmup_steps, total_steps, min_lr: if cosine { s.min_lr } else { optim.lr }, cosine }
             }
         };
-        self.device(&model, &optim, &train)?;
         let is_gpt = matches!(model, ModelConfig::Gpt { .. });
         if raw.sample.is_some() && !is_gpt {
             return Err(self.invalid("sample", "(section)", "only allowed with model.kind = \"gpt\""));
@@ -1016,6 +1017,7 @@ impl Validator<'_> {
             }
         }
         let jepa = self.jepa(&model, &data, raw.jepa)?;
+        self.device(&model, &optim, &train, jepa.as_ref())?;
         let config = TrainConfig { model, data, optim, schedule, train, output_dir: raw.output.map(|o| o.dir), sample, parallel: raw.parallel, elastic: raw.elastic, jepa };
         self.parallel(&config)?;
         Ok(config)
@@ -1065,29 +1067,46 @@ impl Validator<'_> {
         self.invalid(&key, value, allowed)
     }
 
-    /// `[train] device` and `precision` against what the GPU path supports.
-    fn device(&self, model: &ModelConfig, optim: &OptimConfig, train: &LoopConfig) -> Result<(), ConfigError> {
+    /// `[train] device` and `precision` against what the GPU path supports (`jepa`: the checked
+    /// `[jepa]` section of an I-JEPA / V-JEPA model).
+    fn device(&self, model: &ModelConfig, optim: &OptimConfig, train: &LoopConfig, jepa: Option<&JepaConfig>) -> Result<(), ConfigError> {
+        // The GPU's flash attention takes head dims 64 and 128.
+        let head_dim = |key: &str, width: usize, heads: usize| -> Result<(), ConfigError> {
+            let dim = width / heads.max(1);
+            if dim == 64 || dim == 128 {
+                return Ok(());
+            }
+            Err(self.invalid(key, heads, format!("with train.device = \"cuda\", the head dim ({width} / {heads}) must be 64 or 128 (the GPU's flash attention head sizes); it is {dim}")))
+        };
         match train.device {
             DeviceKind::Cpu => {
                 if train.precision == Some(Precision::Bf16) {
                     return Err(self.invalid("train.precision", "\"bf16\"", "bf16 needs train.device = \"cuda\"; CPU training is f32"));
                 }
             }
-            DeviceKind::Cuda => match model {
-                ModelConfig::Mlp { .. } | ModelConfig::IJepa { .. } | ModelConfig::Vit { .. } => return Err(self.invalid("train.device", "\"cuda\"", "the GPU path trains model.kind = \"gpt\" (its kernels cover GPT training); use train.device = \"cpu\" for an MLP or I-JEPA")),
-                ModelConfig::Gpt { dropout, d_model, n_heads, .. } => {
-                    let head_dim = d_model / n_heads;
-                    if head_dim != 64 && head_dim != 128 {
-                        return Err(self.invalid("model.n_heads", n_heads, format!("with train.device = \"cuda\", d_model / n_heads must be 64 or 128 (the GPU's flash attention head sizes); it is {head_dim}")));
+            DeviceKind::Cuda => {
+                match model {
+                    ModelConfig::Mlp { .. } | ModelConfig::Vit { .. } => {
+                        return Err(self.invalid("train.device", "\"cuda\"", format!("the GPU path trains model.kind = \"gpt\", \"ijepa\" and \"vjepa\" (their kernels cover transformer training); model.kind = \"{}\" trains with train.device = \"cpu\"", model.kind_name())))
                     }
-                    if *dropout > 0.0 {
-                        return Err(self.invalid("model.dropout", dropout, "must be 0 with train.device = \"cuda\" (dropout has no GPU kernel yet)"));
+                    ModelConfig::Gpt { dropout, d_model, n_heads, .. } => {
+                        head_dim("model.n_heads", *d_model, *n_heads)?;
+                        if *dropout > 0.0 {
+                            return Err(self.invalid("model.dropout", dropout, "must be 0 with train.device = \"cuda\" (dropout has no GPU kernel yet)"));
+                        }
                     }
-                    if !matches!(optim.kind, OptimKind::AdamW { .. }) {
-                        return Err(self.invalid("optim.kind", "\"sgd\"", "train.device = \"cuda\" trains with \"adamw\" (f32 master weights on the GPU)"));
+                    // The encoder's and the predictor's attention both run the GPU's kernels.
+                    ModelConfig::IJepa { d_model, n_heads, .. } => {
+                        head_dim("model.n_heads", *d_model, *n_heads)?;
+                        if let Some(j) = jepa {
+                            head_dim("jepa.predictor_heads", j.predictor_width, j.predictor_heads)?;
+                        }
                     }
                 }
-            },
+                if !matches!(optim.kind, OptimKind::AdamW { .. }) {
+                    return Err(self.invalid("optim.kind", "\"sgd\"", "train.device = \"cuda\" trains with \"adamw\" (f32 master weights on the GPU)"));
+                }
+            }
         }
         Ok(())
     }
@@ -1404,7 +1423,58 @@ device = "cuda"
         let e = err(&GPT_CUDA.replace("kind = \"adamw\"", "kind = \"sgd\""));
         assert!(e.contains("`optim.kind`") && e.contains("adamw"), "{e}");
         let e = err(&MLP.replace("steps = 10", "steps = 10\ndevice = \"cuda\""));
-        assert!(e.contains("`train.device`") && e.contains("gpt"), "{e}");
+        assert!(e.contains("`train.device`") && e.contains("gpt") && e.contains("ijepa") && e.contains("model.kind = \"mlp\" trains with train.device = \"cpu\""), "{e}");
+    }
+
+    /// An I-JEPA whose encoder and predictor have one head of 64 channels each.
+    const IJEPA_CUDA: &str = r#"
+[model]
+kind = "ijepa"
+patch_size = 2
+d_model = 64
+n_heads = 1
+n_layers = 1
+[jepa]
+predictor_width = 64
+predictor_heads = 1
+[data]
+dataset = "digits"
+batch_size = 16
+[optim]
+kind = "adamw"
+lr = 1e-3
+[train]
+steps = 5
+device = "cuda"
+"#;
+
+    #[test]
+    fn jepa_trains_on_the_gpu_within_its_kernels() {
+        // Goal: I-JEPA and V-JEPA are accepted on the GPU with AdamW in either precision, and what
+        // the GPU cannot run is a typed error naming the key (head dims of the encoder and the
+        // predictor, SGD). Method: a valid GPU config, then one bad value at a time.
+        for precision in ["", "precision = \"bf16\"", "precision = \"f32\""] {
+            let c = TrainConfig::from_toml_str(&IJEPA_CUDA.replace("device = \"cuda\"", &format!("device = \"cuda\"\n{precision}"))).expect("valid");
+            let want = if precision.contains("f32") { Precision::F32 } else { Precision::Bf16 };
+            assert_eq!((c.train.device, c.precision()), (DeviceKind::Cuda, want));
+        }
+        let d128 = IJEPA_CUDA.replace("d_model = 64\nn_heads = 1", "d_model = 256\nn_heads = 2").replace("predictor_width = 64\npredictor_heads = 1", "predictor_width = 128\npredictor_heads = 2");
+        TrainConfig::from_toml_str(&d128).expect("head dim 128");
+        let vjepa = IJEPA_CUDA.replace("kind = \"ijepa\"", "kind = \"vjepa\"").replace("patch_size = 2", "patch_size = 4").replace("[jepa]", "[video]\ncanvas = 16\nframes = 4\ntubelet = 2\nspeed = [0.5, 1.0]\n[jepa]");
+        let c = TrainConfig::from_toml_str(&vjepa).expect("vjepa on the GPU");
+        assert!(matches!(&c.model, ModelConfig::IJepa { video: Some(_), .. }));
+        let e = err(&IJEPA_CUDA.replace("n_heads = 1", "n_heads = 4"));
+        assert!(e.contains("`model.n_heads` = 4") && e.contains("64 or 128") && e.contains("it is 16"), "{e}");
+        let e = err(&IJEPA_CUDA.replace("predictor_heads = 1", "predictor_heads = 4"));
+        assert!(e.contains("`jepa.predictor_heads` = 4") && e.contains("64 or 128") && e.contains("it is 16"), "{e}");
+        let e = err(&IJEPA_CUDA.replace("kind = \"adamw\"", "kind = \"sgd\""));
+        assert!(e.contains("`optim.kind`") && e.contains("adamw"), "{e}");
+        let e = err(&vjepa.replace("n_heads = 1", "n_heads = 2"));
+        assert!(e.contains("`model.n_heads` = 2") && e.contains("it is 32"), "{e}");
+        let shipped = TrainConfig::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/ijepa_fashion_gpu.toml")).expect("configs/ijepa_fashion_gpu.toml");
+        assert_eq!((shipped.train.device, shipped.precision()), (DeviceKind::Cuda, Precision::Bf16));
+        // The same models train on the CPU whatever their head dims (the CPU attention takes any).
+        TrainConfig::from_toml_str(&IJEPA_CUDA.replace("device = \"cuda\"", "").replace("n_heads = 1", "n_heads = 4")).expect("cpu");
     }
 
     const GPT: &str = r#"

@@ -217,3 +217,144 @@ fn ijepa_under_launch_survives_a_killed_worker_with_identical_replicas() {
     assert!(knn > 0.3, "k-NN accuracy {knn} after recovery (chance 0.1)");
     assert!(summary["eval"]["probe_acc"].as_f64().is_some());
 }
+
+/// The GPU job path against the CPU's (feature `cuda`; prints `skipped: ...` and passes where no
+/// device is usable). The model has one head of 64 channels in the encoder and the predictor (the
+/// GPU's attention head sizes) and keeps the CPU test's settings otherwise (grad clipping, the
+/// weight-decay schedule, the mean-last4 readout all run on the device path).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    const DIGITS_IJEPA_GPU: &str = r#"
+[model]
+kind = "ijepa"
+patch_size = 2
+d_model = 64
+n_layers = 2
+n_heads = 1
+
+[jepa]
+predictor_width = 64
+predictor_depth = 1
+predictor_heads = 1
+n_targets = 2
+probe_train_images = 800
+probe_test_images = 300
+probe_epochs = 5
+probe_features = ["mean", "mean-last4"]
+final_weight_decay = 0.2
+
+[data]
+dataset = "digits"
+val_fraction = 0.2
+batch_size = 64
+
+[optim]
+kind = "adamw"
+lr = 2e-3
+weight_decay = 0.04
+betas = [0.9, 0.95]
+grad_clip = 1.0
+
+[schedule]
+kind = "warmup-cosine"
+warmup_steps = 5
+min_lr = 1e-5
+
+[train]
+steps = 40
+seed = 3
+log_every = 5
+eval_batches = 2
+DEVICE
+"#;
+
+    /// `rtx launch --nproc 1` of `text` (DEVICE replaced by `device`) into `dir/name`, with
+    /// `extra` flags: the summary and the committed `(step, loss)` pairs.
+    fn launch(dir: &Path, name: &str, device: &str, data: &DataRoot, extra: &[&str]) -> (Value, Vec<(u64, f64)>) {
+        let config = dir.join(format!("{name}.toml"));
+        std::fs::write(&config, DIGITS_IJEPA_GPU.replace("DEVICE", device)).unwrap();
+        let data_dir = data.path().to_str().unwrap().to_string();
+        let mut args = vec!["--data-dir", data_dir.as_str()];
+        args.extend_from_slice(extra);
+        let (summary, events) = Launch::start_in(dir.join(name), &config, 1, &args).finish();
+        let losses = events.iter().filter(|e| e["event"] == "committed").map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap())).collect();
+        (summary, losses)
+    }
+
+    /// The checkpoints of run `from` copied into a fresh run folder `to` (for `--resume`).
+    fn copy_checkpoints(dir: &Path, from: &str, to: &str) {
+        let (src, dst) = (dir.join(from).join("checkpoints"), dir.join(to).join("checkpoints"));
+        std::fs::create_dir_all(&dst).unwrap();
+        for entry in std::fs::read_dir(&src).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, dst.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+
+    /// Worst relative difference between the means of every `window` consecutive losses.
+    fn worst_window(a: &[(u64, f64)], b: &[(u64, f64)], window: usize) -> f64 {
+        assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), b.iter().map(|x| x.0).collect::<Vec<_>>(), "the runs committed different steps");
+        let mean = |v: &[(u64, f64)]| v.iter().map(|x| x.1).sum::<f64>() / v.len() as f64;
+        a.windows(window).zip(b.windows(window)).map(|(x, y)| (mean(x) - mean(y)).abs() / mean(y).abs()).fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn ijepa_on_cuda_follows_the_cpu_and_their_checkpoints_cross_over() {
+        // Goal: `device = "cuda"` trains the same I-JEPA as the CPU under `rtx launch` (EMA target
+        // on the device, device AdamW with the weight-decay schedule, clipping, probes from device
+        // features), and a checkpoint of either device resumes on the other (parameters, f32
+        // master weights and the EMA buffers). Method: 30 steps from one seed on the CPU (f32),
+        // the GPU in f32 and the GPU in bf16; then each of a CPU and a GPU checkpoint at step 30
+        // resumed 5 steps on the other device, against the CPU run resumed on the CPU.
+        // Tolerances: one step from the same parameters, batch and masks differs only by
+        // summation order in f32 (the 1e-4 bar of `jepa_gpu ops`' single-step loss) and by bf16
+        // rounding in bf16 (its 3e-2 bar); over 30 steps AdamW amplifies those differences in
+        // near-zero gradient coordinates, so the curves are compared as `jepa_gpu ops` compares
+        // its 40-step bf16 curve: 10-step window means within 5% (f32: every step within 2%).
+        let gpu_config = TrainConfig::from_toml_str(&DIGITS_IJEPA_GPU.replace("DEVICE", "device = \"cuda\"")).unwrap();
+        if let Err(e) = rustytorch::train::resolve_device(&gpu_config, 0) {
+            println!("skipped: {e}");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let data = digits(tmp.path());
+        let dir = tmp.path();
+        let (cpu_summary, cpu) = launch(dir, "cpu", "", &data, &["--steps", "30"]);
+        let (f32_summary, gpu_f32) = launch(dir, "cuda-f32", "device = \"cuda\"\nprecision = \"f32\"", &data, &["--steps", "30"]);
+        let (bf16_summary, gpu_bf16) = launch(dir, "cuda-bf16", "device = \"cuda\"", &data, &["--steps", "30"]);
+        assert_eq!(cpu.len(), 30, "{cpu:?}");
+        println!("cpu f32:   {:?}", cpu.iter().step_by(5).map(|x| format!("{:.4}", x.1)).collect::<Vec<_>>());
+        println!("cuda f32:  {:?}", gpu_f32.iter().step_by(5).map(|x| format!("{:.4}", x.1)).collect::<Vec<_>>());
+        println!("cuda bf16: {:?}", gpu_bf16.iter().step_by(5).map(|x| format!("{:.4}", x.1)).collect::<Vec<_>>());
+        let first = |v: &[(u64, f64)]| (v[0].1 - cpu[0].1).abs() / cpu[0].1;
+        assert!(first(&gpu_f32) < 1e-4, "step 1, cuda f32 vs cpu: {} vs {}", gpu_f32[0].1, cpu[0].1);
+        assert!(first(&gpu_bf16) < 3e-2, "step 1, cuda bf16 vs cpu: {} vs {}", gpu_bf16[0].1, cpu[0].1);
+        assert!(worst_window(&gpu_f32, &cpu, 1) < 2e-2, "cuda f32 vs cpu, worst step: {}", worst_window(&gpu_f32, &cpu, 1));
+        assert!(worst_window(&gpu_bf16, &cpu, 10) < 5e-2, "cuda bf16 vs cpu, worst 10-step window: {}", worst_window(&gpu_bf16, &cpu, 10));
+        assert!(cpu.last().unwrap().1 < cpu[0].1 * 0.9, "the latent loss did not fall: {cpu:?}");
+        // The probes score device features with the host's code: the same accuracy up to the
+        // features' rounding (f32), above chance (0.1) in bf16.
+        let acc = |s: &Value, key: &str| s["eval"][key].as_f64().unwrap_or_else(|| panic!("no {key} in {s}"));
+        for key in ["probe_acc", "knn_acc", "probe_acc_mean-last4", "val_loss"] {
+            println!("{key}: cpu {:.4}, cuda f32 {:.4}, cuda bf16 {:.4}", acc(&cpu_summary, key), acc(&f32_summary, key), acc(&bf16_summary, key));
+        }
+        assert!((acc(&f32_summary, "probe_acc") - acc(&cpu_summary, "probe_acc")).abs() < 0.05);
+        assert!((acc(&f32_summary, "val_loss") - acc(&cpu_summary, "val_loss")).abs() / acc(&cpu_summary, "val_loss") < 2e-2);
+        assert!(acc(&bf16_summary, "probe_acc") > 0.2 && acc(&bf16_summary, "knn_acc") > 0.2, "{bf16_summary}");
+        // Checkpoints at step 30 resumed for 5 steps: CPU -> CPU (reference), GPU bf16 -> CPU, CPU -> GPU bf16.
+        // (Copied before the CPU run resumes: its folder then holds step 35's checkpoint too.)
+        copy_checkpoints(dir, "cuda-bf16", "bf16-then-cpu");
+        copy_checkpoints(dir, "cpu", "cpu-then-bf16");
+        let (_, cpu_cpu) = launch(dir, "cpu", "", &data, &["--resume", "--steps", "35"]);
+        let (_, gpu_cpu) = launch(dir, "bf16-then-cpu", "", &data, &["--resume", "--steps", "35"]);
+        let (_, cpu_gpu) = launch(dir, "cpu-then-bf16", "device = \"cuda\"", &data, &["--resume", "--steps", "35"]);
+        let tail = |v: Vec<(u64, f64)>| v.into_iter().filter(|x| x.0 >= 30).collect::<Vec<_>>();
+        let (cpu_cpu, gpu_cpu, cpu_gpu) = (tail(cpu_cpu), tail(gpu_cpu), tail(cpu_gpu));
+        assert_eq!(cpu_cpu.iter().map(|x| x.0).collect::<Vec<_>>(), (30..35).collect::<Vec<_>>(), "{cpu_cpu:?}");
+        println!("resumed at 31: cpu->cpu {cpu_cpu:?}, bf16->cpu {gpu_cpu:?}, cpu->bf16 {cpu_gpu:?}");
+        assert!(worst_window(&gpu_cpu, &cpu_cpu, 5) < 5e-2, "a GPU checkpoint resumed on the CPU: {gpu_cpu:?} vs {cpu_cpu:?}");
+        assert!(worst_window(&cpu_gpu, &cpu_cpu, 5) < 5e-2, "a CPU checkpoint resumed on the GPU: {cpu_gpu:?} vs {cpu_cpu:?}");
+    }
+}

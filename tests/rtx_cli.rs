@@ -170,25 +170,30 @@ fn cuda_without_a_gpu_fails_before_any_worker_starts() {
     let s = setup();
     let empty = s.root.join("empty");
     std::fs::create_dir_all(&empty).unwrap();
-    let gpu = "[model]\nkind = \"gpt\"\nn_layers = 1\nd_model = 64\nn_heads = 1\ncontext = 8\n[data]\ndataset = \"sotu\"\nbatch_size = 2\n[optim]\nkind = \"adamw\"\nlr = 0.001\n[train]\nsteps = 1\ndevice = \"cuda\"\n";
-    let config = write_config(&s.root, "gpu.toml", gpu);
-    let out_dir = s.root.join("gpu-run");
-    let out = rtx(&["launch", "--nproc", "2", "--no-progress", config.to_str().unwrap(), "--data-dir", empty.to_str().unwrap(), "--out", out_dir.to_str().unwrap()], &s.root);
-    let (_, stderr) = text(&out);
-    if stderr.contains("job:") {
-        // A machine with a GPU and a CUDA build: nothing to check here (scripts/gpu-dp-check.sh).
-        return;
+    let gpt = "[model]\nkind = \"gpt\"\nn_layers = 1\nd_model = 64\nn_heads = 1\ncontext = 8\n[data]\ndataset = \"sotu\"\nbatch_size = 2\n[optim]\nkind = \"adamw\"\nlr = 0.001\n[train]\nsteps = 1\ndevice = \"cuda\"\n";
+    // I-JEPA goes through the same check (one head of 64 in the encoder and the predictor).
+    let ijepa = "[model]\nkind = \"ijepa\"\npatch_size = 2\nd_model = 64\nn_layers = 1\nn_heads = 1\n[jepa]\npredictor_width = 64\npredictor_heads = 1\n[data]\ndataset = \"digits\"\nbatch_size = 4\n[optim]\nkind = \"adamw\"\nlr = 0.001\n[train]\nsteps = 1\ndevice = \"cuda\"\n";
+    for (name, gpu) in [("gpt", gpt), ("ijepa", ijepa)] {
+        let config = write_config(&s.root, &format!("gpu-{name}.toml"), gpu);
+        let out_dir = s.root.join(format!("gpu-run-{name}"));
+        let out = rtx(&["launch", "--nproc", "2", "--no-progress", config.to_str().unwrap(), "--data-dir", empty.to_str().unwrap(), "--out", out_dir.to_str().unwrap()], &s.root);
+        let (_, stderr) = text(&out);
+        if stderr.contains("job:") {
+            // A machine with a GPU and a CUDA build: nothing to check here (scripts/gpu-dp-check.sh,
+            // scripts/gpu-jepa-train-check.sh).
+            return;
+        }
+        assert!(!out.status.success(), "{name}: {stderr}");
+        assert!(stderr.contains("train.device = \"cuda\""), "{name}: {stderr}");
+        assert!(stderr.contains("--features cuda") || stderr.contains("no CUDA device is usable"), "{name}: {stderr}");
+        assert!(!stderr.contains("fetch-data"), "{name}: the device is checked before the data: {stderr}");
+        assert!(!stderr.contains("panicked"), "{name}: {stderr}");
+        assert!(!out_dir.join("logs").exists(), "{name}: no worker was started");
+        let out = rtx(&["train", config.to_str().unwrap(), "--data-dir", empty.to_str().unwrap(), "--out", s.root.join(format!("gpu-train-{name}")).to_str().unwrap()], &s.root);
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert!(stderr.contains("rtx launch"), "{name}: {stderr}");
     }
-    assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("train.device = \"cuda\""), "{stderr}");
-    assert!(stderr.contains("--features cuda") || stderr.contains("no CUDA device is usable"), "{stderr}");
-    assert!(!stderr.contains("fetch-data"), "the device is checked before the data: {stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(!out_dir.join("logs").exists(), "no worker was started");
-    let out = rtx(&["train", config.to_str().unwrap(), "--data-dir", empty.to_str().unwrap(), "--out", s.root.join("gpu-train").to_str().unwrap()], &s.root);
-    let (_, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("rtx launch"), "{stderr}");
 }
 
 fn read_jsonl(path: &Path) -> Vec<serde_json::Value> {

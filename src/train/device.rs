@@ -97,27 +97,51 @@ steps = 1
         assert_eq!(resolve_device(&config, 7).expect("cpu"), Placement::Cpu);
     }
 
+    /// An I-JEPA the GPU can train (one head of 64 in the encoder and the predictor).
+    const IJEPA: &str = r#"
+[model]
+kind = "ijepa"
+patch_size = 2
+d_model = 64
+n_layers = 1
+n_heads = 1
+[jepa]
+predictor_width = 64
+predictor_heads = 1
+[data]
+dataset = "digits"
+batch_size = 4
+[optim]
+kind = "adamw"
+lr = 1e-3
+[train]
+steps = 1
+"#;
+
     #[test]
     fn cuda_without_a_gpu_is_a_typed_error_saying_why() {
         // Goal: `device = "cuda"` on a machine (or build) without CUDA fails with the reason, not a
-        // panic. Method: resolve on this machine; a build without the feature must say so, a CUDA
-        // build without a usable device must say that (a GPU machine checks the placement).
-        let config = TrainConfig::from_toml_str(&GPT.replace("steps = 1", "steps = 1\ndevice = \"cuda\"")).expect("valid");
-        let cuda_build = cfg!(feature = "cuda");
-        match resolve_device(&config, 3) {
-            Err(e @ DeviceError::NotCompiled) => {
-                assert!(!cuda_build, "a CUDA build said it has no CUDA");
-                assert!(e.to_string().contains("--features cuda"), "{e}");
+        // panic, for every model the GPU trains. Method: resolve a GPT and an I-JEPA on this
+        // machine; a build without the feature must say so, a CUDA build without a usable device
+        // must say that (a GPU machine checks the placement).
+        for text in [GPT, IJEPA] {
+            let config = TrainConfig::from_toml_str(&text.replace("steps = 1", "steps = 1\ndevice = \"cuda\"")).expect("valid");
+            let cuda_build = cfg!(feature = "cuda");
+            match resolve_device(&config, 3) {
+                Err(e @ DeviceError::NotCompiled) => {
+                    assert!(!cuda_build, "a CUDA build said it has no CUDA");
+                    assert!(e.to_string().contains("--features cuda"), "{e}");
+                }
+                Err(e @ DeviceError::NoDevice { .. }) => {
+                    assert!(cuda_build, "a build without CUDA probed for devices");
+                    assert!(e.to_string().contains("no CUDA device is usable"), "{e}");
+                }
+                Ok(Placement::Cuda { ordinal, dtype }) => {
+                    let visible = visible_devices().expect("a GPU was found");
+                    assert_eq!((ordinal, dtype), (3 % visible, DType::BF16));
+                }
+                Ok(Placement::Cpu) => panic!("device = \"cuda\" resolved to the CPU"),
             }
-            Err(e @ DeviceError::NoDevice { .. }) => {
-                assert!(cuda_build, "a build without CUDA probed for devices");
-                assert!(e.to_string().contains("no CUDA device is usable"), "{e}");
-            }
-            Ok(Placement::Cuda { ordinal, dtype }) => {
-                let visible = visible_devices().expect("a GPU was found");
-                assert_eq!((ordinal, dtype), (3 % visible, DType::BF16));
-            }
-            Ok(Placement::Cpu) => panic!("device = \"cuda\" resolved to the CPU"),
         }
     }
 }

@@ -19,6 +19,15 @@
 //! fresh optimizer's master weights are the device parameters widened to f32 (the initial values
 //! rounded to bf16 once), so every replica and every re-formation agree on them.
 //!
+//! An I-JEPA / V-JEPA job on the GPU is the same loop: the model moves with its EMA target encoder
+//! (buffers) kept f32 on the device ([`move_to_device`]), each batch's pixels go up in the
+//! parameters' dtype (the masks stay host index lists, uploaded by the ops that use them), the
+//! optimizer is the same device AdamW (its weight-decay schedule included), and
+//! `Model::after_step` runs the EMA update on the device in one launch. Buffers travel through
+//! checkpoints and state sync as host f32 copies, exactly as on the CPU. The final evaluation
+//! scores the validation latent loss on the device and runs the probes' encoder there; the probes
+//! themselves train on host copies of its readouts (`super::jepa::probes`).
+//!
 //! A model-parallel job ([`TrainJob::mesh`]) on the GPU does the same per member: each builds the
 //! full model on the host from the seed, keeps its `TpGptStage` slices, moves them to its device
 //! in the configured precision and steps them with the device AdamW; the engine host-stages what
@@ -104,20 +113,16 @@ impl ElasticJob {
         Ok(job)
     }
 
-    /// The device of the replica.
-    fn device(&self) -> Device {
-        match self.placement {
-            Placement::Cpu => Device::Cpu,
-            Placement::Cuda { ordinal, .. } => Device::Cuda(ordinal),
-        }
-    }
-
-    /// `batch` on the replica's device (the same tensors on the host).
+    /// `batch` on the replica's device (the same tensors on the host): token ids and labels as
+    /// they are, pixels (I-JEPA's images and clips) in the parameters' dtype. I-JEPA masks stay
+    /// host index lists; the model's ops upload the index tensors they build from them.
     fn on_device(&self, batch: &Batch) -> Result<Batch, String> {
-        match self.device() {
-            Device::Cpu => Ok(Batch { inputs: batch.inputs.clone(), targets: batch.targets.clone(), rows: batch.rows, tokens: batch.tokens, masks: batch.masks.clone() }),
-            device => {
-                let inputs = batch.inputs.to_device(device).map_err(|e| e.to_string())?;
+        match self.placement {
+            Placement::Cpu => Ok(Batch { inputs: batch.inputs.clone(), targets: batch.targets.clone(), rows: batch.rows, tokens: batch.tokens, masks: batch.masks.clone() }),
+            Placement::Cuda { ordinal, dtype } => {
+                let device = Device::Cuda(ordinal);
+                let inputs = if batch.inputs.dtype().is_float() { batch.inputs.to_dtype(dtype) } else { Ok(batch.inputs.clone()) };
+                let inputs = inputs.and_then(|t| t.to_device(device)).map_err(|e| e.to_string())?;
                 let targets = batch.targets.to_device(device).map_err(|e| e.to_string())?;
                 Ok(Batch { inputs, targets, rows: batch.rows, tokens: batch.tokens, masks: batch.masks.clone() })
             }
@@ -172,6 +177,7 @@ impl ElasticJob {
             for i in 0..n {
                 let Some(batch) = self.data.eval_batch(EvalSplit::Val, i, IMAGE_EVAL_BATCH).map_err(|e| e.to_string())? else { break };
                 let masks = setup.masks_for_eval(i, batch.rows).map_err(|e| e.to_string())?;
+                let batch = self.on_device(&batch)?;
                 let out = model.loss(&setup.images(&batch.inputs).map_err(|e| e.to_string())?, &masks, &mut scratch).map_err(|e| e.to_string())?;
                 sum += out.loss.item().map_err(|e| e.to_string())? * batch.rows as f64;
                 rows += batch.rows;
@@ -306,7 +312,8 @@ impl TrainJob for ElasticJob {
                         correct += out.correct.unwrap_or(0);
                         out.loss.item().map_err(|e| e.to_string())?
                     } else {
-                        // The device computes mean losses (GPT only, no accuracy): weight by targets.
+                        // The device computes mean losses (a GPT: I-JEPA evaluates in
+                        // `evaluate_jepa`; no accuracy): weight by targets.
                         let out = model.loss(&self.on_device(&batch)?, &mut scratch, Reduction::Mean, false).map_err(|e| e.to_string())?;
                         out.loss.item().map_err(|e| e.to_string())? * batch.targets.numel() as f64
                     };
@@ -429,9 +436,15 @@ impl TrainJob for ElasticJob {
     }
 }
 
-/// Moves `model`'s parameters to CUDA device `ordinal` in `dtype`.
+/// Moves `model` to CUDA device `ordinal`: its parameters in `dtype`, its buffers (an I-JEPA's
+/// EMA target encoder) in f32 whatever `dtype` is. **Decision:** the EMA state stays f32 under a
+/// bf16 model, as `tensor/examples/jepa_gpu.rs` checks it: a bf16 target loses the `(1 - m)·Δ`
+/// steps below bf16's resolution (the update stalls near m = 0.996); the loss casts a bf16 copy
+/// for the target's forward. Checkpoints and state sync copy buffers to the host as f32 and back
+/// ([`rtx_supervisor`]'s `named_state` paths), so a CPU run and a GPU run resume each other's EMA.
 fn move_to_device(model: &mut Model, ordinal: usize, dtype: rtx_tensor::DType) -> Result<(), String> {
-    move_module_to_device(model.module_mut(), ordinal, dtype)
+    move_module_to_device(model.module_mut(), ordinal, dtype)?;
+    move_buffers_to_device(model.module_mut(), ordinal)
 }
 
 /// Moves `module`'s parameters (a whole model or a mesh member's part) to CUDA device `ordinal`
@@ -443,6 +456,17 @@ fn move_module_to_device(module: &mut dyn Module, ordinal: usize, dtype: rtx_ten
 
 #[cfg(not(feature = "cuda"))]
 fn move_module_to_device(_module: &mut dyn Module, _ordinal: usize, _dtype: rtx_tensor::DType) -> Result<(), String> {
+    Err(super::DeviceError::NotCompiled.to_string())
+}
+
+/// Moves `module`'s buffers to CUDA device `ordinal`, in f32 (see [`move_to_device`]).
+#[cfg(feature = "cuda")]
+fn move_buffers_to_device(module: &mut dyn Module, ordinal: usize) -> Result<(), String> {
+    rtx_tensor::cuda::move_buffers(module, ordinal, rtx_tensor::DType::F32).map_err(|e| format!("moving the model's buffers to cuda:{ordinal}: {e}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn move_buffers_to_device(_module: &mut dyn Module, _ordinal: usize) -> Result<(), String> {
     Err(super::DeviceError::NotCompiled.to_string())
 }
 
@@ -498,5 +522,50 @@ impl optim::Optimizer for JobOptimizer {
 
     fn load_state(&mut self, state: &[(String, Tensor)]) -> rtx_tensor::Result<()> {
         self.inner.load_state(state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An I-JEPA on the GPU: one head of 64 channels in the encoder and the predictor.
+    const IJEPA_CUDA: &str = r#"
+[model]
+kind = "ijepa"
+patch_size = 2
+d_model = 64
+n_layers = 1
+n_heads = 1
+[jepa]
+predictor_width = 64
+predictor_heads = 1
+[data]
+dataset = "digits"
+batch_size = 8
+[optim]
+kind = "adamw"
+lr = 1e-3
+[train]
+steps = 2
+device = "cuda"
+"#;
+
+    #[test]
+    fn an_ijepa_job_on_a_missing_gpu_fails_with_the_device_error_before_reading_data() {
+        // Goal: the worker's job of an I-JEPA config with `device = "cuda"` goes through the
+        // device check first: without CUDA (build or device) it is the typed device error's
+        // message, not a panic and not the missing data. Method: build the job over an empty data
+        // folder on this machine (a GPU machine with a CUDA build gets past the check: skipped).
+        let empty = std::env::temp_dir().join(format!("rtx-ijepa-cuda-nodata-{}", std::process::id()));
+        let config = TrainConfig::from_toml_str(IJEPA_CUDA).expect("valid");
+        if resolve_device(&config, 0).is_ok() {
+            println!("skipped: a usable CUDA device (scripts/gpu-jepa-train-check.sh covers this machine)");
+            return;
+        }
+        let Err(e) = ElasticJob::new(IJEPA_CUDA, &DataRoot::new(&empty), None, 0) else { panic!("an I-JEPA job on a missing GPU was built") };
+        assert!(e.contains("train.device = \"cuda\""), "{e}");
+        assert!(e.contains("--features cuda") || e.contains("no CUDA device is usable"), "{e}");
+        assert!(!e.contains("fetch-data"), "the device is checked before the data: {e}");
     }
 }

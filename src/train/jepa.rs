@@ -12,7 +12,10 @@
 //!
 //! Evaluation ([`probes`]) freezes the context encoder, runs it on whole images and reads its
 //! tokens out as each `[jepa] probe_features` readout asks (mean pooling by default; grids of
-//! regions, all tokens, the last blocks: [`super::readout`]). For every readout, a linear probe (multinomial logistic regression on standardised features, AdamW with
+//! regions, all tokens, the last blocks: [`super::readout`]). A GPU run's encoder runs on its
+//! device, `FEATURE_BATCH` images at a time in the run's precision; its outputs come back as f32
+//! host copies, and the readouts and every probe below are computed on the host, so CPU and GPU
+//! runs are scored by the same code. For every readout, a linear probe (multinomial logistic regression on standardised features, AdamW with
 //! a cosine rate, seeded order) is trained on the train split and scored on the test split, and a
 //! k-NN classifier (cosine similarity, k neighbours voting with weights `exp(sim / 0.07)`, as
 //! DINO's) is scored on the same test images. A linear probe on raw pixels, trained the same way,
@@ -23,7 +26,7 @@
 use rtx_tensor::data::ImageDataset;
 use rtx_tensor::nn::{IJepa, IJepaConfig, JepaLoss, JepaMasks, Linear, MaskConfig, Module, Pooling, VitConfig};
 use rtx_tensor::optim::{AdamW, AdamWConfig, Optimizer};
-use rtx_tensor::{no_grad, CrossEntropyOptions, DType, Generator, Tensor};
+use rtx_tensor::{no_grad, CrossEntropyOptions, DType, Device, Generator, Tensor};
 
 use crate::config::{JepaConfig, JepaLossKind, ModelConfig, ProbeReadout, TrainConfig};
 
@@ -225,7 +228,9 @@ fn features(model: &IJepa, setup: &JepaSetup, splits: &ImageSplits, set: &ImageD
             if let Some(d) = dirs {
                 directions.get_or_insert_with(Vec::new).extend(d);
             }
-            let (last, blocks) = encoder_tokens(model, &setup.images(&batch.inputs)?, last_blocks, &mut scratch)?;
+            let images = on_encoder(model, &setup.images(&batch.inputs)?)?;
+            let (last, blocks) = encoder_tokens(model, &images, last_blocks, &mut scratch)?;
+            // Host copies (f32) of the encoder's outputs: every readout is computed on the host.
             let last = last.to_f32_vec()?;
             let blocks = blocks.iter().map(|b| b.to_f32_vec()).collect::<std::result::Result<Vec<_>, _>>()?;
             if last.len() != chunk.len() * per_image || blocks.iter().any(|b| b.len() != last.len()) {
@@ -243,6 +248,16 @@ fn features(model: &IJepa, setup: &JepaSetup, splits: &ImageSplits, set: &ImageD
         Ok(())
     })?;
     Ok(Features { readouts: out, directions })
+}
+
+/// `images` where `model`'s context encoder lives and in its dtype: uploaded (bf16 or f32) for an
+/// encoder on a GPU, as they are for one on the host.
+fn on_encoder(model: &IJepa, images: &Tensor) -> Result<Tensor> {
+    let pos = &model.encoder.pos_embed;
+    match pos.device() {
+        Device::Cpu => Ok(images.clone()),
+        device => Ok(images.to_dtype(pos.dtype())?.to_device(device)?),
+    }
 }
 
 /// The frozen context encoder on whole `images`: the final layer-normed tokens `[B, N, C]` and,

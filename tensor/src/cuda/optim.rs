@@ -23,6 +23,9 @@ struct Slot {
     name: String,
     param: Tensor,
     ordinal: usize,
+    /// Whether the decay filter chose this parameter ([`Optimizer::set_weight_decay`] changes
+    /// only these).
+    decays: bool,
     weight_decay: f64,
     master: Buffer<f32>,
     exp_avg: Buffer<f32>,
@@ -78,8 +81,9 @@ impl MixedAdamW {
             let source = super::ops::cast(&source.detach(), DType::F32)?;
             let mut master = dev.alloc::<f32>(n)?;
             dev.copy_dtod(&*dense::<f32>(OP, &source)?, &mut master)?;
-            let weight_decay = if decay(&name, &param) { config.weight_decay } else { 0.0 };
-            slots.push(Slot { name, param, ordinal, weight_decay, master, exp_avg: dev.zeros::<f32>(n)?, exp_avg_sq: dev.zeros::<f32>(n)?, step: 0 });
+            let decays = decay(&name, &param);
+            let weight_decay = if decays { config.weight_decay } else { 0.0 };
+            slots.push(Slot { name, param, ordinal, decays, weight_decay, master, exp_avg: dev.zeros::<f32>(n)?, exp_avg_sq: dev.zeros::<f32>(n)?, step: 0 });
         }
         Ok(MixedAdamW { config, slots })
     }
@@ -177,6 +181,16 @@ impl Optimizer for MixedAdamW {
         self.config.lr = lr;
     }
 
+    /// As [`crate::optim::AdamW`]: the parameters the decay filter chose take `weight_decay` from
+    /// the next step on (I-JEPA's cosine weight-decay schedule); the others keep none.
+    fn set_weight_decay(&mut self, weight_decay: f64) -> bool {
+        self.config.weight_decay = weight_decay;
+        for slot in self.slots.iter_mut().filter(|s| s.decays) {
+            slot.weight_decay = weight_decay;
+        }
+        true
+    }
+
     fn kind(&self) -> &'static str {
         "adamw"
     }
@@ -235,5 +249,44 @@ impl Optimizer for MixedAdamW {
             s.step = u32::try_from(step as u64).map_err(|_| Error::InvalidArgument { op: OP, reason: format!("step {step} out of range") })?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::AdamW;
+
+    #[test]
+    fn weight_decay_schedule_follows_host_adamw() {
+        // Goal: `set_weight_decay` changes the decay of the filtered parameters only, as the host
+        // AdamW does (I-JEPA's schedule; the default trait method would ignore it silently).
+        // Method: a matrix and a bias, f32 on the device and on the host, three steps with the
+        // decay changed before each; the parameters must agree to f32 rounding.
+        if !rtx_kernels::cuda::Device::count().is_ok_and(|n| n > 0) {
+            println!("skipped: no CUDA device");
+            return;
+        }
+        let w = Tensor::from_vec((0..12).map(|i| i as f32 * 0.1 - 0.5).collect::<Vec<f32>>(), &[3, 4]).expect("w");
+        let b = Tensor::from_vec(vec![0.3f32, -0.2, 0.1], &[3]).expect("b");
+        let host: Vec<(String, Tensor)> = vec![("w".into(), w.clone().requires_grad(true)), ("b".into(), b.clone().requires_grad(true))];
+        let dev: Vec<(String, Tensor)> = host.iter().map(|(n, t)| (n.clone(), t.detach().to_device(Device::Cuda(0)).expect("upload").requires_grad(true))).collect();
+        let config = AdamWConfig { lr: 0.1, weight_decay: 0.04, ..AdamWConfig::default() };
+        let mut host_opt = AdamW::with_decay_filter(host.clone(), config, AdamW::decay_matrices).expect("host adamw");
+        let mut dev_opt = MixedAdamW::new(dev.clone(), None, config, AdamW::decay_matrices).expect("device adamw");
+        for (step, wd) in [0.04, 0.2, 0.4].into_iter().enumerate() {
+            assert!(host_opt.set_weight_decay(wd) && dev_opt.set_weight_decay(wd));
+            for ((_, h), (_, d)) in host.iter().zip(&dev) {
+                let g: Vec<f32> = (0..h.numel()).map(|i| ((i + step) % 5) as f32 * 0.01).collect();
+                h.set_grad(Some(Tensor::from_vec(g.clone(), h.shape()).expect("g"))).expect("host grad");
+                d.set_grad(Some(Tensor::from_vec(g, d.shape()).expect("g").to_device(Device::Cuda(0)).expect("upload"))).expect("device grad");
+            }
+            host_opt.step().expect("host step");
+            dev_opt.step().expect("device step");
+        }
+        for ((name, h), (_, d)) in host.iter().zip(&dev) {
+            let (h, d) = (h.to_f32_vec().expect("host"), d.to_f32_vec().expect("device"));
+            assert!(h.iter().zip(&d).all(|(a, b)| (a - b).abs() <= 1e-5 * a.abs().max(1.0)), "{name}: host {h:?}, device {d:?}");
+        }
     }
 }
