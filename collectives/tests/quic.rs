@@ -109,20 +109,35 @@ async fn rogue_connect_stripe(client: rustls::ClientConfig, addr: SocketAddr, se
     let config = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(client).unwrap()));
     let attempt = async {
         let conn = endpoint.connect_with(config, addr, &rank_name(server_rank)).unwrap().await.map_err(|e| e.to_string())?;
-        let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
         let mut hello = b"RTXH".to_vec();
         hello.extend_from_slice(&claim.to_le_bytes());
         hello.extend_from_slice(&stripe.to_le_bytes());
         hello.extend_from_slice(&of.to_le_bytes());
         // No control endpoint: side streams would stay on this connection.
         hello.extend_from_slice(&0u16.to_le_bytes());
-        send.write_all(&hello).await.map_err(|e| e.to_string())?;
-        let mut recv = conn.accept_uni().await.map_err(|e| e.to_string())?;
-        let mut answer = [0u8; 14];
-        recv.read_exact(&mut answer).await.map_err(|e| e.to_string())?;
-        Ok(())
+        let exchange = async {
+            let mut send = conn.open_uni().await?;
+            send.write_all(&hello).await?;
+            let mut recv = conn.accept_uni().await?;
+            let mut answer = [0u8; 14];
+            recv.read_exact(&mut answer).await?;
+            Ok::<(), BoxError>(())
+        };
+        exchange.await.map_err(|e| close_reason_or(&conn, e))
     };
     tokio::time::timeout(Duration::from_secs(10), attempt).await.expect("refusal must be prompt, not a hang")
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why `conn` failed: in TLS 1.3 the client finishes its handshake before the server has checked the
+/// client's certificate, so a refusal often surfaces as a stream error ("connection lost") whose
+/// text hides the server's alert. The connection's close reason carries it; fall back to `err`.
+fn close_reason_or(conn: &quinn::Connection, err: BoxError) -> String {
+    match conn.close_reason() {
+        Some(reason) => reason.to_string(),
+        None => err.to_string(),
+    }
 }
 
 fn client_config(roots_from: &ClusterCa, client_cert: Option<&NodeIdentity>) -> rustls::ClientConfig {
@@ -202,8 +217,12 @@ async fn rogue_control(mut client: rustls::ClientConfig, addr: SocketAddr, serve
     let endpoint = quinn::Endpoint::client(LOOPBACK.parse().unwrap()).unwrap();
     let config = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(client).unwrap()));
     let conn = endpoint.connect_with(config, addr, &rank_name(server_rank)).unwrap().await.map_err(|e| e.to_string())?;
-    let mut send = conn.open_uni().await.map_err(|e| e.to_string())?;
-    send.write_all(hello).await.map_err(|e| e.to_string())?;
+    let send = async {
+        let mut send = conn.open_uni().await?;
+        send.write_all(hello).await?;
+        Ok::<(), BoxError>(())
+    };
+    send.await.map_err(|e| close_reason_or(&conn, e))?;
     match tokio::time::timeout(Duration::from_secs(1), conn.closed()).await {
         Ok(reason) => Err(reason.to_string()),
         Err(_) => Ok(()),
