@@ -279,6 +279,9 @@ async fn simulate(scenario: &Scenario, seed: u64, data: Arc<Dataset>, mesh: Opti
         heartbeat_timeout: e.heartbeat_timeout,
         rendezvous_timeout: e.rendezvous_timeout,
         prepare_timeout: e.prepare_timeout,
+        // The simulated members' final reports are immediate; the scenarios' traces were recorded
+        // with the finishing wait bounded by the prepare timeout, and keep it.
+        finish_timeout: e.prepare_timeout,
         verify_every: 1,
         checkpoint_every: e.checkpoint_every,
         transport: Wire::Injected,

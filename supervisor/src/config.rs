@@ -131,6 +131,11 @@ pub struct ElasticConfig {
     pub rendezvous_timeout: Duration,
     /// How long a `Prepare` round may take before the unresponsive members are dropped.
     pub prepare_timeout: Duration,
+    /// How long the supervisor waits, once the last step is committed, for the members' final
+    /// reports (the final evaluation: probes over a whole test split can take minutes) before it
+    /// finishes the job without the late ones. A dead member is still caught at once by its
+    /// heartbeats or lost link; this bounds only a live member whose evaluation is stuck.
+    pub finish_timeout: Duration,
     /// Bound on any one collective operation's wait.
     pub collective_timeout: Duration,
     /// Parameter checksums are compared across replicas every this many steps (and at the end).
@@ -180,6 +185,7 @@ impl Default for ElasticConfig {
             heartbeat_timeout: Duration::from_millis(1500),
             rendezvous_timeout: Duration::from_secs(120),
             prepare_timeout: Duration::from_secs(30),
+            finish_timeout: Duration::from_secs(30 * 60),
             collective_timeout: Duration::from_secs(60),
             verify_every: 50,
             checkpoint_every: 0,
@@ -248,6 +254,7 @@ impl ElasticConfig {
                 "heartbeat_timeout_ms" => self.heartbeat_timeout = ms()?,
                 "rendezvous_timeout_ms" => self.rendezvous_timeout = ms()?,
                 "prepare_timeout_ms" => self.prepare_timeout = ms()?,
+                "finish_timeout_ms" => self.finish_timeout = ms()?,
                 "collective_timeout_ms" => self.collective_timeout = ms()?,
                 "verify_every" => self.verify_every = int()?,
                 "checkpoint_every" => self.checkpoint_every = int()?,
@@ -286,7 +293,7 @@ impl ElasticConfig {
                         p.budget = b;
                     }
                 }
-                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, sharding, snapshot_every, repartition)") }),
+                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, finish_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, sharding, snapshot_every, repartition)") }),
             }
         }
         Ok(())

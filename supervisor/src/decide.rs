@@ -687,8 +687,9 @@ impl SupervisorCore {
                 }
                 self.reform(now)?;
             }
-            Phase::Finishing { since, members } if now.duration_since(*since) > self.options.elastic.prepare_timeout => {
+            Phase::Finishing { since, members } if now.duration_since(*since) > self.options.elastic.finish_timeout => {
                 let late: Vec<u64> = members.iter().copied().filter(|n| self.members.get(n).is_some_and(|m| m.finished.is_none())).collect();
+                tracing::warn!(late = late.len(), bound_ms = self.options.elastic.finish_timeout.as_millis() as u64, "members sent no final report within elastic.finish_timeout; finishing without them (their evaluation is lost)");
                 for node in late {
                     self.members.remove(&node);
                 }

@@ -246,3 +246,63 @@ fn a_mesh_step_checksum_covers_every_slot_and_names_the_slot_whose_replicas_disa
     assert_eq!(diverged, Err((1, vec![1, 9])));
     assert_eq!(combined_checksum(&members, 2, |node| (node != 12).then_some(1)), Ok(None));
 }
+
+/// Drives a 2-worker job to its end (100 steps) and returns the driver in `Finishing`.
+fn finishing(elastic: ElasticConfig) -> Driver {
+    let mut d = Driver::new(ElasticConfig { start_workers: 2, max_workers: 2, ..elastic });
+    let mut commands = d.join(1);
+    commands.extend(d.join(2));
+    d.ready_all(&commands, |_| None);
+    for step in 0..99 {
+        d.step(&[1, 2], 1, step);
+    }
+    let last = d.step(&[1, 2], 1, 99);
+    let finish_sent = last.iter().filter(|c| matches!(c, Command::Tell { msg: ToWorker::Finish, .. })).count();
+    assert_eq!(finish_sent, 2, "{last:?}");
+    assert_eq!(d.core.status().phase, "finishing");
+    d
+}
+
+/// Both members heartbeat for `secs` seconds of virtual time, one tick a second.
+fn heartbeat_for(d: &mut Driver, secs: u64) -> Vec<Command> {
+    let mut out = Vec::new();
+    for _ in 0..secs {
+        d.now += Duration::from_millis(999);
+        for node in [1, 2] {
+            out.extend(d.message(node, ToSupervisor::Heartbeat { node, generation: 1, completed: Some(99) }));
+        }
+        out.extend(d.send(Input::Tick));
+    }
+    out
+}
+
+fn finished_eval(commands: &[Command]) -> Option<Vec<(String, f64)>> {
+    commands.iter().find_map(|c| match c {
+        Command::Emit(JobEvent::Finished { eval, .. }) => Some(eval.clone()),
+        _ => None,
+    })
+}
+
+/// Goal: the final evaluation is bounded by `finish_timeout`, not by `prepare_timeout`: a live
+/// member whose probes take longer than the prepare timeout (here 90 s against 30 s) still
+/// delivers its metrics; one that never reports is left out once `finish_timeout` passes, and the
+/// job finishes then, not before.
+#[test]
+fn the_final_evaluation_may_outlast_the_prepare_timeout_but_not_the_finish_timeout() {
+    let prepare = ElasticConfig::default().prepare_timeout;
+    let mut d = finishing(ElasticConfig::default());
+    assert!(d.message(1, ToSupervisor::Finished { node: 1, checksum: 7, eval: Vec::new(), compute_s: 1.0, control_s: 0.0, loop_s: 1.0 }).is_empty());
+    let waited = heartbeat_for(&mut d, prepare.as_secs() * 3);
+    assert_eq!(finished_eval(&waited), None, "the job finished before the evaluation did");
+    let probes = vec![("probe_test_acc".to_string(), 0.88)];
+    let done = d.message(2, ToSupervisor::Finished { node: 2, checksum: 7, eval: probes.clone(), compute_s: 1.0, control_s: 0.0, loop_s: 1.0 });
+    assert_eq!(finished_eval(&done), Some(probes));
+
+    let bound = Duration::from_secs(120);
+    let mut d = finishing(ElasticConfig { finish_timeout: bound, ..ElasticConfig::default() });
+    d.message(1, ToSupervisor::Finished { node: 1, checksum: 7, eval: vec![("loss".into(), 1.0)], compute_s: 1.0, control_s: 0.0, loop_s: 1.0 });
+    assert_eq!(finished_eval(&heartbeat_for(&mut d, bound.as_secs() - 5)), None);
+    let late = heartbeat_for(&mut d, 10);
+    assert_eq!(finished_eval(&late), Some(vec![("loss".into(), 1.0)]), "the stuck member was not left out at finish_timeout");
+    assert_eq!(d.core.status().phase, "done");
+}
