@@ -10,15 +10,13 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rustytorch::config::TrainConfig;
-use rustytorch::data::DataRoot;
 use rustytorch::metrics::read_metrics;
-use rustytorch::train::{TrainOptions, Trainer};
+use rustytorch::train::Trainer;
 use serde_json::Value;
-use support::{signal, Launch};
+use support::{digits, signal, state_bits, train_options as options, Launch};
 
 /// Collapse floor of the reference config: a healthy run stays around 0.2-0.5; every image
 /// mapped to one vector gives 0.
@@ -67,22 +65,6 @@ seed = 3
 log_every = 5
 eval_every = 20
 "#;
-
-fn digits(root: &Path) -> DataRoot {
-    let data = DataRoot::new(root.join("data"));
-    std::fs::create_dir_all(data.path().join("digits")).unwrap();
-    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tensor/tests/fixtures/digits.csv.gz"), data.digits_csv()).unwrap();
-    data
-}
-
-fn options(data: &DataRoot, out: PathBuf, resume: bool) -> TrainOptions {
-    TrainOptions { out_dir: Some(out), resume, ..TrainOptions::new(data.clone()) }
-}
-
-/// Parameters and buffers, as bits, by name.
-fn state_bits(trainer: &Trainer) -> Vec<(String, Vec<u32>)> {
-    trainer.model().module().named_state().into_iter().map(|(n, t)| (n, t.to_f32_vec().unwrap().into_iter().map(f32::to_bits).collect())).collect()
-}
 
 #[test]
 fn ijepa_does_not_collapse_and_its_probes_beat_chance() {
@@ -225,6 +207,8 @@ fn ijepa_under_launch_survives_a_killed_worker_with_identical_replicas() {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
+    use rustytorch::data::DataRoot;
+    use std::path::Path;
 
     const DIGITS_IJEPA_GPU: &str = r#"
 [model]

@@ -6,11 +6,14 @@
 //! (`bash scripts/fetch-data.sh`) and writes its token cache there, as `rtx train` does.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+mod support;
+
+use std::path::Path;
 
 use rustytorch::config::TrainConfig;
 use rustytorch::data::{tokenize_corpus_cached, DataRoot, Gpt2Tokenizer, TextCorpus, GPT2_EOT};
 use rustytorch::train::{self, TrainError, TrainOptions, Trainer};
+use support::train_options as options;
 
 const DIGITS_MLP: &str = r#"
 [model]
@@ -56,10 +59,6 @@ fn data_dir(root: &Path, text: bool) -> DataRoot {
         }
     }
     data
-}
-
-fn options(data: &DataRoot, out: PathBuf, resume: bool) -> TrainOptions {
-    TrainOptions { out_dir: Some(out), resume, ..TrainOptions::new(data.clone()) }
 }
 
 /// Every parameter's f32 bits, by name.

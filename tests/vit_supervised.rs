@@ -5,12 +5,12 @@
 //! Uses the digits fixture (8×8 images, no download).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+mod support;
 
 use rustytorch::config::{ModelConfig, TrainConfig};
-use rustytorch::data::DataRoot;
 use rustytorch::metrics::read_metrics;
-use rustytorch::train::{TrainOptions, Trainer};
+use rustytorch::train::Trainer;
+use support::{digits, state_bits, train_options as options};
 
 const DIGITS_VIT: &str = r#"
 [model]
@@ -43,21 +43,6 @@ seed = 5
 log_every = 10
 eval_every = 50
 "#;
-
-fn digits(root: &Path) -> DataRoot {
-    let data = DataRoot::new(root.join("data"));
-    std::fs::create_dir_all(data.path().join("digits")).unwrap();
-    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tensor/tests/fixtures/digits.csv.gz"), data.digits_csv()).unwrap();
-    data
-}
-
-fn options(data: &DataRoot, out: PathBuf, resume: bool) -> TrainOptions {
-    TrainOptions { out_dir: Some(out), resume, ..TrainOptions::new(data.clone()) }
-}
-
-fn param_bits(trainer: &Trainer) -> Vec<(String, Vec<u32>)> {
-    trainer.model().module().named_state().into_iter().map(|(n, t)| (n, t.to_f32_vec().unwrap().into_iter().map(f32::to_bits).collect())).collect()
-}
 
 #[test]
 fn the_supervised_vit_learns_to_classify_digits() {
@@ -97,7 +82,7 @@ fn supervised_vit_resume_is_bit_exact() {
     drop(first);
     let mut resumed = Trainer::new(TrainConfig::from_toml_str(&text).unwrap(), options(&data, resumed_out, true)).unwrap();
     resumed.train_until(12).unwrap();
-    assert_eq!(param_bits(&straight), param_bits(&resumed));
+    assert_eq!(state_bits(&straight), state_bits(&resumed));
 }
 
 #[test]

@@ -19,7 +19,7 @@ use rustytorch::data::DataRoot;
 use rustytorch::metrics::read_metrics;
 use rustytorch::train::{TrainOptions, Trainer};
 use serde_json::Value;
-use support::{signal, Launch};
+use support::{signal, state_bits, Launch};
 
 /// Collapse floor: every clip mapped to one vector gives 0.
 const FEATURE_STD_FLOOR: f64 = 0.05;
@@ -86,11 +86,6 @@ fn data() -> DataRoot {
 
 fn options(out: PathBuf, resume: bool) -> TrainOptions {
     TrainOptions { out_dir: Some(out), resume, ..TrainOptions::new(data()) }
-}
-
-/// Parameters and buffers, as bits, by name.
-fn state_bits(trainer: &Trainer) -> Vec<(String, Vec<u32>)> {
-    trainer.model().module().named_state().into_iter().map(|(n, t)| (n, t.to_f32_vec().unwrap().into_iter().map(f32::to_bits).collect())).collect()
 }
 
 #[test]

@@ -99,13 +99,19 @@ pub struct ReadoutReport {
     pub direction: Option<(f64, f64)>,
 }
 
+/// The I-JEPA encoder's ViT for grayscale images of `image` = `[h, w]`, mean-pooled, no head; the
+/// supervised twin (`model.kind = "vit"`) is this plus a head.
+pub(crate) fn encoder_config(image: [usize; 2], patch_size: usize, d_model: usize, n_layers: usize, n_heads: usize) -> VitConfig {
+    VitConfig { image_size: image, patch_size, in_channels: 1, d_model, n_layers, n_heads, pooling: Pooling::Mean, ..VitConfig::default() }
+}
+
 /// The I-JEPA model of `config` for images of `image` = `[h, w]` (grayscale), drawn from `rng`.
 pub(crate) fn build(config: &TrainConfig, image: [usize; 2], rng: &mut Generator) -> Result<(IJepa, JepaSetup)> {
     let ModelConfig::IJepa { patch_size, d_model, n_layers, n_heads, ref video } = config.model else {
         return Err(TrainError::Internal("an I-JEPA setup for another model kind".into()));
     };
     let j = jepa_config(config)?;
-    let mut encoder = VitConfig { image_size: image, patch_size, in_channels: 1, d_model, n_layers, n_heads, pooling: Pooling::Mean, ..VitConfig::default() };
+    let mut encoder = encoder_config(image, patch_size, d_model, n_layers, n_heads);
     if let Some(v) = video {
         encoder.image_size = [v.canvas, v.canvas];
         encoder.frames = v.frames;

@@ -68,17 +68,7 @@ impl Model {
             }
             ModelConfig::Vit { patch_size, d_model, n_layers, n_heads } => {
                 let image = data.image_size().ok_or_else(|| super::TrainError::Internal("a ViT classifier needs image data".into()))?;
-                // The I-JEPA encoder's configuration (super::jepa::build), plus the head.
-                let cfg = nn::VitConfig {
-                    image_size: image,
-                    patch_size: *patch_size,
-                    in_channels: 1,
-                    d_model: *d_model,
-                    n_layers: *n_layers,
-                    n_heads: *n_heads,
-                    n_classes: Some(data.n_classes()),
-                    ..nn::VitConfig::default()
-                };
+                let cfg = nn::VitConfig { n_classes: Some(data.n_classes()), ..super::jepa::encoder_config(image, *patch_size, *d_model, *n_layers, *n_heads) };
                 let vit = nn::Vit::new(cfg, rng)?;
                 // Positions start at 2-D sin-cos, as the I-JEPA encoder's.
                 let grid = [image[0] / patch_size, image[1] / patch_size];

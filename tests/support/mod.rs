@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use rustytorch::data::DataRoot;
+use rustytorch::train::{TrainOptions, Trainer};
 use serde_json::Value;
 
 /// The `rtx` binary, run from the repository root.
@@ -101,4 +103,22 @@ pub fn alive(pid: u32) -> bool {
         Ok(stat) => stat.split_whitespace().nth(2).is_none_or(|s| s != "Z"),
         Err(_) => false,
     }
+}
+
+/// A data root under `root` holding the bundled digits fixture (8x8 images, 10 classes).
+pub fn digits(root: &Path) -> DataRoot {
+    let data = DataRoot::new(root.join("data"));
+    std::fs::create_dir_all(data.path().join("digits")).unwrap();
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tensor/tests/fixtures/digits.csv.gz"), data.digits_csv()).unwrap();
+    data
+}
+
+/// In-process training options writing to `out`, resuming from it when `resume`.
+pub fn train_options(data: &DataRoot, out: PathBuf, resume: bool) -> TrainOptions {
+    TrainOptions { out_dir: Some(out), resume, ..TrainOptions::new(data.clone()) }
+}
+
+/// Parameters and buffers (an EMA target encoder's included), as f32 bits, by name.
+pub fn state_bits(trainer: &Trainer) -> Vec<(String, Vec<u32>)> {
+    trainer.model().module().named_state().into_iter().map(|(n, t)| (n, t.to_f32_vec().unwrap().into_iter().map(f32::to_bits).collect())).collect()
 }
