@@ -15,6 +15,7 @@
 
 use crate::error::{check_len, product, Error, Result};
 use crate::float::Float;
+use crate::simd::dispatch;
 use crate::threading::should_parallelize;
 use rayon::prelude::*;
 
@@ -81,11 +82,7 @@ pub fn attention_forward<T: Float>(spec: AttentionSpec, q: Heads<'_, T>, k: Head
             let rows = i1 - i0;
             // S = scale · Q[i0..i1] · K[..kl]ᵀ into the probs rows.
             gemm_serial(rows, kl, d, &mut p[i0 * tk..], tk, false, q.data, qo + i0 * q.row_stride, q.row_stride, 1, k.data, ko, 1, k.row_stride, scale);
-            for i in i0..i1 {
-                let row = &mut p[i * tk..(i + 1) * tk];
-                let seen = spec.key_limit(i + 1);
-                softmax_prefix(row, seen);
-            }
+            softmax_rows(&spec, i0, &mut p[i0 * tk..i1 * tk]);
             // O[i0..i1] = P[i0..i1, ..kl] · V[..kl].
             if kl == 0 {
                 o[i0 * dv..i1 * dv].fill(T::zero());
@@ -159,14 +156,7 @@ pub fn attention_backward<T: Float>(
             // dP = dO[i0..i1] · V[..kl]ᵀ.
             gemm_serial(rows, kl, dv, ds, tk, false, go, g_off + i0 * g_rs, g_rs, 1, v.data, vo, 1, v.row_stride, T::one());
             // dS = scale · P ⊙ (dP − Σⱼ P ⊙ dP), row by row.
-            for r in 0..rows {
-                let pr = &p[(i0 + r) * tk..(i0 + r) * tk + kl];
-                let sr = &mut ds[r * tk..r * tk + kl];
-                let dot = dot_lanes(pr, sr);
-                for (s, &pv) in sr.iter_mut().zip(pr) {
-                    *s = scale * pv * (*s - dot);
-                }
-            }
+            score_grad_rows(&p[i0 * tk..i1 * tk], tk, kl, scale, &mut ds[..rows * tk]);
             // dQ[i0..i1] = dS · K[..kl].
             gemm_serial(rows, d, kl, &mut dq[i0 * d..], d, false, ds, 0, tk, 1, k.data, ko, k.row_stride, 1, T::one());
             // dK[..kl] += dSᵀ · Q[i0..i1].
@@ -211,18 +201,50 @@ fn check_operands<T>(op: &'static str, spec: &AttentionSpec, q: &Heads<'_, T>, k
     Ok(n_heads)
 }
 
+/// Softmax of the score rows `i0..` held in `p` (whole rows of `tk`), each over the keys it
+/// sees ([`softmax_prefix`]).
+#[inline(always)]
+fn softmax_rows_body<T: Float>(spec: &AttentionSpec, i0: usize, p: &mut [T]) {
+    for (r, row) in p.chunks_exact_mut(spec.tk).enumerate() {
+        softmax_prefix(row, spec.key_limit(i0 + r + 1));
+    }
+}
+
+dispatch! {
+    fn softmax_rows[T](spec: &AttentionSpec, i0: usize, p: &mut [T]) = softmax_rows_body where [T: Float];
+}
+
+/// `dS = scale · P ⊙ (dP − Σⱼ P ⊙ dP)` in place on the first `kl` columns of each row of `ds`
+/// (rows of `tk`, as `p`).
+#[inline(always)]
+fn score_grad_rows_body<T: Float>(p: &[T], tk: usize, kl: usize, scale: T, ds: &mut [T]) {
+    for (pr, sr) in p.chunks_exact(tk).zip(ds.chunks_exact_mut(tk)) {
+        let (pr, sr) = (&pr[..kl], &mut sr[..kl]);
+        let dot = dot_lanes(pr, sr);
+        for (s, &pv) in sr.iter_mut().zip(pr) {
+            *s = scale * pv * (*s - dot);
+        }
+    }
+}
+
+dispatch! {
+    fn score_grad_rows[T](p: &[T], tk: usize, kl: usize, scale: T, ds: &mut [T]) = score_grad_rows_body where [T: Float];
+}
+
 /// In place on one score row: softmax over the first `seen` entries, zeros after them; all
-/// zeros when `seen` is 0.
+/// zeros when `seen` is 0. The maximum and the sum run in eight fixed lanes; `exp` is
+/// [`Float::fast_exp`].
+#[inline(always)]
 fn softmax_prefix<T: Float>(row: &mut [T], seen: usize) {
     let (live, dead) = row.split_at_mut(seen);
     dead.fill(T::zero());
     if live.is_empty() {
         return;
     }
-    let max = live.iter().fold(T::neg_infinity(), |m, &x| if x > m { x } else { m });
+    let max = max_lanes(live);
     let max = if max.is_finite() { max } else { T::zero() };
     for x in live.iter_mut() {
-        *x = (*x - max).exp();
+        *x = (*x - max).fast_exp();
     }
     let sum = dot_lanes_sum(live);
     let inv = T::one() / sum;
@@ -231,7 +253,27 @@ fn softmax_prefix<T: Float>(row: &mut [T], seen: usize) {
     }
 }
 
+/// The largest element (−∞ for none; NaNs are skipped unless all are NaN, which gives −∞ too,
+/// and the row's exps then carry the NaN).
+#[inline(always)]
+fn max_lanes<T: Float>(a: &[T]) -> T {
+    let mut lanes = [T::neg_infinity(); 8];
+    let chunks = a.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for l in 0..8 {
+            lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
+        }
+    }
+    let mut m = lanes.iter().fold(T::neg_infinity(), |m, &x| if x > m { x } else { m });
+    for &x in rest {
+        m = if x > m { x } else { m };
+    }
+    m
+}
+
 /// Σ a ⊙ b in eight fixed lanes (vectorizes; the order is fixed, so it is deterministic).
+#[inline(always)]
 fn dot_lanes<T: Float>(a: &[T], b: &[T]) -> T {
     debug_assert_eq!(a.len(), b.len());
     let mut lanes = [T::zero(); 8];
@@ -250,6 +292,7 @@ fn dot_lanes<T: Float>(a: &[T], b: &[T]) -> T {
 }
 
 /// Σ a in eight fixed lanes.
+#[inline(always)]
 fn dot_lanes_sum<T: Float>(a: &[T]) -> T {
     crate::reduce::sum(a)
 }
