@@ -93,8 +93,8 @@ pub fn layer_norm_backward<T: Float>(
     rstd: &[T],
     dy: &[T],
     dx: &mut [T],
-    dw: Option<&mut [T]>,
-    db: Option<&mut [T]>,
+    mut dw: Option<&mut [T]>,
+    mut db: Option<&mut [T]>,
 ) -> Result<()> {
     const OP: &str = "layer_norm_backward";
     check_eq(OP, "dy", dy, x.len())?;
@@ -108,39 +108,60 @@ pub fn layer_norm_backward<T: Float>(
     if n == 0 {
         return Ok(());
     }
-    // Parameter gradients: column sums, row order fixed.
-    if dw.is_some() || db.is_some() {
-        layer_norm_param_grads(x, n, mean, rstd, dy, dw, db);
+    // Fixed chunks of rows: each computes its dx rows and its partial parameter gradients in one
+    // pass; the partials are then added in chunk order, whatever the thread count.
+    let (want_dw, want_db) = (dw.is_some(), db.is_some());
+    let n_chunks = rows.div_ceil(GRAD_CHUNK_ROWS);
+    let mut partials = vec![T::zero(); if want_dw || want_db { n_chunks * 2 * n } else { 0 }];
+    let len = GRAD_CHUNK_ROWS * n;
+    let chunk = |(c, (dx, (x, dy))): (usize, (&mut [T], (&[T], &[T]))), partial: &mut [T]| {
+        let r = c * GRAD_CHUNK_ROWS..c * GRAD_CHUNK_ROWS + x.len() / n;
+        layer_norm_backward_rows(x, n, w, &mean[r.clone()], &rstd[r], dy, dx, partial, want_dw, want_db);
+    };
+    let chunks = dx.par_chunks_mut(len).zip(x.par_chunks(len).zip(dy.par_chunks(len))).enumerate();
+    match (want_dw || want_db, should_parallelize(x.len())) {
+        (true, true) => chunks.zip(partials.par_chunks_mut(2 * n)).for_each(|(a, p)| chunk(a, p)),
+        (false, true) => chunks.for_each(|a| chunk(a, &mut [])),
+        (true, false) => dx.chunks_mut(len).zip(x.chunks(len).zip(dy.chunks(len))).enumerate().zip(partials.chunks_mut(2 * n)).for_each(|(a, p)| chunk(a, p)),
+        (false, false) => dx.chunks_mut(len).zip(x.chunks(len).zip(dy.chunks(len))).enumerate().for_each(|a| chunk(a, &mut [])),
     }
-    if should_parallelize(x.len()) {
-        let rows_per_chunk = (chunk_len(x.len()) / n).max(1);
-        let len = rows_per_chunk * n;
-        dx.par_chunks_mut(len)
-            .zip(x.par_chunks(len).zip(dy.par_chunks(len)))
-            .zip(mean.par_chunks(rows_per_chunk).zip(rstd.par_chunks(rows_per_chunk)))
-            .for_each(|((dx, (x, dy)), (m, r))| layer_norm_dx_rows(x, n, w, m, r, dy, dx));
-    } else {
-        layer_norm_dx_rows(x, n, w, mean, rstd, dy, dx);
+    for part in partials.chunks_exact(2 * n) {
+        let (pw, pb) = part.split_at(n);
+        if let Some(dw) = dw.as_deref_mut() {
+            dw.iter_mut().zip(pw).for_each(|(d, &p)| *d = *d + p);
+        }
+        if let Some(db) = db.as_deref_mut() {
+            db.iter_mut().zip(pb).for_each(|(d, &p)| *d = *d + p);
+        }
     }
     Ok(())
 }
 
-/// `dw += Σ_rows dy ⊙ x̂`, `db += Σ_rows dy`, rows in order.
+/// Rows per chunk of [`layer_norm_backward`] (the unit of its parameter-gradient partial sums).
+const GRAD_CHUNK_ROWS: usize = 128;
+
+/// [`layer_norm_backward`] of whole rows: `dx`, and, as asked, `partial[..n] = Σ_rows dy ⊙ x̂`
+/// and `partial[n..] = Σ_rows dy` in row order (`partial` is zero on entry).
 #[inline(always)]
-fn layer_norm_param_grads_body<T: Float>(x: &[T], n: usize, mean: &[T], rstd: &[T], dy: &[T], mut dw: Option<&mut [T]>, mut db: Option<&mut [T]>) {
-    for (i, (xr, gr)) in x.chunks_exact(n).zip(dy.chunks_exact(n)).enumerate() {
-        let (mu, rs) = (mean[i], rstd[i]);
-        if let Some(dw) = dw.as_deref_mut() {
-            dw.iter_mut().zip(gr.iter().zip(xr)).for_each(|(d, (&g, &v))| *d = *d + g * (v - mu) * rs);
-        }
-        if let Some(db) = db.as_deref_mut() {
-            db.iter_mut().zip(gr).for_each(|(d, &g)| *d = *d + g);
+#[allow(clippy::too_many_arguments)]
+fn layer_norm_backward_rows_body<T: Float>(x: &[T], n: usize, w: Option<&[T]>, mean: &[T], rstd: &[T], dy: &[T], dx: &mut [T], partial: &mut [T], want_dw: bool, want_db: bool) {
+    if want_dw || want_db {
+        let (pw, pb) = partial.split_at_mut(n);
+        for (i, (xr, gr)) in x.chunks_exact(n).zip(dy.chunks_exact(n)).enumerate() {
+            let (mu, rs) = (mean[i], rstd[i]);
+            if want_dw {
+                pw.iter_mut().zip(gr.iter().zip(xr)).for_each(|(d, (&g, &v))| *d = *d + g * (v - mu) * rs);
+            }
+            if want_db {
+                pb.iter_mut().zip(gr).for_each(|(d, &g)| *d = *d + g);
+            }
         }
     }
+    layer_norm_dx_rows_body(x, n, w, mean, rstd, dy, dx);
 }
 
 dispatch! {
-    fn layer_norm_param_grads[T](x: &[T], n: usize, mean: &[T], rstd: &[T], dy: &[T], dw: Option<&mut [T]>, db: Option<&mut [T]>) = layer_norm_param_grads_body where [T: Float];
+    fn layer_norm_backward_rows[T](x: &[T], n: usize, w: Option<&[T]>, mean: &[T], rstd: &[T], dy: &[T], dx: &mut [T], partial: &mut [T], want_dw: bool, want_db: bool) = layer_norm_backward_rows_body where [T: Float];
 }
 
 /// `dx` of whole rows: with `g = dy ⊙ w`, `dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂))`.
@@ -158,9 +179,6 @@ fn layer_norm_dx_rows_body<T: Float>(x: &[T], n: usize, w: Option<&[T]>, mean: &
     }
 }
 
-dispatch! {
-    fn layer_norm_dx_rows[T](x: &[T], n: usize, w: Option<&[T]>, mean: &[T], rstd: &[T], dy: &[T], dx: &mut [T]) = layer_norm_dx_rows_body where [T: Float];
-}
 
 /// RMS norm forward: `y = x · rstd · w`, `rstd = 1/sqrt(mean(x²) + eps)` per row; writes `rstd`.
 /// Errors when a length does not match: `y` as `x`, `rstd` one per row, `w` of `n`.
@@ -348,6 +366,26 @@ mod tests {
                         assert!((f64::from(dx[r * n + j]) - dx_ref[j]).abs() < 1e-4, "dx n={n} row {r} col {j}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn layer_norm_parameter_gradients_sum_every_row() {
+        // Goal: dw and db, summed in chunks of rows and added onto what was there, equal
+        // Σ dy·x̂ and Σ dy over every row (row counts below and across the chunk size).
+        let n = 24;
+        for rows in [1usize, 127, 300] {
+            let x: Vec<f64> = (0..rows * n).map(|i| ((i * 37 % 101) as f64 - 50.0) / 17.0).collect();
+            let dy: Vec<f64> = (0..rows * n).map(|i| ((i * 53 % 97) as f64 - 48.0) / 23.0).collect();
+            let (mut y, mut mean, mut rstd) = (vec![0.0; rows * n], vec![0.0; rows], vec![0.0; rows]);
+            layer_norm_forward(&x, n, None, None, 1e-5, &mut y, &mut mean, &mut rstd).unwrap();
+            let (mut dx, mut dw, mut db) = (vec![0.0; rows * n], vec![1.0; n], vec![2.0; n]);
+            layer_norm_backward(&x, n, None, &mean, &rstd, &dy, &mut dx, Some(&mut dw), Some(&mut db)).unwrap();
+            for j in 0..n {
+                let want_w: f64 = 1.0 + (0..rows).map(|r| dy[r * n + j] * (x[r * n + j] - mean[r]) * rstd[r]).sum::<f64>();
+                let want_b: f64 = 2.0 + (0..rows).map(|r| dy[r * n + j]).sum::<f64>();
+                assert!((dw[j] - want_w).abs() < 1e-9 && (db[j] - want_b).abs() < 1e-9, "rows {rows} col {j}");
             }
         }
     }
