@@ -108,13 +108,12 @@ fn fast_tanh_f32(a: f32) -> f32 {
 #[allow(clippy::excessive_precision)]
 #[inline(always)]
 fn fast_exp_f32(x: f32) -> f32 {
-    const LOG2E: f32 = 1.442_695_04;
     const LN2_HI: f32 = 0.693_359_375;
     const LN2_LO: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0;
     const LOWEST: f32 = -87.33;
     let xc = x.clamp(LOWEST, 88.73);
-    let t = xc.mul_add(LOG2E, ROUND);
+    let t = xc.mul_add(std::f32::consts::LOG2_E, ROUND);
     let n = t - ROUND;
     let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, xc));

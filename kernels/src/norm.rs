@@ -114,6 +114,7 @@ pub fn layer_norm_backward<T: Float>(
     let n_chunks = rows.div_ceil(GRAD_CHUNK_ROWS);
     let mut partials = vec![T::zero(); if want_dw || want_db { n_chunks * 2 * n } else { 0 }];
     let len = GRAD_CHUNK_ROWS * n;
+    #[allow(clippy::type_complexity)]
     let chunk = |(c, (dx, (x, dy))): (usize, (&mut [T], (&[T], &[T]))), partial: &mut [T]| {
         let r = c * GRAD_CHUNK_ROWS..c * GRAD_CHUNK_ROWS + x.len() / n;
         layer_norm_backward_rows(x, n, w, &mean[r.clone()], &rstd[r], dy, dx, partial, want_dw, want_db);

@@ -129,6 +129,7 @@ pub fn attention_backward<T: Float>(
         dv_out[..n_heads * tk * dv].fill(T::zero());
         return Ok(());
     }
+    #[allow(clippy::type_complexity)]
     let head = |s: &mut Scratch<T>, (h, (a, (b, c))): (usize, (&mut [T], (&mut [T], &mut [T])))| {
         b.fill(T::zero());
         c.fill(T::zero());
