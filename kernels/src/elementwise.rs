@@ -8,6 +8,7 @@
 //! Lengths are checked up front: a slice of the wrong length is a typed [`Error`], never a panic.
 
 use crate::error::{check_eq, product, Error, Result};
+use crate::simd::dispatch;
 use crate::threading::{chunk_len, should_parallelize};
 use rayon::prelude::*;
 
@@ -20,67 +21,117 @@ pub fn map<A: Copy + Send + Sync, B: Copy + Send + Sync>(src: &[A], dst: &mut [B
 
 /// [`map`] over the common prefix of `src` and `dst` (callers that made them equal).
 pub(crate) fn map_zipped<A: Copy + Send + Sync, B: Copy + Send + Sync>(src: &[A], dst: &mut [B], f: impl Fn(A) -> B + Sync + Send) {
-    let run = |s: &[A], d: &mut [B]| {
-        for (o, i) in d.iter_mut().zip(s) {
-            *o = f(*i);
-        }
-    };
     if should_parallelize(src.len()) {
         let c = chunk_len(src.len());
-        src.par_chunks(c).zip(dst.par_chunks_mut(c)).for_each(|(s, d)| run(s, d));
+        src.par_chunks(c).zip(dst.par_chunks_mut(c)).for_each(|(s, d)| map_run(s, d, &f));
     } else {
-        run(src, dst);
+        map_run(src, dst, &f);
     }
+}
+
+#[inline(always)]
+fn map_body<A: Copy, B: Copy, F: Fn(A) -> B>(s: &[A], d: &mut [B], f: &F) {
+    for (o, i) in d.iter_mut().zip(s) {
+        *o = f(*i);
+    }
+}
+
+dispatch! {
+    fn map_run[A, B, F](s: &[A], d: &mut [B], f: &F) = map_body where [A: Copy, B: Copy, F: Fn(A) -> B];
 }
 
 /// `dst[i] = f(dst[i])` in place.
 pub fn map_inplace<T: Copy + Send + Sync>(dst: &mut [T], f: impl Fn(T) -> T + Sync + Send) {
-    let run = |d: &mut [T]| {
-        for o in d.iter_mut() {
-            *o = f(*o);
-        }
-    };
     if should_parallelize(dst.len()) {
         let c = chunk_len(dst.len());
-        dst.par_chunks_mut(c).for_each(run);
+        dst.par_chunks_mut(c).for_each(|d| map_inplace_run(d, &f));
     } else {
-        run(dst);
+        map_inplace_run(dst, &f);
     }
+}
+
+#[inline(always)]
+fn map_inplace_body<T: Copy, F: Fn(T) -> T>(d: &mut [T], f: &F) {
+    for o in d.iter_mut() {
+        *o = f(*o);
+    }
+}
+
+dispatch! {
+    fn map_inplace_run[T, F](d: &mut [T], f: &F) = map_inplace_body where [T: Copy, F: Fn(T) -> T];
 }
 
 /// `dst[i] = f(a[i], b[i])`; the three slices must have the same length.
 pub fn zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync>(a: &[T], b: &[T], dst: &mut [U], f: impl Fn(T, T) -> U + Sync + Send) -> Result<()> {
     check_eq("zip_map", "a", a, dst.len())?;
     check_eq("zip_map", "b", b, dst.len())?;
-    let run = |a: &[T], b: &[T], d: &mut [U]| {
-        for ((o, x), y) in d.iter_mut().zip(a).zip(b) {
-            *o = f(*x, *y);
-        }
-    };
     if should_parallelize(dst.len()) {
         let c = chunk_len(dst.len());
-        a.par_chunks(c).zip(b.par_chunks(c)).zip(dst.par_chunks_mut(c)).for_each(|((a, b), d)| run(a, b, d));
+        a.par_chunks(c).zip(b.par_chunks(c)).zip(dst.par_chunks_mut(c)).for_each(|((a, b), d)| zip_run(a, b, d, &f));
     } else {
-        run(a, b, dst);
+        zip_run(a, b, dst, &f);
     }
     Ok(())
+}
+
+#[inline(always)]
+fn zip_body<T: Copy, U: Copy, F: Fn(T, T) -> U>(a: &[T], b: &[T], d: &mut [U], f: &F) {
+    for ((o, x), y) in d.iter_mut().zip(a).zip(b) {
+        *o = f(*x, *y);
+    }
+}
+
+dispatch! {
+    fn zip_run[T, U, F](a: &[T], b: &[T], d: &mut [U], f: &F) = zip_body where [T: Copy, U: Copy, F: Fn(T, T) -> U];
+}
+
+/// `dst[i] = f(a[i], b[i], c[i])`; the four slices must have the same length (a backward
+/// `g ⊙ f'(x, y)` in one pass).
+pub fn zip3_map<T: Copy + Send + Sync>(a: &[T], b: &[T], c: &[T], dst: &mut [T], f: impl Fn(T, T, T) -> T + Sync + Send) -> Result<()> {
+    check_eq("zip3_map", "a", a, dst.len())?;
+    check_eq("zip3_map", "b", b, dst.len())?;
+    check_eq("zip3_map", "c", c, dst.len())?;
+    if should_parallelize(dst.len()) {
+        let n = chunk_len(dst.len());
+        dst.par_chunks_mut(n).zip(a.par_chunks(n)).zip(b.par_chunks(n)).zip(c.par_chunks(n)).for_each(|(((d, a), b), c)| zip3_run(a, b, c, d, &f));
+    } else {
+        zip3_run(a, b, c, dst, &f);
+    }
+    Ok(())
+}
+
+#[inline(always)]
+fn zip3_body<T: Copy, F: Fn(T, T, T) -> T>(a: &[T], b: &[T], c: &[T], d: &mut [T], f: &F) {
+    for (((o, x), y), z) in d.iter_mut().zip(a).zip(b).zip(c) {
+        *o = f(*x, *y, *z);
+    }
+}
+
+dispatch! {
+    fn zip3_run[T, F](a: &[T], b: &[T], c: &[T], d: &mut [T], f: &F) = zip3_body where [T: Copy, F: Fn(T, T, T) -> T];
 }
 
 /// `dst[i] = f(dst[i], src[i])` in place; `src` must have the length of `dst`.
 pub fn zip_map_inplace<T: Copy + Send + Sync>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T + Sync + Send) -> Result<()> {
     check_eq("zip_map_inplace", "src", src, dst.len())?;
-    let run = |d: &mut [T], s: &[T]| {
-        for (o, x) in d.iter_mut().zip(s) {
-            *o = f(*o, *x);
-        }
-    };
     if should_parallelize(dst.len()) {
         let c = chunk_len(dst.len());
-        dst.par_chunks_mut(c).zip(src.par_chunks(c)).for_each(|(d, s)| run(d, s));
+        dst.par_chunks_mut(c).zip(src.par_chunks(c)).for_each(|(d, s)| zip_inplace_run(d, s, &f));
     } else {
-        run(dst, src);
+        zip_inplace_run(dst, src, &f);
     }
     Ok(())
+}
+
+#[inline(always)]
+fn zip_inplace_body<T: Copy, F: Fn(T, T) -> T>(d: &mut [T], s: &[T], f: &F) {
+    for (o, x) in d.iter_mut().zip(s) {
+        *o = f(*o, *x);
+    }
+}
+
+dispatch! {
+    fn zip_inplace_run[T, F](d: &mut [T], s: &[T], f: &F) = zip_inplace_body where [T: Copy, F: Fn(T, T) -> T];
 }
 
 /// Strided binary map over an output of `shape` (row-major, contiguous), reading
@@ -118,18 +169,42 @@ pub fn broadcast_zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync + Default>
         dst[0] = f(a[a_offset], b[b_offset]);
         return Ok(());
     }
-    let inner = shape[rank - 1];
-    let (sa, sb) = (a_strides[rank - 1], b_strides[rank - 1]);
-    let outer_shape = &shape[..rank - 1];
-    let row = |row_idx: usize, out: &mut [U]| {
+    let geometry = Geometry { inner: shape[rank - 1], outer_shape: &shape[..rank - 1], a_offset, a_strides, b_offset, b_strides };
+    let inner = geometry.inner;
+    if should_parallelize(total) && inner > 0 {
+        let rows_per_chunk = (chunk_len(total) / inner).max(1);
+        dst.par_chunks_mut(rows_per_chunk * inner).enumerate().for_each(|(ci, chunk)| broadcast_rows(&geometry, ci * rows_per_chunk, chunk, a, b, &f));
+    } else if inner > 0 {
+        broadcast_rows(&geometry, 0, dst, a, b, &f);
+    }
+    Ok(())
+}
+
+/// The layout of a [`broadcast_zip_map`]: rows of `inner` elements over `outer_shape`.
+struct Geometry<'a> {
+    inner: usize,
+    outer_shape: &'a [usize],
+    a_offset: usize,
+    a_strides: &'a [usize],
+    b_offset: usize,
+    b_strides: &'a [usize],
+}
+
+/// Output rows `first_row..` of a [`broadcast_zip_map`] into `out` (whole rows). The innermost
+/// dimension is a tight loop specialised for the stride patterns 1/1, 1/0 and 0/1.
+#[inline(always)]
+fn broadcast_rows_body<T: Copy, U: Copy, F: Fn(T, T) -> U>(g: &Geometry<'_>, first_row: usize, out: &mut [U], a: &[T], b: &[T], f: &F) {
+    let (inner, rank) = (g.inner, g.a_strides.len());
+    let (sa, sb) = (g.a_strides[rank - 1], g.b_strides[rank - 1]);
+    for (ri, out) in out.chunks_mut(inner).enumerate() {
         // Decompose the row index into outer coordinates.
-        let mut rem = row_idx;
-        let (mut oa, mut ob) = (a_offset, b_offset);
+        let mut rem = first_row + ri;
+        let (mut oa, mut ob) = (g.a_offset, g.b_offset);
         for d in (0..rank - 1).rev() {
-            let c = rem % outer_shape[d];
-            rem /= outer_shape[d];
-            oa += c * a_strides[d];
-            ob += c * b_strides[d];
+            let c = rem % g.outer_shape[d];
+            rem /= g.outer_shape[d];
+            oa += c * g.a_strides[d];
+            ob += c * g.b_strides[d];
         }
         match (sa, sb) {
             (1, 1) => {
@@ -155,20 +230,11 @@ pub fn broadcast_zip_map<T: Copy + Send + Sync, U: Copy + Send + Sync + Default>
                 }
             }
         }
-    };
-    if should_parallelize(total) && inner > 0 {
-        let rows_per_chunk = (chunk_len(total) / inner).max(1);
-        dst.par_chunks_mut(rows_per_chunk * inner).enumerate().for_each(|(ci, chunk)| {
-            for (ri, out) in chunk.chunks_mut(inner).enumerate() {
-                row(ci * rows_per_chunk + ri, out);
-            }
-        });
-    } else {
-        for (ri, out) in dst.chunks_mut(inner).enumerate() {
-            row(ri, out);
-        }
     }
-    Ok(())
+}
+
+dispatch! {
+    fn broadcast_rows[T, U, F](g: &Geometry<'_>, first_row: usize, out: &mut [U], a: &[T], b: &[T], f: &F) = broadcast_rows_body where [T: Copy, U: Copy, F: Fn(T, T) -> U];
 }
 
 /// Checks that the furthest element a strided view of the non-empty `shape` reads,

@@ -19,6 +19,11 @@ pub trait Float:
     /// The error function `erf(x) = 2/√π ∫₀ˣ e^(−t²) dt` (libm's `erff`/`erf`, within 1 ulp), for
     /// the exact GELU `x·Φ(x) = x/2·(1 + erf(x/√2))` PyTorch uses by default.
     fn erf(self) -> Self;
+    /// eˣ, branch-free so that loops over it vectorize. For f32 Cephes' `expf` polynomial:
+    /// relative error below 2.5e-7 where the result is a normal f32, 0 where it would be
+    /// denormal (x < −87.33), ±∞ and NaN as `exp`; about 10× faster than libm's `expf` in a
+    /// vectorized loop. For f64 the exact `exp`.
+    fn fast_exp(self) -> Self;
 }
 
 impl Float for f32 {
@@ -37,6 +42,10 @@ impl Float for f32 {
     fn erf(self) -> Self {
         libm::erff(self)
     }
+    #[inline(always)]
+    fn fast_exp(self) -> Self {
+        fast_exp_f32(self)
+    }
 }
 
 impl Float for f64 {
@@ -54,6 +63,10 @@ impl Float for f64 {
     #[inline(always)]
     fn erf(self) -> Self {
         libm::erf(self)
+    }
+    #[inline(always)]
+    fn fast_exp(self) -> Self {
+        self.exp()
     }
 }
 
@@ -84,6 +97,45 @@ fn fast_tanh_f32(a: f32) -> f32 {
     }
 }
 
+/// Cephes' `expf` without branches: `n = round(x·log2 e)` (by the 1.5·2²³ rounding trick, so it
+/// needs no SSE4.1), `r = x − n·ln 2` in two parts (the first exact), a degree-6 polynomial by
+/// Horner's rule in fused multiply-adds, then `·2^⌊n/2⌋·2^(n−⌊n/2⌋)`: two normal factors, so
+/// overflow gives ∞. Results below the smallest normal f32 (x < −87.33) are flushed to 0 instead
+/// of computed as denormals: an operation that produces a denormal costs a microcode assist of
+/// ~100 cycles on x86, and a softmax feeds −∞ (masked and padded scores) through here. Only
+/// exactly rounded operations and true `mul_add`s, so every ISA gives the same bits (without FMA
+/// hardware `mul_add` is libm's `fmaf`: slow, but the same result).
+#[allow(clippy::excessive_precision)]
+#[inline(always)]
+fn fast_exp_f32(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_359_375;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0;
+    const LOWEST: f32 = -87.33;
+    let xc = x.clamp(LOWEST, 88.73);
+    let t = xc.mul_add(std::f32::consts::LOG2_E, ROUND);
+    let n = t - ROUND;
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, xc));
+    let mut p = 1.987_569_15e-4f32;
+    p = p.mul_add(r, 1.398_199_950_7e-3);
+    p = p.mul_add(r, 8.333_451_907_3e-3);
+    p = p.mul_add(r, 4.166_579_589_4e-2);
+    p = p.mul_add(r, 1.666_666_545_9e-1);
+    p = p.mul_add(r, 5.000_000_120_1e-1);
+    let y = (p * r).mul_add(r, r) + 1.0;
+    let e1 = ni >> 1;
+    let e2 = ni - e1;
+    let s1 = f32::from_bits(((e1 + 127) as u32) << 23);
+    let s2 = f32::from_bits(((e2 + 127) as u32) << 23);
+    let e = y * s1 * s2;
+    if x < LOWEST {
+        0.0
+    } else {
+        e
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -106,6 +158,34 @@ mod tests {
         assert!((f32::NEG_INFINITY.fast_tanh() + 1.0).abs() <= 1.0e-6);
         assert!(f32::NAN.fast_tanh().is_nan());
         assert_eq!(0.3f64.fast_tanh(), 0.3f64.tanh());
+    }
+
+    #[test]
+    fn fast_exp_f32_is_within_2_5e_7_relative_of_exact_exp() {
+        // Goal: the vectorizable exp keeps its documented bound on a dense grid over the whole
+        // range of normal results, flushes below it to 0, overflows to ∞, passes NaN, and f64
+        // is the exact exp.
+        let mut worst = 0f64;
+        let mut x = -87.3f32;
+        while x < 88.7 {
+            let exact = (x as f64).exp();
+            worst = worst.max(((x.fast_exp() as f64) - exact).abs() / exact);
+            x += 3.0e-4;
+        }
+        assert!(worst <= 2.5e-7, "worst relative error {worst:e}");
+        for x in [-1.0e-9f32, 0.0, -0.0, 1.0e-9] {
+            assert_eq!(x.fast_exp(), 1.0, "exp({x})");
+        }
+        // Results below the normal range flush to zero; the last normal ones do not.
+        assert!((-87.3f32).fast_exp() >= f32::MIN_POSITIVE);
+        for x in [-87.34f32, -88.0, -95.0, -105.0] {
+            assert_eq!(x.fast_exp(), 0.0, "exp({x})");
+        }
+        assert_eq!(f32::NEG_INFINITY.fast_exp(), 0.0);
+        assert_eq!(89.0f32.fast_exp(), f32::INFINITY);
+        assert_eq!(f32::INFINITY.fast_exp(), f32::INFINITY);
+        assert!(f32::NAN.fast_exp().is_nan());
+        assert_eq!(0.3f64.fast_exp(), 0.3f64.exp());
     }
 
     #[test]

@@ -12,6 +12,7 @@
 mod dtype;
 mod error;
 mod float;
+pub mod simd;
 
 pub mod attention;
 pub mod convert;

@@ -4,10 +4,15 @@
 //! `lhs` and `rhs` are described by an offset and a row and column stride into their slices.
 //! Batches are a loop over offsets; the caller computes them. Large products use the shared
 //! thread pool (see [`crate::threading`]).
+//!
+//! [`linear`] is a fully connected layer's forward, `x · wᵀ + b`, in blocks of rows: each block
+//! starts as copies of the bias and gets its product added while it is still in cache, and
+//! blocks run in parallel (the bias copy is no serial pass over the whole output).
 
-use crate::error::{Error, Result};
+use crate::error::{check_len, Error, Result};
 use crate::float::Float;
 use crate::threading::num_threads;
+use rayon::prelude::*;
 
 /// Describes one strided operand: element offset, row stride and column stride.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,9 +67,28 @@ pub fn matmul<T: Float>(
     if dst.len() < dst_needed {
         return Err(Error::BufferTooSmall { op: "matmul", buffer: "dst", needed: dst_needed, actual: dst.len() });
     }
+    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MIN_FLOPS && num_threads() > 1 {
+        gemm::Parallelism::Rayon(num_threads())
+    } else {
+        gemm::Parallelism::None
+    };
+    gemm_checked(m, n, k, lhs, lhs_op, rhs, rhs_op, &mut dst[dst_offset..dst_needed], accumulate, parallelism)
+}
+
+/// `dst[m×n] (row-major, contiguous) (=|+=) lhs · rhs` through `gemm`, after checking that every
+/// element it touches lies inside its slice.
+#[allow(clippy::too_many_arguments)]
+fn gemm_checked<T: Float>(m: usize, n: usize, k: usize, lhs: &[T], lhs_op: Operand, rhs: &[T], rhs_op: Operand, dst: &mut [T], accumulate: bool, parallelism: gemm::Parallelism) -> Result<()> {
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let dst_needed = m.saturating_mul(n);
+    if dst.len() < dst_needed {
+        return Err(Error::BufferTooSmall { op: "matmul", buffer: "dst", needed: dst_needed, actual: dst.len() });
+    }
     if k == 0 {
         if !accumulate {
-            dst[dst_offset..dst_needed].fill(T::zero());
+            dst[..dst_needed].fill(T::zero());
         }
         return Ok(());
     }
@@ -81,11 +105,6 @@ pub fn matmul<T: Float>(
     if rhs.len() < rhs_needed {
         return Err(Error::BufferTooSmall { op: "matmul", buffer: "rhs", needed: rhs_needed, actual: rhs.len() });
     }
-    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MIN_FLOPS && num_threads() > 1 {
-        gemm::Parallelism::Rayon(num_threads())
-    } else {
-        gemm::Parallelism::None
-    };
     // SAFETY: the three bounds checks above guarantee every index gemm touches,
     // offset + i*row_stride + j*col_stride for i < rows, j < cols, lies inside its slice;
     // dst does not alias lhs or rhs because it is borrowed mutably.
@@ -94,7 +113,7 @@ pub fn matmul<T: Float>(
             m,
             n,
             k,
-            dst.as_mut_ptr().add(dst_offset),
+            dst.as_mut_ptr(),
             1,
             n as isize,
             accumulate,
@@ -113,6 +132,57 @@ pub fn matmul<T: Float>(
         );
     }
     Ok(())
+}
+
+/// Output elements per block of [`linear`] (its rows: this over `n_out`, at least
+/// [`LINEAR_MIN_BLOCK_ROWS`]): a block of 128 KiB of f32 stays in L2 between the bias copy and
+/// the product.
+const LINEAR_BLOCK_ELEMS: usize = 32 * 1024;
+/// Every gemm call packs the whole weight again, so a block has at least this many rows (an MLP
+/// layer of 128 rows × 784 × 512 in two blocks of 64 was 20% slower than in one).
+const LINEAR_MIN_BLOCK_ROWS: usize = 256;
+
+/// `out[rows × n_out] = x[rows × n_in] · wᵀ (+ bias)`: `x` row-major from `x_off`, `w` an
+/// `[n_out, n_in]` row-major weight from `w_off`, `bias` of `n_out`.
+///
+/// The rows go in blocks whose size depends only on `n_out`; a block is the bias copied into
+/// its rows, then one gemm adding the product. With enough blocks they run in parallel, each
+/// gemm on one thread; otherwise one after the other, each gemm on the pool. Either way every
+/// element is the same sum, so the result does not depend on the thread count.
+#[allow(clippy::too_many_arguments)]
+pub fn linear<T: Float>(rows: usize, n_in: usize, n_out: usize, x: &[T], x_off: usize, w: &[T], w_off: usize, bias: Option<&[T]>, out: &mut [T]) -> Result<()> {
+    const OP: &str = "linear";
+    check_len(OP, "out", out, rows.saturating_mul(n_out))?;
+    check_len(OP, "x", x, x_off.saturating_add(rows.saturating_mul(n_in)))?;
+    check_len(OP, "w", w, w_off.saturating_add(n_out.saturating_mul(n_in)))?;
+    if let Some(b) = bias {
+        check_len(OP, "bias", b, n_out)?;
+    }
+    if rows == 0 || n_out == 0 {
+        return Ok(());
+    }
+    let block_rows = (LINEAR_BLOCK_ELEMS / n_out).max(LINEAR_MIN_BLOCK_ROWS);
+    let threads = num_threads();
+    let blocks = rows.div_ceil(block_rows);
+    let flops = rows.saturating_mul(n_in).saturating_mul(n_out);
+    let rhs = Operand { offset: w_off, row_stride: 1, col_stride: n_in };
+    let block = |i: usize, dst: &mut [T], parallelism: gemm::Parallelism| -> Result<()> {
+        let r = dst.len() / n_out;
+        if let Some(b) = bias {
+            for row in dst.chunks_exact_mut(n_out) {
+                row.copy_from_slice(&b[..n_out]);
+            }
+        }
+        let lhs = Operand { offset: x_off + i * block_rows * n_in, row_stride: n_in, col_stride: 1 };
+        gemm_checked(r, n_out, n_in, x, lhs, w, rhs, dst, bias.is_some(), parallelism)
+    };
+    let out = &mut out[..rows * n_out];
+    if threads > 1 && flops >= PARALLEL_MIN_FLOPS && blocks >= 2 * threads {
+        out.par_chunks_mut(block_rows * n_out).enumerate().try_for_each(|(i, dst)| block(i, dst, gemm::Parallelism::None))
+    } else {
+        let parallelism = if threads > 1 && block_rows.min(rows) * n_in * n_out >= PARALLEL_MIN_FLOPS { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+        out.chunks_mut(block_rows * n_out).enumerate().try_for_each(|(i, dst)| block(i, dst, parallelism))
+    }
 }
 
 #[cfg(test)]
@@ -152,6 +222,30 @@ mod tests {
         // accumulate adds
         matmul(m, n, k, &a, Operand::row_major(0, k), &b, Operand::row_major(0, n), &mut got, 0, true).unwrap();
         assert!(got.iter().zip(&want).all(|(g, w)| *g == 2.0 * w));
+    }
+
+    #[test]
+    fn linear_matches_naive_across_blocks() {
+        // Goal: the blocked fully connected forward equals x·wᵀ + b for row counts below, at and
+        // across block boundaries, with and without bias, at an offset into x and w.
+        for &(rows, n_in, n_out) in &[(1usize, 3usize, 5usize), (70, 9, 600), (1000, 5, 48), (300, 17, 256)] {
+            let x: Vec<f64> = (0..2 + rows * n_in).map(|i| ((i * 7) % 13) as f64 - 6.0).collect();
+            let w: Vec<f64> = (0..1 + n_out * n_in).map(|i| ((i * 5) % 11) as f64 - 5.0).collect();
+            let b: Vec<f64> = (0..n_out).map(|j| j as f64 * 0.5).collect();
+            for bias in [Some(b.as_slice()), None] {
+                let mut out = vec![f64::NAN; rows * n_out];
+                linear(rows, n_in, n_out, &x, 2, &w, 1, bias, &mut out).unwrap();
+                for r in 0..rows {
+                    for j in 0..n_out {
+                        let want: f64 = (0..n_in).map(|p| x[2 + r * n_in + p] * w[1 + j * n_in + p]).sum::<f64>() + bias.map_or(0.0, |b| b[j]);
+                        assert_eq!(out[r * n_out + j], want, "({rows},{n_in},{n_out}) at ({r},{j})");
+                    }
+                }
+            }
+        }
+        let mut out = vec![0.0f32; 4];
+        assert!(matches!(linear(2, 2, 2, &[1.0f32; 3], 0, &[1.0; 4], 0, None, &mut out), Err(Error::BufferTooSmall { buffer: "x", .. })));
+        assert!(matches!(linear(2, 2, 2, &[1.0f32; 4], 0, &[1.0; 4], 0, Some(&[0.0]), &mut out), Err(Error::BufferTooSmall { buffer: "bias", .. })));
     }
 
     #[test]

@@ -5,7 +5,8 @@
 use crate::error::{check_eq, Error, Result};
 use crate::float::Float;
 use crate::reduce::sum;
-use crate::threading::should_parallelize;
+use crate::simd::dispatch;
+use crate::threading::{chunk_len, should_parallelize};
 use rayon::prelude::*;
 
 /// Layer norm forward: `y = (x − mean) · rstd · w + b` per row of `n`; writes `mean` and `rstd`
@@ -20,34 +21,45 @@ pub fn layer_norm_forward<T: Float>(x: &[T], n: usize, w: Option<&[T]>, b: Optio
     check_eq(OP, "rstd", rstd, rows)?;
     check_param(OP, "w", w, n)?;
     check_param(OP, "b", b, n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    if should_parallelize(x.len()) {
+        let rows_per_chunk = (chunk_len(x.len()) / n).max(1);
+        x.par_chunks(rows_per_chunk * n)
+            .zip(y.par_chunks_mut(rows_per_chunk * n))
+            .zip(mean.par_chunks_mut(rows_per_chunk).zip(rstd.par_chunks_mut(rows_per_chunk)))
+            .for_each(|((x, y), (m, r))| layer_norm_rows(x, n, w, b, eps, y, m, r));
+    } else {
+        layer_norm_rows(x, n, w, b, eps, y, mean, rstd);
+    }
+    Ok(())
+}
+
+/// [`layer_norm_forward`] of whole rows (lengths checked by the caller).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn layer_norm_rows_body<T: Float>(x: &[T], n: usize, w: Option<&[T]>, b: Option<&[T]>, eps: T, y: &mut [T], mean: &mut [T], rstd: &mut [T]) {
     let nf = T::from_usize(n).unwrap_or(T::one());
-    #[allow(clippy::type_complexity)]
-    let row = |(((xr, yr), m), r): (((&[T], &mut [T]), &mut T), &mut T)| {
+    for (((xr, yr), m), r) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)).zip(mean.iter_mut()).zip(rstd.iter_mut()) {
         let mu = sum(xr) / nf;
         let var = sum_sq_dev(xr, mu) / nf;
         let rs = T::one() / (var + eps).sqrt();
         *m = mu;
         *r = rs;
-        for (j, (o, &v)) in yr.iter_mut().zip(xr).enumerate() {
-            let mut h = (v - mu) * rs;
-            if let Some(w) = w {
-                h = h * w[j];
-            }
-            if let Some(b) = b {
-                h = h + b[j];
-            }
-            *o = h;
+        // `((v − mu)·rs)·w + b`, each affine part only when present; one loop per case so each
+        // vectorizes.
+        match (w, b) {
+            (Some(w), Some(b)) => yr.iter_mut().zip(xr).zip(w.iter().zip(b)).for_each(|((o, &v), (&w, &b))| *o = (v - mu) * rs * w + b),
+            (Some(w), None) => yr.iter_mut().zip(xr).zip(w).for_each(|((o, &v), &w)| *o = (v - mu) * rs * w),
+            (None, Some(b)) => yr.iter_mut().zip(xr).zip(b).for_each(|((o, &v), &b)| *o = (v - mu) * rs + b),
+            (None, None) => yr.iter_mut().zip(xr).for_each(|(o, &v)| *o = (v - mu) * rs),
         }
-    };
-    if n == 0 {
-        return Ok(());
     }
-    if should_parallelize(x.len()) {
-        x.par_chunks(n).zip(y.par_chunks_mut(n)).zip(mean.par_iter_mut()).zip(rstd.par_iter_mut()).for_each(row);
-    } else {
-        x.chunks(n).zip(y.chunks_mut(n)).zip(mean.iter_mut()).zip(rstd.iter_mut()).for_each(row);
-    }
-    Ok(())
+}
+
+dispatch! {
+    fn layer_norm_rows[T](x: &[T], n: usize, w: Option<&[T]>, b: Option<&[T]>, eps: T, y: &mut [T], mean: &mut [T], rstd: &mut [T]) = layer_norm_rows_body where [T: Float];
 }
 
 /// Checks that `x` is whole rows of `n` and returns how many (`x` must be empty when `n` is 0).
@@ -96,43 +108,78 @@ pub fn layer_norm_backward<T: Float>(
     if n == 0 {
         return Ok(());
     }
-    let nf = T::from_usize(n).unwrap_or(T::one());
-    // Parameter gradients: column sums, row order fixed.
-    for (i, (xr, gr)) in x.chunks(n).zip(dy.chunks(n)).enumerate() {
-        let (mu, rs) = (mean[i], rstd[i]);
+    // Fixed chunks of rows: each computes its dx rows and its partial parameter gradients in one
+    // pass; the partials are then added in chunk order, whatever the thread count.
+    let (want_dw, want_db) = (dw.is_some(), db.is_some());
+    let n_chunks = rows.div_ceil(GRAD_CHUNK_ROWS);
+    let mut partials = vec![T::zero(); if want_dw || want_db { n_chunks * 2 * n } else { 0 }];
+    let len = GRAD_CHUNK_ROWS * n;
+    #[allow(clippy::type_complexity)]
+    let chunk = |(c, (dx, (x, dy))): (usize, (&mut [T], (&[T], &[T]))), partial: &mut [T]| {
+        let r = c * GRAD_CHUNK_ROWS..c * GRAD_CHUNK_ROWS + x.len() / n;
+        layer_norm_backward_rows(x, n, w, &mean[r.clone()], &rstd[r], dy, dx, partial, want_dw, want_db);
+    };
+    let chunks = dx.par_chunks_mut(len).zip(x.par_chunks(len).zip(dy.par_chunks(len))).enumerate();
+    match (want_dw || want_db, should_parallelize(x.len())) {
+        (true, true) => chunks.zip(partials.par_chunks_mut(2 * n)).for_each(|(a, p)| chunk(a, p)),
+        (false, true) => chunks.for_each(|a| chunk(a, &mut [])),
+        (true, false) => dx.chunks_mut(len).zip(x.chunks(len).zip(dy.chunks(len))).enumerate().zip(partials.chunks_mut(2 * n)).for_each(|(a, p)| chunk(a, p)),
+        (false, false) => dx.chunks_mut(len).zip(x.chunks(len).zip(dy.chunks(len))).enumerate().for_each(|a| chunk(a, &mut [])),
+    }
+    for part in partials.chunks_exact(2 * n) {
+        let (pw, pb) = part.split_at(n);
         if let Some(dw) = dw.as_deref_mut() {
-            for j in 0..n {
-                dw[j] = dw[j] + gr[j] * (xr[j] - mu) * rs;
-            }
+            dw.iter_mut().zip(pw).for_each(|(d, &p)| *d = *d + p);
         }
         if let Some(db) = db.as_deref_mut() {
-            for j in 0..n {
-                db[j] = db[j] + gr[j];
-            }
+            db.iter_mut().zip(pb).for_each(|(d, &p)| *d = *d + p);
         }
-    }
-    #[allow(clippy::type_complexity)]
-    let row = |(i, (dxr, (xr, gr))): (usize, (&mut [T], (&[T], &[T])))| {
-        let (mu, rs) = (mean[i], rstd[i]);
-        // g = dy ⊙ w; dx = rstd · (g − mean(g) − xhat · mean(g ⊙ xhat))
-        let (sum_g, sum_gx) = sums_g_gxhat(gr, w, xr, mu, rs);
-        let (mg, mgx) = (sum_g / nf, sum_gx / nf);
-        for j in 0..n {
-            let g = match w {
-                Some(w) => gr[j] * w[j],
-                None => gr[j],
-            };
-            let xh = (xr[j] - mu) * rs;
-            dxr[j] = rs * (g - mg - xh * mgx);
-        }
-    };
-    if should_parallelize(x.len()) {
-        dx.par_chunks_mut(n).zip(x.par_chunks(n).zip(dy.par_chunks(n))).enumerate().for_each(row);
-    } else {
-        dx.chunks_mut(n).zip(x.chunks(n).zip(dy.chunks(n))).enumerate().for_each(row);
     }
     Ok(())
 }
+
+/// Rows per chunk of [`layer_norm_backward`] (the unit of its parameter-gradient partial sums).
+const GRAD_CHUNK_ROWS: usize = 128;
+
+/// [`layer_norm_backward`] of whole rows: `dx`, and, as asked, `partial[..n] = Σ_rows dy ⊙ x̂`
+/// and `partial[n..] = Σ_rows dy` in row order (`partial` is zero on entry).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn layer_norm_backward_rows_body<T: Float>(x: &[T], n: usize, w: Option<&[T]>, mean: &[T], rstd: &[T], dy: &[T], dx: &mut [T], partial: &mut [T], want_dw: bool, want_db: bool) {
+    if want_dw || want_db {
+        let (pw, pb) = partial.split_at_mut(n);
+        for (i, (xr, gr)) in x.chunks_exact(n).zip(dy.chunks_exact(n)).enumerate() {
+            let (mu, rs) = (mean[i], rstd[i]);
+            if want_dw {
+                pw.iter_mut().zip(gr.iter().zip(xr)).for_each(|(d, (&g, &v))| *d = *d + g * (v - mu) * rs);
+            }
+            if want_db {
+                pb.iter_mut().zip(gr).for_each(|(d, &g)| *d = *d + g);
+            }
+        }
+    }
+    layer_norm_dx_rows_body(x, n, w, mean, rstd, dy, dx);
+}
+
+dispatch! {
+    fn layer_norm_backward_rows[T](x: &[T], n: usize, w: Option<&[T]>, mean: &[T], rstd: &[T], dy: &[T], dx: &mut [T], partial: &mut [T], want_dw: bool, want_db: bool) = layer_norm_backward_rows_body where [T: Float];
+}
+
+/// `dx` of whole rows: with `g = dy ⊙ w`, `dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂))`.
+#[inline(always)]
+fn layer_norm_dx_rows_body<T: Float>(x: &[T], n: usize, w: Option<&[T]>, mean: &[T], rstd: &[T], dy: &[T], dx: &mut [T]) {
+    let nf = T::from_usize(n).unwrap_or(T::one());
+    for (i, (dxr, (xr, gr))) in dx.chunks_exact_mut(n).zip(x.chunks_exact(n).zip(dy.chunks_exact(n))).enumerate() {
+        let (mu, rs) = (mean[i], rstd[i]);
+        let (sum_g, sum_gx) = sums_g_gxhat(gr, w, xr, mu, rs);
+        let (mg, mgx) = (sum_g / nf, sum_gx / nf);
+        match w {
+            Some(w) => dxr.iter_mut().zip(xr.iter().zip(gr)).zip(w).for_each(|((o, (&v, &g)), &w)| *o = rs * (g * w - mg - (v - mu) * rs * mgx)),
+            None => dxr.iter_mut().zip(xr.iter().zip(gr)).for_each(|(o, (&v, &g))| *o = rs * (g - mg - (v - mu) * rs * mgx)),
+        }
+    }
+}
+
 
 /// RMS norm forward: `y = x · rstd · w`, `rstd = 1/sqrt(mean(x²) + eps)` per row; writes `rstd`.
 /// Errors when a length does not match: `y` as `x`, `rstd` one per row, `w` of `n`.
@@ -241,26 +288,23 @@ fn sums_g_gxhat<T: Float>(dy: &[T], w: Option<&[T]>, x: &[T], mu: T, rs: T) -> (
     debug_assert_eq!(dy.len(), x.len());
     let (mut sg, mut sgx) = ([T::zero(); 8], [T::zero(); 8]);
     let n_full = dy.len() / 8 * 8;
-    let mut add = |gc: &[T], xc: &[T], wc: Option<&[T]>| {
-        for l in 0..8 {
-            let g = match wc {
-                Some(wc) => gc[l] * wc[l],
-                None => gc[l],
-            };
-            let xh = (xc[l] - mu) * rs;
-            sg[l] = sg[l] + g;
-            sgx[l] = sgx[l] + g * xh;
-        }
-    };
     match w {
         Some(w) => {
             for ((gc, xc), wc) in dy.chunks_exact(8).zip(x.chunks_exact(8)).zip(w.chunks_exact(8)) {
-                add(gc, xc, Some(wc));
+                for l in 0..8 {
+                    let (g, xh) = (gc[l] * wc[l], (xc[l] - mu) * rs);
+                    sg[l] = sg[l] + g;
+                    sgx[l] = sgx[l] + g * xh;
+                }
             }
         }
         None => {
             for (gc, xc) in dy.chunks_exact(8).zip(x.chunks_exact(8)) {
-                add(gc, xc, None);
+                for l in 0..8 {
+                    let (g, xh) = (gc[l], (xc[l] - mu) * rs);
+                    sg[l] = sg[l] + g;
+                    sgx[l] = sgx[l] + g * xh;
+                }
             }
         }
     }
@@ -323,6 +367,26 @@ mod tests {
                         assert!((f64::from(dx[r * n + j]) - dx_ref[j]).abs() < 1e-4, "dx n={n} row {r} col {j}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn layer_norm_parameter_gradients_sum_every_row() {
+        // Goal: dw and db, summed in chunks of rows and added onto what was there, equal
+        // Σ dy·x̂ and Σ dy over every row (row counts below and across the chunk size).
+        let n = 24;
+        for rows in [1usize, 127, 300] {
+            let x: Vec<f64> = (0..rows * n).map(|i| ((i * 37 % 101) as f64 - 50.0) / 17.0).collect();
+            let dy: Vec<f64> = (0..rows * n).map(|i| ((i * 53 % 97) as f64 - 48.0) / 23.0).collect();
+            let (mut y, mut mean, mut rstd) = (vec![0.0; rows * n], vec![0.0; rows], vec![0.0; rows]);
+            layer_norm_forward(&x, n, None, None, 1e-5, &mut y, &mut mean, &mut rstd).unwrap();
+            let (mut dx, mut dw, mut db) = (vec![0.0; rows * n], vec![1.0; n], vec![2.0; n]);
+            layer_norm_backward(&x, n, None, &mean, &rstd, &dy, &mut dx, Some(&mut dw), Some(&mut db)).unwrap();
+            for j in 0..n {
+                let want_w: f64 = 1.0 + (0..rows).map(|r| dy[r * n + j] * (x[r * n + j] - mean[r]) * rstd[r]).sum::<f64>();
+                let want_b: f64 = 2.0 + (0..rows).map(|r| dy[r * n + j]).sum::<f64>();
+                assert!((dw[j] - want_w).abs() < 1e-9 && (db[j] - want_b).abs() < 1e-9, "rows {rows} col {j}");
             }
         }
     }

@@ -29,6 +29,7 @@ pub enum RowOp {
 }
 
 /// Deterministic eight-lane sum of a slice.
+#[inline(always)]
 pub fn sum<T: Float>(xs: &[T]) -> T {
     let mut lanes = [T::zero(); 8];
     let chunks = xs.chunks_exact(8);
@@ -135,23 +136,30 @@ pub fn arg_rows<T: Float>(src: &[T], row_len: usize, dst: &mut [u32], min: bool)
 pub fn sum_cols<T: Float>(src: &[T], n_rows: usize, n_cols: usize, dst: &mut [T]) -> Result<()> {
     check_eq("sum_cols", "src", src, n_rows.saturating_mul(n_cols))?;
     check_eq("sum_cols", "dst", dst, n_cols)?;
-    let run = |col0: usize, out: &mut [T]| {
-        out.fill(T::zero());
-        let w = out.len();
-        for r in 0..n_rows {
-            let row = &src[r * n_cols + col0..r * n_cols + col0 + w];
-            for (o, &x) in out.iter_mut().zip(row) {
-                *o = *o + x;
-            }
-        }
-    };
     if should_parallelize(src.len()) && n_cols >= 64 {
         let w = n_cols.div_ceil(crate::threading::num_threads()).max(16);
-        dst.par_chunks_mut(w).enumerate().for_each(|(i, out)| run(i * w, out));
+        dst.par_chunks_mut(w).enumerate().for_each(|(i, out)| sum_cols_run(src, n_rows, n_cols, i * w, out));
     } else {
-        run(0, dst);
+        sum_cols_run(src, n_rows, n_cols, 0, dst);
     }
     Ok(())
+}
+
+/// Columns `col0..col0 + out.len()` of [`sum_cols`], row by row.
+#[inline(always)]
+fn sum_cols_body<T: Float>(src: &[T], n_rows: usize, n_cols: usize, col0: usize, out: &mut [T]) {
+    out.fill(T::zero());
+    let w = out.len();
+    for r in 0..n_rows {
+        let row = &src[r * n_cols + col0..r * n_cols + col0 + w];
+        for (o, &x) in out.iter_mut().zip(row) {
+            *o = *o + x;
+        }
+    }
+}
+
+crate::simd::dispatch! {
+    fn sum_cols_run[T](src: &[T], n_rows: usize, n_cols: usize, col0: usize, out: &mut [T]) = sum_cols_body where [T: Float];
 }
 
 #[cfg(test)]

@@ -5,7 +5,9 @@
 //! loss, backward, AdamW (weight decay 0.04 on matrices, betas 0.9/0.95), the EMA update, zero_grad
 //! — on a fixed random batch of 128 images and fixed-shape masks
 //! ([`JepaMasks::fixed_blocks`]), so only compute is timed. `scripts/peer/torch_bench.py step
-//! --model ijepa` is the identical step in PyTorch (keep the two in step).
+//! --model ijepa` is the identical step in PyTorch (keep the two in step). `state_digest` folds the
+//! bit checksums of every model tensor after the timed steps: equal digests of runs with the same
+//! step counts mean bit-identical training (e.g. across `RTX_NUM_THREADS`).
 
 use super::timing::measure;
 use super::{emit, threads};
@@ -47,6 +49,10 @@ pub(crate) fn run(warmup: usize, repeats: usize) -> anyhow::Result<()> {
         step_once()?;
     }
     let stats = measure(0, repeats, step_once)?;
+    let mut tensors = Vec::new();
+    model.visit_params("", &mut |_, t| tensors.push(t.clone()));
+    model.target_encoder.visit_params("", &mut |_, t| tensors.push(t.clone()));
+    let digest = tensors.iter().try_fold(0xcbf2_9ce4_8422_2325u64, |acc, t| -> anyhow::Result<u64> { Ok((acc ^ t.bits_checksum()?).wrapping_mul(0x0100_0000_01b3)) })?;
     let mut obj = serde_json::Map::new();
     obj.insert("impl".into(), "rustytorch".into());
     obj.insert("bench".into(), "step".into());
@@ -57,6 +63,7 @@ pub(crate) fn run(warmup: usize, repeats: usize) -> anyhow::Result<()> {
     );
     obj.insert("params".into(), n_params.into());
     obj.insert("threads".into(), threads().into());
+    obj.insert("state_digest".into(), format!("{digest:016x}").into());
     obj.insert("buffer_pool_held_mib".into(), (rtx_tensor::buffer_pool_held_bytes() >> 20).into());
     stats.json_fields(&mut obj);
     emit(obj.into());

@@ -22,7 +22,6 @@ use crate::ops::norm::{with_two_slices, Compute};
 use crate::tensor::{Element, Tensor};
 use rayon::prelude::*;
 use rtx_kernels::attention::{self, AttentionSpec, Heads};
-use rtx_kernels::elementwise::strided_copy;
 use rtx_kernels::threading::should_parallelize;
 use rtx_kernels::{DType, Float};
 
@@ -115,53 +114,35 @@ fn packed<T: Compute + Element>(qkv: &Tensor, b: usize, t: usize, h: usize, d: u
     const OP: &str = "scaled_dot_product_attention_packed";
     let c = h * d;
     let spec = AttentionSpec { tq: t, tk: t, d, dv: d, causal, scale };
-    let n_heads = b * h;
     let base = qkv.layout().offset();
-    // Head (bi, hi) of part `s` (0 = q, 1 = k, 2 = v) starts at row 0 of batch bi, column
-    // s·C + hi·D; rows are 3·C apart.
-    let part = |s: usize| -> Vec<usize> { (0..n_heads).map(|i| base + (i / h) * t * 3 * c + s * c + (i % h) * d).collect() };
-    let (oq, ok, ov) = (part(0), part(1), part(2));
-    let mut out_heads = crate::pool::take::<T>(n_heads * t * d);
-    let mut probs = crate::pool::take::<T>(n_heads * t * t);
+    let len = b * t * 3 * c;
+    // The kernel writes [B, T, H, D] (= [B, T, C]) and, in backward, [B, T, 3, H, D] directly.
+    let mut out = crate::pool::take::<T>(b * t * c);
+    let probs_len = attention::packed_probs_len(&spec, b, h);
+    let mut probs = crate::pool::take::<T>(probs_len);
     {
         let data = qkv.storage().read()?;
         let x = T::slice(&data).ok_or(Error::UnsupportedDType { op: OP, dtype: qkv.dtype() })?;
-        attention::attention_forward(spec, packed_heads(x, &oq, 3 * c), packed_heads(x, &ok, 3 * c), packed_heads(x, &ov, 3 * c), &mut out_heads, &mut probs)?;
+        attention::attention_forward_packed(spec, &x[base..base + len], b, h, &mut out, &mut probs)?;
     }
-    // [B, H, T, D] -> [B, T, H, D].
-    let mut out = crate::pool::take::<T>(n_heads * t * d);
-    strided_copy(&[b, t, h, d], &out_heads, 0, &[h * t * d, d, t * d, 1], &mut out)?;
-    crate::pool::give(out_heads);
-    let probs = Tensor::from_vec(probs, &[n_heads * t * t])?;
+    let probs = Tensor::from_vec(probs, &[probs_len])?;
     let dtype = qkv.dtype();
     let x = qkv.detach();
     Tensor::from_op(T::wrap(out), &[b, t, c], dtype, OP, &[qkv], move |g: &Tensor, _: &Tensor| {
         let g = compute_form(g)?;
-        // One buffer [3, B, H, T, D] for dq, dk, dv; then one gather into [B, T, 3, H, D].
-        let per = n_heads * t * d;
-        let mut grads = crate::pool::take::<T>(3 * per);
+        let mut dqkv = crate::pool::take::<T>(len);
         g.with_float_slice(|gs| -> Result<()> {
             let gs = T::pick(gs).ok_or(Error::DTypeMismatch { op: OP, lhs: dtype, rhs: g.dtype() })?;
-            let og: Vec<usize> = (0..n_heads).map(|i| (i / h) * t * c + (i % h) * d).collect();
             let data = x.storage().read()?;
             let sp = probs.storage().read()?;
             let (Some(xs), Some(ps)) = (T::slice(&data), T::slice(&sp)) else {
                 return Err(Error::UnsupportedDType { op: OP, dtype });
             };
-            let (dq, rest) = grads.split_at_mut(per);
-            let (dk, dv) = rest.split_at_mut(per);
-            attention::attention_backward(spec, packed_heads(xs, &oq, 3 * c), packed_heads(xs, &ok, 3 * c), packed_heads(xs, &ov, 3 * c), ps, Heads { data: gs, offsets: &og, row_stride: c }, dq, dk, dv)?;
+            attention::attention_backward_packed(spec, &xs[base..base + len], b, h, ps, gs, &mut dqkv)?;
             Ok(())
         })??;
-        let mut dqkv = crate::pool::take::<T>(3 * per);
-        strided_copy(&[b, t, 3, h, d], &grads, 0, &[h * t * d, d, per, t * d, 1], &mut dqkv)?;
-        crate::pool::give(grads);
         Ok(vec![Some(Tensor::from_data(T::wrap(dqkv).into_data(dtype), &[b, t, 3 * c])?)])
     })
-}
-
-fn packed_heads<'a, T>(data: &'a [T], offsets: &'a [usize], row_stride: usize) -> Heads<'a, T> {
-    Heads { data, offsets, row_stride }
 }
 
 /// The fused path (`rtx_kernels::attention`): no user mask, one dtype, equal batch dims. Rows

@@ -9,7 +9,7 @@ use crate::ops::binary::compute_form;
 use crate::storage::CpuData;
 use crate::tensor::{FloatVec, Tensor};
 use rayon::prelude::*;
-use rtx_kernels::matmul::{matmul, Operand};
+use rtx_kernels::matmul::{linear, matmul, Operand};
 use rtx_kernels::{DType, Float};
 
 /// Element offsets of every batch index of a layout broadcast to `batch`.
@@ -165,28 +165,22 @@ impl Tensor {
     }
 }
 
-/// `x · wᵀ (+ b)` for contiguous operands: rows start as copies of `b`, then one gemm adds the
-/// product into them.
+/// `x · wᵀ (+ b)` for contiguous operands ([`rtx_kernels::matmul::linear`]: blocks of rows that
+/// start as copies of `b` and get the product added while in cache).
 fn linear_forward<T: Float + crate::pool::Pooled + crate::tensor::Element>(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize, n_in: usize, n_out: usize) -> Result<Vec<T>> {
     let mut out = crate::pool::take::<T>(rows * n_out);
     let (dx, dw) = (x.storage().read()?, w.storage().read()?);
     let (Some(xs), Some(ws)) = (T::slice(&dx), T::slice(&dw)) else {
         return Err(Error::DTypeMismatch { op: "linear", lhs: x.dtype(), rhs: w.dtype() });
     };
-    let accumulate = match b {
+    match b {
         Some(b) => {
             let db = b.storage().read()?;
             let bs = T::slice(&db).ok_or(Error::DTypeMismatch { op: "linear", lhs: x.dtype(), rhs: b.dtype() })?;
             let bs = &bs[b.layout().offset()..b.layout().offset() + n_out];
-            for row in out.chunks_mut(n_out.max(1)) {
-                row.copy_from_slice(bs);
-            }
-            true
+            linear(rows, n_in, n_out, xs, x.layout().offset(), ws, w.layout().offset(), Some(bs), &mut out)?;
         }
-        None => false,
-    };
-    let lhs = Operand { offset: x.layout().offset(), row_stride: n_in, col_stride: 1 };
-    let rhs = Operand { offset: w.layout().offset(), row_stride: 1, col_stride: n_in };
-    matmul(rows, n_out, n_in, xs, lhs, ws, rhs, &mut out, 0, accumulate)?;
+        None => linear(rows, n_in, n_out, xs, x.layout().offset(), ws, w.layout().offset(), None, &mut out)?,
+    }
     Ok(out)
 }

@@ -9,8 +9,6 @@
 use super::check_float;
 use crate::error::Result;
 use crate::tensor::{FloatSlice, FloatVec, Tensor};
-use rayon::prelude::*;
-use rtx_kernels::threading::{chunk_len, should_parallelize};
 use rtx_kernels::{elementwise, DType, Float};
 
 /// A unary function and its derivative, written once for every compute type. The derivative
@@ -150,32 +148,22 @@ fn fused_backward<F: MapFn>(x: &Tensor, y: &Tensor, g: &Tensor, f: F) -> Result<
     let values = x.with_float_slice(|xs| {
         y.with_float_slice(|ys| {
             g.with_float_slice(|gs| match (xs, ys, gs) {
-                (FloatSlice::F32(a), FloatSlice::F32(b), FloatSlice::F32(c)) => Some(FloatVec::F32(grad_map(a, b, c, f))),
-                (FloatSlice::F64(a), FloatSlice::F64(b), FloatSlice::F64(c)) => Some(FloatVec::F64(grad_map(a, b, c, f))),
-                _ => None,
+                (FloatSlice::F32(a), FloatSlice::F32(b), FloatSlice::F32(c)) => grad_map(a, b, c, f).map(|v| Some(FloatVec::F32(v))),
+                (FloatSlice::F64(a), FloatSlice::F64(b), FloatSlice::F64(c)) => grad_map(a, b, c, f).map(|v| Some(FloatVec::F64(v))),
+                _ => Ok(None),
             })
         })
-    })???;
+    })????;
     let Some(values) = values else { return Ok(None) };
     Ok(Some(Tensor::from_data(values.into_data(dtype), x.shape())?))
 }
 
-/// `out[i] = g[i] · f'(x[i], y[i])`, split over the pool in fixed chunks when large.
-fn grad_map<T: Float + crate::pool::Pooled, F: MapFn>(x: &[T], y: &[T], g: &[T], f: F) -> Vec<T> {
-    assert!(x.len() == y.len() && x.len() == g.len(), "grad_map: length mismatch");
+/// `out[i] = g[i] · f'(x[i], y[i])` ([`elementwise::zip3_map`]: split over the pool in fixed
+/// chunks when large, vectorized).
+fn grad_map<T: Float + crate::pool::Pooled, F: MapFn>(x: &[T], y: &[T], g: &[T], f: F) -> Result<Vec<T>> {
     let mut out = crate::pool::take::<T>(x.len());
-    let run = |o: &mut [T], x: &[T], y: &[T], g: &[T]| {
-        for (((o, &a), &b), &c) in o.iter_mut().zip(x).zip(y).zip(g) {
-            *o = c * f.df(a, b);
-        }
-    };
-    if should_parallelize(x.len()) {
-        let n = chunk_len(x.len());
-        out.par_chunks_mut(n).zip(x.par_chunks(n)).zip(y.par_chunks(n)).zip(g.par_chunks(n)).for_each(|(((o, x), y), g)| run(o, x, y, g));
-    } else {
-        run(&mut out, x, y, g);
-    }
-    out
+    elementwise::zip3_map(x, y, g, &mut out, move |a, b, c| c * f.df(a, b))?;
+    Ok(out)
 }
 
 fn derivative<F: MapFn>(x: &Tensor, y: &Tensor, f: F) -> Result<Tensor> {
