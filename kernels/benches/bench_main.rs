@@ -6,4 +6,4 @@
 
 mod benchmarks;
 
-criterion::criterion_main!(benchmarks::matmul::benches, benchmarks::softmax::benches, benchmarks::norm::benches);
+criterion::criterion_main!(benchmarks::ijepa::benches, benchmarks::matmul::benches, benchmarks::softmax::benches, benchmarks::norm::benches);

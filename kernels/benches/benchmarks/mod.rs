@@ -1,5 +1,6 @@
 //! The bench groups and the deterministic inputs they share.
 
+pub(crate) mod ijepa;
 pub(crate) mod matmul;
 pub(crate) mod norm;
 pub(crate) mod softmax;
