@@ -2,13 +2,13 @@
 //! ViT width 64 with 4 heads of 16 over 49 patches; 20 context tokens; predictor width 48), so
 //! the step's thread scaling (`rtx bench step --model ijepa` at `RTX_NUM_THREADS` 2-16) can be
 //! taken apart kernel by kernel: linear forwards, the backward's input- and weight-gradient
-//! products, packed attention forward and backward, and layer norm.
+//! products, and packed attention forward and backward (layer norm at the step's 6,272 x 64 is in
+//! `norm.rs`).
 
 use super::values;
 use criterion::{black_box, criterion_group, BenchmarkId, Criterion, Throughput};
 use rtx_kernels::attention::{attention_backward_packed, attention_forward_packed, packed_probs_len, AttentionSpec};
 use rtx_kernels::matmul::{linear, matmul, Operand};
-use rtx_kernels::norm::{layer_norm_backward, layer_norm_forward};
 
 const BATCH: usize = 128;
 /// Token rows: the target encoder sees all 49 patches of each image, the context encoder 20.
@@ -58,7 +58,7 @@ fn bench_linear_and_grads(c: &mut Criterion) {
     group.finish();
 }
 
-fn bench_attention_and_norm(c: &mut Criterion) {
+fn bench_attention(c: &mut Criterion) {
     let mut group = c.benchmark_group("ijepa_attention_f32");
     group.sample_size(10);
     let heads = 4;
@@ -85,27 +85,7 @@ fn bench_attention_and_norm(c: &mut Criterion) {
             })
         });
     }
-    let (rows, n) = (TARGET_ROWS, 64);
-    let x = values(rows * n, 7);
-    let dy = values(rows * n, 8);
-    let (w, b) = (vec![1.0f32; n], vec![0.0f32; n]);
-    let (mut y, mut dx) = (vec![0f32; rows * n], vec![0f32; rows * n]);
-    let (mut mean, mut rstd) = (vec![0f32; rows], vec![0f32; rows]);
-    let (mut dw, mut db) = (vec![0f32; n], vec![0f32; n]);
-    group.throughput(Throughput::Elements((rows * n) as u64));
-    group.bench_function(BenchmarkId::new("layer_norm_forward", format!("{rows}x{n}")), |bench| {
-        bench.iter(|| {
-            layer_norm_forward(&x, n, Some(&w), Some(&b), 1e-6, &mut y, &mut mean, &mut rstd).unwrap();
-            black_box(&y);
-        })
-    });
-    group.bench_function(BenchmarkId::new("layer_norm_backward", format!("{rows}x{n}")), |bench| {
-        bench.iter(|| {
-            layer_norm_backward(&x, n, Some(&w), &mean, &rstd, &dy, &mut dx, Some(&mut dw), Some(&mut db)).unwrap();
-            black_box(&dx);
-        })
-    });
     group.finish();
 }
 
-criterion_group!(benches, bench_linear_and_grads, bench_attention_and_norm);
+criterion_group!(benches, bench_linear_and_grads, bench_attention);

@@ -4,8 +4,9 @@ use super::values;
 use criterion::{black_box, criterion_group, BenchmarkId, Criterion, Throughput};
 use rtx_kernels::norm::{layer_norm_backward, layer_norm_forward};
 
-/// (rows, width): GPT d=256 over 16×128 tokens, and a wider model over fewer tokens.
-const SHAPES: [(usize, usize); 2] = [(2048, 256), (512, 1024)];
+/// (rows, width): GPT d=256 over 16×128 tokens, a wider model over fewer tokens, and the I-JEPA
+/// target encoder's 128×49 tokens of width 64 (`ijepa.rs`).
+const SHAPES: [(usize, usize); 3] = [(2048, 256), (512, 1024), (6272, 64)];
 
 fn bench_layer_norm(c: &mut Criterion) {
     let mut group = c.benchmark_group("layer_norm_f32");
