@@ -146,9 +146,10 @@ const LINEAR_MIN_BLOCK_ROWS: usize = 256;
 /// `[n_out, n_in]` row-major weight from `w_off`, `bias` of `n_out`.
 ///
 /// The rows go in blocks whose size depends only on `n_out`; a block is the bias copied into
-/// its rows, then one gemm adding the product. With enough blocks they run in parallel, each
-/// gemm on one thread; otherwise one after the other, each gemm on the pool. Either way every
-/// element is the same sum, so the result does not depend on the thread count.
+/// its rows, then one gemm adding the product. With at least two blocks, and at least half as
+/// many as threads, they run in parallel, each gemm on one thread; otherwise one after the other,
+/// each gemm on the pool. Either way every element is the same sum, so the result does not depend
+/// on the thread count.
 #[allow(clippy::too_many_arguments)]
 pub fn linear<T: Float>(rows: usize, n_in: usize, n_out: usize, x: &[T], x_off: usize, w: &[T], w_off: usize, bias: Option<&[T]>, out: &mut [T]) -> Result<()> {
     const OP: &str = "linear";
@@ -177,7 +178,11 @@ pub fn linear<T: Float>(rows: usize, n_in: usize, n_out: usize, x: &[T], x_off: 
         gemm_checked(r, n_out, n_in, x, lhs, w, rhs, dst, bias.is_some(), parallelism)
     };
     let out = &mut out[..rows * n_out];
-    if threads > 1 && flops >= PARALLEL_MIN_FLOPS && blocks >= 2 * threads {
+    // Blocks in parallel as soon as there are two and they fill half the pool: a gemm fanned out
+    // over the pool on these narrow products costs more than idle threads (I-JEPA's 6,272 × 64 →
+    // 192 at 16 threads: 1.84 ms fanned out, 0.29 ms at 8 threads in blocks; the whole step 104 ->
+    // 63 ms, torch 61 ms; BENCHMARKS "The fix: linear blocks at 16 threads").
+    if threads > 1 && flops >= PARALLEL_MIN_FLOPS && blocks >= 2 && 2 * blocks >= threads {
         out.par_chunks_mut(block_rows * n_out).enumerate().try_for_each(|(i, dst)| block(i, dst, gemm::Parallelism::None))
     } else {
         let parallelism = if threads > 1 && block_rows.min(rows) * n_in * n_out >= PARALLEL_MIN_FLOPS { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
