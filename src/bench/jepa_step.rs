@@ -5,9 +5,10 @@
 //! loss, backward, AdamW (weight decay 0.04 on matrices, betas 0.9/0.95), the EMA update, zero_grad
 //! — on a fixed random batch of 128 images and fixed-shape masks
 //! ([`JepaMasks::fixed_blocks`]), so only compute is timed. `scripts/peer/torch_bench.py step
-//! --model ijepa` is the identical step in PyTorch (keep the two in step). `state_digest` folds the
-//! bit checksums of every model tensor after the timed steps: equal digests of runs with the same
-//! step counts mean bit-identical training (e.g. across `RTX_NUM_THREADS`).
+//! --model ijepa` is the identical step in PyTorch (keep the two in step). `state_digest` is
+//! [`rtx_supervisor::worker::parameter_checksum`] of the model (parameters and EMA buffers) after
+//! the timed steps: equal digests of runs with the same step counts mean bit-identical training
+//! (e.g. across `RTX_NUM_THREADS`).
 
 use super::timing::measure;
 use super::{emit, threads};
@@ -49,10 +50,8 @@ pub(crate) fn run(warmup: usize, repeats: usize) -> anyhow::Result<()> {
         step_once()?;
     }
     let stats = measure(0, repeats, step_once)?;
-    let mut tensors = Vec::new();
-    model.visit_params("", &mut |_, t| tensors.push(t.clone()));
-    model.target_encoder.visit_params("", &mut |_, t| tensors.push(t.clone()));
-    let digest = tensors.iter().try_fold(0xcbf2_9ce4_8422_2325u64, |acc, t| -> anyhow::Result<u64> { Ok((acc ^ t.bits_checksum()?).wrapping_mul(0x0100_0000_01b3)) })?;
+    // The replicas' checksum of the elastic jobs: every parameter and buffer (the EMA target), by name.
+    let digest = rtx_supervisor::worker::parameter_checksum(&model)?;
     let mut obj = serde_json::Map::new();
     obj.insert("impl".into(), "rustytorch".into());
     obj.insert("bench".into(), "step".into());
