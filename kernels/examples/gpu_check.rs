@@ -510,7 +510,16 @@ fn check_casts(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
 }
 
 fn check_attention(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
-    for &(d, causal, heads, tq, tk) in &[(64, false, 3, 200, 200), (64, true, 3, 200, 200), (128, false, 2, 150, 97), (128, true, 2, 130, 130)] {
+    let shapes = [
+        (64, false, 3, 200, 200),
+        (64, true, 3, 200, 200),
+        (64, false, 2, 150, 97),
+        (64, true, 2, 300, 300),
+        (64, false, 2, 300, 300),
+        (128, false, 2, 150, 97),
+        (128, true, 2, 130, 130),
+    ];
+    for &(d, causal, heads, tq, tk) in &shapes {
         let scale = 1.0 / (d as f64).sqrt();
         let q = rng.vec(heads * tq * d, 1.5);
         let k = rng.vec(heads * tk * d, 1.5);
@@ -554,21 +563,44 @@ fn check_attention(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
         let mut ob = dev.alloc::<bf16>(heads * tq * d)?;
         dev.flash_attention_forward_bf16(fs, &dev.htod(&qb)?, &dev.htod(&kb)?, &dev.htod(&vb)?, &mut ob, &mut lse)?;
         rep.check(&format!("flash attention bf16 forward {tag}"), &convert::bf16_vec_to_f32(&dev.dtoh(&ob)?), &out64, BF16_TOL);
+        if d == 64 {
+            // The 4-warp form gives the same bits as the default 8-warp one (rows do not share sums).
+            let (wide, wide_lse) = (dev.dtoh(&ob)?, dev.dtoh(&lse)?);
+            dev.set_flash_forward_bf16_rows(64);
+            dev.flash_attention_forward_bf16(fs, &dev.htod(&qb)?, &dev.htod(&kb)?, &dev.htod(&vb)?, &mut ob, &mut lse)?;
+            dev.set_flash_forward_bf16_rows(0);
+            rep.pass(&format!("flash attention bf16 forward 64 rows = 128 rows {tag}"), dev.dtoh(&ob)? == wide && dev.dtoh(&lse)? == wide_lse);
+        }
         let gb = convert::f32_vec_to_bf16(&dout);
         let gr = widen(&gb);
         attention_backward(spec, hq, hk, hv, &probs, Heads { data: &gr, offsets: &oq, row_stride: d }, &mut dq64, &mut dk64, &mut dv64)?;
         let (dqb, dkb, dvb) = (dev.htod(&qb)?, dev.htod(&kb)?, dev.htod(&vb)?);
         dev.flash_attention_forward_bf16(fs, &dqb, &dkb, &dvb, &mut ob, &mut lse)?;
         let gbd = dev.htod(&gb)?;
-        let [gq, gk, gv] = bf16_backward_heads(dev, fs, [&dqb, &dkb, &dvb], &ob, &lse, &gbd)?;
-        rep.check(&format!("flash attention bf16 dq {tag}"), &gq, &dq64, BF16_TOL);
-        rep.check(&format!("flash attention bf16 dk {tag}"), &gk, &dk64, BF16_TOL);
-        rep.check(&format!("flash attention bf16 dv {tag}"), &gv, &dv64, BF16_TOL);
-        // The same backward again must give the same bits (ordered dQ accumulation).
-        let again = bf16_backward_heads(dev, fs, [&dqb, &dkb, &dvb], &ob, &lse, &gbd)?;
-        rep.pass(&format!("flash attention bf16 bwd bit-identical rerun {tag}"), again == [gq, gk, gv]);
+        for keys in backward_keys(d) {
+            dev.set_flash_backward_bf16_keys(keys);
+            let tag = format!("{tag} k{keys}");
+            let [gq, gk, gv] = bf16_backward_heads(dev, fs, [&dqb, &dkb, &dvb], &ob, &lse, &gbd)?;
+            rep.check(&format!("flash attention bf16 dq {tag}"), &gq, &dq64, BF16_TOL);
+            rep.check(&format!("flash attention bf16 dk {tag}"), &gk, &dk64, BF16_TOL);
+            rep.check(&format!("flash attention bf16 dv {tag}"), &gv, &dv64, BF16_TOL);
+            // The same backward again must give the same bits (ordered dQ accumulation).
+            let again = bf16_backward_heads(dev, fs, [&dqb, &dkb, &dvb], &ob, &lse, &gbd)?;
+            rep.pass(&format!("flash attention bf16 bwd bit-identical rerun {tag}"), again == [gq, gk, gv]);
+        }
+        dev.set_flash_backward_bf16_keys(0);
     }
     check_attention_packed(dev, rng, rep)
+}
+
+/// The bf16 backward's keys per block to check at head dim `d`: both forms at 64, the one
+/// form otherwise.
+fn backward_keys(d: usize) -> Vec<usize> {
+    if d == 64 {
+        vec![64, 128]
+    } else {
+        vec![64]
+    }
 }
 
 /// The bf16 backward on contiguous `[heads, t, d]` operands; returns dQ, dK, dV widened to f32.
@@ -610,43 +642,47 @@ fn check_attention_packed(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<
         let (pd, gd) = (dev.htod(&packed)?, dev.htod(&gmerged)?);
         let (mut y, mut lse) = (dev.alloc::<bf16>(b * t * c)?, dev.alloc::<f32>(b * h * t)?);
         dev.flash_attention_forward_bf16_strided(fs, (&pd, part(0)), (&pd, part(1)), (&pd, part(2)), (&mut y, merged), &mut lse)?;
-        let mut dqkv = dev.alloc::<bf16>(b * t * 3 * c)?;
-        dev.flash_attention_backward_bf16(
-            fs,
-            (&pd, part(0)),
-            (&pd, part(1)),
-            (&pd, part(2)),
-            (&y, merged),
-            &lse,
-            (&gd, merged),
-            &mut dqkv,
-            [part(0), part(1), part(2)],
-        )?;
-        let (y_rows, g_rows) = (dev.dtoh(&y)?, dev.dtoh(&dqkv)?);
-        // Head-major: copies on the host.
-        let to_heads = |src: &[bf16], stride: usize, off: usize| -> Vec<bf16> {
-            let mut out = Vec::with_capacity(b * h * t * d);
-            for bi in 0..b {
-                for hi in 0..h {
-                    for ti in 0..t {
-                        let row = (bi * t + ti) * stride + off + hi * d;
-                        out.extend_from_slice(&src[row..row + d]);
+        for keys in backward_keys(d) {
+            dev.set_flash_backward_bf16_keys(keys);
+            let mut dqkv = dev.alloc::<bf16>(b * t * 3 * c)?;
+            dev.flash_attention_backward_bf16(
+                fs,
+                (&pd, part(0)),
+                (&pd, part(1)),
+                (&pd, part(2)),
+                (&y, merged),
+                &lse,
+                (&gd, merged),
+                &mut dqkv,
+                [part(0), part(1), part(2)],
+            )?;
+            let (y_rows, g_rows) = (dev.dtoh(&y)?, dev.dtoh(&dqkv)?);
+            // Head-major: copies on the host.
+            let to_heads = |src: &[bf16], stride: usize, off: usize| -> Vec<bf16> {
+                let mut out = Vec::with_capacity(b * h * t * d);
+                for bi in 0..b {
+                    for hi in 0..h {
+                        for ti in 0..t {
+                            let row = (bi * t + ti) * stride + off + hi * d;
+                            out.extend_from_slice(&src[row..row + d]);
+                        }
                     }
                 }
-            }
-            out
-        };
-        let (q, k, v) = (dev.htod(&to_heads(&packed, 3 * c, 0))?, dev.htod(&to_heads(&packed, 3 * c, c))?, dev.htod(&to_heads(&packed, 3 * c, 2 * c))?);
-        let mut o = dev.alloc::<bf16>(b * h * t * d)?;
-        dev.flash_attention_forward_bf16(fs, &q, &k, &v, &mut o, &mut lse)?;
-        let go = dev.htod(&to_heads(&gmerged, c, 0))?;
-        let grads = bf16_backward_heads(dev, fs, [&q, &k, &v], &o, &lse, &go)?;
-        let tag = format!("d{d} {} {b}x{h}x{t}", if causal { "causal" } else { "full" });
-        let same = |x: &[bf16], y: &[bf16]| x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits());
-        rep.pass(&format!("flash attention bf16 packed fwd = heads {tag}"), same(&to_heads(&y_rows, c, 0), &dev.dtoh(&o)?));
-        let ok = (0..3).all(|s| convert::bf16_vec_to_f32(&to_heads(&g_rows, 3 * c, s * c)) == grads[s]);
-        rep.pass(&format!("flash attention bf16 packed bwd = heads {tag}"), ok);
+                out
+            };
+            let (q, k, v) = (dev.htod(&to_heads(&packed, 3 * c, 0))?, dev.htod(&to_heads(&packed, 3 * c, c))?, dev.htod(&to_heads(&packed, 3 * c, 2 * c))?);
+            let mut o = dev.alloc::<bf16>(b * h * t * d)?;
+            dev.flash_attention_forward_bf16(fs, &q, &k, &v, &mut o, &mut lse)?;
+            let go = dev.htod(&to_heads(&gmerged, c, 0))?;
+            let grads = bf16_backward_heads(dev, fs, [&q, &k, &v], &o, &lse, &go)?;
+            let tag = format!("d{d} {} {b}x{h}x{t} k{keys}", if causal { "causal" } else { "full" });
+            let same = |x: &[bf16], y: &[bf16]| x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits());
+            rep.pass(&format!("flash attention bf16 packed fwd = heads {tag}"), same(&to_heads(&y_rows, c, 0), &dev.dtoh(&o)?));
+            let ok = (0..3).all(|s| convert::bf16_vec_to_f32(&to_heads(&g_rows, 3 * c, s * c)) == grads[s]);
+            rep.pass(&format!("flash attention bf16 packed bwd = heads {tag}"), ok);
+        }
     }
+    dev.set_flash_backward_bf16_keys(0);
     Ok(())
 }
 
@@ -788,6 +824,14 @@ fn bench_attention(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
             dev.cast_f32_to_bf16(&k, &mut kb)?;
             dev.cast_f32_to_bf16(&v, &mut vb)?;
             let fb = dev.time_ms(10, || dev.flash_attention_forward_bf16(fs, &qb, &kb, &vb, &mut ob, &mut lse))?;
+            let mut probes = String::new();
+            if d == 64 {
+                // The 4-warp, 64-row form beside the default 8-warp, 128-row one.
+                dev.set_flash_forward_bf16_rows(64);
+                let ms = dev.time_ms(10, || dev.flash_attention_forward_bf16(fs, &qb, &kb, &vb, &mut ob, &mut lse));
+                dev.set_flash_forward_bf16_rows(0);
+                probes += &format!("; fwd 64-row blocks {:.3} ms", ms?);
+            }
             let mut gob = dev.alloc::<bf16>(len)?;
             dev.cast_f32_to_bf16(&go, &mut gob)?;
             let lh = fs.heads_layout(t);
@@ -797,7 +841,13 @@ fn bench_attention(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
                 dev.flash_attention_backward_bf16(fs, (&qb, lh), (&kb, lh), (&vb, lh), (&ob, lh), &lse, (&gob, lh), grads, [side(0), side(1), side(2)])
             };
             let bb = dev.time_ms(10, || bwd_bf16(&mut grads))?;
-            let mut probes = String::new();
+            if d == 64 {
+                // The 4-warp, 64-key form beside the default 8-warp, 128-key one.
+                dev.set_flash_backward_bf16_keys(64);
+                let ms = dev.time_ms(10, || bwd_bf16(&mut grads));
+                dev.set_flash_backward_bf16_keys(0);
+                probes += &format!("; bwd 64-key blocks {:.3} ms", ms?);
+            }
             for (probe, what) in [(1, "dQ unordered"), (2, "no dQ"), (4, "dQ not added"), (8, "dQ added, no products")] {
                 dev.set_flash_backward_bf16_probe(probe);
                 let ms = dev.time_ms(10, || bwd_bf16(&mut grads));

@@ -67,7 +67,22 @@ fn main() {
             train_124m(seed, &gpt2_ids()?)?;
         }
         if mode == "bench" || mode == "all" {
-            bench(seed, &gpt2_ids()?, gpt2_124m(GPT2_VOCAB, 128), "rustytorch")?;
+            // `GPT_GPU_ATTN=128/128,64/64` times the step once per listed form of the bf16
+            // attention kernels (forward query rows / backward keys per block: an A/B in one
+            // process); unset: the defaults only.
+            match std::env::var("GPT_GPU_ATTN") {
+                Ok(list) => {
+                    for form in list.split(',') {
+                        let (rows, keys) = form.split_once('/').ok_or("GPT_GPU_ATTN: forms are ROWS/KEYS")?;
+                        dev.set_flash_forward_bf16_rows(rows.trim().parse()?);
+                        dev.set_flash_backward_bf16_keys(keys.trim().parse()?);
+                        bench(seed, &gpt2_ids()?, gpt2_124m(GPT2_VOCAB, 128), &format!("rustytorch-attn-{}-{}", rows.trim(), keys.trim()))?;
+                    }
+                    dev.set_flash_forward_bf16_rows(0);
+                    dev.set_flash_backward_bf16_keys(0);
+                }
+                Err(_) => bench(seed, &gpt2_ids()?, gpt2_124m(GPT2_VOCAB, 128), "rustytorch")?,
+            }
         }
         if mode == "bench-bytes" || mode == "all" {
             bench(seed, &bytes_as_ids(&corpus()?), gpt2_124m(256, 1), "rustytorch-bytes")?;
@@ -109,7 +124,13 @@ fn gpt2_ids() -> Res<Vec<u32>> {
     let corpus = corpus()?;
     let start = Instant::now();
     let ids = tokenize_corpus_cached(&corpus, &sotu_dir().join("gpt2-tokens.bin"))?;
-    println!("gpt2 token ids: {} bytes -> {} tokens ({:.2} bytes/token) in {:.1} s", corpus.len(), ids.len(), corpus.len() as f64 / ids.len() as f64, start.elapsed().as_secs_f64());
+    println!(
+        "gpt2 token ids: {} bytes -> {} tokens ({:.2} bytes/token) in {:.1} s",
+        corpus.len(),
+        ids.len(),
+        corpus.len() as f64 / ids.len() as f64,
+        start.elapsed().as_secs_f64()
+    );
     Ok(ids)
 }
 
@@ -254,7 +275,13 @@ fn cases() -> Vec<OpCase> {
             f: |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5),
         },
         OpCase { name: "gelu (8-wide)", inputs: vec![vec![16, 256]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu() },
-        OpCase { name: "gelu (tanh, 8-wide)", inputs: vec![vec![16, 256]], ids: vec![], scalar_out: false, f: |x, _| x[0].gelu_with(rtx_tensor::GeluApprox::Tanh) },
+        OpCase {
+            name: "gelu (tanh, 8-wide)",
+            inputs: vec![vec![16, 256]],
+            ids: vec![],
+            scalar_out: false,
+            f: |x, _| x[0].gelu_with(rtx_tensor::GeluApprox::Tanh),
+        },
         OpCase { name: "add (same)", inputs: vec![vec![5, 77], vec![5, 77]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
         OpCase { name: "add (same, 8-wide)", inputs: vec![vec![8, 64], vec![8, 64]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
         OpCase { name: "add (broadcast)", inputs: vec![vec![4, 16, 32], vec![16, 32]], ids: vec![], scalar_out: false, f: |x, _| x[0].add(&x[1]) },
@@ -297,7 +324,15 @@ fn cases() -> Vec<OpCase> {
             inputs: vec![vec![200, 96], vec![256, 96]],
             ids: vec![(vec![200], 250)],
             scalar_out: true,
-            f: |x, i| x[0].mul_scalar(0.25)?.linear_cross_entropy_valid(&x[1], &i[0], 250, CrossEntropyOptions { reduction: rtx_tensor::Reduction::Sum, ..CrossEntropyOptions::default() }, 64),
+            f: |x, i| {
+                x[0].mul_scalar(0.25)?.linear_cross_entropy_valid(
+                    &x[1],
+                    &i[0],
+                    250,
+                    CrossEntropyOptions { reduction: rtx_tensor::Reduction::Sum, ..CrossEntropyOptions::default() },
+                    64,
+                )
+            },
         },
     ]
 }
@@ -529,7 +564,13 @@ fn curve(seed: u64, ids: &[u32], twin: Twin, label: &str) -> Res<bool> {
     };
     let adamw = AdamWConfig { lr: 1e-3, weight_decay: 0.1, ..AdamWConfig::default() };
     let (b, t, steps, window) = (twin.batch, twin.context, 300, 10);
-    println!("curve ({label}): vocabulary {} (padded {}), {} layers, C {}, T {t}, B {b}, {steps} AdamW steps", config.vocab_size, config.padded_vocab(), config.n_layers, config.d_model);
+    println!(
+        "curve ({label}): vocabulary {} (padded {}), {} layers, C {}, T {t}, B {b}, {steps} AdamW steps",
+        config.vocab_size,
+        config.padded_vocab(),
+        config.n_layers,
+        config.d_model
+    );
     let runs = [("cpu f32", Device::Cpu, DType::F32), ("gpu f32", GPU, DType::F32), ("gpu bf16", GPU, DType::BF16)];
     // The whole model's first gradient, GPU f32 against CPU f32 (the curves below can only
     // drift apart by rounding amplified over steps if this agrees).
@@ -543,7 +584,14 @@ fn curve(seed: u64, ids: &[u32], twin: Twin, label: &str) -> Res<bool> {
                 d => (x.to_device(*d)?, y.to_device(*d)?),
             };
             trainer.model.loss(&xd, &yd, &mut Generator::new(0))?.backward()?;
-            grads.push(trainer.model.named_parameters().iter().map(|(n, p)| Ok((n.clone(), p.grad().ok_or("no gradient")?.to_device(Device::Cpu)?.to_dtype(DType::F32)?))).collect::<Res<Vec<_>>>()?);
+            grads.push(
+                trainer
+                    .model
+                    .named_parameters()
+                    .iter()
+                    .map(|(n, p)| Ok((n.clone(), p.grad().ok_or("no gradient")?.to_device(Device::Cpu)?.to_dtype(DType::F32)?)))
+                    .collect::<Res<Vec<_>>>()?,
+            );
         }
         let mut worst = (String::new(), 0.0f64);
         for ((name, a), (_, b)) in grads[1].iter().zip(&grads[0]) {
@@ -620,7 +668,11 @@ fn bench(seed: u64, ids: &[u32], config: GptConfig, label: &str) -> Res<()> {
     let tok_s = tokens / median;
     let mfu = flops_per_token * tok_s / PEAK_BF16;
     let stats = cuda::device(0)?.memory_stats();
-    println!("bench {label}: GPT-2 124M shape, vocabulary {} (padded {}), {n_params} parameters, B={b} T={t}, bf16 + f32 master AdamW, {steps} steps", config.vocab_size, config.padded_vocab());
+    println!(
+        "bench {label}: GPT-2 124M shape, vocabulary {} (padded {}), {n_params} parameters, B={b} T={t}, bf16 + f32 master AdamW, {steps} steps",
+        config.vocab_size,
+        config.padded_vocab()
+    );
     println!(
         "bench step median {:.2} ms (min {:.2}), {:.0} tokens/s, MFU {:.1}%, final loss {last:.4}, peak device memory {:.2} GiB",
         median * 1e3,
@@ -716,7 +768,13 @@ fn profile(seed: u64, ids: &[u32]) -> Res<()> {
         let t3 = Instant::now();
         dev.synchronize()?;
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-        println!("profile host queueing: forward {:.2} ms, backward {:.2} ms, optimizer {:.2} ms; step done on the device after {:.2} ms", ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t0, Instant::now()));
+        println!(
+            "profile host queueing: forward {:.2} ms, backward {:.2} ms, optimizer {:.2} ms; step done on the device after {:.2} ms",
+            ms(t0, t1),
+            ms(t1, t2),
+            ms(t2, t3),
+            ms(t0, Instant::now())
+        );
     }
 
     let mut r = Generator::new(seed);
@@ -730,9 +788,11 @@ fn profile(seed: u64, ids: &[u32]) -> Res<()> {
         ("linear fc2 3072->768", vec![bf(&[rows, 4 * c], &mut r)?, bf(&[c, 4 * c], &mut r)?, bf(&[c], &mut r)?], |x, _| x[0].linear(&x[1], Some(&x[2]))),
         ("lm head 768->50304 (unfused)", vec![bf(&[rows, c], &mut r)?, bf(&[50304, c], &mut r)?], |x, _| x[0].linear(&x[1], None)),
         ("layer_norm 768", vec![bf(&[rows, c], &mut r)?, bf(&[c], &mut r)?, bf(&[c], &mut r)?], |x, _| x[0].layer_norm(Some(&x[1]), Some(&x[2]), 1e-5)),
-        ("mlp 768->3072->768 (fused)", vec![bf(&[rows, c], &mut r)?, bf(&[4 * c, c], &mut r)?, bf(&[4 * c], &mut r)?, bf(&[c, 4 * c], &mut r)?, bf(&[c], &mut r)?], |x, _| {
-            x[0].linear_gelu_linear(&x[1], &x[2], &x[3], &x[4])
-        }),
+        (
+            "mlp 768->3072->768 (fused)",
+            vec![bf(&[rows, c], &mut r)?, bf(&[4 * c, c], &mut r)?, bf(&[4 * c], &mut r)?, bf(&[c, 4 * c], &mut r)?, bf(&[c], &mut r)?],
+            |x, _| x[0].linear_gelu_linear(&x[1], &x[2], &x[3], &x[4]),
+        ),
         ("gelu [16384,3072]", vec![bf(&[rows, 4 * c], &mut r)?], |x, _| x[0].gelu_with(rtx_tensor::GeluApprox::Tanh)),
         ("add residual", vec![bf(&[b, t, c], &mut r)?, bf(&[b, t, c], &mut r)?], |x, _| x[0].add(&x[1])),
         ("add+layer_norm 768 (fused)", vec![bf(&[b, t, c], &mut r)?, bf(&[b, t, c], &mut r)?, bf(&[c], &mut r)?, bf(&[c], &mut r)?], |x, _| {
@@ -771,13 +831,17 @@ fn profile(seed: u64, ids: &[u32]) -> Res<()> {
     let hidden = bf(&[rows, c], &mut r)?;
     let targets = ids.reshape(&[rows])?;
     let fused_fwd = time_ms(10, || {
-        rtx_tensor::no_grad(|| hidden.linear_cross_entropy_valid(&table, &targets, GPT2_VOCAB, CrossEntropyOptions::default(), rtx_tensor::nn::head_chunk_rows(rows, 50304)))?;
+        rtx_tensor::no_grad(|| {
+            hidden.linear_cross_entropy_valid(&table, &targets, GPT2_VOCAB, CrossEntropyOptions::default(), rtx_tensor::nn::head_chunk_rows(rows, 50304))
+        })?;
         Ok(())
     })?;
     let fused = time_ms(10, || {
         hidden.set_grad(None)?;
         table.set_grad(None)?;
-        hidden.linear_cross_entropy_valid(&table, &targets, GPT2_VOCAB, CrossEntropyOptions::default(), rtx_tensor::nn::head_chunk_rows(rows, 50304))?.backward()?;
+        hidden
+            .linear_cross_entropy_valid(&table, &targets, GPT2_VOCAB, CrossEntropyOptions::default(), rtx_tensor::nn::head_chunk_rows(rows, 50304))?
+            .backward()?;
         Ok(())
     })?;
     println!("{:<32} {fused_fwd:>10.3} {fused:>12.3} {:>10}", "head+loss fused 768->50304", 1);

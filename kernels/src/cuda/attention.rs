@@ -4,8 +4,9 @@
 //! - f32 (the `attention` NVRTC module): CUDA cores, one warp per row, the exact path that the
 //!   1e-5 check holds to;
 //! - bf16 (the `attention_bf16` module): tensor cores (`mma.sync` m16n8k16, f32 accumulation and
-//!   softmax), 64-row blocks of 4 warps, K/V (or Q/dO) tiles double-buffered in shared memory
-//!   with `cp.async`, FlashAttention-2's register re-packing of P as the A operand of P·V.
+//!   softmax), blocks of 16 query rows (forward) or keys (backward) per warp — 8 warps at head
+//!   dim 64, 4 at 128 — K/V (or Q/dO) tiles of 64 rows double-buffered in shared memory with
+//!   `cp.async`, FlashAttention-2's register re-packing of P as the A operand of P·V.
 //!
 //! Layout: the f32 path takes Q as `[heads, tq, d]`, K and V `[heads, tk, d]`, O `[heads, tq, d]`,
 //! all contiguous (`heads` is batch × heads). The bf16 path addresses every operand through a
@@ -29,10 +30,18 @@ use super::error::{check_len, CudaError, OpContext, Result};
 use super::mixed::HeadLayout;
 use super::nvrtc::Module;
 
-/// Query rows per block of the bf16 tensor-core forward; must match `BF_ROWS` in attention_bf16.cu.
+/// Query rows (or keys, in the backward) per block of 4 warps of the bf16 tensor-core kernels,
+/// 16 per warp.
 const BF_ROWS: usize = 64;
-/// Keys per shared-memory tile of the bf16 forward; must match `BF_KEYS` in attention_bf16.cu.
+/// Query rows per block of the bf16 forward at head dim 64 unless a device says otherwise
+/// (`Device::set_flash_forward_bf16_rows`): 8 warps (`flash_forward_bf16_r128_d64`).
+const FWD_ROWS_D64: usize = 128;
+/// Keys per shared-memory tile of the bf16 forward, and query rows per tile of the backward;
+/// must match `BF_KEYS` in attention_bf16.cu.
 const BF_KEYS: usize = 64;
+/// Keys per block of the bf16 backward at head dim 64 unless a device says otherwise
+/// (`Device::set_flash_backward_bf16_keys`): 8 warps of 16 keys (`flash_backward_bf16_k128_d64`).
+const BWD_KEYS_D64: usize = 128;
 
 /// Rows (warps) per block in the attention kernels; must match `WARPS` in attention.cu.
 const WARPS: usize = 8;
@@ -171,14 +180,26 @@ impl Device {
             return Ok(());
         }
         (a.q, a.k, a.v, a.o, a.lse) = (q.0.device_ptr(), k.0.device_ptr(), v.0.device_ptr(), out.0.device_ptr(), lse.device_ptr());
-        let name = if d == 64 { "flash_forward_bf16_d64" } else { "flash_forward_bf16_d128" };
+        // Query rows per block: 128 (8 warps) at head dim 64 by default, 64 (4 warps) otherwise.
+        let rows = match (d, self.fwd_rows.load(Ordering::Relaxed)) {
+            (64, 0) => FWD_ROWS_D64,
+            (64, 128) => 128,
+            _ => BF_ROWS,
+        };
+        let name = match (d, rows) {
+            (64, 128) => "flash_forward_bf16_r128_d64",
+            (64, _) => "flash_forward_bf16_d64",
+            _ => "flash_forward_bf16_d128",
+        };
         let f = self.function(Module::AttentionBf16, name)?;
         let mut l = self.stream().launch_builder(&f);
         l.arg(&a);
         // Two buffers of a K and a V tile.
         let smem_bytes = 4 * BF_KEYS * (d + 8) * 2;
         allow_smem(&f, smem_bytes, OP)?;
-        let cfg = LaunchConfig { grid_dim: (spec.tq.div_ceil(BF_ROWS) as u32, heads as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem_bytes as u32 };
+        // 16 rows per warp.
+        let threads = (rows / 16 * 32) as u32;
+        let cfg = LaunchConfig { grid_dim: (spec.tq.div_ceil(rows) as u32, heads as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem_bytes as u32 };
         // SAFETY: every operand's rows were checked to lie inside its buffer and to start
         // 16-byte aligned (row strides and offsets are multiples of 8 elements, buffers start
         // 512-byte aligned); `AttnArgs` mirrors the kernel's struct; shared memory matches the
@@ -222,7 +243,13 @@ impl Device {
         if heads == 0 || (spec.tq == 0 && spec.tk == 0) {
             return Ok(());
         }
-        let (nq, nk) = (spec.tq.div_ceil(BF_KEYS), spec.tk.div_ceil(BF_ROWS));
+        // Keys per block: 128 (8 warps) at head dim 64 by default, 64 (4 warps) otherwise.
+        let keys = match (d, self.bwd_keys.load(Ordering::Relaxed)) {
+            (64, 0) => BWD_KEYS_D64,
+            (64, 128) => 128,
+            _ => BF_ROWS,
+        };
+        let (nq, nk) = (spec.tq.div_ceil(BF_KEYS), spec.tk.div_ceil(keys));
         let rows = heads * spec.tq;
         let delta = self.alloc::<f32>(rows.max(1))?;
         let counters = self.alloc::<u32>((heads * nq).max(1))?;
@@ -233,7 +260,7 @@ impl Device {
         // Rotating the walk needs one head's key blocks resident together (attention_bf16.cu).
         let sms = self.stream().context().attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).op(OP)?;
         a.probe = self.bwd_probe.load(Ordering::Relaxed);
-        a.rotate = i32::from(!spec.causal && nq == nk && nk <= usize::try_from(sms).unwrap_or(0));
+        a.rotate = i32::from(!spec.causal && spec.tq == spec.tk && nk <= usize::try_from(sms).unwrap_or(0));
         if rows > 0 {
             let f = self.function(Module::AttentionBf16, "flash_backward_delta_bf16")?;
             let (rows64, di, nc) = (rows as i64, d as i32, (heads * nq) as i32);
@@ -245,15 +272,21 @@ impl Device {
             unsafe { l.launch(cfg) }.op(OP)?;
         }
         if nk > 0 {
-            let name = if d == 64 { "flash_backward_bf16_d64" } else { "flash_backward_bf16_d128" };
+            let name = match (d, keys) {
+                (64, 128) => "flash_backward_bf16_k128_d64",
+                (64, _) => "flash_backward_bf16_d64",
+                _ => "flash_backward_bf16_d128",
+            };
             let f = self.function(Module::AttentionBf16, name)?;
-            // K and V rows, the dSᵀ tile, two buffers of a Q and a dO tile, two of the row
-            // statistics.
-            let smem = 7 * BF_KEYS * (d + 8) * 2 + 4 * BF_KEYS * 4;
+            // K and V rows and the dSᵀ tile (`keys` rows each), two buffers of a Q and a dO
+            // tile, two of the row statistics.
+            let smem = 3 * keys * (d + 8) * 2 + 4 * BF_KEYS * (d + 8) * 2 + 4 * BF_KEYS * 4;
             allow_smem(&f, smem, OP)?;
             let mut l = self.stream().launch_builder(&f);
             l.arg(&a);
-            let cfg = LaunchConfig { grid_dim: (nk as u32, heads as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem as u32 };
+            // 16 keys per warp.
+            let threads = (keys / 16 * 32) as u32;
+            let cfg = LaunchConfig { grid_dim: (nk as u32, heads as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
             // SAFETY: every operand's rows were checked to lie inside its buffer, 16-byte
             // aligned; the scratch buffers hold what the kernel indexes (`dq_acc` heads·tq·d,
             // counters zeroed by the delta kernel just before on this stream); the grid walks
@@ -273,6 +306,24 @@ impl Device {
     #[doc(hidden)]
     pub fn set_flash_backward_bf16_probe(&self, probe: i32) {
         self.bwd_probe.store(probe, Ordering::Relaxed);
+    }
+
+    /// Chooses the keys per block of the bf16 backward at head dim 64 on this device, so a
+    /// benchmark can time both forms in one process: 64 (4 warps) or 128 (8 warps); 0 restores
+    /// the default (128). Both give results bit-identical run to run, not to each other (the dQ
+    /// sums group the keys differently). Other head dims always use 64.
+    #[doc(hidden)]
+    pub fn set_flash_backward_bf16_keys(&self, keys: usize) {
+        self.bwd_keys.store(keys, Ordering::Relaxed);
+    }
+
+    /// Chooses the query rows per block of the bf16 forward at head dim 64 on this device, so a
+    /// benchmark can time both forms in one process: 64 (4 warps) or 128 (8 warps); 0 restores
+    /// the default (128). Both give the same bits (each row's sums do not depend on the block).
+    /// Other head dims always use 64.
+    #[doc(hidden)]
+    pub fn set_flash_forward_bf16_rows(&self, rows: usize) {
+        self.fwd_rows.store(rows, Ordering::Relaxed);
     }
 
     /// Backward from the forward's `out` and `lse` and the output gradient `dout`; writes `dq`,

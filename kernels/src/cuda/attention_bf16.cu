@@ -28,7 +28,6 @@ typedef unsigned short bf16raw;
 typedef unsigned int u32a;
 
 #define BF_WARPS 4
-#define BF_ROWS (BF_WARPS * 16)
 #define BF_KEYS 64
 
 struct __align__(16) U4 { u32a x, y, z, w; };
@@ -126,15 +125,15 @@ __device__ __forceinline__ int ldsm_a_lane() {
     return ((mat >> 1) * 8 + r) * P + (mat & 1) * 8;
 }
 
-// Queues rows r0..r0+BF_KEYS of a [rows, D] bf16 matrix (row pitch `ld` elements) into smem
-// (pitch D+8) with cp.async, from a block of BF_WARPS warps; rows past the end are zeroed with
+// Queues rows r0..r0+ROWS of a [rows, D] bf16 matrix (row pitch `ld` elements) into smem
+// (pitch D+8) with cp.async, from a block of THREADS threads; rows past the end are zeroed with
 // plain stores. Visible after cp_async_wait + __syncthreads.
-template <int D>
+template <int D, int ROWS = BF_KEYS, int THREADS = BF_WARPS * 32>
 __device__ __forceinline__ void stage_async(bf16raw* dst, const bf16raw* src, int r0, int rows, i64 ld) {
     constexpr int P = D + 8;
     constexpr int CHUNKS = D / 8;
 #pragma unroll
-    for (int e = threadIdx.x; e < BF_KEYS * CHUNKS; e += BF_WARPS * 32) {
+    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += THREADS) {
         int r = e / CHUNKS, c = (e - r * CHUNKS) * 8;
         bf16raw* d = dst + r * P + c;
         if (r0 + r < rows) {
@@ -150,7 +149,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // Waits until at most one committed group is still in flight.
 __device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
-template <int D>
+// W warps take 16·W query rows (16 each); every warp walks the same staged K/V tiles, so 8
+// warps stage each tile once for 128 rows instead of 64.
+template <int D, int W>
 __device__ void flash_forward_bf16(const AttnArgs& a) {
     const int tq = a.tq, tk = a.tk, causal = a.causal;
     const float scale = a.scale;
@@ -158,6 +159,8 @@ __device__ void flash_forward_bf16(const AttnArgs& a) {
     constexpr int KS = D / 16;         // k-steps of Q·Kᵀ
     constexpr int NT = BF_KEYS / 8;    // 8-wide key tiles per block of keys
     constexpr int DT = D / 8;          // 8-wide column tiles of the output
+    constexpr int ROWS = 16 * W;       // query rows per block
+    constexpr int THREADS = 32 * W;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // Two buffers of [K tile][V tile], each [BF_KEYS][P]: the next tile loads while this one
     // is used.
@@ -167,7 +170,7 @@ __device__ void flash_forward_bf16(const AttnArgs& a) {
     // With a causal mask, later query blocks see more keys: start those first so the long
     // blocks do not form the tail of the grid.
     const int qblock = causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const int row0 = qblock * BF_ROWS + warp * 16;
+    const int row0 = qblock * ROWS + warp * 16;
     const int ra = row0 + g, rb = row0 + g + 8;  // the two rows this thread owns
     const bf16raw* qh = a.q + head_base(a.lq, h);
     const bf16raw* kh = a.k + head_base(a.lk, h);
@@ -190,11 +193,11 @@ __device__ void flash_forward_bf16(const AttnArgs& a) {
     for (int i = 0; i < DT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float ma = -INFINITY, mb = -INFINITY, la = 0.0f, lb = 0.0f;
 
-    const int block_last = imin(qblock * BF_ROWS + BF_ROWS, tq);
+    const int block_last = imin(qblock * ROWS + ROWS, tq);
     const int kmax = causal ? imin(tk, block_last) : tk;
     if (kmax > 0) {
-        stage_async<D>(kv_buf, kh, 0, tk, rk);
-        stage_async<D>(kv_buf + BF_KEYS * P, vh, 0, tk, rv);
+        stage_async<D, BF_KEYS, THREADS>(kv_buf, kh, 0, tk, rk);
+        stage_async<D, BF_KEYS, THREADS>(kv_buf + BF_KEYS * P, vh, 0, tk, rv);
     }
     cp_async_commit();
     for (int j0 = 0; j0 < kmax; j0 += BF_KEYS) {
@@ -203,15 +206,16 @@ __device__ void flash_forward_bf16(const AttnArgs& a) {
         const int buf = (j0 / BF_KEYS) & 1;
         if (j0 + BF_KEYS < kmax) {
             bf16raw* next = kv_buf + (buf ^ 1) * 2 * BF_KEYS * P;
-            stage_async<D>(next, kh, j0 + BF_KEYS, tk, rk);
-            stage_async<D>(next + BF_KEYS * P, vh, j0 + BF_KEYS, tk, rv);
+            stage_async<D, BF_KEYS, THREADS>(next, kh, j0 + BF_KEYS, tk, rk);
+            stage_async<D, BF_KEYS, THREADS>(next + BF_KEYS * P, vh, j0 + BF_KEYS, tk, rv);
         }
         cp_async_commit();
         cp_async_wait_all_but_one();
         __syncthreads();
         const bf16raw* ks = kv_buf + buf * 2 * BF_KEYS * P;
         const u32a vs_b = smem_u32(ks + BF_KEYS * P) + 2 * ldsm_b_lane<P>();
-        if (row0 >= tq) continue;
+        // Rows past the end, and (causal, wide blocks) a tile wholly after this warp's rows.
+        if (row0 >= tq || (W > 4 && causal && j0 > row0 + 15)) continue;
         // S = Q·Kᵀ for this warp's 16 rows and 64 keys.
         float sc[NT][4];
 #pragma unroll
@@ -317,9 +321,12 @@ __device__ void flash_forward_bf16(const AttnArgs& a) {
 }
 
 // At most 128 registers, so four 4-warp blocks fit on an SM (133 registers left room for three).
-extern "C" __global__ void __launch_bounds__(BF_WARPS * 32, 4) flash_forward_bf16_d64(const AttnArgs a) { flash_forward_bf16<64>(a); }
+extern "C" __global__ void __launch_bounds__(BF_WARPS * 32, 4) flash_forward_bf16_d64(const AttnArgs a) { flash_forward_bf16<64, 4>(a); }
 
-extern "C" __global__ void __launch_bounds__(BF_WARPS * 32) flash_forward_bf16_d128(const AttnArgs a) { flash_forward_bf16<128>(a); }
+// 128 query rows (8 warps), at most 128 registers: two blocks per SM.
+extern "C" __global__ void __launch_bounds__(256, 2) flash_forward_bf16_r128_d64(const AttnArgs a) { flash_forward_bf16<64, 8>(a); }
+
+extern "C" __global__ void __launch_bounds__(BF_WARPS * 32) flash_forward_bf16_d128(const AttnArgs a) { flash_forward_bf16<128, 4>(a); }
 
 // ---- bf16 tensor-core backward ----
 // One pass per key block (FlashAttention-2): a block of 4 warps owns 64 keys (16 per warp) and
@@ -393,25 +400,61 @@ extern "C" __global__ void flash_backward_delta_bf16(const AttnArgs a, i64 rows,
     }
 }
 
-template <int D>
+// Contributors to query block `i`'s dQ and this key block's place among them (`rank`; the one
+// with rank `last` writes dQ). Key block b covers keys b·KB .. b·KB+KB, query block i rows
+// i·64 .. i·64+64.
+// - causal: key blocks 0 ..= min((i·64+63)/KB, nk−1) see block i; they reach it in descending
+//   order (a higher key block starts its walk at an earlier step), and the grid dispatches them
+//   in that order too.
+// - rotating (non-causal): key block b starts its walk at query block (b·KB/64) mod nq, so it
+//   reaches block i at step (i − start_b) mod nq; the rank is how many key blocks reach i at an
+//   earlier step (distinct for distinct b while KB/64·nk ≤ nq, which the launcher checks).
+// - otherwise: every key block walks 0, 1, ...; the rank is by descending key block.
+template <int KB>
+__device__ __forceinline__ void dq_order(int i, int kblock, int step, int nq, int nk, int causal, int rotate, int& rank, int& last) {
+    if (causal) {
+        last = imin((i * BF_KEYS + BF_KEYS - 1) / KB, nk - 1);
+        rank = last - kblock;
+    } else if (rotate) {
+        last = nk - 1;
+        rank = 0;
+        for (int b = 0; b < nk; ++b) {
+            const int sb = (i - (b * KB / BF_KEYS) % nq + nq) % nq;
+            rank += sb < step;
+        }
+    } else {
+        last = nk - 1;
+        rank = nk - 1 - kblock;
+    }
+}
+
+// W warps own 16·W keys (16 each); the query tiles stay 64 rows. With W = 8 each key block adds
+// into dQ half as often as with W = 4 (half the dQ traffic and ordered hand-offs) and stages
+// each Q/dO tile for twice the keys; its dQ part, dS·K over 128 keys, is split by query rows
+// (warp % 4) and by halves of the head dims (warp / 4).
+template <int D, int W>
 __device__ void flash_backward_bf16(const AttnArgs& a) {
     constexpr int P = D + 8;
     constexpr int KS = D / 16;
     constexpr int NT = BF_KEYS / 8;  // 8-wide query tiles per block of queries
     constexpr int DT = D / 8;
+    constexpr int KB = 16 * W;       // keys per block
+    constexpr int THREADS = 32 * W;
+    constexpr int CG = W / 4;        // column groups of the dQ part
+    constexpr int DQT = DT / CG;     // 8-wide dQ column tiles per warp
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    bf16raw* kb = (bf16raw*)smem_raw;     // [64][P] this block's key rows
-    bf16raw* vb = kb + BF_KEYS * P;       // [64][P] this block's value rows
-    bf16raw* dsb = vb + BF_KEYS * P;      // [64 keys][P] dSᵀ of the current tile
-    bf16raw* qg_buf = dsb + BF_KEYS * P;  // two buffers of [Q tile][dO tile], each [64][P]
+    bf16raw* kb = (bf16raw*)smem_raw;     // [KB][P] this block's key rows
+    bf16raw* vb = kb + KB * P;            // [KB][P] this block's value rows
+    bf16raw* dsb = vb + KB * P;           // [KB keys][P] dSᵀ of the current tile
+    bf16raw* qg_buf = dsb + KB * P;       // two buffers of [Q tile][dO tile], each [64][P]
     float* stat_buf = (float*)(qg_buf + 4 * BF_KEYS * P);  // two buffers of [lse][delta], [64] each
     const int tq = a.tq, tk = a.tk, causal = a.causal, rotate = a.rotate;
     const float scale = a.scale;
     const int h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int nq = (tq + BF_KEYS - 1) / BF_KEYS, nk = (tk + BF_ROWS - 1) / BF_ROWS;
+    const int nq = (tq + BF_KEYS - 1) / BF_KEYS, nk = (tk + KB - 1) / KB;
     const int kblock = nk - 1 - (int)blockIdx.x;
-    const int key0 = kblock * BF_ROWS;
+    const int key0 = kblock * KB;
     const int jw = key0 + warp * 16;
     const int ja = jw + g, jb = jw + g + 8;
     const float sl2 = scale * LOG2E_F;
@@ -420,26 +463,30 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
     const i64 rq = a.lq.row, rg = a.lg.row;
     const float* lse_h = a.lse + (i64)h * tq;
     const float* delta_h = a.delta + (i64)h * tq;
-    const int nsteps = causal ? (nq > kblock ? nq - kblock : 0) : nq;
+    // The first query block that sees this block's keys under a causal mask.
+    const int qfirst = key0 / BF_KEYS;
+    const int nsteps = causal ? (nq > qfirst ? nq - qfirst : 0) : nq;
     // The first query block of the walk; each step takes the next one, wrapping (only a
     // rotating walk wraps within its steps).
-    int qblk = causal || rotate ? kblock : 0;
+    int qblk = causal ? qfirst : rotate ? qfirst % nq : 0;
     // Queues the Q and dO rows and the row statistics (lse, delta) of the tile at i0 into
-    // buffer b, all with cp.async (one statistic per thread).
+    // buffer b, all with cp.async (one statistic per thread of the first 128).
     auto stage_tile = [&](int b, int i0) {
         bf16raw* qd = qg_buf + b * 2 * BF_KEYS * P;
-        stage_async<D>(qd, qh, i0, tq, rq);
-        stage_async<D>(qd + BF_KEYS * P, gh, i0, tq, rg);
-        const int which = threadIdx.x / BF_KEYS, il = threadIdx.x % BF_KEYS, i = i0 + il;
-        float* dst = stat_buf + b * 2 * BF_KEYS + which * BF_KEYS + il;
-        if (i < tq) {
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"((which ? delta_h : lse_h) + i));
-        } else {
-            *dst = which ? 0.0f : INFINITY;
+        stage_async<D, BF_KEYS, THREADS>(qd, qh, i0, tq, rq);
+        stage_async<D, BF_KEYS, THREADS>(qd + BF_KEYS * P, gh, i0, tq, rg);
+        if (threadIdx.x < 2 * BF_KEYS) {
+            const int which = threadIdx.x / BF_KEYS, il = threadIdx.x % BF_KEYS, i = i0 + il;
+            float* dst = stat_buf + b * 2 * BF_KEYS + which * BF_KEYS + il;
+            if (i < tq) {
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"((which ? delta_h : lse_h) + i));
+            } else {
+                *dst = which ? 0.0f : INFINITY;
+            }
         }
     };
-    stage_async<D>(kb, a.k + head_base(a.lk, h), key0, tk, a.lk.row);
-    stage_async<D>(vb, a.v + head_base(a.lv, h), key0, tk, a.lv.row);
+    stage_async<D, KB, THREADS>(kb, a.k + head_base(a.lk, h), key0, tk, a.lk.row);
+    stage_async<D, KB, THREADS>(vb, a.v + head_base(a.lv, h), key0, tk, a.lv.row);
     if (nsteps > 0) stage_tile(0, qblk * BF_KEYS);
     cp_async_commit();
     float adk[DT][4], adv[DT][4];
@@ -448,10 +495,13 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
         adk[i][0] = adk[i][1] = adk[i][2] = adk[i][3] = 0.0f;
         adv[i][0] = adv[i][1] = adv[i][2] = adv[i][3] = 0.0f;
     }
+    // This warp's share of the dQ part: query rows 16·(warp % 4) of the tile, head-dim columns
+    // from dq_c0.
+    const int dq_row = (warp & 3) * 16, dq_c0 = (warp >> 2) * (D / CG);
     // Shared addresses of this lane's ldmatrix rows: K for dQ's B, dSᵀ for dQ's A, and the two
     // Q/dO buffers for dV's and dK's B.
-    const u32a kb_b = smem_u32(kb) + 2 * ldsm_b_lane<P>();
-    const u32a ds_a = smem_u32(dsb) + 2 * (ldsm_a_lane<P>() + warp * 16);
+    const u32a kb_b = smem_u32(kb) + 2 * (ldsm_b_lane<P>() + dq_c0);
+    const u32a ds_a = smem_u32(dsb) + 2 * (ldsm_a_lane<P>() + dq_row);
     const u32a qg_b = smem_u32(qg_buf) + 2 * ldsm_b_lane<P>();
     const u32a qg_r = smem_u32(qg_buf) + 2 * ldsm_n_lane<P>();
     const bf16raw* ka = kb + (warp * 16 + g) * P + 2 * t;
@@ -477,8 +527,11 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
         const float* l2s = stat_buf + buf * 2 * BF_KEYS;
         const float* dls = l2s + BF_KEYS;
         // Only tiles crossing the causal diagonal or the end of the queries or keys need the
-        // mask (keys past the end are zero rows in shared memory, masked to p = 0 here).
+        // mask (keys past the end are zero rows in shared memory, masked to p = 0 here). A warp
+        // whose keys all come after the tile's last query (causal, wide blocks on the diagonal)
+        // only writes its zero rows of dSᵀ.
         const bool need_mask = i0 + BF_KEYS > tq || jw + 16 > tk || (causal && jw + 15 > i0);
+        const bool dead = W > 4 && causal && jw > i0 + BF_KEYS - 1;  // never with 64-key blocks
         // Two halves of 32 queries each, one after the other, so only half of Sᵀ and dPᵀ is
         // live in registers at a time.
 #pragma unroll 1
@@ -493,28 +546,31 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
                 st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.0f;
                 dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.0f;
             }
+            if (!dead) {
 #pragma unroll
-            for (int s2 = 0; s2 < KS; ++s2) {
-                u32a kf[4], vf[4];
-                kf[0] = *(const u32a*)(ka + s2 * 16);
-                kf[1] = *(const u32a*)(ka + 8 * P + s2 * 16);
-                kf[2] = *(const u32a*)(ka + s2 * 16 + 8);
-                kf[3] = *(const u32a*)(ka + 8 * P + s2 * 16 + 8);
-                vf[0] = *(const u32a*)(va + s2 * 16);
-                vf[1] = *(const u32a*)(va + 8 * P + s2 * 16);
-                vf[2] = *(const u32a*)(va + s2 * 16 + 8);
-                vf[3] = *(const u32a*)(va + 8 * P + s2 * 16 + 8);
-                // B fragments of two query tiles per ldmatrix.x4 (Q and dO rows are the n index,
-                // head dims the k index: no transpose). 32-bit shared loads measured the same.
+                for (int s2 = 0; s2 < KS; ++s2) {
+                    u32a kf[4], vf[4];
+                    kf[0] = *(const u32a*)(ka + s2 * 16);
+                    kf[1] = *(const u32a*)(ka + 8 * P + s2 * 16);
+                    kf[2] = *(const u32a*)(ka + s2 * 16 + 8);
+                    kf[3] = *(const u32a*)(ka + 8 * P + s2 * 16 + 8);
+                    vf[0] = *(const u32a*)(va + s2 * 16);
+                    vf[1] = *(const u32a*)(va + 8 * P + s2 * 16);
+                    vf[2] = *(const u32a*)(va + s2 * 16 + 8);
+                    vf[3] = *(const u32a*)(va + 8 * P + s2 * 16 + 8);
+                    // B fragments of two query tiles per ldmatrix.x4 (Q and dO rows are the n
+                    // index, head dims the k index: no transpose). 32-bit shared loads measured
+                    // the same.
 #pragma unroll
-                for (int n = 0; n < NH; n += 2) {
-                    u32a bq[4], bg[4];
-                    ldsm_x4(bq, qg_n + 2 * (n * 8 * P + s2 * 16));
-                    ldsm_x4(bg, qg_n + 2 * (BF_KEYS * P + n * 8 * P + s2 * 16));
-                    mma_bf16(st[n], kf, bq[0], bq[1]);
-                    mma_bf16(st[n + 1], kf, bq[2], bq[3]);
-                    mma_bf16(dpt[n], vf, bg[0], bg[1]);
-                    mma_bf16(dpt[n + 1], vf, bg[2], bg[3]);
+                    for (int n = 0; n < NH; n += 2) {
+                        u32a bq[4], bg[4];
+                        ldsm_x4(bq, qg_n + 2 * (n * 8 * P + s2 * 16));
+                        ldsm_x4(bg, qg_n + 2 * (BF_KEYS * P + n * 8 * P + s2 * 16));
+                        mma_bf16(st[n], kf, bq[0], bq[1]);
+                        mma_bf16(st[n + 1], kf, bq[2], bq[3]);
+                        mma_bf16(dpt[n], vf, bg[0], bg[1]);
+                        mma_bf16(dpt[n + 1], vf, bg[2], bg[3]);
+                    }
                 }
             }
             // P = 2^(S·scale·log2e − lse·log2e) and dS = P ⊙ (dP − delta), branch-free; masked
@@ -555,6 +611,7 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
                 *(u32a*)(dsw + 8 * P + kk * 16) = da[1];
                 *(u32a*)(dsw + kk * 16 + 8) = da[2];
                 *(u32a*)(dsw + 8 * P + kk * 16 + 8) = da[3];
+                if (dead) continue;
 #pragma unroll
                 for (int i = 0; i < DT; i += 2) {
                     u32a b[4];
@@ -568,18 +625,12 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
             }
         }
         if (a.probe & 2) continue;
-        // This key block's dQ part for query rows 16·warp .. +16 of the tile, dS·K, added in
-        // this block's turn. Each warp waits on its own (its rows are its own) and fetches the
-        // running sum before the dSᵀ barrier and its products so the L2 round trip overlaps
-        // them; the release comes after the next barrier, once all four warps have added.
+        // This key block's dQ part for this warp's rows and columns of the tile, dS·K, added
+        // in this block's turn. Each warp waits on its own and fetches the running sum before
+        // the dSᵀ barrier and its products so the L2 round trip overlaps them; the release
+        // comes after the next barrier, once every warp has added.
         int last, rank;
-        if (causal) {
-            last = imin(qblk, nk - 1);
-            rank = last - kblock;
-        } else {
-            last = nk - 1;
-            rank = rotate ? s : nk - 1 - kblock;
-        }
+        dq_order<KB>(qblk, kblock, s, nq, nk, causal, rotate, rank, last);
         if (a.probe & 1) rank = 1, last = 2;
         if (a.probe & 4) rank = 0, last = 1;
         u32a* ctr = a.counters + (i64)h * nq + qblk;
@@ -589,17 +640,17 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
             }
             __syncwarp();
         }
-        int qa = i0 + warp * 16 + g, qb = qa + 8;
-        float* acc_a = acc_h + (i64)qa * D + 2 * t;
-        float* acc_b = acc_h + (i64)qb * D + 2 * t;
+        int qa = i0 + dq_row + g, qb = qa + 8;
+        float* acc_a = acc_h + (i64)qa * D + dq_c0 + 2 * t;
+        float* acc_b = acc_h + (i64)qb * D + dq_c0 + 2 * t;
         // The first in the order stores its part, the ones between add theirs at L2 (vector
         // red: no round trip; reading, adding and storing measured 8% slower overall), the last
         // reads the running sum and writes dQ. The order makes every element's sum the same,
         // bit for bit, on every run.
-        F2 prev[DT][2];
+        F2 prev[DQT][2];
         if (a.probe & 4) qa = qb = tq;
 #pragma unroll
-        for (int i = 0; i < DT; ++i) {
+        for (int i = 0; i < DQT; ++i) {
             prev[i][0] = prev[i][1] = F2{0.0f, 0.0f};
             if (rank > 0 && rank == last) {
                 if (qa < tq) prev[i][0] = ld_cg_f2(acc_a + i * 8);
@@ -607,16 +658,20 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
             }
         }
         __syncthreads();
-        float dqa[DT][4];
+        float dqa[DQT][4];
 #pragma unroll
-        for (int i = 0; i < DT; ++i) dqa[i][0] = dqa[i][1] = dqa[i][2] = dqa[i][3] = 0.0f;
+        for (int i = 0; i < DQT; ++i) dqa[i][0] = dqa[i][1] = dqa[i][2] = dqa[i][3] = 0.0f;
         if (!(a.probe & 8)) {
+            // Keys of this block that the tile's queries can see (causal: none past its last
+            // row), in 16-key steps.
+            const int kend = W > 4 && causal ? imin(KB, i0 + BF_KEYS - key0) : KB;
 #pragma unroll
-            for (int kk = 0; kk < BF_KEYS / 16; ++kk) {
+            for (int kk = 0; kk < KB / 16; ++kk) {
+                if (kk * 16 >= kend) break;
                 u32a af[4];
                 ldsm_x4_trans(af, ds_a + 2 * (kk * 16 * P));
 #pragma unroll
-                for (int i = 0; i < DT; i += 2) {
+                for (int i = 0; i < DQT; i += 2) {
                     u32a b[4];
                     ldsm_x4_trans(b, kb_b + 2 * (kk * 16 * P + i * 8));
                     mma_bf16(dqa[i], af, b[0], b[1]);
@@ -625,22 +680,22 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
             }
         }
         if (rank == last) {
-            bf16raw* dq_a = dq_h + (i64)qa * rdq + 2 * t;
-            bf16raw* dq_b = dq_h + (i64)qb * rdq + 2 * t;
+            bf16raw* dq_a = dq_h + (i64)qa * rdq + dq_c0 + 2 * t;
+            bf16raw* dq_b = dq_h + (i64)qb * rdq + dq_c0 + 2 * t;
 #pragma unroll
-            for (int i = 0; i < DT; ++i) {
+            for (int i = 0; i < DQT; ++i) {
                 if (qa < tq) *(u32a*)(dq_a + i * 8) = pack_bf16x2((dqa[i][0] + prev[i][0].x) * scale, (dqa[i][1] + prev[i][0].y) * scale);
                 if (qb < tq) *(u32a*)(dq_b + i * 8) = pack_bf16x2((dqa[i][2] + prev[i][1].x) * scale, (dqa[i][3] + prev[i][1].y) * scale);
             }
         } else if (rank == 0) {
 #pragma unroll
-            for (int i = 0; i < DT; ++i) {
+            for (int i = 0; i < DQT; ++i) {
                 if (qa < tq) st_cg_f2(acc_a + i * 8, F2{dqa[i][0], dqa[i][1]});
                 if (qb < tq) st_cg_f2(acc_b + i * 8, F2{dqa[i][2], dqa[i][3]});
             }
         } else {
 #pragma unroll
-            for (int i = 0; i < DT; ++i) {
+            for (int i = 0; i < DQT; ++i) {
                 if (qa < tq) red_add_f2(acc_a + i * 8, F2{dqa[i][0], dqa[i][1]});
                 if (qb < tq) red_add_f2(acc_b + i * 8, F2{dqa[i][2], dqa[i][3]});
             }
@@ -671,7 +726,10 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
 }
 
 // d64 at most 168 registers (three blocks per SM; 255 registers and two blocks measured 20%
-// slower); d128 takes the registers it needs (one block per SM, by shared memory too).
-extern "C" __global__ void __launch_bounds__(BF_WARPS * 32, 3) flash_backward_bf16_d64(const AttnArgs a) { flash_backward_bf16<64>(a); }
+// slower); d128 takes the registers it needs (one block per SM, by shared memory too). The
+// 128-key d64 form (8 warps) at most 128 registers, two blocks per SM.
+extern "C" __global__ void __launch_bounds__(BF_WARPS * 32, 3) flash_backward_bf16_d64(const AttnArgs a) { flash_backward_bf16<64, 4>(a); }
 
-extern "C" __global__ void __launch_bounds__(BF_WARPS * 32, 1) flash_backward_bf16_d128(const AttnArgs a) { flash_backward_bf16<128>(a); }
+extern "C" __global__ void __launch_bounds__(256, 2) flash_backward_bf16_k128_d64(const AttnArgs a) { flash_backward_bf16<64, 8>(a); }
+
+extern "C" __global__ void __launch_bounds__(BF_WARPS * 32, 1) flash_backward_bf16_d128(const AttnArgs a) { flash_backward_bf16<128, 4>(a); }

@@ -69,6 +69,12 @@ pub struct Device {
     /// Timing probe of this device's bf16 attention backward (0 = none; see
     /// `Device::set_flash_backward_bf16_probe`).
     pub(crate) bwd_probe: std::sync::atomic::AtomicI32,
+    /// Keys per block of this device's bf16 attention backward at head dim 64 (0 = the
+    /// default; see `Device::set_flash_backward_bf16_keys`).
+    pub(crate) bwd_keys: std::sync::atomic::AtomicUsize,
+    /// Query rows per block of this device's bf16 attention forward at head dim 64 (0 = the
+    /// default; see `Device::set_flash_forward_bf16_rows`).
+    pub(crate) fwd_rows: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for Device {
@@ -122,6 +128,8 @@ impl Device {
             functions: Mutex::new(HashMap::new()),
             lt: Mutex::new(None),
             bwd_probe: std::sync::atomic::AtomicI32::new(0),
+            bwd_keys: std::sync::atomic::AtomicUsize::new(0),
+            fwd_rows: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -318,7 +326,15 @@ impl Device {
         let size = std::mem::size_of::<T>();
         // SAFETY: both ranges were checked to lie inside their buffers; distinct buffers never
         // overlap.
-        unsafe { drv::memcpy_dtod_async(dst.device_ptr() + (dst_offset * size) as u64, src.device_ptr() + (src_offset * size) as u64, n * size, self.stream.cu_stream()) }.op(OP)
+        unsafe {
+            drv::memcpy_dtod_async(
+                dst.device_ptr() + (dst_offset * size) as u64,
+                src.device_ptr() + (src_offset * size) as u64,
+                n * size,
+                self.stream.cu_stream(),
+            )
+        }
+        .op(OP)
     }
 
     /// Runs `f` once to warm up, then `iters` times between two CUDA events; returns the mean
