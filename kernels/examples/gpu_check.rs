@@ -564,12 +564,15 @@ fn check_attention(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
         dev.flash_attention_forward_bf16(fs, &dev.htod(&qb)?, &dev.htod(&kb)?, &dev.htod(&vb)?, &mut ob, &mut lse)?;
         rep.check(&format!("flash attention bf16 forward {tag}"), &convert::bf16_vec_to_f32(&dev.dtoh(&ob)?), &out64, BF16_TOL);
         if d == 64 {
-            // The 4-warp form gives the same bits as the default 8-warp one (rows do not share sums).
+            // The 4- and 16-warp forms give the same bits as the default 8-warp one (rows do not
+            // share sums).
             let (wide, wide_lse) = (dev.dtoh(&ob)?, dev.dtoh(&lse)?);
-            dev.set_flash_forward_bf16_rows(64);
-            dev.flash_attention_forward_bf16(fs, &dev.htod(&qb)?, &dev.htod(&kb)?, &dev.htod(&vb)?, &mut ob, &mut lse)?;
+            for rows in [64, 256] {
+                dev.set_flash_forward_bf16_rows(rows);
+                dev.flash_attention_forward_bf16(fs, &dev.htod(&qb)?, &dev.htod(&kb)?, &dev.htod(&vb)?, &mut ob, &mut lse)?;
+                rep.pass(&format!("flash attention bf16 forward {rows} rows = 128 rows {tag}"), dev.dtoh(&ob)? == wide && dev.dtoh(&lse)? == wide_lse);
+            }
             dev.set_flash_forward_bf16_rows(0);
-            rep.pass(&format!("flash attention bf16 forward 64 rows = 128 rows {tag}"), dev.dtoh(&ob)? == wide && dev.dtoh(&lse)? == wide_lse);
         }
         let gb = convert::f32_vec_to_bf16(&dout);
         let gr = widen(&gb);
@@ -597,7 +600,7 @@ fn check_attention(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
 /// form otherwise.
 fn backward_keys(d: usize) -> Vec<usize> {
     if d == 64 {
-        vec![64, 128]
+        vec![64, 128, 256]
     } else {
         vec![64]
     }
@@ -826,11 +829,13 @@ fn bench_attention(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
             let fb = dev.time_ms(10, || dev.flash_attention_forward_bf16(fs, &qb, &kb, &vb, &mut ob, &mut lse))?;
             let mut probes = String::new();
             if d == 64 {
-                // The 4-warp, 64-row form beside the default 8-warp, 128-row one.
-                dev.set_flash_forward_bf16_rows(64);
-                let ms = dev.time_ms(10, || dev.flash_attention_forward_bf16(fs, &qb, &kb, &vb, &mut ob, &mut lse));
-                dev.set_flash_forward_bf16_rows(0);
-                probes += &format!("; fwd 64-row blocks {:.3} ms", ms?);
+                // The 4- and 16-warp forms beside the default 8-warp one.
+                for rows in [64, 256] {
+                    dev.set_flash_forward_bf16_rows(rows);
+                    let ms = dev.time_ms(10, || dev.flash_attention_forward_bf16(fs, &qb, &kb, &vb, &mut ob, &mut lse));
+                    dev.set_flash_forward_bf16_rows(0);
+                    probes += &format!("; fwd {rows}-row blocks {:.3} ms", ms?);
+                }
             }
             let mut gob = dev.alloc::<bf16>(len)?;
             dev.cast_f32_to_bf16(&go, &mut gob)?;
@@ -842,11 +847,13 @@ fn bench_attention(dev: &Device, rng: &mut Rng, rep: &mut Report) -> Res<()> {
             };
             let bb = dev.time_ms(10, || bwd_bf16(&mut grads))?;
             if d == 64 {
-                // The 4-warp, 64-key form beside the default 8-warp, 128-key one.
-                dev.set_flash_backward_bf16_keys(64);
-                let ms = dev.time_ms(10, || bwd_bf16(&mut grads));
-                dev.set_flash_backward_bf16_keys(0);
-                probes += &format!("; bwd 64-key blocks {:.3} ms", ms?);
+                // The 4- and 16-warp forms beside the default 8-warp one.
+                for keys in [64, 256] {
+                    dev.set_flash_backward_bf16_keys(keys);
+                    let ms = dev.time_ms(10, || bwd_bf16(&mut grads));
+                    dev.set_flash_backward_bf16_keys(0);
+                    probes += &format!("; bwd {keys}-key blocks {:.3} ms", ms?);
+                }
             }
             for (probe, what) in [(1, "dQ unordered"), (2, "no dQ"), (4, "dQ not added"), (8, "dQ added, no products")] {
                 dev.set_flash_backward_bf16_probe(probe);

@@ -67,19 +67,23 @@ fn main() {
             train_124m(seed, &gpt2_ids()?)?;
         }
         if mode == "bench" || mode == "all" {
-            // `GPT_GPU_ATTN=128/128,64/64` times the step once per listed form of the bf16
-            // attention kernels (forward query rows / backward keys per block: an A/B in one
-            // process); unset: the defaults only.
-            match std::env::var("GPT_GPU_ATTN") {
+            // `GPT_GPU_FORMS=128/128,64/64/cached` times the step once per listed form of the
+            // kernels (attention forward query rows / backward keys per block, and `cached` for
+            // the classifier's shared-memory row cache: an A/B in one process); unset: the
+            // defaults only.
+            match std::env::var("GPT_GPU_FORMS") {
                 Ok(list) => {
                     for form in list.split(',') {
-                        let (rows, keys) = form.split_once('/').ok_or("GPT_GPU_ATTN: forms are ROWS/KEYS")?;
-                        dev.set_flash_forward_bf16_rows(rows.trim().parse()?);
-                        dev.set_flash_backward_bf16_keys(keys.trim().parse()?);
-                        bench(seed, &gpt2_ids()?, gpt2_124m(GPT2_VOCAB, 128), &format!("rustytorch-attn-{}-{}", rows.trim(), keys.trim()))?;
+                        let parts: Vec<&str> = form.split('/').map(str::trim).collect();
+                        let [rows, keys, rest @ ..] = parts.as_slice() else { return Err("GPT_GPU_FORMS: forms are ROWS/KEYS[/cached]".into()) };
+                        dev.set_flash_forward_bf16_rows(rows.parse()?);
+                        dev.set_flash_backward_bf16_keys(keys.parse()?);
+                        dev.set_fused_classifier_regs(rest.first() != Some(&"cached"));
+                        bench(seed, &gpt2_ids()?, gpt2_124m(GPT2_VOCAB, 128), &format!("rustytorch-{}", parts.join("-")))?;
                     }
                     dev.set_flash_forward_bf16_rows(0);
                     dev.set_flash_backward_bf16_keys(0);
+                    dev.set_fused_classifier_regs(true);
                 }
                 Err(_) => bench(seed, &gpt2_ids()?, gpt2_124m(GPT2_VOCAB, 128), "rustytorch")?,
             }
@@ -855,5 +859,44 @@ fn profile(seed: u64, ids: &[u32]) -> Res<()> {
         })?;
         println!("{:<32} {:>10} {fused:>12.3} {:>10}", format!("head+loss fused, chunks of {chunk}"), "", 1);
     }
+    head_parts(rows, c, &mut r)
+}
+
+/// The fused head's pieces for one chunk of 4,096 rows, each timed alone on the device: the
+/// logits GEMM, the classifier kernel, the dhidden GEMM, and the weight-gradient GEMM as the
+/// head runs it (f32 out, accumulating) beside bf16 and f32 outputs that overwrite.
+fn head_parts(rows: usize, c: usize, r: &mut Generator) -> Res<()> {
+    use rtx_kernels::cuda::Gemm;
+    let dev = cuda::device(0)?;
+    let (chunk, padded) = (4096usize.min(rows), 50304usize);
+    let bf16_buf = |n: usize, r: &mut Generator| -> Res<_> {
+        let host: Vec<f32> = (0..n).map(|_| (r.uniform() as f32 - 0.5) * 0.04).collect();
+        let f = dev.htod(&host)?;
+        let mut b = dev.alloc::<half::bf16>(n)?;
+        dev.cast_f32_to_bf16(&f, &mut b)?;
+        Ok(b)
+    };
+    let (hb, wb) = (bf16_buf(rows * c, r)?, bf16_buf(padded * c, r)?);
+    let mut logits = bf16_buf(chunk * padded, r)?;
+    let targets = dev.htod(&(0..chunk).map(|_| r.below(GPT2_VOCAB as u64) as u32).collect::<Vec<u32>>())?;
+    let mut losses = dev.alloc::<f32>(chunk)?;
+    let mut dh = dev.alloc::<half::bf16>(chunk * c)?;
+    let mut dw32 = dev.alloc::<f32>(padded * c)?;
+    let mut dw16 = dev.alloc::<half::bf16>(padded * c)?;
+    let logits_gemm = Gemm { trans_b: true, ..Gemm::new(chunk, padded, c) };
+    let dw_gemm = Gemm { trans_a: true, ..Gemm::new(padded, c, chunk) };
+    let t_logits = time_ms(10, || Ok(dev.gemm(&logits_gemm, &hb, &wb, &mut logits)?))?;
+    let t_class = time_ms(10, || Ok(dev.fused_classifier(&mut logits, chunk, padded, GPT2_VOCAB, &targets, 0, &mut losses, None, Some(1.0))?))?;
+    dev.set_fused_classifier_regs(false);
+    let t_class_cached = time_ms(10, || Ok(dev.fused_classifier(&mut logits, chunk, padded, GPT2_VOCAB, &targets, 0, &mut losses, None, Some(1.0))?));
+    dev.set_fused_classifier_regs(true);
+    let t_class_cached = t_class_cached?;
+    let t_dh = time_ms(10, || Ok(dev.gemm(&Gemm::new(chunk, c, padded), &logits, &wb, &mut dh)?))?;
+    let t_dw_acc = time_ms(10, || Ok(dev.gemm_f32_out(&Gemm { beta: 1.0, ..dw_gemm }, &logits, &hb, &mut dw32)?))?;
+    let t_dw32 = time_ms(10, || Ok(dev.gemm_f32_out(&dw_gemm, &logits, &hb, &mut dw32)?))?;
+    let t_dw16 = time_ms(10, || Ok(dev.gemm(&dw_gemm, &logits, &hb, &mut dw16)?))?;
+    println!(
+        "head parts per chunk of {chunk} rows (ms): logits GEMM {t_logits:.3}, classifier {t_class:.3} (row cached in shared memory: {t_class_cached:.3}), dhidden GEMM {t_dh:.3}, dweight GEMM f32 += {t_dw_acc:.3} (f32 = {t_dw32:.3}, bf16 = {t_dw16:.3})"
+    );
     Ok(())
 }

@@ -183,11 +183,12 @@ impl Device {
         // Query rows per block: 128 (8 warps) at head dim 64 by default, 64 (4 warps) otherwise.
         let rows = match (d, self.fwd_rows.load(Ordering::Relaxed)) {
             (64, 0) => FWD_ROWS_D64,
-            (64, 128) => 128,
+            (64, r @ (128 | 256)) => r,
             _ => BF_ROWS,
         };
         let name = match (d, rows) {
             (64, 128) => "flash_forward_bf16_r128_d64",
+            (64, 256) => "flash_forward_bf16_r256_d64",
             (64, _) => "flash_forward_bf16_d64",
             _ => "flash_forward_bf16_d128",
         };
@@ -246,7 +247,7 @@ impl Device {
         // Keys per block: 128 (8 warps) at head dim 64 by default, 64 (4 warps) otherwise.
         let keys = match (d, self.bwd_keys.load(Ordering::Relaxed)) {
             (64, 0) => BWD_KEYS_D64,
-            (64, 128) => 128,
+            (64, k @ (128 | 256)) => k,
             _ => BF_ROWS,
         };
         let (nq, nk) = (spec.tq.div_ceil(BF_KEYS), spec.tk.div_ceil(keys));
@@ -274,6 +275,7 @@ impl Device {
         if nk > 0 {
             let name = match (d, keys) {
                 (64, 128) => "flash_backward_bf16_k128_d64",
+                (64, 256) => "flash_backward_bf16_k256_d64",
                 (64, _) => "flash_backward_bf16_d64",
                 _ => "flash_backward_bf16_d128",
             };
@@ -309,18 +311,18 @@ impl Device {
     }
 
     /// Chooses the keys per block of the bf16 backward at head dim 64 on this device, so a
-    /// benchmark can time both forms in one process: 64 (4 warps) or 128 (8 warps); 0 restores
-    /// the default (128). Both give results bit-identical run to run, not to each other (the dQ
-    /// sums group the keys differently). Other head dims always use 64.
+    /// benchmark can time the forms in one process: 64 (4 warps), 128 (8 warps) or 256 (16
+    /// warps); 0 restores the default. Each gives results bit-identical run to run, not to each
+    /// other (the dQ sums group the keys differently). Other head dims always use 64.
     #[doc(hidden)]
     pub fn set_flash_backward_bf16_keys(&self, keys: usize) {
         self.bwd_keys.store(keys, Ordering::Relaxed);
     }
 
     /// Chooses the query rows per block of the bf16 forward at head dim 64 on this device, so a
-    /// benchmark can time both forms in one process: 64 (4 warps) or 128 (8 warps); 0 restores
-    /// the default (128). Both give the same bits (each row's sums do not depend on the block).
-    /// Other head dims always use 64.
+    /// benchmark can time the forms in one process: 64 (4 warps), 128 (8 warps) or 256 (16
+    /// warps); 0 restores the default. All give the same bits (a row's sums do not depend on the
+    /// block). Other head dims always use 64.
     #[doc(hidden)]
     pub fn set_flash_forward_bf16_rows(&self, rows: usize) {
         self.fwd_rows.store(rows, Ordering::Relaxed);

@@ -326,6 +326,8 @@ extern "C" __global__ void __launch_bounds__(BF_WARPS * 32, 4) flash_forward_bf1
 // 128 query rows (8 warps), at most 128 registers: two blocks per SM.
 extern "C" __global__ void __launch_bounds__(256, 2) flash_forward_bf16_r128_d64(const AttnArgs a) { flash_forward_bf16<64, 8>(a); }
 
+extern "C" __global__ void __launch_bounds__(512, 1) flash_forward_bf16_r256_d64(const AttnArgs a) { flash_forward_bf16<64, 16>(a); }
+
 extern "C" __global__ void __launch_bounds__(BF_WARPS * 32) flash_forward_bf16_d128(const AttnArgs a) { flash_forward_bf16<128, 4>(a); }
 
 // ---- bf16 tensor-core backward ----
@@ -731,5 +733,7 @@ __device__ void flash_backward_bf16(const AttnArgs& a) {
 extern "C" __global__ void __launch_bounds__(BF_WARPS * 32, 3) flash_backward_bf16_d64(const AttnArgs a) { flash_backward_bf16<64, 4>(a); }
 
 extern "C" __global__ void __launch_bounds__(256, 2) flash_backward_bf16_k128_d64(const AttnArgs a) { flash_backward_bf16<64, 8>(a); }
+
+extern "C" __global__ void __launch_bounds__(512, 1) flash_backward_bf16_k256_d64(const AttnArgs a) { flash_backward_bf16<64, 16>(a); }
 
 extern "C" __global__ void __launch_bounds__(BF_WARPS * 32, 1) flash_backward_bf16_d128(const AttnArgs a) { flash_backward_bf16<128, 4>(a); }

@@ -75,6 +75,9 @@ pub struct Device {
     /// Query rows per block of this device's bf16 attention forward at head dim 64 (0 = the
     /// default; see `Device::set_flash_forward_bf16_rows`).
     pub(crate) fwd_rows: std::sync::atomic::AtomicUsize,
+    /// Whether the bf16 fused classifier holds rows in registers (see
+    /// `Device::set_fused_classifier_regs`).
+    pub(crate) classifier_regs: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Device {
@@ -130,6 +133,7 @@ impl Device {
             bwd_probe: std::sync::atomic::AtomicI32::new(0),
             bwd_keys: std::sync::atomic::AtomicUsize::new(0),
             fwd_rows: std::sync::atomic::AtomicUsize::new(0),
+            classifier_regs: std::sync::atomic::AtomicBool::new(true),
         })
     }
 

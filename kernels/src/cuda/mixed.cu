@@ -477,6 +477,102 @@ extern "C" __global__ void fused_classifier_v8_cached_bf16(u16* logits, const u3
     fused_classifier_v8<true>(logits, targets, losses, vp, v, has_ignore, ignore, scale, write_grad, row_cache);
 }
 
+// The fused classifier with the row held in registers: one block of 1024 threads per row, each
+// thread owning the row's 16-byte words c = tid + k·1024 (k < 8, so rows of up to 65,536 bf16
+// logits). All of a thread's loads are issued before any arithmetic (8 words in flight per
+// thread instead of one), the row's max and then its sum of exponentials are block reductions in
+// a fixed order (deterministic), the exponentials are 2^x on the MUFU unit, and the gradient is
+// written from the same registers: the logits are read from global memory once, with no shared
+// row cache, so occupancy is set by registers alone.
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The block-wide max (op 0) or sum (op 1) of v, the same in every thread, in a fixed order.
+__device__ __forceinline__ float block_reduce_1024(float v, int op, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = op == 0 ? warp_max(v) : warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float w = scratch[lane];
+        w = op == 0 ? warp_max(w) : warp_sum(w);
+        if (lane == 0) scratch[32] = w;
+    }
+    __syncthreads();
+    float r = scratch[32];
+    // Everyone has read the result before the next reduction overwrites the scratch.
+    __syncthreads();
+    return r;
+}
+
+#define FC_WORDS 8
+extern "C" __global__ void __launch_bounds__(1024, 1) fused_classifier_v8_regs_bf16(u16* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad) {
+    __shared__ float scratch[33];
+    const float L2E = 1.4426950408889634f;
+    i64 row = blockIdx.x;
+    V8* rowp = (V8*)(logits + row * vp);
+    int n8 = vp >> 3;
+    u32 t = targets[row];
+    bool ignored = has_ignore && t == ignore;
+    if (ignored || t >= (u32)v) {
+        if (threadIdx.x == 0) losses[row] = ignored ? 0.0f : __int_as_float(0x7fc00000);
+        if (write_grad) {
+            V8 zero; zero.x = 0u; zero.y = 0u; zero.z = 0u; zero.w = 0u;
+            for (int c = threadIdx.x; c < n8; c += blockDim.x) rowp[c] = zero;
+        }
+        return;
+    }
+    V8 w[FC_WORDS];
+#pragma unroll
+    for (int k = 0; k < FC_WORDS; ++k) {
+        int c = threadIdx.x + k * 1024;
+        if (c < n8) w[k] = rowp[c];
+    }
+    float xt = threadIdx.x == 0 ? bf16_to_f32(logits[row * vp + t]) : 0.0f;
+    float x[8];
+    float m = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < FC_WORDS; ++k) {
+        int c = threadIdx.x + k * 1024;
+        if (c >= n8) continue;
+        v8_unpack(w[k], x);
+        int base = c * 8;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) m = (base + e < v) ? fmaxf(m, x[e]) : m;
+    }
+    m = block_reduce_1024(m, 0, scratch);
+    const float ml = m * L2E;
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < FC_WORDS; ++k) {
+        int c = threadIdx.x + k * 1024;
+        if (c >= n8) continue;
+        v8_unpack(w[k], x);
+        int base = c * 8;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s += (base + e < v) ? ex2_approx(fmaf(x[e], L2E, -ml)) : 0.0f;
+    }
+    s = block_reduce_1024(s, 1, scratch);
+    if (threadIdx.x == 0) losses[row] = logf(s) + m - xt;
+    if (!write_grad) return;
+    const float k_scale = scale / s;
+#pragma unroll
+    for (int k = 0; k < FC_WORDS; ++k) {
+        int c = threadIdx.x + k * 1024;
+        if (c >= n8) continue;
+        v8_unpack(w[k], x);
+        int base = c * 8;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            float g = (base + e < v) ? ex2_approx(fmaf(x[e], L2E, -ml)) * k_scale : 0.0f;
+            x[e] = (base + e == (int)t) ? g - scale : g;
+        }
+        rowp[c] = v8_pack(x);
+    }
+}
 
 __device__ __forceinline__ i64 row_index_v8(i64 i, int T_, int H, int D8, int row_stride, int col_off) {
     int d8 = i % D8;

@@ -111,7 +111,10 @@ impl HeadLayout {
 
     fn check(&self, op: &'static str) -> Result<[i32; 6]> {
         if self.col_offset + self.heads * self.head_dim > self.row_stride {
-            return Err(CudaError::Unsupported { op, what: format!("heads end at column {} past the row of {}", self.col_offset + self.heads * self.head_dim, self.row_stride) });
+            return Err(CudaError::Unsupported {
+                op,
+                what: format!("heads end at column {} past the row of {}", self.col_offset + self.heads * self.head_dim, self.row_stride),
+            });
         }
         Ok([int(op, self.batch)?, int(op, self.seq)?, int(op, self.heads)?, int(op, self.head_dim)?, int(op, self.row_stride)?, int(op, self.col_offset)?])
     }
@@ -142,7 +145,11 @@ fn rows_of(op: &'static str, len: usize, cols: usize) -> Result<usize> {
 fn partial_grid(op: &'static str, rows: usize, n: usize) -> Result<(usize, LaunchConfig)> {
     let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
     let cfg = LaunchConfig {
-        grid_dim: (u32::try_from(n.div_ceil(32)).map_err(|_| CudaError::Unsupported { op, what: format!("{n} columns") })?, u32::try_from(chunks).map_err(|_| CudaError::Unsupported { op, what: format!("{rows} rows") })?, 1),
+        grid_dim: (
+            u32::try_from(n.div_ceil(32)).map_err(|_| CudaError::Unsupported { op, what: format!("{n} columns") })?,
+            u32::try_from(chunks).map_err(|_| CudaError::Unsupported { op, what: format!("{rows} rows") })?,
+            1,
+        ),
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     };
@@ -292,7 +299,11 @@ impl Device {
         let (pp, op_, c, n) = (partial.device_ptr(), out.device_ptr(), int(OP, chunks)?, int(OP, out.len())?);
         let mut l = self.stream().launch_builder(&f);
         l.arg(&pp).arg(&op_).arg(&c).arg(&n);
-        let cfg = LaunchConfig { grid_dim: (u32::try_from(out.len().div_ceil(32)).map_err(|_| CudaError::Unsupported { op: OP, what: format!("{} columns", out.len()) })?, 1, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (u32::try_from(out.len().div_ceil(32)).map_err(|_| CudaError::Unsupported { op: OP, what: format!("{} columns", out.len()) })?, 1, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: partial holds chunks·n f32s, out n elements.
         unsafe { l.launch(cfg) }.op(OP)?;
         Ok(())
@@ -311,7 +322,17 @@ impl Device {
 
     /// Layer norm over rows of `n`: `y = (x − mean)·rstd·w + b`, saving per-row `mean` and `rstd`.
     #[allow(clippy::too_many_arguments)]
-    pub fn norm_forward<T: StorageElem>(&self, x: &Buffer<T>, n: usize, w: Option<&Buffer<T>>, b: Option<&Buffer<T>>, eps: f32, y: &mut Buffer<T>, mean: &mut Buffer<f32>, rstd: &mut Buffer<f32>) -> Result<()> {
+    pub fn norm_forward<T: StorageElem>(
+        &self,
+        x: &Buffer<T>,
+        n: usize,
+        w: Option<&Buffer<T>>,
+        b: Option<&Buffer<T>>,
+        eps: f32,
+        y: &mut Buffer<T>,
+        mean: &mut Buffer<f32>,
+        rstd: &mut Buffer<f32>,
+    ) -> Result<()> {
         const OP: &str = "norm_forward";
         let rows = rows_of(OP, x.len(), n)?;
         check_len(OP, "y", y.len(), x.len())?;
@@ -327,7 +348,8 @@ impl Device {
         }
         let name = if T::IS_BF16 && n.is_multiple_of(8) { "layer_norm_forward_v8_bf16" } else { kernel!(T, "layer_norm_forward") };
         let f = self.function(Module::Mixed, name)?;
-        let (xp, wp, bp, yp, mp, rp) = (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), b.map_or(0, |b| b.device_ptr()), y.device_ptr(), mean.device_ptr(), rstd.device_ptr());
+        let (xp, wp, bp, yp, mp, rp) =
+            (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), b.map_or(0, |b| b.device_ptr()), y.device_ptr(), mean.device_ptr(), rstd.device_ptr());
         let (r, ni) = (rows as i64, int(OP, n)?);
         let mut l = self.stream().launch_builder(&f);
         l.arg(&xp).arg(&wp).arg(&bp).arg(&yp).arg(&mp).arg(&rp).arg(&r).arg(&ni).arg(&eps);
@@ -365,7 +387,8 @@ impl Device {
         }
         let name = if T::IS_BF16 && n.is_multiple_of(8) { "layer_norm_backward_v8_bf16" } else { kernel!(T, "layer_norm_backward") };
         let f = self.function(Module::Mixed, name)?;
-        let (xp, wp, mp, rp, gp, dp) = (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), mean.device_ptr(), rstd.device_ptr(), dy.device_ptr(), dx.device_ptr());
+        let (xp, wp, mp, rp, gp, dp) =
+            (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), mean.device_ptr(), rstd.device_ptr(), dy.device_ptr(), dx.device_ptr());
         let (r, ni) = (rows as i64, int(OP, n)?);
         let mut l = self.stream().launch_builder(&f);
         l.arg(&xp).arg(&wp).arg(&mp).arg(&rp).arg(&gp).arg(&dp).arg(&r).arg(&ni);
@@ -515,7 +538,15 @@ impl Device {
         // Each warp's dw and db sums: 2·n floats per warp.
         let smem = ROWS_PER_BLOCK * 2 * n * std::mem::size_of::<f32>();
         super::attention::allow_smem(&f, smem, OP)?;
-        let (xp, wp, mp, rp, gp, pp, dp) = (x.device_ptr(), w.map_or(0, |w| w.device_ptr()), mean.device_ptr(), rstd.device_ptr(), dy.device_ptr(), prior.map_or(0, |p| p.device_ptr()), dx.device_ptr());
+        let (xp, wp, mp, rp, gp, pp, dp) = (
+            x.device_ptr(),
+            w.map_or(0, |w| w.device_ptr()),
+            mean.device_ptr(),
+            rstd.device_ptr(),
+            dy.device_ptr(),
+            prior.map_or(0, |p| p.device_ptr()),
+            dx.device_ptr(),
+        );
         let (pwp, pbp) = (pw.as_ref().map_or(0, |b| b.device_ptr()), pb.as_ref().map_or(0, |b| b.device_ptr()));
         let (r, ni, per) = (rows as i64, int(OP, n)?, int(OP, ACC_NORM_ROWS_PER_BLOCK)?);
         let mut l = self.stream().launch_builder(&f);
@@ -593,7 +624,15 @@ impl Device {
     /// `dlogits = g[0] · (softmax(logits) − onehot(targets)) · inv_rows`, with the loss gradient
     /// `g` (one f32) read on the device.
     #[allow(clippy::too_many_arguments)]
-    pub fn cross_entropy_grad<T: StorageElem>(&self, logits: &Buffer<T>, classes: usize, targets: &Buffer<u32>, g: &Buffer<f32>, inv_rows: f32, dlogits: &mut Buffer<T>) -> Result<()> {
+    pub fn cross_entropy_grad<T: StorageElem>(
+        &self,
+        logits: &Buffer<T>,
+        classes: usize,
+        targets: &Buffer<u32>,
+        g: &Buffer<f32>,
+        inv_rows: f32,
+        dlogits: &mut Buffer<T>,
+    ) -> Result<()> {
         const OP: &str = "cross_entropy_grad";
         let rows = rows_of(OP, logits.len(), classes)?;
         check_len(OP, "targets", targets.len(), rows)?;
@@ -645,12 +684,17 @@ impl Device {
         // vectorized kernel.
         // With a gradient to write, a row that fits in shared memory (GPT-2's 50,304 bf16 logits
         // take 98 KiB) is read from global memory once instead of twice.
+        // Rows of up to 8 words per thread of a 1024-thread block (65,536 logits) are held in
+        // registers between the passes (`fused_classifier_v8_regs_bf16`), unless this device was
+        // told to use the shared-memory row cache (`Device::set_fused_classifier_regs`).
         let vectorized = T::IS_BF16 && padded.is_multiple_of(8);
-        let cached_bytes = if vectorized && grad_scale.is_some() && padded * 2 <= MAX_ROW_CACHE_BYTES { padded * 2 } else { 0 };
-        let name = match (vectorized, cached_bytes > 0) {
-            (true, true) => "fused_classifier_v8_cached_bf16",
-            (true, false) => "fused_classifier_v8_bf16",
-            (false, _) => kernel!(T, "fused_classifier"),
+        let in_registers = vectorized && padded <= 8 * 8 * 1024 && self.classifier_regs.load(std::sync::atomic::Ordering::Relaxed);
+        let cached_bytes = if vectorized && !in_registers && grad_scale.is_some() && padded * 2 <= MAX_ROW_CACHE_BYTES { padded * 2 } else { 0 };
+        let name = match (vectorized, in_registers, cached_bytes > 0) {
+            (true, true, _) => "fused_classifier_v8_regs_bf16",
+            (true, false, true) => "fused_classifier_v8_cached_bf16",
+            (true, false, false) => "fused_classifier_v8_bf16",
+            (false, ..) => kernel!(T, "fused_classifier"),
         };
         let f = self.function(Module::Mixed, name)?;
         if cached_bytes > 0 {
@@ -668,6 +712,15 @@ impl Device {
         // is below `classes`; the cached kernel gets the row's bytes of shared memory.
         unsafe { l.launch(cfg) }.op(OP)?;
         Ok(())
+    }
+
+    /// Whether [`Device::fused_classifier`] holds bf16 rows in registers (the default) or in a
+    /// shared-memory row cache (the earlier form), so a benchmark can time both in one process.
+    /// The two differ in the last bits (2^x on the MUFU unit and a two-pass max/sum against an
+    /// online log-sum-exp with `expf`); each is deterministic.
+    #[doc(hidden)]
+    pub fn set_fused_classifier_regs(&self, on: bool) {
+        self.classifier_regs.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// `y = x · g[0]`, the factor read on the device (an incoming loss gradient, so backward
@@ -752,7 +805,15 @@ impl Device {
         self.head_copy::<T, T>(name, "heads_to_rows", heads, layout, rows, false)
     }
 
-    fn head_copy<S: DeviceElem, D: DeviceElem>(&self, name: &'static str, op: &'static str, src: &Buffer<S>, layout: HeadLayout, dst: &mut Buffer<D>, to_heads: bool) -> Result<()> {
+    fn head_copy<S: DeviceElem, D: DeviceElem>(
+        &self,
+        name: &'static str,
+        op: &'static str,
+        src: &Buffer<S>,
+        layout: HeadLayout,
+        dst: &mut Buffer<D>,
+        to_heads: bool,
+    ) -> Result<()> {
         let args = layout.check(op)?;
         let (src_len, dst_len) = if to_heads { (layout.row_elems(), layout.head_elems()) } else { (layout.head_elems(), layout.row_elems()) };
         check_len(op, "src", src.len(), src_len)?;
@@ -794,7 +855,10 @@ impl Device {
                 check_len(OP, name, len, n)?;
             }
             if !n.is_multiple_of(8) || t.hp.step == 0 || (t.hp.lr, t.hp.beta1, t.hp.beta2, t.hp.eps) != (lr, beta1, beta2, eps) {
-                return Err(CudaError::Unsupported { op: OP, what: format!("tensors of a multiple of 8 elements, steps from 1 and one lr, betas and eps (got {n} elements, step {})", t.hp.step) });
+                return Err(CudaError::Unsupported {
+                    op: OP,
+                    what: format!("tensors of a multiple of 8 elements, steps from 1 and one lr, betas and eps (got {n} elements, step {})", t.hp.step),
+                });
             }
             if n == 0 {
                 continue;
@@ -802,7 +866,15 @@ impl Device {
             let bc1 = (1.0 - (t.hp.beta1 as f64).powi(t.hp.step as i32)) as f32;
             let bc2 = (1.0 - (t.hp.beta2 as f64).powi(t.hp.step as i32)) as f32;
             let n8 = n / 8;
-            table.extend_from_slice(&[t.master.device_ptr(), t.param.device_ptr(), t.grad.device_ptr(), t.m.device_ptr(), t.v.device_ptr(), n8 as u64, blocks as u64]);
+            table.extend_from_slice(&[
+                t.master.device_ptr(),
+                t.param.device_ptr(),
+                t.grad.device_ptr(),
+                t.m.device_ptr(),
+                t.v.device_ptr(),
+                n8 as u64,
+                blocks as u64,
+            ]);
             table.push(u64::from(t.hp.weight_decay.to_bits()) | (u64::from(bc1.to_bits()) << 32));
             table.push(u64::from(bc2.to_bits()));
             blocks += n8.div_ceil(BLOCK as usize);
@@ -830,7 +902,15 @@ impl Device {
     /// One AdamW step on f32 `master` weights (moments `m`, `v`) from storage-type `grad`,
     /// writing the rounded result into `param`.
     #[allow(clippy::too_many_arguments)]
-    pub fn adamw_master<T: StorageElem>(&self, master: &mut Buffer<f32>, param: &mut Buffer<T>, grad: &Buffer<T>, m: &mut Buffer<f32>, v: &mut Buffer<f32>, hp: AdamW) -> Result<()> {
+    pub fn adamw_master<T: StorageElem>(
+        &self,
+        master: &mut Buffer<f32>,
+        param: &mut Buffer<T>,
+        grad: &Buffer<T>,
+        m: &mut Buffer<f32>,
+        v: &mut Buffer<f32>,
+        hp: AdamW,
+    ) -> Result<()> {
         const OP: &str = "adamw_master";
         let n = master.len();
         for (name, len) in [("param", param.len()), ("grad", grad.len()), ("m", m.len()), ("v", v.len())] {
@@ -850,7 +930,19 @@ impl Device {
         let f = self.function(Module::Mixed, if width == 8 { "adamw_master_v8_bf16" } else { kernel!(T, "adamw_master") })?;
         let (mp, pp, gp, m1, v1, n64) = (master.device_ptr(), param.device_ptr(), grad.device_ptr(), m.device_ptr(), v.device_ptr(), (n / width) as i64);
         let mut l = self.stream().launch_builder(&f);
-        l.arg(&mp).arg(&pp).arg(&gp).arg(&m1).arg(&v1).arg(&n64).arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps).arg(&hp.weight_decay).arg(&bc1).arg(&bc2);
+        l.arg(&mp)
+            .arg(&pp)
+            .arg(&gp)
+            .arg(&m1)
+            .arg(&v1)
+            .arg(&n64)
+            .arg(&hp.lr)
+            .arg(&hp.beta1)
+            .arg(&hp.beta2)
+            .arg(&hp.eps)
+            .arg(&hp.weight_decay)
+            .arg(&bc1)
+            .arg(&bc2);
         // SAFETY: all five buffers hold n elements (n64 words of `width` of them).
         unsafe { l.launch(grid_stride(n / width)) }.op(OP)?;
         Ok(())
