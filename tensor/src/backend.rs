@@ -1,12 +1,13 @@
 //! The one device switch point. Ops are written once, on the host, above this module; when an
 //! operand lives on a device, the op hands itself to that device's [`Backend`] through
 //! [`of`] / [`of_device`]. A backend implements the device side of each op family (its kernels
-//! and their backward); an op it lacks is an [`Error::UnsupportedDevice`] from the op, never a
-//! silent host result. Today there is one device backend, CUDA (`cuda/backend.rs`, feature
-//! `cuda`); without the feature [`of`] is always `None` and every op runs on the host. This is
-//! candle's shape (a backend per device behind one trait, the op above it), and it keeps the
-//! `cfg(feature = "cuda")` sites of this crate to this file, `lib.rs`, `storage.rs` (the device
-//! storage variant) and the test macro.
+//! and, for most, their backward; `mul` and `matmul` return values and the op records a backward
+//! written in tensor ops, which the backend then serves too); an op it lacks is an
+//! [`Error::UnsupportedDevice`] from the op, never a silent host result. Today there is one
+//! device backend, CUDA (`cuda/backend.rs`, feature `cuda`); without the feature [`of`] is always
+//! `None` and every op runs on the host. This is candle's shape (a backend per device behind one
+//! trait, the op above it), and it keeps the `cfg(feature = "cuda")` sites of this crate to this
+//! file, `lib.rs`, `storage.rs` (the device storage variant) and the test macro.
 
 use crate::error::{Error, Result};
 use crate::ops::softmax::CrossEntropyOptions;
@@ -81,6 +82,20 @@ pub(crate) trait Backend: Sync {
     fn mul_scalar(&self, x: &Tensor, c: f64) -> Result<Tensor>;
     /// `a + b` (same shape, or one a suffix of the other).
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor>;
+    /// `a ⊙ b` broadcast to `shape` (the op checked dtype, device and shapes), either operand
+    /// any view. Values only: [`Tensor::mul`] records the backward, in tensor ops (`mul`, and
+    /// [`Backend::sum`] through `sum_to_shape` for a broadcast operand).
+    fn mul(&self, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor>;
+    /// `a [.., m, k] @ b [.., k, n]` with the batch dims broadcast to `batch` (checked by the op),
+    /// either operand any view (transposed matrices are read in place). Values only:
+    /// [`Tensor::matmul`] records the backward, itself `matmul`s of transposed views and sums.
+    fn matmul(&self, a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor>;
+    /// Softmax, or log-softmax with `log`, along the last dimension (the op moves another dim
+    /// there), recording its backward.
+    fn softmax(&self, x: &Tensor, log: bool) -> Result<Tensor>;
+    /// The sum over `dims` (sorted, unique and in range: checked by the op), or with `mean` the
+    /// mean, recording a backward that gives the input a dense gradient.
+    fn sum(&self, x: &Tensor, dims: &[usize], keepdim: bool, mean: bool) -> Result<Tensor>;
     /// Rows of `weight` at `ids`.
     fn embedding(&self, weight: &Tensor, ids: &Tensor) -> Result<Tensor>;
     /// Attention over packed `[B, T, 3·C]` rows.

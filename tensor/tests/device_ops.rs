@@ -9,11 +9,12 @@
 //! `to_device(Device::Cpu)` after checking they stayed on `device`. The comparison is
 //! `max |got − want| / max |want| ≤ 1e-4` (f32 rounding over sums of at most a few hundred
 //! terms stays orders of magnitude below that; GPU f32 GEMMs are plain f32, not TF32).
-//! Ops the GPU does not have yet (batched `matmul`, `mul`, `softmax`, `log_softmax`, `sum`,
-//! `mean`; `contiguous` of a strided device view makes a host round trip) go through [`rtx_tensor::testing::supported_on`]: on the CPU they
-//! must compute the right values; on a GPU they must either do the same or refuse with a typed
-//! `UnsupportedDevice` error (printed as `unsupported on cuda:0: OP`), never panic or silently
-//! return a host tensor. Randomized tests print their seed. No GPU and no data files are needed.
+//! Ops that came to the GPU after the GPT step's (batched `matmul`, broadcast `mul`, `softmax`,
+//! `log_softmax`, `sum`, `mean`, `contiguous` of a strided view) go through
+//! [`rtx_tensor::testing::supported_on`]: on the CPU they must compute the right values; on a GPU
+//! they must do the same or refuse with a typed `UnsupportedDevice` error (printed as
+//! `unsupported on cuda:0: OP`), never panic or silently return a host tensor. The GPU sums in another order than the CPU (f32 either way),
+//! far inside the tolerance. Randomized tests print their seed. No GPU and no data files are needed.
 
 use anyhow::{ensure, Context, Result};
 use rtx_tensor::testing::supported_on;
@@ -174,8 +175,8 @@ rtx_tensor::device_test! {
     }
 
     /// Goal: `matmul` of two batches `[B, M, K] @ [B, K, N]` and its gradients. Method: naive
-    /// triple loops per batch for y, `da = g·bᵀ`, `db = aᵀ·g`. The GPU has no batched matmul
-    /// yet: there it must refuse with a typed error (see `supported_on`).
+    /// triple loops per batch for y, `da = g·bᵀ`, `db = aᵀ·g`. On a GPU: one strided-batched
+    /// GEMM, the gradients GEMMs of transposed views read in place.
     fn matmul_batched(device) -> Result<()> {
         let mut rng = seeded(0x13);
         let (nb, m, k, n) = (2, 3, 4, 5);
@@ -223,8 +224,8 @@ rtx_tensor::device_test! {
     }
 
     /// Goal: `mul` with a row vector broadcast over rows, and its gradients (the broadcast one
-    /// summed). Method: a [3, 4] ⊙ b [4]; `da = g⊙b`, `db = Σ_rows g⊙a` by loops. The GPU has no
-    /// `mul` yet: a typed refusal there.
+    /// summed). Method: a [3, 4] ⊙ b [4]; `da = g⊙b`, `db = Σ_rows g⊙a` by loops. On a GPU the
+    /// backward is the same tensor ops (`mul`, then `sum` over the broadcast dim).
     fn mul_broadcast(device) -> Result<()> {
         let mut rng = seeded(0x15);
         let (rows, cols) = (3, 4);
@@ -287,8 +288,7 @@ rtx_tensor::device_test! {
     }
 
     /// Goal: `softmax` over the last dim: known values, rows summing to one, and the gradient
-    /// `dx = p ⊙ (g − Σ g⊙p)`. Method: x [4, 9] in [−3, 3], f64 reference. The GPU has no
-    /// standalone softmax yet: a typed refusal there.
+    /// `dx = p ⊙ (g − Σ g⊙p)`. Method: x [4, 9] in [−3, 3], f64 reference.
     fn softmax_rows_sum_to_one(device) -> Result<()> {
         let mut rng = seeded(0x19);
         let (rows, cols) = (4, 9);
@@ -314,7 +314,7 @@ rtx_tensor::device_test! {
     }
 
     /// Goal: `log_softmax` is `x − logsumexp(x)` per row, with gradient `g − p·Σg`. Method:
-    /// x [3, 7] in [−4, 4], f64 reference. GPU: a typed refusal until it has the op.
+    /// x [3, 7] in [−4, 4], f64 reference.
     fn log_softmax_rows(device) -> Result<()> {
         let mut rng = seeded(0x1a);
         let (rows, cols) = (3, 7);
@@ -578,7 +578,6 @@ rtx_tensor::device_test! {
 
     /// Goal: `sum` over a dim and `mean` of everything, with their (broadcast) gradients.
     /// Method: x [3, 5]; column sums by loops; `backward()` of `mean_all` gives 1/15 everywhere.
-    /// GPU: a typed refusal until it has reductions.
     fn sum_and_mean_reductions(device) -> Result<()> {
         let mut rng = seeded(0x20);
         let (rows, cols) = (3, 5);

@@ -1,9 +1,10 @@
 //! Matrix multiplication on the GPU through cuBLAS (`cublasGemmEx` and
 //! `cublasGemmStridedBatchedEx`), in rustytorch's row-major convention.
 //!
-//! `C[b] = alpha · op(A[b]) · op(B[b]) + beta · C[b]` for `b < batch`, all contiguous and
+//! `C[b] = alpha · op(A[b]) · op(B[b]) + beta · C[b]` for `b < batch`, each matrix contiguous and
 //! row-major: `A` is `[m, k]` (`[k, m]` with `trans_a`), `B` is `[k, n]` (`[n, k]` with
-//! `trans_b`), `C` is `[m, n]`. cuBLAS is column-major, so the call computes `Cᵀ = op(B)ᵀ·op(A)ᵀ`,
+//! `trans_b`), `C` is `[m, n]`; the products lie back to back, or `Gemm::batch_strides` apart (0
+//! broadcasts one `A` or `B` to every product). cuBLAS is column-major, so the call computes `Cᵀ = op(B)ᵀ·op(A)ᵀ`,
 //! which needs no copy. f32 inputs accumulate in f32, or use TF32 tensor cores with
 //! [`GemmMath::Tf32`]; bf16 inputs always accumulate in f32 and write bf16.
 
@@ -50,17 +51,35 @@ pub struct Gemm {
     /// Where `A`, `B` and `C` start inside their buffers, in elements (a product over a
     /// chunk of rows of a larger buffer); 0 by default.
     pub offsets: [usize; 3],
+    /// Elements from one product's `A`, `B` and `C` to the next's; `None` (the default): stored
+    /// back to back (`m·k`, `k·n`, `m·n`). A stride of 0 for `A` or `B` uses one matrix in every
+    /// product (a broadcast batch dimension).
+    pub batch_strides: Option<[usize; 3]>,
 }
 
 impl Gemm {
     /// `C = A·B` for one `[m, k] × [k, n]` product.
     pub fn new(m: usize, n: usize, k: usize) -> Self {
-        Gemm { m, n, k, trans_a: false, trans_b: false, batch: 1, alpha: 1.0, beta: 0.0, math: GemmMath::F32, offsets: [0; 3] }
+        Gemm { m, n, k, trans_a: false, trans_b: false, batch: 1, alpha: 1.0, beta: 0.0, math: GemmMath::F32, offsets: [0; 3], batch_strides: None }
     }
 
     /// Multiply-adds × 2 (the usual FLOP count).
     pub fn flops(&self) -> f64 {
         2.0 * self.m as f64 * self.n as f64 * self.k as f64 * self.batch as f64
+    }
+
+    /// The element strides between consecutive products of `A`, `B` and `C`.
+    pub fn strides(&self) -> [usize; 3] {
+        self.batch_strides.unwrap_or([self.m * self.k, self.k * self.n, self.m * self.n])
+    }
+
+    /// How many elements of `A`, `B` and `C` the products reach from their offsets: the last
+    /// product's start plus one matrix (0 for an empty batch).
+    pub fn extents(&self) -> [usize; 3] {
+        let [sa, sb, sc] = self.strides();
+        let last = self.batch.saturating_sub(1);
+        let reach = |stride: usize, size: usize| if self.batch == 0 { 0 } else { last * stride + size };
+        [reach(sa, self.m * self.k), reach(sb, self.k * self.n), reach(sc, self.m * self.n)]
     }
 }
 
@@ -143,9 +162,14 @@ impl Device {
         const OP: &str = "gemm";
         let (m, n, k, batch) = (spec.m, spec.n, spec.k, spec.batch);
         let [a_off, b_off, c_off] = spec.offsets;
-        check_len(OP, "a", a.len(), a_off + batch * m * k)?;
-        check_len(OP, "b", b.len(), b_off + batch * k * n)?;
-        check_len(OP, "c", c.len(), c_off + batch * m * n)?;
+        let [a_reach, b_reach, c_reach] = spec.extents();
+        let [a_stride, b_stride, c_stride] = spec.strides();
+        check_len(OP, "a", a.len(), a_off + a_reach)?;
+        check_len(OP, "b", b.len(), b_off + b_reach)?;
+        check_len(OP, "c", c.len(), c_off + c_reach)?;
+        if batch > 1 && c_stride < m * n {
+            return Err(CudaError::Unsupported { op: OP, what: format!("C products {c_stride} elements apart overlap ({m}×{n} each)") });
+        }
         let (a_ptr, b_ptr, c_ptr) = (a.device_ptr_at(a_off)?, b.device_ptr_at(b_off)?, c.device_ptr_at(c_off)?);
         if m == 0 || n == 0 || batch == 0 {
             return Ok(());
@@ -204,16 +228,16 @@ impl Device {
                     b_ptr as *const c_void,
                     T::CUDA_TYPE,
                     call.ld_first,
-                    (k * n) as i64,
+                    b_stride as i64,
                     a_ptr as *const c_void,
                     T::CUDA_TYPE,
                     call.ld_second,
-                    (m * k) as i64,
+                    a_stride as i64,
                     beta_p,
                     c_ptr as *mut c_void,
                     C::CUDA_TYPE,
                     call.ldc,
-                    (m * n) as i64,
+                    c_stride as i64,
                     batch_i,
                     compute,
                     algo,
@@ -241,5 +265,16 @@ mod tests {
         assert!(c.trans_first && c.trans_second);
         assert_eq!((c.ld_first, c.ld_second), (4, 2));
         assert_eq!(g.flops(), 48.0);
+    }
+
+    #[test]
+    fn batch_strides_set_how_far_products_reach() {
+        // Goal: the lengths checked before a batched product, without a GPU. Method: 3 packed
+        // 2×3×4 products, then the same with B broadcast (stride 0) and A spaced 10 apart.
+        let g = Gemm { batch: 3, ..Gemm::new(2, 3, 4) };
+        assert_eq!((g.strides(), g.extents()), ([8, 12, 6], [24, 36, 18]));
+        let g = Gemm { batch_strides: Some([10, 0, 6]), ..g };
+        assert_eq!(g.extents(), [28, 12, 18]);
+        assert_eq!(Gemm { batch: 0, ..g }.extents(), [0; 3]);
     }
 }

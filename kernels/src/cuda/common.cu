@@ -18,6 +18,14 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return (u16)((u + rounding) >> 16);
 }
 
+// Storage read into f32 (`ldf`) and f32 rounded to storage (`stf`): float, or bf16 as raw words.
+__device__ __forceinline__ float ldf(const float* p, i64 i) { return p[i]; }
+__device__ __forceinline__ float ldf(const u16* p, i64 i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void stf(float* p, i64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void stf(u16* p, i64 i, float v) { p[i] = f32_to_bf16(v); }
+
+#define GRID_STRIDE(i, n) for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

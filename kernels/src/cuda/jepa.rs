@@ -86,7 +86,7 @@ fn i32_of(op: &'static str, v: usize) -> Result<i32> {
 }
 
 /// The highest element index a side touches over `shape`, plus one (0 for an empty shape).
-fn extent(shape: &[usize], side: &StridedSide<'_>) -> usize {
+pub(super) fn extent(shape: &[usize], side: &StridedSide<'_>) -> usize {
     if shape.contains(&0) {
         return 0;
     }

@@ -8,12 +8,7 @@
 // first pass writes one f32 partial per (chunk of rows, column), the second sums the chunks in
 // order.
 
-__device__ __forceinline__ float ldf(const float* p, i64 i) { return p[i]; }
-__device__ __forceinline__ float ldf(const u16* p, i64 i) { return bf16_to_f32(p[i]); }
-__device__ __forceinline__ void stf(float* p, i64 i, float v) { p[i] = v; }
-__device__ __forceinline__ void stf(u16* p, i64 i, float v) { p[i] = f32_to_bf16(v); }
-
-#define GRID_STRIDE(i, n) for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+// `ldf`/`stf` (storage to f32 and back) and `GRID_STRIDE` are in the common.cu prelude.
 
 // ---- elementwise ----
 

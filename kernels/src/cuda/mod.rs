@@ -1,7 +1,9 @@
 //! The CUDA backend of `rtx-kernels` (feature `cuda`): a [`Device`] with its stream, a caching
 //! allocator handing out [`Buffer`]s, pinned host buffers, cuBLAS GEMM ([`Gemm`]: f32, TF32,
 //! bf16, batched), and NVRTC kernels for elementwise ops, softmax, norms, cross-entropy,
-//! embedding, AdamW and flash attention ([`FlashSpec`]; f32, and bf16 on tensor cores).
+//! embedding, AdamW and flash attention ([`FlashSpec`]; f32, and bf16 on tensor cores), and the
+//! general tensor ops in f32 and bf16 (`tensor_ops`: strided broadcast binary ops, row softmax and
+//! log-softmax, axis sums).
 //!
 //! cudarc loads the driver and libraries at run time, so this compiles on machines without CUDA;
 //! a missing driver or library is a [`CudaError`], never a panic. The kernels here are the same
@@ -20,6 +22,7 @@ mod jepa;
 mod mixed;
 mod nvrtc;
 mod ops;
+mod tensor_ops;
 
 pub use alloc::{Buffer, DeviceElem, MemoryStats, PinnedBuffer};
 pub use attention::FlashSpec;
@@ -31,6 +34,7 @@ pub use jepa::{EmaPair, LatentLoss, StridedSide, MAX_COPY_DIMS};
 pub use mixed::{AdamWTensor, HeadLayout, StorageElem, FUSED_NORM_MAX};
 pub use nvrtc::compile_all;
 pub use ops::{broadcast_shape, AdamW, BinaryOp, UnaryOp, MAX_BROADCAST_DIMS};
+pub use tensor_ops::MAX_BINARY_DIMS;
 
 /// The cudarc crate this backend is built on, for callers that benchmark against raw cuBLAS.
 pub use cudarc;

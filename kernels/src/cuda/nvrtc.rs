@@ -1,7 +1,8 @@
 //! The built-in kernel modules and their process-wide NVRTC cache.
 //!
-//! Each module's CUDA C source (`core.cu`, `attention.cu`, `attention_bf16.cu`, `mixed.cu` beside this file; `core` and
-//! `mixed` start with the shared prelude `common.cu`) is compiled by NVRTC
+//! Each module's CUDA C source (`core.cu`, `attention.cu`, `attention_bf16.cu`, `mixed.cu`,
+//! `tensor_ops.cu` beside this file; `core`, `mixed` and `tensor_ops` start with the shared prelude
+//! `common.cu`) is compiled by NVRTC
 //! straight to a CUBIN for the device's real architecture (`sm_90` on the H100/H200) the first
 //! time any device of that architecture asks for it, once per process, and the CUBIN is kept
 //! here; each [`super::Device`] then loads it once (no driver JIT, since it is already machine
@@ -28,11 +29,13 @@ pub(crate) enum Module {
     AttentionBf16,
     /// Mixed-precision training kernels, f32 and bf16 storage.
     Mixed,
+    /// General tensor ops (strided broadcast binary, row softmax, axis sums), f32 and bf16 storage.
+    TensorOps,
 }
 
 impl Module {
     /// Every module, in load order.
-    pub(crate) const ALL: [Module; 4] = [Module::Core, Module::Attention, Module::AttentionBf16, Module::Mixed];
+    pub(crate) const ALL: [Module; 5] = [Module::Core, Module::Attention, Module::AttentionBf16, Module::Mixed, Module::TensorOps];
 
     /// The module's name in errors.
     pub(crate) fn name(self) -> &'static str {
@@ -41,6 +44,7 @@ impl Module {
             Module::Attention => "attention",
             Module::AttentionBf16 => "attention_bf16",
             Module::Mixed => "mixed",
+            Module::TensorOps => "tensor_ops",
         }
     }
 
@@ -50,6 +54,7 @@ impl Module {
             Module::Attention => include_str!("attention.cu"),
             Module::AttentionBf16 => include_str!("attention_bf16.cu"),
             Module::Mixed => concat!(include_str!("common.cu"), include_str!("mixed.cu")),
+            Module::TensorOps => concat!(include_str!("common.cu"), include_str!("tensor_ops.cu")),
         }
     }
 }

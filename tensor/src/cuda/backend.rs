@@ -1,5 +1,5 @@
 //! [`crate::backend::Backend`] for CUDA devices: each method is the device op of `ops.rs`,
-//! `views.rs`, `jepa.rs`, `packed.rs` or this module's parent.
+//! `general.rs`, `views.rs`, `jepa.rs`, `packed.rs` or this module's parent.
 
 use rtx_kernels::cuda::LatentLoss;
 use rtx_kernels::DType;
@@ -89,6 +89,18 @@ impl Backend for CudaBackend {
     }
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         super::ops::add(a, b)
+    }
+    fn mul(&self, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor> {
+        super::general::mul(a, b, shape)
+    }
+    fn matmul(&self, a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> {
+        super::general::matmul(a, b, batch)
+    }
+    fn softmax(&self, x: &Tensor, log: bool) -> Result<Tensor> {
+        super::general::softmax(x, log)
+    }
+    fn sum(&self, x: &Tensor, dims: &[usize], keepdim: bool, mean: bool) -> Result<Tensor> {
+        super::general::sum(x, dims, keepdim, mean)
     }
     fn embedding(&self, weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
         super::ops::embedding(weight, ids)

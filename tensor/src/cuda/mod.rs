@@ -11,8 +11,10 @@
 //! Coverage: the ops of a GPT training step (linear, layer norm, GELU, add with a broadcast over
 //! leading dimensions, embedding, causal attention on packed QKV, cross-entropy with mean
 //! reduction), their backward, casts between f32 and bf16, and the in-place updates gradient
-//! accumulation and optimizers use. They take dense operands (contiguous, covering their storage);
-//! any other op, or a strided view, on a device tensor is an [`Error::UnsupportedDevice`] or
+//! accumulation and optimizers use. They take dense operands (contiguous, covering their storage).
+//! The general ops of [`general`] (`mul` with any broadcast, batched `matmul`, `softmax`,
+//! `log_softmax`, `sum`, `mean`) also take strided views. Any other op, or a strided view where a
+//! dense operand is needed, on a device tensor is an [`Error::UnsupportedDevice`] or
 //! [`Error::NotContiguous`], never a silent host round trip. Mixed precision follows llm.c:
 //! bf16 parameters, activations and gradients, f32 accumulation inside every kernel, and f32
 //! master weights and moments in [`MixedAdamW`].
@@ -33,6 +35,7 @@ pub(crate) mod ops;
 mod optim;
 pub(crate) mod packed;
 pub(crate) mod backend;
+pub(crate) mod general;
 pub(crate) mod jepa;
 pub(crate) mod views;
 
@@ -222,9 +225,23 @@ pub(crate) fn download(t: &Tensor) -> Result<CpuData> {
 /// The buffer of a dense device tensor (contiguous from offset 0 over its whole storage), read-locked.
 pub(crate) fn dense<'a, T: GpuFloat>(op: &'static str, t: &'a Tensor) -> Result<MappedRwLockReadGuard<'a, Buffer<T>>> {
     check_dense(op, t)?;
+    storage_buffer(op, t)
+}
+
+/// The whole buffer under a device tensor of any layout (a view reads it through its strides and
+/// offset), read-locked.
+pub(crate) fn storage_buffer<'a, T: GpuFloat>(op: &'static str, t: &'a Tensor) -> Result<MappedRwLockReadGuard<'a, Buffer<T>>> {
     let guard = t.storage().read_cuda(op)?;
     let dtype = guard.dtype();
     RwLockReadGuard::try_map(guard, |d| T::buffer(d)).map_err(|_| Error::DTypeMismatch { op, lhs: dtype, rhs: <T as DeviceElem>::DTYPE })
+}
+
+/// `t` itself (detached) when dense, else a dense device copy of it (no graph node either way).
+pub(crate) fn dense_detached(t: &Tensor) -> Result<Tensor> {
+    if check_dense("dense", t).is_ok() {
+        return Ok(t.detach());
+    }
+    views::contiguous(&t.detach())
 }
 
 /// The u32 buffer of a dense device tensor.

@@ -68,11 +68,16 @@ pub(crate) fn compute_form(t: &Tensor) -> Result<Tensor> {
     Ok(t.clone())
 }
 
-/// Runs `f` over `a` and `b` broadcast to a common shape; returns the values and the shape.
-pub(crate) fn broadcast_apply<F: ZipFn>(op: &'static str, a: &Tensor, b: &Tensor, f: F) -> Result<(FloatVec, Vec<usize>)> {
+/// The shape float operands `a` and `b` (same dtype and device) broadcast to.
+fn broadcast_checked(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Vec<usize>> {
     check_same(op, a, b)?;
     check_float(op, a)?;
-    let shape = broadcast_shape(op, a.shape(), b.shape())?;
+    broadcast_shape(op, a.shape(), b.shape())
+}
+
+/// Runs `f` over `a` and `b` broadcast to a common shape; returns the values and the shape.
+pub(crate) fn broadcast_apply<F: ZipFn>(op: &'static str, a: &Tensor, b: &Tensor, f: F) -> Result<(FloatVec, Vec<usize>)> {
+    let shape = broadcast_checked(op, a, b)?;
     let (a, b) = (compute_form(a)?, compute_form(b)?);
     let la = a.layout().broadcast_to(&shape)?;
     let lb = b.layout().broadcast_to(&shape)?;
@@ -132,14 +137,20 @@ impl Tensor {
 
     /// `self ⊙ other` (broadcasting).
     pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
-        let (v, shape) = broadcast_apply("mul", self, other, MulFn)?;
+        // The backward, in tensor ops, for every device.
         let (a, b) = (self.detach(), other.detach());
         let (ra, rb) = (self.is_requires_grad(), other.is_requires_grad());
-        Tensor::from_op(v, &shape, self.dtype(), "mul", &[self, other], move |g: &Tensor, _: &Tensor| {
+        let backward = move |g: &Tensor, _: &Tensor| {
             let ga = if ra { Some(g.mul(&b)?.sum_to_shape(a.shape())?) } else { None };
             let gb = if rb { Some(g.mul(&a)?.sum_to_shape(b.shape())?) } else { None };
             Ok(vec![ga, gb])
-        })
+        };
+        if let Some(device) = crate::backend::of(&[self, other]) {
+            let y = device.mul(self, other, &broadcast_checked("mul", self, other)?)?;
+            return Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), y.dtype(), "mul", &[self, other], backward));
+        }
+        let (v, shape) = broadcast_apply("mul", self, other, MulFn)?;
+        Tensor::from_op(v, &shape, self.dtype(), "mul", &[self, other], backward)
     }
 
     /// `self / other` (broadcasting).

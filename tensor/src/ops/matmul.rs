@@ -13,7 +13,7 @@ use rtx_kernels::matmul::{linear, matmul, Operand};
 use rtx_kernels::{DType, Float};
 
 /// Element offsets of every batch index of a layout broadcast to `batch`.
-fn batch_offsets(batch: &[usize], shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize> {
+pub(crate) fn batch_offsets(batch: &[usize], shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize> {
     let n: usize = batch.iter().product();
     let lead = batch.len() - (shape.len() - 2);
     (0..n)
@@ -77,6 +77,18 @@ impl Tensor {
             return flat.reshape(&shape);
         }
         let batch = broadcast_shape("matmul", &self.shape()[..ra - 2], &rhs.shape()[..rb - 2])?;
+        // The backward, in tensor ops, for every device.
+        let (lhs, rhs_d) = (self.detach(), rhs.detach());
+        let (req_a, req_b) = (self.is_requires_grad(), rhs.is_requires_grad());
+        let backward = move |g: &Tensor, _: &Tensor| {
+            let ga = if req_a { Some(g.matmul(&rhs_d.t()?)?.sum_to_shape(lhs.shape())?) } else { None };
+            let gb = if req_b { Some(lhs.t()?.matmul(g)?.sum_to_shape(rhs_d.shape())?) } else { None };
+            Ok(vec![ga, gb])
+        };
+        if let Some(device) = crate::backend::of(&[self, rhs]) {
+            let y = device.matmul(self, rhs, &batch)?;
+            return Ok(Tensor::with_node(y.storage().clone(), y.layout().clone(), y.dtype(), "matmul", &[self, rhs], backward));
+        }
         let (a, b) = (compute_form(self)?, compute_form(rhs)?);
         let (la, lb) = (a.layout(), b.layout());
         let a_offs = batch_offsets(&batch, la.shape(), la.strides(), la.offset());
@@ -93,13 +105,7 @@ impl Tensor {
         };
         let mut shape = batch.clone();
         shape.extend_from_slice(&[m, n]);
-        let (lhs, rhs_d) = (self.detach(), rhs.detach());
-        let (req_a, req_b) = (self.is_requires_grad(), rhs.is_requires_grad());
-        Tensor::from_op(values, &shape, self.dtype(), "matmul", &[self, rhs], move |g: &Tensor, _: &Tensor| {
-            let ga = if req_a { Some(g.matmul(&rhs_d.t()?)?.sum_to_shape(lhs.shape())?) } else { None };
-            let gb = if req_b { Some(lhs.t()?.matmul(g)?.sum_to_shape(rhs_d.shape())?) } else { None };
-            Ok(vec![ga, gb])
-        })
+        Tensor::from_op(values, &shape, self.dtype(), "matmul", &[self, rhs], backward)
     }
     /// A GPT feed-forward, `linear(gelu_tanh(linear(self, w1, b1)), w2, b2)` (`w1 [hidden, in]`,
     /// `w2 [out, hidden]`). On a GPU in bf16 it is one node whose GEMMs apply the GELU, its

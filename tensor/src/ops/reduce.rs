@@ -20,8 +20,14 @@ fn reduce_dims(op: &'static str, x: &Tensor, dims: &[isize]) -> Result<Vec<usize
     Ok(out)
 }
 
+/// [`reduce_dims`] of a float tensor (the checks every reduction makes before it runs).
+fn float_reduce_dims(op: &'static str, x: &Tensor, dims: &[isize]) -> Result<Vec<usize>> {
+    check_float(op, x)?;
+    reduce_dims(op, x, dims)
+}
+
 /// Output shape of a reduction.
-fn reduced_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
+pub(crate) fn reduced_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
     let mut out = Vec::new();
     for (i, &s) in shape.iter().enumerate() {
         if dims.contains(&i) {
@@ -92,6 +98,9 @@ impl Tensor {
 
     /// Sum over `dims` (all dims when empty).
     pub fn sum(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.sum(self, &float_reduce_dims("sum", self, dims)?, keepdim, false);
+        }
         let (t, _, keep) = self.reduce_op("sum", dims, keepdim, RowOp::Sum)?;
         let in_shape = self.shape().to_vec();
         Ok(Tensor::with_node(t.storage().clone(), t.layout().clone(), t.dtype(), "sum", &[self], move |g: &Tensor, _: &Tensor| Ok(vec![Some(g.reshape(&keep)?.broadcast_to(&in_shape)?)])))
@@ -104,6 +113,9 @@ impl Tensor {
 
     /// Mean over `dims` (all dims when empty).
     pub fn mean(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.sum(self, &float_reduce_dims("mean", self, dims)?, keepdim, true);
+        }
         let (t, d, keep) = self.reduce_op("mean", dims, keepdim, RowOp::Mean)?;
         let count: usize = d.iter().map(|&i| self.shape()[i]).product();
         let in_shape = self.shape().to_vec();

@@ -61,11 +61,13 @@ impl Tensor {
     fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
         let name = if log { "log_softmax" } else { "softmax" };
         check_float(name, self)?;
-        super::check_host(name, self)?;
         let d = normalize_dim(name, dim, self.rank())?;
         let last = self.rank() - 1;
         if d != last {
             return self.transpose(d as isize, last as isize)?.softmax_impl(-1, log)?.transpose(d as isize, last as isize);
+        }
+        if let Some(device) = crate::backend::of(&[self]) {
+            return device.softmax(self, log);
         }
         let n = self.shape()[last];
         let values = crate::try_float_map!(self, |x: T| {
