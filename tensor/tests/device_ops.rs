@@ -9,16 +9,24 @@
 //! `to_device(Device::Cpu)` after checking they stayed on `device`. The comparison is
 //! `max |got − want| / max |want| ≤ 1e-4` (f32 rounding over sums of at most a few hundred
 //! terms stays orders of magnitude below that; GPU f32 GEMMs are plain f32, not TF32).
-//! Ops that came to the GPU after the GPT step's (batched `matmul`, broadcast `mul`, `softmax`,
-//! `log_softmax`, `sum`, `mean`, `contiguous` of a strided view) go through
-//! [`rtx_tensor::testing::supported_on`]: on the CPU they must compute the right values; on a GPU
-//! they must do the same or refuse with a typed `UnsupportedDevice` error (printed as
-//! `unsupported on cuda:0: OP`), never panic or silently return a host tensor. The GPU sums in another order than the CPU (f32 either way),
-//! far inside the tolerance. Randomized tests print their seed. No GPU and no data files are needed.
+//! Every op here runs on every device: the ops that came to the GPU after the GPT step's (batched
+//! `matmul`, broadcast `mul`, `softmax`, `log_softmax`, `sum`, `mean`, `contiguous` of a strided
+//! view) go through [`on_device`], which fails the test when the op refuses the device or its
+//! result lands on another one (an op a backend lacks would use
+//! [`rtx_tensor::testing::supported_on`], which lets a typed `UnsupportedDevice` refusal through
+//! for the test table). The GPU sums in another order than the CPU (f32 either way), far inside
+//! the tolerance. Randomized tests print their seed. No GPU and no data files are needed.
 
 use anyhow::{ensure, Context, Result};
-use rtx_tensor::testing::supported_on;
 use rtx_tensor::{CrossEntropyOptions, DType, Device, Error, GeluApprox, Generator, Reduction, Tensor};
+
+/// The result of an op run on `device`: an error when the op failed (a refusal included) or
+/// its result is not on `device`.
+fn on_device(device: Device, result: rtx_tensor::Result<Tensor>) -> Result<Tensor> {
+    let t = result.with_context(|| format!("op on {device}"))?;
+    ensure!(t.device() == device, "result on {} instead of {device}", t.device());
+    Ok(t)
+}
 
 /// Largest error allowed, relative to the reference's largest magnitude (f32 on every device).
 const TOL: f64 = 1e-4;
@@ -182,7 +190,7 @@ rtx_tensor::device_test! {
         let (nb, m, k, n) = (2, 3, 4, 5);
         let (a, b, g) = (uniform(&mut rng, nb * m * k, 1.0), uniform(&mut rng, nb * k * n, 1.0), uniform(&mut rng, nb * m * n, 1.0));
         let (at, bt) = (leaf(device, &a, &[nb, m, k])?, leaf(device, &b, &[nb, k, n])?);
-        let Some(y) = supported_on(device, at.matmul(&bt))? else { return Ok(()) };
+        let y = on_device(device, at.matmul(&bt))?;
         let (mut want, mut da, mut db) = (vec![0.0f64; nb * m * n], vec![0.0f64; nb * m * k], vec![0.0f64; nb * k * n]);
         for p in 0..nb {
             for i in 0..m {
@@ -231,7 +239,7 @@ rtx_tensor::device_test! {
         let (rows, cols) = (3, 4);
         let (a, b, g) = (uniform(&mut rng, rows * cols, 1.0), uniform(&mut rng, cols, 1.0), uniform(&mut rng, rows * cols, 1.0));
         let (at, bt) = (leaf(device, &a, &[rows, cols])?, leaf(device, &b, &[cols])?);
-        let Some(y) = supported_on(device, at.mul(&bt))? else { return Ok(()) };
+        let y = on_device(device, at.mul(&bt))?;
         let want: Vec<f64> = (0..rows * cols).map(|i| f64::from(a[i]) * f64::from(b[i % cols])).collect();
         close("y", &fetch(device, &y)?, &want, TOL)?;
         backward_from(device, &y, &g)?;
@@ -294,7 +302,7 @@ rtx_tensor::device_test! {
         let (rows, cols) = (4, 9);
         let (x, g) = (uniform(&mut rng, rows * cols, 3.0), uniform(&mut rng, rows * cols, 1.0));
         let xt = leaf(device, &x, &[rows, cols])?;
-        let Some(y) = supported_on(device, xt.softmax(-1))? else { return Ok(()) };
+        let y = on_device(device, xt.softmax(-1))?;
         let p = softmax_rows(&x, rows, cols, cols);
         let got = fetch(device, &y)?;
         close("y", &got, &p, TOL)?;
@@ -320,7 +328,7 @@ rtx_tensor::device_test! {
         let (rows, cols) = (3, 7);
         let (x, g) = (uniform(&mut rng, rows * cols, 4.0), uniform(&mut rng, rows * cols, 1.0));
         let xt = leaf(device, &x, &[rows, cols])?;
-        let Some(y) = supported_on(device, xt.log_softmax(-1))? else { return Ok(()) };
+        let y = on_device(device, xt.log_softmax(-1))?;
         let p = softmax_rows(&x, rows, cols, cols);
         close("y", &fetch(device, &y)?, &p.iter().map(|v| v.ln()).collect::<Vec<_>>(), TOL)?;
         backward_from(device, &y, &g)?;
@@ -583,13 +591,13 @@ rtx_tensor::device_test! {
         let (rows, cols) = (3, 5);
         let (x, g) = (uniform(&mut rng, rows * cols, 1.0), uniform(&mut rng, cols, 1.0));
         let xt = leaf(device, &x, &[rows, cols])?;
-        let Some(s) = supported_on(device, xt.sum(&[0], false))? else { return Ok(()) };
+        let s = on_device(device, xt.sum(&[0], false))?;
         let want: Vec<f64> = (0..cols).map(|j| (0..rows).map(|r| f64::from(x[r * cols + j])).sum()).collect();
         close("sum", &fetch(device, &s)?, &want, TOL)?;
         backward_from(device, &s, &g)?;
         close("dx (sum)", &grad(device, &xt)?, &(0..rows * cols).map(|i| f64::from(g[i % cols])).collect::<Vec<_>>(), TOL)?;
         let xt = leaf(device, &x, &[rows, cols])?;
-        let Some(m) = supported_on(device, xt.mean_all())? else { return Ok(()) };
+        let m = on_device(device, xt.mean_all())?;
         close("mean", &fetch(device, &m)?, &[x.iter().map(|&v| f64::from(v)).sum::<f64>() / 15.0], TOL)?;
         m.backward()?;
         close("dx (mean)", &grad(device, &xt)?, &[1.0 / 15.0; 15], TOL)
@@ -620,7 +628,7 @@ rtx_tensor::device_test! {
         let xt = on(device, &x, &[rows, cols])?;
         let tr = xt.transpose(0, 1)?;
         ensure!(tr.shape() == [cols, rows] && !tr.is_contiguous(), "transpose is not a strided view: {:?}", tr.shape());
-        let Some(y) = supported_on(device, tr.contiguous())? else { return Ok(()) };
+        let y = on_device(device, tr.contiguous())?;
         ensure!(y.is_contiguous(), "contiguous() result is strided");
         let want: Vec<f64> = (0..cols * rows).map(|k| f64::from(x[(k % rows) * cols + k / rows])).collect();
         close("y", &fetch(device, &y)?, &want, 0.0)
