@@ -85,6 +85,18 @@ fn timeline_records_the_schedule_and_counts_blocking_as_waiting() {
         let blocked_by = on_last(Op::Forward, M - 1) + on_last(Op::Backward, 0);
         assert!(blocked_by > Duration::from_micros(100), "stage 1 computed for {blocked_by:?}");
         assert!(b0.waiting >= blocked_by / 2, "stage 0 waited {:?} for its first gradient, stage 1 computed {blocked_by:?} meanwhile", b0.waiting);
-        assert!(b0.compute() < b0.waiting, "stage 0's backward {:?} of compute, {:?} waiting", b0.compute(), b0.waiting);
+        // Had the wait been counted as compute, this backward's compute would exceed the other
+        // backwards' of the same stage (the same work) by about the wait. Compared with them,
+        // not with the wait itself, so a machine busy with other work (which stretches every
+        // compute span alike) does not fail the check.
+        let mut others: Vec<Duration> = first.events.iter().filter(|e| e.instr.op == Op::Backward && e.instr.microbatch != 0).map(|e| e.compute()).collect();
+        others.sort();
+        let typical = others[others.len() / 2];
+        assert!(
+            b0.compute() < typical + b0.waiting / 2,
+            "stage 0's first backward {:?} of compute ({:?} waiting) against {typical:?} for the others",
+            b0.compute(),
+            b0.waiting
+        );
     }
 }
