@@ -105,6 +105,53 @@ async fn a_malformed_envelope_closes_the_link_with_a_reason() -> anyhow::Result<
     Ok(())
 }
 
+// Goal: a sender that gives up half-way through writing an envelope into a QUIC link (its future
+// dropped while the peer's flow control holds the stream) does not cut the stream mid-envelope:
+// the rest is still written, the peer reads it whole, and later calls still work. Method: the
+// server does not drain its inbound queue, so its reader stops and the stream's window fills; a
+// 4 MiB tell, several windows long, is then dropped by a timeout after its first bytes went in.
+// Draining the queue afterwards must yield the small tells, the whole large one, and answer asks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_send_still_writes_its_envelope_whole() -> anyhow::Result<()> {
+    const SMALL: usize = 300;
+    let listener = LinkListener::bind("127.0.0.1:0".parse()?, options())?;
+    let addr = listener.local_addr()?;
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let (link, mut inbound) = listener.accept().await.expect("a peer");
+        let _ = go_rx.await;
+        let (mut small, mut big) = (0, Vec::new());
+        while let Some(msg) = inbound.recv().await {
+            match msg.decode::<Ping>().expect("valid") {
+                Ping::Hello { from } if from.len() > 1000 => big.push(from.len()),
+                Ping::Hello { .. } => small += 1,
+                Ping::Add { a, b } => msg.reply(&(a + b)).await.expect("reply"),
+            }
+        }
+        drop(link);
+        (small, big)
+    });
+    let (link, _inbound) = Link::dial(addr, options()).await?;
+    let calc = link.remote::<Ping>("calc");
+    // More tells than the server's inbound queue holds: its reader stops behind them.
+    for i in 0..SMALL {
+        calc.tell(&Ping::Hello { from: format!("small {i}") }).await?;
+    }
+    let big = "x".repeat(4 << 20);
+    let dropped = tokio::time::timeout(Duration::from_millis(200), calc.tell(&Ping::Hello { from: big.clone() })).await;
+    assert!(dropped.is_err(), "the 4 MiB tell cannot fit while the peer is not reading");
+    go_tx.send(()).ok();
+    for i in 0..5u64 {
+        let sum: u64 = calc.ask(&Ping::Add { a: i, b: 1 }, Duration::from_secs(10)).await?;
+        assert_eq!(sum, i + 1);
+    }
+    link.close("done");
+    let (small, big_seen) = server.await?;
+    assert_eq!(small, SMALL);
+    assert_eq!(big_seen, vec![big.len()]);
+    Ok(())
+}
+
 // Goal: the envelope protocol runs over any ordered byte streams, as the simulator uses it.
 // Method: two in-memory pipes and a channel listener; tells, asks and keying material work as
 // over QUIC, closing reaches the connection object, and calls on a closed link fail typed.
