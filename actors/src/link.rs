@@ -5,32 +5,25 @@
 //! [`Link::dial`] and [`LinkListener::accept`] return; the owner routes it (usually through its
 //! node's [`crate::Registry`]).
 //!
-//! Back-pressure: the inbound queue is bounded; a slow receiver stops its reader, and QUIC flow
-//! control then stops the sender.
-//!
-//! Writing: on a QUIC link (dialed, accepted, or over a collectives transport) each sender writes
-//! its envelope into the quinn stream itself, under a lock held for exactly that envelope
-//! (tokio's mutex, first come first served), so envelopes never interleave and go out in the
-//! order their senders got the lock; a sender returns once quinn holds the whole envelope. There is
-//! no writer task: handing each envelope to one was a thread wake-up per message on the way out
-//! (the caller's thread to the link's runtime; issue 20). The waiting is the back-pressure: a
-//! sender the peer's flow control holds back waits with the lock, and the senders behind it wait
-//! for the lock. A sender dropped half-way through an envelope (a cancelled future) hands the rest
-//! to a task on the link's runtime, since the peer could not find the next envelope in a stream
-//! cut mid-envelope; if even that task is dropped (its runtime is shutting down) the link closes.
-//! Links over a caller's byte streams ([`Link::over_stream`]) keep a writer task and a bounded
-//! queue of [`QUEUE`] envelopes: the simulator's carrier folds every chunk it moves into its trace,
-//! so their write pattern stays the recorded one.
+//! Back-pressure: the outgoing queue and the inbound queue are bounded; a slow receiver stops its
+//! reader, and QUIC flow control then stops the sender.
 //!
 //! Inline handlers ([`Link::serve_inline`]): an actor registered on a link as inline is answered by
-//! the link's reader as it reads the message, and the reply is written into the stream from there.
-//! Decision, for cheap non-blocking handlers (an echo, a lookup): on a transport's control thread
-//! this removes two thread wake-ups per call (reader to the actor's task, the actor's task back to
-//! the stream), and the handler runs on the thread that already holds the message. The price is
-//! actor semantics: no mailbox and no task of its own; messages to that name are still handled one
-//! at a time in arrival order, but a slow handler holds up every link on the reader's runtime, so
-//! it is opt-in per name and never the default. Other actors keep the inbound receiver, and their
-//! replies ([`Inbound::reply`]) are written straight into the stream by the actor's task.
+//! the link's reader as it reads the message, and the reply goes to the link's writer task on the
+//! same runtime. Decision, for cheap non-blocking handlers (an echo, a lookup): on a transport's
+//! control thread this removes two thread wake-ups per call (the reader to the actor's task on
+//! another runtime, and that task back to the writer), so the answering side crosses no thread.
+//! The price is actor semantics: no mailbox and no task of its own; messages to that name are
+//! still handled one at a time in arrival order, but a slow handler holds up every link on the
+//! reader's runtime, so it is opt-in per name and never the default. Other actors keep the inbound
+//! receiver.
+//!
+//! Writer task, kept (issue 20): senders hand envelopes to the link's writer task, on the runtime
+//! that drives the connection, rather than writing into the quinn stream themselves. Writing from
+//! the sender's task was tried and measured (BENCHMARKS.md, "Actor calls with fewer hops"): it
+//! saves no thread wake-up, since a write wakes quinn's connection driver, which runs on that same
+//! runtime; calls were no faster idle and about 10% slower under load on one core (likely the
+//! sender's thread contending with that runtime for quinn's connection lock).
 //!
 //! Security: the listener presents a self-signed certificate and the dialer accepts any
 //! certificate but checks the handshake signatures, so the TLS channel is encrypted but not yet
@@ -52,7 +45,7 @@
 //! channel, [`ACTOR_CHANNEL`] by convention), under the cluster CA's mutual TLS. The stream rides
 //! the transport's control connection (`rtx_collectives::ControlPath`: by default a connection of
 //! its own, driven by a thread of its own, so calls do not queue behind the collectives' bulk
-//! frames), and the link's reader task runs on that thread's runtime
+//! frames), and the link's reader and writer tasks run on that thread's runtime
 //! ([`QuicTransport::control_runtime`]). A call is one request envelope and one reply envelope on
 //! the one long-lived stream, no stream or connection per call. Such a link borrows the connection
 //! and never closes it: closing the link (or a malformed envelope) resets only its stream; the
@@ -84,8 +77,7 @@ const STREAM_MAGIC: [u8; 4] = *b"RTXC";
 const SERVER_NAME: &str = "rtx-control";
 const CLOSE_NORMAL: u32 = 0;
 const CLOSE_MALFORMED: u32 = 2;
-/// Inbound messages waiting for their owner, and (links over a caller's streams) envelopes
-/// queued for the writer task.
+/// Envelopes queued for sending, and inbound messages waiting for their owner.
 const QUEUE: usize = 256;
 /// The side-stream channel of actor links over a collectives connection (the tag a
 /// [`QuicTransport`] side stream opens with; other protocols take other channels).
@@ -117,7 +109,7 @@ pub struct Link {
 struct LinkInner {
     peer: String,
     connection: Conn,
-    writer: Writer,
+    out: mpsc::Sender<Vec<u8>>,
     pending: Mutex<BTreeMap<u64, oneshot::Sender<Result<Vec<u8>>>>>,
     next_correlation: AtomicU64,
     closed: watch::Sender<Option<String>>,
@@ -129,43 +121,6 @@ struct LinkInner {
 /// error reason for the caller) out.
 type InlineFn = dyn Fn(&[u8]) -> std::result::Result<Vec<u8>, String> + Send + Sync;
 
-/// How envelopes get into the stream to the peer. Either way one envelope's bytes are written
-/// whole before the next one's start, in the order their senders got in line.
-#[derive(Clone)]
-enum Writer {
-    /// A writer task owns the stream and senders queue encoded envelopes (at most [`QUEUE`]):
-    /// links over a caller's byte streams ([`Link::over_stream`]), whose carrier (the simulator's
-    /// pumps) folds the chunks it sees into its trace, so their write pattern stays as recorded.
-    Task(mpsc::Sender<Vec<u8>>),
-    /// Senders write into the quinn stream themselves, one envelope at a time under the lock:
-    /// QUIC links, where a hand-off to a writer task would be one more thread wake-up per message.
-    Direct(DirectWriter),
-}
-
-/// The write half of a stream that senders write into themselves, in turn.
-#[derive(Clone)]
-struct DirectWriter {
-    /// Held for exactly one envelope; tokio's mutex queues waiters first come, first served.
-    stream: Arc<tokio::sync::Mutex<BoxedWrite>>,
-    /// Where the rest of an envelope whose sender gave up half-way is written.
-    runtime: tokio::runtime::Handle,
-}
-
-type BoxedWrite = Box<dyn AsyncWrite + Send + Unpin>;
-
-/// One envelope being written under the stream lock. Dropped half-way (its sender's future was
-/// cancelled), it hands the rest to a task, since the peer could not find the next envelope's
-/// start in a stream cut mid-envelope; where that is impossible it closes the link.
-struct EnvelopeWrite {
-    /// `Some` while the envelope is not yet whole.
-    stream: Option<tokio::sync::OwnedMutexGuard<BoxedWrite>>,
-    bytes: Vec<u8>,
-    written: usize,
-    link: Weak<LinkInner>,
-    /// Where to finish a cut envelope; `None` in the task that finishes one (it closes instead).
-    finish_on: Option<tokio::runtime::Handle>,
-}
-
 /// The connection under a link.
 enum Conn {
     Quic(quinn::Connection),
@@ -174,8 +129,8 @@ enum Conn {
     Side(SideConn),
 }
 
-/// A side stream of a [`QuicTransport`] connection, shared between the link's reader, its senders
-/// (one at a time, under the link's write lock) and whoever closes the link.
+/// A side stream of a [`QuicTransport`] connection, shared between the link's reader and writer
+/// tasks and whoever closes the link.
 struct SideConn {
     transport: Weak<QuicTransport>,
     peer: usize,
@@ -197,7 +152,7 @@ struct SideStream {
 /// The reading half of a side stream, as the link's reader task holds it.
 struct SideRecv(Arc<SideStream>);
 
-/// The writing half of a side stream, as the link's senders hold it (behind its write lock).
+/// The writing half of a side stream, as the link's writer task holds it.
 struct SideSend(Arc<SideStream>);
 
 /// The connection under a [`Link::over_stream`] link: what the byte streams themselves cannot do.
@@ -471,8 +426,8 @@ impl Link {
             reader: Mutex::new(None),
         });
         let conn = SideConn { transport: Arc::downgrade(transport), peer, address, stream: Arc::clone(&stream) };
-        // The link's reader runs where the control connection is driven (its own thread when the
-        // transport has one), so a busy caller runtime does not hold a call's hops back.
+        // The link's reader and writer run where the control connection is driven (its own thread
+        // when the transport has one), so a busy caller runtime does not hold a call's hops back.
         let on = transport.control_runtime();
         Link::start_on(on.as_ref(), side_peer_name(peer), Conn::Side(conn), SideSend(Arc::clone(&stream)), SideRecv(stream))
     }
@@ -485,57 +440,47 @@ impl Link {
         Link::start_on(None, peer, connection, send, recv)
     }
 
-    /// Starts the link's reader task, and for a link over a caller's streams its writer task, on
-    /// `runtime` (`None`: the caller's). QUIC links have no writer task: senders write themselves
-    /// ([`Writer::Direct`]).
-    fn start_on<R, W>(runtime: Option<&tokio::runtime::Handle>, peer: String, connection: Conn, send: W, mut recv: R) -> (Link, mpsc::Receiver<Inbound>)
+    /// Starts the link's writer and reader tasks on `runtime` (`None`: the caller's).
+    fn start_on<R, W>(runtime: Option<&tokio::runtime::Handle>, peer: String, connection: Conn, mut send: W, mut recv: R) -> (Link, mpsc::Receiver<Inbound>)
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
-        let runtime = runtime.cloned().unwrap_or_else(tokio::runtime::Handle::current);
+        let (out, mut out_rx) = mpsc::channel::<Vec<u8>>(QUEUE);
         let (inbound_tx, inbound_rx) = mpsc::channel(QUEUE);
-        let (writer, writer_task) = match connection {
-            Conn::Stream(_) => {
-                let (out, out_rx) = mpsc::channel::<Vec<u8>>(QUEUE);
-                (Writer::Task(out), Some((send, out_rx)))
-            }
-            Conn::Quic(_) | Conn::Side(_) => {
-                let stream: BoxedWrite = Box::new(send);
-                (Writer::Direct(DirectWriter { stream: Arc::new(tokio::sync::Mutex::new(stream)), runtime: runtime.clone() }), None)
-            }
-        };
         let link = Link {
             inner: Arc::new(LinkInner {
                 peer,
                 connection,
-                writer,
+                out,
                 pending: Mutex::new(BTreeMap::new()),
                 next_correlation: AtomicU64::new(1),
                 closed: watch::channel(None).0,
                 inline: RwLock::new(BTreeMap::new()),
             }),
         };
-        if let Some((mut send, mut out_rx)) = writer_task {
-            let writer = link.clone();
-            runtime.spawn(async move {
-                while let Some(bytes) = out_rx.recv().await {
-                    if let Err(e) = send.write_all(&bytes).await {
-                        writer.mark_closed(format!("write failed: {e}"));
-                        return;
-                    }
+        let writer = link.clone();
+        let spawn = |task: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>| match runtime {
+            Some(runtime) => drop(runtime.spawn(task)),
+            None => drop(tokio::spawn(task)),
+        };
+        spawn(Box::pin(async move {
+            while let Some(bytes) = out_rx.recv().await {
+                if let Err(e) = send.write_all(&bytes).await {
+                    writer.mark_closed(format!("write failed: {e}"));
+                    return;
                 }
-                let _ = send.shutdown().await;
-            });
-        }
+            }
+            let _ = send.shutdown().await;
+        }));
         // The reader holds only a weak reference so that dropping every `Link` closes the connection.
         let weak = Arc::downgrade(&link.inner);
-        runtime.spawn(async move {
+        spawn(Box::pin(async move {
             let reason = read_loop(&weak, &mut recv, &inbound_tx).await;
             if let Some(inner) = weak.upgrade() {
                 Link { inner }.mark_closed(reason);
             }
-        });
+        }));
         (link, inbound_rx)
     }
 
@@ -559,21 +504,22 @@ impl Link {
     }
 
     /// Serves the actor `to` inline: its tells and asks are handled by `handler` on the link's
-    /// reader task, as they are read, and an ask's answer is written into the stream from there,
-    /// instead of going through the inbound receiver to an actor task and back. For handlers that
-    /// are cheap and never block or wait (an echo, a lookup in shared state, a counter): the
-    /// reader runs on the link's runtime (for a link over a collectives transport with
-    /// `ControlPath::OwnThread`, the control thread that every link of that transport shares), so
-    /// a slow handler delays every message behind it.
+    /// reader task, as they are read, and an ask's answer goes from there to the link's writer
+    /// task on the same runtime, instead of through the inbound receiver to an actor task (on
+    /// another runtime) and from it back to the writer. For handlers that are cheap and never
+    /// block or wait (an echo, a lookup in shared state, a counter): the reader runs on the link's
+    /// runtime (for a link over a collectives transport with `ControlPath::OwnThread`, the control
+    /// thread that every link of that transport shares), so a slow handler delays every message
+    /// behind it.
     ///
     /// Semantics, against an actor task: messages to `to` are still handled one at a time and in
     /// arrival order, but on the reader rather than in a mailbox, so there is no mailbox bound to
-    /// push back: the reader stops reading while an answer waits for the peer's flow control. An
-    /// error returned by `handler` (or a message that does not decode as `M`) answers the ask as
-    /// `Remote { reason }`; a panic is caught and answered the same way, and the handler stays.
-    /// A tell's result is dropped. Messages read before this call went to the inbound receiver,
-    /// so register before the peer learns the name (or accept that early ones take the old way).
-    /// Registering a name again replaces its handler.
+    /// push back: the reader stops reading while the link's outgoing queue is full (the peer's
+    /// flow control holding the writer back). An error returned by `handler` (or a message that
+    /// does not decode as `M`) answers the ask as `Remote { reason }`; a panic is caught and
+    /// answered the same way, and the handler stays. A tell's result is dropped. Messages read
+    /// before this call went to the inbound receiver, so register before the peer learns the name
+    /// (or accept that early ones take the old way). Registering a name again replaces its handler.
     pub fn serve_inline<M, R, F>(&self, to: impl Into<String>, handler: F)
     where
         M: rkyv::Archive,
@@ -615,22 +561,10 @@ impl Link {
         Ok(out)
     }
 
-    /// Sends an envelope: writes it into the stream (a QUIC link; waiting for the senders ahead
-    /// and for the peer's flow control) or queues it for the writer task (waiting while the queue
-    /// is full).
+    /// Sends raw envelope bytes, waiting while the outgoing queue is full.
     async fn send_envelope(&self, envelope: Envelope) -> Result<()> {
         let bytes = envelope.to_bytes()?;
-        self.send_bytes(bytes).await
-    }
-
-    async fn send_bytes(&self, bytes: Vec<u8>) -> Result<()> {
-        if matches!(self.inner.writer, Writer::Direct(_)) && self.closed_reason().is_some() {
-            return Err(self.closed_error());
-        }
-        match self.inner.writer.send(Arc::downgrade(&self.inner), bytes).await {
-            Ok(()) => Ok(()),
-            Err(()) => Err(self.closed_error()),
-        }
+        self.inner.out.send(bytes).await.map_err(|_| self.closed_error())
     }
 
     /// Sends `msg` to the actor `to` on the other side.
@@ -643,11 +577,7 @@ impl Link {
     pub fn blocking_tell_bytes(&self, to: &str, body: Vec<u8>) -> Result<()> {
         self.check_open()?;
         let bytes = Envelope { kind: Kind::Tell, correlation: 0, to: to.to_string(), body }.to_bytes()?;
-        match &self.inner.writer {
-            Writer::Task(out) => out.blocking_send(bytes).map_err(|_| self.closed_error()),
-            // Like `blocking_send`, this must not be called from inside a runtime (tokio panics).
-            Writer::Direct(direct) => direct.runtime.block_on(self.send_bytes(bytes)),
-        }
+        self.inner.out.blocking_send(bytes).map_err(|_| self.closed_error())
     }
 
     /// Calls the actor `to` with `body` and waits up to `timeout` for the reply's bytes.
@@ -673,7 +603,7 @@ impl Link {
     /// Sends bytes as they are, bypassing the envelope encoder: for tests of the peer's decoder.
     #[doc(hidden)]
     pub async fn raw_send_for_tests(&self, bytes: Vec<u8>) -> Result<()> {
-        self.send_bytes(bytes).await
+        self.inner.out.send(bytes).await.map_err(|_| self.closed_error())
     }
 
     /// Closes the link; pending calls on both sides fail.
@@ -736,87 +666,6 @@ impl Link {
     }
 }
 
-impl Writer {
-    /// Sends one envelope's bytes; `Err` once the link's writing side is gone (the link says why).
-    async fn send(&self, link: Weak<LinkInner>, bytes: Vec<u8>) -> std::result::Result<(), ()> {
-        match self {
-            Writer::Task(out) => out.send(bytes).await.map_err(drop),
-            Writer::Direct(direct) => direct.write(link, bytes).await.map_err(drop),
-        }
-    }
-}
-
-impl DirectWriter {
-    /// Writes one envelope whole, after the senders ahead of it. A failed write closes the link
-    /// (the error says why); a cancelled one is finished by a task (see [`EnvelopeWrite`]).
-    async fn write(&self, link: Weak<LinkInner>, bytes: Vec<u8>) -> std::io::Result<()> {
-        debug_assert!(bytes.len() >= 4, "an envelope starts with its length");
-        let stream = Arc::clone(&self.stream).lock_owned().await;
-        let mut write = EnvelopeWrite { stream: Some(stream), bytes, written: 0, link, finish_on: Some(self.runtime.clone()) };
-        std::future::poll_fn(|cx| write.poll_write(cx)).await
-    }
-}
-
-impl EnvelopeWrite {
-    /// Writes what is left; releases the stream once the envelope is whole or the write failed.
-    fn poll_write(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        let Some(stream) = self.stream.as_mut() else { return Poll::Ready(Ok(())) };
-        while self.written < self.bytes.len() {
-            let result = match Pin::new(&mut **stream).poll_write(cx, &self.bytes[self.written..]) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Ok(0)) => Err(std::io::Error::from(std::io::ErrorKind::WriteZero)),
-                Poll::Ready(result) => result,
-            };
-            match result {
-                Ok(n) => self.written += n,
-                Err(e) => {
-                    self.stream = None;
-                    if let Some(inner) = self.link.upgrade() {
-                        Link { inner }.mark_closed(format!("write failed: {e}"));
-                    }
-                    return Poll::Ready(Err(e));
-                }
-            }
-        }
-        self.stream = None;
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl Drop for EnvelopeWrite {
-    fn drop(&mut self) {
-        // Untouched (nothing written yet) or done: the stream is between envelopes.
-        let Some(stream) = self.stream.take() else { return };
-        if self.written == 0 {
-            return;
-        }
-        match self.finish_on.take() {
-            Some(runtime) => {
-                let mut rest = EnvelopeWrite {
-                    stream: Some(stream),
-                    bytes: std::mem::take(&mut self.bytes),
-                    written: self.written,
-                    link: self.link.clone(),
-                    finish_on: None,
-                };
-                drop(runtime.spawn(async move {
-                    let _ = std::future::poll_fn(|cx| rest.poll_write(cx)).await;
-                }));
-            }
-            None => {
-                // The finishing task itself was dropped (its runtime is going): close the link
-                // rather than leave a cut envelope in the stream.
-                drop(stream);
-                if let Some(inner) = self.link.upgrade() {
-                    let link = Link { inner };
-                    link.inner.connection.close(CLOSE_MALFORMED, b"envelope cut short");
-                    link.mark_closed("an envelope was cut short".into());
-                }
-            }
-        }
-    }
-}
-
 impl Drop for LinkInner {
     fn drop(&mut self) {
         self.connection.close(CLOSE_NORMAL, b"link dropped");
@@ -857,12 +706,12 @@ async fn read_loop<R: AsyncRead + Unpin>(link: &std::sync::Weak<LinkInner>, recv
             Kind::Tell | Kind::Ask => {
                 let handler = this.inner.inline.read().unwrap_or_else(PoisonError::into_inner).get(&envelope.to).cloned();
                 if let Some(handler) = handler {
-                    let writer = this.inner.writer.clone();
+                    let out = this.inner.out.clone();
                     drop(this);
                     let Some(answer) = run_inline(handler.as_ref(), envelope) else { continue };
-                    // The reader writes the answer itself; it holds the link only weakly meanwhile.
-                    if writer.send(link.clone(), answer).await.is_err() {
-                        return "write failed".into();
+                    // To the writer task on this runtime; the reader holds the link only weakly.
+                    if out.send(answer).await.is_err() {
+                        return "writer ended".into();
                     }
                     continue;
                 }
