@@ -213,7 +213,7 @@ async fn run<A: Actor>(actor: &mut A, rx: &mut mpsc::Receiver<A::Msg>, ctx: &mut
     Exit::Normal
 }
 
-fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+pub(crate) fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {

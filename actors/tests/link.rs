@@ -1,5 +1,6 @@
 //! Links over real QUIC on loopback: tells and asks reach the named actor, replies come back,
-//! a lost peer fails pending calls instead of hanging, and malformed envelopes close the link.
+//! a lost peer fails pending calls instead of hanging, malformed envelopes close the link, and a
+//! sender cancelled mid-envelope leaves the stream whole.
 
 use std::time::Duration;
 
@@ -42,9 +43,14 @@ async fn tells_and_asks_cross_a_real_quic_link() -> anyhow::Result<()> {
     // Channel binding material is the same on both ends of one connection only.
     let ekm = link.export_keying_material(b"test")?;
     assert_ne!(ekm, [0u8; 32]);
+    // A thread outside the runtime tells too (the sender writes into the stream itself).
+    let from_thread = calc.clone();
+    std::thread::spawn(move || from_thread.blocking_tell(&Ping::Hello { from: "thread".into() })).join().expect("thread")?;
+    let sum: u64 = calc.ask(&Ping::Add { a: 1, b: 1 }, Duration::from_secs(5)).await?;
+    assert_eq!(sum, 2);
     link.close("done");
     let seen = server.await?;
-    assert_eq!(seen, vec!["client".to_string()]);
+    assert_eq!(seen, vec!["client".to_string(), "thread".to_string()]);
     Ok(())
 }
 
@@ -102,6 +108,59 @@ async fn a_malformed_envelope_closes_the_link_with_a_reason() -> anyhow::Result<
     link.raw_send_for_tests(bad_kind).await?;
     let reason = tokio::time::timeout(Duration::from_secs(5), server).await??;
     assert!(reason.contains("unknown envelope kind"), "{reason}");
+    Ok(())
+}
+
+// Goal: a sender that gives up on a send (its future dropped while the peer's flow control holds
+// the stream) never leaves the stream cut mid-envelope: the envelope goes whole or not at all, the
+// peer reads whole envelopes, and later calls still work. Method: the server does not drain its
+// inbound queue, so its reader stops and the stream's window fills; a 4 MiB tell, several windows
+// long, is then raced against a timeout. Draining the queue afterwards must yield the small tells,
+// the large one whole if it was sent, and answer asks. (It guards the writing path: a sender that
+// wrote into the stream itself, as tried in issue 20, failed it until the rest was finished.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_send_still_writes_its_envelope_whole() -> anyhow::Result<()> {
+    const SMALL: usize = 300;
+    let listener = LinkListener::bind("127.0.0.1:0".parse()?, options())?;
+    let addr = listener.local_addr()?;
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let (link, mut inbound) = listener.accept().await.expect("a peer");
+        let _ = go_rx.await;
+        let (mut small, mut big) = (0, Vec::new());
+        while let Some(msg) = inbound.recv().await {
+            match msg.decode::<Ping>().expect("valid") {
+                Ping::Hello { from } if from.len() > 1000 => big.push(from.len()),
+                Ping::Hello { .. } => small += 1,
+                Ping::Add { a, b } => msg.reply(&(a + b)).await.expect("reply"),
+            }
+        }
+        drop(link);
+        (small, big)
+    });
+    let (link, _inbound) = Link::dial(addr, options()).await?;
+    let calc = link.remote::<Ping>("calc");
+    // More tells than the server's inbound queue holds: its reader stops behind them.
+    for i in 0..SMALL {
+        calc.tell(&Ping::Hello { from: format!("small {i}") }).await?;
+    }
+    let big = "x".repeat(4 << 20);
+    let sent = tokio::time::timeout(Duration::from_millis(200), calc.tell(&Ping::Hello { from: big.clone() })).await;
+    go_tx.send(()).ok();
+    for i in 0..5u64 {
+        let sum: u64 = calc.ask(&Ping::Add { a: i, b: 1 }, Duration::from_secs(10)).await?;
+        assert_eq!(sum, i + 1);
+    }
+    link.close("done");
+    let (small, big_seen) = server.await?;
+    assert_eq!(small, SMALL);
+    match sent {
+        Ok(result) => {
+            result?;
+            assert_eq!(big_seen, vec![big.len()]);
+        }
+        Err(_) => assert!(big_seen.is_empty() || big_seen == vec![big.len()], "{big_seen:?}"),
+    }
     Ok(())
 }
 

@@ -322,6 +322,67 @@ async fn an_oversized_envelope_closes_only_the_link() {
     .expect("test body timed out");
 }
 
+// Goal: an actor served inline (`Link::serve_inline`) answers asks on the link's reader, on the
+// control thread, without the inbound receiver: values, handler errors, panics and bodies of the
+// wrong type each come back as the right typed answer, the handler survives a panic, tells run it
+// too, and after `stop_serving_inline` the name's messages reach the inbound receiver again.
+// Method: on the control thread path, rank 1 serves "calc" inline (a shared counter records
+// tells); rank 0 asks and tells; rank 1's inbound receiver must stay empty until the handler goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_handlers_answer_on_the_reader() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let ca = ClusterCa::generate("rtx actor-link test cluster").unwrap();
+        let transports = pair(&ca, ControlPath::OwnThread).await;
+        let [(link0, _inbound0), (link1, mut inbound1)] = links(&transports).await;
+        let told = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counter = Arc::clone(&told);
+        let control_thread = std::sync::Mutex::new(None);
+        link1.serve_inline("calc", move |msg: Calc| {
+            *control_thread.lock().unwrap() = std::thread::current().name().map(str::to_string);
+            match msg {
+                Calc::Mix { a: 0, .. } => panic!("asked to panic"),
+                Calc::Mix { a: 1, .. } => Err("asked to fail".to_string()),
+                Calc::Mix { a, b } => Ok(a * 1000 + b),
+                Calc::Hold => {
+                    counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    Ok(0)
+                }
+            }
+        });
+        let calc = link0.remote::<Calc>("calc");
+        for i in 2..50u64 {
+            let answer: u64 = calc.ask(&Calc::Mix { a: i, b: 7 }, ASK_TIMEOUT).await.unwrap();
+            assert_eq!(answer, i * 1000 + 7);
+        }
+        let failed = calc.ask::<u64>(&Calc::Mix { a: 1, b: 0 }, ASK_TIMEOUT).await;
+        assert!(matches!(&failed, Err(ActorError::Remote { reason, .. }) if reason == "asked to fail"), "{failed:?}");
+        let panicked = calc.ask::<u64>(&Calc::Mix { a: 0, b: 0 }, ASK_TIMEOUT).await;
+        assert!(matches!(&panicked, Err(ActorError::Remote { reason, .. }) if reason.contains("asked to panic")), "{panicked:?}");
+        // A body that is not a `Calc`: a typed codec error for the caller, not a closed link.
+        let wrong = link0.remote::<String>("calc").ask::<u64>(&"not a calc".to_string(), ASK_TIMEOUT).await;
+        assert!(matches!(&wrong, Err(ActorError::Remote { .. })), "{wrong:?}");
+        // Tells run the handler; the ask after them is answered after them (one reader, in order).
+        for _ in 0..3 {
+            calc.tell(&Calc::Hold).await.unwrap();
+        }
+        let answer: u64 = calc.ask(&Calc::Mix { a: 5, b: 5 }, ASK_TIMEOUT).await.unwrap();
+        assert_eq!(answer, 5005);
+        assert_eq!(told.load(std::sync::atomic::Ordering::SeqCst), 3);
+        assert!(inbound1.try_recv().is_err(), "inline messages bypass the inbound receiver");
+        // The link survived a panic and errors, and without the handler the inbound receiver
+        // gets the name's messages again.
+        assert!(link1.stop_serving_inline("calc"));
+        assert!(!link1.stop_serving_inline("calc"));
+        let server = serve(1, inbound1);
+        let answer: u64 = calc.ask(&Calc::Mix { a: 3, b: 4 }, ASK_TIMEOUT).await.unwrap();
+        assert_eq!(answer, 3005);
+        link0.close("done");
+        assert_eq!(server.await.unwrap(), 1);
+    })
+    .await
+    .expect("test body timed out");
+}
+
 /// Awaits every task, in order.
 async fn futures_join<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
     let mut out = Vec::with_capacity(tasks.len());

@@ -12,6 +12,12 @@
 //! `TCP_NODELAY`, a payload of the call's request envelope size, echoed by the child), measured in
 //! the same run, idle and during the all_reduces. Each figure is printed as median and p99, and
 //! the calls as ratios to the idle TCP round trip (issue 20's bar: at most 2x, idle and loaded).
+//!
+//! The peer answers with `--echo inline` (default: the echo served with `Link::serve_inline`,
+//! answered on the link's reader, on the control thread) or `--echo task` (a task reading the
+//! link's inbound receiver and replying, as an ordinary actor does), in both parts. `--caller
+//! control` runs rank 0's calling loop on the transport's control thread instead of the bench's
+//! runtime: the floor of the path, with no thread hand-off left on either side.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -55,6 +61,17 @@ pub struct ActorsArgs {
     /// own).
     #[arg(long, default_value = "thread", value_parser = parse_control)]
     pub control: ControlPath,
+    /// How the peer process answers the echo calls: `inline` (registered with
+    /// `Link::serve_inline`, answered on the link's reader as it reads them) or `task` (through the
+    /// link's inbound receiver to a task that replies, as an actor would).
+    #[arg(long, default_value = "inline", value_parser = parse_echo)]
+    pub echo: EchoMode,
+    /// Where rank 0's calling loop of the `--load-bytes` part runs: `task` (on the bench's
+    /// runtime, as any caller) or `control` (on the transport's control thread, beside the link's
+    /// reader and quinn's drivers: no thread hand-off on the calling side; needs `--control
+    /// thread`).
+    #[arg(long, default_value = "task", value_parser = parse_caller)]
+    pub caller: CallerMode,
     /// Internal: be rank 1 of the `--load-bytes` part, with identities in this folder.
     #[arg(long, hide = true)]
     pub serve_load: Option<PathBuf>,
@@ -66,6 +83,62 @@ fn parse_control(text: &str) -> Result<ControlPath, String> {
         "endpoint" => Ok(ControlPath::OwnEndpoint),
         "thread" => Ok(ControlPath::OwnThread),
         other => Err(format!("unknown control path `{other}` (shared, endpoint, thread)")),
+    }
+}
+
+/// How the peer process answers echo calls (`--echo`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EchoMode {
+    /// `Link::serve_inline`: on the link's reader.
+    Inline,
+    /// A task reading the link's inbound receiver.
+    Task,
+}
+
+fn parse_echo(text: &str) -> Result<EchoMode, String> {
+    match text {
+        "inline" => Ok(EchoMode::Inline),
+        "task" => Ok(EchoMode::Task),
+        other => Err(format!("unknown echo mode `{other}` (inline, task)")),
+    }
+}
+
+fn echo_name(mode: EchoMode) -> &'static str {
+    match mode {
+        EchoMode::Inline => "inline",
+        EchoMode::Task => "task",
+    }
+}
+
+/// Answers echo calls on `link` inline when `mode` says so (calls read before this still reach
+/// the inbound receiver, which the caller keeps answering).
+fn serve_echo(link: &Link, mode: EchoMode) {
+    if mode == EchoMode::Inline {
+        link.serve_inline("echo", |v: u64| Ok::<u64, String>(v + 1));
+    }
+}
+
+/// Where the calling loop runs (`--caller`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallerMode {
+    /// A task of the bench's runtime.
+    Task,
+    /// A task of the transport's control runtime.
+    Control,
+}
+
+fn parse_caller(text: &str) -> Result<CallerMode, String> {
+    match text {
+        "task" => Ok(CallerMode::Task),
+        "control" => Ok(CallerMode::Control),
+        other => Err(format!("unknown caller `{other}` (task, control)")),
+    }
+}
+
+fn caller_name(mode: CallerMode) -> &'static str {
+    match mode {
+        CallerMode::Task => "task",
+        CallerMode::Control => "control",
     }
 }
 
@@ -98,7 +171,7 @@ impl Actor for Echo {
 pub(super) fn run(args: &ActorsArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(args.threads.max(1)).enable_all().build()?;
     if args.serve {
-        return runtime.block_on(serve());
+        return runtime.block_on(serve(args.echo));
     }
     if let Some(dir) = &args.serve_load {
         return runtime.block_on(loaded_rank(args, dir, 1, args.calls));
@@ -118,7 +191,7 @@ pub(super) fn run(args: &ActorsArgs) -> anyhow::Result<()> {
             }
         }
         let exe = std::env::current_exe()?;
-        let mut child = Command::new(exe).args(["bench", "actors", "--serve"]).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().context("start the peer process")?;
+        let mut child = Command::new(exe).args(["bench", "actors", "--serve", "--echo", echo_name(args.echo)]).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().context("start the peer process")?;
         let mut line = String::new();
         BufReader::new(child.stdout.take().ok_or_else(|| anyhow!("no peer stdout"))?).read_line(&mut line)?;
         let addr = line.trim().parse().with_context(|| format!("peer printed {line:?}"))?;
@@ -139,7 +212,7 @@ pub(super) fn run(args: &ActorsArgs) -> anyhow::Result<()> {
         let _ = child.kill();
         let _ = child.wait();
         let (l, c) = (Summary::of(&mut local), Summary::of(&mut cross));
-        super::emit(json!({ "bench": "actors", "calls": args.calls, "in_process_median_us": l.median, "in_process_p99_us": l.p99, "cross_process_quic_median_us": c.median, "cross_process_quic_p99_us": c.p99, "ray_sync_call_us": 497.0, "ratio_vs_ray": c.median / 497.0, "bar_us": 100.0 }));
+        super::emit(json!({ "bench": "actors", "echo": echo_name(args.echo), "caller": caller_name(args.caller), "calls": args.calls, "in_process_median_us": l.median, "in_process_p99_us": l.p99, "cross_process_quic_median_us": c.median, "cross_process_quic_p99_us": c.p99, "ray_sync_call_us": 497.0, "ratio_vs_ray": c.median / 497.0, "bar_us": 100.0 }));
         Ok::<_, anyhow::Error>(())
     })?;
     if args.load_bytes > 0 {
@@ -166,6 +239,8 @@ fn under_load(args: &ActorsArgs, runtime: &tokio::runtime::Runtime) -> anyhow::R
         .arg(args.threads.to_string())
         .arg("--control")
         .arg(control_name(args.control))
+        .arg("--echo")
+        .arg(echo_name(args.echo))
         .arg("--serve-load")
         .arg(&dir)
         .stdin(Stdio::null())
@@ -190,7 +265,11 @@ fn under_load(args: &ActorsArgs, runtime: &tokio::runtime::Runtime) -> anyhow::R
 async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -> anyhow::Result<()> {
     let options = QuicOptions { connect_timeout: Duration::from_secs(60), stripes: args.stripes, control: args.control, ..QuicOptions::default() };
     let transport = Arc::new(super::collectives::quic_rank_in(dir, rank, 2, options).await?);
-    let comm = Endpoint::new(Arc::clone(&transport) as Arc<dyn rtx_collectives::Transport>, CommConfig { op_timeout: Duration::from_secs(120), ..CommConfig::default() })?.world()?;
+    let comm = Endpoint::new(
+        Arc::clone(&transport) as Arc<dyn rtx_collectives::Transport>,
+        CommConfig { op_timeout: Duration::from_secs(120), ..CommConfig::default() },
+    )?
+    .world()?;
     let stop = Arc::new(AtomicBool::new(false));
     let payload = call_bytes()?;
     if rank == 1 {
@@ -200,6 +279,7 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
         std::fs::rename(&staging, dir.join("tcp-echo"))?;
         std::thread::spawn(move || tcp_echo(&tcp, payload));
         let (_peer, link, mut inbound) = Link::accept_over_transport(&transport, LOAD_CHANNEL).await?;
+        serve_echo(&link, args.echo);
         let echo = tokio::spawn(async move {
             while let Some(msg) = inbound.recv().await {
                 let v: u64 = msg.decode()?;
@@ -227,31 +307,23 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
     let rounds = Arc::new(AtomicU64::new(0));
     // Idle: `calls` calls. Loaded: at least `calls`, and on until LOADED_ROUNDS all_reduces have
     // finished since the first timed call, so the calls span the load rather than a gap in it.
-    let time_calls = |n: usize, until_rounds: Option<u64>| {
-        let (remote, rounds) = (&remote, &rounds);
+    // With `--caller control` the calling loop itself runs on the control thread's runtime.
+    let on_control = match args.caller {
+        CallerMode::Task => None,
+        CallerMode::Control => Some(transport.control_runtime().ok_or_else(|| anyhow!("--caller control needs --control thread"))?),
+    };
+    let timed = |n: usize, until_rounds: Option<u64>| {
+        let calling = time_calls(remote.clone(), Arc::clone(&rounds), n, until_rounds);
+        let on_control = on_control.clone();
         async move {
-            let mut samples = Vec::with_capacity(n);
-            let mut from = rounds.load(Ordering::SeqCst);
-            for i in 0u64.. {
-                if i == 200 {
-                    from = rounds.load(Ordering::SeqCst);
-                }
-                let enough = samples.len() >= n && until_rounds.is_none_or(|k| rounds.load(Ordering::SeqCst) >= from + k);
-                if enough {
-                    break;
-                }
-                let t = Instant::now();
-                let v: u64 = remote.ask(&i, Duration::from_secs(10)).await?;
-                anyhow::ensure!(v == i + 1, "remote echo answered {v} to {i}");
-                if i >= 200 {
-                    samples.push(t.elapsed());
-                }
+            match on_control {
+                Some(runtime) => runtime.spawn(calling).await.map_err(|e| anyhow!("calling task: {e}"))?,
+                None => calling.await,
             }
-            Ok::<_, anyhow::Error>((samples, rounds.load(Ordering::SeqCst) - from))
         }
     };
     let mut tcp_idle = tokio::task::block_in_place(|| tcp_round_trips(&mut tcp, payload, calls))?;
-    let (mut idle, _) = time_calls(calls, None).await?;
+    let (mut idle, _) = timed(calls, None).await?;
     let load = {
         let (comm, stop, counter) = (comm.clone(), Arc::clone(&stop), Arc::clone(&rounds));
         let bytes = args.load_bytes;
@@ -259,7 +331,7 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
     };
     // Let the first all_reduce get going.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let (mut loaded, rounds_during_calls) = time_calls(calls, Some(LOADED_ROUNDS)).await?;
+    let (mut loaded, rounds_during_calls) = timed(calls, Some(LOADED_ROUNDS)).await?;
     let mut tcp_loaded = tokio::task::block_in_place(|| tcp_round_trips(&mut tcp, payload, calls))?;
     stop.store(true, Ordering::SeqCst);
     let rounds_total = load.await.map_err(|e| anyhow!("all_reduce loop: {e}"))??;
@@ -267,9 +339,11 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
     link.close("bench done");
     let (rtt, i, l, rtt_l) = (Summary::of(&mut tcp_idle), Summary::of(&mut idle), Summary::of(&mut loaded), Summary::of(&mut tcp_loaded));
     eprintln!(
-        "actor call across processes, control path `{}` ({} stripe(s), {} threads): TCP round trip ({payload} B, to the same peer process) median {:.1} / p99 {:.1} us; \
+        "actor call across processes, control path `{}`, echo {}, caller {} ({} stripe(s), {} threads): TCP round trip ({payload} B, to the same peer process) median {:.1} / p99 {:.1} us; \
          call idle {:.1} / {:.1} us = {:.2}x TCP; {} calls during {} all_reduce of {} MiB {:.1} / {:.1} us = {:.2}x TCP (TCP itself then {:.1} / {:.1} us)",
         control_name(args.control),
+        echo_name(args.echo),
+        caller_name(args.caller),
         args.stripes,
         args.threads,
         rtt.median,
@@ -286,12 +360,38 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
         rtt_l.median,
         rtt_l.p99,
     );
-    super::emit(json!({ "bench": "actors", "part": "over_collectives_transport", "control": control_name(args.control), "calls": calls, "stripes": args.stripes, "threads": args.threads, "load_bytes": args.load_bytes,
+    super::emit(
+        json!({ "bench": "actors", "part": "over_collectives_transport", "control": control_name(args.control), "echo": echo_name(args.echo), "calls": calls, "stripes": args.stripes, "threads": args.threads, "load_bytes": args.load_bytes,
         "payload_bytes": payload, "all_reduces_during_calls": rounds_during_calls, "all_reduces": rounds_total, "loaded_calls": loaded.len(), "tcp_rtt_median_us": rtt.median, "tcp_rtt_p99_us": rtt.p99, "idle_median_us": i.median, "idle_p99_us": i.p99,
         "loaded_median_us": l.median, "loaded_p99_us": l.p99, "tcp_rtt_loaded_median_us": rtt_l.median, "tcp_rtt_loaded_p99_us": rtt_l.p99,
-        "idle_over_tcp_rtt": i.median / rtt.median, "loaded_over_tcp_rtt": l.median / rtt.median, "bar_over_tcp_rtt": 2.0 }));
+        "idle_over_tcp_rtt": i.median / rtt.median, "loaded_over_tcp_rtt": l.median / rtt.median, "bar_over_tcp_rtt": 2.0 }),
+    );
     transport.close(Duration::from_secs(5)).await;
     Ok(())
+}
+
+/// Times `n` echo calls to `remote` (after 200 untimed ones); with `until_rounds`, goes on until
+/// that many all_reduces have finished since the first timed call. Returns the timings and the
+/// all_reduces finished meanwhile.
+async fn time_calls(remote: rtx_actors::RemoteRef<u64>, rounds: Arc<AtomicU64>, n: usize, until_rounds: Option<u64>) -> anyhow::Result<(Vec<Duration>, u64)> {
+    let mut samples = Vec::with_capacity(n);
+    let mut from = rounds.load(Ordering::SeqCst);
+    for i in 0u64.. {
+        if i == 200 {
+            from = rounds.load(Ordering::SeqCst);
+        }
+        let enough = samples.len() >= n && until_rounds.is_none_or(|k| rounds.load(Ordering::SeqCst) >= from + k);
+        if enough {
+            break;
+        }
+        let t = Instant::now();
+        let v: u64 = remote.ask(&i, Duration::from_secs(10)).await?;
+        anyhow::ensure!(v == i + 1, "remote echo answered {v} to {i}");
+        if i >= 200 {
+            samples.push(t.elapsed());
+        }
+    }
+    Ok((samples, rounds.load(Ordering::SeqCst) - from))
 }
 
 /// Echoes `payload`-byte messages on each accepted TCP connection until it ends (rank 1's TCP
@@ -348,13 +448,14 @@ async fn all_reduce_loop_counted(comm: &Communicator, bytes: usize, stop: &Atomi
     }
 }
 
-async fn serve() -> anyhow::Result<()> {
+async fn serve(echo: EchoMode) -> anyhow::Result<()> {
     let listener = LinkListener::bind("127.0.0.1:0".parse()?, LinkOptions::default())?;
     #[allow(clippy::print_stdout)]
     {
         println!("{}", listener.local_addr()?);
     }
-    let (_link, mut inbound) = listener.accept().await.ok_or_else(|| anyhow!("no peer"))?;
+    let (link, mut inbound) = listener.accept().await.ok_or_else(|| anyhow!("no peer"))?;
+    serve_echo(&link, echo);
     while let Some(msg) = inbound.recv().await {
         let v: u64 = msg.decode()?;
         msg.reply(&(v + 1)).await?;
