@@ -5,7 +5,7 @@
 //! its own thread with its own tokio runtime, over the shared-memory transport; f32 and bf16
 //! models with a parameter the loss never uses; the same seeds for both engines (printed). Also:
 //! the opening broadcast, and the typed refusals (ZeRO, a reducer on another device, disagreeing
-//! group sizes).
+//! group sizes), and a failed collective named by step and bucket, then a broken engine.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::future::Future;
@@ -274,4 +274,29 @@ fn a_reducer_whose_group_size_disagrees_is_refused_on_every_rank() {
             other => panic!("rank {rank}: expected ReducerWorld, got {other:?}"),
         }
     }
+}
+
+#[test]
+fn a_failed_device_collective_names_its_step_and_bucket_then_the_engine_is_broken() {
+    // Goal: a collective that fails on the device path is `Error::Collective` with the step,
+    // bucket and operation, and the engine refuses later steps (`Error::Broken`), as on the host
+    // paths. Method: 2 ranks build their engines, then rank 1 leaves (dropping its engine and
+    // transport) and rank 0 steps alone.
+    let results = on_ranks(2, "failure", |rank, comm, meet| async move {
+        let mut dp: Engine = DataParallel::with_device_reduce(model(rank), config(), HostReduce::new(comm), adamw(ADAMW, |_, _| true)).await.unwrap();
+        meet.wait().await;
+        if rank == 1 {
+            drop(dp);
+            return None;
+        }
+        let first = dp.step_async(|m| loss(m, 0, rank)).await.map(|_| ());
+        let second = dp.step_async(|m| loss(m, 1, rank)).await.map(|_| ());
+        Some((first, second))
+    });
+    let Some((first, second)) = results.into_iter().next().flatten() else { panic!("rank 0 reports") };
+    match first {
+        Err(Error::Collective { step: 0, bucket: 0, op: "all_reduce", .. }) | Err(Error::CollectiveTimeout { step: 0, bucket: 0, op: "all_reduce", .. }) => {}
+        other => panic!("expected the bucket-0 all_reduce of step 0 to fail, got {other:?}"),
+    }
+    assert!(matches!(second, Err(Error::Broken { failed_step: 0 })), "{second:?}");
 }
