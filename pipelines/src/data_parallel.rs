@@ -75,6 +75,38 @@
 //! regains partly by running while bucket `i + 1` is copied. ZeRO-1 needs host buckets and is
 //! refused for staged parameters ([`Error::ShardedDevice`]).
 //!
+//! # Reduction on the device
+//!
+//! When every member has its own GPU, copying gradients to the host and back is waste:
+//! [`DataParallel::with_device_reduce`] keeps them on the device. The bucket layout is the
+//! mirror's (reverse visit order, one dtype per bucket, `bucket_bytes_max`; the mirror is built
+//! for its layout only). After backward, one bucket at a time in index order, the bucket's
+//! gradients are packed into one flat dense tensor on the parameters' device, as long as the
+//! mirror's bucket (zeros for a parameter the loss did not use), averaged in place by the
+//! engine's [`DeviceReduce`] (sum over the group divided by its size, one collective), and each
+//! parameter gets its slice back as a fresh gradient on the device; then the optimizer steps
+//! where the parameters are. The opening broadcast of rank 0's parameters goes through the same
+//! reducer, bucket by bucket, after a small collective that checks every member's reducer
+//! reports the same group size. Two reducers exist: `NcclReduce` (feature `nccl`, NCCL on the
+//! device's one stream, so the collective is ordered with the packing and unpacking copies) and
+//! [`crate::HostReduce`], the host communicator standing in on the CPU; the stand-in gives the
+//! host-staging path's bits exactly (same buffer length and layout, the same `Avg` call), which
+//! is how the logic is tested without a GPU.
+//!
+//! Decision (constraints, choice, consequences). *Constraints:* the worker runtime drives every
+//! data-parallel rank as a [`DataParallel`] (its `Engine` implementation, checksums, checkpoints
+//! and state hand-over name that type), and the device path differs from host staging only in
+//! where a bucket is reduced. *Choice:* a constructor of [`DataParallel`], not a sibling engine:
+//! the device reducer lives in the engine's `Reducer` (a third mode beside the communication
+//! thread and the inline queue, taking no host jobs) and the step dispatches on it. *Pros:* one
+//! type for the runtime, no second `Engine` implementation, and the accessors, tracing and error
+//! handling (a failed collective is [`Error::Collective`] naming step and bucket, then
+//! [`Error::Broken`]) are shared. *Cons:* no communication thread, so, as in inline mode, the
+//! caller's tokio runtime must run [`DataParallel::step_async`] and drive the reducer's
+//! communicator; and no overlap with backward (NCCL would run on the compute stream anyway;
+//! overlapping needs a second stream and events, a later step). ZeRO-1/2 shard host buckets and
+//! are refused ([`Error::ShardedDeviceReduce`]).
+//!
 //! # Failure
 //!
 //! A failed or timed-out collective fails the step on that rank; the other ranks' collectives fail
@@ -105,6 +137,7 @@ use rtx_collectives::Communicator;
 use rtx_tensor::optim::ParamBuckets;
 use rtx_tensor::{CpuData, Device, Module, Optimizer, Tensor};
 
+use crate::device_reduce::DeviceReduce;
 use crate::error::{Error, Result};
 use crate::param_shard::{check_optimizer_params, ParamShard};
 use crate::reducer::{block_on, BucketOp, CommMonitor, Failure, Job, Reducer, Report};
@@ -259,6 +292,41 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         Self::build(model, buckets, staging, config, reducer, make_optimizer).await
     }
 
+    /// A replicated engine whose gradients are reduced where the parameters are: per bucket, the
+    /// gradients are packed into one flat tensor on the parameters' device and averaged there by
+    /// `reduce` (NCCL when every member has its own GPU; the host communicator standing in on the
+    /// CPU), then handed back as the parameters' gradients. The opening broadcast of group rank
+    /// 0's parameters goes through `reduce` too. See the module doc, "Reduction on the device".
+    ///
+    /// Like [`new_inline`](Self::new_inline) there is no communication thread: the collectives run
+    /// on the task that awaits [`step_async`](Self::step_async), inside a tokio runtime (which
+    /// must also drive `reduce`'s communicator). `config.host_staging` is ignored: the parameters
+    /// stay in the module whatever their device. Refused with a typed error: ZeRO sharding
+    /// ([`Error::ShardedDeviceReduce`]), parameters on several devices ([`Error::MixedDevices`]),
+    /// a reducer on another device than the parameters ([`Error::ReducerDevice`]), and a group
+    /// whose members' reducers disagree on its size ([`Error::ReducerWorld`], found by a small
+    /// opening collective). Collective: every rank of the group must construct its engine.
+    pub async fn with_device_reduce<R, F>(model: M, config: DpConfig, reduce: R, make_optimizer: F) -> Result<Self>
+    where
+        R: DeviceReduce + 'static,
+        F: FnOnce(&[ParamSlice]) -> rtx_tensor::Result<O>,
+    {
+        config.validate()?;
+        if config.sharding != Sharding::Replicated {
+            return Err(Error::ShardedDeviceReduce { sharding: config.sharding });
+        }
+        let device = staging::placement(&model.named_parameters())?;
+        if device != reduce.device() {
+            return Err(Error::ReducerDevice { params: device, reducer: reduce.device() });
+        }
+        check_world(&reduce, config.collective_timeout).await?;
+        let staging = Staging::new(&model, config.bucket_bytes_max)?;
+        debug_assert_eq!(staging.device(), device, "staging: the mirror's device is the model's");
+        let buckets = staging.buckets().clone();
+        let reducer = Reducer::device(Box::new(reduce));
+        Self::build(model, buckets, Some(staging), config, reducer, make_optimizer).await
+    }
+
     /// Host parameters move into buckets; parameters on a device (or with `host_staging`) stay
     /// and get a host mirror.
     fn layout(model: &mut M, config: &DpConfig) -> Result<(ParamBuckets, Option<Staging>)> {
@@ -286,10 +354,16 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             params_per_bucket[entry.bucket] += 1;
         }
         // Replicas start from rank 0's parameters, before any optimizer sees them.
-        let broadcasts = (0..buckets.buckets().len()).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() } });
-        run_jobs(&reducer, 0, broadcasts).await?;
-        if let Some(staging) = &staging {
-            staging.install_params()?;
+        match (reducer.device_reduce(), &staging) {
+            (Some(reduce), Some(staging)) => broadcast_in_place(reduce, staging, config.collective_timeout).await?,
+            (Some(_), None) => return Err(Error::InvalidConfig { reason: "device reduction without a bucket layout" }),
+            (None, _) => {
+                let broadcasts = (0..buckets.buckets().len()).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() } });
+                run_jobs(&reducer, 0, broadcasts).await?;
+                if let Some(staging) = &staging {
+                    staging.install_params()?;
+                }
+            }
         }
         let updater = match config.sharding {
             Sharding::Replicated => {
@@ -484,6 +558,9 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     }
 
     async fn run_step(&mut self, step: u64, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
+        if self.reducer.device_reduce().is_some() {
+            return self.run_device_step(step, forward).await;
+        }
         if self.staging.is_some() {
             return self.run_staged_step(step, forward).await;
         }
@@ -664,6 +741,61 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     }
 }
 
+impl<M: Module, O: Optimizer> DataParallel<M, O> {
+    /// A step of the device path (see the module doc, "Reduction on the device").
+    async fn run_device_step(&mut self, step: u64, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
+        let (Some(staging), Some(reduce)) = (self.staging.as_ref(), self.reducer.device_reduce()) else {
+            return Err(Error::InvalidConfig { reason: "device step without a bucket layout and a device reducer" });
+        };
+        let traced = self.trace.as_ref().is_some_and(StepTrace::recording);
+        // Host-side spans, as on the staged path: on a device they time the queueing of work.
+        let mut spans: Vec<(&'static str, Option<usize>, Instant, Instant)> = Vec::new();
+        let forward_began = Instant::now();
+        staging.clear_grads()?;
+        let loss = forward(&mut self.model)?;
+        if loss.numel() != 1 {
+            return Err(Error::NonScalarLoss { shape: loss.shape().to_vec() });
+        }
+        // Read back once the step's work is queued (see the staged step).
+        let loss_value = loss.detach();
+        let backward_began = Instant::now();
+        loss.backward()?;
+        drop(loss);
+        spans.push(("forward", None, forward_began, backward_began));
+        spans.push(("backward", None, backward_began, Instant::now()));
+        let n_buckets = self.buckets.buckets().len();
+        // A group of one: the gradients are their own average (as on the staged path).
+        if reduce.size() > 1 {
+            // One bucket at a time, in index order, on every rank.
+            for bucket in 0..n_buckets {
+                let began = Instant::now();
+                let flat = staging.pack_grads(bucket)?;
+                bounded_device(self.config.collective_timeout, step, bucket, "all_reduce", reduce.all_reduce_avg(&flat)).await?;
+                staging.unpack_grads(bucket, &flat)?;
+                spans.push(("all_reduce", Some(bucket), began, Instant::now()));
+            }
+        }
+        let optimizer_began = Instant::now();
+        let grad_norm = match &mut self.updater {
+            Updater::Replicated { optimizer, slices } => {
+                let grad_norm = self.config.grad_clip.map(|max| clip_whole(slices, max)).transpose()?;
+                optimizer.step()?;
+                grad_norm
+            }
+            Updater::Sharded(_) => return Err(Error::ShardedDeviceReduce { sharding: self.config.sharding }),
+        };
+        let loss = loss_value.item()?;
+        if let Some(trace) = self.trace.as_mut().filter(|_| traced) {
+            spans.push(("optimizer", None, optimizer_began, Instant::now()));
+            for (name, bucket, began, ended) in spans {
+                trace.record(name, COMPUTE_TID, step, bucket, began, ended);
+            }
+            trace.step_done();
+        }
+        Ok(StepStats { step, loss, n_buckets, overlapped_buckets: 0, flushed_buckets: 0, grad_norm })
+    }
+}
+
 impl<M, O> std::fmt::Debug for DataParallel<M, O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataParallel")
@@ -801,6 +933,51 @@ fn materialise_grads(buckets: &ParamBuckets, views: &[Tensor], bucket: usize) ->
     let mut data = b.grad_storage().write()?;
     debug_assert!(data.is_empty(), "zero2: a bucket's gradient is materialised once per step");
     *data = flat;
+    Ok(())
+}
+
+/// Runs one device-reducer collective of bucket `bucket` within `timeout`; a failure names the
+/// step and bucket as a host bucket collective's would.
+async fn bounded_device(timeout: Duration, step: u64, bucket: usize, op: &'static str, collective: crate::device_reduce::ReduceFuture<'_>) -> Result<()> {
+    match tokio::time::timeout(timeout, collective).await {
+        Err(_) => Err(Error::CollectiveTimeout { step, bucket, op, timeout }),
+        Ok(Err(Error::Group { op, source, .. })) => Err(Error::Collective { step, bucket, op, source }),
+        Ok(result) => result,
+    }
+}
+
+/// The device path's opening broadcast: bucket by bucket in index order, group rank 0's
+/// parameter values into every rank's module, in place.
+async fn broadcast_in_place(reduce: &dyn DeviceReduce, staging: &Staging, timeout: Duration) -> Result<()> {
+    for bucket in 0..staging.buckets().buckets().len() {
+        let flat = staging.pack_params(bucket)?;
+        bounded_device(timeout, 0, bucket, "broadcast", reduce.broadcast(&flat, 0)).await?;
+        staging.install_flat_params(bucket, &flat)?;
+    }
+    Ok(())
+}
+
+/// Checks, collectively, that every member's reducer reports the same group size: rank 0's size
+/// is broadcast, then the members agreeing with it are counted by averaging a flag (1 or 0; the
+/// average is exactly 1 only when all agree), so every rank reaches the same verdict. A rank not
+/// below its own size is refused at once.
+async fn check_world(reduce: &dyn DeviceReduce, timeout: Duration) -> Result<()> {
+    let (rank, size) = (reduce.rank(), reduce.size());
+    if rank >= size {
+        return Err(Error::ReducerWorld { rank, size, root_size: None, agreeing: None });
+    }
+    // f32 holds every size below 2^24 exactly.
+    debug_assert!(size < 1 << 24, "check_world: group sizes are f32-exact");
+    let root = Tensor::from_vec(vec![size as f32], &[1])?.to_device(reduce.device())?;
+    bounded_device(timeout, 0, 0, "broadcast", reduce.broadcast(&root, 0)).await?;
+    let root_size = root.to_f32_vec()?[0] as usize;
+    let flag = Tensor::from_vec(vec![f32::from(u8::from(root_size == size))], &[1])?.to_device(reduce.device())?;
+    bounded_device(timeout, 0, 0, "all_reduce", reduce.all_reduce_avg(&flag)).await?;
+    let agreed = flag.to_f32_vec()?[0];
+    if agreed != 1.0 || root_size != size {
+        let agreeing = (agreed * root_size as f32).round() as usize;
+        return Err(Error::ReducerWorld { rank, size, root_size: Some(root_size), agreeing: Some(agreeing) });
+    }
     Ok(())
 }
 

@@ -164,6 +164,35 @@ pub enum Error {
         /// Where the parameters live.
         device: Device,
     },
+    /// The device reduction path was asked for a sharded engine; it reduces whole replicated
+    /// buckets only.
+    #[error("device reduction supports replicated data parallelism only, not {sharding:?}")]
+    ShardedDeviceReduce {
+        /// The sharding asked for.
+        sharding: crate::Sharding,
+    },
+    /// The device reducer works on another device than the model's parameters.
+    #[error("the device reducer works on {reducer:?}, the parameters live on {params:?}")]
+    ReducerDevice {
+        /// Where the parameters live.
+        params: Device,
+        /// Where the reducer takes its flat tensors.
+        reducer: Device,
+    },
+    /// The device reducer's group does not agree on its size: rank `rank` says `size`, group rank
+    /// 0 says `root_size` (`None`: this rank's own claim is impossible, a rank not below the size),
+    /// and `agreeing` of the group's members agree with rank 0.
+    #[error("device reducer rank {rank} claims a group of {size}, rank 0 claims {root_size:?}; {agreeing:?} members agree with rank 0")]
+    ReducerWorld {
+        /// This rank, as the reducer reports it.
+        rank: usize,
+        /// The group size this rank's reducer reports.
+        size: usize,
+        /// The size group rank 0's reducer reports, when it could be asked.
+        root_size: Option<usize>,
+        /// How many members agree with rank 0, when they could be counted.
+        agreeing: Option<usize>,
+    },
     /// Staging a parameter's gradient through its host mirror failed a check.
     #[error("staging the gradient of {name}: {reason}")]
     Staging {

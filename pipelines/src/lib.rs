@@ -10,7 +10,10 @@
 //! [`Sharding::Zero2`] keeps only this rank's segment of the gradients too, through the rank's
 //! [`ParamShard`] (an [`rtx_actors::Actor`] with typed messages, export and import). ZeRO-3 /
 //! FSDP (parameters sharded too, gathered per transformer block just ahead of use) is
-//! [`FsdpGpt`]; [`memory`] counts each stage's bytes per rank.
+//! [`FsdpGpt`]; [`memory`] counts each stage's bytes per rank. With one GPU per member,
+//! [`DataParallel::with_device_reduce`] reduces the gradients where they are, through a
+//! [`DeviceReduce`] (NCCL with the `nccl` feature, the host communicator standing in as
+//! [`HostReduce`]).
 //! Model parallelism: [`mesh`] (the mesh, coordinates, sub-communicators), [`schedule`] (GPipe,
 //! 1F1B, interleaved, ZB-H1 as pure instruction lists, and a virtual-time simulator), [`tp`]
 //! (tensor-parallel layers and the TP forms of the GPT and ViT) and [`pipeline`] (a member's
@@ -22,6 +25,7 @@
 
 mod clip;
 mod data_parallel;
+mod device_reduce;
 pub mod driver;
 pub mod engine;
 mod error;
@@ -39,6 +43,9 @@ pub mod tp;
 pub mod trace;
 
 pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
+pub use device_reduce::{DeviceReduce, HostReduce, ReduceFuture};
+#[cfg(feature = "nccl")]
+pub use device_reduce::NcclReduce;
 pub use driver::{drive, ComputeDone, ComputeDriver, RuntimeDriver};
 pub use engine::{DataShare, Duties, Engine, StepReport};
 pub use error::{Error, Result};

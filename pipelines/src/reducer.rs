@@ -23,6 +23,11 @@
 //! caller's task runs each collective when it awaits its report, on whatever runtime it runs on
 //! (the deterministic simulator's single thread). Same jobs, same order, same bits; only the
 //! overlap with backward is gone.
+//!
+//! The **device** mode ([`Reducer::device`]) holds the engine's [`DeviceReduce`] and takes no
+//! jobs: the device path reduces flat tensors where the parameters are, not host buckets, and
+//! the engine awaits its collectives itself (see `crate::data_parallel`, "Reduction on the
+//! device").
 
 use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
@@ -39,6 +44,7 @@ use rtx_tensor::{CpuData, Storage};
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
+use crate::device_reduce::DeviceReduce;
 use crate::error::{Error, Result};
 
 /// Counters a caller (a test, a metrics exporter) can read while the engine runs. Cheap to clone.
@@ -171,6 +177,8 @@ pub(crate) struct Reducer {
 enum Mode {
     Thread { jobs: Option<mpsc::Sender<Job>>, reports: Mutex<std_mpsc::Receiver<Report>>, thread: Option<JoinHandle<()>> },
     Inline { comm: Communicator, timeout: Duration, queue: Mutex<VecDeque<Job>>, state: tokio::sync::Mutex<Served> },
+    /// The device path: no host bucket jobs; the engine runs its collectives through `reduce`.
+    Device { reduce: Box<dyn DeviceReduce> },
 }
 
 /// What `serve` carries from one job to the next.
@@ -234,6 +242,20 @@ impl Reducer {
         Reducer { mode: Mode::Inline { comm, timeout: collective_timeout, queue: Mutex::new(VecDeque::new()), state: tokio::sync::Mutex::new(Served::default()) }, rank, size, monitor: CommMonitor::default() }
     }
 
+    /// A reducer for the device path: it takes no jobs; the engine calls `reduce` itself.
+    pub(crate) fn device(reduce: Box<dyn DeviceReduce>) -> Reducer {
+        let (rank, size) = (reduce.rank(), reduce.size());
+        Reducer { mode: Mode::Device { reduce }, rank, size, monitor: CommMonitor::default() }
+    }
+
+    /// The device reducer, on the device path.
+    pub(crate) fn device_reduce(&self) -> Option<&dyn DeviceReduce> {
+        match &self.mode {
+            Mode::Device { reduce } => Some(reduce.as_ref()),
+            Mode::Thread { .. } | Mode::Inline { .. } => None,
+        }
+    }
+
     /// Group rank of this engine.
     pub(crate) fn rank(&self) -> usize {
         self.rank
@@ -264,6 +286,8 @@ impl Reducer {
                 queue.lock().unwrap_or_else(PoisonError::into_inner).push_back(job);
                 Ok(())
             }
+            // The device path submits nothing; a job here is a bug caught as a typed error.
+            Mode::Device { .. } => Err(gone),
         }
     }
 
@@ -277,6 +301,7 @@ impl Reducer {
                 let mut served = state.lock().await;
                 Ok(serve_one(comm, job, &mut served, &self.monitor, *timeout).await)
             }
+            Mode::Device { .. } => Err(Error::ReducerGone { rank: self.rank }),
         }
     }
 }

@@ -25,6 +25,14 @@
 //! module's tensors in place (so an optimizer built afterwards, or anyone else holding them,
 //! sees them).
 //!
+//! The device path ([`crate::DataParallel::with_device_reduce`]) uses the same layout without the
+//! host copies: [`Staging::pack_grads`] packs a bucket's gradients into a dense tensor of the
+//! mirror bucket's length on the parameters' device, the engine's `DeviceReduce` averages it
+//! there, and [`Staging::unpack_grads`] hands each parameter its slice; the opening broadcast
+//! goes through [`Staging::pack_params`] and [`Staging::install_flat_params`]. The mirror's
+//! host storages are then only the layout (they still hold a host copy of the parameters and
+//! room for the gradients, which this path leaves unused).
+//!
 //! Ownership: the mirror's gradient storage belongs to the compute thread except while its bucket
 //! is handed to the communication thread (between `submit` and its report), exactly as in the
 //! bucket path; the module's tensors and their gradients are never touched by the communication
@@ -112,7 +120,75 @@ impl Staging {
     /// ([`rtx_tensor::download_packed`]). Waits for the device's queued work.
     pub(crate) fn download_bucket(&self, bucket: usize) -> Result<()> {
         let b = &self.mirror.buckets()[bucket];
+        let start = self.tiles[bucket].0;
+        let grads = self.bucket_grads(bucket)?;
+        let parts: Vec<(Option<&Tensor>, usize)> = grads.iter().map(|(g, n)| (g.as_ref(), *n)).collect();
+        Ok(rtx_tensor::download_packed(&parts, b.grad_storage(), start)?)
+    }
+
+    /// Bucket `bucket`'s gradients packed into one fresh dense 1-d tensor where the parameters
+    /// live ([`rtx_tensor::pack_dense`]), as long as the mirror's bucket and laid out as it is:
+    /// zeros for a parameter without a gradient and outside the parameters' range. A collective
+    /// over it therefore sees the buffer the host-staging path reduces. Only queues work.
+    pub(crate) fn pack_grads(&self, bucket: usize) -> Result<Tensor> {
+        let grads = self.bucket_grads(bucket)?;
+        self.pack(bucket, grads.iter().map(|(g, n)| (g.as_ref(), *n)).collect())
+    }
+
+    /// Sets the gradients of bucket `bucket`'s parameters to their slices of `flat` (a tensor of
+    /// [`pack_grads`](Self::pack_grads)'s layout, averaged), as fresh tensors on the device.
+    pub(crate) fn unpack_grads(&self, bucket: usize, flat: &Tensor) -> Result<()> {
         let (start, entries) = &self.tiles[bucket];
+        let shapes: Vec<Vec<usize>> = entries.iter().map(|&idx| self.mirror.entries()[idx].shape.clone()).collect();
+        let grads = rtx_tensor::unpack_dense(flat, *start, &shapes)?;
+        debug_assert_eq!(grads.len(), entries.len(), "staging: one gradient per entry");
+        for (&idx, g) in entries.iter().zip(grads) {
+            self.params[idx].1.set_grad(Some(g))?;
+        }
+        Ok(())
+    }
+
+    /// Bucket `bucket`'s parameter values packed as [`pack_grads`](Self::pack_grads) packs
+    /// gradients (for the opening broadcast on the device path).
+    pub(crate) fn pack_params(&self, bucket: usize) -> Result<Tensor> {
+        let (_, entries) = &self.tiles[bucket];
+        let parts = entries.iter().map(|&idx| (Some(&self.params[idx].1), self.mirror.entries()[idx].numel)).collect();
+        self.pack(bucket, parts)
+    }
+
+    /// Writes bucket `bucket`'s parameter values from `flat` (of [`pack_params`](Self::pack_params)'s
+    /// layout) into the module's tensors, in place.
+    pub(crate) fn install_flat_params(&self, bucket: usize, flat: &Tensor) -> Result<()> {
+        let (start, entries) = &self.tiles[bucket];
+        let shapes: Vec<Vec<usize>> = entries.iter().map(|&idx| self.mirror.entries()[idx].shape.clone()).collect();
+        let values = rtx_tensor::unpack_dense(flat, *start, &shapes)?;
+        for (&idx, v) in entries.iter().zip(values) {
+            self.params[idx].1.copy_from_(&v)?;
+        }
+        Ok(())
+    }
+
+    /// Packs `parts` (bucket `bucket`'s entries in offset order) into a dense tensor of the
+    /// bucket's length on the parameters' device, zeros before and after them.
+    fn pack(&self, bucket: usize, parts: Vec<(Option<&Tensor>, usize)>) -> Result<Tensor> {
+        let b = &self.mirror.buckets()[bucket];
+        let start = self.tiles[bucket].0;
+        let used: usize = parts.iter().map(|(_, n)| n).sum();
+        debug_assert!(start + used <= b.numel(), "staging: a bucket's entries lie inside it");
+        let mut all = Vec::with_capacity(parts.len() + 2);
+        all.push((None, start));
+        all.extend(parts);
+        all.push((None, b.numel() - start - used));
+        let flat = rtx_tensor::pack_dense(&all, b.dtype(), self.device)?;
+        debug_assert_eq!(flat.numel(), b.numel(), "staging: a packed bucket has the mirror's length");
+        Ok(flat)
+    }
+
+    /// The gradients of bucket `bucket`'s parameters in offset order, in the bucket's dtype, with
+    /// their lengths (`None`: the parameter has no gradient).
+    fn bucket_grads(&self, bucket: usize) -> Result<Vec<(Option<Tensor>, usize)>> {
+        let b = &self.mirror.buckets()[bucket];
+        let (_, entries) = &self.tiles[bucket];
         let mut grads = Vec::with_capacity(entries.len());
         for &idx in entries {
             let entry = &self.mirror.entries()[idx];
@@ -129,8 +205,7 @@ impl Staging {
             }
             grads.push((g, entry.numel));
         }
-        let parts: Vec<(Option<&Tensor>, usize)> = grads.iter().map(|(g, n)| (g.as_ref(), *n)).collect();
-        Ok(rtx_tensor::download_packed(&parts, b.grad_storage(), *start)?)
+        Ok(grads)
     }
 
     /// Sets every parameter's gradient to its averaged value from the mirror, one host → device

@@ -50,6 +50,10 @@ pub(crate) trait Backend: Sync {
     fn download_packed(&self, parts: &[(Option<&Tensor>, usize)], total: usize, dst: &Storage, offset: usize) -> Result<()>;
     /// [`crate::upload_packed`] to device `ordinal`.
     fn upload_packed(&self, src: &Storage, offset: usize, total: usize, shapes: &[Vec<usize>], ordinal: usize) -> Result<Vec<Tensor>>;
+    /// [`crate::pack_dense`] onto device `ordinal` (parts checked by the caller).
+    fn pack_dense(&self, parts: &[(Option<&Tensor>, usize)], total: usize, dtype: DType, ordinal: usize) -> Result<Tensor>;
+    /// [`crate::unpack_dense`] of a device tensor (range checked by the caller).
+    fn unpack_dense(&self, flat: &Tensor, offset: usize, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>>;
 
     // --- in place, outside autograd ---
     /// `dst += src`.

@@ -37,7 +37,7 @@ pub use optim::Optimizer;
 pub use layout::{broadcast_shape, contiguous_strides, normalize_dim, Layout};
 pub use ops::softmax::{CrossEntropyOptions, Reduction, DEFAULT_IGNORE_INDEX};
 pub use ops::checksum::{bits_checksums, CHECKSUM_CHUNK};
-pub use packed::{download_packed, upload_packed};
+pub use packed::{download_packed, pack_dense, unpack_dense, upload_packed};
 pub use ops::unary::GeluApprox;
 pub use rng::{Generator, GeneratorState};
 pub use rtx_kernels::{DType, Device};

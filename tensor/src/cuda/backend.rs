@@ -48,6 +48,12 @@ impl Backend for CudaBackend {
     fn upload_packed(&self, src: &Storage, offset: usize, total: usize, shapes: &[Vec<usize>], ordinal: usize) -> Result<Vec<Tensor>> {
         super::packed::upload(src, offset, total, shapes, ordinal)
     }
+    fn pack_dense(&self, parts: &[(Option<&Tensor>, usize)], total: usize, dtype: DType, ordinal: usize) -> Result<Tensor> {
+        super::packed::pack(parts, total, dtype, ordinal)
+    }
+    fn unpack_dense(&self, flat: &Tensor, offset: usize, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
+        super::packed::unpack(flat, offset, shapes)
+    }
     fn add_assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         super::ops::add_assign(dst, src)
     }

@@ -244,6 +244,26 @@ pub(crate) fn dense_detached(t: &Tensor) -> Result<Tensor> {
     views::contiguous(&t.detach())
 }
 
+/// Runs `f` on the elements of a dense device tensor (contiguous from offset 0 over its whole
+/// storage) under the storage's write lock. This is how code outside this crate hands a tensor's
+/// device memory to a library that works on [`Buffer`]s, NCCL in `rtx-collectives`: work queued
+/// on the device's stream ([`device`]`(ordinal).stream()`) is ordered with every op of the tensor.
+///
+/// No lock may be held across an `.await`, so an asynchronous caller takes the elements out
+/// (`std::mem::replace` with an empty buffer of the same dtype), awaits with the owned buffer,
+/// and puts them back with a second call before anything else uses the tensor; in between the
+/// tensor holds the placeholder. The elements put back must have the tensor's dtype and length.
+pub fn with_dense_data_mut<R>(t: &Tensor, f: impl FnOnce(&mut DeviceData) -> R) -> Result<R> {
+    const OP: &str = "with_dense_data_mut";
+    let l = t.layout();
+    let mut guard = t.storage().write_cuda(OP)?;
+    // An empty storage is a taken tensor whose elements are being put back.
+    if !l.is_contiguous() || l.offset() != 0 || !(guard.len() == t.numel() || guard.is_empty()) {
+        return Err(Error::NotContiguous { op: OP, shape: t.shape().to_vec(), strides: l.strides().to_vec() });
+    }
+    Ok(f(&mut guard))
+}
+
 /// The u32 buffer of a dense device tensor.
 pub(crate) fn dense_u32<'a>(op: &'static str, t: &'a Tensor) -> Result<MappedRwLockReadGuard<'a, Buffer<u32>>> {
     check_dense(op, t)?;

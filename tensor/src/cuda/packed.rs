@@ -1,11 +1,12 @@
 //! The device side of [`crate::download_packed`] / [`crate::upload_packed`]: parts are packed
 //! into (or unpacked from) one device buffer with queued device-to-device copies, so the host
-//! transfer is one copy and the host waits for the device once.
+//! transfer is one copy and the host waits for the device once. [`crate::pack_dense`] /
+//! [`crate::unpack_dense`] are the same copies without the host transfer (nothing waits).
 
 use half::bf16;
 use rtx_kernels::cuda::Device as CudaDevice;
 
-use super::{dense, device, tensor_from, GpuFloat};
+use super::{dense, device, device_of, tensor_from, GpuFloat};
 use crate::error::{Error, Result};
 use crate::storage::{CpuData, Storage};
 use crate::tensor::Tensor;
@@ -79,5 +80,58 @@ fn unpack_up<T: GpuFloat>(dev: &CudaDevice, ordinal: usize, src: &[T], shapes: &
     }
     // `flat` returns to the caching allocator now; the copies out of it are queued on the same
     // stream, so whatever reuses the block runs after them.
+    Ok(out)
+}
+
+/// Packs `parts` (checked by the caller: lengths, device `ordinal`, `dtype`) into one fresh dense
+/// device tensor of `total` elements; only queues copies.
+pub(crate) fn pack(parts: &[(Option<&Tensor>, usize)], total: usize, dtype: rtx_kernels::DType, ordinal: usize) -> Result<Tensor> {
+    let dev = device(ordinal)?;
+    dispatch!("pack_dense", dtype, pack_on(&dev, ordinal, parts, total))
+}
+
+fn pack_on<T: GpuFloat>(dev: &CudaDevice, ordinal: usize, parts: &[(Option<&Tensor>, usize)], total: usize) -> Result<Tensor> {
+    const OP: &str = "pack_dense";
+    let mut flat = dev.alloc::<T>(total)?;
+    if parts.iter().any(|(t, _)| t.is_none()) {
+        dev.fill(&mut flat, 0.0)?;
+    }
+    let mut at = 0;
+    for (t, len) in parts {
+        if let Some(t) = t {
+            let dense_copy;
+            let t = if t.is_contiguous() && t.layout().offset() == 0 && t.storage().len() == t.numel() {
+                *t
+            } else {
+                dense_copy = t.contiguous()?;
+                &dense_copy
+            };
+            let b = dense::<T>(OP, t)?;
+            dev.copy_dtod_range(&b, 0, &mut flat, at, *len)?;
+        }
+        at += len;
+    }
+    debug_assert_eq!(at, total, "pack_dense: the parts tile the flat tensor");
+    Ok(tensor_from(ordinal, T::wrap(flat), &[total]))
+}
+
+/// Fresh dense device tensors of `shapes` from consecutive elements of the dense 1-d device
+/// tensor `flat` from `offset` on (range checked by the caller); only queues copies.
+pub(crate) fn unpack(flat: &Tensor, offset: usize, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
+    let (ordinal, dev) = device_of("unpack_dense", flat)?;
+    dispatch!("unpack_dense", flat.dtype(), unpack_on(&dev, ordinal, flat, offset, shapes))
+}
+
+fn unpack_on<T: GpuFloat>(dev: &CudaDevice, ordinal: usize, flat: &Tensor, offset: usize, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
+    let src = dense::<T>("unpack_dense", flat)?;
+    let mut at = offset;
+    let mut out = Vec::with_capacity(shapes.len());
+    for shape in shapes {
+        let n: usize = shape.iter().product();
+        let mut b = dev.alloc::<T>(n)?;
+        dev.copy_dtod_range(&src, at, &mut b, 0, n)?;
+        out.push(tensor_from(ordinal, T::wrap(b), shape));
+        at += n;
+    }
     Ok(out)
 }
