@@ -34,5 +34,7 @@ bash scripts/k8s-validate.sh
 gpu_crates=(-p rtx-kernels -p rtx-tensor -p rtx-collectives)
 gpu_features=rtx-kernels/cuda,rtx-tensor/cuda,rtx-collectives/nccl
 cargo test "${gpu_crates[@]}" --features "$gpu_features" --all-targets --locked --no-run
+# The device data-parallel path (DataParallel::with_device_reduce over NCCL) and its GPU check compile.
+cargo test "${gpu_crates[@]}" -p rtx-pipelines --features "$gpu_features,rtx-pipelines/nccl" --all-targets --locked --no-run
 cargo test "${gpu_crates[@]}" --features "$gpu_features" --locked --lib cuda::
 cargo test "${gpu_crates[@]}" --features "$gpu_features" --locked --test nccl_device --test nccl_id
