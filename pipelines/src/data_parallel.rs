@@ -239,7 +239,14 @@ pub(crate) struct BucketTracker {
 
 impl Default for DpConfig {
     fn default() -> Self {
-        DpConfig { bucket_bytes_max: DEFAULT_BUCKET_BYTES_MAX, sharding: Sharding::Replicated, queue_depth: DEFAULT_QUEUE_DEPTH, collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT, host_staging: false, grad_clip: None }
+        DpConfig {
+            bucket_bytes_max: DEFAULT_BUCKET_BYTES_MAX,
+            sharding: Sharding::Replicated,
+            queue_depth: DEFAULT_QUEUE_DEPTH,
+            collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
+            host_staging: false,
+            grad_clip: None,
+        }
     }
 }
 
@@ -358,7 +365,11 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             (Some(reduce), Some(staging)) => broadcast_in_place(reduce, staging, config.collective_timeout).await?,
             (Some(_), None) => return Err(Error::InvalidConfig { reason: "device reduction without a bucket layout" }),
             (None, _) => {
-                let broadcasts = (0..buckets.buckets().len()).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() } });
+                let broadcasts = (0..buckets.buckets().len()).map(|bucket| Job {
+                    step: 0,
+                    bucket,
+                    op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() },
+                });
                 run_jobs(&reducer, 0, broadcasts).await?;
                 if let Some(staging) = &staging {
                     staging.install_params()?;
@@ -410,7 +421,9 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         match &result {
             Ok(_) => self.failed_step = None,
             // A stale generation is the supervisor's abort; the worker runtime reports it once.
-            Err(error @ Error::Collective { source: rtx_collectives::Error::StaleGeneration { .. }, .. }) => tracing::debug!(step, %error, "data-parallel step failed"),
+            Err(error @ Error::Collective { source: rtx_collectives::Error::StaleGeneration { .. }, .. }) => {
+                tracing::debug!(step, %error, "data-parallel step failed")
+            }
             Err(error) => tracing::warn!(step, %error, "data-parallel step failed"),
         }
         result
@@ -643,7 +656,11 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                 shard.apply_reduced(step)?;
                 shard.write_into(&self.buckets)?;
                 let buckets = self.buckets.buckets();
-                let gathers = shard.segments().into_iter().enumerate().map(|(bucket, own)| Job { step, bucket, op: BucketOp::AllGather { params: buckets[bucket].param_storage().clone(), own } });
+                let gathers = shard.segments().into_iter().enumerate().map(|(bucket, own)| Job {
+                    step,
+                    bucket,
+                    op: BucketOp::AllGather { params: buckets[bucket].param_storage().clone(), own },
+                });
                 run_jobs(&self.reducer, step, gathers).await?;
             }
         }
@@ -659,6 +676,35 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     }
 }
 
+/// A host-side span of a step: what, which bucket, began, ended.
+type HostSpan = (&'static str, Option<usize>, Instant, Instant);
+
+/// Forward and backward of a model whose parameters stay in place (the staged and the device
+/// paths): clears the gradients, runs both and records them as host-side spans. Returns the
+/// loss detached and not read back: a read between forward and backward would stall the host
+/// until the forward ran, and the device until the host queued backward's first kernels, so it
+/// is read once the step's work is queued.
+fn forward_backward_in_place<M: Module>(
+    staging: &Staging,
+    model: &mut M,
+    forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>,
+    spans: &mut Vec<HostSpan>,
+) -> Result<Tensor> {
+    let forward_began = Instant::now();
+    staging.clear_grads()?;
+    let loss = forward(model)?;
+    if loss.numel() != 1 {
+        return Err(Error::NonScalarLoss { shape: loss.shape().to_vec() });
+    }
+    let loss_value = loss.detach();
+    let backward_began = Instant::now();
+    loss.backward()?;
+    drop(loss);
+    spans.push(("forward", None, forward_began, backward_began));
+    spans.push(("backward", None, backward_began, Instant::now()));
+    Ok(loss_value)
+}
+
 impl<M: Module, O: Optimizer> DataParallel<M, O> {
     /// A step of staged parameters (see the module doc, "Parameters on a device").
     async fn run_staged_step(&mut self, step: u64, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
@@ -666,22 +712,8 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         let traced = self.trace.as_ref().is_some_and(StepTrace::recording);
         // (Host-side spans: on a device, forward and backward are the time to queue their
         // kernels; the first download waits for the device to finish them.)
-        let mut spans: Vec<(&'static str, Option<usize>, Instant, Instant)> = Vec::new();
-        let forward_began = Instant::now();
-        staging.clear_grads()?;
-        let loss = forward(&mut self.model)?;
-        if loss.numel() != 1 {
-            return Err(Error::NonScalarLoss { shape: loss.shape().to_vec() });
-        }
-        // The loss is read back once the step's work is queued, not between forward and
-        // backward: a read there would stall the host until the forward ran, and the device
-        // until the host queued backward's first kernels.
-        let loss_value = loss.detach();
-        let backward_began = Instant::now();
-        loss.backward()?;
-        drop(loss);
-        spans.push(("forward", None, forward_began, backward_began));
-        spans.push(("backward", None, backward_began, Instant::now()));
+        let mut spans: Vec<HostSpan> = Vec::new();
+        let loss_value = forward_backward_in_place(staging, &mut self.model, forward, &mut spans)?;
         let n_buckets = self.buckets.buckets().len();
         if self.reducer.size() == 1 {
             // A group of one: the gradients are their own average; nothing to copy or reduce.
@@ -749,20 +781,8 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         };
         let traced = self.trace.as_ref().is_some_and(StepTrace::recording);
         // Host-side spans, as on the staged path: on a device they time the queueing of work.
-        let mut spans: Vec<(&'static str, Option<usize>, Instant, Instant)> = Vec::new();
-        let forward_began = Instant::now();
-        staging.clear_grads()?;
-        let loss = forward(&mut self.model)?;
-        if loss.numel() != 1 {
-            return Err(Error::NonScalarLoss { shape: loss.shape().to_vec() });
-        }
-        // Read back once the step's work is queued (see the staged step).
-        let loss_value = loss.detach();
-        let backward_began = Instant::now();
-        loss.backward()?;
-        drop(loss);
-        spans.push(("forward", None, forward_began, backward_began));
-        spans.push(("backward", None, backward_began, Instant::now()));
+        let mut spans: Vec<HostSpan> = Vec::new();
+        let loss_value = forward_backward_in_place(staging, &mut self.model, forward, &mut spans)?;
         let n_buckets = self.buckets.buckets().len();
         // A group of one: the gradients are their own average (as on the staged path).
         if reduce.size() > 1 {

@@ -78,14 +78,7 @@ pub fn upload_packed(src: &Storage, offset: usize, shapes: &[Vec<usize>], device
     }
     let dtype = src.read()?.dtype();
     let flat = Tensor::from_parts(src.clone(), crate::layout::Layout::contiguous(&[src.len()]), dtype, false, None);
-    let mut at = offset;
-    let mut out = Vec::with_capacity(shapes.len());
-    for shape in shapes {
-        let n: usize = shape.iter().product();
-        out.push(Tensor::from_data(flat.narrow(0, at, n)?.to_data()?, shape)?);
-        at += n;
-    }
-    Ok(out)
+    unpack_dense(&flat, offset, shapes)
 }
 
 /// Packs `parts` back to back into one fresh dense 1-d tensor of `dtype` on `device` (no graph

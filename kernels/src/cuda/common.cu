@@ -64,3 +64,28 @@ __device__ __forceinline__ float gelu_tanh_grad(float x) {
 __device__ __forceinline__ float gelu_any(float x, int exact) { return exact ? gelu_erf(x) : gelu_tanh(x); }
 __device__ __forceinline__ float gelu_any_grad(float x, int exact) { return exact ? gelu_erf_grad(x) : gelu_tanh_grad(x); }
 
+// ---- block reductions (blockDim.x is a multiple of 32, at most 1024) ----
+
+// Every thread gets the result. `scratch` holds 32 floats; the call ends with a barrier so
+// scratch can be reused right away.
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < n_warps ? scratch[lane] : 0.0f;
+    t = warp_sum(t);
+    __syncthreads();
+    return t;
+}
+
+__device__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < n_warps ? scratch[lane] : -INFINITY;
+    t = warp_max(t);
+    __syncthreads();
+    return t;
+}

@@ -83,32 +83,6 @@ extern "C" __global__ void cast_bf16_f32(const u16* x, float* y, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) y[i] = bf16_to_f32(x[i]);
 }
 
-// ---- block reductions (blockDim.x is a multiple of 32, at most 1024) ----
-
-// Every thread gets the result. `scratch` holds 32 floats; the call ends with a barrier so
-// scratch can be reused right away.
-__device__ float block_sum(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
-    v = warp_sum(v);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float t = lane < n_warps ? scratch[lane] : 0.0f;
-    t = warp_sum(t);
-    __syncthreads();
-    return t;
-}
-
-__device__ float block_max(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float t = lane < n_warps ? scratch[lane] : -INFINITY;
-    t = warp_max(t);
-    __syncthreads();
-    return t;
-}
-
 // ---- softmax over rows (one block per row) ----
 
 extern "C" __global__ void softmax_rows_f32(const float* x, float* y, int n) {

@@ -408,21 +408,26 @@ __device__ __forceinline__ V8 v8_pack(const float* x) {
     return w;
 }
 
+// A row whose target is the ignore index (loss 0) or not a class (loss NaN) has no softmax to
+// take: writes its loss and, with a gradient, zeros over the row; true when the row was one.
+__device__ __forceinline__ bool v8_row_without_target(V8* rowp, int n8, i64 row, u32 t, int v, int has_ignore, u32 ignore, float* losses, int write_grad) {
+    bool ignored = has_ignore && t == ignore;
+    if (!ignored && t < (u32)v) return false;
+    if (threadIdx.x == 0) losses[row] = ignored ? 0.0f : __int_as_float(0x7fc00000);
+    if (write_grad) {
+        V8 zero; zero.x = 0u; zero.y = 0u; zero.z = 0u; zero.w = 0u;
+        for (int c = threadIdx.x; c < n8; c += blockDim.x) rowp[c] = zero;
+    }
+    return true;
+}
+
 template <bool CACHE> __device__ void fused_classifier_v8(u16* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad, V8* cache) {
     __shared__ float sm[32], ss[32];
     i64 row = blockIdx.x;
     V8* rowp = (V8*)(logits + row * vp);
     int n8 = vp >> 3;
     u32 t = targets[row];
-    bool ignored = has_ignore && t == ignore;
-    if (ignored || t >= (u32)v) {
-        if (threadIdx.x == 0) losses[row] = ignored ? 0.0f : __int_as_float(0x7fc00000);
-        if (write_grad) {
-            V8 zero; zero.x = 0u; zero.y = 0u; zero.z = 0u; zero.w = 0u;
-            for (int c = threadIdx.x; c < n8; c += blockDim.x) rowp[c] = zero;
-        }
-        return;
-    }
+    if (v8_row_without_target(rowp, n8, row, t, v, has_ignore, ignore, losses, write_grad)) return;
     float m = -INFINITY, s = 0.0f;
     float x[8];
     for (int c = threadIdx.x; c < n8; c += blockDim.x) {
@@ -485,41 +490,15 @@ __device__ __forceinline__ float ex2_approx(float x) {
     return y;
 }
 
-// The block-wide max (op 0) or sum (op 1) of v, the same in every thread, in a fixed order.
-__device__ __forceinline__ float block_reduce_1024(float v, int op, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = op == 0 ? warp_max(v) : warp_sum(v);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float w = scratch[lane];
-        w = op == 0 ? warp_max(w) : warp_sum(w);
-        if (lane == 0) scratch[32] = w;
-    }
-    __syncthreads();
-    float r = scratch[32];
-    // Everyone has read the result before the next reduction overwrites the scratch.
-    __syncthreads();
-    return r;
-}
-
 #define FC_WORDS 8
 extern "C" __global__ void __launch_bounds__(1024, 1) fused_classifier_v8_regs_bf16(u16* logits, const u32* targets, float* losses, int vp, int v, int has_ignore, u32 ignore, float scale, int write_grad) {
-    __shared__ float scratch[33];
+    __shared__ float scratch[32];
     const float L2E = 1.4426950408889634f;
     i64 row = blockIdx.x;
     V8* rowp = (V8*)(logits + row * vp);
     int n8 = vp >> 3;
     u32 t = targets[row];
-    bool ignored = has_ignore && t == ignore;
-    if (ignored || t >= (u32)v) {
-        if (threadIdx.x == 0) losses[row] = ignored ? 0.0f : __int_as_float(0x7fc00000);
-        if (write_grad) {
-            V8 zero; zero.x = 0u; zero.y = 0u; zero.z = 0u; zero.w = 0u;
-            for (int c = threadIdx.x; c < n8; c += blockDim.x) rowp[c] = zero;
-        }
-        return;
-    }
+    if (v8_row_without_target(rowp, n8, row, t, v, has_ignore, ignore, losses, write_grad)) return;
     V8 w[FC_WORDS];
 #pragma unroll
     for (int k = 0; k < FC_WORDS; ++k) {
@@ -538,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) fused_classifier_v8_regs_b
 #pragma unroll
         for (int e = 0; e < 8; ++e) m = (base + e < v) ? fmaxf(m, x[e]) : m;
     }
-    m = block_reduce_1024(m, 0, scratch);
+    m = block_max(m, scratch);
     const float ml = m * L2E;
     float s = 0.0f;
 #pragma unroll
@@ -550,7 +529,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) fused_classifier_v8_regs_b
 #pragma unroll
         for (int e = 0; e < 8; ++e) s += (base + e < v) ? ex2_approx(fmaf(x[e], L2E, -ml)) : 0.0f;
     }
-    s = block_reduce_1024(s, 1, scratch);
+    s = block_sum(s, scratch);
     if (threadIdx.x == 0) losses[row] = logf(s) + m - xt;
     if (!write_grad) return;
     const float k_scale = scale / s;

@@ -4,35 +4,9 @@
 // backward, and sums over the middle axis of an [outer, reduce, inner] view. Storage is read into
 // f32 registers; every sum accumulates in f32 in a fixed order (no atomics), so reruns give the
 // same bits; results round to the storage type once. Compiled once per process by NVRTC (see
-// nvrtc.rs) after the common.cu prelude (`ldf`, `stf`, `GRID_STRIDE`, warp sums).
+// nvrtc.rs) after the common.cu prelude (`ldf`, `stf`, `GRID_STRIDE`, warp and block sums).
 //
 // Kernel names are unique across modules (the device caches functions by name).
-
-// ---- block reductions (blockDim.x a multiple of 32, at most 1024) ----
-
-// Every thread gets the sum; the tree is fixed by the block size, so the result is too. Ends with
-// a barrier so `scratch` (32 floats) can be reused at once.
-__device__ float tops_block_sum(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    v = warp_sum(v);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float t = lane < n_warps ? scratch[lane] : 0.0f;
-    t = warp_sum(t);
-    __syncthreads();
-    return t;
-}
-
-__device__ float tops_block_max(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float t = lane < n_warps ? scratch[lane] : -INFINITY;
-    t = warp_max(t);
-    __syncthreads();
-    return t;
-}
 
 // ---- binary op of two strided operands broadcast to `shape` ----
 // out is contiguous with `shape` (element i decoded row-major); a and b are read through their own
@@ -79,11 +53,11 @@ template <typename T> __device__ void row_softmax(const T* x, T* y, int n, int t
     i64 off = (i64)blockIdx.x * n;
     float m = -INFINITY;
     for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, ldf(x, off + j));
-    m = tops_block_max(m, scratch);
+    m = block_max(m, scratch);
     if (!(fabsf(m) < INFINITY)) m = 0.0f;
     float s = 0.0f;
     for (int j = threadIdx.x; j < n; j += blockDim.x) s += expf(ldf(x, off + j) - m);
-    s = tops_block_sum(s, scratch);
+    s = block_sum(s, scratch);
     if (take_log) {
         float log_s = logf(s);
         for (int j = threadIdx.x; j < n; j += blockDim.x) stf(y, off + j, (ldf(x, off + j) - m) - log_s);
@@ -100,7 +74,7 @@ template <typename T> __device__ void row_softmax_backward(const T* y, const T* 
     i64 off = (i64)blockIdx.x * n;
     float s = 0.0f;
     for (int j = threadIdx.x; j < n; j += blockDim.x) s += take_log ? ldf(dy, off + j) : ldf(y, off + j) * ldf(dy, off + j);
-    s = tops_block_sum(s, scratch);
+    s = block_sum(s, scratch);
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
         float yj = ldf(y, off + j), gj = ldf(dy, off + j);
         stf(dx, off + j, take_log ? gj - expf(yj) * s : yj * (gj - s));
@@ -117,7 +91,7 @@ template <typename T> __device__ void reduce_sum_rows(const T* x, T* out, i64 re
     const i64 off = (i64)blockIdx.x * reduce;
     float s = 0.0f;
     for (i64 r = threadIdx.x; r < reduce; r += blockDim.x) s += ldf(x, off + r);
-    s = tops_block_sum(s, scratch);
+    s = block_sum(s, scratch);
     if (threadIdx.x == 0) stf(out, blockIdx.x, s * scale);
 }
 

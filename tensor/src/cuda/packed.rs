@@ -4,7 +4,7 @@
 //! [`crate::unpack_dense`] are the same copies without the host transfer (nothing waits).
 
 use half::bf16;
-use rtx_kernels::cuda::Device as CudaDevice;
+use rtx_kernels::cuda::{Buffer, Device as CudaDevice};
 
 use super::{dense, device, device_of, tensor_from, GpuFloat};
 use crate::error::{Error, Result};
@@ -31,7 +31,13 @@ pub(crate) fn download(parts: &[(Option<&Tensor>, usize)], total: usize, dst: &S
 }
 
 fn pack_down<T: GpuFloat>(dev: &CudaDevice, parts: &[(Option<&Tensor>, usize)], total: usize, out: &mut [T]) -> Result<()> {
-    const OP: &str = "download_packed";
+    let flat = pack_flat::<T>("download_packed", dev, parts, total)?;
+    Ok(dev.copy_dtoh(&flat, out)?)
+}
+
+/// `parts` back to back in one fresh device buffer of `total` elements: each part `(tensor, len)`
+/// puts the tensor's `len` elements in row-major order, or `len` zeros for `None`.
+fn pack_flat<T: GpuFloat>(op: &'static str, dev: &CudaDevice, parts: &[(Option<&Tensor>, usize)], total: usize) -> Result<Buffer<T>> {
     let mut flat = dev.alloc::<T>(total)?;
     if parts.iter().any(|(t, _)| t.is_none()) {
         dev.fill(&mut flat, 0.0)?;
@@ -47,12 +53,13 @@ fn pack_down<T: GpuFloat>(dev: &CudaDevice, parts: &[(Option<&Tensor>, usize)], 
                 dense_copy = t.contiguous()?;
                 &dense_copy
             };
-            let b = dense::<T>(OP, t)?;
+            let b = dense::<T>(op, t)?;
             dev.copy_dtod_range(&b, 0, &mut flat, at, *len)?;
         }
         at += len;
     }
-    Ok(dev.copy_dtoh(&flat, out)?)
+    debug_assert_eq!(at, total, "{op}: the parts tile the flat buffer");
+    Ok(flat)
 }
 
 /// One host-to-device copy of `src[offset..offset + total]`, unpacked into fresh tensors.
@@ -91,27 +98,7 @@ pub(crate) fn pack(parts: &[(Option<&Tensor>, usize)], total: usize, dtype: rtx_
 }
 
 fn pack_on<T: GpuFloat>(dev: &CudaDevice, ordinal: usize, parts: &[(Option<&Tensor>, usize)], total: usize) -> Result<Tensor> {
-    const OP: &str = "pack_dense";
-    let mut flat = dev.alloc::<T>(total)?;
-    if parts.iter().any(|(t, _)| t.is_none()) {
-        dev.fill(&mut flat, 0.0)?;
-    }
-    let mut at = 0;
-    for (t, len) in parts {
-        if let Some(t) = t {
-            let dense_copy;
-            let t = if t.is_contiguous() && t.layout().offset() == 0 && t.storage().len() == t.numel() {
-                *t
-            } else {
-                dense_copy = t.contiguous()?;
-                &dense_copy
-            };
-            let b = dense::<T>(OP, t)?;
-            dev.copy_dtod_range(&b, 0, &mut flat, at, *len)?;
-        }
-        at += len;
-    }
-    debug_assert_eq!(at, total, "pack_dense: the parts tile the flat tensor");
+    let flat = pack_flat::<T>("pack_dense", dev, parts, total)?;
     Ok(tensor_from(ordinal, T::wrap(flat), &[total]))
 }
 
