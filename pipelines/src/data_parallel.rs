@@ -705,6 +705,17 @@ fn forward_backward_in_place<M: Module>(
     Ok(loss_value)
 }
 
+/// Writes a step's host-side spans into `trace` (given when it records this step) and closes
+/// the step there.
+fn record_host_spans(trace: Option<&mut StepTrace>, step: u64, spans: Vec<HostSpan>) {
+    if let Some(trace) = trace {
+        for (name, bucket, began, ended) in spans {
+            trace.record(name, COMPUTE_TID, step, bucket, began, ended);
+        }
+        trace.step_done();
+    }
+}
+
 impl<M: Module, O: Optimizer> DataParallel<M, O> {
     /// A step of staged parameters (see the module doc, "Parameters on a device").
     async fn run_staged_step(&mut self, step: u64, forward: impl FnOnce(&mut M) -> rtx_tensor::Result<Tensor>) -> Result<StepStats> {
@@ -761,14 +772,9 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             Updater::Sharded(_) => return Err(Error::ShardedDevice { device: staging.device() }),
         };
         let loss = loss_value.item()?;
-        if let Some(trace) = self.trace.as_mut().filter(|_| traced) {
-            // The optimizer span ends when the loss is read: the device has run the step.
-            spans.push(("optimizer", None, optimizer_began, Instant::now()));
-            for (name, bucket, began, ended) in spans {
-                trace.record(name, COMPUTE_TID, step, bucket, began, ended);
-            }
-            trace.step_done();
-        }
+        // The optimizer span ends when the loss is read: the device has run the step.
+        spans.push(("optimizer", None, optimizer_began, Instant::now()));
+        record_host_spans(self.trace.as_mut().filter(|_| traced), step, spans);
         Ok(StepStats { step, loss, n_buckets, overlapped_buckets: 0, flushed_buckets: 0, grad_norm })
     }
 }
@@ -805,13 +811,8 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             Updater::Sharded(_) => return Err(Error::ShardedDeviceReduce { sharding: self.config.sharding }),
         };
         let loss = loss_value.item()?;
-        if let Some(trace) = self.trace.as_mut().filter(|_| traced) {
-            spans.push(("optimizer", None, optimizer_began, Instant::now()));
-            for (name, bucket, began, ended) in spans {
-                trace.record(name, COMPUTE_TID, step, bucket, began, ended);
-            }
-            trace.step_done();
-        }
+        spans.push(("optimizer", None, optimizer_began, Instant::now()));
+        record_host_spans(self.trace.as_mut().filter(|_| traced), step, spans);
         Ok(StepStats { step, loss, n_buckets, overlapped_buckets: 0, flushed_buckets: 0, grad_norm })
     }
 }
