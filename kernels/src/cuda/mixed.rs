@@ -66,7 +66,7 @@ impl StorageElem for bf16 {
     const IS_BF16: bool = true;
 }
 
-/// The kernel of the right instantiation: `kernel!(T, "name")`.
+/// The kernel of the right instantiation: `kernel!(T, "name")` (also for tensor_ops.rs).
 macro_rules! kernel {
     ($t:ty, $name:literal) => {
         if <$t as StorageElem>::IS_BF16 {
@@ -76,6 +76,7 @@ macro_rules! kernel {
         }
     };
 }
+pub(super) use kernel;
 
 /// Where the heads of an attention input or output sit: rows `[B, T, row_stride]` with head `h`
 /// at columns `col_offset + h·D`; the head-major side is `[B, H, T, D]`.
@@ -120,7 +121,8 @@ impl HeadLayout {
     }
 }
 
-fn grid_stride(n: usize) -> LaunchConfig {
+/// A grid-stride launch of 256-thread blocks over `n` elements (also for tensor_ops.rs).
+pub(super) fn grid_stride(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
@@ -130,7 +132,8 @@ fn per_warp_rows(op: &'static str, rows: usize) -> Result<LaunchConfig> {
     Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((ROWS_PER_BLOCK * 32) as u32, 1, 1), shared_mem_bytes: 0 })
 }
 
-fn int(op: &'static str, v: usize) -> Result<i32> {
+/// `v` as a kernel's `int` argument, or the error naming `op` (also for tensor_ops.rs).
+pub(super) fn int(op: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| CudaError::Unsupported { op, what: format!("{v} exceeds i32") })
 }
 

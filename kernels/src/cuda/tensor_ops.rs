@@ -17,30 +17,15 @@ use super::alloc::Buffer;
 use super::device::Device;
 use super::error::{check_len, CudaError, OpContext, Result};
 use super::jepa::{extent, StridedSide};
-use super::mixed::StorageElem;
+use super::mixed::{grid_stride, int, kernel, StorageElem};
 use super::nvrtc::Module;
 use super::ops::BinaryOp;
 
 /// Most dimensions of [`Device::binary_strided`] (the kernel's `MAX_BINARY_DIMS`).
 pub const MAX_BINARY_DIMS: usize = 8;
 
-/// Threads per block of the grid-stride kernels.
-const BLOCK: u32 = 256;
-/// Upper bound on grid-stride blocks.
-const MAX_BLOCKS: usize = 132 * 16;
 /// Most threads of a one-block-per-row kernel.
 const ROW_THREADS_MAX: usize = 256;
-
-/// The kernel of the right instantiation: `kernel!(T, "name")`.
-macro_rules! kernel {
-    ($t:ty, $name:literal) => {
-        if <$t as StorageElem>::IS_BF16 {
-            concat!($name, "_bf16")
-        } else {
-            concat!($name, "_f32")
-        }
-    };
-}
 
 /// Mirrors `BinaryDims` in tensor_ops.cu.
 #[repr(C)]
@@ -67,17 +52,8 @@ enum SumLaunch {
     Mid { n: usize },
 }
 
-fn grid_stride(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
-}
-
 fn i64_of(op: &'static str, v: usize) -> Result<i64> {
     i64::try_from(v).map_err(|_| CudaError::Unsupported { op, what: format!("{v} exceeds i64") })
-}
-
-fn i32_of(op: &'static str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| CudaError::Unsupported { op, what: format!("{v} exceeds i32") })
 }
 
 /// Threads of a one-block-per-row launch over rows of `n`: a multiple of 32 from 32 to
@@ -106,7 +82,7 @@ fn binary_dims(op: &'static str, shape: &[usize], a: &StridedSide<'_>, b: &Strid
     let n: usize = shape.iter().product();
     let mut d = BinaryDims {
         n: i64_of(op, n)?,
-        ndim: i32_of(op, shape.len())?,
+        ndim: int(op, shape.len())?,
         a_offset: i64_of(op, a.offset)?,
         b_offset: i64_of(op, b.offset)?,
         ..BinaryDims::default()
@@ -181,7 +157,7 @@ impl Device {
             return Ok(());
         }
         let f = self.function(Module::TensorOps, kernel!(T, "row_softmax"))?;
-        let (xp, yp, n, take_log) = (x.device_ptr(), y.device_ptr(), i32_of(OP, n_cols)?, log as i32);
+        let (xp, yp, n, take_log) = (x.device_ptr(), y.device_ptr(), int(OP, n_cols)?, log as i32);
         let mut l = self.stream().launch_builder(&f);
         l.arg(&xp).arg(&yp).arg(&n).arg(&take_log);
         // SAFETY: rows·n_cols elements in both buffers, checked above.
@@ -200,7 +176,7 @@ impl Device {
             return Ok(());
         }
         let f = self.function(Module::TensorOps, kernel!(T, "row_softmax_backward"))?;
-        let (yp, gp, dp, n, take_log) = (y.device_ptr(), dy.device_ptr(), dx.device_ptr(), i32_of(OP, n_cols)?, log as i32);
+        let (yp, gp, dp, n, take_log) = (y.device_ptr(), dy.device_ptr(), dx.device_ptr(), int(OP, n_cols)?, log as i32);
         let mut l = self.stream().launch_builder(&f);
         l.arg(&yp).arg(&gp).arg(&dp).arg(&n).arg(&take_log);
         // SAFETY: rows·n_cols elements in every buffer, checked above.
