@@ -18,8 +18,8 @@ __device__ __forceinline__ float warp_sum_a(float v) {
 }
 
 // ---- bf16 tensor-core forward (mma.sync m16n8k16, f32 accumulation) ----
-// A block of 4 warps takes 64 query rows (16 per warp) against tiles of 64 keys staged in shared
-// memory. Scores live in registers in the mma accumulator layout (thread = lane: group g =
+// A block of W warps (4 or 8; see flash_forward_bf16) takes 16·W query rows (16 per warp) against
+// tiles of 64 keys staged in shared memory. Scores live in registers in the mma accumulator layout (thread = lane: group g =
 // lane/4 owns rows g and g+8, t = lane%4 owns columns 2t, 2t+1 of each 8-wide tile); the
 // probabilities are re-packed in registers as the A operand of P·V, as in FlashAttention-2.
 // Inputs and output are bf16 (raw 16-bit words), the log-sum-exp is f32.
@@ -331,12 +331,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) flash_forward_bf16_r256_d64
 extern "C" __global__ void __launch_bounds__(BF_WARPS * 32) flash_forward_bf16_d128(const AttnArgs a) { flash_forward_bf16<128, 4>(a); }
 
 // ---- bf16 tensor-core backward ----
-// One pass per key block (FlashAttention-2): a block of 4 warps owns 64 keys (16 per warp) and
-// walks the query blocks that see them. Per (key block, query block) tile it forms Sᵀ = K·Qᵀ and
-// dPᵀ = V·dOᵀ once, in registers, then P and dS = P ⊙ (dP − delta), accumulates dV += Pᵀ·dO and
-// dK += dSᵀ·Q in registers, writes dSᵀ (bf16) to shared memory and forms the block's dQ
-// contribution dS·K (16 query rows per warp). Five products per tile instead of the seven of
-// separate dQ and dK/dV passes.
+// One pass per key block (FlashAttention-2): a block of W warps (4, 8 or 16) owns 16·W keys (16
+// per warp) and walks the 64-row query blocks that see them. Per (key block, query block) tile it
+// forms Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ once, in registers, then P and dS = P ⊙ (dP − delta),
+// accumulates dV += Pᵀ·dO and dK += dSᵀ·Q in registers, writes dSᵀ (bf16) to shared memory and
+// forms the block's dQ contribution dS·K (split over the warps by query rows and head-dim
+// columns). Five products per tile instead of the seven of separate dQ and dK/dV passes.
 //
 // dQ sums over key blocks in a fixed order, so results are bit-identical run to run (no
 // unordered float atomics): per (head, query block) a counter in global memory counts the key
