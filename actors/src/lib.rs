@@ -13,6 +13,9 @@
 //!   runs the same envelopes on a side stream of the collectives' QUIC transport to a peer rank,
 //!   on its control connection (its own socket and thread by default), so control messages do not
 //!   wait behind tensors.
+//! - [`tls`]: the same links over TCP with mutual TLS 1.3 against the cluster CA
+//!   ([`TlsLinkListener`], [`Link::dial_tls`]): the low-latency carrier for control calls between
+//!   ranks, beside the QUIC transport that moves tensors.
 //! - [`auth`]: channel-bound token proofs (HMAC over the link's TLS exporter) for joins.
 //! - [`data_shard`]: the `DataShard` role: serves training batches, prefetching the next one.
 //!
@@ -27,6 +30,7 @@ pub mod data_shard;
 mod error;
 pub mod link;
 pub mod registry;
+pub mod tls;
 mod wire;
 
 pub use actor::{spawn, Actor, ActorHandle, ActorRef, Context, Exit, Reply, DEFAULT_MAILBOX};
@@ -34,4 +38,5 @@ pub use data_shard::{BatchSource, DataShard};
 pub use error::{ActorError, Result};
 pub use link::{Accepted, Inbound, Link, LinkListener, LinkOptions, RemoteRef, StreamConn, ACTOR_CHANNEL};
 pub use registry::Registry;
+pub use tls::{TlsLinkListener, TLS_LINK_ALPN};
 pub use wire::{decode, encode, MAX_ENVELOPE_BYTES};

@@ -1306,7 +1306,8 @@ impl ControlEndpoint {
         } else {
             (quinn::default_runtime().ok_or(Error::InvalidConfig { reason: "QUIC transport must be bound inside a tokio runtime" })?, None)
         };
-        let endpoint = quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server_config), socket, runtime).map_err(|e| io("bind control endpoint", e))?;
+        let endpoint =
+            quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server_config), socket, runtime).map_err(|e| io("bind control endpoint", e))?;
         if let Some(thread) = &thread {
             thread.watch(endpoint.clone());
         }
@@ -1799,6 +1800,14 @@ fn cert_names_rank(conn: &quinn::Connection, rank: usize) -> bool {
     let Ok(certs) = identity.downcast::<Vec<CertificateDer<'static>>>() else {
         return false;
     };
+    certificate_names_rank(&certs, rank)
+}
+
+/// Whether the leaf (first) certificate of a chain a TLS handshake already verified against the
+/// cluster CA is valid for `rank`'s name ([`rank_name`]): how an acceptor checks that a peer is
+/// the rank it claims to be (this transport's stripes and control connections, and other
+/// carriers under the same CA, such as the actors' TLS links).
+pub fn certificate_names_rank(certs: &[CertificateDer<'_>], rank: usize) -> bool {
     let Some(leaf) = certs.first() else {
         return false;
     };

@@ -17,9 +17,13 @@
 //! answered on the link's reader, on the control thread) or `--echo task` (a task reading the
 //! link's inbound receiver and replying, as an ordinary actor does), in both parts. `--caller
 //! control` runs rank 0's calling loop on the transport's control thread instead of the bench's
-//! runtime: the floor of the path, with no thread hand-off left on either side.
+//! runtime: the floor of the path, with no thread hand-off left on either side. `--carrier tls`
+//! carries the same link over TCP with mutual TLS against the same cluster CA
+//! (`Link::dial_tls`, `rtx_actors::tls`) instead of the QUIC transport, driven by a thread of its
+//! own (`tls-runtime`: by the bench's runtime), while the all_reduce load stays on QUIC.
 
 use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,7 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context as _};
-use rtx_actors::{spawn, Actor, Context, Link, LinkListener, LinkOptions, Reply};
+use rtx_actors::{spawn, Actor, Context, Inbound, Link, LinkListener, LinkOptions, Reply, TlsLinkListener};
 use rtx_collectives::{CommConfig, Communicator, ControlPath, Endpoint, QuicOptions, ReduceOp};
 use serde_json::json;
 
@@ -72,6 +76,13 @@ pub struct ActorsArgs {
     /// thread`).
     #[arg(long, default_value = "task", value_parser = parse_caller)]
     pub caller: CallerMode,
+    /// What carries the actor link of the `--load-bytes` part: `quic` (a side stream of the
+    /// collectives transport, on its `--control` path), `tls` (TCP with mutual TLS against the
+    /// same cluster CA, `Link::dial_tls`, driven by a current-thread runtime on a thread of its
+    /// own) or `tls-runtime` (the same link driven by the bench's own runtime). The all_reduce load
+    /// runs on the collectives transport in every case.
+    #[arg(long, default_value = "quic", value_parser = parse_carrier)]
+    pub carrier: Carrier,
     /// Internal: be rank 1 of the `--load-bytes` part, with identities in this folder.
     #[arg(long, hide = true)]
     pub serve_load: Option<PathBuf>,
@@ -116,6 +127,79 @@ fn serve_echo(link: &Link, mode: EchoMode) {
     if mode == EchoMode::Inline {
         link.serve_inline("echo", |v: u64| Ok::<u64, String>(v + 1));
     }
+}
+
+/// What carries the actor link under load (`--carrier`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Carrier {
+    /// A side stream of the collectives' QUIC transport.
+    Quic,
+    /// TCP with mutual TLS, on a link thread of its own.
+    Tls,
+    /// TCP with mutual TLS, on the bench's runtime.
+    TlsRuntime,
+}
+
+fn parse_carrier(text: &str) -> Result<Carrier, String> {
+    match text {
+        "quic" => Ok(Carrier::Quic),
+        "tls" => Ok(Carrier::Tls),
+        "tls-runtime" => Ok(Carrier::TlsRuntime),
+        other => Err(format!("unknown carrier `{other}` (quic, tls, tls-runtime)")),
+    }
+}
+
+fn carrier_name(carrier: Carrier) -> &'static str {
+    match carrier {
+        Carrier::Quic => "quic",
+        Carrier::Tls => "tls",
+        Carrier::TlsRuntime => "tls-runtime",
+    }
+}
+
+/// A current-thread runtime on a thread of its own that drives the TLS link (`--carrier tls`),
+/// as the transport's control thread drives the QUIC control path; it stops when dropped.
+struct LinkThread {
+    handle: tokio::runtime::Handle,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl LinkThread {
+    fn start() -> anyhow::Result<LinkThread> {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let handle = runtime.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new().name("rtx-bench-link".into()).spawn(move || {
+            runtime.block_on(async {
+                let _ = stopped.await;
+            });
+        })?;
+        Ok(LinkThread { handle, _stop: stop })
+    }
+}
+
+/// Rank 1's TLS listener: publishes its address in `dir` and returns the first link accepted.
+async fn accept_tls(dir: PathBuf) -> anyhow::Result<(Link, tokio::sync::mpsc::Receiver<Inbound>)> {
+    let identity = super::collectives::read_identity(&dir, 1)?;
+    let listener = TlsLinkListener::bind(&identity, SocketAddr::from(([127, 0, 0, 1], 0)), LinkOptions::default()).await?;
+    let staging = dir.join("tls-link.staging");
+    std::fs::write(&staging, listener.local_addr()?.to_string())?;
+    std::fs::rename(&staging, dir.join("tls-link"))?;
+    let (peer, link, inbound) = listener.accept().await?;
+    anyhow::ensure!(peer == 0, "rank {peer} dialed the bench's TLS link");
+    Ok((link, inbound))
+}
+
+/// Rank 0's side: dials rank 1's TLS listener once its address is published in `dir`.
+async fn dial_tls(dir: PathBuf) -> anyhow::Result<(Link, tokio::sync::mpsc::Receiver<Inbound>)> {
+    let identity = super::collectives::read_identity(&dir, 0)?;
+    let addr: SocketAddr = loop {
+        if let Ok(text) = std::fs::read_to_string(dir.join("tls-link")) {
+            break text.trim().parse().context("rank 1's TLS link address")?;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    Ok(Link::dial_tls(&identity, addr, 1, LinkOptions::default()).await?)
 }
 
 /// Where the calling loop runs (`--caller`).
@@ -241,6 +325,8 @@ fn under_load(args: &ActorsArgs, runtime: &tokio::runtime::Runtime) -> anyhow::R
         .arg(control_name(args.control))
         .arg("--echo")
         .arg(echo_name(args.echo))
+        .arg("--carrier")
+        .arg(carrier_name(args.carrier))
         .arg("--serve-load")
         .arg(&dir)
         .stdin(Stdio::null())
@@ -272,13 +358,21 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
     .world()?;
     let stop = Arc::new(AtomicBool::new(false));
     let payload = call_bytes()?;
+    let link_thread = if args.carrier == Carrier::Tls { Some(LinkThread::start()?) } else { None };
+    let link_runtime = link_thread.as_ref().map_or_else(tokio::runtime::Handle::current, |t| t.handle.clone());
     if rank == 1 {
         let tcp = std::net::TcpListener::bind("127.0.0.1:0")?;
         let staging = dir.join("tcp-echo.staging");
         std::fs::write(&staging, tcp.local_addr()?.to_string())?;
         std::fs::rename(&staging, dir.join("tcp-echo"))?;
         std::thread::spawn(move || tcp_echo(&tcp, payload));
-        let (_peer, link, mut inbound) = Link::accept_over_transport(&transport, LOAD_CHANNEL).await?;
+        let (link, mut inbound) = match args.carrier {
+            Carrier::Quic => {
+                let (_peer, link, inbound) = Link::accept_over_transport(&transport, LOAD_CHANNEL).await?;
+                (link, inbound)
+            }
+            Carrier::Tls | Carrier::TlsRuntime => link_runtime.spawn(accept_tls(dir.to_path_buf())).await.map_err(|e| anyhow!("TLS accept task: {e}"))??,
+        };
         serve_echo(&link, args.echo);
         let echo = tokio::spawn(async move {
             while let Some(msg) = inbound.recv().await {
@@ -294,7 +388,10 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
         transport.close(Duration::from_secs(5)).await;
         return Ok(());
     }
-    let (link, _inbound) = Link::over_transport(&transport, 1, LOAD_CHANNEL).await?;
+    let (link, _inbound) = match args.carrier {
+        Carrier::Quic => Link::over_transport(&transport, 1, LOAD_CHANNEL).await?,
+        Carrier::Tls | Carrier::TlsRuntime => link_runtime.spawn(dial_tls(dir.to_path_buf())).await.map_err(|e| anyhow!("TLS dial task: {e}"))??,
+    };
     let tcp_addr: std::net::SocketAddr = loop {
         if let Ok(text) = std::fs::read_to_string(dir.join("tcp-echo")) {
             break text.trim().parse().context("rank 1's TCP echo address")?;
@@ -310,7 +407,11 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
     // With `--caller control` the calling loop itself runs on the control thread's runtime.
     let on_control = match args.caller {
         CallerMode::Task => None,
-        CallerMode::Control => Some(transport.control_runtime().ok_or_else(|| anyhow!("--caller control needs --control thread"))?),
+        CallerMode::Control => Some(match (args.carrier, &link_thread) {
+            (Carrier::Tls, Some(thread)) => thread.handle.clone(),
+            (Carrier::Quic, _) => transport.control_runtime().ok_or_else(|| anyhow!("--caller control needs --control thread"))?,
+            _ => anyhow::bail!("--caller control needs the link on a thread of its own (--carrier quic with --control thread, or --carrier tls)"),
+        }),
     };
     let timed = |n: usize, until_rounds: Option<u64>| {
         let calling = time_calls(remote.clone(), Arc::clone(&rounds), n, until_rounds);
@@ -339,8 +440,9 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
     link.close("bench done");
     let (rtt, i, l, rtt_l) = (Summary::of(&mut tcp_idle), Summary::of(&mut idle), Summary::of(&mut loaded), Summary::of(&mut tcp_loaded));
     eprintln!(
-        "actor call across processes, control path `{}`, echo {}, caller {} ({} stripe(s), {} threads): TCP round trip ({payload} B, to the same peer process) median {:.1} / p99 {:.1} us; \
+        "actor call across processes, carrier {}, control path `{}`, echo {}, caller {} ({} stripe(s), {} threads): TCP round trip ({payload} B, to the same peer process) median {:.1} / p99 {:.1} us; \
          call idle {:.1} / {:.1} us = {:.2}x TCP; {} calls during {} all_reduce of {} MiB {:.1} / {:.1} us = {:.2}x TCP (TCP itself then {:.1} / {:.1} us)",
+        carrier_name(args.carrier),
         control_name(args.control),
         echo_name(args.echo),
         caller_name(args.caller),
@@ -361,7 +463,7 @@ async fn loaded_rank(args: &ActorsArgs, dir: &Path, rank: usize, calls: usize) -
         rtt_l.p99,
     );
     super::emit(
-        json!({ "bench": "actors", "part": "over_collectives_transport", "control": control_name(args.control), "echo": echo_name(args.echo), "calls": calls, "stripes": args.stripes, "threads": args.threads, "load_bytes": args.load_bytes,
+        json!({ "bench": "actors", "part": "over_collectives_transport", "carrier": carrier_name(args.carrier), "caller": caller_name(args.caller), "control": control_name(args.control), "echo": echo_name(args.echo), "calls": calls, "stripes": args.stripes, "threads": args.threads, "load_bytes": args.load_bytes,
         "payload_bytes": payload, "all_reduces_during_calls": rounds_during_calls, "all_reduces": rounds_total, "loaded_calls": loaded.len(), "tcp_rtt_median_us": rtt.median, "tcp_rtt_p99_us": rtt.p99, "idle_median_us": i.median, "idle_p99_us": i.p99,
         "loaded_median_us": l.median, "loaded_p99_us": l.p99, "tcp_rtt_loaded_median_us": rtt_l.median, "tcp_rtt_loaded_p99_us": rtt_l.p99,
         "idle_over_tcp_rtt": i.median / rtt.median, "loaded_over_tcp_rtt": l.median / rtt.median, "bar_over_tcp_rtt": 2.0 }),

@@ -182,7 +182,12 @@ pub(crate) fn run(args: &CollectivesArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.repeats > 0, "--repeats must be at least 1");
     anyhow::ensure!(args.worlds.iter().all(|&n| n >= 2), "--worlds must be at least 2");
     anyhow::ensure!(args.hosts >= 1 && args.worlds.iter().all(|&n| n >= args.hosts), "--hosts must be between 1 and the smallest world size");
-    anyhow::ensure!(args.host_addrs.is_empty() || args.host_addrs.len() == args.hosts, "--host-addrs names {} addresses for --hosts {}: one per host", args.host_addrs.len(), args.hosts);
+    anyhow::ensure!(
+        args.host_addrs.is_empty() || args.host_addrs.len() == args.hosts,
+        "--host-addrs names {} addresses for --hosts {}: one per host",
+        args.host_addrs.len(),
+        args.hosts
+    );
     let sizes = sizes(args);
     anyhow::ensure!(!sizes.is_empty(), "no sizes to measure");
     let refs = if args.no_references { References::default() } else { references(args, &sizes)? };
@@ -717,9 +722,21 @@ pub(super) fn write_identities(dir: &Path, world: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Rank `rank`'s identity from the files [`write_identities`] wrote in `dir`.
+pub(super) fn read_identity(dir: &Path, rank: usize) -> anyhow::Result<NodeIdentity> {
+    let read = |name: String| std::fs::read(dir.join(&name)).with_context(|| format!("read {name}"));
+    Ok(NodeIdentity::from_der(rank, read("ca.der".into())?, read(format!("rank-{rank}.cert.der"))?, read(format!("rank-{rank}.key.der"))?))
+}
+
 /// This rank's QUIC transport bound on its host's address, with every rank's published address,
 /// not yet connected (the routed transport links it to the ranks of other hosts).
-async fn quic_rank_published(args: &CollectivesArgs, rank: usize, world: usize, dir: &Path, max_payload: usize) -> anyhow::Result<(QuicTransport, Vec<SocketAddr>)> {
+async fn quic_rank_published(
+    args: &CollectivesArgs,
+    rank: usize,
+    world: usize,
+    dir: &Path,
+    max_payload: usize,
+) -> anyhow::Result<(QuicTransport, Vec<SocketAddr>)> {
     let options = QuicOptions { max_payload_bytes: max_payload, ..quic_options(args) };
     let ip = args.host_addrs.get(host_of_rank(rank, world, args.hosts)).copied().unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
     bind_and_publish(dir, rank, world, options, SocketAddr::new(ip, 0)).await
@@ -736,8 +753,7 @@ pub(super) async fn quic_rank_in(dir: &Path, rank: usize, world: usize, options:
 /// Binds rank `rank` on `listen` with its identity from `dir`, publishes its address there and
 /// reads every rank's.
 async fn bind_and_publish(dir: &Path, rank: usize, world: usize, options: QuicOptions, listen: SocketAddr) -> anyhow::Result<(QuicTransport, Vec<SocketAddr>)> {
-    let read = |name: String| std::fs::read(dir.join(&name)).with_context(|| format!("read {name}"));
-    let identity = NodeIdentity::from_der(rank, read("ca.der".into())?, read(format!("rank-{rank}.cert.der"))?, read(format!("rank-{rank}.key.der"))?);
+    let identity = read_identity(dir, rank)?;
     let transport = QuicTransport::bind(&identity, world, listen, options)?;
     let staging = dir.join(format!("addr-{rank}.staging"));
     std::fs::write(&staging, transport.local_addr()?.to_string())?;
