@@ -29,6 +29,7 @@ pub mod auth;
 pub mod data_shard;
 mod error;
 pub mod link;
+mod outgoing;
 pub mod registry;
 pub mod tls;
 mod wire;

@@ -23,7 +23,9 @@
 //! the sender's task was tried and measured (BENCHMARKS.md, "Actor calls with fewer hops"): it
 //! saves no thread wake-up, since a write wakes quinn's connection driver, which runs on that same
 //! runtime; calls were no faster idle and about 10% slower under load on one core (likely the
-//! sender's thread contending with that runtime for quinn's connection lock).
+//! sender's thread contending with that runtime for quinn's connection lock). Links over TCP
+//! with TLS ([`crate::tls`]) do let senders write themselves when nothing is queued ahead of them:
+//! there a write is a system call, not a wake-up of the link's runtime (`crate::outgoing`).
 //!
 //! Security: the listener presents a self-signed certificate and the dialer accepts any
 //! certificate but checks the handshake signatures, so the TLS channel is encrypted but not yet
@@ -65,10 +67,11 @@ use rtx_collectives::QuicTransport;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 
 use crate::error::{ActorError, Result};
+use crate::outgoing::{Outgoing, SendFailed};
 use crate::wire::{self, Envelope, Kind};
 
 /// ALPN of control links.
@@ -109,7 +112,7 @@ pub struct Link {
 struct LinkInner {
     peer: String,
     connection: Conn,
-    out: mpsc::Sender<Vec<u8>>,
+    out: Outgoing,
     pending: Mutex<BTreeMap<u64, oneshot::Sender<Result<Vec<u8>>>>>,
     next_correlation: AtomicU64,
     closed: watch::Sender<Option<String>>,
@@ -385,6 +388,17 @@ impl Link {
         Link::start(peer, Conn::Stream(conn), writer, reader)
     }
 
+    /// [`over_stream`](Self::over_stream) for a stream that is a kernel socket: senders write
+    /// their envelopes into `writer` themselves when nothing is queued before them (see
+    /// `crate::outgoing`), instead of always handing them to the link's writer task.
+    pub(crate) fn over_stream_direct<R, W>(peer: String, conn: Arc<dyn StreamConn>, reader: R, writer: W) -> (Link, mpsc::Receiver<Inbound>)
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        Link::start_on(None, peer, Conn::Stream(Arc::clone(&conn)), writer, reader, Some(conn))
+    }
+
     /// A link to rank `peer` on a side stream of `transport`'s connection to it, tagged
     /// `channel` (the peer takes it with [`accept_over_transport`](Self::accept_over_transport) on
     /// the same channel). Actor envelopes then share that one QUIC connection with the
@@ -429,7 +443,7 @@ impl Link {
         // The link's reader and writer run where the control connection is driven (its own thread
         // when the transport has one), so a busy caller runtime does not hold a call's hops back.
         let on = transport.control_runtime();
-        Link::start_on(on.as_ref(), side_peer_name(peer), Conn::Side(conn), SideSend(Arc::clone(&stream)), SideRecv(stream))
+        Link::start_on(on.as_ref(), side_peer_name(peer), Conn::Side(conn), SideSend(Arc::clone(&stream)), SideRecv(stream), None)
     }
 
     fn start<R, W>(peer: String, connection: Conn, send: W, recv: R) -> (Link, mpsc::Receiver<Inbound>)
@@ -437,16 +451,24 @@ impl Link {
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
-        Link::start_on(None, peer, connection, send, recv)
+        Link::start_on(None, peer, connection, send, recv, None)
     }
 
-    /// Starts the link's writer and reader tasks on `runtime` (`None`: the caller's).
-    fn start_on<R, W>(runtime: Option<&tokio::runtime::Handle>, peer: String, connection: Conn, mut send: W, mut recv: R) -> (Link, mpsc::Receiver<Inbound>)
+    /// Starts the link's writer and reader tasks on `runtime` (`None`: the caller's); with
+    /// `direct`, senders may write into `send` themselves (`crate::outgoing`).
+    fn start_on<R, W>(
+        runtime: Option<&tokio::runtime::Handle>,
+        peer: String,
+        connection: Conn,
+        send: W,
+        mut recv: R,
+        direct: Option<Arc<dyn StreamConn>>,
+    ) -> (Link, mpsc::Receiver<Inbound>)
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
-        let (out, mut out_rx) = mpsc::channel::<Vec<u8>>(QUEUE);
+        let (out, writing) = Outgoing::new(QUEUE, send, direct);
         let (inbound_tx, inbound_rx) = mpsc::channel(QUEUE);
         let link = Link {
             inner: Arc::new(LinkInner {
@@ -465,13 +487,9 @@ impl Link {
             None => drop(tokio::spawn(task)),
         };
         spawn(Box::pin(async move {
-            while let Some(bytes) = out_rx.recv().await {
-                if let Err(e) = send.write_all(&bytes).await {
-                    writer.mark_closed(format!("write failed: {e}"));
-                    return;
-                }
+            if let Err(e) = writing.await {
+                writer.mark_closed(format!("write failed: {e}"));
             }
-            let _ = send.shutdown().await;
         }));
         // The reader holds only a weak reference so that dropping every `Link` closes the connection.
         let weak = Arc::downgrade(&link.inner);
@@ -564,7 +582,14 @@ impl Link {
     /// Sends raw envelope bytes, waiting while the outgoing queue is full.
     async fn send_envelope(&self, envelope: Envelope) -> Result<()> {
         let bytes = envelope.to_bytes()?;
-        self.inner.out.send(bytes).await.map_err(|_| self.closed_error())
+        self.inner.out.send(bytes).await.map_err(|e| self.send_failed(e))
+    }
+
+    fn send_failed(&self, failed: SendFailed) -> ActorError {
+        if let SendFailed::Write(e) = failed {
+            self.mark_closed(format!("write failed: {e}"));
+        }
+        self.closed_error()
     }
 
     /// Sends `msg` to the actor `to` on the other side.
@@ -577,7 +602,7 @@ impl Link {
     pub fn blocking_tell_bytes(&self, to: &str, body: Vec<u8>) -> Result<()> {
         self.check_open()?;
         let bytes = Envelope { kind: Kind::Tell, correlation: 0, to: to.to_string(), body }.to_bytes()?;
-        self.inner.out.blocking_send(bytes).map_err(|_| self.closed_error())
+        self.inner.out.blocking_send(bytes).map_err(|e| self.send_failed(e))
     }
 
     /// Calls the actor `to` with `body` and waits up to `timeout` for the reply's bytes.
@@ -603,7 +628,7 @@ impl Link {
     /// Sends bytes as they are, bypassing the envelope encoder: for tests of the peer's decoder.
     #[doc(hidden)]
     pub async fn raw_send_for_tests(&self, bytes: Vec<u8>) -> Result<()> {
-        self.inner.out.send(bytes).await.map_err(|_| self.closed_error())
+        self.inner.out.send(bytes).await.map_err(|e| self.send_failed(e))
     }
 
     /// Closes the link; pending calls on both sides fail.
@@ -709,7 +734,8 @@ async fn read_loop<R: AsyncRead + Unpin>(link: &std::sync::Weak<LinkInner>, recv
                     let out = this.inner.out.clone();
                     drop(this);
                     let Some(answer) = run_inline(handler.as_ref(), envelope) else { continue };
-                    // To the writer task on this runtime; the reader holds the link only weakly.
+                    // To the stream (or the writer task on this runtime); the reader holds the link
+                    // only weakly.
                     if out.send(answer).await.is_err() {
                         return "writer ended".into();
                     }

@@ -177,7 +177,7 @@ fn tune(tcp: &TcpStream, options: &LinkOptions) -> std::result::Result<(), Strin
 fn start(peer: usize, address: SocketAddr, tls: TlsStream<TcpStream>) -> Result<(Link, mpsc::Receiver<Inbound>)> {
     let shared = Arc::new(Shared { stream: Mutex::new(tls), address });
     let conn: Arc<dyn StreamConn> = Arc::clone(&shared) as Arc<dyn StreamConn>;
-    Ok(Link::over_stream(rank_name(peer), conn, TlsRead(Arc::clone(&shared)), TlsWrite(shared)))
+    Ok(Link::over_stream_direct(rank_name(peer), conn, TlsRead(Arc::clone(&shared)), TlsWrite(shared)))
 }
 
 /// The TLS stream both halves poll. Each lock is held for one non-blocking poll, never across an

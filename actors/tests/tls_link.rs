@@ -2,7 +2,9 @@
 //! an ordinary inbound task), the same TLS exporter bytes on both ends, and the refusals: a
 //! certificate from another CA, a listener that is not the rank the dialer asked for, a dialer
 //! whose hello claims another rank than its certificate names; a peer that closes its end fails
-//! the pending ask with `LinkClosed` instead of a hang.
+//! the pending ask with `LinkClosed` instead of a hang; large envelopes from several tasks at once
+//! (socket buffers full, so senders' direct writes and the writer task's queue interleave) all
+//! arrive, each sender's in the order it sent them.
 //!
 //! Method: real TCP sockets on 127.0.0.1 and certificates from `ClusterCa`, as the collectives'
 //! QUIC transport uses them; every test body runs under a wall-clock bound.
@@ -135,6 +137,47 @@ async fn strangers_and_impostors_are_refused() {
         link1.serve_inline("ping", |v: u64| Ok::<u64, String>(v + 1));
         let v: u64 = honest.remote::<u64>("ping").ask(&41, ASK_TIMEOUT).await.unwrap();
         assert_eq!(v, 42);
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_large_tells_keep_each_senders_order() {
+    const SENDERS: u64 = 4;
+    const TELLS: u64 = 40;
+    const BODY: usize = 256 * 1024;
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let ca = ClusterCa::generate("tls link test").unwrap();
+        let (id0, id1) = (ca.issue(0).unwrap(), ca.issue(1).unwrap());
+        let listener = TlsLinkListener::bind(&id1, loopback(), options()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = tokio::spawn(async move { listener.accept().await });
+        let (link0, _inbound0) = Link::dial_tls(&id0, addr, 1, options()).await.unwrap();
+        let (_, _link1, mut inbound1) = accepted.await.unwrap().unwrap();
+        let senders: Vec<_> = (0..SENDERS)
+            .map(|sender| {
+                let remote = link0.remote::<(u64, u64, Vec<u8>)>("sink");
+                tokio::spawn(async move {
+                    for seq in 0..TELLS {
+                        let fill = u8::try_from((sender * 31 + seq) % 251).unwrap();
+                        remote.tell(&(sender, seq, vec![fill; BODY])).await.unwrap();
+                    }
+                })
+            })
+            .collect();
+        let mut next = [0u64; SENDERS as usize];
+        for _ in 0..SENDERS * TELLS {
+            let msg = inbound1.recv().await.expect("every tell arrives");
+            let (sender, seq, body): (u64, u64, Vec<u8>) = msg.decode().unwrap();
+            let fill = u8::try_from((sender * 31 + seq) % 251).unwrap();
+            assert_eq!(seq, next[sender as usize], "sender {sender}'s tells arrive in order");
+            assert!(body.len() == BODY && body.iter().all(|b| *b == fill), "sender {sender} tell {seq} arrives whole");
+            next[sender as usize] += 1;
+        }
+        for sender in senders {
+            sender.await.unwrap();
+        }
     })
     .await
     .expect("test timed out");
