@@ -34,6 +34,7 @@
 //! so nobody waits for the timeout.
 
 mod algo;
+mod channel;
 mod collective;
 mod communicator;
 mod element;
@@ -54,6 +55,7 @@ mod shm;
 mod shm_ring;
 mod transport;
 
+pub use channel::{part_range, DEFAULT_CHANNELS, MAX_CHANNELS};
 pub use collective::{Collective, CollectiveGroup};
 pub use communicator::{
     AllReduceAlgorithm, CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_STORED_FRAMES, DEFAULT_OP_TIMEOUT,
@@ -71,8 +73,9 @@ pub use op::segment_range;
 pub use pool::{BufferPool, PoolStats, PooledBuf, POOL_MAX_BYTES, POOL_MAX_CLASS_BYTES, POOL_MAX_PER_CLASS, POOL_MIN_CLASS_BYTES};
 #[cfg(feature = "quic")]
 pub use quic::{
-    client_tls_config, quic_stream_throughput, rank_name, server_tls_config, tls_packet_cipher_throughput, CipherThroughput, ClusterCa, NodeIdentity,
-    ControlPath, QuicOptions, QuicTransport, ALPN, CONTROL_ALPN, DEFAULT_LOOPBACK_DATAGRAM_BYTES, DEFAULT_NETWORK_DATAGRAM_BYTES, MAX_STRIPES, QUIC_INBOX_FRAMES,
+    client_tls_config, quic_stream_throughput, rank_name, server_tls_config, tls_packet_cipher_throughput, CipherThroughput, ClusterCa, ControlPath,
+    NodeIdentity, QuicOptions, QuicTransport, ALPN, CONTROL_ALPN, DEFAULT_LOOPBACK_DATAGRAM_BYTES, DEFAULT_NETWORK_DATAGRAM_BYTES, MAX_STRIPES,
+    QUIC_INBOX_FRAMES,
 };
 pub use routed::RoutedTransport;
 pub use rtx_kernels::DType;
