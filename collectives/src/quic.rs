@@ -1306,8 +1306,7 @@ impl ControlEndpoint {
         } else {
             (quinn::default_runtime().ok_or(Error::InvalidConfig { reason: "QUIC transport must be bound inside a tokio runtime" })?, None)
         };
-        let endpoint =
-            quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server_config), socket, runtime).map_err(|e| io("bind control endpoint", e))?;
+        let endpoint = quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server_config), socket, runtime).map_err(|e| io("bind control endpoint", e))?;
         if let Some(thread) = &thread {
             thread.watch(endpoint.clone());
         }
