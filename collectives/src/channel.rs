@@ -60,7 +60,7 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::Notify;
 
 use crate::error::{Error, Result};
-use crate::op::{segment_range, OpCtx};
+use crate::op::segment_range;
 
 /// Most channels one operation may be split into ([`crate::CommConfig::channels`]).
 pub const MAX_CHANNELS: usize = 16;
@@ -132,12 +132,13 @@ async fn run_one(state: &ChannelState, body: impl Future<Output = Result<()>>) -
 
 /// Runs `body(ctx, part)` for every channel's context and part (see the module doc for on which
 /// threads) and returns once all have ended: `Ok` if all succeeded, else the error of the
-/// lowest-numbered channel that failed by itself. Each `ctx` must carry `state`
-/// ([`OpCtx::with_channels`]).
-pub(crate) async fn run<'a, P, F, Fut>(state: &ChannelState, work: Vec<(OpCtx<'a>, P)>, body: F) -> Result<()>
+/// lowest-numbered channel that failed by itself. Each `ctx` (an [`OpCtx`](crate::op::OpCtx)) must carry `state`
+/// ([`OpCtx::with_channels`](crate::op::OpCtx::with_channels)).
+pub(crate) async fn run<C, P, F, Fut>(state: &ChannelState, work: Vec<(C, P)>, body: F) -> Result<()>
 where
+    C: Send,
     P: Send,
-    F: Fn(OpCtx<'a>, P) -> Fut + Sync,
+    F: Fn(C, P) -> Fut + Sync,
     Fut: Future<Output = Result<()>> + Send,
 {
     debug_assert!(work.len() >= 2, "a split operation has several channels");
@@ -152,10 +153,11 @@ where
 
 /// The threaded path of [`run`]: channel 0 on the calling thread, the others on scoped threads;
 /// a channel whose thread cannot be started runs on the calling thread beside channel 0.
-fn on_threads<'a, P, F, Fut>(handle: &Handle, state: &ChannelState, work: Vec<(OpCtx<'a>, P)>, body: &F) -> Vec<Option<Result<()>>>
+fn on_threads<C, P, F, Fut>(handle: &Handle, state: &ChannelState, work: Vec<(C, P)>, body: &F) -> Vec<Option<Result<()>>>
 where
+    C: Send,
     P: Send,
-    F: Fn(OpCtx<'a>, P) -> Fut + Sync,
+    F: Fn(C, P) -> Fut + Sync,
     Fut: Future<Output = Result<()>> + Send,
 {
     let k = work.len();
@@ -255,6 +257,51 @@ mod tests {
         assert!(matches!(results[1], Some(Err(Error::PeerLost { rank: 3, .. }))));
         assert_eq!(state.lost(), Some(3));
         assert!(run_one(&state, std::future::pending()).await.is_none());
+    }
+
+    /// Runs `k` channels that record their thread and returns the distinct threads seen.
+    async fn threads_of(k: usize) -> std::collections::BTreeSet<String> {
+        let state = ChannelState::default();
+        let seen = Mutex::new(Vec::new());
+        let work: Vec<(usize, ())> = (0..k).map(|c| (c, ())).collect();
+        run(&state, work, |c, ()| {
+            let seen = &seen;
+            async move {
+                tokio::task::yield_now().await;
+                seen.lock().unwrap().push((c, format!("{:?}", std::thread::current().id())));
+                Ok(())
+            }
+        })
+        .await
+        .unwrap();
+        let seen = seen.into_inner().unwrap();
+        assert_eq!(seen.len(), k, "every channel ran once");
+        seen.into_iter().map(|(_, thread)| thread).collect()
+    }
+
+    // Goal: on a multi-thread runtime every channel runs on a thread of its own; on a
+    // current-thread runtime all run on the calling thread.
+    #[test]
+    fn channels_get_threads_where_the_runtime_allows() {
+        let multi = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        assert_eq!(multi.block_on(async { tokio::spawn(threads_of(4)).await.unwrap() }).len(), 4);
+        let current = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        assert_eq!(current.block_on(threads_of(4)).len(), 1);
+    }
+
+    // Goal: an error of one channel is the operation's error; the lowest-numbered one wins.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn lowest_failing_channel_wins() {
+        let state = ChannelState::default();
+        let work: Vec<(usize, ())> = (0..3).map(|c| (c, ())).collect();
+        let result = run(&state, work, |c, ()| async move {
+            match c {
+                0 => Ok(()),
+                c => Err(Error::PeerLost { rank: c, op: crate::OpKind::AllReduce }),
+            }
+        })
+        .await;
+        assert!(matches!(result, Err(Error::PeerLost { rank: 1 | 2, .. })), "{result:?}");
     }
 
     // Goal: join_all keeps the order of its futures, whatever order they finish in.

@@ -555,6 +555,22 @@ mod tests {
         assert_eq!(frame.payload(), &payload[..]);
     }
 
+    // Goal: the channel count travels in byte 53, and an operation on one ring (0) leaves the
+    // header as a build without channels wrote it (byte 53 zero, the same checksum).
+    #[test]
+    fn channels_byte() {
+        let split = FrameHeader { channels: 4, ..sample() };
+        let bytes = encode_header(&split, &[]);
+        assert_eq!(bytes[CHANNELS], 4);
+        assert_eq!(decode(&bytes, 1 << 20).unwrap(), split);
+        let one = encode_header(&sample(), &[]);
+        assert_eq!(one[CHANNELS], 0);
+        assert_ne!(one, bytes);
+        let mut forged = one;
+        forged[CHANNELS] = 4;
+        assert!(matches!(decode(&forged, 1 << 20), Err(Error::ChecksumMismatch { .. })), "the checksum covers the byte");
+    }
+
     // Goal: a flipped payload bit is caught by the checksum.
     #[test]
     fn payload_corruption_detected() {
