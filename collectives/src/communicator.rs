@@ -35,6 +35,15 @@
 //! at 64 MiB on 2 cores (BENCHMARKS.md, issue 20, 2026-12-04), so set `chunk_bytes`
 //! there.
 //!
+//! Channels ([`CommConfig::channels`], default 1): a flat ring all-reduce large enough that every
+//! ring still moves a full frame per rank ([`Communicator::all_reduce_channels`]) is split into
+//! that many independent rings over contiguous parts of the buffer, each an operation of its own on
+//! the wire (consecutive sequence numbers) and, on a multi-thread runtime, driven by its own thread,
+//! so copying and combining run on several cores (issue 20: one operation's task did all of it,
+//! serially with its waits). Constraints, choice and trade-offs are in `channel.rs`.
+//! `reduce_scatter` and `all_gather` keep one ring: their output is each rank's whole segment,
+//! which contiguous parts of the buffer would cut across (NCCL splits every segment instead).
+//!
 //! Cancelling an operation (dropping its future) leaves the group's sequence numbers out of step
 //! with the peers; move the group to a new generation before using it again.
 

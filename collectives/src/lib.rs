@@ -20,7 +20,8 @@
 //! does not already guarantee integrity. QUIC on loopback uses 64 KB packets, large socket buffers
 //! and AES-128-GCM. `reduce_scatter`, `reduce` and bf16 all-reduces read the caller's buffer where
 //! it is (only the owned segment is copied, as accumulators); `reduce_scatter_in_place` and
-//! `all_gather_in_place` need no second buffer at all. With a host map
+//! `all_gather_in_place` need no second buffer at all. A large all-reduce may be split into several
+//! independent rings driven by their own threads ([`CommConfig::channels`]). With a host map
 //! ([`CommConfig::host_of`]), `all_reduce` goes hierarchical (within hosts, then across).
 //!
 //! Communicators are used through the [`Collective`] / [`CollectiveGroup`] traits by code that should
