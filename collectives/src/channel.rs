@@ -132,8 +132,8 @@ async fn run_one(state: &ChannelState, body: impl Future<Output = Result<()>>) -
 
 /// Runs `body(ctx, part)` for every channel's context and part (see the module doc for on which
 /// threads) and returns once all have ended: `Ok` if all succeeded, else the error of the
-/// lowest-numbered channel that failed by itself. Each `ctx` (an [`OpCtx`](crate::op::OpCtx)) must carry `state`
-/// ([`OpCtx::with_channels`](crate::op::OpCtx::with_channels)).
+/// lowest-numbered channel that failed by itself. Each `ctx` (an [`OpCtx`](crate::op::OpCtx))
+/// must carry `state` ([`OpCtx::with_channels`](crate::op::OpCtx::with_channels)).
 pub(crate) async fn run<C, P, F, Fut>(state: &ChannelState, work: Vec<(C, P)>, body: F) -> Result<()>
 where
     C: Send,
