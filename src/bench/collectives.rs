@@ -187,7 +187,12 @@ pub(crate) fn run(args: &CollectivesArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.repeats > 0, "--repeats must be at least 1");
     anyhow::ensure!(args.worlds.iter().all(|&n| n >= 2), "--worlds must be at least 2");
     anyhow::ensure!(args.hosts >= 1 && args.worlds.iter().all(|&n| n >= args.hosts), "--hosts must be between 1 and the smallest world size");
-    anyhow::ensure!(args.host_addrs.is_empty() || args.host_addrs.len() == args.hosts, "--host-addrs names {} addresses for --hosts {}: one per host", args.host_addrs.len(), args.hosts);
+    anyhow::ensure!(
+        args.host_addrs.is_empty() || args.host_addrs.len() == args.hosts,
+        "--host-addrs names {} addresses for --hosts {}: one per host",
+        args.host_addrs.len(),
+        args.hosts
+    );
     let sizes = sizes(args);
     anyhow::ensure!(!sizes.is_empty(), "no sizes to measure");
     let refs = if args.no_references { References::default() } else { references(args, &sizes)? };
@@ -529,12 +534,7 @@ fn run_group(
         "\n{:<5} {:>2} {:<8} {:<15} {:>6} {:>2} {:>11} {:>8} {:>8} {:>13} {:>6}",
         "xport", "n", "algo", "op", "size", "ch", "time (us)", "algbw", "busbw", "limit GB/s", "ratio"
     ));
-    note(&format!(
-        "(threads {}, stripes {}, channels {})",
-        args.threads,
-        args.stripes,
-        args.channels.map_or_else(|| "default".to_string(), |c| c.to_string())
-    ));
+    note(&format!("(threads {}, stripes {}, channels {})", args.threads, args.stripes, args.channels.map_or_else(|| "default".to_string(), |c| c.to_string())));
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("rank 0 printed {line:?}"))?;
@@ -737,7 +737,13 @@ pub(super) fn write_identities(dir: &Path, world: usize) -> anyhow::Result<()> {
 
 /// This rank's QUIC transport bound on its host's address, with every rank's published address,
 /// not yet connected (the routed transport links it to the ranks of other hosts).
-async fn quic_rank_published(args: &CollectivesArgs, rank: usize, world: usize, dir: &Path, max_payload: usize) -> anyhow::Result<(QuicTransport, Vec<SocketAddr>)> {
+async fn quic_rank_published(
+    args: &CollectivesArgs,
+    rank: usize,
+    world: usize,
+    dir: &Path,
+    max_payload: usize,
+) -> anyhow::Result<(QuicTransport, Vec<SocketAddr>)> {
     let options = QuicOptions { max_payload_bytes: max_payload, ..quic_options(args) };
     let ip = args.host_addrs.get(host_of_rank(rank, world, args.hosts)).copied().unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
     bind_and_publish(dir, rank, world, options, SocketAddr::new(ip, 0)).await
