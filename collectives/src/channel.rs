@@ -73,7 +73,7 @@ const _: () = assert!(MAX_CHANNELS <= u8::MAX as usize && DEFAULT_CHANNELS >= 1 
 
 /// The element range channel `c` of `k` works on in a buffer of `len` elements: contiguous parts
 /// that tile the buffer, the first `len % k` one element longer.
-pub fn part_range(len: usize, k: usize, c: usize) -> Range<usize> {
+pub(crate) fn part_range(len: usize, k: usize, c: usize) -> Range<usize> {
     segment_range(len, k, c)
 }
 

@@ -56,7 +56,7 @@ mod shm;
 mod shm_ring;
 mod transport;
 
-pub use channel::{part_range, DEFAULT_CHANNELS, MAX_CHANNELS};
+pub use channel::{DEFAULT_CHANNELS, MAX_CHANNELS};
 pub use collective::{Collective, CollectiveGroup};
 pub use communicator::{
     AllReduceAlgorithm, CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_STORED_FRAMES, DEFAULT_OP_TIMEOUT,
