@@ -35,6 +35,15 @@
 //! at 64 MiB on 2 cores (BENCHMARKS.md, issue 20, 2026-12-04), so set `chunk_bytes`
 //! there.
 //!
+//! Channels ([`CommConfig::channels`], default 1): a flat ring all-reduce large enough that every
+//! ring still moves a full frame per rank ([`Communicator::all_reduce_channels`]) is split into
+//! that many independent rings over contiguous parts of the buffer, each an operation of its own on
+//! the wire (consecutive sequence numbers) and, on a multi-thread runtime, driven by its own thread,
+//! so copying and combining run on several cores (issue 20: one operation's task did all of it,
+//! serially with its waits). Constraints, choice and trade-offs are in `channel.rs`.
+//! `reduce_scatter` and `all_gather` keep one ring: their output is each rank's whole segment,
+//! which contiguous parts of the buffer would cut across (NCCL splits every segment instead).
+//!
 //! Cancelling an operation (dropping its future) leaves the group's sequence numbers out of step
 //! with the peers; move the group to a new generation before using it again.
 
@@ -45,6 +54,7 @@ use std::time::Duration;
 use tracing::Instrument;
 
 use crate::algo::{self, PooledVec, RsBuffers};
+use crate::channel::{self, ChannelState, DEFAULT_CHANNELS, MAX_CHANNELS};
 use crate::element::{Accumulator, Element, WireElement};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
@@ -71,6 +81,7 @@ pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_MAX_STORED_FRAMES: usize = 1 << 16;
 
 const _: () = assert!(DEFAULT_CHUNK_BYTES <= DEFAULT_MAX_PAYLOAD_BYTES);
+const _: () = assert!(MAX_CHANNELS == 16, "the validation message names the bound");
 const NO_COLOR: u32 = u32::MAX;
 
 /// Tuning and limits of an endpoint and its communicators. Must be equal on every rank.
@@ -94,6 +105,15 @@ pub struct CommConfig {
     /// `chunk_bytes`. Unlike the other fields it may differ between ranks: it only decides when a
     /// rank sends, never what.
     pub ring_window: Option<usize>,
+    /// Most independent rings (channels) a large flat ring all-reduce is split into, each over a
+    /// contiguous part of the buffer with its own sequence number and, on a multi-thread runtime,
+    /// its own thread (see `channel.rs`), 1 to [`MAX_CHANNELS`]. `None` (the default): the
+    /// transport's preference ([`crate::Transport::preferred_channels`]), else
+    /// [`DEFAULT_CHANNELS`] (1); resolved by the [`crate::Endpoint`] like `chunk_bytes`. A buffer
+    /// gets fewer channels when it is small ([`Communicator::all_reduce_channels`]). Must be equal
+    /// on every rank: a rank that splits an operation differently fails it with
+    /// [`Error::ChannelMismatch`] or the timeout.
+    pub channels: Option<usize>,
     /// Most frames parked per group waiting for their operation.
     pub max_stored_frames: usize,
     /// The host each global rank runs on (any key; equal keys mean "same machine"), one entry per
@@ -133,6 +153,7 @@ impl Default for CommConfig {
             chunk_bytes: None,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             ring_window: None,
+            channels: None,
             max_stored_frames: DEFAULT_MAX_STORED_FRAMES,
             host_of: Vec::new(),
         }
@@ -150,6 +171,12 @@ impl CommConfig {
         self.ring_window.unwrap_or(DEFAULT_RING_WINDOW)
     }
 
+    /// Most channels a large all-reduce is split into: `channels`, or [`DEFAULT_CHANNELS`] when
+    /// unset.
+    pub fn effective_channels(&self) -> usize {
+        self.channels.unwrap_or(DEFAULT_CHANNELS)
+    }
+
     /// Checks the relationships between the fields.
     pub fn validate(&self) -> Result<()> {
         if self.op_timeout.is_zero() {
@@ -163,6 +190,9 @@ impl CommConfig {
         }
         if !(1..=MAX_RING_WINDOW).contains(&self.effective_ring_window()) {
             return Err(Error::InvalidConfig { reason: "ring_window must be 1 to 64 frames" });
+        }
+        if !(1..=MAX_CHANNELS).contains(&self.effective_channels()) {
+            return Err(Error::InvalidConfig { reason: "channels must be 1 to 16" });
         }
         if self.max_stored_frames == 0 {
             return Err(Error::InvalidConfig { reason: "max_stored_frames must be positive" });
@@ -247,6 +277,10 @@ impl Communicator {
     pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let span = self.span(OpKind::AllReduce, std::mem::size_of_val(buf));
         async {
+            let channels = self.all_reduce_channels(std::mem::size_of_val(buf));
+            if channels > 1 {
+                return self.channelled_all_reduce(buf, op, channels).await;
+            }
             let mut ctx = self.begin(OpKind::AllReduce)?;
             let (rank, n) = (self.rank(), self.size());
             if n == 1 || buf.is_empty() {
@@ -256,32 +290,73 @@ impl Communicator {
             if let Some(hosts) = self.host_blocks() {
                 return self.hierarchical_all_reduce(&mut ctx, buf, op, &hosts, small).await;
             }
-            let own = self.segment(buf.len(), rank);
-            if let Some(acc) = T::as_acc_mut(&mut *buf) {
-                if small {
+            if small {
+                if let Some(acc) = T::as_acc_mut(&mut *buf) {
                     return algo::doubling_all_reduce(&mut ctx, acc, op, rank, n).await;
                 }
-                return algo::ring_all_reduce(&mut ctx, acc, op, rank, n).await;
-            }
-            if small {
                 // Small by definition: the whole buffer widened is a few hundred KiB at most.
                 let mut work: Vec<T::Acc> = buf.iter().map(|x| x.to_acc()).collect();
                 algo::doubling_all_reduce(&mut ctx, &mut work, op, rank, n).await?;
                 round_into(buf, &work);
                 return Ok(());
             }
-            // Partial sums travel in the accumulator type; only the owned segment is widened (other
-            // segments are widened piece by piece as they are sent), it is rounded once, and the
-            // all-gather moves elements of the buffer's own type.
-            let len = buf.len();
-            let pool = self.endpoint.pool();
-            let mut own_acc = PooledVec::widened(pool, &buf[own.clone()]);
-            algo::ring_reduce_scatter(&mut ctx, RsBuffers::new(buf, own_acc.as_mut_slice(), own.clone(), pool), len, op, rank, n).await?;
-            round_into(&mut buf[own], own_acc.as_slice());
-            algo::ring_all_gather(&mut ctx, buf, rank, n).await
+            self.ring_all_reduce(&mut ctx, buf, op).await
         }
         .instrument(span)
         .await
+    }
+
+    /// The flat ring all-reduce of `buf` as one operation (`ctx`).
+    async fn ring_all_reduce<T: Element>(&self, ctx: &mut OpCtx<'_>, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let (rank, n) = (self.rank(), self.size());
+        debug_assert!(n >= 2 && !buf.is_empty());
+        if let Some(acc) = T::as_acc_mut(&mut *buf) {
+            return algo::ring_all_reduce(ctx, acc, op, rank, n).await;
+        }
+        // Partial sums travel in the accumulator type; only the owned segment is widened (other
+        // segments are widened piece by piece as they are sent), it is rounded once, and the
+        // all-gather moves elements of the buffer's own type.
+        let len = buf.len();
+        let own = self.segment(len, rank);
+        let pool = self.endpoint.pool();
+        let mut own_acc = PooledVec::widened(pool, &buf[own.clone()]);
+        algo::ring_reduce_scatter(ctx, RsBuffers::new(buf, own_acc.as_mut_slice(), own.clone(), pool), len, op, rank, n).await?;
+        round_into(&mut buf[own], own_acc.as_slice());
+        algo::ring_all_gather(ctx, buf, rank, n).await
+    }
+
+    /// The flat ring all-reduce of `buf` split into `channels` rings over contiguous parts
+    /// ([`channel::part_range`]), each its own operation on the wire (consecutive sequence
+    /// numbers) and, on a multi-thread runtime, its own thread (see `channel.rs`).
+    async fn channelled_all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, channels: usize) -> Result<()> {
+        debug_assert!((2..=MAX_CHANNELS).contains(&channels) && buf.len() >= channels);
+        let state = Arc::new(ChannelState::default());
+        let ctxs = self.begin_channels(OpKind::AllReduce, channels, &state)?;
+        let len = buf.len();
+        let mut parts = Vec::with_capacity(channels);
+        let mut rest = buf;
+        for c in 0..channels {
+            let (part, tail) = rest.split_at_mut(channel::part_range(len, channels, c).len());
+            parts.push(part);
+            rest = tail;
+        }
+        debug_assert!(rest.is_empty(), "channel parts tile the buffer");
+        let work: Vec<(OpCtx<'_>, &mut [T])> = ctxs.into_iter().zip(parts).collect();
+        channel::run(&state, work, |mut ctx, part| async move { self.ring_all_reduce(&mut ctx, part, op).await }).await
+    }
+
+    /// How many channels [`all_reduce`](Self::all_reduce) splits a buffer of `bytes` bytes into:
+    /// 1 unless it runs the flat ring ([`AllReduceAlgorithm::Ring`]); else the configured count
+    /// ([`CommConfig::channels`]), reduced so that every channel's ring moves at least one full
+    /// frame per rank (`bytes / (size * chunk_bytes)`), so small rings are never split. The same on
+    /// every rank: it depends only on sizes and the config.
+    pub fn all_reduce_channels(&self, bytes: usize) -> usize {
+        if self.all_reduce_algorithm(bytes) != AllReduceAlgorithm::Ring {
+            return 1;
+        }
+        let config = self.config();
+        let per_channel_min = self.size().saturating_mul(config.effective_chunk_bytes()).max(1);
+        config.effective_channels().min(bytes / per_channel_min).clamp(1, MAX_CHANNELS)
     }
 
     /// The algorithm [`all_reduce`](Self::all_reduce) runs on a buffer of `bytes` bytes (the same on
@@ -634,6 +709,24 @@ impl Communicator {
             return Err(Error::PeerLost { rank, op });
         }
         Ok(ctx)
+    }
+
+    /// [`begin`](Self::begin) for an operation split into `channels` (at least 2): one context
+    /// per channel, on consecutive sequence numbers, sharing `state`.
+    fn begin_channels(&self, op: OpKind, channels: usize, state: &Arc<ChannelState>) -> Result<Vec<OpCtx<'_>>> {
+        let count = u8::try_from(channels).map_err(|_| Error::InvalidConfig { reason: "channels must be 1 to 16" })?;
+        let (generation, seq) = self.state.begin_collectives(u64::from(count))?;
+        let mut ctxs: Vec<OpCtx<'_>> =
+            (0..u64::from(count)).map(|c| OpCtx::new(self, op, generation, seq + c).with_channels(count, Arc::clone(state))).collect();
+        if let Some(rank) = (0..u64::from(count)).find_map(|c| self.state.lost_before(generation, seq + c)) {
+            // The whole operation fails: peers that started any of its channels may be blocked
+            // on this rank, so each channel tells them (on drop).
+            for ctx in &mut ctxs {
+                ctx.relay_loss(rank);
+            }
+            return Err(Error::PeerLost { rank, op });
+        }
+        Ok(ctxs)
     }
 
     fn begin_p2p(&self, peer: usize, sending: bool) -> Result<OpCtx<'_>> {

@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use tracing::Instrument;
 
+use crate::channel::{DEFAULT_CHANNELS, MAX_CHANNELS};
 use crate::communicator::{CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_RING_WINDOW, MAX_RING_WINDOW};
 use crate::error::{Error, Result};
 use crate::frame::Frame;
@@ -78,6 +79,9 @@ impl Endpoint {
         }
         if config.ring_window.is_none() {
             config.ring_window = Some(transport.preferred_ring_window().unwrap_or(DEFAULT_RING_WINDOW).clamp(1, MAX_RING_WINDOW));
+        }
+        if config.channels.is_none() {
+            config.channels = Some(transport.preferred_channels().unwrap_or(DEFAULT_CHANNELS).clamp(1, MAX_CHANNELS));
         }
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::InvalidConfig { reason: "endpoint must be created inside a tokio runtime" })?;
         let rank = transport.rank();

@@ -112,6 +112,20 @@ pub enum Error {
         /// The operation named in the frame.
         got: OpKind,
     },
+    /// A frame arrived for the expected slot from an operation split into a different number of
+    /// channels (rings over parts of the buffer): [`crate::CommConfig::channels`] differs between
+    /// ranks. Counts are as on the wire: 0 for an operation run as one ring.
+    #[error("channel count mismatch at sequence {seq} from rank {src}: expected {expected}, got {got}")]
+    ChannelMismatch {
+        /// Operation sequence number.
+        seq: u64,
+        /// Global rank that sent the frame.
+        src: usize,
+        /// The local operation's channel count.
+        expected: u8,
+        /// The channel count named in the frame.
+        got: u8,
+    },
     /// A frame carries a different element type than the local operation uses.
     #[error("dtype mismatch from rank {src}: expected {expected:?}, got {got:?}")]
     DTypeMismatch {

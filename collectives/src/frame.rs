@@ -16,13 +16,22 @@
 //! | 40..48 | payload length |
 //! | 48..52 | crc32 of bytes 0..48, 52..64 and (unless flag 1 is set) the payload |
 //! | 52     | flags: bit 0 = the checksum does not cover the payload; other bits zero |
-//! | 53..64 | reserved, zero |
+//! | 53     | channels: how many rings the operation was split into, 0 for one (see below) |
+//! | 54..64 | reserved, zero |
 //!
 //! The header is always checksummed. The payload is too unless the sending transport says its
 //! channel already guarantees integrity ([`crate::Transport::checks_integrity`]): shared memory and
 //! in-process channels are memory, and QUIC authenticates every packet with AES-GCM, so a corrupted
 //! byte never reaches the decoder. There the payload checksum was pure cost: reading a large tensor
 //! once more on each side (about a fifth of the CPU time of a shared-memory all-reduce).
+//!
+//! Channels (byte 53): a large all-reduce may run as several independent rings over parts of the
+//! buffer, each with a sequence number of its own (`crate::CommConfig::channels`). Every frame of
+//! such an operation names the channel count, so a rank whose count differs (a config mismatch)
+//! fails with a typed error ([`Error::ChannelMismatch`]) instead of matching frames of another
+//! shape. Operations on one ring write 0 there, so their frames are byte for byte those of a build
+//! without channels (which read byte 53 as reserved, and so refuse channelled frames with
+//! [`Error::ReservedNonZero`]); the version stays 2.
 //!
 //! Decision: DESIGN.md suggests an rkyv header. The header is eleven fixed-width scalars and never
 //! grows variable-length fields, so a hand-written fixed layout gives the same zero-copy access with
@@ -54,9 +63,10 @@ pub const FLAG_HEADER_ONLY_CHECKSUM: u8 = 1;
 const CHECKSUM_RANGE: std::ops::Range<usize> = 48..52;
 const FLAGS: usize = 52;
 const KNOWN_FLAGS: u8 = FLAG_HEADER_ONLY_CHECKSUM;
-const RESERVED_RANGE: std::ops::Range<usize> = 53..64;
+const CHANNELS: usize = 53;
+const RESERVED_RANGE: std::ops::Range<usize> = 54..64;
 const _: () = assert!(RESERVED_RANGE.end == HEADER_LEN);
-const _: () = assert!(CHECKSUM_RANGE.end == FLAGS && FLAGS + 1 == RESERVED_RANGE.start);
+const _: () = assert!(CHECKSUM_RANGE.end == FLAGS && FLAGS + 1 == CHANNELS && CHANNELS + 1 == RESERVED_RANGE.start);
 // Payload bytes are reinterpreted as host elements; the wire format is little-endian.
 const _: () = assert!(cfg!(target_endian = "little"));
 
@@ -105,6 +115,9 @@ pub struct FrameHeader {
     pub dtype: Option<DType>,
     /// Payload length in bytes.
     pub payload_len: u64,
+    /// How many channels (rings over parts of the buffer, each its own sequence number) the
+    /// operation was split into; 0 for an operation run as one.
+    pub channels: u8,
 }
 
 /// A received frame: its header and the buffer that holds header and payload.
@@ -445,6 +458,7 @@ pub fn decode_header(bytes: &[u8], max_payload: usize) -> Result<FrameHeader> {
         op,
         dtype,
         payload_len,
+        channels: header[CHANNELS],
     })
 }
 
@@ -487,6 +501,7 @@ fn write_header(out: &mut [u8], h: &FrameHeader, payload_len: u64) {
     out[40..48].copy_from_slice(&payload_len.to_le_bytes());
     out[CHECKSUM_RANGE].fill(0);
     out[FLAGS] = 0;
+    out[CHANNELS] = h.channels;
     out[RESERVED_RANGE].fill(0);
 }
 
@@ -526,7 +541,7 @@ mod tests {
     use super::*;
 
     fn sample() -> FrameHeader {
-        FrameHeader { group: 7, generation: 3, seq: 42, op: OpKind::AllReduce, chunk: 5, src: 2, dtype: Some(DType::F32), payload_len: 0 }
+        FrameHeader { group: 7, generation: 3, seq: 42, op: OpKind::AllReduce, chunk: 5, src: 2, dtype: Some(DType::F32), payload_len: 0, channels: 0 }
     }
 
     // Goal: encode then decode gives back every header field and the payload bytes.
@@ -538,6 +553,22 @@ mod tests {
         let frame = Frame::decode(buf, 1 << 20).unwrap();
         assert_eq!(frame.header, FrameHeader { payload_len: 100, ..sample() });
         assert_eq!(frame.payload(), &payload[..]);
+    }
+
+    // Goal: the channel count travels in byte 53, and an operation on one ring (0) leaves the
+    // header as a build without channels wrote it (byte 53 zero, the same checksum).
+    #[test]
+    fn channels_byte() {
+        let split = FrameHeader { channels: 4, ..sample() };
+        let bytes = encode_header(&split, &[]);
+        assert_eq!(bytes[CHANNELS], 4);
+        assert_eq!(decode(&bytes, 1 << 20).unwrap(), split);
+        let one = encode_header(&sample(), &[]);
+        assert_eq!(one[CHANNELS], 0);
+        assert_ne!(one, bytes);
+        let mut forged = one;
+        forged[CHANNELS] = 4;
+        assert!(matches!(decode(&forged, 1 << 20), Err(Error::ChecksumMismatch { .. })), "the checksum covers the byte");
     }
 
     // Goal: a flipped payload bit is caught by the checksum.

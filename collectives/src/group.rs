@@ -152,12 +152,19 @@ impl GroupState {
     /// The sequence number is taken even when the operation then cannot run (see
     /// [`lost_before`](Self::lost_before)), so the failing rank can name it to its peers.
     pub(crate) fn begin_collective(&self) -> Result<(u64, u64)> {
+        self.begin_collectives(1)
+    }
+
+    /// [`begin_collective`](Self::begin_collective) for an operation split into `count` channels:
+    /// takes `count` consecutive sequence numbers at once and returns the first.
+    pub(crate) fn begin_collectives(&self, count: u64) -> Result<(u64, u64)> {
+        debug_assert!(count >= 1, "an operation takes at least one sequence number");
         let mut inner = self.lock();
         if inner.closed {
             return Err(Error::TransportClosed);
         }
         let seq = inner.next_seq;
-        inner.next_seq += 1;
+        inner.next_seq += count;
         Ok((inner.generation, seq))
     }
 

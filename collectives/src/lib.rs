@@ -20,7 +20,8 @@
 //! does not already guarantee integrity. QUIC on loopback uses 64 KB packets, large socket buffers
 //! and AES-128-GCM. `reduce_scatter`, `reduce` and bf16 all-reduces read the caller's buffer where
 //! it is (only the owned segment is copied, as accumulators); `reduce_scatter_in_place` and
-//! `all_gather_in_place` need no second buffer at all. With a host map
+//! `all_gather_in_place` need no second buffer at all. A large all-reduce may be split into several
+//! independent rings driven by their own threads ([`CommConfig::channels`]). With a host map
 //! ([`CommConfig::host_of`]), `all_reduce` goes hierarchical (within hosts, then across).
 //!
 //! Communicators are used through the [`Collective`] / [`CollectiveGroup`] traits by code that should
@@ -34,6 +35,7 @@
 //! so nobody waits for the timeout.
 
 mod algo;
+mod channel;
 mod collective;
 mod communicator;
 mod element;
@@ -54,6 +56,7 @@ mod shm;
 mod shm_ring;
 mod transport;
 
+pub use channel::{DEFAULT_CHANNELS, MAX_CHANNELS};
 pub use collective::{Collective, CollectiveGroup};
 pub use communicator::{
     AllReduceAlgorithm, CommConfig, Communicator, DEFAULT_CHUNK_BYTES, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MAX_STORED_FRAMES, DEFAULT_OP_TIMEOUT,

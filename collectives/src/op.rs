@@ -7,9 +7,11 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
+use std::sync::Arc;
 
 use rtx_kernels::DType;
 
+use crate::channel::ChannelState;
 use crate::communicator::Communicator;
 use crate::element::{combine_into_bytes, combine_parts, combine_parts_to, copy_parts, round_parts, Accumulator, Element, WireElement};
 use crate::error::{Error, Result};
@@ -34,6 +36,10 @@ pub(crate) struct OpCtx<'a> {
     /// While set (see [`set_view`](Self::set_view)), the ranks the send and receive steps take
     /// are indices into this list of group ranks.
     view: Option<Vec<usize>>,
+    /// The channel count every frame of this operation names (see [`with_channels`](Self::with_channels)).
+    channels: u8,
+    /// For one channel of a split operation: what its channels share (a sibling's failure).
+    siblings: Option<Arc<ChannelState>>,
 }
 
 #[derive(Default)]
@@ -58,7 +64,32 @@ const LENT_HELD_MAX: usize = 2;
 impl<'a> OpCtx<'a> {
     pub(crate) fn new(comm: &'a Communicator, op: OpKind, generation: u64, seq: u64) -> Self {
         let lane = if op == OpKind::Send { Lane::PointToPoint } else { Lane::Collective };
-        OpCtx { comm, op, lane, generation, seq, sent: BTreeMap::new(), received: BTreeMap::new(), posted: BTreeMap::new(), relay: None, view: None }
+        OpCtx {
+            comm,
+            op,
+            lane,
+            generation,
+            seq,
+            sent: BTreeMap::new(),
+            received: BTreeMap::new(),
+            posted: BTreeMap::new(),
+            relay: None,
+            view: None,
+            channels: 0,
+            siblings: None,
+        }
+    }
+
+    /// This operation as one channel of a collective split into `channels` rings (see
+    /// `channel.rs`): its frames name the count, and frames naming another count fail the
+    /// receive with [`Error::ChannelMismatch`]; if it is dropped unfinished after a sibling
+    /// channel failed for a lost member, it tells the group like a channel that saw the loss
+    /// itself (see [`relay_loss`](Self::relay_loss)).
+    pub(crate) fn with_channels(mut self, channels: u8, siblings: Arc<ChannelState>) -> Self {
+        debug_assert!(channels >= 2, "an operation run as one ring writes 0");
+        self.channels = channels;
+        self.siblings = Some(siblings);
+        self
     }
 
     /// Notes that this collective failed because member `lost` (global rank) is gone, unless a
@@ -156,6 +187,7 @@ impl<'a> OpCtx<'a> {
             src: group.members[group.my_index] as u32,
             dtype,
             payload_len: payload_len as u64,
+            channels: self.channels,
         };
         (peer, header)
     }
@@ -266,6 +298,9 @@ impl<'a> OpCtx<'a> {
         if h.op != self.op {
             return Err(Error::OpMismatch { seq: self.seq, src, expected: self.op, got: h.op });
         }
+        if h.channels != self.channels {
+            return Err(Error::ChannelMismatch { seq: self.seq, src, expected: self.channels, got: h.channels });
+        }
         if h.dtype != dtype {
             return Err(Error::DTypeMismatch { src, expected: dtype, got: h.dtype });
         }
@@ -349,7 +384,13 @@ impl Drop for OpCtx<'_> {
                 group.cancel(key);
             }
         }
-        if let Some(lost) = self.relay {
+        let relay = self.relay.or_else(|| {
+            // Cancelled because a sibling channel failed: peers blocked on this channel's frames
+            // learn of the loss from here, as they would have from the sibling's relay.
+            let lost = self.siblings.as_ref()?.lost()?;
+            (self.lane == Lane::Collective && !group.is_aborted(self.generation, self.seq)).then_some(lost)
+        });
+        if let Some(lost) = relay {
             self.send_aborts(lost);
         }
     }
@@ -373,6 +414,7 @@ impl OpCtx<'_> {
             src: me as u32,
             dtype: None,
             payload_len: 0,
+            channels: 0,
         };
         let header = encode_header(&header, &[]);
         let timeout = self.comm.config().op_timeout;

@@ -81,7 +81,12 @@ impl RoutedTransport {
     /// `addrs`, both at once. Fails with [`Error::InvalidConfig`] when `host_of` does not name
     /// every rank of the world.
     #[cfg(all(feature = "quic", feature = "shm"))]
-    pub async fn connect_over_quic(quic: Arc<crate::QuicTransport>, addrs: &[std::net::SocketAddr], host_of: &[u32], shm: crate::ShmOptions) -> Result<RoutedTransport> {
+    pub async fn connect_over_quic(
+        quic: Arc<crate::QuicTransport>,
+        addrs: &[std::net::SocketAddr],
+        host_of: &[u32],
+        shm: crate::ShmOptions,
+    ) -> Result<RoutedTransport> {
         let (rank, world) = (quic.rank(), quic.world_size());
         if host_of.len() != world {
             return Err(Error::InvalidConfig { reason: "the host map must name the machine of every rank" });
@@ -260,6 +265,12 @@ impl Transport for RoutedTransport {
 
     fn preferred_chunk_bytes(&self) -> Option<usize> {
         let (local, network) = (self.local.preferred_chunk_bytes(), self.network.preferred_chunk_bytes());
+        (local == network).then_some(local).flatten()
+    }
+
+    fn preferred_channels(&self) -> Option<usize> {
+        // As for frames: a preference only where both halves share it.
+        let (local, network) = (self.local.preferred_channels(), self.network.preferred_channels());
         (local == network).then_some(local).flatten()
     }
 

@@ -26,7 +26,8 @@
 //! sleeps. [`Transport::checks_integrity`] says the channel already guarantees unaltered bytes, so
 //! payloads need no checksum. [`Transport::preferred_chunk_bytes`] and
 //! [`Transport::preferred_ring_window`] are the frame size and send-ahead depth the transport moves
-//! best, for an endpoint whose config leaves them unset.
+//! best, and [`Transport::preferred_channels`] the rings a large all-reduce is split into, for an
+//! endpoint whose config leaves them unset.
 
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
@@ -128,6 +129,16 @@ pub trait Transport: Send + Sync + 'static {
     /// spend long in flight (QUIC: packetised, sealed and opened by other tasks) needs more of them
     /// on the way to keep its cores busy.
     fn preferred_ring_window(&self) -> Option<usize> {
+        None
+    }
+
+    /// Into how many independent rings (channels, each driven by its own thread on a multi-thread
+    /// runtime) a large ring all-reduce should be split, if this transport has a preference: an
+    /// [`crate::Endpoint`] whose [`crate::CommConfig::channels`] is unset uses it. It must be the
+    /// same on every rank, like the config. The default (`None`) means
+    /// [`crate::DEFAULT_CHANNELS`] (one ring); no transport asks for more until measurements on
+    /// hosts with cores to spare say so.
+    fn preferred_channels(&self) -> Option<usize> {
         None
     }
 

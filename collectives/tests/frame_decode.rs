@@ -35,7 +35,7 @@ fn runner(seed: u64, cases: u32) -> TestRunner {
 }
 
 fn header() -> FrameHeader {
-    FrameHeader { group: 9, generation: 4, seq: 17, op: OpKind::ReduceScatter, chunk: 3, src: 1, dtype: Some(DType::BF16), payload_len: 0 }
+    FrameHeader { group: 9, generation: 4, seq: 17, op: OpKind::ReduceScatter, chunk: 3, src: 1, dtype: Some(DType::BF16), payload_len: 0, channels: 0 }
 }
 
 fn valid_frame(payload: &[u8]) -> Vec<u8> {
@@ -98,7 +98,7 @@ fn mutated_frames_are_rejected() {
     runner(seed ^ 2, cases(3000))
         .run(&strategy, |(payload, (group, generation, seq, op, chunk, src, dtype), flips, resize)| {
             let dtypes = [None, Some(DType::F32), Some(DType::F64), Some(DType::BF16), Some(DType::U32)];
-            let h = FrameHeader { group, generation, seq, op: OPS[op], chunk, src, dtype: dtypes[dtype], payload_len: 0 };
+            let h = FrameHeader { group, generation, seq, op: OPS[op], chunk, src, dtype: dtypes[dtype], payload_len: 0, channels: 0 };
             let mut bytes = encode(&BufferPool::new(), &h, &payload).to_vec();
             prop_assert_eq!(decode(&bytes, CAP).unwrap(), FrameHeader { payload_len: payload.len() as u64, ..h });
             let len = bytes.len();
@@ -139,7 +139,7 @@ fn header_only_checksum_frames() {
     );
     runner(seed ^ 3, cases(3000))
         .run(&strategy, |(payload, (group, seq, chunk, op), (at, xor), payload_flips)| {
-            let h = FrameHeader { group, generation: 1, seq, op: OPS[op], chunk, src: 0, dtype: Some(DType::F32), payload_len: 0 };
+            let h = FrameHeader { group, generation: 1, seq, op: OPS[op], chunk, src: 0, dtype: Some(DType::F32), payload_len: 0, channels: 0 };
             let mut bytes = encode_header_only_checksum(&h, payload.len()).to_vec();
             bytes.extend_from_slice(&payload);
             prop_assert_eq!(decode(&bytes, CAP).unwrap(), FrameHeader { payload_len: payload.len() as u64, ..h });
@@ -228,7 +228,7 @@ async fn endpoint_drops_and_counts_malformed_frames() {
     let mut truncated = valid_frame(&[0; 16]);
     truncated.truncate(HEADER_LEN + 3);
     rogue.send(0, PooledBuf::unpooled(truncated)).await.unwrap();
-    let forged = FrameHeader { group: 5, generation: 0, seq: 0, op: OpKind::AllReduce, chunk: 0, src: 1, dtype: Some(DType::F32), payload_len: 0 };
+    let forged = FrameHeader { group: 5, generation: 0, seq: 0, op: OpKind::AllReduce, chunk: 0, src: 1, dtype: Some(DType::F32), payload_len: 0, channels: 0 };
     rogue.send(0, encode(&BufferPool::new(), &forged, &[0; 16])).await.unwrap();
     // A valid frame from the rogue itself, for a group it is not in.
     let foreign = FrameHeader { src: 2, ..forged };

@@ -222,7 +222,7 @@ async fn transport_pair(job: &str) -> (Arc<ShmTransport>, Arc<ShmTransport>) {
 }
 
 fn frame_header(src: u32, payload_len: usize) -> [u8; 64] {
-    let header = FrameHeader { group: 0, generation: 0, seq: 0, op: OpKind::Send, chunk: 0, src, dtype: Some(DType::F32), payload_len: 0 };
+    let header = FrameHeader { group: 0, generation: 0, seq: 0, op: OpKind::Send, chunk: 0, src, dtype: Some(DType::F32), payload_len: 0, channels: 0 };
     encode_header_only_checksum(&header, payload_len)
 }
 

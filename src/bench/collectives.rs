@@ -121,6 +121,11 @@ pub struct CollectivesArgs {
     /// the same number so the connections' drivers run on separate cores.
     #[arg(long, default_value_t = 1)]
     pub stripes: usize,
+    /// Override `CommConfig::channels`: most independent rings a large all_reduce is split into,
+    /// each driven by its own thread on a multi-thread runtime (`--threads` 2 or more); unset, the
+    /// transport's preference (1). The `ch` column shows what each size got.
+    #[arg(long)]
+    pub channels: Option<usize>,
     /// Hosts the ranks are spread over, in contiguous blocks (rank r is on host r * hosts / n):
     /// sets `CommConfig::host_of`, so `all_reduce` is hierarchical, and decides which ranks the
     /// `routed` transport connects through shared memory.
@@ -506,6 +511,7 @@ fn run_group(
             ("--small-message-bytes", small),
             ("--chunk-bytes", args.chunk_bytes),
             ("--ring-window", args.ring_window),
+            ("--channels", args.channels),
             ("--quic-datagram", args.quic_datagram.map(usize::from)),
             ("--quic-window", args.quic_window),
             ("--quic-network-datagram", args.quic_network_datagram.map(usize::from)),
@@ -525,9 +531,10 @@ fn run_group(
     let stdout = ranks.0[0].stdout.take().context("rank 0 stdout")?;
     let mut rows = Vec::new();
     note(&format!(
-        "\n{:<5} {:>2} {:<8} {:<15} {:>6} {:>11} {:>8} {:>8} {:>13} {:>6}",
-        "xport", "n", "algo", "op", "size", "time (us)", "algbw", "busbw", "limit GB/s", "ratio"
+        "\n{:<5} {:>2} {:<8} {:<15} {:>6} {:>2} {:>11} {:>8} {:>8} {:>13} {:>6}",
+        "xport", "n", "algo", "op", "size", "ch", "time (us)", "algbw", "busbw", "limit GB/s", "ratio"
     ));
+    note(&format!("(threads {}, stripes {}, channels {})", args.threads, args.stripes, args.channels.map_or_else(|| "default".to_string(), |c| c.to_string())));
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("rank 0 printed {line:?}"))?;
@@ -550,13 +557,15 @@ fn run_group(
         };
         let ratio = if limit > 0.0 { busbw / limit } else { f64::NAN };
         let tcp_ratio = if refs.tcp_gbps > 0.0 { busbw / refs.tcp_gbps } else { f64::NAN };
+        let channels = v["channels"].as_u64().unwrap_or(1);
         note(&format!(
-            "{:<5} {:>2} {:<8} {:<15} {:>6} {:>11.1} {:>8.3} {:>8.3} {:>6} {:>6.2} {:>6.2}",
+            "{:<5} {:>2} {:<8} {:<15} {:>6} {:>2} {:>11.1} {:>8.3} {:>8.3} {:>6} {:>6.2} {:>6.2}",
             transport_name(transport),
             world,
             algo,
             op_name(op),
             human(bytes),
+            channels,
             stats.median,
             algbw,
             busbw,
@@ -566,6 +575,7 @@ fn run_group(
         ));
         emit(json!({
             "bench": "collectives", "transport": transport_name(transport), "world": world, "algo": algo, "op": op_name(op), "bytes": bytes,
+            "channels": channels, "threads": args.threads, "stripes": args.stripes,
             "time_us": round3(stats.median), "min_us": round3(stats.min), "max_us": round3(stats.max), "repeats": stats.n,
             "iters": v["iters"], "algbw_gbps": round3(algbw), "busbw_gbps": round3(busbw), "limit": limit_name, "limit_gbps": round3(limit),
             "ratio": if ratio.is_finite() { json!(round3(ratio)) } else { json!(null) },
@@ -635,6 +645,9 @@ fn comm_config(args: &CollectivesArgs, world: usize) -> CommConfig {
     }
     if let Some(w) = args.ring_window {
         config.ring_window = Some(w);
+    }
+    if let Some(c) = args.channels {
+        config.channels = Some(c);
     }
     if let Some(c) = args.chunk_bytes {
         config.chunk_bytes = Some(c);
@@ -816,7 +829,8 @@ async fn measure(comm: &Communicator, args: &CollectivesArgs, op: CollectiveOp, 
     }
     if rank == 0 {
         let samples: Vec<f64> = samples.into_iter().map(round3).collect();
-        emit(json!({"op": op_name(op), "bytes": bytes, "iters": iters[0], "samples_us": samples}));
+        let channels = if op == CollectiveOp::AllReduce { comm.all_reduce_channels(bytes) } else { 1 };
+        emit(json!({"op": op_name(op), "bytes": bytes, "iters": iters[0], "samples_us": samples, "channels": channels}));
         std::io::stdout().flush()?;
     }
     Ok(())

@@ -12,7 +12,8 @@ fn options(job: &str) -> ShmOptions {
 }
 
 fn frame_header(src: u32, payload_len: usize) -> [u8; HEADER_LEN] {
-    let header = FrameHeader { group: 0, generation: 0, seq: 0, op: OpKind::Send, chunk: 0, src, dtype: Some(rtx_kernels::DType::F32), payload_len: 0 };
+    let header =
+        FrameHeader { group: 0, generation: 0, seq: 0, op: OpKind::Send, chunk: 0, src, dtype: Some(rtx_kernels::DType::F32), payload_len: 0, channels: 0 };
     encode_header_only_checksum(&header, payload_len)
 }
 
