@@ -298,8 +298,11 @@ impl JobFiles {
             let key = if self.config.parallel.zero == 3 { ("parallel.zero", "3") } else { ("elastic.sharding", "\"zero3\"") };
             zero3_refusal(&self.config).map_or(Ok(()), |allowed| Err(ConfigError::Invalid { origin: String::new(), key: key.0.into(), value: key.1.into(), allowed }))?;
         }
-        if elastic.sharding.shards_optimizer() && self.config.train.device == crate::config::DeviceKind::Cuda {
-            bail!("elastic.sharding = \"{}\" shards host buckets; with train.device = \"cuda\" use the replicated default (gradients are staged through host buffers)", elastic.sharding.name());
+        // ZeRO-1/2 on the GPU: the shard's optimizer state lives on the device, gradients and
+        // parameters are staged through host buffers (`rtx_pipelines` `data_parallel.rs`, "ZeRO
+        // on staged parameters"). ZeRO-3 gathers host parameter segments.
+        if elastic.sharding == DpSharding::Zero3 && self.config.train.device == crate::config::DeviceKind::Cuda {
+            bail!("elastic.sharding = \"zero3\" shards host parameters; with train.device = \"cuda\" use \"zero1\", \"zero2\" or the replicated default");
         }
         Ok(elastic)
     }

@@ -755,26 +755,31 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
             return Ok(StepStats { step, loss: loss_value.item()?, n_buckets, overlapped_buckets: 0, flushed_buckets: 0, grad_norm });
         }
         let zero2 = self.config.sharding == Sharding::Zero2;
-        let shard = match &self.updater {
-            Updater::Replicated { .. } => None,
-            Updater::Sharded(shard) => Some(shard),
-        };
-        // Bucket i is reduced by the communication thread while bucket i + 1 is copied.
-        let mut submitted = 0;
-        let mut failure = None;
-        for bucket in 0..n_buckets {
-            let began = Instant::now();
-            let handed = download_staged(staging, &self.buckets, bucket, zero2)
-                .and_then(|()| self.reducer.submit(gradient_job(step, bucket, &self.buckets, shard, zero2)));
-            spans.push(("download", Some(bucket), began, Instant::now()));
-            match handed {
-                Ok(()) => submitted += 1,
-                Err(e) => {
-                    failure = Some(e);
-                    break;
+        // Bucket i is reduced by the communication thread while bucket i + 1 is copied. (The
+        // shard is borrowed in this block only: the step's future holds no `&O` across an await,
+        // so it is `Send` for any `Send` optimizer.)
+        let (submitted, failure) = {
+            let shard = match &self.updater {
+                Updater::Replicated { .. } => None,
+                Updater::Sharded(shard) => Some(shard),
+            };
+            let mut submitted = 0;
+            let mut failure = None;
+            for bucket in 0..n_buckets {
+                let began = Instant::now();
+                let handed = download_staged(staging, &self.buckets, bucket, zero2)
+                    .and_then(|()| self.reducer.submit(gradient_job(step, bucket, &self.buckets, shard, zero2)));
+                spans.push(("download", Some(bucket), began, Instant::now()));
+                match handed {
+                    Ok(()) => submitted += 1,
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
                 }
             }
-        }
+            (submitted, failure)
+        };
         let wait_began = Instant::now();
         let reports = wait_reports(&self.reducer, step, submitted, if traced { self.trace.as_mut() } else { None }).await;
         if let Some(e) = failure {
