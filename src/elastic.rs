@@ -298,9 +298,9 @@ impl JobFiles {
             let key = if self.config.parallel.zero == 3 { ("parallel.zero", "3") } else { ("elastic.sharding", "\"zero3\"") };
             zero3_refusal(&self.config).map_or(Ok(()), |allowed| Err(ConfigError::Invalid { origin: String::new(), key: key.0.into(), value: key.1.into(), allowed }))?;
         }
-        if elastic.sharding.shards_optimizer() && self.config.train.device == crate::config::DeviceKind::Cuda {
-            bail!("elastic.sharding = \"{}\" shards host buckets; with train.device = \"cuda\" use the replicated default (gradients are staged through host buffers)", elastic.sharding.name());
-        }
+        // ZeRO-1/2 run on the GPU too: the shard's optimizer state lives on the device, gradients
+        // and parameters are staged through host buffers (`rtx_pipelines` `data_parallel.rs`,
+        // "ZeRO on staged parameters"). ZeRO-3 on the GPU is refused by `zero3_refusal` above.
         Ok(elastic)
     }
 

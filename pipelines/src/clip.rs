@@ -3,7 +3,8 @@
 //! whole model.
 //!
 //! Each rank's [`ParamShard`] sums the squares of its gradient segments in f64
-//! ([`ParamShard::grad_sum_squares`]). The segments of a group's ranks tile every bucket exactly
+//! ([`ParamShard::grad_sum_squares`]; a shard on a device sums its host landing segments, so the
+//! arithmetic is the host shard's, and scales them there before uploading). The segments of a group's ranks tile every bucket exactly
 //! once and buckets hold no padding, so these shares add up to the squared norm of the whole
 //! averaged gradient, every element counted once (a tied embedding and head is one parameter, in
 //! one segment). One small collective per step all-gathers the `n` shares (one f64 each); every

@@ -72,8 +72,25 @@
 //! the parameters' gradients, and the optimizer steps on the device. Collectives, their order and
 //! their bits are those of the bucket path, so replicas stay bit-identical; what is lost is the
 //! overlap with backward (the copies wait for the device), which the all-reduce of bucket `i`
-//! regains partly by running while bucket `i + 1` is copied. ZeRO-1 needs host buckets and is
-//! refused for staged parameters ([`Error::ShardedDevice`]).
+//! regains partly by running while bucket `i + 1` is copied.
+//!
+//! # ZeRO on staged parameters
+//!
+//! [`Sharding::Zero1`] and [`Sharding::Zero2`] work on staged parameters too. Gradients are
+//! downloaded into the mirror bucket by bucket as above, but each bucket's collective is the
+//! ZeRO reduce-scatter into this rank's [`ParamShard`], whose slices, optimizer and optimizer
+//! state live on the parameters' device ([`ParamShard::new_on`]; the module doc of
+//! [`crate::param_shard`] records the decision): on a GPU a rank holds `1/n` of the optimizer
+//! state and AdamW (f32 master weights for bf16 parameters) runs there. After the reports, the
+//! averaged segments are clipped by the model's norm on the host ([`crate::clip`], the same
+//! arithmetic as the host path), uploaded and stepped on the device; the updated segments come
+//! back into the mirror's parameter buckets, which are all-gathered on the host, and the module's
+//! parameters are updated in place from the mirror (`Staging::install_params`, one upload per
+//! bucket). Under ZeRO-2 each parameter's gradient is released right after its bucket's download
+//! and the mirror's flat gradient by its reduce-scatter, so between steps a rank keeps only the
+//! gradient segments. On the CPU every copy is exact: the bits are the host-bucket engine's ZeRO-1
+//! (`tests/dp_staging_zero.rs`). A sharded group of one runs its collectives (copies) like a
+//! larger one, as the host path does.
 //!
 //! # Reduction on the device
 //!
@@ -104,8 +121,9 @@
 //! [`Error::Broken`]) are shared. *Cons:* no communication thread, so, as in inline mode, the
 //! caller's tokio runtime must run [`DataParallel::step_async`] and drive the reducer's
 //! communicator; and no overlap with backward (NCCL would run on the compute stream anyway;
-//! overlapping needs a second stream and events, a later step). ZeRO-1/2 shard host buckets and
-//! are refused ([`Error::ShardedDeviceReduce`]).
+//! overlapping needs a second stream and events, a later step). ZeRO-1/2 on this path need
+//! device reduce-scatter and all-gather, not written yet, and are refused
+//! ([`Error::ShardedDeviceReduce`]).
 //!
 //! # Failure
 //!
@@ -341,9 +359,6 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         if device == Device::Cpu && !config.host_staging {
             return Ok((ParamBuckets::new(model, config.bucket_bytes_max)?, None));
         }
-        if config.sharding != Sharding::Replicated {
-            return Err(Error::ShardedDevice { device });
-        }
         let staging = Staging::new(model, config.bucket_bytes_max)?;
         debug_assert_eq!(staging.device(), device, "staging: the mirror's device is the model's");
         Ok((staging.buckets().clone(), Some(staging)))
@@ -386,8 +401,12 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                 check_optimizer_params(&optimizer, &slices)?;
                 Updater::Replicated { optimizer, slices }
             }
-            // After the broadcast: the shard copies this rank's segments of rank 0's parameters.
-            Sharding::Zero1 | Sharding::Zero2 => Updater::Sharded(ParamShard::new(&buckets, reducer.rank(), reducer.size(), make_optimizer)?),
+            // After the broadcast: the shard copies this rank's segments of rank 0's parameters
+            // (staged: from the mirror, onto the parameters' device).
+            Sharding::Zero1 | Sharding::Zero2 => Updater::Sharded(match &staging {
+                None => ParamShard::new(&buckets, reducer.rank(), reducer.size(), make_optimizer)?,
+                Some(staging) => ParamShard::new_on(staging.device(), &buckets, reducer.rank(), reducer.size(), make_optimizer)?,
+            }),
         };
         if config.sharding == Sharding::Zero2 {
             // ZeRO-2 keeps no full gradient between steps; backward makes fresh leaf gradients.
@@ -528,14 +547,15 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     pub fn memory(&self) -> Result<crate::memory::MemoryPerRank> {
         let bytes = |s: &rtx_tensor::Storage, dtype: rtx_tensor::DType| s.len() * dtype.size_in_bytes();
         let (mut params_bytes, mut grads_bytes, mut grads_peak_bytes) = (0, 0, 0);
-        for (bucket, b) in self.buckets.buckets().iter().enumerate() {
+        for b in self.buckets.buckets() {
             params_bytes += bytes(b.param_storage(), b.dtype());
             grads_bytes += bytes(b.grad_storage(), b.dtype());
             grads_peak_bytes += b.size_bytes();
-            if let Updater::Sharded(shard) = &self.updater {
-                params_bytes += bytes(shard.param_storage(bucket), b.dtype());
-                grads_bytes += bytes(shard.grad_storage(bucket), b.dtype());
-            }
+        }
+        if let Updater::Sharded(shard) = &self.updater {
+            let (shard_params, shard_grads) = shard.bytes();
+            params_bytes += shard_params;
+            grads_bytes += shard_grads;
         }
         let optimizer_bytes = crate::memory::optimizer_bytes(self.optimizer())?;
         Ok(crate::memory::MemoryPerRank { params_bytes, grads_bytes, optimizer_bytes, gathered_peak_bytes: 0, grads_peak_bytes })
@@ -726,54 +746,90 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
         let mut spans: Vec<HostSpan> = Vec::new();
         let loss_value = forward_backward_in_place(staging, &mut self.model, forward, &mut spans)?;
         let n_buckets = self.buckets.buckets().len();
-        if self.reducer.size() == 1 {
+        if let (1, Updater::Replicated { optimizer, slices }) = (self.reducer.size(), &mut self.updater) {
             // A group of one: the gradients are their own average; nothing to copy or reduce.
-            return match &mut self.updater {
-                Updater::Replicated { optimizer, slices } => {
-                    let grad_norm = self.config.grad_clip.map(|max| clip_whole(slices, max)).transpose()?;
-                    optimizer.step()?;
-                    Ok(StepStats { step, loss: loss_value.item()?, n_buckets, overlapped_buckets: 0, flushed_buckets: 0, grad_norm })
-                }
-                Updater::Sharded(_) => Err(Error::ShardedDevice { device: staging.device() }),
-            };
+            // (A sharded group of one runs the collectives below, copies at one rank, as the
+            // bucket path's ZeRO does.)
+            let grad_norm = self.config.grad_clip.map(|max| clip_whole(slices, max)).transpose()?;
+            optimizer.step()?;
+            return Ok(StepStats { step, loss: loss_value.item()?, n_buckets, overlapped_buckets: 0, flushed_buckets: 0, grad_norm });
         }
-        // Bucket i is reduced by the communication thread while bucket i + 1 is copied.
-        let mut submitted = 0;
-        let mut failure = None;
-        for bucket in 0..n_buckets {
-            let began = Instant::now();
-            let handed = staging.download_bucket(bucket).and_then(|()| self.reducer.submit(gradient_job::<O>(step, bucket, &self.buckets, None, false)));
-            spans.push(("download", Some(bucket), began, Instant::now()));
-            match handed {
-                Ok(()) => submitted += 1,
-                Err(e) => {
-                    failure = Some(e);
-                    break;
+        let zero2 = self.config.sharding == Sharding::Zero2;
+        // Bucket i is reduced by the communication thread while bucket i + 1 is copied. (The
+        // shard is borrowed in this block only: the step's future holds no `&O` across an await,
+        // so it is `Send` for any `Send` optimizer.)
+        let (submitted, failure) = {
+            let shard = match &self.updater {
+                Updater::Replicated { .. } => None,
+                Updater::Sharded(shard) => Some(shard),
+            };
+            let mut submitted = 0;
+            let mut failure = None;
+            for bucket in 0..n_buckets {
+                let began = Instant::now();
+                let handed = download_staged(staging, &self.buckets, bucket, zero2)
+                    .and_then(|()| self.reducer.submit(gradient_job(step, bucket, &self.buckets, shard, zero2)));
+                spans.push(("download", Some(bucket), began, Instant::now()));
+                match handed {
+                    Ok(()) => submitted += 1,
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
                 }
             }
-        }
+            (submitted, failure)
+        };
         let wait_began = Instant::now();
         let reports = wait_reports(&self.reducer, step, submitted, if traced { self.trace.as_mut() } else { None }).await;
         if let Some(e) = failure {
             return Err(e);
         }
         reports?;
-        let upload_began = Instant::now();
-        spans.push(("gradient wait", None, wait_began, upload_began));
-        staging.upload_grads()?;
-        let optimizer_began = Instant::now();
-        spans.push(("upload", None, upload_began, optimizer_began));
         let grad_norm = match &mut self.updater {
             Updater::Replicated { optimizer, slices } => {
+                let upload_began = Instant::now();
+                spans.push(("gradient wait", None, wait_began, upload_began));
+                staging.upload_grads()?;
+                let optimizer_began = Instant::now();
+                spans.push(("upload", None, upload_began, optimizer_began));
                 let grad_norm = self.config.grad_clip.map(|max| clip_whole(slices, max)).transpose()?;
                 optimizer.step()?;
+                spans.push(("optimizer", None, optimizer_began, Instant::now()));
                 grad_norm
             }
-            Updater::Sharded(_) => return Err(Error::ShardedDevice { device: staging.device() }),
+            Updater::Sharded(shard) => {
+                // The reduce-scatters left this rank's averaged segments in the shard's host
+                // landing segments: clipped there (the host shard's arithmetic), uploaded by
+                // the shard, stepped on the device, and the updated segments come back into the
+                // mirror for the all-gather (see the module doc, "ZeRO on staged parameters").
+                let optimizer_began = Instant::now();
+                spans.push(("gradient wait", None, wait_began, optimizer_began));
+                let grad_norm = match self.config.grad_clip {
+                    None => None,
+                    // The norm's collective is numbered one past the last bucket.
+                    Some(max) => Some(crate::clip::clip_segments(&self.reducer, step, n_buckets, shard, max).await?),
+                };
+                shard.apply_reduced(step)?;
+                shard.write_into(&self.buckets)?;
+                let gather_began = Instant::now();
+                spans.push(("optimizer", None, optimizer_began, gather_began));
+                let buckets = self.buckets.buckets();
+                let gathers = shard.segments().into_iter().enumerate().map(|(bucket, own)| Job {
+                    step,
+                    bucket,
+                    op: BucketOp::AllGather { params: buckets[bucket].param_storage().clone(), own },
+                });
+                run_jobs(&self.reducer, step, gathers).await?;
+                let install_began = Instant::now();
+                spans.push(("all_gather", None, gather_began, install_began));
+                staging.install_params()?;
+                spans.push(("install", None, install_began, Instant::now()));
+                grad_norm
+            }
         };
+        // Read once the step's work is queued: the device has run it.
         let loss = loss_value.item()?;
-        // The optimizer span ends when the loss is read: the device has run the step.
-        spans.push(("optimizer", None, optimizer_began, Instant::now()));
         record_host_spans(self.trace.as_mut().filter(|_| traced), step, spans);
         Ok(StepStats { step, loss, n_buckets, overlapped_buckets: 0, flushed_buckets: 0, grad_norm })
     }
@@ -931,6 +987,24 @@ fn release_grads(buckets: &ParamBuckets) -> Result<()> {
     for bucket in buckets.buckets() {
         let mut data = bucket.grad_storage().write()?;
         *data = CpuData::zeros(bucket.dtype(), 0);
+    }
+    Ok(())
+}
+
+/// The staged path's download of bucket `bucket`'s gradients into the mirror. Under ZeRO-2 the
+/// mirror's flat gradient is allocated first (the reduce-scatter of the last step freed it) and
+/// the parameters' own gradients are released right after, so a full gradient of a bucket
+/// exists on the device only until its download, and on the host only until its reduce-scatter.
+fn download_staged(staging: &Staging, buckets: &ParamBuckets, bucket: usize, zero2: bool) -> Result<()> {
+    if zero2 {
+        let b = &buckets.buckets()[bucket];
+        let mut data = b.grad_storage().write()?;
+        debug_assert!(data.is_empty(), "zero2: a bucket's gradient is materialised once per step");
+        *data = CpuData::zeros(b.dtype(), b.numel());
+    }
+    staging.download_bucket(bucket)?;
+    if zero2 {
+        staging.release_grads(bucket)?;
     }
     Ok(())
 }

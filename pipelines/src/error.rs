@@ -157,9 +157,10 @@ pub enum Error {
         /// Its device.
         other_device: Device,
     },
-    /// ZeRO-1 was asked for a model whose parameters live on a device (its shards are host
-    /// segments of the buckets; device parameters take the host-staged replicated path).
-    #[error("ZeRO sharding (ZeRO-1, ZeRO-2, FSDP) needs host parameters; the model's live on {device:?} (use replicated data parallelism)")]
+    /// ZeRO-3 (FSDP) was asked for parameters on a device, or for the flat parameter segment of
+    /// a shard whose slices live on a device: ZeRO-3 gathers host segments. (ZeRO-1/2 work on
+    /// device parameters through host staging.)
+    #[error("ZeRO-3 (FSDP) needs host parameters; they live on {device:?} (use ZeRO-1 or ZeRO-2)")]
     ShardedDevice {
         /// Where the parameters live.
         device: Device,

@@ -252,7 +252,7 @@ impl<O: Optimizer> FsdpGpt<O> {
         let elem = |s: &rtx_tensor::Storage, dtype: DType| s.len() * dtype.size_in_bytes();
         let (mut params_bytes, mut grads_bytes) = (0, 0);
         for (unit, b) in self.buckets.buckets().iter().enumerate() {
-            params_bytes += elem(b.param_storage(), b.dtype()) + elem(self.shard.param_storage(unit), b.dtype());
+            params_bytes += elem(b.param_storage(), b.dtype()) + elem(self.shard.param_storage(unit)?, b.dtype());
             grads_bytes += elem(b.grad_storage(), b.dtype()) + elem(self.shard.grad_storage(unit), b.dtype());
         }
         let optimizer_bytes = crate::memory::optimizer_bytes(self.shard.optimizer())?;
@@ -438,7 +438,7 @@ impl<O: Optimizer> FsdpGpt<O> {
         self.gathered_bytes += b.size_bytes();
         self.gathered_peak_bytes = self.gathered_peak_bytes.max(self.gathered_bytes);
         self.gathers += 1;
-        let op = BucketOp::Gather { params: b.param_storage().clone(), segment: self.shard.param_storage(unit).clone() };
+        let op = BucketOp::Gather { params: b.param_storage().clone(), segment: self.shard.param_storage(unit)?.clone() };
         self.submit(Job { step, bucket: unit, op })
     }
 

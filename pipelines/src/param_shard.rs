@@ -6,13 +6,47 @@
 //! # What it owns
 //!
 //! Per bucket `b`, the shard owns the elements `segment_range(numel_b, n_ranks, rank)` (the split
-//! `reduce_scatter` and `all_gather` use) as two 1-d tensors over storages of its own: the
-//! parameter segment (copied from the bucket when the shard is made) and the gradient segment.
+//! `reduce_scatter` and `all_gather` use). A host shard ([`ParamShard::new`]) holds them as two
+//! 1-d tensors over storages of its own: the parameter segment (copied from the bucket when the
+//! shard is made) and the gradient segment; a shard on a device is laid out as "Segments on a
+//! device" below says.
 //! The optimizer is built over [`ParamSlice`]s that view the parameter segments (a parameter meets
 //! a contiguous segment in at most one run, so each rank gets at most one slice per parameter, and
 //! slices keep the parameter's name), with their gradient slots bound to the matching views of the
 //! gradient segments. Nobody else writes these storages, except the data-parallel engine's
 //! reduce-scatter, which fills the gradient segments while the shard waits for that step.
+//!
+//! # Segments on a device
+//!
+//! [`ParamShard::new_on`] places the shard's slices, and so the optimizer and its state, on a
+//! device: the shard of a data-parallel engine whose parameters stay in the module on a GPU (host
+//! staging, see `crate::staging`). There each slice is a 1-d tensor of its own on the device, with
+//! no flat parameter segment: a device optimizer (`MixedAdamW`) updates whole dense storages, not
+//! views into a segment. The collectives still run over host buffers, so each segment keeps a
+//! host **landing** gradient segment: the reduce-scatter writes the averaged gradient there
+//! ([`grad_storage`](ParamShard::grad_storage)), clipping reads and scales it there
+//! ([`ParamShard::grad_sum_squares`] and `scale_grads`: the host shard's arithmetic on the same
+//! bits), and [`ParamShard::apply_reduced`] uploads it, one host → device transfer per bucket,
+//! as the slices' gradients before the optimizer steps on the device. `write_into` copies the
+//! updated slices device → host into their places in the mirror's parameter bucket (one transfer
+//! per bucket) for the host all-gather.
+//!
+//! Decision (constraints, choice, consequences). *Constraints:* checkpoints and elastic recovery
+//! exchange [`ShardState`]s of host data; the optimizer must run where its parameters are (a GPU
+//! optimizer takes device tensors, and its f32 master weights and moments are the bulk of the
+//! state); the host engine's bits must not change. *Choice:* a device on the shard, fixed at
+//! construction (`new_on`; `new` is the host shard, whose slices view flat host segments and
+//! whose landing segments are its gradient segments); exports download (parameter values as host
+//! `CpuData`, one transfer per bucket; optimizer state as the optimizer's `state_tensors`, which
+//! leave the device), imports upload. `new_on(Device::Cpu)` keeps the device layout (slices of
+//! their own, separate landing segments), so host staging on the CPU runs every step of the GPU
+//! path, and its bits are the host shard's (AdamW's per-element arithmetic does not depend on
+//! where a slice's storage starts). *Pros:* on a GPU a rank holds `1/n` of the optimizer state
+//! there and AdamW runs on the GPU; the wire and checkpoint formats are unchanged. *Cons:* the
+//! host keeps a landing copy of the gradient segments and the device a copy of them as the
+//! slices' gradients (each `1/n` of the gradients, counted by [`ParamShard::bytes`]); the uploads
+//! and downloads serialise with the device's queue; ZeRO-3, which all-gathers flat parameter
+//! segments, takes host shards only.
 //!
 //! # Messages and their contract
 //!
@@ -48,7 +82,7 @@ use std::ops::Range;
 use rtx_actors::{Actor, Context, Reply};
 use rtx_kernels::DType;
 use rtx_tensor::optim::ParamBuckets;
-use rtx_tensor::{CpuData, Optimizer, Storage, Tensor};
+use rtx_tensor::{CpuData, Device, Optimizer, Storage, Tensor};
 
 use crate::error::{Error, Result};
 use crate::shard::ParamSlice;
@@ -61,6 +95,10 @@ pub const PARAM_SHARD_MAILBOX: usize = 4;
 pub struct ParamShard<O> {
     rank: usize,
     n_ranks: usize,
+    /// Where the segments and the optimizer live.
+    device: Device,
+    /// Whether the gradient segments have separate host landing segments (made by `new_on`).
+    staged: bool,
     segments: Vec<Segment>,
     slices: Vec<ParamSlice>,
     optimizer: O,
@@ -117,10 +155,16 @@ pub enum ParamShardMsg {
 struct Segment {
     own: Range<usize>,
     dtype: DType,
-    /// 1-d, its own storage: the owned parameter elements.
-    params: Tensor,
-    /// 1-d, its own storage: the averaged gradient of the owned elements.
-    grads: Tensor,
+    /// A host shard's owned parameter elements: 1-d, its own storage, viewed by the slices.
+    /// `None` for a staged shard, whose slices are tensors of their own on the device.
+    params: Option<Tensor>,
+    /// 1-d, on the host, its own storage: the averaged gradient of the owned elements, what the
+    /// reduce-scatter writes into. A host shard's slices' gradients view it; a staged shard
+    /// uploads it into its slices' gradients before the optimizer steps.
+    landing: Tensor,
+    /// The indices (into the shard's slices) of the slices in this segment, in element order;
+    /// they tile the segment.
+    parts: Vec<usize>,
 }
 
 impl<O: Optimizer> ParamShard<O> {
@@ -132,18 +176,43 @@ impl<O: Optimizer> ParamShard<O> {
     where
         F: FnOnce(&[ParamSlice]) -> rtx_tensor::Result<O>,
     {
+        Self::build(buckets, rank, n_ranks, None, make_optimizer)
+    }
+
+    /// [`new`](Self::new) with the parameter and gradient segments on `device` (copied there from
+    /// the host buckets), so the optimizer `make_optimizer` builds over them, and its state, live
+    /// there too; the reduce-scatter writes into host landing segments, uploaded before each
+    /// optimizer step (see the module doc, "Segments on a device"). `Device::Cpu` keeps the
+    /// landing segments separate too, so the host runs the device path's transfers.
+    pub fn new_on<F>(device: Device, buckets: &ParamBuckets, rank: usize, n_ranks: usize, make_optimizer: F) -> Result<Self>
+    where
+        F: FnOnce(&[ParamSlice]) -> rtx_tensor::Result<O>,
+    {
+        Self::build(buckets, rank, n_ranks, Some(device), make_optimizer)
+    }
+
+    /// The shard, with its segments on `staged_on` and separate landing segments when given.
+    fn build<F>(buckets: &ParamBuckets, rank: usize, n_ranks: usize, staged_on: Option<Device>, make_optimizer: F) -> Result<Self>
+    where
+        F: FnOnce(&[ParamSlice]) -> rtx_tensor::Result<O>,
+    {
         if n_ranks == 0 || rank >= n_ranks {
             return Err(Error::InvalidConfig { reason: "param shard: rank must be inside the group" });
         }
+        let device = staged_on.unwrap_or(Device::Cpu);
         let mut segments = Vec::with_capacity(buckets.buckets().len());
         for bucket in buckets.buckets() {
             let own = rtx_collectives::segment_range(bucket.numel(), n_ranks, rank);
-            let values = bucket.params().narrow(0, own.start, own.len())?.to_data()?;
-            let params = Tensor::from_data(values, &[own.len()])?;
-            let grads = Tensor::zeros(&[own.len()], bucket.dtype());
-            segments.push(Segment { own, dtype: bucket.dtype(), params, grads });
+            let params = match staged_on {
+                None => Some(Tensor::from_data(bucket.params().narrow(0, own.start, own.len())?.to_data()?, &[own.len()])?),
+                Some(_) => None,
+            };
+            let landing = Tensor::zeros(&[own.len()], bucket.dtype());
+            segments.push(Segment { own, dtype: bucket.dtype(), params, landing, parts: Vec::new() });
         }
         let mut slices = Vec::new();
+        // Per bucket, (first bucket element, slice index) of the slices in its segment.
+        let mut starts: Vec<Vec<(usize, usize)>> = vec![Vec::new(); segments.len()];
         for entry in buckets.entries() {
             let segment = &segments[entry.bucket];
             let start = entry.offset.max(segment.own.start);
@@ -151,11 +220,31 @@ impl<O: Optimizer> ParamShard<O> {
             if start >= end {
                 continue;
             }
-            let tensor = segment.params.narrow(0, start - segment.own.start, end - start)?;
-            let grad = segment.grads.narrow(0, start - segment.own.start, end - start)?;
-            debug_assert!(tensor.is_contiguous() && grad.is_contiguous());
-            tensor.set_grad(Some(grad))?;
+            let at = start - segment.own.start;
+            let tensor = match &segment.params {
+                Some(params) => {
+                    let tensor = params.narrow(0, at, end - start)?;
+                    let grad = segment.landing.narrow(0, at, end - start)?;
+                    debug_assert!(tensor.is_contiguous() && grad.is_contiguous());
+                    tensor.set_grad(Some(grad))?;
+                    tensor
+                }
+                // A tensor of its own where the shard lives: a device optimizer (`MixedAdamW`)
+                // updates whole dense storages, not views into a segment. Its gradient is bound
+                // by each step's upload.
+                None => Tensor::from_data(bucket_values(buckets, entry.bucket, start..end)?, &[end - start])?.to_device(device)?,
+            };
+            starts[entry.bucket].push((start, slices.len()));
             slices.push(ParamSlice { name: entry.name.clone(), tensor, param_shape: entry.shape.clone(), elements: start - entry.offset..end - entry.offset });
+        }
+        for (segment, mut starts) in segments.iter_mut().zip(starts) {
+            starts.sort_unstable();
+            let mut at = segment.own.start;
+            for &(start, idx) in &starts {
+                debug_assert_eq!(start, at, "param shard: a segment's slices tile it");
+                at += slices[idx].elements.len();
+            }
+            segment.parts = starts.into_iter().map(|(_, idx)| idx).collect();
         }
         debug_assert_eq!(
             slices.iter().map(|s| s.elements.len()).sum::<usize>(),
@@ -164,7 +253,7 @@ impl<O: Optimizer> ParamShard<O> {
         );
         let optimizer = make_optimizer(&slices)?;
         check_optimizer_params(&optimizer, &slices)?;
-        Ok(ParamShard { rank, n_ranks, segments, slices, optimizer, next_step: 0 })
+        Ok(ParamShard { rank, n_ranks, device, staged: staged_on.is_some(), segments, slices, optimizer, next_step: 0 })
     }
 
     /// Applies `grads` (one averaged gradient segment per bucket) as step `step` and returns the
@@ -174,27 +263,48 @@ impl<O: Optimizer> ParamShard<O> {
         self.check_step(step)?;
         self.check_segments(&grads)?;
         for (segment, grad) in self.segments.iter().zip(grads) {
-            let mut slot = segment.grads.storage().write()?;
+            let mut slot = segment.landing.storage().write()?;
             debug_assert_eq!(slot.len(), grad.len(), "param shard: validated length");
             *slot = grad;
         }
+        self.upload_grads()?;
         self.run_optimizer(step)?;
-        self.segments.iter().map(|s| Ok(s.params.storage().read()?.clone())).collect()
+        (0..self.segments.len()).map(|bucket| self.param_values(bucket)).collect()
     }
 
     /// Applies step `step` with the averaged gradients already in the shard's gradient segments
-    /// (written there by the engine's reduce-scatter, see [`grad_storage`](Self::grad_storage)).
-    /// The parameter segments are updated in place.
+    /// (written there by the engine's reduce-scatter, see [`grad_storage`](Self::grad_storage);
+    /// a staged shard uploads them from its landing segments first). The parameter segments are
+    /// updated in place.
     pub(crate) fn apply_reduced(&mut self, step: u64) -> Result<()> {
         let _span = tracing::debug_span!("param_shard", actor = "param_shard", msg = "apply_reduced", rank = self.rank, step).entered();
         self.check_step(step)?;
         for (bucket, segment) in self.segments.iter().enumerate() {
-            let got = segment.grads.storage().len();
+            let got = segment.landing.storage().len();
             if got != segment.own.len() {
                 return Err(Error::SegmentLength { bucket, expected: segment.own.len(), got });
             }
         }
+        self.upload_grads()?;
         self.run_optimizer(step)
+    }
+
+    /// A staged shard: uploads every landing segment (one host → device transfer per bucket) and
+    /// binds the pieces as its slices' gradients. A host shard's slices' gradients view its
+    /// landing segments already.
+    fn upload_grads(&self) -> Result<()> {
+        if !self.staged {
+            return Ok(());
+        }
+        for segment in &self.segments {
+            let shapes: Vec<Vec<usize>> = segment.parts.iter().map(|&i| vec![self.slices[i].elements.len()]).collect();
+            let grads = rtx_tensor::upload_packed(segment.landing.storage(), 0, &shapes, self.device)?;
+            debug_assert_eq!(grads.len(), segment.parts.len(), "param shard: one gradient per slice");
+            for (&i, grad) in segment.parts.iter().zip(grads) {
+                self.slices[i].tensor.set_grad(Some(grad))?;
+            }
+        }
+        Ok(())
     }
 
     /// Σ g² over this rank's gradient segments, in f64 (buckets in order, each segment in the
@@ -202,7 +312,8 @@ impl<O: Optimizer> ParamShard<O> {
     /// every bucket exactly once, with no padding, so the group's sum of these is the squared
     /// norm of the whole averaged gradient (see [`crate::clip`]).
     pub fn grad_sum_squares(&self) -> Result<f64> {
-        let grads: Vec<Tensor> = self.segments.iter().map(|s| s.grads.clone()).collect();
+        // The host landing segments: a staged shard's arithmetic is the host shard's.
+        let grads: Vec<Tensor> = self.segments.iter().map(|s| s.landing.clone()).collect();
         Ok(rtx_tensor::optim::sum_squares(&grads)?)
     }
 
@@ -210,7 +321,7 @@ impl<O: Optimizer> ParamShard<O> {
     /// optimizer reads them).
     pub(crate) fn scale_grads(&self, coef: f64) -> Result<()> {
         for segment in &self.segments {
-            segment.grads.scale_(coef)?;
+            segment.landing.scale_(coef)?;
         }
         Ok(())
     }
@@ -218,7 +329,8 @@ impl<O: Optimizer> ParamShard<O> {
     /// A copy of the whole state.
     pub fn export(&self) -> Result<ShardState> {
         let _span = tracing::debug_span!("param_shard", actor = "param_shard", msg = "export", rank = self.rank, step = self.next_step).entered();
-        let params = self.segments.iter().map(|s| Ok(s.params.storage().read()?.clone())).collect::<Result<Vec<_>>>()?;
+        // Host parameter values wherever the segments live (a device segment is downloaded).
+        let params = (0..self.segments.len()).map(|bucket| self.param_values(bucket)).collect::<Result<Vec<_>>>()?;
         Ok(ShardState { step: self.next_step, segments: self.segments(), params, optimizer: self.optimizer.state_tensors()? })
     }
 
@@ -261,7 +373,18 @@ impl<O: Optimizer> ParamShard<O> {
         // Checked above; the optimizer checks again (and validates before writing).
         self.optimizer.load_state(&state.optimizer)?;
         for (segment, values) in self.segments.iter().zip(state.params) {
-            *segment.params.storage().write()? = values;
+            match &segment.params {
+                Some(params) => *params.storage().write()? = values,
+                None => {
+                    // One upload per bucket, then each slice's values copied in place (the
+                    // optimizer holds the slices' tensors).
+                    let shapes: Vec<Vec<usize>> = segment.parts.iter().map(|&i| vec![self.slices[i].elements.len()]).collect();
+                    let uploaded = rtx_tensor::upload_packed(&Storage::new(values), 0, &shapes, self.device)?;
+                    for (&i, v) in segment.parts.iter().zip(uploaded) {
+                        self.slices[i].tensor.copy_from_(&v)?;
+                    }
+                }
+            }
         }
         self.next_step = state.step;
         Ok(())
@@ -275,6 +398,32 @@ impl<O: Optimizer> ParamShard<O> {
     /// The owned element range of each bucket.
     pub fn segments(&self) -> Vec<Range<usize>> {
         self.segments.iter().map(|s| s.own.clone()).collect()
+    }
+
+    /// Where the segments and the optimizer live (the host, unless made by [`new_on`](Self::new_on)).
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Bytes the shard holds now: `(parameters, gradients)`, wherever they live. Gradients are the
+    /// landing segments, plus a staged shard's slices' uploaded gradients.
+    pub fn bytes(&self) -> (usize, usize) {
+        let (mut params, mut grads) = (0, 0);
+        for s in &self.segments {
+            let size = s.dtype.size_in_bytes();
+            grads += s.landing.storage().len() * size;
+            match &s.params {
+                Some(p) => params += p.storage().len() * size,
+                None => {
+                    for &i in &s.parts {
+                        let t = &self.slices[i].tensor;
+                        params += t.storage().len() * size;
+                        grads += t.grad().map_or(0, |g| g.storage().len() * size);
+                    }
+                }
+            }
+        }
+        (params, grads)
     }
 
     /// This shard's rank and group size.
@@ -303,25 +452,53 @@ impl<O: Optimizer> ParamShard<O> {
         self.optimizer
     }
 
-    /// The storage of bucket `bucket`'s parameter segment (ZeRO-3 all-gathers it into the unit).
-    pub(crate) fn param_storage(&self, bucket: usize) -> &Storage {
-        self.segments[bucket].params.storage()
+    /// The storage of bucket `bucket`'s parameter segment (ZeRO-3 all-gathers it into the unit);
+    /// a staged shard has none ([`Error::ShardedDevice`]: ZeRO-3 shards host parameters only).
+    pub(crate) fn param_storage(&self, bucket: usize) -> Result<&Storage> {
+        match &self.segments[bucket].params {
+            Some(params) => Ok(params.storage()),
+            None => Err(Error::ShardedDevice { device: self.device }),
+        }
     }
 
-    /// The storage of bucket `bucket`'s gradient segment, for a reduce-scatter to write into.
+    /// The host storage bucket `bucket`'s averaged gradient segment is written into by a
+    /// reduce-scatter (a staged shard's landing segment).
     pub(crate) fn grad_storage(&self, bucket: usize) -> &Storage {
-        self.segments[bucket].grads.storage()
+        self.segments[bucket].landing.storage()
     }
 
     /// Copies every parameter segment into its place in the buckets' parameter storages (before
-    /// the all-gather that sends them to every replica).
+    /// the all-gather that sends them to every replica); from a device, one transfer per bucket.
     pub(crate) fn write_into(&self, buckets: &ParamBuckets) -> Result<()> {
         for (bucket, segment) in buckets.buckets().iter().zip(&self.segments) {
-            let src = segment.params.storage().read()?;
-            let mut dst = bucket.param_storage().write()?;
-            dst.write_at(segment.own.start, &src)?;
+            match &segment.params {
+                Some(params) => {
+                    let src = params.storage().read()?;
+                    let mut dst = bucket.param_storage().write()?;
+                    dst.write_at(segment.own.start, &src)?;
+                }
+                None => {
+                    let parts: Vec<(Option<&Tensor>, usize)> =
+                        segment.parts.iter().map(|&i| (Some(&self.slices[i].tensor), self.slices[i].elements.len())).collect();
+                    rtx_tensor::download_packed(&parts, bucket.param_storage(), segment.own.start)?;
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Bucket `bucket`'s owned parameter values on the host (a staged shard's in one
+    /// device → host transfer).
+    fn param_values(&self, bucket: usize) -> Result<CpuData> {
+        let segment = &self.segments[bucket];
+        if let Some(params) = &segment.params {
+            return Ok(params.storage().read()?.clone());
+        }
+        let out = Storage::new(CpuData::zeros(segment.dtype, segment.own.len()));
+        let parts: Vec<(Option<&Tensor>, usize)> = segment.parts.iter().map(|&i| (Some(&self.slices[i].tensor), self.slices[i].elements.len())).collect();
+        rtx_tensor::download_packed(&parts, &out, 0)?;
+        let values = out.read()?.clone();
+        Ok(values)
     }
 
     fn check_step(&self, step: u64) -> Result<()> {
@@ -375,10 +552,16 @@ impl<O> std::fmt::Debug for ParamShard<O> {
         f.debug_struct("ParamShard")
             .field("rank", &self.rank)
             .field("n_ranks", &self.n_ranks)
+            .field("device", &self.device)
             .field("segments", &self.segments.iter().map(|s| s.own.clone()).collect::<Vec<_>>())
             .field("next_step", &self.next_step)
             .finish_non_exhaustive()
     }
+}
+
+/// Elements `range` of bucket `bucket`'s flat parameters, on the host.
+fn bucket_values(buckets: &ParamBuckets, bucket: usize, range: Range<usize>) -> Result<CpuData> {
+    Ok(buckets.buckets()[bucket].params().narrow(0, range.start, range.len())?.to_data()?)
 }
 
 /// Fails with `ForeignOptimizerParam` when `optimizer` updates a tensor that is not one of
@@ -390,4 +573,3 @@ pub(crate) fn check_optimizer_params<O: Optimizer>(optimizer: &O, slices: &[Para
         None => Ok(()),
     }
 }
-

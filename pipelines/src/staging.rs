@@ -33,6 +33,13 @@
 //! host storages are then only the layout (they still hold a host copy of the parameters and
 //! room for the gradients, which this path leaves unused).
 //!
+//! Under ZeRO-1/2 (see `crate::data_parallel`, "ZeRO on staged parameters") step 3 changes: the
+//! bucket collective is a reduce-scatter into the rank's `ParamShard`, which uploads its own
+//! segment and steps on the device; the mirror's parameter storage then receives every rank's
+//! updated segments by all-gather and [`Staging::install_params`] writes them into the module
+//! (one upload per bucket). Under ZeRO-2, [`Staging::release_grads`] drops a bucket's parameter
+//! gradients right after its download.
+//!
 //! Ownership: the mirror's gradient storage belongs to the compute thread except while its bucket
 //! is handed to the communication thread (between `submit` and its report), exactly as in the
 //! bucket path; the module's tensors and their gradients are never touched by the communication
@@ -103,7 +110,16 @@ impl Staging {
 
     /// Whole-parameter slices over the module's own tensors (what the optimizer updates).
     pub(crate) fn slices(&self) -> Vec<ParamSlice> {
-        self.params.iter().zip(self.mirror.entries()).map(|((name, tensor), entry)| ParamSlice { name: name.clone(), tensor: tensor.clone(), param_shape: entry.shape.clone(), elements: 0..entry.numel }).collect()
+        self.params
+            .iter()
+            .zip(self.mirror.entries())
+            .map(|((name, tensor), entry)| ParamSlice {
+                name: name.clone(),
+                tensor: tensor.clone(),
+                param_shape: entry.shape.clone(),
+                elements: 0..entry.numel,
+            })
+            .collect()
     }
 
     /// Clears every parameter's gradient, so backward allocates fresh ones where the parameters
@@ -124,6 +140,14 @@ impl Staging {
         let grads = self.bucket_grads(bucket)?;
         let parts: Vec<(Option<&Tensor>, usize)> = grads.iter().map(|(g, n)| (g.as_ref(), *n)).collect();
         Ok(rtx_tensor::download_packed(&parts, b.grad_storage(), start)?)
+    }
+
+    /// Drops the gradients of bucket `bucket`'s parameters (ZeRO-2, once they are downloaded).
+    pub(crate) fn release_grads(&self, bucket: usize) -> Result<()> {
+        for &idx in &self.tiles[bucket].1 {
+            self.params[idx].1.set_grad(None)?;
+        }
+        Ok(())
     }
 
     /// Bucket `bucket`'s gradients packed into one fresh dense 1-d tensor where the parameters
@@ -200,7 +224,10 @@ impl Staging {
             };
             if let Some(g) = &g {
                 if g.numel() != entry.numel {
-                    return Err(Error::Staging { name: name.clone(), reason: format!("gradient of {} elements for a parameter of {}", g.numel(), entry.numel) });
+                    return Err(Error::Staging {
+                        name: name.clone(),
+                        reason: format!("gradient of {} elements for a parameter of {}", g.numel(), entry.numel),
+                    });
                 }
             }
             grads.push((g, entry.numel));
@@ -221,20 +248,19 @@ impl Staging {
         Ok(())
     }
 
-    /// Writes the mirror's parameter values (after the opening broadcast) into the module's
-    /// tensors, in place.
+    /// Writes the mirror's parameter values (after the opening broadcast, and under ZeRO after
+    /// each step's all-gather) into the module's tensors, in place: one host → device transfer
+    /// per bucket ([`rtx_tensor::upload_packed`]), then a copy into each parameter.
     pub(crate) fn install_params(&self) -> Result<()> {
-        for ((_, p), entry) in self.params.iter().zip(self.mirror.entries()) {
-            let v = self.host_value(self.mirror.buckets()[entry.bucket].params(), entry)?;
-            p.copy_from_(&v)?;
+        for (b, (start, entries)) in self.mirror.buckets().iter().zip(&self.tiles) {
+            let shapes: Vec<Vec<usize>> = entries.iter().map(|&idx| self.mirror.entries()[idx].shape.clone()).collect();
+            let values = rtx_tensor::upload_packed(b.param_storage(), *start, &shapes, self.device)?;
+            debug_assert_eq!(values.len(), entries.len(), "staging: one value per entry");
+            for (&idx, v) in entries.iter().zip(values) {
+                self.params[idx].1.copy_from_(&v)?;
+            }
         }
         Ok(())
-    }
-
-    /// A fresh contiguous host tensor holding `entry`'s elements of the flat bucket `flat`.
-    fn host_value(&self, flat: Tensor, entry: &rtx_tensor::optim::BucketEntry) -> Result<Tensor> {
-        let view = flat.narrow(0, entry.offset, entry.numel)?;
-        Ok(Tensor::from_data(view.to_data()?, &entry.shape)?)
     }
 }
 

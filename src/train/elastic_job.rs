@@ -12,7 +12,8 @@
 //! With `[train] device = "cuda"` the replica lives on the worker's GPU ([`Placement`]): the model
 //! is built on the host from the seed (so every worker starts from the same values), moved to the
 //! device in the configured precision, and trained with `rtx_tensor::cuda::MixedAdamW` (f32 master weights and
-//! moments on the device). Batches are assembled on the host exactly as for the CPU and uploaded
+//! moments on the device; under `[elastic] sharding = "zero1"`/`"zero2"` each rank's AdamW holds
+//! only its segments' state there, with weight decay chosen by the parameter's full shape). Batches are assembled on the host exactly as for the CPU and uploaded
 //! in [`TrainJob::loss`]; evaluation runs on the device with mean losses weighted by their
 //! targets. The optimizer state leaves the device in host tensors (`<param>.master`,
 //! `exp_avg`, `exp_avg_sq`, `step`), which is what elastic state sync and checkpoints carry. A
@@ -254,9 +255,13 @@ impl TrainJob for ElasticJob {
         let decays = move |name: &str, _: &Tensor| ranks.get(name).is_some_and(|&rank| rank >= 2);
         let inner = match self.placement {
             Placement::Cpu => build_inner_by(&self.config.optim, named, decays).map_err(|e| e.to_string())?.0,
-            Placement::Cuda { .. } => device_optimizer(&self.config, named)?,
+            Placement::Cuda { .. } => device_optimizer(&self.config, named, decays)?,
         };
         Ok(JobOptimizer { inner })
+    }
+
+    fn device_memory(&self) -> Option<rtx_supervisor::DeviceMemory> {
+        device_memory(self.placement)
     }
 
     fn dp_config(&self) -> DpConfig {
@@ -382,7 +387,7 @@ impl TrainJob for ElasticJob {
                 Placement::Cpu => build_inner(&config.optim, part.named_parameters()).map_err(|e| e.to_string())?.0,
                 Placement::Cuda { ordinal, dtype } => {
                     move_module_to_device(&mut part, ordinal, dtype)?;
-                    device_optimizer(&config, part.named_parameters())?
+                    device_optimizer(&config, part.named_parameters(), optim::AdamW::decay_matrices)?
                 }
             };
             Ok((Box::new(part), optimizer))
@@ -470,20 +475,35 @@ fn move_buffers_to_device(_module: &mut dyn Module, _ordinal: usize) -> Result<(
     Err(super::DeviceError::NotCompiled.to_string())
 }
 
-/// AdamW with f32 master weights on the device, over `named` device parameters (weight decay on
-/// matrices and embeddings, as on the CPU).
+/// AdamW with f32 master weights on the device, over `named` device parameters, with weight
+/// decay where `decay` says (matrices and embeddings, as on the CPU; under ZeRO a slice is 1-d, so
+/// the caller decides by the parameter's full shape).
 #[cfg(feature = "cuda")]
-fn device_optimizer(config: &TrainConfig, named: Vec<(String, Tensor)>) -> Result<Box<dyn optim::Optimizer + Send>, String> {
+fn device_optimizer(config: &TrainConfig, named: Vec<(String, Tensor)>, decay: impl Fn(&str, &Tensor) -> bool) -> Result<Box<dyn optim::Optimizer + Send>, String> {
     let crate::config::OptimKind::AdamW { betas, eps } = config.optim.kind else {
         return Err("train.device = \"cuda\" trains with optim.kind = \"adamw\"".into());
     };
     let cfg = optim::AdamWConfig { lr: config.optim.lr, beta1: betas.0, beta2: betas.1, eps, weight_decay: config.optim.weight_decay };
-    let adamw = rtx_tensor::cuda::MixedAdamW::new(named, None, cfg, optim::AdamW::decay_matrices).map_err(|e| e.to_string())?;
+    let adamw = rtx_tensor::cuda::MixedAdamW::new(named, None, cfg, decay).map_err(|e| e.to_string())?;
     Ok(Box::new(adamw))
 }
 
+/// The allocator counters of the job's GPU (`None` on the CPU, or if the device cannot be
+/// reached: the counters are a report, never a reason to fail).
+#[cfg(feature = "cuda")]
+fn device_memory(placement: Placement) -> Option<rtx_supervisor::DeviceMemory> {
+    let Placement::Cuda { ordinal, .. } = placement else { return None };
+    let stats = rtx_tensor::cuda::device(ordinal).ok()?.memory_stats();
+    Some(rtx_supervisor::DeviceMemory { allocated: stats.allocated, peak_allocated: stats.peak_allocated, reserved: stats.reserved, peak_reserved: stats.peak_reserved })
+}
+
 #[cfg(not(feature = "cuda"))]
-fn device_optimizer(_config: &TrainConfig, _named: Vec<(String, Tensor)>) -> Result<Box<dyn optim::Optimizer + Send>, String> {
+fn device_memory(_placement: Placement) -> Option<rtx_supervisor::DeviceMemory> {
+    None
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_optimizer(_config: &TrainConfig, _named: Vec<(String, Tensor)>, _decay: impl Fn(&str, &Tensor) -> bool) -> Result<Box<dyn optim::Optimizer + Send>, String> {
     Err(super::DeviceError::NotCompiled.to_string())
 }
 

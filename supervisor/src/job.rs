@@ -14,6 +14,20 @@ use rtx_tensor::checkpoint::sharded::ModelLayout;
 use rtx_tensor::nn::Gpt;
 use rtx_tensor::{Generator, Module, Optimizer, Tensor};
 
+/// A GPU's caching-allocator counters, in bytes (`rtx_kernels::cuda::MemoryStats`, which this
+/// crate does not name: it builds without the `cuda` feature).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes in live buffers now.
+    pub allocated: usize,
+    /// Highest `allocated` seen by this process.
+    pub peak_allocated: usize,
+    /// Bytes held from the driver now (live plus cached).
+    pub reserved: usize,
+    /// Highest `reserved` seen by this process.
+    pub peak_reserved: usize,
+}
+
 /// A training job as the worker runtime sees it. `batch` (from [`BatchSource`]) must be a pure
 /// function of `(step, rank, world)` whose rank parts make up the same global batch whatever
 /// the world size.
@@ -54,6 +68,13 @@ pub trait TrainJob: BatchSource {
 
     /// Evaluates the final model (called on rank 0 only): named metrics.
     fn evaluate(&self, model: &mut Self::Model) -> Result<Vec<(String, f64)>, String>;
+
+    /// The device allocator's counters of this worker's GPU, when the job trains on one (`None`
+    /// by default: a host job). The data-parallel worker logs them at the end of each generation
+    /// ("device memory"), so per-rank peaks of replicated and ZeRO runs can be compared.
+    fn device_memory(&self) -> Option<DeviceMemory> {
+        None
+    }
 
     /// Data-parallel engine settings (bucket size, sharding, gradient clipping). Its
     /// `grad_clip` also clips the ZeRO-3 engine ([`rtx_pipelines::FsdpConfig::grad_clip`]).

@@ -37,7 +37,7 @@ pub mod zero3;
 
 pub use config::{ClassPolicy, DpSharding, ElasticConfig, FailureClass, MeshModel, OnFailure, PlantedBug, Wire};
 pub use error::{Result, SupervisorError};
-pub use job::{BatchTokens, BoxedStage, BuildStage, FsdpSpec, MeshSpec, SplitBatch, StageRequest, TrainJob};
+pub use job::{BatchTokens, BoxedStage, BuildStage, DeviceMemory, FsdpSpec, MeshSpec, SplitBatch, StageRequest, TrainJob};
 pub use plan::{CheckpointInfo, LayerCosts, MemberHolding, MemoryEstimate, ModelLayout, ParallelConfig, Plan, PlanError, PlanInput, RankAssignment, Schedule, ShardId, ShardNeed, Source, Unit};
 pub use launch::{serve_request, LaunchOptions, Launcher, NodeLauncher};
 pub use supervisor::{query_status, JobEvent, LaunchRequest, SupervisorEnv, SupervisorHandle, SupervisorMsg, SupervisorOptions, MAX_STALLED_REFORMS};

@@ -3,7 +3,8 @@
 //! (`rtx_supervisor::zero1`), exactly as the elastic worker does. A rank is lost; the survivors
 //! and a replacement rebuild the state from the buddy copies and train on, and their parameters
 //! must be bit-identical to an uninterrupted run's. Losing a rank with its buddy leaves a hole, and
-//! the plan falls back to the last snapshot. Data, model and optimizer are seeded: no randomness
+//! the plan falls back to the last snapshot. The same recovery with staged engines (the GPU path,
+//! its shards where the parameters live) is bit-identical to the host-bucket run. Data, model and optimizer are seeded: no randomness
 //! beyond the fixed seeds below.
 #![allow(clippy::unwrap_used)] // helpers of a test
 
@@ -46,9 +47,10 @@ fn template() -> NamedTensors {
     state::full_template(&model(), |slices| optimizer(slices, None).map_err(|e| e.to_string())).unwrap()
 }
 
-/// Small buckets: several buckets, and segments that cut parameters apart.
-fn dp() -> DpConfig {
-    DpConfig { sharding: Sharding::Zero1, bucket_bytes_max: 700, collective_timeout: Duration::from_secs(20), ..DpConfig::default() }
+/// Small buckets: several buckets, and segments that cut parameters apart. `staged`: the
+/// parameters stay in the module and the shard is made where they live (the GPU path).
+fn dp(staged: bool) -> DpConfig {
+    DpConfig { sharding: Sharding::Zero1, bucket_bytes_max: 700, collective_timeout: Duration::from_secs(20), host_staging: staged, ..DpConfig::default() }
 }
 
 /// This rank's rows of the global batch of `step` (the same global batch whatever the world).
@@ -79,7 +81,7 @@ fn comms(world: usize, generation: u64) -> (InProcessNetwork, Vec<Communicator>)
 
 /// Every rank of a new generation: a fresh model holding `flat` and an optimizer holding its part
 /// of `full` (fresh state when `None`), as the worker does after its sync.
-async fn form(comms: Vec<Communicator>, generation: u64, state: Vec<Option<(Vec<f32>, NamedTensors)>>) -> Vec<Rank> {
+async fn form(comms: Vec<Communicator>, generation: u64, state: Vec<Option<(Vec<f32>, NamedTensors)>>, staged: bool) -> Vec<Rank> {
     let tasks: Vec<_> = comms
         .into_iter()
         .zip(state)
@@ -91,7 +93,7 @@ async fn form(comms: Vec<Communicator>, generation: u64, state: Vec<Option<(Vec<
                     state::install_parameters(&m.named_parameters(), flat).unwrap();
                 }
                 let full = state.map(|(_, full)| full);
-                let engine = DataParallel::new_inline(m, dp(), comm.clone(), |slices| optimizer(slices, full.as_ref())).await.unwrap();
+                let engine = DataParallel::new_inline(m, dp(staged), comm.clone(), |slices| optimizer(slices, full.as_ref())).await.unwrap();
                 Rank { engine, comm, copies: BuddyCopies::default(), layout, generation }
             })
         })
@@ -181,10 +183,25 @@ fn holding(r: Option<&Rank>, snapshot: Option<u64>) -> Holding {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_lost_mid_exchange_is_rebuilt_from_buddy_copies_bit_identically() {
+    lost_mid_exchange(false).await;
+}
+
+// Goal: the same recovery when the engines stage their parameters (`DpConfig::host_staging`, the
+// path of a GPU job, whose `ParamShard` lives on the device): the segment states they encode are
+// host data, and the staged run, the rebuild and the resumed staged run are bit-identical to the
+// uninterrupted host-bucket run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_rank_lost_mid_exchange_is_rebuilt_from_buddy_copies_bit_identically() {
+    lost_mid_exchange(true).await;
+}
+
+/// The loss of rank 2 mid-exchange and the rebuild; the reference run uses host buckets, the
+/// lossy and the resumed runs are `staged` or not.
+async fn lost_mid_exchange(staged: bool) {
     let started = Instant::now();
     // The uninterrupted run: four ranks, every step.
     let (_net, c) = comms(4, 1);
-    let reference = train(form(c, 1, vec![None, None, None, None]).await, 0..LOST_AFTER + 1).await;
+    let reference = train(form(c, 1, vec![None, None, None, None], false).await, 0..LOST_AFTER + 1).await;
     let (ref_flat, ref_full) = gathered(&reference).await;
     let reference = train(reference, LOST_AFTER + 1..STEPS).await;
     let ref_final = state::flat_parameters(reference[0].engine.model()).unwrap();
@@ -195,7 +212,7 @@ async fn a_rank_lost_mid_exchange_is_rebuilt_from_buddy_copies_bit_identically()
     // The same run, with rank 2 lost during the exchange of step LOST_AFTER + 1: every rank
     // finished that step's all-gather; ranks 0 and 1 committed it, rank 3 never got rank 2's copy.
     let (net, c) = comms(4, 1);
-    let ranks = train(form(c, 1, vec![None, None, None, None]).await, 0..LOST_AFTER + 1).await;
+    let ranks = train(form(c, 1, vec![None, None, None, None], staged).await, 0..LOST_AFTER + 1).await;
     let step = LOST_AFTER + 1;
     let mut ranks: Vec<Option<Rank>> = {
         let tasks: Vec<_> = ranks.into_iter().map(|r| tokio::spawn(compute(r, step))).collect();
@@ -257,17 +274,17 @@ async fn a_rank_lost_mid_exchange_is_rebuilt_from_buddy_copies_bit_identically()
     }
     drop(survivors);
     // ... and training on from there ends bit-identical to the uninterrupted run.
-    let resumed = train(form(c3, 2, rebuilt).await, plan.next_step..STEPS).await;
+    let resumed = train(form(c3, 2, rebuilt, staged).await, plan.next_step..STEPS).await;
     for r in &resumed {
         assert_eq!(bits(&state::flat_parameters(r.engine.model()).unwrap()), bits(&ref_final), "the resumed run diverged from the uninterrupted one");
     }
-    eprintln!("zero1 buddy recovery test: {:.2} s", started.elapsed().as_secs_f64());
+    eprintln!("zero1 buddy recovery test (staged {staged}): {:.2} s", started.elapsed().as_secs_f64());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_lost_with_its_buddy_falls_back_to_the_snapshot() {
     let (_net, c) = comms(4, 1);
-    let ranks = train(form(c, 1, vec![None, None, None, None]).await, 0..LOST_AFTER + 1).await;
+    let ranks = train(form(c, 1, vec![None, None, None, None], false).await, 0..LOST_AFTER + 1).await;
     // Each rank holds its own and its buddy's segment, of the last two steps.
     for r in &ranks {
         let held: Vec<u64> = r.copies.held().iter().map(|h| h.step).collect();

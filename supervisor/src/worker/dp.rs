@@ -7,7 +7,12 @@
 //! under ZeRO-1/2 the buddy exchange of this rank's segment state before a step is done
 //! ([`Engine::secure`]) and the gathered snapshot every `snapshot_every` steps ([`Engine::keep`]);
 //! rank 0's single-file checkpoints through the [`CheckpointWriter`]; the step trace; and, after
-//! the loop, the model and full optimizer state the replica keeps for the next generation.
+//! the loop, the model and full optimizer state the replica keeps for the next generation, and
+//! (a job on a GPU, [`TrainJob::device_memory`]) the device's allocator counters in the log.
+//!
+//! Under ZeRO-1/2 on a GPU the engine's shard lives on the device (`rtx_pipelines`
+//! `ParamShard::new_on`); what this adapter exchanges and snapshots is host data either way: the
+//! slices' values and `state_tensors()` leave the device when encoded or gathered.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -152,9 +157,22 @@ impl<J: TrainJob> Engine for DpSteps<'_, J> {
     }
 
     fn finish_generation(self) -> Result<()> {
-        let DpSteps { ctx, g, replica, engine, sharding, trace_to, exchanged, .. } = self;
+        let DpSteps { ctx, job, g, replica, engine, sharding, trace_to, exchanged, .. } = self;
         if exchanged.1 > 0 {
             tracing::info!(exchanges = exchanged.1, mean_ms = exchanged.0.as_secs_f64() * 1e3 / f64::from(exchanged.1), "zero1 buddy exchanges");
+        }
+        if let Some(m) = job.device_memory() {
+            let mib = |bytes: usize| (bytes as f64 / f64::from(1u32 << 20) * 10.0).round() / 10.0;
+            tracing::info!(
+                rank = g.rank,
+                world = g.world,
+                sharding = ctx.sharding.name(),
+                allocated_mib = mib(m.allocated),
+                peak_allocated_mib = mib(m.peak_allocated),
+                reserved_mib = mib(m.reserved),
+                peak_reserved_mib = mib(m.peak_reserved),
+                "device memory"
+            );
         }
         if let (Some((_, dir)), Some(trace)) = (&trace_to, engine.trace().filter(|t| !t.events().is_empty())) {
             // A measurement for people: failing to write it costs the file, not the job.
