@@ -675,13 +675,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                 // The reduce-scatter left the averaged gradients in the shard's own segments.
                 shard.apply_reduced(step)?;
                 shard.write_into(&self.buckets)?;
-                let buckets = self.buckets.buckets();
-                let gathers = shard.segments().into_iter().enumerate().map(|(bucket, own)| Job {
-                    step,
-                    bucket,
-                    op: BucketOp::AllGather { params: buckets[bucket].param_storage().clone(), own },
-                });
-                run_jobs(&self.reducer, step, gathers).await?;
+                gather_params(&self.reducer, &self.buckets, shard, step).await?;
             }
         }
         if let Some(trace) = self.trace.as_mut().filter(|_| traced) {
@@ -814,13 +808,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                 shard.write_into(&self.buckets)?;
                 let gather_began = Instant::now();
                 spans.push(("optimizer", None, optimizer_began, gather_began));
-                let buckets = self.buckets.buckets();
-                let gathers = shard.segments().into_iter().enumerate().map(|(bucket, own)| Job {
-                    step,
-                    bucket,
-                    op: BucketOp::AllGather { params: buckets[bucket].param_storage().clone(), own },
-                });
-                run_jobs(&self.reducer, step, gathers).await?;
+                gather_params(&self.reducer, &self.buckets, shard, step).await?;
                 let install_began = Instant::now();
                 spans.push(("all_gather", None, gather_began, install_began));
                 staging.install_params()?;
@@ -941,6 +929,19 @@ pub(crate) async fn wait_reports(reducer: &Reducer, step: u64, n: usize, mut tra
         Some(e) => Err(e),
         None => Ok(during_backward),
     }
+}
+
+/// ZeRO-1/2: all-gathers every bucket's parameters from the owners' updated segments (which
+/// `ParamShard::write_into` copied into this rank's buckets), so every replica ends the step with
+/// the same bits. The same collectives for host buckets and for a staged mirror.
+async fn gather_params<O: Optimizer>(reducer: &Reducer, buckets: &ParamBuckets, shard: &ParamShard<O>, step: u64) -> Result<()> {
+    let storages = buckets.buckets();
+    let gathers = shard.segments().into_iter().enumerate().map(|(bucket, own)| Job {
+        step,
+        bucket,
+        op: BucketOp::AllGather { params: storages[bucket].param_storage().clone(), own },
+    });
+    run_jobs(reducer, step, gathers).await
 }
 
 /// Submits `jobs` and waits for all their reports (stopping early only if the thread is gone).
