@@ -13,8 +13,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use rtx_actors::{ActorError, Link, LinkOptions, TlsLinkListener};
+use rtx_actors::{ActorError, Inbound, Link, LinkOptions, TlsLinkListener};
 use rtx_collectives::{ClusterCa, NodeIdentity};
+use tokio::sync::mpsc::Receiver;
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(30);
 const ASK_TIMEOUT: Duration = Duration::from_secs(10);
@@ -33,21 +34,23 @@ fn claiming(identity: &NodeIdentity, ca: &ClusterCa, claimed: usize) -> NodeIden
     NodeIdentity::from_der(claimed, ca.certificate().as_ref().to_vec(), cert, key)
 }
 
+/// Rank 0 dials rank 1's listener: rank 0's link and inbound queue, then rank 1's.
+async fn connected_pair() -> ((Link, Receiver<Inbound>), (Link, Receiver<Inbound>)) {
+    let ca = ClusterCa::generate("tls link test").unwrap();
+    let (id0, id1) = (ca.issue(0).unwrap(), ca.issue(1).unwrap());
+    let listener = TlsLinkListener::bind(&id1, loopback(), options()).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = tokio::spawn(async move { listener.accept().await });
+    let dialed = Link::dial_tls(&id0, addr, 1, options()).await.unwrap();
+    let (peer, link1, inbound1) = accepted.await.unwrap().unwrap();
+    assert_eq!(peer, 0, "the listener learns the dialer's rank");
+    (dialed, (link1, inbound1))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn asks_go_both_ways_and_the_exporter_agrees() {
     tokio::time::timeout(TEST_TIMEOUT, async {
-        let ca = ClusterCa::generate("tls link test").unwrap();
-        let (id0, id1) = (ca.issue(0).unwrap(), ca.issue(1).unwrap());
-        let listener = TlsLinkListener::bind(&id1, loopback(), options()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accepted = tokio::spawn(async move {
-            let accepted = listener.accept().await;
-            (listener, accepted)
-        });
-        let (link0, mut inbound0) = Link::dial_tls(&id0, addr, 1, options()).await.unwrap();
-        let (_listener, accepted) = accepted.await.unwrap();
-        let (peer, link1, _inbound1) = accepted.unwrap();
-        assert_eq!(peer, 0, "the listener learns the dialer's rank");
+        let ((link0, mut inbound0), (link1, _inbound1)) = connected_pair().await;
 
         // Rank 1 answers inline, rank 0 from an ordinary task reading its inbound queue.
         link1.serve_inline("add", |(a, b): (u64, u64)| Ok::<u64, String>(a + b));
@@ -82,13 +85,7 @@ async fn asks_go_both_ways_and_the_exporter_agrees() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_closes_fails_the_pending_ask() {
     tokio::time::timeout(TEST_TIMEOUT, async {
-        let ca = ClusterCa::generate("tls link test").unwrap();
-        let (id0, id1) = (ca.issue(0).unwrap(), ca.issue(1).unwrap());
-        let listener = TlsLinkListener::bind(&id1, loopback(), options()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accepted = tokio::spawn(async move { listener.accept().await });
-        let (link0, _inbound0) = Link::dial_tls(&id0, addr, 1, options()).await.unwrap();
-        let (_, link1, mut inbound1) = accepted.await.unwrap().unwrap();
+        let ((link0, _inbound0), (link1, mut inbound1)) = connected_pair().await;
         // Rank 1 takes the ask and closes its link instead of answering.
         let closer = tokio::spawn(async move {
             let msg = inbound1.recv().await.expect("the ask arrives");
@@ -148,13 +145,7 @@ async fn concurrent_large_tells_keep_each_senders_order() {
     const TELLS: u64 = 40;
     const BODY: usize = 256 * 1024;
     tokio::time::timeout(TEST_TIMEOUT, async {
-        let ca = ClusterCa::generate("tls link test").unwrap();
-        let (id0, id1) = (ca.issue(0).unwrap(), ca.issue(1).unwrap());
-        let listener = TlsLinkListener::bind(&id1, loopback(), options()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accepted = tokio::spawn(async move { listener.accept().await });
-        let (link0, _inbound0) = Link::dial_tls(&id0, addr, 1, options()).await.unwrap();
-        let (_, _link1, mut inbound1) = accepted.await.unwrap().unwrap();
+        let ((link0, _inbound0), (_link1, mut inbound1)) = connected_pair().await;
         let senders: Vec<_> = (0..SENDERS)
             .map(|sender| {
                 let remote = link0.remote::<(u64, u64, Vec<u8>)>("sink");
