@@ -675,7 +675,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                 // The reduce-scatter left the averaged gradients in the shard's own segments.
                 shard.apply_reduced(step)?;
                 shard.write_into(&self.buckets)?;
-                gather_params(&self.reducer, &self.buckets, shard, step).await?;
+                gather_params(&self.reducer, &self.buckets, shard.segments(), step).await?;
             }
         }
         if let Some(trace) = self.trace.as_mut().filter(|_| traced) {
@@ -808,7 +808,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
                 shard.write_into(&self.buckets)?;
                 let gather_began = Instant::now();
                 spans.push(("optimizer", None, optimizer_began, gather_began));
-                gather_params(&self.reducer, &self.buckets, shard, step).await?;
+                gather_params(&self.reducer, &self.buckets, shard.segments(), step).await?;
                 let install_began = Instant::now();
                 spans.push(("all_gather", None, gather_began, install_began));
                 staging.install_params()?;
@@ -934,9 +934,11 @@ pub(crate) async fn wait_reports(reducer: &Reducer, step: u64, n: usize, mut tra
 /// ZeRO-1/2: all-gathers every bucket's parameters from the owners' updated segments (which
 /// `ParamShard::write_into` copied into this rank's buckets), so every replica ends the step with
 /// the same bits. The same collectives for host buckets and for a staged mirror.
-async fn gather_params<O: Optimizer>(reducer: &Reducer, buckets: &ParamBuckets, shard: &ParamShard<O>, step: u64) -> Result<()> {
+/// `segments` is the shard's [`ParamShard::segments`], taken before the await so that the future
+/// holds no reference to the shard (whose optimizer need not be `Sync`).
+async fn gather_params(reducer: &Reducer, buckets: &ParamBuckets, segments: Vec<Range<usize>>, step: u64) -> Result<()> {
     let storages = buckets.buckets();
-    let gathers = shard.segments().into_iter().enumerate().map(|(bucket, own)| Job {
+    let gathers = segments.into_iter().enumerate().map(|(bucket, own)| Job {
         step,
         bucket,
         op: BucketOp::AllGather { params: storages[bucket].param_storage().clone(), own },
