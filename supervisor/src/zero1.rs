@@ -23,6 +23,24 @@
 //! is broadcast by its holder and placed, not summed, so the result is bit-identical to what the
 //! old layout held), then slices it for its own layout as after any other sync.
 //!
+//! **Decision: per-step buddy copies or snapshots only (`[elastic] zero_copies`).** Constraint:
+//! no rank holds a ZeRO-1/2 job's whole optimizer state, so a lost rank's segment must come from
+//! somewhere; the buddy exchange above pays for that at every step (an encoding of the segment
+//! state, on a GPU its download, and a send of its size: for GPT-2 124M, ~831 MiB per rank per
+//! step, which took ZeRO-1 from 282 to ~1690 ms/step on one H100 shared by two workers).
+//! `zero_copies = "buddy"` (the default) keeps it: a loss re-runs at most the step in flight.
+//! `zero_copies = "snapshot"` skips it (`Engine::secure` does nothing, `Ready` reports no
+//! copies): a step commits right after its update, and a loss rolls the job back to the last
+//! snapshot (every `snapshot_every` steps and at every checkpoint), the path a rank lost with
+//! its buddy already takes ([`crate::recovery::plan_recovery`] picks the member holding the
+//! newest snapshot), and re-runs the steps since, bit-identically at the same world size (batches
+//! are indexed by step, rank and world). Pros: nothing paid per step and no copy memory; cons:
+//! up to `snapshot_every - 1` steps re-run per failure, and the snapshot's own gather every
+//! `snapshot_every` steps stays. The supervisor logs such a rollback with its re-run count and
+//! does not call it suspect. ZeRO-3 takes no snapshots and keeps the buddy copies (the
+//! combination is a config error). Encoding downloads device tensors in batches of at most
+//! 64 MiB (one wait each, not one per tensor); the format is unchanged.
+//!
 //! The wire and memory form of a segment state is one `u32` buffer (the bits of every value in
 //! its own dtype, nothing widened), self-describing: parameter runs by parameter index and element
 //! range, optimizer state tensors by their index in the full-form template.
