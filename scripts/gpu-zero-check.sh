@@ -4,12 +4,14 @@
 #
 #   1. $CONFIG (default configs/gpt2_124m.toml: GPT-2 124M, bf16 parameters, f32 master AdamW on
 #      the GPU) with --nproc 2 on ONE GPU (CUDA_VISIBLE_DEVICES=$GPU: both workers share it) for
-#      STEPS steps, three times: replicated (the default), `[elastic] sharding = "zero1"` and
-#      `"zero2"`. Per run: step time (steady state, committed steps after WARMUP), each rank's
+#      STEPS steps, four times: replicated (the default), `[elastic] sharding = "zero1"`,
+#      `"zero2"`, and "zero1" with `zero_copies = "snapshot"` (no per-step buddy exchange of the
+#      segment states: a loss rolls back to the last snapshot instead). Per run: step time (steady state, committed steps after WARMUP), each rank's
 #      peak device memory (the workers' "device memory" log line at the end of the generation:
 #      the CUDA caching allocator's peak allocated and reserved MiB), the ZeRO shard's size (the
 #      "zero1 buddy copies" line), and whether the replicas finished bit-identical.
-#   2. The losses of every committed step, replicated vs zero1 and zero1 vs zero2: bit-identical
+#   2. The losses of every committed step, replicated vs zero1, zero1 vs zero2 and replicated vs
+#      zero1 with snapshot copies: bit-identical
 #      is expected (the same host collectives and the same per-element AdamW arithmetic on the
 #      same values); a relative difference below 1e-3 is reported as CLOSE, anything more as CHECK.
 #   3. kill -9 of one of the 2 zero1 workers at committed step KILL_AT of a KILL_STEPS-step run:
@@ -116,15 +118,16 @@ def shard_line(out):
                 return fields(line)
     return None
 
-def variant(name, sharding):
+def variant(name, sharding, copies=None):
     text = open(config).read()
     if device == "cpu":
         text = text.replace('device = "cuda"', 'device = "cpu"').replace('precision = "bf16"\n', "")
     if sharding is not None:
+        keys = f'sharding = "{sharding}"' + (f'\nzero_copies = "{copies}"' if copies else "")
         if "[elastic]" in text:
-            text = text.replace("[elastic]", f'[elastic]\nsharding = "{sharding}"', 1)
+            text = text.replace("[elastic]", f"[elastic]\n{keys}", 1)
         else:
-            text += f'\n[elastic]\nsharding = "{sharding}"\n'
+            text += f"\n[elastic]\n{keys}\n"
     path = os.path.join(out_dir, name + ".toml")
     open(path, "w").write(text)
     return path
@@ -145,12 +148,12 @@ def compare(a, b, what):
     add((what, f"final (step {last + 1}) {la[last]:.6f} vs {lb[last]:.6f}; {'bit-identical' if same else f'max rel diff {worst:.2e}'} over {len(common)} steps", status))
     return same
 
-# 1. replicated, zero1, zero2 on one GPU, two workers
+# 1. replicated, zero1, zero2, zero1 without per-step buddy copies, on one GPU, two workers
 outs, ms = {}, {}
-for sharding in (None, "zero1", "zero2"):
-    name = sharding or "replicated"
+for sharding, copies in ((None, None), ("zero1", None), ("zero2", None), ("zero1", "snapshot")):
+    name = (sharding or "replicated") + (f"-{copies}" if copies else "")
     out = run_dir(f"gpt2-{name}")
-    launch(variant(name, sharding), 2, out, ["--steps", str(steps)])
+    launch(variant(name, sharding, copies), 2, out, ["--steps", str(steps)])
     outs[name], ms[name] = out, step_ms(out)
     s = summary(out)
     add((f"{name}, 2 workers on one {device} device: step time (steps {warmup + 1}-{steps})", f"{ms[name]:.1f} ms/step", "ok" if s["replicas_identical"] else "FAIL (replicas differ)"))
@@ -168,12 +171,15 @@ for sharding in (None, "zero1", "zero2"):
 # 2. losses
 compare(outs["replicated"], outs["zero1"], "losses: replicated vs zero1")
 compare(outs["zero1"], outs["zero2"], "losses: zero1 vs zero2")
-for name in ("zero1", "zero2"):
+compare(outs["replicated"], outs["zero1-snapshot"], "losses: replicated vs zero1 with zero_copies = snapshot")
+for name in ("zero1", "zero2", "zero1-snapshot"):
     add((f"step time {name} / replicated", f"{ms[name] / ms['replicated']:.3f}x", "report"))
-mem_r, mem_z = device_memory(outs["replicated"]), device_memory(outs["zero1"])
-if mem_r and mem_z:
-    peak = lambda m: max(float(f.get("peak_allocated_mib", "nan")) for f in m.values())
-    add(("peak allocated, zero1 / replicated (highest rank)", f"{peak(mem_z):.0f} / {peak(mem_r):.0f} MiB = {peak(mem_z) / peak(mem_r):.3f}x", "ok" if peak(mem_z) < peak(mem_r) else "CHECK"))
+mem_r = device_memory(outs["replicated"])
+for name in ("zero1", "zero1-snapshot"):
+    mem_z = device_memory(outs[name])
+    if mem_r and mem_z:
+        peak = lambda m: max(float(f.get("peak_allocated_mib", "nan")) for f in m.values())
+        add((f"peak allocated, {name} / replicated (highest rank)", f"{peak(mem_z):.0f} / {peak(mem_r):.0f} MiB = {peak(mem_z) / peak(mem_r):.3f}x", "ok" if peak(mem_z) < peak(mem_r) else "CHECK"))
 
 # 3. kill -9 of one of two zero1 workers mid-run
 out = run_dir("gpt2-zero1-kill")

@@ -85,6 +85,39 @@ impl DpSharding {
     }
 }
 
+/// Where a ZeRO-1/2 job keeps the state of its newest committed step (`[elastic] zero_copies`).
+///
+/// No rank of a ZeRO-1/2 job holds the whole optimizer state, so something must stand in for the
+/// segment of a lost rank. The choice is a trade-off between a cost paid at every step and steps
+/// re-run after a failure (see `crate::zero1`'s module doc for the decision).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum ZeroCopies {
+    /// After every step each rank encodes its segment state and exchanges it with its buddy
+    /// before the step commits: a lost worker re-runs at most the step in flight, at the price of
+    /// one segment-state exchange per step (and four segment states of memory per rank).
+    #[default]
+    Buddy,
+    /// No per-step copies: a step commits right after its update, and a lost worker rolls the job
+    /// back to the last snapshot (`snapshot_every`, and every checkpoint), whose steps since are
+    /// re-run (bit-identically, at the same world size). What torchrun/DeepSpeed jobs do.
+    Snapshot,
+}
+
+impl ZeroCopies {
+    /// The name `[elastic] zero_copies` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Buddy => "buddy",
+            Self::Snapshot => "snapshot",
+        }
+    }
+
+    /// Whether each step's segment states are exchanged with the buddies.
+    pub fn per_step(self) -> bool {
+        self == Self::Buddy
+    }
+}
+
 /// Which transport the collectives of a generation use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Wire {
@@ -154,6 +187,11 @@ pub struct ElasticConfig {
     pub sharding: DpSharding,
     /// Steps between ZeRO-1/2 snapshots.
     pub snapshot_every: u64,
+    /// ZeRO-1/2: whether each step's segment states are exchanged with the buddies
+    /// ([`ZeroCopies::Buddy`], the default: a loss re-runs at most the step in flight) or only the
+    /// snapshots are kept ([`ZeroCopies::Snapshot`]: nothing paid per step, a loss re-runs the
+    /// steps since the last snapshot). `[elastic] zero_copies = "buddy" | "snapshot"`.
+    pub zero_copies: ZeroCopies,
     /// Pipeline stages and tensor-parallel ranks of a model-parallel job (1 and 1: data
     /// parallelism). The supervisor then forms generations of whole replicas of `pp · tp` members
     /// (see [`crate::placement`]).
@@ -193,6 +231,7 @@ impl Default for ElasticConfig {
             planted_bug: PlantedBug::None,
             sharding: DpSharding::Replicated,
             snapshot_every: 25,
+            zero_copies: ZeroCopies::Buddy,
             pp: 1,
             tp: 1,
             repartition: true,
@@ -238,6 +277,11 @@ impl ElasticConfig {
         }
         if self.verify_every == 0 {
             return bad("elastic.verify_every must be at least 1".into());
+        }
+        if self.zero_copies == ZeroCopies::Snapshot && self.sharding == DpSharding::Zero3 {
+            // ZeRO-3 takes no snapshots: its buddy copies are its only restorable point between
+            // checkpoints.
+            return bad("elastic.zero_copies = \"snapshot\" needs sharding \"zero1\" or \"zero2\" (ZeRO-3 keeps its state only in buddy copies)".into());
         }
         Ok(())
     }
@@ -286,6 +330,13 @@ impl ElasticConfig {
                     };
                 }
                 "snapshot_every" => self.snapshot_every = int()?.max(1),
+                "zero_copies" => {
+                    self.zero_copies = match value.as_str() {
+                        Some("buddy") => ZeroCopies::Buddy,
+                        Some("snapshot") => ZeroCopies::Snapshot,
+                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.zero_copies must be \"buddy\" or \"snapshot\", got {value}") }),
+                    };
+                }
                 "repartition" => self.repartition = value.as_bool().ok_or_else(|| SupervisorError::InvalidConfig { reason: format!("elastic.repartition must be true or false, got {value}") })?,
                 "failure_budget" => {
                     let b = int()? as u32;
@@ -293,7 +344,7 @@ impl ElasticConfig {
                         p.budget = b;
                     }
                 }
-                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, finish_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, sharding, snapshot_every, repartition)") }),
+                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, finish_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, sharding, snapshot_every, zero_copies, repartition)") }),
             }
         }
         Ok(())
@@ -321,5 +372,30 @@ mod tests {
         assert!(err.contains("elastic.repartition must be true or false"), "{err}");
         c.min_workers = 5;
         assert!(c.validate().unwrap_err().to_string().contains("above elastic.max_workers"));
+    }
+
+    #[test]
+    fn zero_copies_parses_both_values_and_names_a_bad_one() {
+        let mut c = ElasticConfig::default();
+        assert_eq!(c.zero_copies, ZeroCopies::Buddy, "the default keeps the per-step buddy copies");
+        c.apply_toml(&toml::from_str("sharding = \"zero1\"\nzero_copies = \"snapshot\"").unwrap()).unwrap();
+        assert_eq!((c.sharding, c.zero_copies), (DpSharding::Zero1, ZeroCopies::Snapshot));
+        c.validate().unwrap();
+        c.apply_toml(&toml::from_str("zero_copies = \"buddy\"").unwrap()).unwrap();
+        assert_eq!(c.zero_copies, ZeroCopies::Buddy);
+        for bad in ["zero_copies = \"buddies\"", "zero_copies = 2"] {
+            match c.apply_toml(&toml::from_str(bad).unwrap()) {
+                Err(SupervisorError::InvalidConfig { reason }) => {
+                    assert!(reason.contains("elastic.zero_copies must be \"buddy\" or \"snapshot\""), "{reason}");
+                    let value = bad.split(" = ").nth(1).unwrap();
+                    assert!(reason.ends_with(&format!("got {value}")), "the bad value is named: {reason}");
+                }
+                other => panic!("{bad}: expected InvalidConfig, got {other:?}"),
+            }
+        }
+        assert_eq!(c.zero_copies, ZeroCopies::Buddy, "a bad value changes nothing");
+        // ZeRO-3 has no snapshot to fall back on.
+        c.apply_toml(&toml::from_str("sharding = \"zero3\"\nzero_copies = \"snapshot\"").unwrap()).unwrap();
+        assert!(matches!(c.validate(), Err(SupervisorError::InvalidConfig { reason }) if reason.contains("zero_copies = \"snapshot\" needs sharding")));
     }
 }

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 
 use tokio::time::Instant;
 
-use crate::config::{FailureClass, OnFailure, PlantedBug};
+use crate::config::{DpSharding, FailureClass, OnFailure, PlantedBug};
 use crate::error::{Result, SupervisorError};
 use crate::placement;
 use crate::plan;
@@ -406,6 +406,20 @@ impl SupervisorCore {
         (at(shape), shape)
     }
 
+    /// Whether a new generation starting at `next_step` after committed step `from` is the
+    /// rollback that `[elastic] zero_copies = "snapshot"` plans for a ZeRO-1/2 job: to the first
+    /// step after the newest snapshot boundary (a snapshot is taken after every step `s` with
+    /// `(s + 1) % snapshot_every == 0`) or newer (a checkpoint's snapshot). Older than that is a
+    /// loss of durable state, reported as suspect like any other.
+    fn planned_rollback(&self, from: u64, next_step: u64) -> bool {
+        let elastic = &self.options.elastic;
+        if !elastic.sharding.shards_optimizer() || elastic.sharding == DpSharding::Zero3 || elastic.zero_copies.per_step() {
+            return false;
+        }
+        let every = elastic.snapshot_every.max(1);
+        next_step >= (from + 1) / every * every
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn on_ready(&mut self, node: u64, generation: u64, addr: String, completed: Option<u64>, zero1: Vec<Zero1Held>, mesh: Option<MeshHeld>, now: Instant) -> Result<()> {
         let Phase::Preparing { generation: g, members, ready, .. } = &mut self.phase else { return Ok(()) };
@@ -450,9 +464,16 @@ impl SupervisorCore {
             recovery.next_step = self.options.resume_next_step;
         }
         if let Some(from) = recovery.regressed_from {
-            let reason = format!("generation {generation}: every holder of committed step {from} is gone; resuming from {:?} at step {}", recovery.source, recovery.next_step);
-            tracing::warn!(generation, from, next_step = recovery.next_step, "{reason}");
-            self.emit(JobEvent::Suspect { reason });
+            let rerun = from + 1 - recovery.next_step.min(from + 1);
+            if mesh.is_none() && self.planned_rollback(from, recovery.next_step) {
+                // `zero_copies = "snapshot"`: no member keeps copies of the steps since the last
+                // snapshot, so running them again is the configured trade-off, not lost state.
+                tracing::info!(generation, from, next_step = recovery.next_step, rerun, source = ?recovery.source, "rolled back to the last ZeRO snapshot (zero_copies = \"snapshot\"): {rerun} committed steps run again");
+            } else {
+                let reason = format!("generation {generation}: every holder of committed step {from} is gone; resuming from {:?} at step {} ({rerun} committed steps run again)", recovery.source, recovery.next_step);
+                tracing::warn!(generation, from, next_step = recovery.next_step, rerun, "{reason}");
+                self.emit(JobEvent::Suspect { reason });
+            }
         }
         let next_step = recovery.next_step;
         let source = recovery.source.sending_rank();

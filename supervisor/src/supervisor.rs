@@ -421,6 +421,7 @@ impl ClusterSupervisor {
                     checkpoint_every: options.elastic.checkpoint_every,
                     sharding: options.elastic.sharding,
                     snapshot_every: options.elastic.snapshot_every,
+                    zero_copies: options.elastic.zero_copies,
                     run_dir: options.run_dir.as_ref().map(|p| p.display().to_string()),
                 };
                 msg.reply(&accepted).await?;

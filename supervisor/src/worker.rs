@@ -47,7 +47,7 @@ mod mesh;
 mod steps;
 use rtx_tensor::{Module, Optimizer, Tensor};
 
-use crate::config::DpSharding;
+use crate::config::{DpSharding, ZeroCopies};
 use crate::checkpoint::{self, CheckpointStore, CheckpointWriter, FileStore, WriteMode};
 use crate::error::{Result, SupervisorError};
 use crate::job::TrainJob;
@@ -316,13 +316,13 @@ where
     let host = env.host.clone().or_else(machine_identity).unwrap_or_else(|| options.bind_ip.to_string());
     let join = ToSupervisor::Join { name: options.name.clone(), pid: env.pid, host, proof: protocol::worker_proof(&options.token, &ekm) };
     let reply: JoinReply = supervisor.ask(&join, Duration::from_secs(30)).await?;
-    let (node, job_text, heartbeat, (resume, run_dir), (verify_every, checkpoint_every, sharding, snapshot_every)) = match reply {
-        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, run_dir } => {
+    let (node, job_text, heartbeat, (resume, run_dir), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies)) = match reply {
+        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, run_dir } => {
             if !protocol::verify_supervisor_proof(&options.token, &ekm, &proof) {
                 link.close("supervisor not authentic");
                 return Err(SupervisorError::NotAuthentic { addr: options.join.to_string() });
             }
-            (node, job, Duration::from_millis(heartbeat_ms.max(10)), (resume.map(PathBuf::from), run_dir.map(PathBuf::from)), (verify_every, checkpoint_every, sharding, snapshot_every))
+            (node, job, Duration::from_millis(heartbeat_ms.max(10)), (resume.map(PathBuf::from), run_dir.map(PathBuf::from)), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies))
         }
         JoinReply::Refused { reason } => return Err(SupervisorError::Refused { reason }),
     };
@@ -332,7 +332,7 @@ where
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(supervisor.clone(), node, heartbeat, Arc::clone(&shared))));
 
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::channel::<ToWorker>(COMMAND_QUEUE);
-    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, compute: env.compute.clone(), verify_every, checkpoint_every, sharding, snapshot_every, timing: Mutex::new((0.0, 0.0, 0.0)) };
+    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, compute: env.compute.clone(), verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, timing: Mutex::new((0.0, 0.0, 0.0)) };
     let spec = JobSpec { node, job: job_text, resume, run_dir };
     let worker = async move {
         let job = make_job(&spec).map_err(SupervisorError::Job)?;
@@ -512,6 +512,8 @@ struct WorkerCtx {
     /// ZeRO-1/2 optimizer sharding, and how often its state is gathered into a restorable snapshot.
     sharding: DpSharding,
     snapshot_every: u64,
+    /// ZeRO-1/2: per-step buddy copies of the segment states, or the snapshots alone.
+    zero_copies: ZeroCopies,
     /// Seconds inside training steps, on the control path of the step loop (command polling,
     /// step reports), and of the whole step loop.
     timing: Mutex<(f64, f64, f64)>,
@@ -887,7 +889,7 @@ async fn train<J: TrainJob>(
         engine.trace_steps(*steps);
     }
     if ctx.sharding.shards_optimizer() {
-        log_zero1_memory(&engine, &layout, &template, g.world, ctx.sharding)?;
+        log_zero1_memory(&engine, &layout, &template, g.world, ctx.sharding, ctx.zero_copies)?;
     }
     let total = job.total_steps().min(g.stop_step);
     let engine = dp::DpSteps { ctx, job: job.as_ref(), g, comm, replica, writer, engine, sharding, layout, template, trace_to, exchanged: (Duration::ZERO, 0) };
@@ -895,14 +897,16 @@ async fn train<J: TrainJob>(
 }
 
 /// Logs what the buddy copies cost per rank, next to the ZeRO-1/2 shard itself and a replica.
-fn log_zero1_memory<M: Module, O: Optimizer>(engine: &DataParallel<M, O>, layout: &zero1::Layout, template: &[(String, Tensor)], world: usize, sharding: DpSharding) -> Result<()> {
+fn log_zero1_memory<M: Module, O: Optimizer>(engine: &DataParallel<M, O>, layout: &zero1::Layout, template: &[(String, Tensor)], world: usize, sharding: DpSharding, copies: ZeroCopies) -> Result<()> {
     let local = engine.optimizer().state_tensors()?;
     let (shard_bytes, replica_bytes) = zero1::shard_and_replica_bytes(engine.param_slices(), &local, layout.param_count(), template);
     // Own and buddy segment states of two steps (see `zero1`; alone, no buddy's); the snapshot
-    // fallback keeps the whole state besides (a replica's worth).
-    let copies_bytes = if world == 1 { 2 } else { 4 } * shard_bytes;
+    // fallback keeps the whole state besides (a replica's worth). With `zero_copies = "snapshot"`
+    // only the snapshot is kept.
+    let copies_bytes = if !copies.per_step() { 0 } else if world == 1 { 2 } else { 4 } * shard_bytes;
     tracing::info!(
         sharding = sharding.name(),
+        zero_copies = copies.name(),
         world,
         shard_bytes,
         copies_bytes,

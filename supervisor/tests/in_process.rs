@@ -4,6 +4,9 @@
 //! refused with a typed error; a checkpoint write that fails on the file system loses nothing.
 //! Elastic ZeRO-1/2 with host staging (the GPU path's, on the CPU) commits the unstaged ZeRO-1
 //! job's losses and parameters bit for bit, and recovers a lost worker from buddy segments.
+//! With `zero_copies = "snapshot"` (no per-step buddy exchange) ZeRO-1/2 commit the same losses,
+//! and a lost worker rolls the job back to its last snapshot and re-runs the steps since, bit for
+//! bit.
 //! Needs `bash scripts/fetch-data.sh`.
 
 use std::path::PathBuf;
@@ -14,7 +17,7 @@ use std::time::Duration;
 use rtx_actors::BatchSource;
 use rtx_pipelines::{DpConfig, ParamSlice};
 use rtx_supervisor::checkpoint;
-use rtx_supervisor::{query_status, run_node, run_worker, DpSharding, ElasticConfig, JobEvent, NodeEnv, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, WorkerOptions, WorkerOutcome};
+use rtx_supervisor::{query_status, run_node, run_worker, DpSharding, ElasticConfig, JobEvent, NodeEnv, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, WorkerOptions, WorkerOutcome, ZeroCopies};
 use rtx_tensor::data::{load_fashion_mnist, DataRoot, ImageDataset, Split};
 use rtx_tensor::nn::Linear;
 use rtx_tensor::optim::{AdamW, AdamWConfig};
@@ -482,5 +485,119 @@ async fn staged_zero_jobs_match_the_unstaged_zero1_job_and_recover_from_buddies(
     let mut steps: Vec<u64> = commits.iter().map(|c| c.0).collect();
     steps.dedup();
     assert_eq!(steps, (0..STEPS).collect::<Vec<_>>(), "every step committed once, in order: none lost, none re-run");
+    Ok(())
+}
+
+/// Snapshot interval of [`copies_run`].
+const SNAPSHOT_EVERY: u64 = 10;
+
+/// What [`copies_run`] saw: every commit (step, loss bits, world, generation) in commit order,
+/// every generation's (world, next step), the final checksum, whether the replicas finished
+/// bit-identical, and the suspect events.
+struct CopiesRun {
+    commits: Vec<(u64, u64, usize, u64)>,
+    generations: Vec<(usize, u64)>,
+    checksum: u64,
+    identical: bool,
+    suspects: Vec<String>,
+}
+
+/// Three workers train under `sharding` with `[elastic] zero_copies = copies` and a snapshot every
+/// [`SNAPSHOT_EVERY`] steps. With `lose_at`, worker 2 is dropped once step `lose_at` is committed,
+/// and a fresh worker joins once the loss is seen: with `min_workers = 3` the job waits for it, so
+/// every step trains at world 3 and a re-run step must commit the loss bits of its first run.
+async fn copies_run(sharding: DpSharding, copies: ZeroCopies, lose_at: Option<u64>) -> anyhow::Result<CopiesRun> {
+    let mut opts = options("secret");
+    opts.elastic.start_workers = 3;
+    opts.elastic.min_workers = 3;
+    opts.elastic.max_workers = 3;
+    opts.elastic.sharding = sharding;
+    opts.elastic.zero_copies = copies;
+    opts.elastic.snapshot_every = SNAPSHOT_EVERY;
+    opts.elastic.validate()?;
+    let mut supervisor = SupervisorHandle::start(opts, None).await?;
+    let addr = supervisor.addr;
+    let spawn = |name: String| tokio::spawn(run_worker(WorkerOptions::new(addr, "secret".into(), name), |_spec| Ok(Fashion::load())));
+    let mut handles: Vec<_> = (0..3).map(|i| spawn(format!("worker-{i}"))).collect();
+    let (mut commits, mut generations, mut suspects, mut dropped, mut replaced) = (Vec::new(), Vec::new(), Vec::new(), false, false);
+    let (identical, checksum) = loop {
+        match tokio::time::timeout(Duration::from_secs(120), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
+            JobEvent::Generation { world, next_step, .. } => generations.push((world, next_step)),
+            JobEvent::Committed { step, loss, world, generation, .. } => {
+                commits.push((step, loss.to_bits(), world, generation));
+                if lose_at.is_some_and(|at| step >= at) && !dropped {
+                    handles[2].abort();
+                    dropped = true;
+                }
+            }
+            JobEvent::Lost { .. } if dropped && !replaced => {
+                handles.push(spawn("worker-replacement".into()));
+                replaced = true;
+            }
+            JobEvent::Suspect { reason } => suspects.push(reason),
+            JobEvent::Finished { replicas_identical, checksum, .. } => break (replicas_identical, checksum),
+            JobEvent::Failed { reason } => anyhow::bail!("job failed: {reason}"),
+            _ => {}
+        }
+    };
+    supervisor.join().await?;
+    for (i, w) in handles.into_iter().enumerate() {
+        if !(dropped && i == 2) {
+            assert_eq!(w.await??, WorkerOutcome::Finished);
+        }
+    }
+    Ok(CopiesRun { commits, generations, checksum, identical, suspects })
+}
+
+// Goal: `[elastic] zero_copies = "snapshot"` (no per-step exchange of segment states) changes
+// nothing while nothing fails: ZeRO-1 and ZeRO-2 commit the buddy job's loss bits at every step
+// and end at its parameters. When one worker of three is lost mid-run, the job rolls back to the
+// last snapshot, re-runs exactly the steps since (as many as the snapshot interval implies) with
+// the same loss bits as the uninterrupted run, reports no suspect fall back (the rollback is the
+// configured trade-off), and ends bit-identical. Method: the real supervisor and workers over
+// QUIC on loopback; a replacement keeps the world at 3, so the re-run steps see the same batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_zero_copies_commit_the_buddy_losses_and_a_loss_reruns_the_steps_since_the_snapshot_bit_for_bit() -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let reference = copies_run(DpSharding::Zero1, ZeroCopies::Buddy, None).await?;
+    assert!(reference.identical);
+    let steps = |r: &CopiesRun| r.commits.iter().map(|c| (c.0, c.1, c.2)).collect::<Vec<_>>();
+    let expected = steps(&reference);
+    assert_eq!(expected.iter().map(|c| c.0).collect::<Vec<_>>(), (0..STEPS).collect::<Vec<_>>());
+    for sharding in [DpSharding::Zero1, DpSharding::Zero2] {
+        let run = copies_run(sharding, ZeroCopies::Snapshot, None).await?;
+        assert!(run.identical, "{sharding:?}: replicas bit-identical");
+        assert_eq!(steps(&run), expected, "{sharding:?} with snapshot copies: committed losses differ from the buddy job's");
+        assert_eq!(run.checksum, reference.checksum, "{sharding:?} with snapshot copies: final parameters differ");
+        assert_eq!(run.generations, vec![(3, 0)]);
+    }
+
+    let lossy = copies_run(DpSharding::Zero1, ZeroCopies::Snapshot, Some(33)).await?;
+    assert_eq!(lossy.generations.len(), 2, "one re-formation: {:?}", lossy.generations);
+    assert!(lossy.generations.iter().all(|(world, _)| *world == 3), "{:?}", lossy.generations);
+    let last_before = lossy.commits.iter().filter(|c| c.3 == 1).map(|c| c.0).max().expect("commits before the loss");
+    let resumed_at = lossy.generations[1].1;
+    let rerun = last_before + 1 - resumed_at;
+    println!("snapshot copies: lost after committing step {last_before}, resumed at {resumed_at}: {rerun} steps re-run (snapshot_every {SNAPSHOT_EVERY})");
+    assert_eq!(resumed_at, (last_before + 1) / SNAPSHOT_EVERY * SNAPSHOT_EVERY, "rolled back to the last snapshot, not further");
+    assert_eq!(rerun, (last_before + 1) % SNAPSHOT_EVERY, "the steps since the last snapshot run again, and only they");
+    let after: Vec<u64> = lossy.commits.iter().filter(|c| c.3 > 1).map(|c| c.0).collect();
+    assert_eq!(after, (resumed_at..STEPS).collect::<Vec<_>>(), "after the rollback every step commits once, in order");
+    for &(step, loss, world, generation) in &lossy.commits {
+        assert_eq!((step, loss, world), expected[step as usize], "generation {generation}: step {step} committed other loss bits than the uninterrupted run");
+    }
+    assert!(lossy.identical, "replicas bit-identical after the rollback");
+    assert_eq!(lossy.checksum, reference.checksum, "the rolled-back run ends at the uninterrupted run's parameters");
+    assert!(lossy.suspects.is_empty(), "a planned rollback is not suspect: {:?}", lossy.suspects);
+
+    // The same loss with buddy copies re-runs at most the step in flight (same bits too).
+    let buddy = copies_run(DpSharding::Zero1, ZeroCopies::Buddy, Some(33)).await?;
+    let last_before = buddy.commits.iter().filter(|c| c.3 == 1).map(|c| c.0).max().expect("commits before the loss");
+    assert!(buddy.generations[1].1 > last_before, "buddy copies: nothing committed runs again ({:?}, last {last_before})", buddy.generations);
+    for &(step, loss, world, _) in &buddy.commits {
+        assert_eq!((step, loss, world), expected[step as usize], "buddy copies: step {step} after the loss");
+    }
+    assert_eq!(buddy.checksum, reference.checksum);
+    println!("zero_copies test: {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }

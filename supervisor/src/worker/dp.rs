@@ -5,7 +5,9 @@
 //!
 //! Engine-specific duties: the job's loss scaled to the global batch and its after-step hook;
 //! under ZeRO-1/2 the buddy exchange of this rank's segment state before a step is done
-//! ([`Engine::secure`]) and the gathered snapshot every `snapshot_every` steps ([`Engine::keep`]);
+//! ([`Engine::secure`]; skipped with `[elastic] zero_copies = "snapshot"`, where a step commits
+//! right after its update and a loss rolls back to the last snapshot) and the gathered snapshot
+//! every `snapshot_every` steps ([`Engine::keep`]);
 //! rank 0's single-file checkpoints through the [`CheckpointWriter`]; the step trace; and, after
 //! the loop, the model and full optimizer state the replica keeps for the next generation, and
 //! (a job on a GPU, [`TrainJob::device_memory`]) the device's allocator counters in the log.
@@ -97,7 +99,10 @@ impl<J: TrainJob> Engine for DpSteps<'_, J> {
     }
 
     async fn secure(&mut self, step: u64) -> Result<()> {
-        if !self.ctx.sharding.shards_optimizer() {
+        // Replicated: every rank holds the whole state. ZeRO-1/2 with `zero_copies = "snapshot"`:
+        // nothing is paid per step; the last snapshot (`keep`) is the restorable point, and a lost
+        // rank costs the steps since.
+        if !self.ctx.sharding.shards_optimizer() || !self.ctx.zero_copies.per_step() {
             return Ok(());
         }
         // A rank holds only its segment of the optimizer state: the step is restorable (and

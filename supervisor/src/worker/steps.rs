@@ -254,6 +254,7 @@ mod tests {
             checkpoint_every,
             sharding: DpSharding::Replicated,
             snapshot_every: 1,
+            zero_copies: crate::config::ZeroCopies::Buddy,
             timing: Mutex::new((0.0, 0.0, 0.0)),
         };
         // The context's remote keeps its own handle of the node's link.
