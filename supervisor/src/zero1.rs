@@ -50,7 +50,7 @@ use std::ops::Range;
 
 use rtx_collectives::Communicator;
 use rtx_pipelines::ParamSlice;
-use rtx_tensor::{CpuData, DType, Device, FloatSlice, Module, Tensor};
+use rtx_tensor::{CpuData, DType, FloatSlice, Module, Tensor};
 
 use crate::error::{Result, SupervisorError};
 use crate::protocol::Zero1Held;
@@ -63,9 +63,6 @@ const F32: u32 = 0;
 const F64: u32 = 1;
 const BF16: u32 = 2;
 const U32: u32 = 3;
-/// Most bytes one batched download of an encoding moves (and packs into one device buffer first):
-/// a few waits for a GPT-2 segment state instead of one per tensor, and a bounded extra buffer.
-const DOWNLOAD_CHUNK_BYTES: usize = 64 << 20;
 
 /// Where every parameter and optimizer state tensor lives in the full form: the map between a
 /// rank's slices and the whole model. Built once per generation from the model and the full-form
@@ -116,18 +113,7 @@ impl Layout {
 
     /// [`encode`](Self::encode) into `out` (cleared first; a recycled buffer spares the
     /// allocation and its page faults, most of the cost of a small model's exchange).
-    ///
-    /// Device tensors (a shard on a GPU) come down in batches ([`HostBatches`]: one wait per
-    /// [`DOWNLOAD_CHUNK_BYTES`] of f32 or bf16 values instead of one per tensor); the words are
-    /// the same as a tensor-by-tensor download's.
     pub fn encode_into(&self, out: &mut Vec<u32>, step: u64, slices: &[ParamSlice], local: &[(String, Tensor)]) -> Result<()> {
-        self.encode_batched(out, step, slices, local, false, DOWNLOAD_CHUNK_BYTES)
-    }
-
-    /// [`encode_into`](Self::encode_into), batching host tensors' copies too when `all` (how a
-    /// CPU test drives the device path's batching), in chunks of at most `chunk_bytes`.
-    fn encode_batched(&self, out: &mut Vec<u32>, step: u64, slices: &[ParamSlice], local: &[(String, Tensor)], all: bool, chunk_bytes: usize) -> Result<()> {
-        let mut host = HostBatches::new(slices.iter().map(|s| &s.tensor).chain(local.iter().map(|(_, t)| t)).collect(), all, chunk_bytes);
         out.clear();
         let values: usize = slices.iter().map(|s| s.elements.len()).sum::<usize>() + local.iter().map(|(_, t)| 2 * t.numel()).sum::<usize>();
         out.reserve(values + 8 * (slices.len() + local.len()) + 8);
@@ -135,7 +121,7 @@ impl Layout {
         push_u64(out, step);
         push_u64(out, slices.len() as u64);
         let mut owned = BTreeMap::new();
-        for (k, slice) in slices.iter().enumerate() {
+        for slice in slices {
             let index = *self.by_name.get(&slice.name).ok_or_else(|| bad(format!("slice of unknown parameter {}", slice.name)))?;
             let whole = &self.params[index].1;
             if slice.elements.end > whole.len() {
@@ -149,13 +135,13 @@ impl Layout {
             push_u64(out, slice.elements.start as u64);
             push_u64(out, slice.elements.len() as u64);
             // Borrowed, not copied, when contiguous f32 (a parameter segment always is).
-            host.get(k)?.with_float_slice(|values| match values {
+            slice.tensor.with_float_slice(|values| match values {
                 FloatSlice::F32(v) => out.extend_from_slice(bytemuck::cast_slice(v)),
                 FloatSlice::F64(v) => out.extend(v.iter().map(|x| (*x as f32).to_bits())),
             })?;
         }
         push_u64(out, local.len() as u64);
-        for (k, (name, t)) in local.iter().enumerate() {
+        for (name, t) in local {
             let index = *self.template_by_name.get(name).ok_or_else(|| bad(format!("optimizer state {name} is not in the full form")))?;
             let (param, _) = split_field(name)?;
             let start = if self.template[index].2 {
@@ -166,7 +152,6 @@ impl Layout {
             push_u64(out, index as u64);
             push_u64(out, start as u64);
             push_u64(out, t.numel() as u64);
-            let t = host.get(slices.len() + k)?;
             if t.dtype() == DType::F32 {
                 out.push(F32);
                 t.with_float_slice(|values| match values {
@@ -210,72 +195,6 @@ impl Layout {
             placed: vec![0; self.template.len()],
             steps: vec![None; self.template.len()],
         }
-    }
-}
-
-/// The tensors of one encoding, brought to the host in batches: the device's f32 and bf16 tensors
-/// (with `all`, the host's too) are grouped by (device, dtype) in encoding order into chunks of at
-/// most `chunk_bytes`, each downloaded with one wait ([`rtx_tensor::download_packed`]) when its
-/// first tensor is asked for and dropped after its last, so at most one chunk per group is held.
-/// Any other tensor is handed back as it is (and copied on its own where it is read).
-struct HostBatches<'a> {
-    tensors: Vec<&'a Tensor>,
-    /// Per tensor: its chunk and its first element there, when it comes down with a chunk.
-    place: Vec<Option<(usize, usize)>>,
-    /// Per chunk: dtype, element count, tensor indices (in order).
-    chunks: Vec<(DType, usize, Vec<usize>)>,
-    /// Per chunk: its host copy while it is being read.
-    live: Vec<Option<Tensor>>,
-}
-
-impl<'a> HostBatches<'a> {
-    fn new(tensors: Vec<&'a Tensor>, all: bool, chunk_bytes: usize) -> Self {
-        let mut place = Vec::with_capacity(tensors.len());
-        let mut chunks: Vec<(DType, usize, Vec<usize>)> = Vec::new();
-        // The open chunk of each (device, dtype).
-        let mut open: Vec<((Device, DType), usize)> = Vec::new();
-        for (i, t) in tensors.iter().enumerate() {
-            let (device, dtype, n) = (t.device(), t.dtype(), t.numel());
-            if !(all || device != Device::Cpu) || !matches!(dtype, DType::F32 | DType::BF16) || n == 0 {
-                place.push(None);
-                continue;
-            }
-            let at = open.iter().position(|(key, _)| *key == (device, dtype));
-            let fits = |c: usize| (chunks[c].1 + n) * dtype.size_in_bytes() <= chunk_bytes;
-            let chunk = match at.map(|p| open[p].1).filter(|&c| fits(c)) {
-                Some(c) => c,
-                None => {
-                    chunks.push((dtype, 0, Vec::new()));
-                    let c = chunks.len() - 1;
-                    match at {
-                        Some(p) => open[p].1 = c,
-                        None => open.push(((device, dtype), c)),
-                    }
-                    c
-                }
-            };
-            place.push(Some((chunk, chunks[chunk].1)));
-            chunks[chunk].1 += n;
-            chunks[chunk].2.push(i);
-        }
-        let live = vec![None; chunks.len()];
-        HostBatches { tensors, place, chunks, live }
-    }
-
-    /// Tensor `i`'s values: a view of its downloaded chunk, or the tensor itself.
-    fn get(&mut self, i: usize) -> Result<Tensor> {
-        let Some((chunk, at)) = self.place[i] else { return Ok(self.tensors[i].clone()) };
-        let (dtype, total, members) = &self.chunks[chunk];
-        if self.live[chunk].is_none() {
-            let flat = Tensor::from_data(CpuData::zeros(*dtype, *total), &[*total])?;
-            let parts: Vec<(Option<&Tensor>, usize)> = members.iter().map(|&j| (Some(self.tensors[j]), self.tensors[j].numel())).collect();
-            rtx_tensor::download_packed(&parts, flat.storage(), 0)?;
-            self.live[chunk] = Some(flat);
-        }
-        // The chunk's last tensor lets the chunk go (its view keeps it until read).
-        let flat = if members.last() == Some(&i) { self.live[chunk].take() } else { self.live[chunk].clone() };
-        let flat = flat.ok_or_else(|| bad(format!("tensor {i} read twice from its download")))?;
-        Ok(flat.narrow(0, at, self.tensors[i].numel())?)
     }
 }
 
@@ -636,62 +555,5 @@ impl<'a> Reader<'a> {
         let n = self.usize()?;
         let bytes = self.take(n)?.iter().map(|w| u8::try_from(*w).map_err(|_| self.bad("a name byte out of range"))).collect::<Result<Vec<u8>>>()?;
         String::from_utf8(bytes).map_err(|_| self.bad("a name that is not UTF-8"))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use rtx_tensor::nn::Linear;
-    use rtx_tensor::optim::{AdamW, AdamWConfig};
-    use rtx_tensor::{Generator, Optimizer};
-
-    // Goal: the batched download of an encoding (the device path: one wait per chunk instead of
-    // one per tensor) gives exactly the words of the tensor-by-tensor encoding. Method: on the
-    // CPU, batching forced for host tensors (`all`), with chunks of every size from one tensor per
-    // chunk up to everything in one; slices that cut a parameter (a strided view), f32 and bf16
-    // values, and the f64 step scalars that are never batched.
-    #[test]
-    fn batched_downloads_encode_the_same_words() {
-        let model = Linear::new(7, 5, true, DType::F32, &mut Generator::new(7)).unwrap();
-        let build = |slices: &[ParamSlice]| {
-            AdamW::new(slices.iter().map(|s| (s.name.clone(), s.tensor.clone())).collect(), AdamWConfig::default()).map_err(|e| e.to_string())
-        };
-        let template = crate::state::full_template(&model, build).unwrap();
-        let layout = Layout::new(&model, &template).unwrap();
-        let mut rng = Generator::new(11);
-        for dtype in [DType::F32, DType::BF16] {
-            let slices: Vec<ParamSlice> = model
-                .named_parameters()
-                .into_iter()
-                .map(|(name, p)| {
-                    let (start, len) = if p.numel() > 10 { (3, p.numel() - 8) } else { (0, p.numel()) };
-                    // A column of the transposed weight: not contiguous.
-                    let values = Tensor::randn(&[len, 2], 0.0, 1.0, DType::F32, &mut rng).unwrap().narrow(1, 1, 1).unwrap().reshape(&[len]).unwrap();
-                    ParamSlice { name, param_shape: p.shape().to_vec(), elements: start..start + len, tensor: values.to_dtype(dtype).unwrap() }
-                })
-                .collect();
-            let optimizer = build(&slices).unwrap();
-            let local: Vec<(String, Tensor)> = optimizer
-                .state_tensors()
-                .unwrap()
-                .into_iter()
-                .map(|(name, t)| {
-                    if t.dtype() == DType::F64 {
-                        return (name, Tensor::scalar(17.0, DType::F64));
-                    }
-                    let values = Tensor::randn(t.shape(), 0.0, 1.0, DType::F32, &mut rng).unwrap().to_dtype(dtype).unwrap();
-                    (name, values)
-                })
-                .collect();
-            let reference = layout.encode(9, &slices, &local).unwrap();
-            for chunk_bytes in [1, 64, 1 << 10, usize::MAX] {
-                let mut out = vec![1, 2, 3];
-                layout.encode_batched(&mut out, 9, &slices, &local, true, chunk_bytes).unwrap();
-                assert_eq!(out, reference, "{dtype:?}, chunks of {chunk_bytes} bytes");
-            }
-            // (The words are a segment state of the step asked for.)
-            assert_eq!(encoded_step(&reference).unwrap(), 9);
-        }
     }
 }
