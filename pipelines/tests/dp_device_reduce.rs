@@ -8,40 +8,23 @@
 //! group sizes), and a failed collective named by step and bucket, then a broken engine.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+use support::{bits, loss, with_unused, WithUnused, BATCH_SEED, MODEL_SEED};
+
 use rtx_collectives::{CommConfig, Communicator, Endpoint, InProcessNetwork, ShmOptions, ShmTransport, Transport};
 use rtx_pipelines::{adamw, DataParallel, DeviceReduce, DpConfig, Error, HostReduce, ReduceFuture, Sharding};
-use rtx_tensor::nn::{Activation, Mlp, Module};
+use rtx_tensor::nn::Module;
 use rtx_tensor::optim::{AdamW, AdamWConfig};
-use rtx_tensor::{CrossEntropyOptions, DType, Device, Generator, Tensor};
+use rtx_tensor::{DType, Device, Tensor};
 
-const ROWS: usize = 4;
 const STEPS: u64 = 4;
 const ADAMW: AdamWConfig = AdamWConfig { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
-const MODEL_SEED: u64 = 11;
-const BATCH_SEED: u64 = 2000;
-
-/// An MLP and a parameter the loss never uses (its gradient must be zeros).
-struct WithUnused {
-    mlp: Mlp,
-    unused: Tensor,
-}
-
-impl Module for WithUnused {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        self.mlp.visit_params(&format!("{prefix}mlp."), f);
-        f(&format!("{prefix}unused"), &self.unused);
-    }
-
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
-        self.mlp.visit_params_mut(&format!("{prefix}mlp."), f);
-        f(&format!("{prefix}unused"), &mut self.unused);
-    }
-}
 
 type Engine = DataParallel<WithUnused, AdamW>;
 
@@ -53,25 +36,7 @@ fn config() -> DpConfig {
 
 /// Different initial parameters per rank: the opening broadcast must make them rank 0's.
 fn model(rank: usize) -> WithUnused {
-    model_in(rank, DType::F32)
-}
-
-fn model_in(rank: usize, dtype: DType) -> WithUnused {
-    let mut g = Generator::new(MODEL_SEED + rank as u64);
-    let mlp = Mlp::new(&[12, 16, 5], Activation::Relu, dtype, &mut g).unwrap();
-    let unused = Tensor::randn(&[7], 0.0, 1.0, dtype, &mut g).unwrap().requires_grad(true);
-    WithUnused { mlp, unused }
-}
-
-fn loss(m: &mut WithUnused, step: u64, rank: usize) -> rtx_tensor::Result<Tensor> {
-    let mut g = Generator::new(BATCH_SEED + step * 10 + rank as u64);
-    let x = Tensor::randn(&[ROWS, 12], 0.0, 1.0, DType::F32, &mut g)?.to_dtype(m.unused.dtype())?;
-    let y = Tensor::from_vec((0..ROWS).map(|i| ((i + rank + step as usize) % 5) as u32).collect::<Vec<u32>>(), &[ROWS])?;
-    m.mlp.forward(&x)?.cross_entropy(&y, CrossEntropyOptions::default())
-}
-
-fn bits(m: &WithUnused) -> Vec<u32> {
-    m.named_parameters().into_iter().flat_map(|(_, p)| p.to_f32_vec().unwrap()).map(f32::to_bits).collect()
+    with_unused(rank, DType::F32)
 }
 
 /// A shared-memory job name unique to this process and call.
@@ -124,9 +89,9 @@ fn train(ranks: usize, dtype: DType, device_path: bool) -> Vec<Vec<Vec<u32>>> {
     on_ranks(ranks, if device_path { "device" } else { "staged" }, move |rank, comm, meet| async move {
         let make = adamw(ADAMW, |_, _| true);
         let mut dp: Engine = if device_path {
-            DataParallel::with_device_reduce(model_in(rank, dtype), config(), HostReduce::new(comm), make).await.unwrap()
+            DataParallel::with_device_reduce(with_unused(rank, dtype), config(), HostReduce::new(comm), make).await.unwrap()
         } else {
-            DataParallel::new_inline(model_in(rank, dtype), DpConfig { host_staging: true, ..config() }, comm, make).await.unwrap()
+            DataParallel::new_inline(with_unused(rank, dtype), DpConfig { host_staging: true, ..config() }, comm, make).await.unwrap()
         };
         assert_eq!((dp.device(), dp.params_in_place(), dp.world_size()), (Device::Cpu, true, ranks));
         let mut out = vec![bits(dp.model())];

@@ -18,56 +18,23 @@
 //! make them rank 0's).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+use support::{bits, loss, with_unused, WithUnused};
+
 use rtx_collectives::{CommConfig, Endpoint, InProcessNetwork, Transport};
 use rtx_pipelines::{adamw, DataParallel, DpConfig, ParamShard, ParamSlice, ShardState, Sharding};
-use rtx_tensor::nn::{Activation, Mlp, Module};
+use rtx_tensor::nn::Module;
 use rtx_tensor::optim::{AdamW, AdamWConfig, ParamBuckets};
-use rtx_tensor::{CpuData, CrossEntropyOptions, DType, Device, Generator, Optimizer, Tensor};
+use rtx_tensor::{CpuData, DType, Device, Generator, Optimizer, Tensor};
 
-const ROWS: usize = 4;
 const STEPS: u64 = 4;
 const ADAMW: AdamWConfig = AdamWConfig { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
 /// Small enough to clip on every step of these runs.
 const CLIP: f64 = 0.05;
-
-/// An MLP and a parameter the loss never uses (its gradient must be zeros).
-struct WithUnused {
-    mlp: Mlp,
-    unused: Tensor,
-}
-
-impl Module for WithUnused {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        self.mlp.visit_params(&format!("{prefix}mlp."), f);
-        f(&format!("{prefix}unused"), &self.unused);
-    }
-
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor)) {
-        self.mlp.visit_params_mut(&format!("{prefix}mlp."), f);
-        f(&format!("{prefix}unused"), &mut self.unused);
-    }
-}
-
-fn model(rank: usize, dtype: DType) -> WithUnused {
-    let mut g = Generator::new(11 + rank as u64);
-    let mlp = Mlp::new(&[12, 16, 5], Activation::Relu, dtype, &mut g).unwrap();
-    let unused = Tensor::randn(&[7], 0.0, 1.0, dtype, &mut g).unwrap().requires_grad(true);
-    WithUnused { mlp, unused }
-}
-
-fn loss(m: &mut WithUnused, step: u64, rank: usize) -> rtx_tensor::Result<Tensor> {
-    let mut g = Generator::new(2000 + step * 10 + rank as u64);
-    let x = Tensor::randn(&[ROWS, 12], 0.0, 1.0, DType::F32, &mut g)?.to_dtype(m.unused.dtype())?;
-    let y = Tensor::from_vec((0..ROWS).map(|i| ((i + rank + step as usize) % 5) as u32).collect::<Vec<u32>>(), &[ROWS])?;
-    m.mlp.forward(&x)?.cross_entropy(&y, CrossEntropyOptions::default())
-}
-
-fn bits(m: &WithUnused) -> Vec<u32> {
-    m.named_parameters().into_iter().flat_map(|(_, p)| p.to_f32_vec().unwrap()).map(f32::to_bits).collect()
-}
 
 fn decay(_name: &str, shape: &[usize]) -> bool {
     shape.len() >= 2
@@ -111,7 +78,7 @@ fn train(ranks: usize, run: Run) -> Vec<RankOut> {
                     grad_clip: run.clip,
                     ..DpConfig::default()
                 };
-                let mut dp = DataParallel::new(model(rank, run.dtype), config, connect, adamw(ADAMW, decay)).unwrap();
+                let mut dp = DataParallel::new(with_unused(rank, run.dtype), config, connect, adamw(ADAMW, decay)).unwrap();
                 assert_eq!(dp.params_in_place(), run.host_staging);
                 let mut out = RankOut { bits: Vec::new(), norms: Vec::new(), export: None };
                 for step in 0..STEPS {
@@ -224,7 +191,7 @@ fn fake_grads(buckets: &ParamBuckets, rank: usize, n_ranks: usize, step: u64) ->
 fn staged_shard_state_round_trips() {
     let n_ranks = 2;
     let rank = 1;
-    let mut m = model(0, DType::BF16);
+    let mut m = with_unused(0, DType::BF16);
     let buckets = ParamBuckets::new(&mut m, 512).unwrap();
     let make = |slices: &[ParamSlice]| AdamW::new(rtx_pipelines::named_slices(slices), ADAMW);
     let mut whole = ParamShard::new_on(Device::Cpu, &buckets, rank, n_ranks, make).unwrap();
