@@ -51,10 +51,10 @@
 
 use std::future::Future;
 use std::ops::Range;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-use std::task::Poll;
+
+use futures_util::future::join_all;
 
 use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::Notify;
@@ -145,7 +145,7 @@ where
     let threaded = Handle::try_current().ok().filter(|handle| handle.runtime_flavor() == RuntimeFlavor::MultiThread);
     let results = match threaded {
         Some(handle) => tokio::task::block_in_place(|| on_threads(&handle, state, work, &body)),
-        None => join_all(work.into_iter().map(|(ctx, part)| run_one(state, body(ctx, part))).collect()).await,
+        None => join_all(work.into_iter().map(|(ctx, part)| run_one(state, body(ctx, part)))).await,
     };
     debug_assert!(results.iter().all(Option::is_some) || results.iter().any(|r| matches!(r, Some(Err(_)))), "a channel stops only after another failed");
     results.into_iter().flatten().find(Result::is_err).unwrap_or(Ok(()))
@@ -186,7 +186,7 @@ where
         let mut results: Vec<Option<Result<()>>> = (0..k).map(|_| None).collect();
         let local: Vec<(usize, Fut)> = local.into_iter().filter_map(|c| take(c).map(|fut| (c, fut))).collect();
         let (indices, futs): (Vec<usize>, Vec<Fut>) = local.into_iter().unzip();
-        let local_results = handle.block_on(join_all(futs.into_iter().map(|fut| run_one(state, fut)).collect()));
+        let local_results = handle.block_on(join_all(futs.into_iter().map(|fut| run_one(state, fut))));
         for (c, result) in indices.into_iter().zip(local_results) {
             results[c] = result;
         }
@@ -199,30 +199,6 @@ where
         }
         results
     })
-}
-
-/// Polls every future until all are ready; their outputs in order.
-async fn join_all<Fut: Future>(futs: Vec<Fut>) -> Vec<Fut::Output> {
-    let mut futs: Vec<Pin<Box<Fut>>> = futs.into_iter().map(Box::pin).collect();
-    let mut outputs: Vec<Option<Fut::Output>> = futs.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (fut, output) in futs.iter_mut().zip(outputs.iter_mut()) {
-            if output.is_none() {
-                match fut.as_mut().poll(cx) {
-                    Poll::Ready(value) => *output = Some(value),
-                    Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            Poll::Pending
-        } else {
-            Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().flatten().collect()
 }
 
 #[cfg(test)]
@@ -252,7 +228,7 @@ mod tests {
         let state = ChannelState::default();
         let early = run_one(&state, std::future::pending());
         let failing = run_one(&state, async { Err(Error::PeerLost { rank: 3, op: crate::OpKind::AllReduce }) });
-        let results = join_all(vec![Box::pin(early) as Pin<Box<dyn Future<Output = _>>>, Box::pin(failing)]).await;
+        let results = join_all(vec![Box::pin(early) as std::pin::Pin<Box<dyn Future<Output = _>>>, Box::pin(failing)]).await;
         assert!(results[0].is_none());
         assert!(matches!(results[1], Some(Err(Error::PeerLost { rank: 3, .. }))));
         assert_eq!(state.lost(), Some(3));
@@ -302,17 +278,5 @@ mod tests {
         })
         .await;
         assert!(matches!(result, Err(Error::PeerLost { rank: 1 | 2, .. })), "{result:?}");
-    }
-
-    // Goal: join_all keeps the order of its futures, whatever order they finish in.
-    #[tokio::test]
-    async fn join_keeps_order() {
-        let (tx, rx) = tokio::sync::oneshot::channel::<u32>();
-        let first = Box::pin(async move { rx.await.unwrap() }) as Pin<Box<dyn Future<Output = u32>>>;
-        let second = Box::pin(async move {
-            tx.send(7).unwrap();
-            9
-        });
-        assert_eq!(join_all(vec![first, second]).await, vec![7, 9]);
     }
 }

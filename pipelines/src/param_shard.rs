@@ -297,7 +297,7 @@ impl<O: Optimizer> ParamShard<O> {
             return Ok(());
         }
         for segment in &self.segments {
-            let shapes: Vec<Vec<usize>> = segment.parts.iter().map(|&i| vec![self.slices[i].elements.len()]).collect();
+            let shapes = self.part_shapes(segment);
             let grads = rtx_tensor::upload_packed(segment.landing.storage(), 0, &shapes, self.device)?;
             debug_assert_eq!(grads.len(), segment.parts.len(), "param shard: one gradient per slice");
             for (&i, grad) in segment.parts.iter().zip(grads) {
@@ -378,7 +378,7 @@ impl<O: Optimizer> ParamShard<O> {
                 None => {
                     // One upload per bucket, then each slice's values copied in place (the
                     // optimizer holds the slices' tensors).
-                    let shapes: Vec<Vec<usize>> = segment.parts.iter().map(|&i| vec![self.slices[i].elements.len()]).collect();
+                    let shapes = self.part_shapes(segment);
                     let uploaded = rtx_tensor::upload_packed(&Storage::new(values), 0, &shapes, self.device)?;
                     for (&i, v) in segment.parts.iter().zip(uploaded) {
                         self.slices[i].tensor.copy_from_(&v)?;
@@ -478,9 +478,7 @@ impl<O: Optimizer> ParamShard<O> {
                     dst.write_at(segment.own.start, &src)?;
                 }
                 None => {
-                    let parts: Vec<(Option<&Tensor>, usize)> =
-                        segment.parts.iter().map(|&i| (Some(&self.slices[i].tensor), self.slices[i].elements.len())).collect();
-                    rtx_tensor::download_packed(&parts, bucket.param_storage(), segment.own.start)?;
+                    rtx_tensor::download_packed(&self.part_tensors(segment), bucket.param_storage(), segment.own.start)?;
                 }
             }
         }
@@ -495,10 +493,19 @@ impl<O: Optimizer> ParamShard<O> {
             return Ok(params.storage().read()?.clone());
         }
         let out = Storage::new(CpuData::zeros(segment.dtype, segment.own.len()));
-        let parts: Vec<(Option<&Tensor>, usize)> = segment.parts.iter().map(|&i| (Some(&self.slices[i].tensor), self.slices[i].elements.len())).collect();
-        rtx_tensor::download_packed(&parts, &out, 0)?;
+        rtx_tensor::download_packed(&self.part_tensors(segment), &out, 0)?;
         let values = out.read()?.clone();
         Ok(values)
+    }
+
+    /// A staged segment's slices as 1-d shapes, in element order (for `upload_packed`).
+    fn part_shapes(&self, segment: &Segment) -> Vec<Vec<usize>> {
+        segment.parts.iter().map(|&i| vec![self.slices[i].elements.len()]).collect()
+    }
+
+    /// A staged segment's slices and their lengths, in element order (for `download_packed`).
+    fn part_tensors(&self, segment: &Segment) -> Vec<(Option<&Tensor>, usize)> {
+        segment.parts.iter().map(|&i| (Some(&self.slices[i].tensor), self.slices[i].elements.len())).collect()
     }
 
     fn check_step(&self, step: u64) -> Result<()> {
