@@ -54,6 +54,8 @@ mod routed;
 mod shm;
 #[cfg(feature = "shm")]
 mod shm_ring;
+#[cfg(feature = "quic")]
+mod tls;
 mod transport;
 
 pub use channel::{DEFAULT_CHANNELS, MAX_CHANNELS};
@@ -82,6 +84,8 @@ pub use routed::RoutedTransport;
 pub use rtx_kernels::DType;
 #[cfg(feature = "shm")]
 pub use shm::{ShmOptions, ShmTransport, DEFAULT_RING_BYTES, SHM_INBOX_FRAMES};
+#[cfg(feature = "quic")]
+pub use tls::{TlsOptions, TlsTransport, DEFAULT_KEY_UPDATE_RECORDS, TLS_ALPN, TLS_INBOX_FRAMES};
 pub use transport::{BoxFuture, BytesPiece, ChunkedBytes, EventSink, Lender, LentBytes, Transport, TransportEvent};
 
 /// How `all_reduce`, `reduce_scatter` and `reduce` combine elements.

@@ -87,7 +87,32 @@ impl RoutedTransport {
         host_of: &[u32],
         shm: crate::ShmOptions,
     ) -> Result<RoutedTransport> {
-        let (rank, world) = (quic.rank(), quic.world_size());
+        let (local, index, shm) = Self::host_part(quic.as_ref(), host_of, shm)?;
+        let (shm, linked) = tokio::join!(crate::ShmTransport::connect(index, local.len(), shm), quic.connect_except(addrs, &local));
+        linked?;
+        RoutedTransport::new(quic, Arc::new(shm?), local)
+    }
+
+    /// [`connect_over_quic`](Self::connect_over_quic) with a [`crate::TlsTransport`] (TLS over
+    /// TCP) between the machines.
+    #[cfg(all(feature = "quic", feature = "shm"))]
+    pub async fn connect_over_tls(
+        tls: Arc<crate::TlsTransport>,
+        addrs: &[std::net::SocketAddr],
+        host_of: &[u32],
+        shm: crate::ShmOptions,
+    ) -> Result<RoutedTransport> {
+        let (local, index, shm) = Self::host_part(tls.as_ref(), host_of, shm)?;
+        let (shm, linked) = tokio::join!(crate::ShmTransport::connect(index, local.len(), shm), tls.connect_except(addrs, &local));
+        linked?;
+        RoutedTransport::new(tls, Arc::new(shm?), local)
+    }
+
+    /// This rank's machine from `host_of`: the global ranks on it, this rank's index among them,
+    /// and the shared-memory options of that machine's ring set.
+    #[cfg(all(feature = "quic", feature = "shm"))]
+    fn host_part(network: &dyn Transport, host_of: &[u32], shm: crate::ShmOptions) -> Result<(Vec<usize>, usize, crate::ShmOptions)> {
+        let (rank, world) = (network.rank(), network.world_size());
         if host_of.len() != world {
             return Err(Error::InvalidConfig { reason: "the host map must name the machine of every rank" });
         }
@@ -95,9 +120,7 @@ impl RoutedTransport {
         let local: Vec<usize> = (0..world).filter(|&r| host_of[r] == host).collect();
         let index = local.iter().position(|&r| r == rank).ok_or(Error::InvalidConfig { reason: "this rank is not on its own machine" })?;
         let shm = crate::ShmOptions { job: format!("{}-h{host}", shm.job), ..shm };
-        let (shm, linked) = tokio::join!(crate::ShmTransport::connect(index, local.len(), shm), quic.connect_except(addrs, &local));
-        linked?;
-        RoutedTransport::new(quic, Arc::new(shm?), local)
+        Ok((local, index, shm))
     }
 
     /// The global ranks served by the local transport, in its rank order.

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use rtx_collectives::{
     quic_stream_throughput, segment_range, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions,
-    QuicTransport, ReduceOp, RoutedTransport, ShmOptions, ShmTransport, Transport,
+    QuicTransport, ReduceOp, RoutedTransport, ShmOptions, ShmTransport, TlsOptions, TlsTransport, Transport,
 };
 use serde_json::json;
 
@@ -55,6 +55,10 @@ pub enum BenchTransport {
     /// Shared-memory rings between the ranks of one host and QUIC between hosts (`--hosts`), with
     /// the hierarchical all-reduce.
     Routed,
+    /// TLS 1.3 over TCP (`TlsTransport`: one writer and one reader thread per connection).
+    Tls,
+    /// Shared-memory rings inside a host and TLS over TCP between hosts (`--hosts`), hierarchical.
+    RoutedTls,
 }
 
 /// A collective to measure.
@@ -287,6 +291,8 @@ fn transport_name(t: BenchTransport) -> &'static str {
         BenchTransport::Quic => "quic",
         BenchTransport::Shm => "shm",
         BenchTransport::Routed => "routed",
+        BenchTransport::Tls => "tls",
+        BenchTransport::RoutedTls => "routed-tls",
     }
 }
 
@@ -554,6 +560,7 @@ fn run_group(
         let (limit_name, limit) = match transport {
             BenchTransport::Shm => ("memcpy", refs.memcpy.iter().find(|(b, _)| *b == bytes).map_or(0.0, |(_, g)| *g)),
             BenchTransport::Quic | BenchTransport::Routed => ("quinn-2way", refs.quic_duplex_gbps),
+            BenchTransport::Tls | BenchTransport::RoutedTls => ("tcp-1way", refs.tcp_gbps),
         };
         let ratio = if limit > 0.0 { busbw / limit } else { f64::NAN };
         let tcp_ratio = if refs.tcp_gbps > 0.0 { busbw / refs.tcp_gbps } else { f64::NAN };
@@ -668,6 +675,7 @@ fn worker(args: &CollectivesArgs, rank: usize) -> anyhow::Result<()> {
     rt.block_on(async {
         let config = comm_config(args, world);
         let mut quic = None;
+        let mut tls: Option<Arc<TlsTransport>> = None;
         let job = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "bench".into());
         let shm_options = |job: String| {
             let mut options = ShmOptions { job, connect_timeout: RENDEZVOUS_TIMEOUT, max_payload_bytes: config.max_payload_bytes, ..ShmOptions::default() };
@@ -691,6 +699,20 @@ fn worker(args: &CollectivesArgs, rank: usize) -> anyhow::Result<()> {
                 let network = Arc::new(network);
                 quic = Some(Arc::clone(&network));
                 Arc::new(RoutedTransport::connect_over_quic(network, &addrs, &config.host_of, shm_options(job)).await?)
+            }
+            BenchTransport::Tls => {
+                let (t, addrs) = tls_rank_published(args, rank, world, &dir, config.max_payload_bytes).await?;
+                t.connect(&addrs).await?;
+                let t = Arc::new(t);
+                tls = Some(Arc::clone(&t));
+                t
+            }
+            BenchTransport::RoutedTls => {
+                anyhow::ensure!(args.hosts > 1, "the routed transport needs --hosts of at least 2");
+                let (network, addrs) = tls_rank_published(args, rank, world, &dir, config.max_payload_bytes).await?;
+                let network = Arc::new(network);
+                tls = Some(Arc::clone(&network));
+                Arc::new(RoutedTransport::connect_over_tls(network, &addrs, &config.host_of, shm_options(job)).await?)
             }
         };
         let comm = Endpoint::new(transport, config)?.world()?;
@@ -717,6 +739,9 @@ fn worker(args: &CollectivesArgs, rank: usize) -> anyhow::Result<()> {
             }
             // Frames still in flight to a peer are delivered before the connection closes.
             quic.close(Duration::from_secs(5)).await;
+        }
+        if let Some(tls) = tls {
+            tls.close(Duration::from_secs(5)).await;
         }
         Ok(())
     })
@@ -763,13 +788,29 @@ pub(super) async fn quic_rank_in(dir: &Path, rank: usize, world: usize, options:
     Ok(transport)
 }
 
+/// This rank's TLS transport bound on its host's address (`--stripes` connections per pair), with
+/// every rank's published address, not yet connected.
+async fn tls_rank_published(args: &CollectivesArgs, rank: usize, world: usize, dir: &Path, max_payload: usize) -> anyhow::Result<(TlsTransport, Vec<SocketAddr>)> {
+    let options = TlsOptions { connect_timeout: RENDEZVOUS_TIMEOUT, stripes: args.stripes, max_payload_bytes: max_payload, ..TlsOptions::default() };
+    let ip = args.host_addrs.get(host_of_rank(rank, world, args.hosts)).copied().unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
+    let transport = TlsTransport::bind(&read_identity(dir, rank)?, world, SocketAddr::new(ip, 0), options)?;
+    let addrs = publish_and_read_addrs(dir, rank, world, transport.local_addr()).await?;
+    Ok((transport, addrs))
+}
+
 /// Binds rank `rank` on `listen` with its identity from `dir`, publishes its address there and
 /// reads every rank's.
 async fn bind_and_publish(dir: &Path, rank: usize, world: usize, options: QuicOptions, listen: SocketAddr) -> anyhow::Result<(QuicTransport, Vec<SocketAddr>)> {
     let identity = read_identity(dir, rank)?;
     let transport = QuicTransport::bind(&identity, world, listen, options)?;
+    let addrs = publish_and_read_addrs(dir, rank, world, transport.local_addr()?).await?;
+    Ok((transport, addrs))
+}
+
+/// Publishes rank `rank`'s address in `dir` and waits for every rank's.
+async fn publish_and_read_addrs(dir: &Path, rank: usize, world: usize, addr: SocketAddr) -> anyhow::Result<Vec<SocketAddr>> {
     let staging = dir.join(format!("addr-{rank}.staging"));
-    std::fs::write(&staging, transport.local_addr()?.to_string())?;
+    std::fs::write(&staging, addr.to_string())?;
     std::fs::rename(&staging, dir.join(format!("addr-{rank}")))?;
     let deadline = Instant::now() + RENDEZVOUS_TIMEOUT;
     let mut addrs = Vec::with_capacity(world);
@@ -784,7 +825,7 @@ async fn bind_and_publish(dir: &Path, rank: usize, world: usize, options: QuicOp
         };
         addrs.push(text.trim().parse::<SocketAddr>()?);
     }
-    Ok((transport, addrs))
+    Ok(addrs)
 }
 
 /// Times `op` on `bytes` of f32 on every rank; rank 0 prints one JSON line with the samples.

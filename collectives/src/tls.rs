@@ -1,0 +1,926 @@
+//! [`TlsTransport`]: collective frames over TCP with mutual TLS 1.3, one writer and one reader OS
+//! thread per connection, for bulk tensors between processes and machines at the speed the cores
+//! allow.
+//!
+//! Why beside QUIC: measured on a 16-core host (BENCHMARKS.md, issue 20), QUIC moves a 64 MiB
+//! all_reduce at half of Gloo's TCP: per byte and rank quinn adds two user-space copies and
+//! per-packet work (a packet of at most 64 KiB on loopback, 8,952 bytes on a datacenter link, each
+//! sealed, opened and acknowledged on its own) to the two AES-GCM passes, and all of it runs on the
+//! task that drives the connection. Here the kernel's TCP segments and acknowledges (64 KiB
+//! segments with GSO/GRO whatever the MTU), records are 16 KiB, and each direction of a connection
+//! is a thread of its own: the writer seals frames into records and writes them; the reader reads
+//! into pooled buffers, opens the records in place and hands their plaintext to the endpoint as
+//! pieces of those buffers ([`EventSink::chunked_frame`]) without copying. QUIC stays the
+//! transport of the control plane and where one connection must not stall another's packets.
+//!
+//! Security is the QUIC transport's: rustls runs a TLS 1.3 handshake with the cluster CA on both
+//! sides ([`crate::server_tls_config`], [`crate::client_tls_config`]); the dialer checks that the
+//! acceptor's certificate names the rank it dialed, the acceptor that the dialer's names the rank
+//! its hello claims. The records after the handshake are sealed and opened by this crate with the
+//! traffic keys rustls derived ([`record`]), key updates included.
+//!
+//! Links: the lower rank dials the higher (like QUIC), [`TlsOptions::stripes`] TCP connections per
+//! pair, frames spread round robin over them. Each connection starts with a hello record (rank,
+//! stripe, count) that the acceptor echoes; a link is installed when all of its stripes are up.
+//! Failure: a connection that breaks (reset, a record that does not authenticate, a frame header
+//! past the payload cap) takes its link down; the peer is reported lost once every frame its
+//! readers had was delivered. Dropping the transport lets queued frames reach the peers (writers
+//! finish, then half-close) while readers discard what still arrives; [`Transport::abort`] shuts
+//! every socket at once.
+
+mod handshake;
+mod record;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream as StdTcpStream};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
+
+use rustls::pki_types::ServerName;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+
+use crate::error::{Error, Result};
+use crate::frame::{decode_header, OpKind, HEADER_LEN};
+use crate::pool::{BufferPool, PooledBuf};
+use crate::quic::{certificate_names_rank, client_tls_config, rank_name, server_tls_config, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
+use crate::transport::{BoxFuture, ChunkedBytes, EventSink, Transport, TransportEvent};
+use handshake::Established;
+use record::{record_len, Opened, Opener, Sealer, MAX_RECORD};
+
+/// ALPN of the TLS transport's connections.
+pub const TLS_ALPN: &[u8] = b"rtx-collectives-tls/1";
+/// Events buffered for a pulling receiver.
+pub const TLS_INBOX_FRAMES: usize = 256;
+/// Records sealed under one key before a key update, by default (2^22 records of 16 KiB: 64 GiB);
+/// the suite's confidentiality limit caps it too (see [`record`]).
+pub const DEFAULT_KEY_UPDATE_RECORDS: u64 = 1 << 22;
+
+const HELLO_MAGIC: [u8; 4] = *b"RTXT";
+const HELLO_LEN: usize = 12;
+const DIAL_RETRY: Duration = Duration::from_millis(50);
+/// Frames queued per connection before a send waits.
+const SEND_QUEUE_FRAMES: usize = 16;
+/// The writer seals and writes frames in slices of this many plaintext bytes, so the kernel
+/// starts moving a large frame before all of it is sealed.
+const WRITE_SLICE_BYTES: usize = 256 << 10;
+/// A reader's buffer: what one `recv` may bring.
+const READ_BUF_BYTES: usize = 256 << 10;
+const _: () = assert!(READ_BUF_BYTES >= 2 * MAX_RECORD);
+/// How often a blocked reader looks whether its transport is closing.
+const READ_TICK: Duration = Duration::from_millis(250);
+
+const OPEN: u8 = 0;
+const CLOSING: u8 = 1;
+const ABORTED: u8 = 2;
+
+/// Timeouts and limits of a [`TlsTransport`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsOptions {
+    /// How long [`TlsTransport::connect`] waits for every link (and one handshake may take).
+    pub connect_timeout: Duration,
+    /// Unacknowledged data older than this breaks the connection (`TCP_USER_TIMEOUT`), and a
+    /// silent peer is probed by keep-alives within it; also how long a dropped transport's
+    /// readers wait for the peers to finish.
+    pub idle_timeout: Duration,
+    /// Keep-alive probe interval (below `idle_timeout`).
+    pub keep_alive: Duration,
+    /// Frames declaring a larger payload break the connection; match [`crate::CommConfig`].
+    pub max_payload_bytes: usize,
+    /// TCP connections per peer pair (1 to [`MAX_STRIPES`]); the dialing (lower) rank's value
+    /// decides. Each has its own writer and reader thread.
+    pub stripes: usize,
+    /// Records sealed under one key before this end updates it.
+    pub key_update_records: u64,
+}
+
+impl Default for TlsOptions {
+    fn default() -> Self {
+        TlsOptions {
+            connect_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(10),
+            keep_alive: Duration::from_secs(2),
+            max_payload_bytes: crate::DEFAULT_MAX_PAYLOAD_BYTES,
+            stripes: 1,
+            key_update_records: DEFAULT_KEY_UPDATE_RECORDS,
+        }
+    }
+}
+
+/// A rank's TCP listener and its TLS links to every other rank.
+pub struct TlsTransport {
+    shared: Arc<Shared>,
+    inbox: tokio::sync::Mutex<mpsc::Receiver<TransportEvent>>,
+    accept_task: tokio::task::AbortHandle,
+}
+
+struct Shared {
+    rank: usize,
+    world: usize,
+    options: TlsOptions,
+    local_addr: SocketAddr,
+    client_config: Arc<rustls::ClientConfig>,
+    server_config: Arc<rustls::ServerConfig>,
+    links: Mutex<BTreeMap<usize, Link>>,
+    pending: Mutex<BTreeMap<usize, PendingLink>>,
+    lost: Mutex<BTreeSet<usize>>,
+    unlinked: Mutex<BTreeSet<usize>>,
+    dial_errors: Mutex<BTreeMap<usize, String>>,
+    links_changed: watch::Sender<()>,
+    /// Where reader threads deliver, once the endpoint attached or polled.
+    route: Mutex<Option<Route>>,
+    route_set: Condvar,
+    pull_events: Mutex<Option<mpsc::Sender<TransportEvent>>>,
+    pool: BufferPool,
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+    /// `OPEN`, `CLOSING` (dropped or closed: writers finish, readers discard) or `ABORTED`.
+    state: AtomicU8,
+    next_serial: AtomicU64,
+    /// Writer threads still running.
+    writers: watch::Sender<usize>,
+}
+
+/// Where reader threads deliver events.
+#[derive(Clone)]
+enum Route {
+    Push(Weak<dyn EventSink>),
+    Pull(mpsc::Sender<TransportEvent>),
+}
+
+/// Every connection to one peer.
+#[derive(Clone)]
+struct Link {
+    serial: u64,
+    stripes: Arc<Vec<Stripe>>,
+    next: Arc<AtomicUsize>,
+}
+
+/// One connection: the queue its writer thread drains, and the socket (for shutting it down).
+struct Stripe {
+    queue: mpsc::Sender<PooledBuf>,
+    socket: Arc<StdTcpStream>,
+}
+
+/// What a reader thread starts from: the receive key, and the peer's bytes the handshake already
+/// read (sealed records, and data rustls opened itself).
+struct ReaderStart {
+    opener: Opener,
+    leftover: Vec<u8>,
+    opened: Vec<u8>,
+}
+
+/// A connection whose handshake and hello exchange are done.
+struct Connected {
+    stream: TcpStream,
+    established: Established,
+}
+
+struct PendingLink {
+    of: usize,
+    parts: BTreeMap<usize, Connected>,
+}
+
+/// Which of a link's connections this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct StripeId {
+    stripe: usize,
+    of: usize,
+}
+
+impl Link {
+    fn next_stripe(&self) -> &Stripe {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.stripes.len();
+        &self.stripes[i]
+    }
+
+    fn shutdown(&self) {
+        for stripe in self.stripes.iter() {
+            let _ = stripe.socket.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl TlsTransport {
+    /// Binds rank `identity.rank` of `world_size` to `listen` (TCP) and starts accepting peers.
+    /// Call [`connect`](Self::connect) next, once every rank's address is known. Needs a tokio
+    /// runtime.
+    pub fn bind(identity: &NodeIdentity, world_size: usize, listen: SocketAddr, options: TlsOptions) -> Result<Self> {
+        let rank = identity.rank;
+        if rank >= world_size {
+            return Err(Error::RankOutOfRange { rank, size: world_size });
+        }
+        if options.keep_alive >= options.idle_timeout {
+            return Err(Error::InvalidConfig { reason: "keep_alive must be below idle_timeout" });
+        }
+        if options.stripes == 0 || options.stripes > MAX_STRIPES {
+            return Err(Error::InvalidConfig { reason: "stripes must be 1 to 16 connections per peer pair" });
+        }
+        let mut server_config = server_tls_config(identity)?;
+        server_config.alpn_protocols = vec![TLS_ALPN.to_vec()];
+        server_config.enable_secret_extraction = true;
+        server_config.send_tls13_tickets = 0;
+        let mut client_config = client_tls_config(identity)?;
+        client_config.alpn_protocols = vec![TLS_ALPN.to_vec()];
+        client_config.enable_secret_extraction = true;
+        let listener = std::net::TcpListener::bind(listen).map_err(|e| io("bind", e))?;
+        listener.set_nonblocking(true).map_err(|e| io("bind", e))?;
+        let local_addr = listener.local_addr().map_err(|e| io("local_addr", e))?;
+        let listener = TcpListener::from_std(listener).map_err(|e| io("bind", e))?;
+        let (events, inbox) = mpsc::channel(TLS_INBOX_FRAMES);
+        let shared = Arc::new(Shared {
+            rank,
+            world: world_size,
+            options,
+            local_addr,
+            client_config: Arc::new(client_config),
+            server_config: Arc::new(server_config),
+            links: Mutex::new(BTreeMap::new()),
+            pending: Mutex::new(BTreeMap::new()),
+            lost: Mutex::new(BTreeSet::new()),
+            unlinked: Mutex::new(BTreeSet::new()),
+            dial_errors: Mutex::new(BTreeMap::new()),
+            links_changed: watch::channel(()).0,
+            route: Mutex::new(None),
+            route_set: Condvar::new(),
+            pull_events: Mutex::new(Some(events)),
+            pool: BufferPool::new(),
+            tasks: Mutex::new(Vec::new()),
+            state: AtomicU8::new(OPEN),
+            next_serial: AtomicU64::new(0),
+            writers: watch::channel(0).0,
+        });
+        let accept_task = tokio::spawn(accept_loop(Arc::clone(&shared), listener)).abort_handle();
+        Ok(TlsTransport { shared, inbox: tokio::sync::Mutex::new(inbox), accept_task })
+    }
+
+    /// The bound address (useful after binding port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.shared.local_addr
+    }
+
+    /// Dials every higher rank at `addrs[rank]` and waits until links to all ranks are up, or fails
+    /// with [`Error::Connect`] after [`TlsOptions::connect_timeout`].
+    pub async fn connect(&self, addrs: &[SocketAddr]) -> Result<()> {
+        self.connect_except(addrs, &[]).await
+    }
+
+    /// [`connect`](Self::connect), leaving out the ranks in `others` (served by another transport,
+    /// as the ranks of the same host are under a [`crate::RoutedTransport`]): they are neither
+    /// dialed nor waited for, and sends to them fail with [`Error::PeerLost`].
+    pub async fn connect_except(&self, addrs: &[SocketAddr], others: &[usize]) -> Result<()> {
+        let shared = &self.shared;
+        if addrs.len() != shared.world {
+            return Err(Error::InvalidConfig { reason: "one address per rank is required" });
+        }
+        {
+            let mut unlinked = lock(&shared.unlinked);
+            unlinked.clear();
+            unlinked.extend(others.iter().copied());
+        }
+        let of = shared.options.stripes;
+        for (peer, &addr) in addrs.iter().enumerate().skip(shared.rank + 1).filter(|(peer, _)| !others.contains(peer)) {
+            for stripe in 0..of {
+                let task = tokio::spawn(dial(Arc::clone(shared), peer, addr, StripeId { stripe, of })).abort_handle();
+                lock(&shared.tasks).push(task);
+            }
+        }
+        let mut changed = shared.links_changed.subscribe();
+        let all_up = async {
+            loop {
+                changed.borrow_and_update();
+                if shared.missing_peer().is_none() || changed.changed().await.is_err() {
+                    return;
+                }
+            }
+        };
+        let timeout = shared.options.connect_timeout;
+        if tokio::time::timeout(timeout, all_up).await.is_err() {
+            if let Some(peer) = shared.missing_peer() {
+                let reason = lock(&shared.dial_errors).get(&peer).cloned().unwrap_or_else(|| "no connection".into());
+                return Err(Error::Connect { peer, timeout_ms: millis(timeout), reason });
+            }
+        }
+        Ok(())
+    }
+
+    /// Binds all `world_size` ranks in this process on `127.0.0.1` with certificates issued by `ca`
+    /// and connects them: a whole TLS world over real loopback sockets, for tests and benchmarks.
+    pub async fn loopback_world(ca: &crate::ClusterCa, world_size: usize, options: TlsOptions) -> Result<Vec<Arc<TlsTransport>>> {
+        let listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        let transports = (0..world_size)
+            .map(|rank| Ok(Arc::new(TlsTransport::bind(&ca.issue(rank)?, world_size, listen, options.clone())?)))
+            .collect::<Result<Vec<_>>>()?;
+        let addrs: Vec<SocketAddr> = transports.iter().map(|t| t.local_addr()).collect();
+        let mut connecting = tokio::task::JoinSet::new();
+        for transport in &transports {
+            let (transport, addrs) = (Arc::clone(transport), addrs.clone());
+            connecting.spawn(async move { transport.connect(&addrs).await });
+        }
+        while let Some(joined) = connecting.join_next().await {
+            joined.map_err(|e| Error::Io { op: "connect loopback world", reason: e.to_string() })??;
+        }
+        Ok(transports)
+    }
+
+    /// Ranks with a live link now, in rank order.
+    pub fn connected_peers(&self) -> Vec<usize> {
+        lock(&self.shared.links).keys().copied().collect()
+    }
+
+    /// TCP connections open now (all stripes of all live links).
+    pub fn open_connections(&self) -> usize {
+        lock(&self.shared.links).values().map(|l| l.stripes.len()).sum()
+    }
+
+    /// Shuts down gracefully: every frame queued so far is written, then each connection is
+    /// half-closed (the peers see the links end after reading everything); waits at most `timeout`
+    /// for the writers. Sends after `close` fail.
+    pub async fn close(&self, timeout: Duration) {
+        self.shared.begin_close();
+        let mut writers = self.shared.writers.subscribe();
+        let _ = tokio::time::timeout(timeout, writers.wait_for(|&n| n == 0)).await;
+    }
+}
+
+impl Transport for TlsTransport {
+    fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn send(&self, peer: usize, frame: PooledBuf) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            let shared = &self.shared;
+            if peer >= shared.world {
+                return Err(Error::RankOutOfRange { rank: peer, size: shared.world });
+            }
+            if shared.state.load(Ordering::Acquire) == ABORTED {
+                return Err(Error::TransportClosed);
+            }
+            let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
+            let Some(link) = lock(&shared.links).get(&peer).cloned() else {
+                return Err(lost);
+            };
+            // A frame is queued whole or not at all: cancelling this send never tears one.
+            link.next_stripe().queue.send(frame).await.map_err(|_| lost)
+        })
+    }
+
+    fn recv(&self) -> BoxFuture<'_, Option<TransportEvent>> {
+        Box::pin(async move {
+            if let Some(events) = lock(&self.shared.pull_events).take() {
+                self.shared.set_route(Route::Pull(events));
+            }
+            self.inbox.lock().await.recv().await
+        })
+    }
+
+    fn checks_integrity(&self) -> bool {
+        // Every record is authenticated (AES-GCM): altered bytes never open.
+        true
+    }
+
+    fn preferred_ring_window(&self) -> Option<usize> {
+        Some(crate::quic::QUIC_RING_WINDOW)
+    }
+
+    fn attach(&self, sink: Weak<dyn EventSink>) -> bool {
+        if lock(&self.shared.pull_events).take().is_none() {
+            return false;
+        }
+        self.shared.set_route(Route::Push(sink));
+        true
+    }
+
+    fn abort(&self) {
+        self.shared.state.store(ABORTED, Ordering::Release);
+        let links = std::mem::take(&mut *lock(&self.shared.links));
+        for link in links.values() {
+            link.shutdown();
+        }
+        for link in std::mem::take(&mut *lock(&self.shared.pending)).into_values() {
+            drop(link);
+        }
+        self.shared.route_set.notify_all();
+    }
+}
+
+impl Drop for TlsTransport {
+    /// Stops accepting and dialing at once; frames already queued still reach the peers (see
+    /// [`close`](TlsTransport::close)), as closing a TCP socket does.
+    fn drop(&mut self) {
+        self.accept_task.abort();
+        for task in lock(&self.shared.tasks).drain(..) {
+            task.abort();
+        }
+        self.shared.begin_close();
+    }
+}
+
+impl std::fmt::Debug for TlsTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsTransport")
+            .field("rank", &self.shared.rank)
+            .field("world_size", &self.shared.world)
+            .field("connected_peers", &self.connected_peers())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    fn set_route(&self, route: Route) {
+        *lock(&self.route) = Some(route);
+        self.route_set.notify_all();
+    }
+
+    /// The delivery route, waiting for the endpoint to attach or poll; `None` once closing.
+    fn wait_route(&self) -> Option<Route> {
+        let mut route = lock(&self.route);
+        loop {
+            if self.state.load(Ordering::Acquire) != OPEN {
+                return None;
+            }
+            if let Some(route) = route.as_ref() {
+                return Some(route.clone());
+            }
+            route = self.route_set.wait_timeout(route, READ_TICK).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+        }
+    }
+
+    fn closing(&self) -> bool {
+        self.state.load(Ordering::Acquire) != OPEN
+    }
+
+    /// Closing: the links' queues close (their writers finish what is queued, then half-close),
+    /// readers discard from now on.
+    fn begin_close(&self) {
+        let _ = self.state.compare_exchange(OPEN, CLOSING, Ordering::AcqRel, Ordering::Acquire);
+        lock(&self.links).clear();
+        lock(&self.pending).clear();
+        self.route_set.notify_all();
+    }
+
+    fn missing_peer(&self) -> Option<usize> {
+        let (links, unlinked) = (lock(&self.links), lock(&self.unlinked));
+        (0..self.world).find(|p| *p != self.rank && !links.contains_key(p) && !unlinked.contains(p))
+    }
+
+    /// Records one connected stripe of the link to `peer`; when all of its stripes are
+    /// connected, installs the link and starts its threads.
+    fn register(self: &Arc<Self>, peer: usize, id: StripeId, connected: Connected) -> Result<()> {
+        if self.closing() {
+            return Ok(());
+        }
+        let complete = {
+            let mut pending = lock(&self.pending);
+            let entry = pending.entry(peer).or_insert_with(|| PendingLink { of: id.of, parts: BTreeMap::new() });
+            if entry.of != id.of {
+                // The peer dials a new set (it restarted with another count): start over.
+                *entry = PendingLink { of: id.of, parts: BTreeMap::new() };
+            }
+            entry.parts.insert(id.stripe, connected);
+            if entry.parts.len() < entry.of {
+                return Ok(());
+            }
+            match pending.remove(&peer) {
+                Some(link) => link.parts,
+                None => return Ok(()),
+            }
+        };
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        let mut stripes = Vec::with_capacity(complete.len());
+        let mut halves = Vec::with_capacity(complete.len());
+        for Connected { stream, established } in complete.into_values() {
+            let stream = stream.into_std().map_err(|e| io("into_std", e))?;
+            stream.set_nonblocking(false).map_err(|e| io("set_nonblocking", e))?;
+            stream.set_read_timeout(Some(READ_TICK)).map_err(|e| io("set_read_timeout", e))?;
+            let socket = Arc::new(stream);
+            let (tx, rx) = mpsc::channel(SEND_QUEUE_FRAMES);
+            stripes.push(Stripe { queue: tx, socket: Arc::clone(&socket) });
+            halves.push((socket, rx, established));
+        }
+        let link = Link { serial, stripes: Arc::new(stripes), next: Arc::new(AtomicUsize::new(0)) };
+        if let Some(old) = lock(&self.links).insert(peer, link.clone()) {
+            old.shutdown();
+        }
+        let came_back = lock(&self.lost).remove(&peer);
+        if came_back {
+            if let Some(route) = lock(&self.route).clone() {
+                deliver(&route, TransportEvent::PeerUp(peer));
+            }
+        }
+        let readers_left = Arc::new(AtomicUsize::new(halves.len()));
+        for (stripe, (socket, rx, established)) in halves.into_iter().enumerate() {
+            let Established { sealer, opener, leftover, opened, .. } = established;
+            let start = ReaderStart { opener, leftover, opened };
+            self.writers.send_modify(|n| *n += 1);
+            let writer = {
+                let (shared, socket) = (Arc::clone(self), Arc::clone(&socket));
+                move || shared.write_loop(peer, &socket, sealer, rx)
+            };
+            let reader = {
+                let (shared, link, readers_left) = (Arc::clone(self), link.clone(), Arc::clone(&readers_left));
+                move || shared.read_loop(peer, &socket, start, &link, &readers_left)
+            };
+            let spawned = std::thread::Builder::new().name(format!("rtx-tls-w{}-{peer}.{stripe}", self.rank)).spawn(writer).and_then(|_| {
+                std::thread::Builder::new().name(format!("rtx-tls-r{}-{peer}.{stripe}", self.rank)).spawn(reader)
+            });
+            if let Err(e) = spawned {
+                link.shutdown();
+                return Err(io("spawn link thread", e));
+            }
+        }
+        self.links_changed.send_replace(());
+        tracing::debug!(rank = self.rank, peer, stripes = id.of, "tls link up");
+        Ok(())
+    }
+
+    /// The writer thread of one connection: seals queued frames into records and writes them;
+    /// when the queue closes, half-closes the connection.
+    fn write_loop(&self, peer: usize, socket: &StdTcpStream, mut sealer: Sealer, mut queue: mpsc::Receiver<PooledBuf>) {
+        let mut out = Vec::with_capacity(WRITE_SLICE_BYTES + WRITE_SLICE_BYTES / record::MAX_PLAINTEXT * record::RECORD_OVERHEAD + MAX_RECORD);
+        let mut broken = None;
+        'frames: while let Some(frame) = queue.blocking_recv() {
+            for slice in frame.chunks(WRITE_SLICE_BYTES) {
+                out.clear();
+                let written = sealer.seal(slice, &mut out).map_err(|e| e.to_string()).and_then(|()| (&*socket).write_all(&out).map_err(|e| e.to_string()));
+                if let Err(reason) = written {
+                    broken = Some(reason);
+                    break 'frames;
+                }
+            }
+        }
+        match broken {
+            Some(reason) => {
+                if !self.closing() {
+                    tracing::info!(rank = self.rank, peer, %reason, "tls write failed, closing the link");
+                }
+                let _ = socket.shutdown(std::net::Shutdown::Both);
+                queue.close();
+                while queue.try_recv().is_ok() {}
+            }
+            None => {
+                let _ = socket.shutdown(std::net::Shutdown::Write);
+            }
+        }
+        self.writers.send_modify(|n| *n = n.saturating_sub(1));
+    }
+
+    /// The reader thread of one connection: reads records into pooled buffers, opens them in
+    /// place, cuts the plaintext into frames and delivers them; when it ends, the last reader of
+    /// the link takes the link down.
+    fn read_loop(&self, peer: usize, socket: &StdTcpStream, start: ReaderStart, link: &Link, readers_left: &AtomicUsize) {
+        let ended = match self.wait_route() {
+            Some(route) => self.read_records(peer, socket, start, &route),
+            None => Ok(()),
+        };
+        if let Err(reason) = &ended {
+            if !self.closing() {
+                tracing::warn!(rank = self.rank, peer, %reason, "tls link broken");
+            }
+            link.shutdown();
+        }
+        if readers_left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.link_down(peer, link);
+        }
+    }
+
+    fn read_records(&self, peer: usize, socket: &StdTcpStream, start: ReaderStart, route: &Route) -> std::result::Result<(), String> {
+        let ReaderStart { mut opener, leftover, opened } = start;
+        let mut frames = FrameCutter::new(self.options.max_payload_bytes);
+        let mut deliver_frame = |frame: CutFrame| {
+            if !self.closing() {
+                deliver_cut(route, peer, frame, &self.pool);
+            }
+        };
+        if !opened.is_empty() {
+            frames.push(bytes::Bytes::from(opened), &self.pool, &mut deliver_frame)?;
+        }
+        let mut buf = self.pool.take(READ_BUF_BYTES);
+        buf.extend_from_slice(&leftover);
+        let mut idle_ticks = 0u64;
+        let linger_ticks = (self.options.idle_timeout.as_millis() / READ_TICK.as_millis()).max(1) as u64;
+        loop {
+            // Open every whole record in the buffer, in place.
+            let mut pos = 0;
+            let mut data = Vec::new();
+            let mut peer_closed = false;
+            while let Some(len) = record_len(&buf[pos..]).map_err(|e| e.to_string())? {
+                if pos + len > buf.len() {
+                    break;
+                }
+                match opener.open(&mut buf[pos..pos + len]).map_err(|e| e.to_string())? {
+                    Opened::Data(range) if !range.is_empty() => data.push(pos + range.start..pos + range.end),
+                    Opened::Data(_) | Opened::KeyUpdated => {}
+                    Opened::Closed => peer_closed = true,
+                }
+                pos += len;
+                if peer_closed {
+                    break;
+                }
+            }
+            if !data.is_empty() {
+                // Hand this buffer's plaintext on as pieces of it; the partial record at its end
+                // moves to a fresh buffer.
+                let mut next = self.pool.take(READ_BUF_BYTES);
+                next.extend_from_slice(&buf[pos..]);
+                buf.truncate(pos);
+                let whole = bytes::Bytes::from_owner(std::mem::replace(&mut buf, next));
+                for range in data {
+                    frames.push(whole.slice(range), &self.pool, &mut deliver_frame)?;
+                }
+            } else if pos > 0 {
+                buf.drain(..pos);
+            }
+            if peer_closed {
+                return frames.at_boundary().then_some(()).ok_or_else(|| "close_notify in the middle of a frame".to_string());
+            }
+            if buf.capacity() - buf.len() < MAX_RECORD {
+                buf.reserve(MAX_RECORD);
+            }
+            match recv_into_spare(socket, &mut buf) {
+                Ok(0) if buf.is_empty() && frames.at_boundary() => return Ok(()),
+                Ok(0) => return Err("connection ended in the middle of a record or frame".into()),
+                Ok(_) => idle_ticks = 0,
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => {
+                    // Idle: after the transport closed, wait for the peer's end only so long.
+                    if self.closing() {
+                        idle_ticks += 1;
+                        if idle_ticks >= linger_ticks {
+                            return Ok(());
+                        }
+                    }
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    fn link_down(&self, peer: usize, link: &Link) {
+        {
+            let mut links = lock(&self.links);
+            if links.get(&peer).is_some_and(|l| l.serial == link.serial) {
+                links.remove(&peer);
+            }
+        }
+        if self.closing() {
+            return;
+        }
+        if lock(&self.lost).insert(peer) {
+            tracing::info!(rank = self.rank, peer, "tls link lost");
+            if let Some(route) = lock(&self.route).clone() {
+                deliver(&route, TransportEvent::PeerLost(peer));
+            }
+        }
+    }
+}
+
+/// Reads what the socket has into `buf`'s spare capacity (at least [`MAX_RECORD`] of it).
+fn recv_into_spare(socket: &StdTcpStream, buf: &mut Vec<u8>) -> std::io::Result<usize> {
+    let filled = buf.len();
+    let n = socket2::SockRef::from(socket).recv(buf.spare_capacity_mut())?;
+    // SAFETY: `recv` initialized the first `n` bytes of the spare capacity.
+    unsafe { buf.set_len(filled + n) };
+    Ok(n)
+}
+
+/// A whole frame cut from a connection's plaintext.
+enum CutFrame {
+    /// Header and payload pieces (large payloads: pieces of the read buffers, never copied).
+    Pieces([u8; HEADER_LEN], ChunkedBytes),
+    /// Header and payload copied into one buffer (small frames).
+    Whole(PooledBuf),
+}
+
+/// Cuts a connection's plaintext stream into frames.
+struct FrameCutter {
+    max_payload: usize,
+    header: [u8; HEADER_LEN],
+    header_have: usize,
+    body: Option<Body>,
+}
+
+enum Body {
+    Pieces { need: usize, pieces: ChunkedBytes },
+    Whole { need: usize, buf: PooledBuf },
+}
+
+impl FrameCutter {
+    fn new(max_payload: usize) -> Self {
+        FrameCutter { max_payload, header: [0; HEADER_LEN], header_have: 0, body: None }
+    }
+
+    fn at_boundary(&self) -> bool {
+        self.header_have == 0 && self.body.is_none()
+    }
+
+    fn push(&mut self, mut piece: bytes::Bytes, pool: &BufferPool, emit: &mut impl FnMut(CutFrame)) -> std::result::Result<(), String> {
+        while !piece.is_empty() {
+            match &mut self.body {
+                None => {
+                    let take = (HEADER_LEN - self.header_have).min(piece.len());
+                    self.header[self.header_have..self.header_have + take].copy_from_slice(&piece[..take]);
+                    self.header_have += take;
+                    piece = piece.slice(take..);
+                    if self.header_have < HEADER_LEN {
+                        continue;
+                    }
+                    // Bounded by the cap just checked, so it fits in usize.
+                    let payload_len = decode_header(&self.header, self.max_payload).map_err(|e| format!("bad frame header: {e}"))?.payload_len as usize;
+                    self.body = Some(if payload_len >= CHUNKED_FRAME_MIN_BYTES {
+                        Body::Pieces { need: payload_len, pieces: ChunkedBytes::new() }
+                    } else {
+                        let mut buf = pool.take(HEADER_LEN + payload_len);
+                        buf.extend_from_slice(&self.header);
+                        Body::Whole { need: payload_len, buf }
+                    });
+                }
+                Some(Body::Pieces { need, pieces }) => {
+                    let take = (*need - pieces.len()).min(piece.len());
+                    pieces.push(piece.split_to(take));
+                }
+                Some(Body::Whole { need, buf }) => {
+                    let take = (HEADER_LEN + *need - buf.len()).min(piece.len());
+                    buf.extend_from_slice(&piece[..take]);
+                    piece = piece.slice(take..);
+                }
+            }
+            let complete = match &self.body {
+                Some(Body::Pieces { need, pieces }) => pieces.len() == *need,
+                Some(Body::Whole { need, buf }) => buf.len() == HEADER_LEN + *need,
+                None => false,
+            };
+            if complete {
+                self.header_have = 0;
+                match self.body.take() {
+                    Some(Body::Pieces { pieces, .. }) => emit(CutFrame::Pieces(self.header, pieces)),
+                    Some(Body::Whole { buf, .. }) => emit(CutFrame::Whole(buf)),
+                    None => {}
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Hands a frame to the endpoint (from a reader thread).
+fn deliver_cut(route: &Route, from: usize, frame: CutFrame, pool: &BufferPool) {
+    match (route, frame) {
+        (Route::Push(sink), CutFrame::Pieces(header, pieces)) => {
+            if let Some(sink) = sink.upgrade() {
+                sink.chunked_frame(from, header, pieces);
+            }
+        }
+        (route, CutFrame::Pieces(header, pieces)) => {
+            let mut bytes = pool.take(HEADER_LEN + pieces.len());
+            bytes.extend_from_slice(&header);
+            for chunk in pieces.chunks() {
+                bytes.extend_from_slice(chunk);
+            }
+            deliver(route, TransportEvent::Frame { from, bytes });
+        }
+        (route, CutFrame::Whole(bytes)) => deliver(route, TransportEvent::Frame { from, bytes }),
+    }
+}
+
+/// Hands an event to the endpoint from a thread outside the runtime.
+fn deliver(route: &Route, event: TransportEvent) {
+    match route {
+        Route::Push(sink) => {
+            if let Some(sink) = sink.upgrade() {
+                sink.event(event);
+            }
+        }
+        Route::Pull(events) => {
+            let _ = events.blocking_send(event);
+        }
+    }
+}
+
+async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                tracing::warn!(rank = shared.rank, error = %e, "tls accept failed");
+                tokio::time::sleep(DIAL_RETRY).await;
+                continue;
+            }
+        };
+        let handler = Arc::clone(&shared);
+        let task = tokio::spawn(async move {
+            let timeout = handler.options.connect_timeout;
+            let outcome = match tokio::time::timeout(timeout, accept_one(&handler, stream)).await {
+                Ok(outcome) => outcome,
+                Err(_) => Err(format!("handshake not done within {} ms", millis(timeout))),
+            };
+            if let Err(reason) = outcome {
+                tracing::warn!(rank = handler.rank, %reason, "refused incoming tls connection");
+            }
+        });
+        let mut tasks = lock(&shared.tasks);
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(task.abort_handle());
+    }
+}
+
+async fn accept_one(shared: &Arc<Shared>, mut stream: TcpStream) -> std::result::Result<(), String> {
+    configure(&stream, &shared.options)?;
+    let mut established = handshake::server(&mut stream, Arc::clone(&shared.server_config), shared.options.key_update_records).await?;
+    let Established { opener, opened, leftover, .. } = &mut established;
+    let hello_bytes = handshake::read_exact_opened(&mut stream, opener, opened, leftover, HELLO_LEN).await?;
+    let (peer, id) = read_hello(&hello_bytes)?;
+    if peer >= shared.world || peer >= shared.rank {
+        return Err(format!("hello names rank {peer}, which does not dial rank {}", shared.rank));
+    }
+    if id.of == 0 || id.of > MAX_STRIPES || id.stripe >= id.of {
+        return Err(format!("hello names an impossible stripe {id:?}"));
+    }
+    if !certificate_names_rank(&established.peer_certs, peer) {
+        return Err(format!("client certificate does not name rank {peer}, which its hello claims"));
+    }
+    handshake::write_sealed(&mut stream, &mut established.sealer, &hello(shared.rank, id)).await?;
+    shared.register(peer, id, Connected { stream, established }).map_err(|e| e.to_string())
+}
+
+async fn dial(shared: Arc<Shared>, peer: usize, addr: SocketAddr, id: StripeId) {
+    loop {
+        let timeout = shared.options.connect_timeout;
+        let outcome = match tokio::time::timeout(timeout, dial_once(&shared, peer, addr, id)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(format!("handshake not done within {} ms", millis(timeout))),
+        };
+        match outcome {
+            Ok(()) => return,
+            Err(reason) => {
+                tracing::debug!(rank = shared.rank, peer, %reason, "tls dial failed, retrying");
+                lock(&shared.dial_errors).insert(peer, reason);
+                tokio::time::sleep(DIAL_RETRY).await;
+            }
+        }
+    }
+}
+
+async fn dial_once(shared: &Arc<Shared>, peer: usize, addr: SocketAddr, id: StripeId) -> std::result::Result<(), String> {
+    let mut stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    configure(&stream, &shared.options)?;
+    let name = ServerName::try_from(rank_name(peer)).map_err(|e| e.to_string())?;
+    let mut established = handshake::client(&mut stream, Arc::clone(&shared.client_config), name, shared.options.key_update_records).await?;
+    handshake::write_sealed(&mut stream, &mut established.sealer, &hello(shared.rank, id)).await?;
+    let Established { opener, opened, leftover, .. } = &mut established;
+    let echo = handshake::read_exact_opened(&mut stream, opener, opened, leftover, HELLO_LEN).await?;
+    let (claimed, echoed) = read_hello(&echo)?;
+    if claimed != peer || echoed != id {
+        return Err(format!("rank {peer} answered as rank {claimed}, stripe {echoed:?} for {id:?}"));
+    }
+    shared.register(peer, id, Connected { stream, established }).map_err(|e| e.to_string())
+}
+
+/// `TCP_NODELAY` (frames are written whole), keep-alive and `TCP_USER_TIMEOUT` from the options.
+fn configure(stream: &TcpStream, options: &TlsOptions) -> std::result::Result<(), String> {
+    stream.set_nodelay(true).map_err(|e| format!("TCP_NODELAY: {e}"))?;
+    let socket = socket2::SockRef::from(stream);
+    let probe = options.keep_alive.max(Duration::from_secs(1));
+    let retries = u32::try_from(options.idle_timeout.as_millis() / probe.as_millis().max(1)).unwrap_or(u32::MAX).max(1);
+    let keepalive = socket2::TcpKeepalive::new().with_time(probe).with_interval(probe).with_retries(retries);
+    socket.set_tcp_keepalive(&keepalive).map_err(|e| format!("keep-alive: {e}"))?;
+    #[cfg(target_os = "linux")]
+    socket.set_tcp_user_timeout(Some(options.idle_timeout)).map_err(|e| format!("TCP_USER_TIMEOUT: {e}"))?;
+    Ok(())
+}
+
+fn hello(rank: usize, id: StripeId) -> [u8; HELLO_LEN] {
+    let mut out = [0u8; HELLO_LEN];
+    out[..4].copy_from_slice(&HELLO_MAGIC);
+    out[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
+    // Both are below MAX_STRIPES (checked at bind and on receipt).
+    out[8..10].copy_from_slice(&(id.stripe as u16).to_le_bytes());
+    out[10..12].copy_from_slice(&(id.of as u16).to_le_bytes());
+    out
+}
+
+fn read_hello(bytes: &[u8]) -> std::result::Result<(usize, StripeId), String> {
+    if bytes.len() != HELLO_LEN || bytes[..4] != HELLO_MAGIC {
+        return Err("bad hello".into());
+    }
+    let rank = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]) as usize;
+    let id = StripeId { stripe: usize::from(u16::from_le_bytes([bytes[8], bytes[9]])), of: usize::from(u16::from_le_bytes([bytes[10], bytes[11]])) };
+    Ok((rank, id))
+}
+
+fn io(op: &'static str, e: std::io::Error) -> Error {
+    Error::Io { op, reason: e.to_string() }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

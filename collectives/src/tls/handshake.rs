@@ -1,0 +1,216 @@
+//! The TLS transport's handshake: rustls's unbuffered API driven over a tokio TCP stream until the
+//! handshake completes, then the traffic keys taken out for the data path ([`super::record`]).
+//!
+//! The unbuffered API consumes only whole records and says how many bytes it used, so bytes the
+//! peer sent after its last handshake record (its first data records, which may share a read with
+//! its Finished) stay in our buffer and are handed on ([`Established::leftover`]): nothing the peer
+//! sent is lost between the handshake and the reader thread. Both configurations come from
+//! [`crate::server_tls_config`] / [`crate::client_tls_config`] (mutual TLS 1.3 under the cluster
+//! CA), with secret extraction on and no session tickets (they would arrive as data-path records).
+
+use std::sync::{Arc, Mutex};
+
+use rustls::client::UnbufferedClientConnection;
+use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::server::UnbufferedServerConnection;
+use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::record::{record_len, KeySchedule, Opened, Opener, RecordError, Sealer};
+
+/// A connection whose handshake is done: its two record halves, the peer's certificate chain,
+/// and the bytes already read past the handshake.
+pub(crate) struct Established {
+    pub(crate) sealer: Sealer,
+    pub(crate) opener: Opener,
+    pub(crate) peer_certs: Vec<CertificateDer<'static>>,
+    /// Record bytes read after the handshake's last record, to be opened before anything else.
+    pub(crate) leftover: Vec<u8>,
+    /// Data rustls already opened (records that came with the peer's last handshake record);
+    /// it precedes `leftover`.
+    pub(crate) opened: Vec<u8>,
+}
+
+/// Runs the client side of a handshake towards the rank named `name`.
+pub(crate) async fn client(stream: &mut TcpStream, config: Arc<rustls::ClientConfig>, name: ServerName<'static>, update_every: u64) -> Result<Established, String> {
+    let mut conn = UnbufferedClientConnection::new(config, name).map_err(|e| e.to_string())?;
+    let (leftover, opened) = drive(stream, &mut conn).await?;
+    let peer_certs = conn.peer_certificates().map(<[_]>::to_vec).unwrap_or_default();
+    let (secrets, kernel) = conn.dangerous_into_kernel_connection().map_err(|e| e.to_string())?;
+    established(secrets, KeySchedule::Client(kernel), peer_certs, leftover, opened, update_every)
+}
+
+/// Runs the server side of a handshake.
+pub(crate) async fn server(stream: &mut TcpStream, config: Arc<rustls::ServerConfig>, update_every: u64) -> Result<Established, String> {
+    let mut conn = UnbufferedServerConnection::new(config).map_err(|e| e.to_string())?;
+    let (leftover, opened) = drive(stream, &mut conn).await?;
+    let peer_certs = conn.peer_certificates().map(<[_]>::to_vec).unwrap_or_default();
+    let (secrets, kernel) = conn.dangerous_into_kernel_connection().map_err(|e| e.to_string())?;
+    established(secrets, KeySchedule::Server(kernel), peer_certs, leftover, opened, update_every)
+}
+
+fn established(
+    secrets: rustls::ExtractedSecrets,
+    schedule: KeySchedule,
+    peer_certs: Vec<CertificateDer<'static>>,
+    leftover: Vec<u8>,
+    opened: Vec<u8>,
+    update_every: u64,
+) -> Result<Established, String> {
+    // Half the suite's limit: the update always lands well inside it.
+    let update_every = update_every.min(schedule.confidentiality_limit() / 2);
+    let schedule = Arc::new(Mutex::new(schedule));
+    let (tx_seq, tx) = secrets.tx;
+    let (rx_seq, rx) = secrets.rx;
+    let sealer = Sealer::new(tx_seq, tx, Arc::clone(&schedule), update_every).map_err(|e| e.to_string())?;
+    let opener = Opener::new(rx_seq, rx, schedule).map_err(|e| e.to_string())?;
+    Ok(Established { sealer, opener, peer_certs, leftover, opened })
+}
+
+/// The two unbuffered connection types, as [`drive`] uses them.
+trait Handshaking {
+    type Data;
+    fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data>;
+    fn handshaking(&self) -> bool;
+}
+
+impl Handshaking for UnbufferedClientConnection {
+    type Data = rustls::client::ClientConnectionData;
+    fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data> {
+        self.process_tls_records(incoming)
+    }
+    fn handshaking(&self) -> bool {
+        self.is_handshaking()
+    }
+}
+
+impl Handshaking for UnbufferedServerConnection {
+    type Data = rustls::server::ServerConnectionData;
+    fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data> {
+        self.process_tls_records(incoming)
+    }
+    fn handshaking(&self) -> bool {
+        self.is_handshaking()
+    }
+}
+
+/// A handshake flight larger than this is refused (ours are a few KiB: two certificates).
+const MAX_FLIGHT_BYTES: usize = 1 << 20;
+
+/// Drives `conn` until its handshake is complete. Returns the bytes read past the handshake's
+/// records and the plaintext of data records rustls opened itself (it opens a data record that
+/// arrived in the same read as the peer's last handshake record).
+async fn drive<C: Handshaking>(stream: &mut TcpStream, conn: &mut C) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let mut incoming = vec![0u8; 16 * 1024];
+    let mut used = 0usize;
+    let mut outgoing = vec![0u8; 8 * 1024];
+    let mut out_used = 0usize;
+    let mut opened = Vec::new();
+    loop {
+        let UnbufferedStatus { mut discard, state } = conn.process(&mut incoming[..used]);
+        let mut read_more = false;
+        let mut maybe_complete = false;
+        match state.map_err(|e| e.to_string())? {
+            ConnectionState::EncodeTlsData(mut encode) => loop {
+                match encode.encode(&mut outgoing[out_used..]) {
+                    Ok(n) => {
+                        out_used += n;
+                        break;
+                    }
+                    Err(EncodeError::InsufficientSize(e)) => outgoing.resize(out_used + e.required_size, 0),
+                    Err(e) => return Err(format!("encoding a handshake record: {e:?}")),
+                }
+            },
+            ConnectionState::TransmitTlsData(transmit) => {
+                stream.write_all(&outgoing[..out_used]).await.map_err(|e| e.to_string())?;
+                out_used = 0;
+                transmit.done();
+            }
+            ConnectionState::BlockedHandshake => read_more = true,
+            ConnectionState::ReadTraffic(mut traffic) => {
+                while let Some(record) = traffic.next_record() {
+                    let record = record.map_err(|e| e.to_string())?;
+                    discard += record.discard;
+                    opened.extend_from_slice(record.payload);
+                }
+            }
+            ConnectionState::WriteTraffic(_) => maybe_complete = true,
+            ConnectionState::PeerClosed | ConnectionState::Closed => return Err("the peer closed the connection during the handshake".into()),
+            _ => return Err("unexpected TLS state during the handshake".into()),
+        }
+        incoming.copy_within(discard..used, 0);
+        used -= discard;
+        if maybe_complete {
+            if !conn.handshaking() {
+                break;
+            }
+            // A server may write before the client's last flight: wait for it.
+            read_more = true;
+        }
+        if read_more {
+            if used == incoming.len() {
+                if incoming.len() >= MAX_FLIGHT_BYTES {
+                    return Err("handshake flight too large".into());
+                }
+                incoming.resize(incoming.len() * 2, 0);
+            }
+            let n = stream.read(&mut incoming[used..]).await.map_err(|e| e.to_string())?;
+            if n == 0 {
+                return Err("the peer closed the connection during the handshake".into());
+            }
+            used += n;
+        }
+    }
+    incoming.truncate(used);
+    Ok((incoming, opened))
+}
+
+/// Writes `plaintext` to `stream` as sealed records.
+pub(crate) async fn write_sealed(stream: &mut TcpStream, sealer: &mut Sealer, plaintext: &[u8]) -> Result<(), String> {
+    let mut out = Vec::new();
+    sealer.seal(plaintext, &mut out).map_err(|e| e.to_string())?;
+    stream.write_all(&out).await.map_err(|e| e.to_string())
+}
+
+/// Reads exactly `n` bytes of data: first from `opened`, then by reading and opening records from
+/// `stream` (after the bytes already in `buf`); leaves the bytes after the last record used in
+/// `buf`. Data past the `n` bytes within one record is an error (the hello exchange is lockstep).
+pub(crate) async fn read_exact_opened(stream: &mut TcpStream, opener: &mut Opener, opened: &mut Vec<u8>, buf: &mut Vec<u8>, n: usize) -> Result<Vec<u8>, String> {
+    while opened.len() < n {
+        let more = read_opened(stream, opener, buf).await?;
+        opened.extend_from_slice(&more);
+    }
+    if opened.len() > n {
+        return Err(format!("{} bytes of data where {n} were expected", opened.len()));
+    }
+    Ok(std::mem::take(opened))
+}
+
+/// Reads and opens records from `stream` (after the bytes already in `buf`) until one carries
+/// data; returns that data and leaves the bytes after its record in `buf`.
+async fn read_opened(stream: &mut TcpStream, opener: &mut Opener, buf: &mut Vec<u8>) -> Result<Vec<u8>, String> {
+    loop {
+        while let Some(len) = record_len(buf).map_err(|e| e.to_string())? {
+            if buf.len() < len {
+                break;
+            }
+            let opened = opener.open(&mut buf[..len]).map_err(|e: RecordError| e.to_string())?;
+            let data = match opened {
+                Opened::Data(range) if !range.is_empty() => Some(buf[range].to_vec()),
+                Opened::Data(_) | Opened::KeyUpdated => None,
+                Opened::Closed => return Err("peer closed the connection".into()),
+            };
+            buf.drain(..len);
+            if let Some(data) = data {
+                return Ok(data);
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        let n = stream.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("peer closed the connection".into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}

@@ -1,0 +1,247 @@
+//! TLS 1.3 record protection for the TLS transport's data path (RFC 8446 §5.2), done here rather
+//! than inside rustls so that each direction of a connection is owned by its own thread.
+//!
+//! rustls runs the handshake and the key schedule; the transport then takes the traffic keys out
+//! (`dangerous_into_kernel_connection`, the path kTLS uses) and seals and opens records with ring's
+//! AES-GCM itself: a [`Sealer`] in the connection's writer thread, an [`Opener`] in its reader
+//! thread, with no lock between them and no copy but the one into the record (send) and none at
+//! all on receive (records are opened in place in the buffer the socket read into). The wire is
+//! plain TLS 1.3: outer type 23, version 0x0303, the inner content type after the plaintext, the
+//! nonce the per-direction sequence number XORed into the IV, the record header as AEAD data.
+//!
+//! Key updates: AES-GCM may seal only so many records under one key (the suite's
+//! confidentiality limit, 2^24 records for AES-128-GCM in rustls). A [`Sealer`] sends a KeyUpdate
+//! handshake message and switches to the next traffic secret (rustls's `KernelConnection`
+//! derives it) after `update_every` records, and an [`Opener`] follows the peer's KeyUpdate.
+//! Peers never ask each other to update (`update_requested` is refused as a protocol error):
+//! answering would need the reader to reach into the writer's key, and both ends are this code.
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM, AES_256_GCM, CHACHA20_POLY1305, NONCE_LEN};
+use rustls::client::ClientConnectionData;
+use rustls::kernel::KernelConnection;
+use rustls::server::ServerConnectionData;
+use rustls::ConnectionTrafficSecrets;
+
+/// Bytes of a record header: type, legacy version, length.
+pub(crate) const RECORD_HEADER_LEN: usize = 5;
+/// Largest plaintext of one record.
+pub(crate) const MAX_PLAINTEXT: usize = 1 << 14;
+/// The AEAD tag after every record body.
+pub(crate) const TAG_LEN: usize = 16;
+/// Largest record body a peer may send (plaintext, content type, padding and tag: RFC 8446 §5.2).
+pub(crate) const MAX_BODY: usize = MAX_PLAINTEXT + 256;
+/// Largest whole record.
+pub(crate) const MAX_RECORD: usize = RECORD_HEADER_LEN + MAX_BODY;
+/// Bytes a record adds to its plaintext when sealed here (header, content type, tag).
+pub(crate) const RECORD_OVERHEAD: usize = RECORD_HEADER_LEN + 1 + TAG_LEN;
+
+const APPLICATION_DATA: u8 = 23;
+const HANDSHAKE: u8 = 22;
+const ALERT: u8 = 21;
+const KEY_UPDATE: u8 = 24;
+/// KeyUpdate with `update_not_requested`.
+const KEY_UPDATE_MESSAGE: [u8; 5] = [KEY_UPDATE, 0, 0, 1, 0];
+const CLOSE_NOTIFY: u8 = 0;
+
+/// What went wrong with a record; the connection ends with it.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub(crate) enum RecordError {
+    /// The header names another record type or version, or an impossible length.
+    #[error("bad record header {0:02x?}")]
+    BadHeader([u8; RECORD_HEADER_LEN]),
+    /// The tag does not match: altered bytes, or another key.
+    #[error("record {seq} does not authenticate")]
+    Unauthentic { seq: u64 },
+    /// Authenticated, but not something this transport speaks (an alert, a handshake message
+    /// other than KeyUpdate, a requested update, an all-padding record).
+    #[error("unsupported record content: {0}")]
+    Unsupported(String),
+    /// Keys could not be made or updated.
+    #[error("record keys: {0}")]
+    Keys(String),
+}
+
+/// The rustls half that derives the next traffic secrets, shared by a connection's two directions.
+pub(crate) enum KeySchedule {
+    Client(KernelConnection<ClientConnectionData>),
+    Server(KernelConnection<ServerConnectionData>),
+}
+
+impl KeySchedule {
+    fn next(&mut self, transmit: bool) -> Result<(u64, ConnectionTrafficSecrets), rustls::Error> {
+        match (self, transmit) {
+            (KeySchedule::Client(k), true) => k.update_tx_secret(),
+            (KeySchedule::Client(k), false) => k.update_rx_secret(),
+            (KeySchedule::Server(k), true) => k.update_tx_secret(),
+            (KeySchedule::Server(k), false) => k.update_rx_secret(),
+        }
+    }
+
+    /// The negotiated suite's confidentiality limit (records per key).
+    pub(crate) fn confidentiality_limit(&self) -> u64 {
+        let suite = match self {
+            KeySchedule::Client(k) => k.negotiated_cipher_suite(),
+            KeySchedule::Server(k) => k.negotiated_cipher_suite(),
+        };
+        match suite {
+            rustls::SupportedCipherSuite::Tls13(s) => s.common.confidentiality_limit,
+            #[allow(unreachable_patterns)]
+            _ => 1 << 23,
+        }
+    }
+}
+
+/// One direction's key, IV and sequence number.
+struct DirectionKey {
+    key: LessSafeKey,
+    iv: [u8; NONCE_LEN],
+    seq: u64,
+}
+
+impl DirectionKey {
+    fn new(seq: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, RecordError> {
+        let (algorithm, key, iv) = match &secrets {
+            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
+            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&AES_256_GCM, key, iv),
+            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&CHACHA20_POLY1305, key, iv),
+            _ => return Err(RecordError::Keys("a cipher this transport does not seal with".into())),
+        };
+        let key = UnboundKey::new(algorithm, key.as_ref()).map_err(|_| RecordError::Keys("bad key length".into()))?;
+        let iv: [u8; NONCE_LEN] = iv.as_ref().try_into().map_err(|_| RecordError::Keys("bad IV length".into()))?;
+        Ok(DirectionKey { key: LessSafeKey::new(key), iv, seq })
+    }
+
+    /// The next record's nonce (the sequence number XORed into the IV's low bytes); advances it.
+    fn next_nonce(&mut self) -> Nonce {
+        let mut nonce = self.iv;
+        for (n, s) in nonce[NONCE_LEN - 8..].iter_mut().zip(self.seq.to_be_bytes()) {
+            *n ^= s;
+        }
+        self.seq += 1;
+        Nonce::assume_unique_for_key(nonce)
+    }
+}
+
+/// Seals this end's records (the writer thread's half).
+pub(crate) struct Sealer {
+    key: DirectionKey,
+    schedule: Arc<Mutex<KeySchedule>>,
+    update_every: u64,
+}
+
+impl Sealer {
+    pub(crate) fn new(seq: u64, secrets: ConnectionTrafficSecrets, schedule: Arc<Mutex<KeySchedule>>, update_every: u64) -> Result<Self, RecordError> {
+        Ok(Sealer { key: DirectionKey::new(seq, secrets)?, schedule, update_every: update_every.max(2) })
+    }
+
+    /// Appends `plaintext` to `out` as application-data records of at most 16 KiB each.
+    pub(crate) fn seal(&mut self, plaintext: &[u8], out: &mut Vec<u8>) -> Result<(), RecordError> {
+        out.reserve(plaintext.len() + plaintext.len().div_ceil(MAX_PLAINTEXT) * RECORD_OVERHEAD);
+        for piece in plaintext.chunks(MAX_PLAINTEXT) {
+            self.seal_record(APPLICATION_DATA, piece, out)?;
+            if self.key.seq + 1 >= self.update_every {
+                self.update(out)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn seal_record(&mut self, content_type: u8, piece: &[u8], out: &mut Vec<u8>) -> Result<(), RecordError> {
+        let body = piece.len() + 1 + TAG_LEN;
+        // At most 16 KiB + 17: fits the u16 length.
+        let header = [APPLICATION_DATA, 3, 3, (body >> 8) as u8, body as u8];
+        out.extend_from_slice(&header);
+        let start = out.len();
+        out.extend_from_slice(piece);
+        out.push(content_type);
+        let nonce = self.key.next_nonce();
+        let tag = self.key.key.seal_in_place_separate_tag(nonce, Aad::from(header), &mut out[start..]).map_err(|_| RecordError::Keys("seal failed".into()))?;
+        out.extend_from_slice(tag.as_ref());
+        Ok(())
+    }
+
+    /// Sends a KeyUpdate under the old key, then switches to the next one.
+    fn update(&mut self, out: &mut Vec<u8>) -> Result<(), RecordError> {
+        self.seal_record(HANDSHAKE, &KEY_UPDATE_MESSAGE, out)?;
+        let (seq, secrets) = lock(&self.schedule).next(true).map_err(|e| RecordError::Keys(e.to_string()))?;
+        self.key = DirectionKey::new(seq, secrets)?;
+        tracing::debug!("tls record key updated (transmit)");
+        Ok(())
+    }
+}
+
+/// What an opened record held.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Opened {
+    /// Application data at this range of the record's bytes (maybe empty).
+    Data(Range<usize>),
+    /// The peer's KeyUpdate, already followed.
+    KeyUpdated,
+    /// The peer's close_notify: nothing more comes.
+    Closed,
+}
+
+/// Opens the peer's records (the reader thread's half).
+pub(crate) struct Opener {
+    key: DirectionKey,
+    schedule: Arc<Mutex<KeySchedule>>,
+}
+
+impl Opener {
+    pub(crate) fn new(seq: u64, secrets: ConnectionTrafficSecrets, schedule: Arc<Mutex<KeySchedule>>) -> Result<Self, RecordError> {
+        Ok(Opener { key: DirectionKey::new(seq, secrets)?, schedule })
+    }
+
+    /// Opens the whole record `record` (header included, as [`record_len`] measured it) in place.
+    pub(crate) fn open(&mut self, record: &mut [u8]) -> Result<Opened, RecordError> {
+        let header: [u8; RECORD_HEADER_LEN] = match record.get(..RECORD_HEADER_LEN).and_then(|h| h.try_into().ok()) {
+            Some(h) => h,
+            None => return Err(RecordError::BadHeader([0; RECORD_HEADER_LEN])),
+        };
+        if record_len(&header)? != Some(record.len()) {
+            return Err(RecordError::BadHeader(header));
+        }
+        let seq = self.key.seq;
+        let nonce = self.key.next_nonce();
+        let plain = self.key.key.open_in_place(nonce, Aad::from(header), &mut record[RECORD_HEADER_LEN..]).map_err(|_| RecordError::Unauthentic { seq })?;
+        // The content type is the last non-zero byte; zeros after it are padding.
+        let Some(type_at) = plain.iter().rposition(|&b| b != 0) else {
+            return Err(RecordError::Unsupported("a record of padding only".into()));
+        };
+        let data = RECORD_HEADER_LEN..RECORD_HEADER_LEN + type_at;
+        match plain[type_at] {
+            APPLICATION_DATA => Ok(Opened::Data(data)),
+            HANDSHAKE if plain[..type_at] == KEY_UPDATE_MESSAGE => {
+                let (seq, secrets) = lock(&self.schedule).next(false).map_err(|e| RecordError::Keys(e.to_string()))?;
+                self.key = DirectionKey::new(seq, secrets)?;
+                tracing::debug!("tls record key updated (receive)");
+                Ok(Opened::KeyUpdated)
+            }
+            ALERT if type_at == 2 && plain[1] == CLOSE_NOTIFY => Ok(Opened::Closed),
+            ALERT if type_at == 2 => Err(RecordError::Unsupported(format!("alert {}", plain[1]))),
+            other => Err(RecordError::Unsupported(format!("content type {other} ({type_at} bytes)"))),
+        }
+    }
+}
+
+/// The length of the record `bytes` starts with, header included, once its header is there
+/// (`None` before); a header that cannot start a TLS 1.3 record is an error.
+pub(crate) fn record_len(bytes: &[u8]) -> Result<Option<usize>, RecordError> {
+    let Some(header) = bytes.get(..RECORD_HEADER_LEN) else {
+        return Ok(None);
+    };
+    let body = usize::from(u16::from_be_bytes([header[3], header[4]]));
+    if header[0] != APPLICATION_DATA || header[1..3] != [3, 3] || !(TAG_LEN + 1..=MAX_BODY).contains(&body) {
+        let mut h = [0; RECORD_HEADER_LEN];
+        h.copy_from_slice(header);
+        return Err(RecordError::BadHeader(h));
+    }
+    Ok(Some(RECORD_HEADER_LEN + body))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -1,0 +1,294 @@
+//! The TLS-over-TCP transport on loopback: collectives with exact results over one and several
+//! connections per pair and across key updates, peer loss, the graceful end of a rank that leaves
+//! right after its last collective, refusal of peers that cannot prove their rank, and a byte
+//! flipped on the wire failing the operation instead of corrupting it.
+//!
+//! Method: every rank binds 127.0.0.1:0 in this process. Refusals use the transport itself with a
+//! wrong identity (another CA's certificate; a certificate naming one rank used to claim another)
+//! and raw sockets (junk instead of a handshake). The tampering test puts a TCP proxy between two
+//! ranks that flips one byte of the dialer's data stream past the handshake.
+#![cfg(feature = "quic")]
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use rtx_collectives::{ClusterCa, CommConfig, Communicator, Endpoint, Error, OpKind, ReduceOp, TlsOptions, TlsTransport, Transport};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const LOOPBACK: &str = "127.0.0.1:0";
+
+fn options() -> TlsOptions {
+    TlsOptions { connect_timeout: Duration::from_secs(20), ..TlsOptions::default() }
+}
+
+fn comms_of(transports: &[Arc<TlsTransport>], config: &CommConfig) -> Vec<Communicator> {
+    transports
+        .iter()
+        .map(|t| {
+            let t: Arc<dyn Transport> = Arc::clone(t) as Arc<dyn Transport>;
+            Endpoint::new(t, config.clone()).unwrap().world().unwrap()
+        })
+        .collect()
+}
+
+// Goal: collectives over TLS give correct results on the large ring and small doubling paths, with
+// one and three connections per pair (frames overtake each other across them), and a rank that
+// goes away makes the survivors' next collective fail with PeerLost naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collectives_over_tls_and_peer_loss() {
+    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
+    for stripes in [1, 3] {
+        let ca = ClusterCa::generate("rtx test cluster").unwrap();
+        let transports = TlsTransport::loopback_world(&ca, 3, TlsOptions { stripes, ..options() }).await.unwrap();
+        for (r, t) in transports.iter().enumerate() {
+            let expected: Vec<usize> = (0..3).filter(|&p| p != r).collect();
+            assert_eq!(t.connected_peers(), expected);
+            assert_eq!(t.open_connections(), 2 * stripes, "rank {r}: {stripes} connections per peer");
+        }
+        let config = CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() };
+        let mut comms = comms_of(&transports, &config);
+        drop(transports);
+        let out = run_ranks(&comms, |c| async move {
+            let r = c.rank() as f32;
+            let mut big: Vec<f32> = (0..(1 << 20)).map(|i| (i % 7) as f32 + r).collect();
+            c.all_reduce(&mut big, ReduceOp::Sum).await.unwrap();
+            let mut small = vec![r; 33];
+            c.all_reduce(&mut small, ReduceOp::Max).await.unwrap();
+            let mut b = if c.rank() == 1 { vec![7.5f64; 1000] } else { vec![0.0; 1000] };
+            c.broadcast(&mut b, 1).await.unwrap();
+            let mut half: Vec<half::bf16> = (0..(1 << 20)).map(|i| half::bf16::from_f32((i % 5) as f32 + r)).collect();
+            c.all_reduce(&mut half, ReduceOp::Sum).await.unwrap();
+            (big, small, b, half)
+        })
+        .await;
+        for (big, small, b, half) in out {
+            assert!(big.iter().enumerate().all(|(i, &x)| x == 3.0 * (i % 7) as f32 + 3.0));
+            assert_eq!(small, vec![2.0; 33]);
+            assert_eq!(b, vec![7.5; 1000]);
+            assert!(half.iter().enumerate().all(|(i, &x)| x.to_f32() == 3.0 * (i % 5) as f32 + 3.0));
+        }
+        drop(comms.pop());
+        let out = run_ranks(&comms, |c| async move {
+            let mut buf = vec![1.0f32; 1000];
+            c.all_reduce(&mut buf, ReduceOp::Sum).await
+        })
+        .await;
+        for result in out {
+            assert_eq!(result, Err(Error::PeerLost { rank: 2, op: OpKind::AllReduce }), "stripes {stripes}");
+        }
+    }
+}
+
+// Goal: exact, bit-identical results when both directions of every connection update their keys
+// every few records (the KeyUpdate record, rustls's next secret, sequence numbers from 0 again),
+// with frames small and large (pieces of the read buffers), every reduce op and an odd length.
+// Method: 4 ranks, exact inputs (RTX_TEST_SEED), key update every 3 records, 2 stripes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_updates_and_frames_of_every_size_give_exact_results() {
+    let seed = seed();
+    let n = 4;
+    let len = 300_007;
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    for chunk in [4 << 10, 20 << 10, 1 << 20] {
+        // One endpoint per transport: a world per configuration.
+        let transports = TlsTransport::loopback_world(&ca, n, TlsOptions { stripes: 2, key_update_records: 3, ..options() }).await.unwrap();
+        let config = CommConfig { op_timeout: Duration::from_secs(20), small_message_bytes: 0, chunk_bytes: Some(chunk), ..CommConfig::default() };
+        let comms = comms_of(&transports, &config);
+        for (case, op) in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg].into_iter().enumerate() {
+            let inputs = exact_inputs::<f32>(seed, case as u64, n, len);
+            let want = reference(op, &inputs);
+            let out = run_ranks(&comms, |c| {
+                let mut buf = inputs[c.rank()].clone();
+                async move {
+                    c.all_reduce(&mut buf, op).await.unwrap();
+                    buf
+                }
+            })
+            .await;
+            for (rank, got) in out.iter().enumerate() {
+                assert_eq!(bits(got), bits(&want), "seed {seed}, chunk {chunk}, {op:?}, rank {rank}");
+            }
+        }
+    }
+}
+
+// Goal: a rank that drops its transport right after its last collective returns does not fail its
+// peer: queued frames are still written before the connection half-closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaving_right_after_the_last_collective_does_not_fail_the_peer() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let config = CommConfig { op_timeout: Duration::from_secs(10), small_message_bytes: 0, chunk_bytes: Some(256 << 10), ..CommConfig::default() };
+    let transports = TlsTransport::loopback_world(&ca, 2, options()).await.unwrap();
+    let mut comms = comms_of(&transports, &config);
+    drop(transports);
+    let root = comms.pop().unwrap();
+    let data: Vec<f32> = (0..(1 << 20)).map(|i| i as f32).collect();
+    let mut sent = data.clone();
+    root.broadcast(&mut sent, 1).await.unwrap();
+    drop(root);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut got = vec![0.0f32; 1 << 20];
+    comms[0].broadcast(&mut got, 1).await.unwrap();
+    assert!(got == data);
+}
+
+// Goal: aborting a transport fails a collective waiting on it at once with a typed error (no hang
+// until the operation timeout), and later sends fail with TransportClosed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_fails_waiting_operations_promptly() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let config = CommConfig { op_timeout: Duration::from_secs(60), ..CommConfig::default() };
+    let transports = TlsTransport::loopback_world(&ca, 2, options()).await.unwrap();
+    let comms = comms_of(&transports, &config);
+    // Rank 1 never joins; rank 0 waits for it until its peer's transport is aborted.
+    let waiting = {
+        let c = comms[0].clone();
+        tokio::spawn(async move {
+            let mut buf = vec![1.0f32; 1 << 16];
+            c.all_reduce(&mut buf, ReduceOp::Sum).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    transports[1].abort();
+    let result = tokio::time::timeout(Duration::from_secs(10), waiting).await.expect("abort must end the wait promptly").unwrap();
+    assert_eq!(result, Err(Error::PeerLost { rank: 1, op: OpKind::AllReduce }));
+    let frame = rtx_collectives::PooledBuf::unpooled(vec![0; 64]);
+    assert_eq!(transports[1].send(0, frame).await, Err(Error::TransportClosed));
+}
+
+// Goal: connect gives a typed error naming the missing peer when a rank never shows up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_times_out_with_missing_peer() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let opts = TlsOptions { connect_timeout: Duration::from_millis(500), ..TlsOptions::default() };
+    let t0 = TlsTransport::bind(&ca.issue(0).unwrap(), 2, LOOPBACK.parse().unwrap(), opts).unwrap();
+    // Rank 1's address is a bound-then-dropped listener: nobody answers there.
+    let silent = std::net::TcpListener::bind(LOOPBACK).unwrap();
+    let addrs = vec![t0.local_addr(), silent.local_addr().unwrap()];
+    drop(silent);
+    let err = t0.connect(&addrs).await.unwrap_err();
+    assert!(matches!(err, Error::Connect { peer: 1, timeout_ms: 500, .. }), "{err}");
+}
+
+// Goal: a stripe count of 0 or over MAX_STRIPES, and keep-alive not below the idle timeout, are
+// typed configuration errors at bind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bind_refuses_impossible_options() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let id = ca.issue(0).unwrap();
+    for stripes in [0, rtx_collectives::MAX_STRIPES + 1] {
+        let err = TlsTransport::bind(&id, 2, LOOPBACK.parse().unwrap(), TlsOptions { stripes, ..options() }).unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "stripes = {stripes}: {err}");
+    }
+    let err = TlsTransport::bind(&id, 2, LOOPBACK.parse().unwrap(), TlsOptions { keep_alive: Duration::from_secs(20), ..options() }).unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
+    let err = TlsTransport::bind(&id, 0, LOOPBACK.parse().unwrap(), options()).unwrap_err();
+    assert!(matches!(err, Error::RankOutOfRange { .. }), "{err}");
+}
+
+/// Rank 1 of 2 listening, and rank 0 made from `identity` trying to connect to it within 1 s.
+async fn try_join(ca: &ClusterCa, identity: rtx_collectives::NodeIdentity) -> (Result<(), Error>, Vec<usize>) {
+    let quick = TlsOptions { connect_timeout: Duration::from_secs(1), ..TlsOptions::default() };
+    let server = TlsTransport::bind(&ca.issue(1).unwrap(), 2, LOOPBACK.parse().unwrap(), quick.clone()).unwrap();
+    let client = TlsTransport::bind(&identity, 2, LOOPBACK.parse().unwrap(), quick).unwrap();
+    let addrs = vec![client.local_addr(), server.local_addr()];
+    let joined = client.connect(&addrs).await;
+    (joined, server.connected_peers())
+}
+
+// Goal: the acceptor refuses a dialer whose certificate comes from another CA and one whose
+// certificate names a rank other than the one it claims; junk instead of a handshake is refused
+// without disturbing the listener; the right identity joins (positive control).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_that_cannot_prove_their_rank_are_refused() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let other = ClusterCa::generate("some other cluster").unwrap();
+
+    let (joined, accepted) = try_join(&ca, other.issue(0).unwrap()).await;
+    assert!(matches!(joined, Err(Error::Connect { peer: 1, .. })), "another CA's certificate joined: {joined:?}");
+    assert!(accepted.is_empty());
+
+    // Rank 1's certificate, presented by a process that says it is rank 0.
+    let mut impostor = ca.issue(1).unwrap();
+    impostor.rank = 0;
+    let (joined, accepted) = try_join(&ca, impostor).await;
+    assert!(matches!(joined, Err(Error::Connect { peer: 1, .. })), "an impostor joined: {joined:?}");
+    assert!(accepted.is_empty());
+
+    // Junk first, then the real rank 0 on the same listener.
+    let quick = TlsOptions { connect_timeout: Duration::from_secs(5), ..TlsOptions::default() };
+    let server = TlsTransport::bind(&ca.issue(1).unwrap(), 2, LOOPBACK.parse().unwrap(), quick.clone()).unwrap();
+    let mut junk = tokio::net::TcpStream::connect(server.local_addr()).await.unwrap();
+    junk.write_all(&[0x16, 3, 1, 0, 8, 1, 2, 3, 4, 5, 6, 7, 8]).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), junk.read_to_end(&mut answer)).await.expect("junk must be refused promptly, not left hanging");
+    let client = TlsTransport::bind(&ca.issue(0).unwrap(), 2, LOOPBACK.parse().unwrap(), quick).unwrap();
+    client.connect(&[client.local_addr(), server.local_addr()]).await.unwrap();
+    assert_eq!(client.connected_peers(), vec![1]);
+}
+
+/// A TCP proxy for one connection to `target` that flips one byte of the client-to-server stream
+/// once `flip_at` bytes have passed; returns its address.
+async fn tampering_proxy(target: SocketAddr, flip_at: usize) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (client, _) = listener.accept().await.unwrap();
+        let server = tokio::net::TcpStream::connect(target).await.unwrap();
+        let (mut client_read, mut client_write) = client.into_split();
+        let (mut server_read, mut server_write) = server.into_split();
+        tokio::spawn(async move {
+            let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+        });
+        let mut passed = 0usize;
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match client_read.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if passed <= flip_at && flip_at < passed + n {
+                buf[flip_at - passed] ^= 0x40;
+            }
+            passed += n;
+            if server_write.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+    });
+    addr
+}
+
+// Goal: a byte altered on the wire after the handshake never reaches a result: the record fails to
+// authenticate, the link goes down, and both ranks' all_reduce fails with a typed error within the
+// operation timeout instead of returning corrupted sums.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_byte_on_the_wire_fails_the_operation() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let r0 = Arc::new(TlsTransport::bind(&ca.issue(0).unwrap(), 2, LOOPBACK.parse().unwrap(), options()).unwrap());
+    let r1 = Arc::new(TlsTransport::bind(&ca.issue(1).unwrap(), 2, LOOPBACK.parse().unwrap(), options()).unwrap());
+    // Past the handshake (a few KiB) and the hello: inside the first all_reduce's frames.
+    let proxy = tampering_proxy(r1.local_addr(), 300 << 10).await;
+    let (via_proxy, direct) = ([r0.local_addr(), proxy], [r0.local_addr(), r1.local_addr()]);
+    let (a, b) = tokio::join!(r0.connect(&via_proxy), r1.connect(&direct));
+    a.unwrap();
+    b.unwrap();
+    let config = CommConfig { op_timeout: Duration::from_secs(10), ..CommConfig::default() };
+    let comms = comms_of(&[r0, r1], &config);
+    let out = run_ranks(&comms, |c| async move {
+        let mut buf = vec![1.0f32; 1 << 20];
+        let result = c.all_reduce(&mut buf, ReduceOp::Sum).await;
+        (result, buf)
+    })
+    .await;
+    for (rank, (result, _)) in out.iter().enumerate() {
+        eprintln!("rank {rank}: {result:?}");
+        assert!(result.is_err(), "rank {rank} returned a result through a tampered link");
+        assert!(!matches!(result, Err(Error::Timeout { .. })), "rank {rank} waited for the timeout instead of seeing the broken link");
+    }
+}
