@@ -4,6 +4,7 @@
 # all_reduce measured three ways with the same ranks and sizes:
 #   routed  shared memory inside a host, QUIC between hosts, hierarchical all_reduce (--hosts)
 #   quic    QUIC between every pair (also inside a host), hierarchical all_reduce
+#   routed-tls / tls  the same two with TLS over TCP (TlsTransport) in place of QUIC
 #   gloo    PyTorch Gloo over TCP, every rank in its host's namespace (flat ring, as Gloo does)
 # Rounds alternate rtx and Gloo; one table per round; raw JSON lines in $OUT.
 #
@@ -23,6 +24,7 @@ ROUNDS="${ROUNDS:-3}"
 REPEATS="${REPEATS:-5}"
 THREADS="${THREADS:-2}"
 STRIPES="${STRIPES:-1}"
+TRANSPORTS="${TRANSPORTS:-routed,quic,routed-tls,tls}"
 DATAGRAM="${DATAGRAM:-8952}"
 PY="${PY:-python3}"
 OUT="${OUT:-target/bench/netns-hosts}"
@@ -42,7 +44,7 @@ for round in $(seq "$ROUNDS"); do
     log="$OUT/round$round.jsonl"
     "$RTX" bench collectives --transports quic --worlds 2 --ops all-reduce --sizes 4096 --repeats 1 --threads "$THREADS" 2>/dev/null \
         | grep '"reference"' > "$log" || true
-    "$RTX" bench collectives --transports routed,quic --worlds "$world" --hosts "$HOSTS" --host-addrs "$addrs" --netns rtx-h \
+    "$RTX" bench collectives --transports "$TRANSPORTS" --worlds "$world" --hosts "$HOSTS" --host-addrs "$addrs" --netns rtx-h \
         --quic-network-datagram "$DATAGRAM" --ops all-reduce --sizes "$SIZES" --repeats "$REPEATS" --threads "$THREADS" --stripes "$STRIPES" \
         --no-references 2>/dev/null | grep '^{' >> "$log"
     OMP_NUM_THREADS=1 "$PY" scripts/peer/gloo_bench.py --netns rtx-h --host-addrs "$addrs" --worlds "$world" --sizes "$SIZES" \

@@ -5,12 +5,14 @@
 # each with the all_reduce split into CHANNELS rings (`--channels`: independent rings over parts of
 # the buffer, one thread each; default 1), Gloo runs from the same python3 (torch) with the same
 # sizes. Rounds alternate rtx and Gloo. Columns are `quic-s<stripes>` (one ring) and
-# `quic-s<stripes>-c<channels>`.
+# `quic-s<stripes>-c<channels>`, and `tls-s<stripes>` for the TLS-over-TCP transport with
+# TLS_STRIPES connections per rank pair (default "1 2"; empty to leave it out).
 #
 #   scripts/bench-quic-cores.sh                         # build, worlds 2,4, 16M and 64M, 3 rounds
 #   SKIP_BUILD=1 RTX_BENCH_BIN=gpu-bin/rtx OLD_BIN=gpu-bin/rtx-old scripts/bench-quic-cores.sh
 #   PY=/usr/bin/python3 STRIPES="1 2 4" WORLDS="2 4" ROUNDS=3 scripts/bench-quic-cores.sh
 #   STRIPES="1 2" CHANNELS="1 2 4" scripts/bench-quic-cores.sh   # channels beside stripes
+#   STRIPES=4 TLS_STRIPES="1 2" scripts/bench-quic-cores.sh        # QUIC's best beside TLS over TCP
 #
 # Needs python3 with torch for Gloo (the GPU host has it; elsewhere scripts/peer/setup-torch-venv.sh).
 # Needs 2 x (largest world) cores. Prints one table per round; raw JSON lines in target/bench/quic-cores/.
@@ -21,6 +23,7 @@ WORLDS="${WORLDS:-2 4}"
 SIZES="${SIZES:-16777216,67108864}"
 STRIPES="${STRIPES:-1 2 4}"
 CHANNELS="${CHANNELS:-1}"
+TLS_STRIPES="${TLS_STRIPES-1 2}"
 ROUNDS="${ROUNDS:-3}"
 REPEATS="${REPEATS:-5}"
 PY="${PY:-python3}"
@@ -53,6 +56,10 @@ for round in $(seq "$ROUNDS"); do
                 taskset -c "$cpus" "$RTX" bench collectives --transports quic --worlds "$n" --ops all-reduce --sizes "$SIZES" --repeats "$REPEATS" --threads "$CORES_PER_RANK" --stripes "$s" --channels "$c" --no-references 2>/dev/null \
                     | sed "s/\"transport\":\"quic\"/\"transport\":\"$label\"/" >> "$log"
             done
+        done
+        for s in $TLS_STRIPES; do
+            taskset -c "$cpus" "$RTX" bench collectives --transports tls --worlds "$n" --ops all-reduce --sizes "$SIZES" --repeats "$REPEATS" --threads "$CORES_PER_RANK" --stripes "$s" --no-references 2>/dev/null \
+                | sed "s/\"transport\":\"tls\"/\"transport\":\"tls-s$s\"/" >> "$log"
         done
         OMP_NUM_THREADS=1 taskset -c "$cpus" "$PY" scripts/peer/gloo_bench.py --worlds "$n" --sizes "$SIZES" --repeats "$REPEATS" >> "$log" 2>/dev/null
         echo "== round $round, $n processes on cores $cpus" >&2

@@ -152,15 +152,39 @@ enum Route {
 /// Every connection to one peer.
 #[derive(Clone)]
 struct Link {
-    serial: u64,
+    sockets: LinkSockets,
     stripes: Arc<Vec<Stripe>>,
     next: Arc<AtomicUsize>,
 }
 
-/// One connection: the queue its writer thread drains, and the socket (for shutting it down).
+/// A link's sockets, for its reader threads to shut down. They hold no queue sender: a writer ends
+/// when the transport lets go of its queue, whatever the readers are doing.
+#[derive(Clone)]
+struct LinkSockets {
+    serial: u64,
+    sockets: Arc<Vec<Arc<StdTcpStream>>>,
+}
+
+impl LinkSockets {
+    fn shutdown(&self) {
+        for socket in self.sockets.iter() {
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// What a writer thread is given to send.
+enum Outgoing {
+    /// A whole encoded frame: the writer copies it into records and seals them.
+    Frame(PooledBuf),
+    /// A frame already laid out as unsealed records ([`record::frame_records`]): the writer seals
+    /// them in place.
+    Framed(PooledBuf),
+}
+
+/// One connection's queue, which its writer thread drains.
 struct Stripe {
-    queue: mpsc::Sender<PooledBuf>,
-    socket: Arc<StdTcpStream>,
+    queue: mpsc::Sender<Outgoing>,
 }
 
 /// What a reader thread starts from: the receive key, and the peer's bytes the handshake already
@@ -196,9 +220,7 @@ impl Link {
     }
 
     fn shutdown(&self) {
-        for stripe in self.stripes.iter() {
-            let _ = stripe.socket.shutdown(std::net::Shutdown::Both);
-        }
+        self.sockets.shutdown();
     }
 }
 
@@ -354,21 +376,22 @@ impl Transport for TlsTransport {
     }
 
     fn send(&self, peer: usize, frame: PooledBuf) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            let shared = &self.shared;
-            if peer >= shared.world {
-                return Err(Error::RankOutOfRange { rank: peer, size: shared.world });
-            }
-            if shared.state.load(Ordering::Acquire) == ABORTED {
-                return Err(Error::TransportClosed);
-            }
-            let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
-            let Some(link) = lock(&shared.links).get(&peer).cloned() else {
-                return Err(lost);
-            };
-            // A frame is queued whole or not at all: cancelling this send never tears one.
-            link.next_stripe().queue.send(frame).await.map_err(|_| lost)
-        })
+        Box::pin(self.shared.queue(peer, Outgoing::Frame(frame)))
+    }
+
+    fn send_parts<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: &'a [u8], pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        let len = HEADER_LEN + payload.len();
+        let mut framed = pool.take(len + len.div_ceil(record::MAX_PLAINTEXT) * record::RECORD_OVERHEAD);
+        record::frame_records([&header[..], payload], len, &mut framed);
+        Box::pin(self.shared.queue(peer, Outgoing::Framed(framed)))
+    }
+
+    fn send_chunked<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: ChunkedBytes, pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        let len = HEADER_LEN + payload.len();
+        let mut framed = pool.take(len + len.div_ceil(record::MAX_PLAINTEXT) * record::RECORD_OVERHEAD);
+        record::frame_records(std::iter::once(&header[..]).chain(payload.chunks()), len, &mut framed);
+        drop(payload);
+        Box::pin(self.shared.queue(peer, Outgoing::Framed(framed)))
     }
 
     fn recv(&self) -> BoxFuture<'_, Option<TransportEvent>> {
@@ -433,6 +456,22 @@ impl std::fmt::Debug for TlsTransport {
 }
 
 impl Shared {
+    /// Queues `outgoing` on the next connection to `peer`. A frame is queued whole or not at all:
+    /// cancelling this never tears one.
+    async fn queue(&self, peer: usize, outgoing: Outgoing) -> Result<()> {
+        if peer >= self.world {
+            return Err(Error::RankOutOfRange { rank: peer, size: self.world });
+        }
+        if self.state.load(Ordering::Acquire) == ABORTED {
+            return Err(Error::TransportClosed);
+        }
+        let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
+        let Some(link) = lock(&self.links).get(&peer).cloned() else {
+            return Err(lost);
+        };
+        link.next_stripe().queue.send(outgoing).await.map_err(|_| lost)
+    }
+
     fn set_route(&self, route: Route) {
         *lock(&self.route) = Some(route);
         self.route_set.notify_all();
@@ -494,6 +533,7 @@ impl Shared {
         };
         let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
         let mut stripes = Vec::with_capacity(complete.len());
+        let mut sockets = Vec::with_capacity(complete.len());
         let mut halves = Vec::with_capacity(complete.len());
         for Connected { stream, established } in complete.into_values() {
             let stream = stream.into_std().map_err(|e| io("into_std", e))?;
@@ -501,10 +541,12 @@ impl Shared {
             stream.set_read_timeout(Some(READ_TICK)).map_err(|e| io("set_read_timeout", e))?;
             let socket = Arc::new(stream);
             let (tx, rx) = mpsc::channel(SEND_QUEUE_FRAMES);
-            stripes.push(Stripe { queue: tx, socket: Arc::clone(&socket) });
+            stripes.push(Stripe { queue: tx });
+            sockets.push(Arc::clone(&socket));
             halves.push((socket, rx, established));
         }
-        let link = Link { serial, stripes: Arc::new(stripes), next: Arc::new(AtomicUsize::new(0)) };
+        let link_sockets = LinkSockets { serial, sockets: Arc::new(sockets) };
+        let link = Link { sockets: link_sockets.clone(), stripes: Arc::new(stripes), next: Arc::new(AtomicUsize::new(0)) };
         if let Some(old) = lock(&self.links).insert(peer, link.clone()) {
             old.shutdown();
         }
@@ -524,7 +566,7 @@ impl Shared {
                 move || shared.write_loop(peer, &socket, sealer, rx)
             };
             let reader = {
-                let (shared, link, readers_left) = (Arc::clone(self), link.clone(), Arc::clone(&readers_left));
+                let (shared, link, readers_left) = (Arc::clone(self), link_sockets.clone(), Arc::clone(&readers_left));
                 move || shared.read_loop(peer, &socket, start, &link, &readers_left)
             };
             let spawned = std::thread::Builder::new().name(format!("rtx-tls-w{}-{peer}.{stripe}", self.rank)).spawn(writer).and_then(|_| {
@@ -542,16 +584,26 @@ impl Shared {
 
     /// The writer thread of one connection: seals queued frames into records and writes them;
     /// when the queue closes, half-closes the connection.
-    fn write_loop(&self, peer: usize, socket: &StdTcpStream, mut sealer: Sealer, mut queue: mpsc::Receiver<PooledBuf>) {
+    fn write_loop(&self, peer: usize, socket: &StdTcpStream, mut sealer: Sealer, mut queue: mpsc::Receiver<Outgoing>) {
         let mut out = Vec::with_capacity(WRITE_SLICE_BYTES + WRITE_SLICE_BYTES / record::MAX_PLAINTEXT * record::RECORD_OVERHEAD + MAX_RECORD);
         let mut broken = None;
-        'frames: while let Some(frame) = queue.blocking_recv() {
-            for slice in frame.chunks(WRITE_SLICE_BYTES) {
-                out.clear();
-                let written = sealer.seal(slice, &mut out).map_err(|e| e.to_string()).and_then(|()| (&*socket).write_all(&out).map_err(|e| e.to_string()));
-                if let Err(reason) = written {
-                    broken = Some(reason);
-                    break 'frames;
+        let write = |bytes: &[u8]| (&*socket).write_all(bytes).map_err(|e| e.to_string());
+        'frames: while let Some(outgoing) = queue.blocking_recv() {
+            match outgoing {
+                Outgoing::Frame(frame) => {
+                    for slice in frame.chunks(WRITE_SLICE_BYTES) {
+                        out.clear();
+                        if let Err(reason) = sealer.seal(slice, &mut out).map_err(|e| e.to_string()).and_then(|()| write(&out)) {
+                            broken = Some(reason);
+                            break 'frames;
+                        }
+                    }
+                }
+                Outgoing::Framed(mut framed) => {
+                    if let Err(reason) = sealer.seal_framed(&mut framed, WRITE_SLICE_BYTES, write) {
+                        broken = Some(reason);
+                        break 'frames;
+                    }
                 }
             }
         }
@@ -574,7 +626,7 @@ impl Shared {
     /// The reader thread of one connection: reads records into pooled buffers, opens them in
     /// place, cuts the plaintext into frames and delivers them; when it ends, the last reader of
     /// the link takes the link down.
-    fn read_loop(&self, peer: usize, socket: &StdTcpStream, start: ReaderStart, link: &Link, readers_left: &AtomicUsize) {
+    fn read_loop(&self, peer: usize, socket: &StdTcpStream, start: ReaderStart, link: &LinkSockets, readers_left: &AtomicUsize) {
         let ended = match self.wait_route() {
             Some(route) => self.read_records(peer, socket, start, &route),
             None => Ok(()),
@@ -661,10 +713,10 @@ impl Shared {
         }
     }
 
-    fn link_down(&self, peer: usize, link: &Link) {
+    fn link_down(&self, peer: usize, link: &LinkSockets) {
         {
             let mut links = lock(&self.links);
-            if links.get(&peer).is_some_and(|l| l.serial == link.serial) {
+            if links.get(&peer).is_some_and(|l| l.sockets.serial == link.serial) {
                 links.remove(&peer);
             }
         }

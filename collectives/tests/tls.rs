@@ -137,6 +137,25 @@ async fn leaving_right_after_the_last_collective_does_not_fail_the_peer() {
     assert!(got == data);
 }
 
+// Goal: close writes what is queued and half-closes at once, while the peer is still alive: it
+// does not wait for the peer to go first (both sides closing would otherwise wait for each other
+// until the timeout), and the peer then sees the link end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_finishes_without_waiting_for_the_peer() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let transports = TlsTransport::loopback_world(&ca, 2, options()).await.unwrap();
+    // Readers start once someone listens: attach both ranks to endpoints.
+    let _comms = comms_of(&transports, &CommConfig::default());
+    let started = tokio::time::Instant::now();
+    transports[0].close(Duration::from_secs(60)).await;
+    assert!(started.elapsed() < Duration::from_secs(10), "close waited {:?} for a live peer", started.elapsed());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !transports[1].connected_peers().is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(transports[1].connected_peers().is_empty(), "the peer never saw the link end");
+}
+
 // Goal: aborting a transport fails a collective waiting on it at once with a typed error (no hang
 // until the operation timeout), and later sends fail with TransportClosed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

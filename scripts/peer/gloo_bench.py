@@ -99,7 +99,7 @@ def table(path):
         if nbytes <= 4096:
             row = row.replace(f"{g['busbw_gbps']:>8.3f}", f"{g['time_us']:>6.0f}us", 1)
         print(row)
-    quics = [t for t in transports if t.startswith("quic")]
+    quics = [t for t in transports if t.startswith(("quic", "tls"))]
     if cipher and quics:
         # What Gloo could reach if it also had to run the TLS packet cipher on the same cores:
         # each rank seals and opens the busbw bytes it moves (see `rtx bench collectives`).

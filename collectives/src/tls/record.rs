@@ -149,6 +149,38 @@ impl Sealer {
         Ok(())
     }
 
+    /// Seals records that [`frame_records`] laid out in `framed`, in place, and hands the sealed
+    /// bytes to `write` in order, in runs of about `run_bytes` (so the kernel starts moving them
+    /// before the rest is sealed); a key update due between two records is written between them.
+    pub(crate) fn seal_framed(&mut self, framed: &mut [u8], run_bytes: usize, mut write: impl FnMut(&[u8]) -> Result<(), String>) -> Result<(), String> {
+        let mut run_start = 0;
+        let mut pos = 0;
+        while pos < framed.len() {
+            let len = record_len(&framed[pos..]).map_err(|e| e.to_string())?.filter(|&len| pos + len <= framed.len()).ok_or("a framed record runs past its buffer")?;
+            let header: [u8; RECORD_HEADER_LEN] = framed[pos..pos + RECORD_HEADER_LEN].try_into().map_err(|_| "short record")?;
+            let body = &mut framed[pos + RECORD_HEADER_LEN..pos + len];
+            let (sealed, tag_space) = body.split_at_mut(body.len() - TAG_LEN);
+            let nonce = self.key.next_nonce();
+            let tag = self.key.key.seal_in_place_separate_tag(nonce, Aad::from(header), sealed).map_err(|_| "seal failed")?;
+            tag_space.copy_from_slice(tag.as_ref());
+            pos += len;
+            if self.key.seq + 1 >= self.update_every {
+                write(&framed[run_start..pos])?;
+                run_start = pos;
+                let mut update = Vec::with_capacity(MAX_RECORD);
+                self.update(&mut update).map_err(|e| e.to_string())?;
+                write(&update)?;
+            } else if pos - run_start >= run_bytes {
+                write(&framed[run_start..pos])?;
+                run_start = pos;
+            }
+        }
+        if run_start < pos {
+            write(&framed[run_start..pos])?;
+        }
+        Ok(())
+    }
+
     fn seal_record(&mut self, content_type: u8, piece: &[u8], out: &mut Vec<u8>) -> Result<(), RecordError> {
         let body = piece.len() + 1 + TAG_LEN;
         // At most 16 KiB + 17: fits the u16 length.
@@ -170,6 +202,35 @@ impl Sealer {
         self.key = DirectionKey::new(seq, secrets)?;
         tracing::debug!("tls record key updated (transmit)");
         Ok(())
+    }
+}
+
+/// Lays the plaintext `parts` (concatenated) out in `out` as application-data records not yet
+/// sealed: header, plaintext, content type and room for the tag, every 16 KiB; a [`Sealer`] seals
+/// them in place ([`Sealer::seal_framed`]). The copy a send makes anyway (from the caller's memory
+/// into a buffer the writer thread owns) so puts the bytes where their records need them.
+/// `total` is the parts' summed length.
+pub(crate) fn frame_records<'a>(parts: impl IntoIterator<Item = &'a [u8]>, total: usize, out: &mut Vec<u8>) {
+    out.reserve(total + total.div_ceil(MAX_PLAINTEXT) * RECORD_OVERHEAD);
+    let mut left_in_record = 0;
+    let mut left_total = total;
+    for mut part in parts {
+        while !part.is_empty() && left_total > 0 {
+            if left_in_record == 0 {
+                left_in_record = left_total.min(MAX_PLAINTEXT);
+                let body = left_in_record + 1 + TAG_LEN;
+                out.extend_from_slice(&[APPLICATION_DATA, 3, 3, (body >> 8) as u8, body as u8]);
+            }
+            let take = left_in_record.min(part.len());
+            out.extend_from_slice(&part[..take]);
+            part = &part[take..];
+            left_in_record -= take;
+            left_total -= take;
+            if left_in_record == 0 {
+                out.push(APPLICATION_DATA);
+                out.extend_from_slice(&[0; TAG_LEN]);
+            }
+        }
     }
 }
 
