@@ -118,12 +118,45 @@ impl ZeroCopies {
     }
 }
 
+/// What carries the workers' collective frames between processes (`[elastic] data_transport`),
+/// wherever the generation's layout ([`Wire`]) crosses a process boundary by network: between
+/// every pair of a QUIC-layout generation, between the machines of a routed one. Shared memory
+/// inside a machine is the same either way.
+///
+/// Why a choice: QUIC multiplexes streams and never lets one connection's loss stall another, but
+/// quinn pays per packet on the task that drives the connection; TCP with mutual TLS 1.3
+/// (`rtx_collectives::TlsTransport`) leaves segmentation and acknowledgement to the kernel and
+/// seals records on one writer and one reader thread per connection, which measured faster on
+/// 2-core hosts and between hosts with a 9000-byte MTU (BENCHMARKS.md). Both authenticate with
+/// the cluster CA and the per-rank certificates of `Prepare`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum DataTransport {
+    /// QUIC with mutual TLS (`rtx_collectives::QuicTransport`).
+    #[default]
+    Quic,
+    /// TCP with mutual TLS 1.3, one writer and one reader thread per connection
+    /// (`rtx_collectives::TlsTransport`).
+    Tls,
+}
+
+impl DataTransport {
+    /// The name `[elastic] data_transport` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Quic => "quic",
+            Self::Tls => "tls",
+        }
+    }
+}
+
 /// Which transport the collectives of a generation use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Wire {
-    /// Shared memory when every member is on one machine, QUIC otherwise.
+    /// Shared memory when every member is on one machine, the network ([`DataTransport`])
+    /// otherwise.
     Auto,
-    /// Always QUIC with mutual TLS.
+    /// Always the network between every pair (QUIC, or TLS over TCP with
+    /// [`DataTransport::Tls`]).
     Quic,
     /// Always shared memory (every member must be on one machine).
     Shm,
@@ -175,8 +208,11 @@ pub struct ElasticConfig {
     pub verify_every: u64,
     /// Checkpoint every this many steps (0: never); written by rank 0 in the background.
     pub checkpoint_every: u64,
-    /// Transport of the collectives.
+    /// Layout of the collectives: where shared memory replaces the network.
     pub transport: Wire,
+    /// What crosses processes by network: QUIC ([`DataTransport::Quic`], the default) or TCP with
+    /// mutual TLS 1.3 ([`DataTransport::Tls`]). `[elastic] data_transport = "quic" | "tls"`.
+    pub data_transport: DataTransport,
     /// Test-only: a planted bug (see [`PlantedBug`]).
     pub planted_bug: PlantedBug,
     /// ZeRO-1 / ZeRO-2: optimizer state (and under ZeRO-2 gradients) sharded across the workers.
@@ -228,6 +264,7 @@ impl Default for ElasticConfig {
             verify_every: 50,
             checkpoint_every: 0,
             transport: Wire::Auto,
+            data_transport: DataTransport::Quic,
             planted_bug: PlantedBug::None,
             sharding: DpSharding::Replicated,
             snapshot_every: 25,
@@ -317,7 +354,17 @@ impl ElasticConfig {
                         Some("auto") => Wire::Auto,
                         Some("quic") => Wire::Quic,
                         Some("shm") => Wire::Shm,
+                        // The layout and the network protocol are two keys; point a "tls" here at
+                        // the other one instead of only listing the layouts.
+                        Some("tls") => return Err(SupervisorError::InvalidConfig { reason: "elastic.transport chooses the layout (\"auto\", \"quic\" or \"shm\"); TLS over TCP between processes is elastic.data_transport = \"tls\"".into() }),
                         _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.transport must be \"auto\", \"quic\" or \"shm\", got {value}") }),
+                    };
+                }
+                "data_transport" => {
+                    self.data_transport = match value.as_str() {
+                        Some("quic") => DataTransport::Quic,
+                        Some("tls") => DataTransport::Tls,
+                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.data_transport must be \"quic\" or \"tls\", got {value}") }),
                     };
                 }
                 "sharding" => {
@@ -344,7 +391,7 @@ impl ElasticConfig {
                         p.budget = b;
                     }
                 }
-                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, finish_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, sharding, snapshot_every, zero_copies, repartition)") }),
+                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, finish_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, data_transport, sharding, snapshot_every, zero_copies, repartition)") }),
             }
         }
         Ok(())
@@ -397,5 +444,31 @@ mod tests {
         // ZeRO-3 has no snapshot to fall back on.
         c.apply_toml(&toml::from_str("sharding = \"zero3\"\nzero_copies = \"snapshot\"").unwrap()).unwrap();
         assert!(matches!(c.validate(), Err(SupervisorError::InvalidConfig { reason }) if reason.contains("zero_copies = \"snapshot\" needs sharding")));
+    }
+
+    #[test]
+    fn data_transport_parses_both_values_and_names_a_bad_one() {
+        let mut c = ElasticConfig::default();
+        assert_eq!(c.data_transport, DataTransport::Quic, "QUIC stays the default");
+        c.apply_toml(&toml::from_str("data_transport = \"tls\"").unwrap()).unwrap();
+        assert_eq!((c.data_transport, c.data_transport.name()), (DataTransport::Tls, "tls"));
+        assert_eq!(c.transport, Wire::Auto, "the layout is a key of its own");
+        c.validate().unwrap();
+        c.apply_toml(&toml::from_str("data_transport = \"quic\"").unwrap()).unwrap();
+        assert_eq!((c.data_transport, c.data_transport.name()), (DataTransport::Quic, "quic"));
+        for bad in ["data_transport = \"udp\"", "data_transport = \"TLS\"", "data_transport = 1"] {
+            match c.apply_toml(&toml::from_str(bad).unwrap()) {
+                Err(SupervisorError::InvalidConfig { reason }) => {
+                    assert!(reason.contains("elastic.data_transport must be \"quic\" or \"tls\""), "the key is named: {reason}");
+                    let value = bad.split(" = ").nth(1).unwrap();
+                    assert!(reason.ends_with(&format!("got {value}")), "the bad value is named: {reason}");
+                }
+                other => panic!("{bad}: expected InvalidConfig, got {other:?}"),
+            }
+        }
+        assert_eq!(c.data_transport, DataTransport::Quic, "a bad value changes nothing");
+        // The layout key keeps its own values: "tls" is no layout.
+        let err = c.apply_toml(&toml::from_str("transport = \"tls\"").unwrap()).unwrap_err().to_string();
+        assert!(err.contains("elastic.data_transport = \"tls\""), "points at the right key: {err}");
     }
 }

@@ -495,7 +495,7 @@ impl SupervisorCore {
         tracing::info!(generation, world = members.len(), next_step, source, from = ?recovery.source, "generation started");
         let (pp, tp) = self.shape;
         let shape = (members.len() / (pp * tp), pp, tp);
-        let transport = layout.name();
+        let transport = layout.name(self.options.elastic.data_transport);
         self.emit(JobEvent::Generation { generation, world: members.len(), next_step, source_node: members.get(source).copied().unwrap_or_default(), nodes, pids, mesh: shape, transport });
         if next_step >= self.end_step() {
             self.finish(members, now);

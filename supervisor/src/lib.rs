@@ -35,7 +35,7 @@ pub mod worker;
 pub mod zero1;
 pub mod zero3;
 
-pub use config::{ClassPolicy, DpSharding, ElasticConfig, FailureClass, MeshModel, OnFailure, PlantedBug, Wire, ZeroCopies};
+pub use config::{ClassPolicy, DataTransport, DpSharding, ElasticConfig, FailureClass, MeshModel, OnFailure, PlantedBug, Wire, ZeroCopies};
 pub use error::{Result, SupervisorError};
 pub use job::{BatchTokens, BoxedStage, BuildStage, DeviceMemory, FsdpSpec, MeshSpec, SplitBatch, StageRequest, TrainJob};
 pub use plan::{CheckpointInfo, LayerCosts, MemberHolding, MemoryEstimate, ModelLayout, ParallelConfig, Plan, PlanError, PlanInput, RankAssignment, Schedule, ShardId, ShardNeed, Source, Unit};

@@ -17,7 +17,7 @@
 
 use rtx_actors::auth;
 
-use crate::config::{DpSharding, ZeroCopies};
+use crate::config::{DataTransport, DpSharding, ZeroCopies};
 
 /// Actor name of the supervisor on its links.
 pub const SUPERVISOR: &str = "supervisor";
@@ -74,7 +74,9 @@ pub enum JoinReply {
     /// (`<run_dir>/checkpoints`) unless told otherwise; reachable from other machines only on a
     /// shared filesystem (as on a Slurm cluster). `zero_copies`: under ZeRO-1/2, whether each
     /// step's segment states are exchanged with the buddies or only snapshots are kept.
-    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64, sharding: DpSharding, snapshot_every: u64, zero_copies: ZeroCopies, run_dir: Option<String> },
+    /// `data_transport`: what the collectives bind at `Prepare` to cross processes (QUIC, or TLS
+    /// over TCP).
+    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64, sharding: DpSharding, snapshot_every: u64, zero_copies: ZeroCopies, data_transport: DataTransport, run_dir: Option<String> },
     /// Not admitted, and why.
     Refused { reason: String },
 }

@@ -45,7 +45,7 @@ use rtx_collectives::ClusterCa;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::config::{ElasticConfig, FailureClass, Wire};
+use crate::config::{DataTransport, ElasticConfig, FailureClass, Wire};
 use crate::decide::{Command, Input, SupervisorCore};
 use crate::error::{Result, SupervisorError};
 use crate::protocol::{self, JoinReply, StatusReport, ToSupervisor, ToWorker, AGENT, EXPORTER_LABEL};
@@ -97,7 +97,8 @@ pub enum JobEvent {
     /// A generation started; `nodes` and `pids` in rank order, `mesh` its `(dp, pp, tp)` shape
     /// (rank `r` at `tp = r % tp`, `pp = r / tp % pp`, `dp = r / (tp·pp)`; `(world, 1, 1)` for
     /// data parallelism). `transport`: how its collectives move (`quic`, `shm`, `routed` for shared
-    /// memory inside each machine and QUIC between machines, or `injected`).
+    /// memory inside each machine and QUIC between machines, or `injected`; with
+    /// `[elastic] data_transport = "tls"`, `tls` and `routed-tls` for the two network layouts).
     Generation { generation: u64, world: usize, next_step: u64, source_node: u64, nodes: Vec<u64>, pids: Vec<u32>, mesh: (usize, usize, usize), transport: &'static str },
     /// Every member completed `step`; `checksum` is the replicas' parameter checksum after it,
     /// when every member verified this step (they agree, or the job fails).
@@ -422,6 +423,7 @@ impl ClusterSupervisor {
                     sharding: options.elastic.sharding,
                     snapshot_every: options.elastic.snapshot_every,
                     zero_copies: options.elastic.zero_copies,
+                    data_transport: options.elastic.data_transport,
                     run_dir: options.run_dir.as_ref().map(|p| p.display().to_string()),
                 };
                 msg.reply(&accepted).await?;
@@ -485,12 +487,17 @@ impl CollectivesLayout {
         }
     }
 
-    pub(crate) fn name(&self) -> &'static str {
-        match self {
-            CollectivesLayout::Quic => "quic",
-            CollectivesLayout::Shm => "shm",
-            CollectivesLayout::Routed { .. } => "routed",
-            CollectivesLayout::Injected => "injected",
+    /// The layout's name in `JobEvent::Generation`, with what crosses processes: the QUIC names
+    /// stay what they were before TLS was a choice ("routed", not "routed-quic"), so existing
+    /// event readers see no change.
+    pub(crate) fn name(&self, data: DataTransport) -> &'static str {
+        match (self, data) {
+            (CollectivesLayout::Quic, DataTransport::Quic) => "quic",
+            (CollectivesLayout::Quic, DataTransport::Tls) => "tls",
+            (CollectivesLayout::Shm, _) => "shm",
+            (CollectivesLayout::Routed { .. }, DataTransport::Quic) => "routed",
+            (CollectivesLayout::Routed { .. }, DataTransport::Tls) => "routed-tls",
+            (CollectivesLayout::Injected, _) => "injected",
         }
     }
 }
@@ -511,5 +518,12 @@ mod layout_tests {
         assert_eq!(CollectivesLayout::choose(Wire::Quic, &["a", "a", "b"]), CollectivesLayout::Quic);
         assert_eq!(CollectivesLayout::choose(Wire::Shm, &["a", "b"]), CollectivesLayout::Shm);
         assert_eq!(CollectivesLayout::choose(Wire::Injected, &["a", "a"]), CollectivesLayout::Injected);
+    }
+
+    #[test]
+    fn layout_names_tell_what_crosses_processes() {
+        let names = |data| [CollectivesLayout::Quic, CollectivesLayout::Shm, CollectivesLayout::Routed { host_of: vec![0, 0, 1] }, CollectivesLayout::Injected].map(|l| l.name(data));
+        assert_eq!(names(DataTransport::Quic), ["quic", "shm", "routed", "injected"]);
+        assert_eq!(names(DataTransport::Tls), ["tls", "shm", "routed-tls", "injected"]);
     }
 }

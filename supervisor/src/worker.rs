@@ -8,19 +8,21 @@
 //!   leaves gracefully. When the supervisor is lost, the agent aborts everything and the process
 //!   exits with [`SupervisorError::SupervisorLost`]: no orphan keeps training alone.
 //! - The **worker** (a dedicated thread: forward and backward are CPU-bound) owns the model
-//!   replica and optimizer. Per generation it binds a QUIC collectives endpoint with the rank
-//!   certificate it was given, answers `Ready` with the last step it completed, and on `Start`
-//!   takes the newest state from the source rank (parameters and optimizer state, broadcast),
-//!   builds the generation's engine ([`DataParallel`] in `dp.rs`, ZeRO-3 in `fsdp.rs`, the mesh
-//!   in `mesh.rs`) and trains it through the one step loop of `steps.rs`, which drives any
-//!   [`rtx_pipelines::Engine`] and reports each step. A step that fails (a peer
-//!   died) leaves the parameters at the last completed step: in plain data parallelism every
-//!   collective precedes the optimizer update, so a failed step changes nothing.
+//!   replica and optimizer. Per generation it binds a collectives endpoint with the rank
+//!   certificate it was given (QUIC, or TLS over TCP with `[elastic] data_transport = "tls"`),
+//!   answers `Ready` with the last step it completed, and on `Start` takes the newest state from
+//!   the source rank (parameters and optimizer state, broadcast), builds the generation's engine
+//!   ([`DataParallel`] in `dp.rs`, ZeRO-3 in `fsdp.rs`, the mesh in `mesh.rs`) and trains it
+//!   through the one step loop of `steps.rs`, which drives any [`rtx_pipelines::Engine`] and
+//!   reports each step. A step that fails (a peer died) leaves the parameters at the last
+//!   completed step: in plain data parallelism every collective precedes the optimizer update, so
+//!   a failed step changes nothing.
 //! - The worker's **data shard** ([`DataShard`]) prefetches the next batch. Batches are indexed
 //!   by global step, so a new world size reassigns samples without skipping or repeating any.
 //!
 //! Where a node meets the world is a [`NodeEnv`]: [`NodeEnv::process`] is a real process (QUIC to
-//! the supervisor, QUIC or shared-memory collectives, the worker on its own OS thread, SIGTERM).
+//! the supervisor, QUIC, TLS-over-TCP or shared-memory collectives, the worker on its own OS
+//! thread, SIGTERM).
 //! An embedder such as the deterministic simulator hands in its own control dialer
 //! ([`ControlDialer`]), collectives wire ([`GenerationWire`]) and [`Exec::Task`]: the worker then
 //! runs as part of the node's task (compute inline), its data shard and DP engine without threads,
@@ -36,7 +38,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use rtx_actors::{DataShard, Inbound, Link, LinkOptions, RemoteRef};
-use rtx_collectives::{BoxFuture, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, RoutedTransport, ShmOptions, ShmTransport, Transport, WORLD_GROUP_ID};
+use rtx_collectives::{BoxFuture, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, RoutedTransport, ShmOptions, ShmTransport, TlsOptions, TlsTransport, Transport, WORLD_GROUP_ID};
 use tokio::sync::mpsc::{Receiver, Sender};
 use tracing::Instrument;
 use rtx_pipelines::{ComputeDriver, DataParallel, DpConfig, Sharding};
@@ -47,7 +49,7 @@ mod mesh;
 mod steps;
 use rtx_tensor::{Module, Optimizer, Tensor};
 
-use crate::config::{DpSharding, ZeroCopies};
+use crate::config::{DataTransport, DpSharding, ZeroCopies};
 use crate::checkpoint::{self, CheckpointStore, CheckpointWriter, FileStore, WriteMode};
 use crate::error::{Result, SupervisorError};
 use crate::job::TrainJob;
@@ -316,13 +318,13 @@ where
     let host = env.host.clone().or_else(machine_identity).unwrap_or_else(|| options.bind_ip.to_string());
     let join = ToSupervisor::Join { name: options.name.clone(), pid: env.pid, host, proof: protocol::worker_proof(&options.token, &ekm) };
     let reply: JoinReply = supervisor.ask(&join, Duration::from_secs(30)).await?;
-    let (node, job_text, heartbeat, (resume, run_dir), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies)) = match reply {
-        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, run_dir } => {
+    let (node, job_text, heartbeat, (resume, run_dir), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport)) = match reply {
+        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, run_dir } => {
             if !protocol::verify_supervisor_proof(&options.token, &ekm, &proof) {
                 link.close("supervisor not authentic");
                 return Err(SupervisorError::NotAuthentic { addr: options.join.to_string() });
             }
-            (node, job, Duration::from_millis(heartbeat_ms.max(10)), (resume.map(PathBuf::from), run_dir.map(PathBuf::from)), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies))
+            (node, job, Duration::from_millis(heartbeat_ms.max(10)), (resume.map(PathBuf::from), run_dir.map(PathBuf::from)), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport))
         }
         JoinReply::Refused { reason } => return Err(SupervisorError::Refused { reason }),
     };
@@ -332,7 +334,7 @@ where
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(supervisor.clone(), node, heartbeat, Arc::clone(&shared))));
 
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::channel::<ToWorker>(COMMAND_QUEUE);
-    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, compute: env.compute.clone(), verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, timing: Mutex::new((0.0, 0.0, 0.0)) };
+    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, compute: env.compute.clone(), verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, timing: Mutex::new((0.0, 0.0, 0.0)) };
     let spec = JobSpec { node, job: job_text, resume, run_dir };
     let worker = async move {
         let job = make_job(&spec).map_err(SupervisorError::Job)?;
@@ -514,6 +516,9 @@ struct WorkerCtx {
     snapshot_every: u64,
     /// ZeRO-1/2: per-step buddy copies of the segment states, or the snapshots alone.
     zero_copies: ZeroCopies,
+    /// What `Prepare` binds for the collectives between processes (the job's
+    /// `[elastic] data_transport`); shared memory inside a machine either way.
+    data_transport: DataTransport,
     /// Seconds inside training steps, on the control path of the step loop (command polling,
     /// step reports), and of the whole step loop.
     timing: Mutex<(f64, f64, f64)>,
@@ -547,7 +552,43 @@ struct Replica<M, O> {
 /// This generation's collectives endpoint between `Prepare` and `Start`.
 enum Bound {
     Quic(Arc<QuicTransport>),
+    Tls(Arc<TlsTransport>),
     Injected,
+}
+
+/// The network transport a generation connected, closed gracefully once the generation is over
+/// (queued frames reach the peers before the links end) instead of dropped.
+enum Network {
+    Quic(Arc<QuicTransport>),
+    Tls(Arc<TlsTransport>),
+}
+
+impl Network {
+    /// Lets what is queued reach the peers, waiting at most `timeout`.
+    async fn close(self, timeout: Duration) {
+        match self {
+            Network::Quic(quic) => quic.close(timeout).await,
+            Network::Tls(tls) => tls.close(timeout).await,
+        }
+    }
+
+    /// Closes it in the background: the next generation need not wait for the old links.
+    fn close_later(self) {
+        tokio::spawn(self.close(Duration::from_millis(100)));
+    }
+}
+
+/// How a generation's collectives moved, for the "collectives connected" log (the names of
+/// `JobEvent::Generation::transport`).
+fn connected_name(network: Option<&Network>, injected: bool, routed: bool) -> &'static str {
+    match (network, injected) {
+        (Some(Network::Quic(_)), _) if routed => "routed",
+        (Some(Network::Quic(_)), _) => "quic",
+        (Some(Network::Tls(_)), _) if routed => "routed-tls",
+        (Some(Network::Tls(_)), _) => "tls",
+        (None, true) => "injected",
+        (None, false) => "shm",
+    }
 }
 
 async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<PathBuf>, mut cmds: Receiver<ToWorker>) -> Result<WorkerOutcome> {
@@ -580,9 +621,23 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                     Some(wire) => (Bound::Injected, wire.bind(ctx.node, generation, rank as usize, world as usize)?),
                     None => {
                         let identity = NodeIdentity::from_der(rank as usize, ca, cert, key);
-                        let transport = Arc::new(QuicTransport::bind(&identity, world as usize, SocketAddr::new(ctx.bind_ip, 0), ctx.quic.clone())?);
-                        let addr = transport.local_addr()?.to_string();
-                        (Bound::Quic(transport), addr)
+                        let listen = SocketAddr::new(ctx.bind_ip, 0);
+                        match ctx.data_transport {
+                            DataTransport::Quic => {
+                                let transport = Arc::new(QuicTransport::bind(&identity, world as usize, listen, ctx.quic.clone())?);
+                                let addr = transport.local_addr()?.to_string();
+                                (Bound::Quic(transport), addr)
+                            }
+                            DataTransport::Tls => {
+                                // The worker's QUIC tuning carries the timeouts and the payload cap
+                                // over; the TLS transport's own knobs (stripes, key updates) keep
+                                // their defaults.
+                                let options = TlsOptions { connect_timeout: ctx.quic.connect_timeout, idle_timeout: ctx.quic.idle_timeout, keep_alive: ctx.quic.keep_alive, max_payload_bytes: ctx.quic.max_payload_bytes, ..TlsOptions::default() };
+                                let transport = Arc::new(TlsTransport::bind(&identity, world as usize, listen, options)?);
+                                let addr = transport.local_addr().to_string();
+                                (Bound::Tls(transport), addr)
+                            }
+                        }
                     }
                 };
                 ctx.supervisor.tell(&ToSupervisor::Ready { node: ctx.node, generation, addr, completed: replica.completed, zero1: replica.zero1.held(), mesh: replica.mesh.as_ref().map(mesh::MeshReplica::held) }).await?;
@@ -725,13 +780,8 @@ async fn run_generation<J: TrainJob>(
     cmds: &mut Receiver<ToWorker>,
 ) -> Result<Option<ToWorker>> {
     replica.rank = Some(g.rank);
-    let (wire, quic) = ctx.shared.abort.unless_superseded(g.generation, connect_generation(ctx, g, bound)).await?;
-    let transport = match (&quic, ctx.wire.is_some()) {
-        (Some(_), _) if !g.host_of.is_empty() => "routed",
-        (Some(_), _) => "quic",
-        (None, true) => "injected",
-        (None, false) => "shm",
-    };
+    let (wire, network) = ctx.shared.abort.unless_superseded(g.generation, connect_generation(ctx, g, bound)).await?;
+    let transport = connected_name(network.as_ref(), ctx.wire.is_some(), !g.host_of.is_empty());
     tracing::info!(transport, "collectives connected");
     // A routed generation's host map makes `all_reduce` hierarchical: only machine leaders cross machines.
     let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig { host_of: g.host_of.clone(), ..CommConfig::default() })?;
@@ -741,15 +791,17 @@ async fn run_generation<J: TrainJob>(
     ctx.shared.abort.clear();
     drop(comm);
     drop(endpoint);
-    if let Some(closing) = quic {
-        tokio::spawn(async move { closing.close(Duration::from_millis(100)).await });
+    if let Some(network) = network {
+        network.close_later();
     }
     result
 }
 
 /// Connects this generation's collectives transport: the injected wire, shared-memory rings
-/// (every member on this machine), or the QUIC endpoint bound at `Prepare`.
-async fn connect_generation(ctx: &WorkerCtx, g: &Generation, bound: Bound) -> Result<(Arc<dyn Transport>, Option<Arc<QuicTransport>>)> {
+/// (every member on this machine), or the QUIC or TLS endpoint bound at `Prepare` (alone, or
+/// between machines under shared memory inside each). Returns the network transport too, for
+/// closing it gracefully once the generation is over.
+async fn connect_generation(ctx: &WorkerCtx, g: &Generation, bound: Bound) -> Result<(Arc<dyn Transport>, Option<Network>)> {
     Ok(match (bound, &g.shm_job, &ctx.wire) {
         (Bound::Injected, _, Some(wire)) => (wire.connect(ctx.node, g.generation, g.rank, &g.addrs).await?, None),
         (Bound::Injected, _, None) => return Err(SupervisorError::Job("internal: an injected endpoint without its wire".into())),
@@ -757,7 +809,7 @@ async fn connect_generation(ctx: &WorkerCtx, g: &Generation, bound: Bound) -> Re
         (Bound::Quic(transport), Some(job_name), _) if !g.host_of.is_empty() => {
             let options = ShmOptions { job: job_name.clone(), ..ShmOptions::default() };
             let routed = RoutedTransport::connect_over_quic(Arc::clone(&transport), &peer_addrs(g)?, &g.host_of, options).await?;
-            (Arc::new(routed), Some(transport))
+            (Arc::new(routed), Some(Network::Quic(transport)))
         }
         // Every member on this machine: shared-memory rings instead of QUIC.
         (Bound::Quic(transport), Some(job_name), _) => {
@@ -768,7 +820,23 @@ async fn connect_generation(ctx: &WorkerCtx, g: &Generation, bound: Bound) -> Re
         }
         (Bound::Quic(transport), None, _) => {
             transport.connect(&peer_addrs(g)?).await?;
-            (Arc::clone(&transport) as Arc<dyn Transport>, Some(transport))
+            (Arc::clone(&transport) as Arc<dyn Transport>, Some(Network::Quic(transport)))
+        }
+        // The same three with TLS over TCP between processes.
+        (Bound::Tls(transport), Some(job_name), _) if !g.host_of.is_empty() => {
+            let options = ShmOptions { job: job_name.clone(), ..ShmOptions::default() };
+            let routed = RoutedTransport::connect_over_tls(Arc::clone(&transport), &peer_addrs(g)?, &g.host_of, options).await?;
+            (Arc::new(routed), Some(Network::Tls(transport)))
+        }
+        (Bound::Tls(transport), Some(job_name), _) => {
+            drop(transport);
+            let options = ShmOptions { job: job_name.clone(), ..ShmOptions::default() };
+            let shm = ShmTransport::connect(g.rank, g.world, options).await?;
+            (Arc::new(shm), None)
+        }
+        (Bound::Tls(transport), None, _) => {
+            transport.connect(&peer_addrs(g)?).await?;
+            (Arc::clone(&transport) as Arc<dyn Transport>, Some(Network::Tls(transport)))
         }
     })
 }

@@ -7,6 +7,9 @@
 //! With `zero_copies = "snapshot"` (no per-step buddy exchange) ZeRO-1/2 commit the same losses,
 //! and a lost worker rolls the job back to its last snapshot and re-runs the steps since, bit for
 //! bit.
+//! With `[elastic] data_transport = "tls"` the workers' collectives cross processes over TCP with
+//! mutual TLS 1.3 instead of QUIC, flat and routed, and commit the QUIC job's losses and
+//! parameters bit for bit.
 //! Needs `bash scripts/fetch-data.sh`.
 
 use std::path::PathBuf;
@@ -17,7 +20,7 @@ use std::time::Duration;
 use rtx_actors::BatchSource;
 use rtx_pipelines::{DpConfig, ParamSlice};
 use rtx_supervisor::checkpoint;
-use rtx_supervisor::{query_status, run_node, run_worker, DpSharding, ElasticConfig, JobEvent, NodeEnv, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, WorkerOptions, WorkerOutcome, ZeroCopies};
+use rtx_supervisor::{query_status, run_node, run_worker, DataTransport, DpSharding, ElasticConfig, JobEvent, NodeEnv, SupervisorError, SupervisorHandle, SupervisorOptions, TrainJob, Wire, WorkerOptions, WorkerOutcome, ZeroCopies};
 use rtx_tensor::data::{load_fashion_mnist, DataRoot, ImageDataset, Split};
 use rtx_tensor::nn::Linear;
 use rtx_tensor::optim::{AdamW, AdamWConfig};
@@ -599,5 +602,92 @@ async fn snapshot_zero_copies_commit_the_buddy_losses_and_a_loss_reruns_the_step
     }
     assert_eq!(buddy.checksum, reference.checksum);
     println!("zero_copies test: {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// What a [`network_run`] job committed: its generations' (world, transport name), every step's
+/// loss bits, the final checksum and whether the replicas finished bit-identical.
+struct NetworkRun {
+    generations: Vec<(usize, &'static str)>,
+    losses: Vec<(u64, u64)>,
+    checksum: u64,
+    identical: bool,
+}
+
+/// Workers `i` on machine `machines[i]` train one job whose collectives take `layout` and cross
+/// processes over `data`. Each worker joins only once the one before it was admitted: ranks
+/// follow join order, and a routed job's sums depend on which machine each rank is on (its
+/// hierarchical all-reduce adds inside a machine first), so two runs are comparable bit for bit
+/// only with the same machine of every rank. Under TLS the workers' QUIC options are unusable
+/// (zero stripes, which `QuicTransport::bind` refuses), so the job finishes only if every worker
+/// bound TLS at `Prepare` as the supervisor told it to, not the QUIC endpoint it would bind by
+/// default.
+async fn network_run(layout: Wire, data: DataTransport, machines: &[&str]) -> anyhow::Result<NetworkRun> {
+    let mut opts = options("secret");
+    opts.elastic.start_workers = machines.len();
+    opts.elastic.max_workers = machines.len();
+    opts.elastic.transport = layout;
+    opts.elastic.data_transport = data;
+    opts.elastic.validate()?;
+    let mut supervisor = SupervisorHandle::start(opts, None).await?;
+    let addr = supervisor.addr;
+    let (mut workers, mut joined) = (Vec::new(), Vec::new());
+    for (i, machine) in machines.iter().enumerate() {
+        let mut worker = WorkerOptions::new(addr, "secret".into(), format!("worker-{i}"));
+        if data == DataTransport::Tls {
+            worker.quic.stripes = 0;
+        }
+        let env = NodeEnv { host: Some(machine.to_string()), ..NodeEnv::process() };
+        workers.push(tokio::spawn(run_node(worker, env, |_spec| Ok(Fashion::load()))));
+        // No generation starts before the last worker joins (`start_workers`).
+        match tokio::time::timeout(Duration::from_secs(30), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
+            JobEvent::Joined { node, .. } => joined.push(node),
+            other => anyhow::bail!("worker {i}: expected it to join, got {other:?}"),
+        }
+    }
+    let (mut generations, mut losses) = (Vec::new(), Vec::new());
+    let (identical, checksum) = loop {
+        match tokio::time::timeout(Duration::from_secs(120), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
+            JobEvent::Generation { world, transport, nodes, .. } => {
+                anyhow::ensure!(nodes == joined, "ranks in join order: {nodes:?}, joined {joined:?}");
+                generations.push((world, transport));
+            }
+            JobEvent::Committed { step, loss, .. } => losses.push((step, loss.to_bits())),
+            JobEvent::Finished { replicas_identical, checksum, .. } => break (replicas_identical, checksum),
+            JobEvent::Failed { reason } => anyhow::bail!("{data:?} job failed: {reason}"),
+            JobEvent::Lost { reason, .. } => anyhow::bail!("{data:?} job lost a worker: {reason}"),
+            _ => {}
+        }
+    };
+    supervisor.join().await?;
+    for w in workers {
+        assert_eq!(w.await??, WorkerOutcome::Finished);
+    }
+    Ok(NetworkRun { generations, losses, checksum, identical })
+}
+
+// Goal: `[elastic] data_transport = "tls"` carries the workers' collectives between processes
+// over TCP with mutual TLS 1.3 and changes nothing else: two workers on the network layout
+// (`transport = "quic"`: the network between every pair, though both share this machine) and
+// four on two "machines" (routed: shared memory inside each, the network between, hierarchical
+// all-reduce) commit every step with the loss bits of the same job over QUIC and end at its
+// parameters, bit-identical across replicas. Method: the real supervisor and workers, real TCP,
+// UDP and shared memory on loopback; the TLS workers cannot bind QUIC (see `network_run`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_data_transport_trains_the_quic_jobs_replicas_bit_for_bit_flat_and_routed() -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let cases: [(Wire, &[&str], [&str; 2]); 2] = [(Wire::Quic, &["m", "m"], ["quic", "tls"]), (Wire::Auto, &["machine-0", "machine-0", "machine-1", "machine-1"], ["routed", "routed-tls"])];
+    for (layout, machines, [quic_name, tls_name]) in cases {
+        let world = machines.len();
+        let quic = network_run(layout, DataTransport::Quic, machines).await?;
+        let tls = network_run(layout, DataTransport::Tls, machines).await?;
+        assert_eq!(quic.generations, vec![(world, quic_name)], "the QUIC job ran one generation over {quic_name}");
+        assert_eq!(tls.generations, vec![(world, tls_name)], "the TLS job ran one generation over {tls_name}");
+        assert_eq!(quic.losses.iter().map(|l| l.0).collect::<Vec<_>>(), (0..STEPS).collect::<Vec<_>>(), "every step committed once, in order");
+        assert!(quic.identical && tls.identical, "{tls_name}: replicas bit-identical (quic {}, tls {})", quic.identical, tls.identical);
+        assert_eq!(tls.losses, quic.losses, "{tls_name}: committed losses differ from the QUIC job's");
+        assert_eq!(tls.checksum, quic.checksum, "{tls_name}: final parameters differ from the QUIC job's");
+    }
+    println!("data_transport test: {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }

@@ -36,7 +36,7 @@ use rtx_tensor::checkpoint::CheckpointMeta;
 use rtx_tensor::{DType, FloatSlice, Module, Optimizer, Tensor};
 use tokio::sync::mpsc::Receiver;
 
-use super::{connect_generation, Bound, Generation, Replica, WorkerCtx};
+use super::{connect_generation, connected_name, Bound, Generation, Replica, WorkerCtx};
 use crate::checkpoint::sharded_path_for;
 use crate::error::{Result, SupervisorError};
 use crate::job::{BoxedStage, MeshSpec, StageRequest, TrainJob};
@@ -111,7 +111,8 @@ pub(super) async fn run_mesh_generation<J: TrainJob>(
     cmds: &mut Receiver<ToWorker>,
 ) -> Result<Option<ToWorker>> {
     replica.rank = Some(g.rank);
-    let (wire, quic) = ctx.shared.abort.unless_superseded(g.generation, connect_generation(ctx, g, bound)).await?;
+    let (wire, network) = ctx.shared.abort.unless_superseded(g.generation, connect_generation(ctx, g, bound)).await?;
+    tracing::info!(transport = connected_name(network.as_ref(), ctx.wire.is_some(), !g.host_of.is_empty()), "collectives connected");
     let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig::default())?;
     let comm = endpoint.group(WORLD_GROUP_ID, (0..g.world).collect(), g.generation)?;
     ctx.shared.abort.set(comm.clone(), Arc::clone(&wire));
@@ -119,8 +120,8 @@ pub(super) async fn run_mesh_generation<J: TrainJob>(
     ctx.shared.abort.clear();
     drop(comm);
     drop(endpoint);
-    if let Some(closing) = quic {
-        tokio::spawn(async move { closing.close(std::time::Duration::from_millis(100)).await });
+    if let Some(network) = network {
+        network.close_later();
     }
     result
 }

@@ -255,6 +255,7 @@ mod tests {
             sharding: DpSharding::Replicated,
             snapshot_every: 1,
             zero_copies: crate::config::ZeroCopies::Buddy,
+            data_transport: crate::config::DataTransport::Quic,
             timing: Mutex::new((0.0, 0.0, 0.0)),
         };
         // The context's remote keeps its own handle of the node's link.

@@ -4,7 +4,7 @@
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use rtx_supervisor::{DpSharding, ZeroCopies};
+use rtx_supervisor::{DataTransport, DpSharding, ZeroCopies};
 use rtx_supervisor::protocol::{JoinReply, MemberStatus, MeshHeld, MeshStart, ShardSource, StateSource, StatusReport, ToSupervisor, ToWorker, Zero1Held};
 
 use crate::fuzz_support::Values;
@@ -101,6 +101,7 @@ pub(crate) fn join_reply(rng: &mut ChaCha8Rng) -> JoinReply {
             sharding: [DpSharding::Replicated, DpSharding::Zero1, DpSharding::Zero2, DpSharding::Zero3][rng.random_range(0..4)],
             snapshot_every: Values::u64(rng),
             zero_copies: if rng.random_bool(0.5) { ZeroCopies::Buddy } else { ZeroCopies::Snapshot },
+            data_transport: if rng.random_bool(0.5) { DataTransport::Quic } else { DataTransport::Tls },
             run_dir: Values::option(rng, Values::string),
         }
     } else {
