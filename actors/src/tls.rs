@@ -34,7 +34,6 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use rtx_collectives::{certificate_names_rank, client_tls_config, rank_name, server_tls_config, NodeIdentity};
 use rustls::pki_types::ServerName;
@@ -163,14 +162,7 @@ fn decode_hello(hello: &[u8; HELLO_LEN]) -> std::result::Result<usize, String> {
 /// the module doc, "Liveness").
 fn tune(tcp: &TcpStream, options: &LinkOptions) -> std::result::Result<(), String> {
     tcp.set_nodelay(true).map_err(|e| format!("TCP_NODELAY: {e}"))?;
-    let socket = socket2::SockRef::from(tcp);
-    let probe = options.keep_alive.max(Duration::from_secs(1));
-    let retries = u32::try_from(options.idle_timeout.as_millis() / probe.as_millis().max(1)).unwrap_or(u32::MAX).max(1);
-    let keepalive = socket2::TcpKeepalive::new().with_time(probe).with_interval(probe).with_retries(retries);
-    socket.set_tcp_keepalive(&keepalive).map_err(|e| format!("keep-alive: {e}"))?;
-    #[cfg(target_os = "linux")]
-    socket.set_tcp_user_timeout(Some(options.idle_timeout)).map_err(|e| format!("TCP_USER_TIMEOUT: {e}"))?;
-    Ok(())
+    rtx_collectives::set_tcp_liveness(socket2::SockRef::from(tcp), options.keep_alive, options.idle_timeout)
 }
 
 /// Splits the TLS stream into the halves the link's tasks hold and starts the link.

@@ -44,6 +44,8 @@ mod error;
 pub mod frame;
 mod group;
 mod in_process;
+#[cfg(feature = "quic")]
+mod linking;
 mod nccl;
 mod op;
 mod pool;
@@ -85,7 +87,7 @@ pub use rtx_kernels::DType;
 #[cfg(feature = "shm")]
 pub use shm::{ShmOptions, ShmTransport, DEFAULT_RING_BYTES, SHM_INBOX_FRAMES};
 #[cfg(feature = "quic")]
-pub use tls::{TlsOptions, TlsTransport, DEFAULT_KEY_UPDATE_RECORDS, TLS_ALPN, TLS_INBOX_FRAMES};
+pub use tls::{set_tcp_liveness, TlsOptions, TlsTransport, DEFAULT_KEY_UPDATE_RECORDS, TLS_ALPN, TLS_INBOX_FRAMES};
 pub use transport::{BoxFuture, BytesPiece, ChunkedBytes, EventSink, Lender, LentBytes, Transport, TransportEvent};
 
 /// How `all_reduce`, `reduce_scatter` and `reduce` combine elements.

@@ -97,6 +97,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::communicator::DEFAULT_MAX_PAYLOAD_BYTES;
 use crate::error::{Error, Result};
+use crate::linking::{self, PendingLinks, StripeId, DIAL_RETRY};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::transport::{BoxFuture, ChunkedBytes, EventSink, Transport, TransportEvent};
@@ -137,7 +138,6 @@ const LONG_HEADER_MTU: u16 = 16_000;
 const INITIAL_WINDOW_PACKETS: u64 = 16;
 /// Largest UDP payload quinn accepts for `max_udp_payload_size`.
 const MAX_UDP_PAYLOAD: u16 = 65_527;
-const DIAL_RETRY: Duration = Duration::from_millis(50);
 /// First bytes of a side stream, followed by its channel (u32, LE).
 const SIDE_MAGIC: [u8; 4] = *b"RTXS";
 const SIDE_HEADER_LEN: usize = 8;
@@ -263,7 +263,7 @@ struct QuicShared {
     loopback_client_config: quinn::ClientConfig,
     links: Mutex<BTreeMap<usize, Link>>,
     /// Stripes of links still being set up, by peer, until all of them are connected.
-    pending: Mutex<BTreeMap<usize, PendingLink>>,
+    pending: Mutex<PendingLinks<StripeParts>>,
     lost: Mutex<BTreeSet<usize>>,
     /// Ranks this transport does not link (served by another transport; see `connect_except`).
     unlinked: Mutex<BTreeSet<usize>>,
@@ -339,12 +339,6 @@ struct Stripe {
 
 /// A stripe's connection with both of its frame streams, once hellos are exchanged.
 type StripeParts = (quinn::Connection, quinn::SendStream, quinn::RecvStream);
-
-/// The stripes of a link connected so far.
-struct PendingLink {
-    of: usize,
-    parts: BTreeMap<usize, StripeParts>,
-}
 
 impl Link {
     /// Stripe 0's connection: it also carries the side streams, and names the link.
@@ -524,7 +518,7 @@ impl QuicTransport {
             client_config,
             loopback_client_config,
             links: Mutex::new(BTreeMap::new()),
-            pending: Mutex::new(BTreeMap::new()),
+            pending: Mutex::new(PendingLinks::default()),
             lost: Mutex::new(BTreeSet::new()),
             unlinked: Mutex::new(BTreeSet::new()),
             dial_errors: Mutex::new(BTreeMap::new()),
@@ -578,26 +572,7 @@ impl QuicTransport {
                 lock(&shared.tasks).push(task);
             }
         }
-        let mut changed = shared.links_changed.subscribe();
-        let all_up = async {
-            loop {
-                changed.borrow_and_update();
-                if shared.missing_peer().is_none() {
-                    return;
-                }
-                if changed.changed().await.is_err() {
-                    return;
-                }
-            }
-        };
-        let timeout = shared.options.connect_timeout;
-        if tokio::time::timeout(timeout, all_up).await.is_err() {
-            if let Some(peer) = shared.missing_peer() {
-                let reason = lock(&shared.dial_errors).get(&peer).cloned().unwrap_or_else(|| "no connection".into());
-                return Err(Error::Connect { peer, timeout_ms: millis(timeout), reason });
-            }
-        }
-        Ok(())
+        linking::wait_linked(&shared.links_changed, || shared.missing_peer(), shared.options.connect_timeout, &shared.dial_errors).await
     }
 
     /// Binds all `world_size` ranks in this process on `127.0.0.1` with certificates issued by `ca`,
@@ -605,20 +580,14 @@ impl QuicTransport {
     /// single-process multi-rank runs, tests and benchmarks. Fails like [`bind`](Self::bind) and
     /// [`connect`](Self::connect) do; every rank is connected when it returns.
     pub async fn loopback_world(ca: &ClusterCa, world_size: usize, options: QuicOptions) -> Result<Vec<Arc<QuicTransport>>> {
-        let listen = SocketAddr::from(([127, 0, 0, 1], 0));
-        let transports = (0..world_size)
-            .map(|rank| Ok(Arc::new(QuicTransport::bind(&ca.issue(rank)?, world_size, listen, options.clone())?)))
-            .collect::<Result<Vec<_>>>()?;
-        let addrs = transports.iter().map(|t| t.local_addr()).collect::<Result<Vec<_>>>()?;
-        let mut connecting = tokio::task::JoinSet::new();
-        for transport in &transports {
-            let (transport, addrs) = (Arc::clone(transport), addrs.clone());
-            connecting.spawn(async move { transport.connect(&addrs).await });
-        }
-        while let Some(joined) = connecting.join_next().await {
-            joined.map_err(|e| Error::Io { op: "connect loopback world", reason: e.to_string() })??;
-        }
-        Ok(transports)
+        linking::loopback_world(
+            ca,
+            world_size,
+            |identity, listen| QuicTransport::bind(identity, world_size, listen, options.clone()),
+            QuicTransport::local_addr,
+            |transport: Arc<QuicTransport>, addrs| async move { transport.connect(&addrs).await },
+        )
+        .await
     }
 
     /// Shuts down gracefully: finishes this rank's streams, waits (at most `timeout`) until every
@@ -949,27 +918,16 @@ impl QuicShared {
                 wanted.remove(&peer);
             }
         }
-        let complete = {
-            let mut pending = lock(&self.pending);
-            let entry = pending.entry(peer).or_insert_with(|| PendingLink { of: id.of, parts: BTreeMap::new() });
-            if entry.of != id.of {
-                // The peer dials a new set (it restarted with another count): start over.
-                *entry = PendingLink { of: id.of, parts: BTreeMap::new() };
-            }
-            if let Some((stale, ..)) = entry.parts.insert(id.stripe, parts) {
-                stale.close(CLOSE_REFUSED.into(), b"stripe dialed again");
-            }
-            if entry.parts.len() < entry.of {
-                return;
-            }
-            match pending.remove(&peer) {
-                Some(link) => link.parts,
-                None => return,
-            }
+        let (stale, complete) = lock(&self.pending).add(peer, id, parts);
+        if let Some((stale, ..)) = stale {
+            stale.close(CLOSE_REFUSED.into(), b"stripe dialed again");
+        }
+        let Some(complete) = complete else {
+            return;
         };
         let mut stripes = Vec::with_capacity(complete.len());
         let mut readers = Vec::with_capacity(complete.len());
-        for (conn, send, recv) in complete.into_values() {
+        for (conn, send, recv) in complete {
             readers.push((conn.clone(), recv));
             stripes.push(Stripe { conn, send: tokio::sync::Mutex::new(send) });
         }
@@ -1537,7 +1495,7 @@ async fn accept_one(shared: &Arc<QuicShared>, incoming: quinn::Incoming) -> std:
     if peer >= shared.world || peer >= shared.rank {
         return Err(refuse(&conn, "hello names a rank that does not dial this one"));
     }
-    if id.of == 0 || id.of > MAX_STRIPES || id.stripe >= id.of {
+    if !id.is_possible() {
         return Err(refuse(&conn, "hello names an impossible stripe"));
     }
     if !cert_names_rank(&conn, peer) {
@@ -1550,16 +1508,7 @@ async fn accept_one(shared: &Arc<QuicShared>, incoming: quinn::Incoming) -> std:
 }
 
 async fn dial(shared: Arc<QuicShared>, peer: usize, addr: SocketAddr, id: StripeId) {
-    loop {
-        match dial_once(&shared, peer, addr, id).await {
-            Ok(()) => return,
-            Err(reason) => {
-                tracing::debug!(rank = shared.rank, peer, %reason, "dial failed, retrying");
-                lock(&shared.dial_errors).insert(peer, reason);
-                tokio::time::sleep(DIAL_RETRY).await;
-            }
-        }
-    }
+    linking::dial_until_up(shared.rank, peer, &shared.dial_errors, || dial_once(&shared, peer, addr, id)).await;
 }
 
 async fn dial_once(shared: &Arc<QuicShared>, peer: usize, addr: SocketAddr, id: StripeId) -> std::result::Result<(), String> {
@@ -1762,20 +1711,9 @@ fn refuse_side(send: &mut quinn::SendStream, recv: &mut quinn::RecvStream) {
     let _ = recv.stop(SIDE_REFUSED.into());
 }
 
-/// Which of a link's connections this is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct StripeId {
-    stripe: usize,
-    of: usize,
-}
-
 fn hello(rank: usize, id: StripeId, control_port: u16) -> [u8; HELLO_LEN] {
     let mut out = [0u8; HELLO_LEN];
-    out[..4].copy_from_slice(&HELLO_MAGIC);
-    out[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
-    // Both are below MAX_STRIPES (checked at bind and on receipt).
-    out[8..10].copy_from_slice(&(id.stripe as u16).to_le_bytes());
-    out[10..12].copy_from_slice(&(id.of as u16).to_le_bytes());
+    out[..12].copy_from_slice(&linking::hello_head(HELLO_MAGIC, rank, id));
     out[12..14].copy_from_slice(&control_port.to_le_bytes());
     out
 }
@@ -1784,11 +1722,7 @@ fn hello(rank: usize, id: StripeId, control_port: u16) -> [u8; HELLO_LEN] {
 async fn read_hello(recv: &mut quinn::RecvStream) -> std::result::Result<(usize, StripeId, u16), String> {
     let mut buf = [0u8; HELLO_LEN];
     recv.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
-    if buf[..4] != HELLO_MAGIC {
-        return Err("bad hello magic".into());
-    }
-    let rank = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
-    let id = StripeId { stripe: usize::from(u16::from_le_bytes([buf[8], buf[9]])), of: usize::from(u16::from_le_bytes([buf[10], buf[11]])) };
+    let (rank, id) = linking::read_hello_head(HELLO_MAGIC, &buf)?;
     Ok((rank, id, u16::from_le_bytes([buf[12], buf[13]])))
 }
 

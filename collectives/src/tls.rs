@@ -45,6 +45,7 @@ use tokio::sync::{mpsc, watch};
 use crate::error::{Error, Result};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
+use crate::linking::{self, PendingLinks, StripeId};
 use crate::quic::{certificate_names_rank, client_tls_config, rank_name, server_tls_config, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
 use crate::transport::{BoxFuture, ChunkedBytes, EventSink, Transport, TransportEvent};
 use handshake::Established;
@@ -60,7 +61,6 @@ pub const DEFAULT_KEY_UPDATE_RECORDS: u64 = 1 << 22;
 
 const HELLO_MAGIC: [u8; 4] = *b"RTXT";
 const HELLO_LEN: usize = 12;
-const DIAL_RETRY: Duration = Duration::from_millis(50);
 /// Frames queued per connection before a send waits.
 const SEND_QUEUE_FRAMES: usize = 16;
 /// The writer seals and writes frames in slices of this many plaintext bytes, so the kernel
@@ -124,7 +124,7 @@ struct Shared {
     client_config: Arc<rustls::ClientConfig>,
     server_config: Arc<rustls::ServerConfig>,
     links: Mutex<BTreeMap<usize, Link>>,
-    pending: Mutex<BTreeMap<usize, PendingLink>>,
+    pending: Mutex<PendingLinks<Connected>>,
     lost: Mutex<BTreeSet<usize>>,
     unlinked: Mutex<BTreeSet<usize>>,
     dial_errors: Mutex<BTreeMap<usize, String>>,
@@ -201,18 +201,6 @@ struct Connected {
     established: Established,
 }
 
-struct PendingLink {
-    of: usize,
-    parts: BTreeMap<usize, Connected>,
-}
-
-/// Which of a link's connections this is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct StripeId {
-    stripe: usize,
-    of: usize,
-}
-
 impl Link {
     fn next_stripe(&self) -> &Stripe {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.stripes.len();
@@ -259,7 +247,7 @@ impl TlsTransport {
             client_config: Arc::new(client_config),
             server_config: Arc::new(server_config),
             links: Mutex::new(BTreeMap::new()),
-            pending: Mutex::new(BTreeMap::new()),
+            pending: Mutex::new(PendingLinks::default()),
             lost: Mutex::new(BTreeSet::new()),
             unlinked: Mutex::new(BTreeSet::new()),
             dial_errors: Mutex::new(BTreeMap::new()),
@@ -308,42 +296,20 @@ impl TlsTransport {
                 lock(&shared.tasks).push(task);
             }
         }
-        let mut changed = shared.links_changed.subscribe();
-        let all_up = async {
-            loop {
-                changed.borrow_and_update();
-                if shared.missing_peer().is_none() || changed.changed().await.is_err() {
-                    return;
-                }
-            }
-        };
-        let timeout = shared.options.connect_timeout;
-        if tokio::time::timeout(timeout, all_up).await.is_err() {
-            if let Some(peer) = shared.missing_peer() {
-                let reason = lock(&shared.dial_errors).get(&peer).cloned().unwrap_or_else(|| "no connection".into());
-                return Err(Error::Connect { peer, timeout_ms: millis(timeout), reason });
-            }
-        }
-        Ok(())
+        linking::wait_linked(&shared.links_changed, || shared.missing_peer(), shared.options.connect_timeout, &shared.dial_errors).await
     }
 
     /// Binds all `world_size` ranks in this process on `127.0.0.1` with certificates issued by `ca`
     /// and connects them: a whole TLS world over real loopback sockets, for tests and benchmarks.
     pub async fn loopback_world(ca: &crate::ClusterCa, world_size: usize, options: TlsOptions) -> Result<Vec<Arc<TlsTransport>>> {
-        let listen = SocketAddr::from(([127, 0, 0, 1], 0));
-        let transports = (0..world_size)
-            .map(|rank| Ok(Arc::new(TlsTransport::bind(&ca.issue(rank)?, world_size, listen, options.clone())?)))
-            .collect::<Result<Vec<_>>>()?;
-        let addrs: Vec<SocketAddr> = transports.iter().map(|t| t.local_addr()).collect();
-        let mut connecting = tokio::task::JoinSet::new();
-        for transport in &transports {
-            let (transport, addrs) = (Arc::clone(transport), addrs.clone());
-            connecting.spawn(async move { transport.connect(&addrs).await });
-        }
-        while let Some(joined) = connecting.join_next().await {
-            joined.map_err(|e| Error::Io { op: "connect loopback world", reason: e.to_string() })??;
-        }
-        Ok(transports)
+        linking::loopback_world(
+            ca,
+            world_size,
+            |identity, listen| TlsTransport::bind(identity, world_size, listen, options.clone()),
+            |t: &TlsTransport| Ok(t.local_addr()),
+            |transport: Arc<TlsTransport>, addrs| async move { transport.connect(&addrs).await },
+        )
+        .await
     }
 
     /// Ranks with a live link now, in rank order.
@@ -426,9 +392,7 @@ impl Transport for TlsTransport {
         for link in links.values() {
             link.shutdown();
         }
-        for link in std::mem::take(&mut *lock(&self.shared.pending)).into_values() {
-            drop(link);
-        }
+        lock(&self.shared.pending).clear();
         self.shared.route_set.notify_all();
     }
 }
@@ -515,27 +479,16 @@ impl Shared {
         if self.closing() {
             return Ok(());
         }
-        let complete = {
-            let mut pending = lock(&self.pending);
-            let entry = pending.entry(peer).or_insert_with(|| PendingLink { of: id.of, parts: BTreeMap::new() });
-            if entry.of != id.of {
-                // The peer dials a new set (it restarted with another count): start over.
-                *entry = PendingLink { of: id.of, parts: BTreeMap::new() };
-            }
-            entry.parts.insert(id.stripe, connected);
-            if entry.parts.len() < entry.of {
-                return Ok(());
-            }
-            match pending.remove(&peer) {
-                Some(link) => link.parts,
-                None => return Ok(()),
-            }
+        // A stripe dialed again replaces the older connection, which is dropped (closed).
+        let (_stale, complete) = lock(&self.pending).add(peer, id, connected);
+        let Some(complete) = complete else {
+            return Ok(());
         };
         let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
         let mut stripes = Vec::with_capacity(complete.len());
         let mut sockets = Vec::with_capacity(complete.len());
         let mut halves = Vec::with_capacity(complete.len());
-        for Connected { stream, established } in complete.into_values() {
+        for Connected { stream, established } in complete {
             let stream = stream.into_std().map_err(|e| io("into_std", e))?;
             stream.set_nonblocking(false).map_err(|e| io("set_nonblocking", e))?;
             stream.set_read_timeout(Some(READ_TICK)).map_err(|e| io("set_read_timeout", e))?;
@@ -860,7 +813,7 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
             Ok((stream, _)) => stream,
             Err(e) => {
                 tracing::warn!(rank = shared.rank, error = %e, "tls accept failed");
-                tokio::time::sleep(DIAL_RETRY).await;
+                tokio::time::sleep(linking::DIAL_RETRY).await;
                 continue;
             }
         };
@@ -890,7 +843,7 @@ async fn accept_one(shared: &Arc<Shared>, mut stream: TcpStream) -> std::result:
     if peer >= shared.world || peer >= shared.rank {
         return Err(format!("hello names rank {peer}, which does not dial rank {}", shared.rank));
     }
-    if id.of == 0 || id.of > MAX_STRIPES || id.stripe >= id.of {
+    if !id.is_possible() {
         return Err(format!("hello names an impossible stripe {id:?}"));
     }
     if !certificate_names_rank(&established.peer_certs, peer) {
@@ -901,21 +854,14 @@ async fn accept_one(shared: &Arc<Shared>, mut stream: TcpStream) -> std::result:
 }
 
 async fn dial(shared: Arc<Shared>, peer: usize, addr: SocketAddr, id: StripeId) {
-    loop {
-        let timeout = shared.options.connect_timeout;
-        let outcome = match tokio::time::timeout(timeout, dial_once(&shared, peer, addr, id)).await {
+    let timeout = shared.options.connect_timeout;
+    let attempt = || async {
+        match tokio::time::timeout(timeout, dial_once(&shared, peer, addr, id)).await {
             Ok(outcome) => outcome,
             Err(_) => Err(format!("handshake not done within {} ms", millis(timeout))),
-        };
-        match outcome {
-            Ok(()) => return,
-            Err(reason) => {
-                tracing::debug!(rank = shared.rank, peer, %reason, "tls dial failed, retrying");
-                lock(&shared.dial_errors).insert(peer, reason);
-                tokio::time::sleep(DIAL_RETRY).await;
-            }
         }
-    }
+    };
+    linking::dial_until_up(shared.rank, peer, &shared.dial_errors, attempt).await;
 }
 
 async fn dial_once(shared: &Arc<Shared>, peer: usize, addr: SocketAddr, id: StripeId) -> std::result::Result<(), String> {
@@ -933,36 +879,35 @@ async fn dial_once(shared: &Arc<Shared>, peer: usize, addr: SocketAddr, id: Stri
     shared.register(peer, id, Connected { stream, established }).map_err(|e| e.to_string())
 }
 
-/// `TCP_NODELAY` (frames are written whole), keep-alive and `TCP_USER_TIMEOUT` from the options.
+/// `TCP_NODELAY` (frames are written whole) and the liveness settings of the options.
 fn configure(stream: &TcpStream, options: &TlsOptions) -> std::result::Result<(), String> {
     stream.set_nodelay(true).map_err(|e| format!("TCP_NODELAY: {e}"))?;
-    let socket = socket2::SockRef::from(stream);
-    let probe = options.keep_alive.max(Duration::from_secs(1));
-    let retries = u32::try_from(options.idle_timeout.as_millis() / probe.as_millis().max(1)).unwrap_or(u32::MAX).max(1);
+    set_tcp_liveness(socket2::SockRef::from(stream), options.keep_alive, options.idle_timeout)
+}
+
+/// Keep-alive probes every `keep_alive` (at least 1 s) and `TCP_USER_TIMEOUT` of `idle_timeout`:
+/// a peer that vanishes (its host gone, no reset ever sent) fails the connection within about
+/// `idle_timeout`, whether data is waiting to be acknowledged or the link is idle. Shared with the
+/// actors' TLS links.
+pub fn set_tcp_liveness(socket: socket2::SockRef<'_>, keep_alive: Duration, idle_timeout: Duration) -> std::result::Result<(), String> {
+    let probe = keep_alive.max(Duration::from_secs(1));
+    let retries = u32::try_from(idle_timeout.as_millis() / probe.as_millis().max(1)).unwrap_or(u32::MAX).max(1);
     let keepalive = socket2::TcpKeepalive::new().with_time(probe).with_interval(probe).with_retries(retries);
     socket.set_tcp_keepalive(&keepalive).map_err(|e| format!("keep-alive: {e}"))?;
     #[cfg(target_os = "linux")]
-    socket.set_tcp_user_timeout(Some(options.idle_timeout)).map_err(|e| format!("TCP_USER_TIMEOUT: {e}"))?;
+    socket.set_tcp_user_timeout(Some(idle_timeout)).map_err(|e| format!("TCP_USER_TIMEOUT: {e}"))?;
     Ok(())
 }
 
 fn hello(rank: usize, id: StripeId) -> [u8; HELLO_LEN] {
-    let mut out = [0u8; HELLO_LEN];
-    out[..4].copy_from_slice(&HELLO_MAGIC);
-    out[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
-    // Both are below MAX_STRIPES (checked at bind and on receipt).
-    out[8..10].copy_from_slice(&(id.stripe as u16).to_le_bytes());
-    out[10..12].copy_from_slice(&(id.of as u16).to_le_bytes());
-    out
+    linking::hello_head(HELLO_MAGIC, rank, id)
 }
 
 fn read_hello(bytes: &[u8]) -> std::result::Result<(usize, StripeId), String> {
-    if bytes.len() != HELLO_LEN || bytes[..4] != HELLO_MAGIC {
+    if bytes.len() != HELLO_LEN {
         return Err("bad hello".into());
     }
-    let rank = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]) as usize;
-    let id = StripeId { stripe: usize::from(u16::from_le_bytes([bytes[8], bytes[9]])), of: usize::from(u16::from_le_bytes([bytes[10], bytes[11]])) };
-    Ok((rank, id))
+    linking::read_hello_head(HELLO_MAGIC, bytes)
 }
 
 fn io(op: &'static str, e: std::io::Error) -> Error {
