@@ -353,6 +353,15 @@ pub(crate) async fn ring_reduce_scatter<T: Element>(
     run_ring(ctx, &mut bufs, &sched, op, rank, n).await
 }
 
+/// Ring reduce-scatter in place: afterwards segment `rank` of `buf` holds the reduced values
+/// (divided by `n` for [`ReduceOp::Avg`]); the other segments are left as they were (each received
+/// piece is combined into its frame and forwarded, never written back).
+pub(crate) async fn ring_reduce_scatter_in_place<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: &mut [A], op: ReduceOp, rank: usize, n: usize) -> Result<()> {
+    debug_assert!(n >= 2 && rank < n);
+    let sched = Schedule::ring(buf.len(), n, rank, ctx.piece_elems::<A>(), true, false);
+    run_ring(ctx, buf, &sched, op, rank, n).await
+}
+
 /// Ring all-reduce in place: reduce-scatter and all-gather in one round-major pipeline; each
 /// owned piece is sent on as soon as its reduction is final (and averaged), while still in cache.
 pub(crate) async fn ring_all_reduce<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: &mut [A], op: ReduceOp, rank: usize, n: usize) -> Result<()> {

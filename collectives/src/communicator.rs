@@ -17,8 +17,11 @@
 //! With a host map ([`CommConfig::host_of`]) under which the group spans several hosts and some
 //! host holds several of its members, `all_reduce` is hierarchical instead: binomial-tree reduce
 //! to each host's leader (its lowest group rank), all-reduce among the leaders (doubling or ring,
-//! by the same size rule), then broadcast within each host (tree or chain). Only leaders send
-//! across hosts. [`Communicator::all_reduce_algorithm`] says which algorithm a size gets.
+//! by the same size rule), then broadcast within each host (tree or chain); only leaders send
+//! across hosts. A large f32/f64 buffer on hosts of equal size goes sharded instead: ring
+//! reduce-scatter within each host, a ring all-reduce per local rank index across hosts (each rank
+//! carries its share), ring all-gather within each host.
+//! [`Communicator::all_reduce_algorithm`] says which algorithm a size gets.
 //!
 //! Large messages travel in frames of at most `chunk_bytes`, forwarded piece by piece so the ring
 //! and the chain pipeline. The defaults come from `rtx bench collectives` (2 and 4 rank processes
@@ -134,7 +137,8 @@ pub enum AllReduceAlgorithm {
     /// Ring reduce-scatter + all-gather in one pipeline (large buffers).
     Ring,
     /// Reduce to one leader per host (binomial tree), all-reduce among the leaders (doubling or
-    /// ring by size), broadcast within each host.
+    /// ring by size), broadcast within each host; for large f32/f64 buffers on hosts of equal
+    /// size, reduce-scatter within hosts, one ring per local rank across hosts, all-gather within.
     Hierarchical,
 }
 
@@ -665,6 +669,13 @@ impl Communicator {
         };
         let local = &hosts[host_index];
         let local_rank = local.iter().position(|&r| r == rank).unwrap_or(0);
+        // A large buffer on hosts of equal size: every rank carries a share across hosts.
+        let equal_hosts = hosts.iter().all(|h| h.len() == local.len());
+        if !small && equal_hosts && local.len() > 1 && buf.len() >= local.len() * hosts.len() {
+            if let Some(acc) = T::as_acc_mut(&mut *buf) {
+                return sharded_hierarchical_all_reduce(ctx, acc, op, hosts, host_index, local_rank, self.size()).await;
+            }
+        }
         let leaders: Vec<usize> = hosts.iter().map(|h| h[0]).collect();
         if let Some(acc) = T::as_acc_mut(&mut *buf) {
             hierarchical_reduce_phases(ctx, acc, op, local, local_rank, &leaders, host_index, self.size(), small).await?;
@@ -741,6 +752,42 @@ impl Communicator {
     fn span(&self, op: OpKind, bytes: usize) -> tracing::Span {
         tracing::debug_span!("collective", op = op.as_str(), group = self.state.id, generation = self.state.generation(), rank = self.rank(), bytes)
     }
+}
+
+/// The hierarchical all-reduce of a large buffer on hosts that hold `l` ranks each (as NCCL runs
+/// one ring per local rank): reduce-scatter within each host (local rank `i` ends with its host's
+/// sum of segment `i`), all-reduce of segment `i` among the `i`-th ranks of every host (`l` rings
+/// across hosts at once, each carrying `1/l` of the bytes, on links no other ring uses), then
+/// all-gather within each host. The leader scheme sends every byte that crosses hosts through one
+/// rank per host while the others wait; this one spreads that work, and its cipher and copies,
+/// over all of them. Averages are summed and divided once by the group size `n`. Every combination
+/// happens in an order fixed by group ranks, so every rank gets the same bits whatever the timing.
+async fn sharded_hierarchical_all_reduce<A: Accumulator>(
+    ctx: &mut OpCtx<'_>,
+    work: &mut [A],
+    op: ReduceOp,
+    hosts: &[Vec<usize>],
+    host_index: usize,
+    local_rank: usize,
+    n: usize,
+) -> Result<()> {
+    let inner = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+    let local = &hosts[host_index];
+    let l = local.len();
+    ctx.set_view(Some(local.clone()));
+    algo::ring_reduce_scatter_in_place(ctx, work, inner, local_rank, l).await?;
+    let own = segment_range(work.len(), l, local_rank);
+    ctx.set_view(Some(hosts.iter().map(|h| h[local_rank]).collect()));
+    algo::ring_all_reduce(ctx, &mut work[own.clone()], inner, host_index, hosts.len()).await?;
+    if op == ReduceOp::Avg {
+        for x in work[own].iter_mut() {
+            *x = x.div_count(n);
+        }
+    }
+    ctx.set_view(Some(local.clone()));
+    algo::ring_all_gather(ctx, work, local_rank, l).await?;
+    ctx.set_view(None);
+    Ok(())
 }
 
 /// The first two phases of the hierarchical all-reduce on accumulator values: afterwards the

@@ -1,10 +1,12 @@
 //! Hierarchical all-reduce: with a host map (`CommConfig::host_of`) that puts several ranks of a
 //! group on one host and the group on more than one host, `all_reduce` reduces within each host,
-//! all-reduces among host leaders and broadcasts within each host. Checked against the reference
+//! all-reduces among host leaders and broadcasts within each host (large buffers on hosts of equal
+//! size: reduce-scatter within hosts, a ring per local index across hosts, all-gather within
+//! hosts). Checked against the reference
 //! for world sizes 4-8 split into 2-3 fake hosts (contiguous, interleaved, uneven, with a lone
 //! rank), every dtype and reduce op, small and large paths; bit-identical on every rank and across
-//! timings for non-exact data; chosen exactly when the host map says so; and only host leaders
-//! send frames across hosts.
+//! timings for non-exact data; chosen exactly when the host map says so; and frames cross hosts
+//! only between the ranks each scheme pairs.
 //!
 //! Method: in-process worlds whose transports count the frames each rank sends to each other rank.
 #![allow(clippy::unwrap_used)]
@@ -172,30 +174,49 @@ async fn hierarchical_results_are_bit_identical_and_timing_independent() {
     }
 }
 
-// Goal: only host leaders (the lowest rank of each host) send frames to other hosts, and every
-// rank talks to its own host; i.e. the hierarchical path really runs.
+// Goal: frames cross hosts only where the algorithm says: a small all_reduce only between host
+// leaders (every other rank talks to its own host only); a large one on hosts of equal size only
+// between ranks of the same local index (one ring per index across hosts), every rank carrying
+// its share; a large one on hosts of unequal size only between leaders again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_leaders_cross_hosts() {
-    let host_of = vec![0, 1, 0, 1, 0, 1];
-    let leaders = [0usize, 1];
-    for (name, config) in configs() {
-        let (comms, counters) = counted_world(&host_of, config);
-        run_ranks(&comms, |c| async move {
-            let mut buf = vec![1.0f32; 100_000];
-            c.all_reduce(&mut buf, ReduceOp::Sum).await.unwrap();
-            assert!(buf.iter().all(|&x| x == 6.0));
-        })
-        .await;
-        for (from, sent) in counters.iter().enumerate() {
-            for (to, count) in sent.iter().enumerate() {
-                let count = count.load(Ordering::Relaxed);
-                if host_of[from] != host_of[to] && !(leaders.contains(&from) && leaders.contains(&to)) {
-                    assert_eq!(count, 0, "{name}: rank {from} sent {count} frames to rank {to} on another host");
+async fn cross_host_frames_follow_the_algorithm() {
+    // Host 0 = ranks {0, 2, 4}, host 1 = {1, 3, 5}: local indices 0, 1, 2 pair (0,1), (2,3), (4,5).
+    let equal = vec![0, 1, 0, 1, 0, 1];
+    // Host 0 = {0, 1, 2}, host 1 = {3, 4}: unequal, leaders 0 and 3.
+    let unequal = vec![0, 0, 0, 1, 1];
+    let leaders = vec![(0usize, 1usize)];
+    let columns = vec![(0, 1), (2, 3), (4, 5)];
+    for (host_of, len) in [(equal.clone(), 33usize), (equal.clone(), 100_000), (unequal.clone(), 100_000)] {
+        let n = host_of.len() as f32;
+        for (name, config) in configs() {
+            let small = len * 4 <= config.small_message_bytes;
+            let allowed = match (host_of == equal, small) {
+                (true, true) => leaders.clone(),
+                (true, false) => columns.clone(),
+                (false, _) => vec![(0, 3)],
+            };
+            let (comms, counters) = counted_world(&host_of, config);
+            run_ranks(&comms, |c| async move {
+                let mut buf = vec![1.0f32; len];
+                c.all_reduce(&mut buf, ReduceOp::Sum).await.unwrap();
+                assert!(buf.iter().all(|&x| x == n));
+            })
+            .await;
+            let pair_allowed = |a: usize, b: usize| allowed.contains(&(a.min(b), a.max(b)));
+            for (from, sent) in counters.iter().enumerate() {
+                let mut crossed = 0;
+                for (to, count) in sent.iter().enumerate() {
+                    let count = count.load(Ordering::Relaxed);
+                    if host_of[from] != host_of[to] {
+                        crossed += count;
+                        if !pair_allowed(from, to) {
+                            assert_eq!(count, 0, "{name}, {len} elements: rank {from} sent {count} frames to rank {to} on another host");
+                        }
+                    }
                 }
+                let crosses = allowed.iter().any(|&(a, b)| a == from || b == from);
+                assert_eq!(crossed > 0, crosses, "{name}, {len} elements, hosts {host_of:?}: rank {from} crossed hosts with {crossed} frames");
             }
-            let local_total: u64 =
-                sent.iter().enumerate().filter(|&(to, _)| to != from && host_of[to] == host_of[from]).map(|(_, c)| c.load(Ordering::Relaxed)).sum();
-            assert!(local_total > 0 || leaders.contains(&from), "{name}: rank {from} sent nothing within its host");
         }
     }
 }
