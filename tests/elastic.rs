@@ -38,11 +38,16 @@ fn start(nproc: usize, steps: u64, extra: &[&str]) -> Launch {
 }
 
 /// Kills (or stops) one of two workers mid-run and checks the recovery; `transport` is the
-/// collectives transport (`auto` picks shared memory on one machine).
+/// collectives layout (`auto` picks shared memory on one machine).
 fn survive(sig: &str, class: &str, transport: &str) {
+    survive_with(sig, class, &format!("transport = \"{transport}\"\n"));
+}
+
+/// [`survive`] with these `[elastic]` lines.
+fn survive_with(sig: &str, class: &str, elastic: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let out = tempfile::tempdir().expect("tempdir").keep().join("run");
-    let launch = Launch::start_in(out, &config_with(600, &format!("transport = \"{transport}\"\n")), 2, &[]);
+    let launch = Launch::start_in(out, &config_with(600, elastic), 2, &[]);
     let events = launch.wait_for("step 150", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 150));
     let victim = launch.pids()[1];
     let before = Launch::committed(&events).expect("committed");
@@ -85,6 +90,19 @@ fn a_preempted_worker_leaves_gracefully() {
 #[test]
 fn a_hung_worker_is_detected_and_evicted() {
     survive("-STOP", "Hang", "quic");
+}
+
+// Over TLS on TCP (`data_transport = "tls"`): the kernel closes a killed worker's sockets, so the
+// survivor's reader sees the end at once; a stopped worker's kernel still answers TCP, so only the
+// supervisor's heartbeats find the hang, and the generation's abort unblocks the survivor.
+#[test]
+fn a_killed_worker_over_tls_costs_at_most_one_step() {
+    survive_with("-9", "Crash", "transport = \"quic\"\ndata_transport = \"tls\"\n");
+}
+
+#[test]
+fn a_hung_worker_over_tls_is_detected_and_evicted() {
+    survive_with("-STOP", "Hang", "transport = \"quic\"\ndata_transport = \"tls\"\n");
 }
 
 #[test]

@@ -26,7 +26,10 @@
 //! past the payload cap) takes its link down; the peer is reported lost once every frame its
 //! readers had was delivered. Dropping the transport lets queued frames reach the peers (writers
 //! finish, then half-close) while readers discard what still arrives; [`Transport::abort`] shuts
-//! every socket at once.
+//! every socket at once. A killed peer's kernel closes its sockets, so its loss shows at once; a
+//! stopped (SIGSTOP) peer's kernel still acknowledges and answers keep-alives, so a transport
+//! cannot see it: the operation timeout and the supervisor's heartbeats do (then `abort`), as the
+//! elastic tests check for both.
 
 mod handshake;
 mod record;
