@@ -5,7 +5,7 @@
 //! whole world of ranks on loopback. How a connection is made, authenticated and read stays in
 //! each transport.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -85,6 +85,18 @@ impl<P> PendingLinks<P> {
     pub(crate) fn clear(&mut self) {
         self.links.clear();
     }
+}
+
+/// Checks `addrs` (one per rank), records `others` as the ranks this transport leaves to another
+/// one (`unlinked`), and returns the peers `rank` dials: the higher ranks not in `others`, with
+/// their addresses.
+pub(crate) fn dial_targets(rank: usize, addrs: &[SocketAddr], others: &[usize], unlinked: &Mutex<BTreeSet<usize>>) -> Result<Vec<(usize, SocketAddr)>> {
+    {
+        let mut unlinked = lock(unlinked);
+        unlinked.clear();
+        unlinked.extend(others.iter().copied());
+    }
+    Ok(addrs.iter().copied().enumerate().skip(rank + 1).filter(|(peer, _)| !others.contains(peer)).collect())
 }
 
 /// Dials until `attempt` succeeds (the caller aborts the task when it is no longer wanted),

@@ -287,13 +287,8 @@ impl TlsTransport {
         if addrs.len() != shared.world {
             return Err(Error::InvalidConfig { reason: "one address per rank is required" });
         }
-        {
-            let mut unlinked = lock(&shared.unlinked);
-            unlinked.clear();
-            unlinked.extend(others.iter().copied());
-        }
         let of = shared.options.stripes;
-        for (peer, &addr) in addrs.iter().enumerate().skip(shared.rank + 1).filter(|(peer, _)| !others.contains(peer)) {
+        for (peer, addr) in linking::dial_targets(shared.rank, addrs, others, &shared.unlinked)? {
             for stripe in 0..of {
                 let task = tokio::spawn(dial(Arc::clone(shared), peer, addr, StripeId { stripe, of })).abort_handle();
                 lock(&shared.tasks).push(task);

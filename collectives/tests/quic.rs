@@ -17,7 +17,7 @@ use std::time::Duration;
 use common::*;
 use quinn::crypto::rustls::QuicClientConfig;
 use rtx_collectives::{
-    client_tls_config, rank_name, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, ControlPath, Endpoint, Error, NodeIdentity, OpKind, QuicOptions,
+    client_tls_config, rank_name, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, ControlPath, Error, NodeIdentity, QuicOptions,
     QuicTransport, ReduceOp, Transport, ALPN, CONTROL_ALPN,
 };
 
@@ -53,48 +53,9 @@ async fn collectives_and_peer_loss(stripes: usize) {
         assert_eq!(t.open_connections(), 2 * stripes, "rank {r}: {stripes} connections per peer");
     }
     let config = CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() };
-    let mut comms: Vec<_> = transports
-        .into_iter()
-        .map(|t| {
-            let t: Arc<dyn Transport> = t;
-            Endpoint::new(t, config.clone()).unwrap().world().unwrap()
-        })
-        .collect();
-    let out = run_ranks(&comms, |c| async move {
-        let r = c.rank() as f32;
-        let mut big: Vec<f32> = (0..(1 << 20)).map(|i| (i % 7) as f32 + r).collect();
-        c.all_reduce(&mut big, ReduceOp::Sum).await.unwrap();
-        let mut small = vec![r; 33];
-        c.all_reduce(&mut small, ReduceOp::Max).await.unwrap();
-        let mut b = if c.rank() == 1 { vec![7.5f64; 1000] } else { vec![0.0; 1000] };
-        c.broadcast(&mut b, 1).await.unwrap();
-        // bf16 through the large paths: partial sums travel as f32 and are combined straight out
-        // of quinn's received pieces, then rounded into the root's buffer.
-        let mut half: Vec<half::bf16> = (0..(1 << 20)).map(|i| half::bf16::from_f32((i % 5) as f32 + r)).collect();
-        c.all_reduce(&mut half, ReduceOp::Sum).await.unwrap();
-        let mut reduced: Vec<half::bf16> = (0..(1 << 20)).map(|i| half::bf16::from_f32((i % 3) as f32 * r)).collect();
-        c.reduce(&mut reduced, 0, ReduceOp::Sum).await.unwrap();
-        (big, small, b, half, (c.rank() == 0).then_some(reduced))
-    })
-    .await;
-    for (big, small, b, half, reduced) in out {
-        assert!(big.iter().enumerate().all(|(i, &x)| x == 3.0 * (i % 7) as f32 + 3.0));
-        assert_eq!(small, vec![2.0; 33]);
-        assert_eq!(b, vec![7.5; 1000]);
-        assert!(half.iter().enumerate().all(|(i, &x)| x.to_f32() == 3.0 * (i % 5) as f32 + 3.0));
-        if let Some(reduced) = reduced {
-            assert!(reduced.iter().enumerate().all(|(i, &x)| x.to_f32() == (i % 3) as f32 * 3.0));
-        }
-    }
-    drop(comms.pop());
-    let out = run_ranks(&comms, |c| async move {
-        let mut buf = vec![1.0f32; 1000];
-        c.all_reduce(&mut buf, ReduceOp::Sum).await
-    })
-    .await;
-    for result in out {
-        assert_eq!(result, Err(Error::PeerLost { rank: 2, op: OpKind::AllReduce }));
-    }
+    let comms = network_comms(&transports, &config);
+    drop(transports);
+    collectives_then_peer_loss(comms).await;
 }
 
 /// Connects to `addr` as a plain quinn client, sends a hello claiming `claim`, and waits for the
@@ -298,13 +259,7 @@ fn tls_cipher_probe_measures_and_validates() {
 async fn quic_world(n: usize, stripes: usize, config: &CommConfig) -> (Vec<Arc<QuicTransport>>, Vec<Communicator>) {
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
     let transports = QuicTransport::loopback_world(&ca, n, QuicOptions { stripes, ..options() }).await.unwrap();
-    let comms = transports
-        .iter()
-        .map(|t| {
-            let t: Arc<dyn Transport> = Arc::clone(t) as Arc<dyn Transport>;
-            Endpoint::new(t, config.clone()).unwrap().world().unwrap()
-        })
-        .collect();
+    let comms = network_comms(&transports, config);
     (transports, comms)
 }
 

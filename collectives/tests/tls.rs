@@ -17,23 +17,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use rtx_collectives::{ClusterCa, CommConfig, Communicator, Endpoint, Error, OpKind, ReduceOp, TlsOptions, TlsTransport, Transport};
+use rtx_collectives::{ClusterCa, CommConfig, Error, OpKind, ReduceOp, TlsOptions, TlsTransport, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const LOOPBACK: &str = "127.0.0.1:0";
 
 fn options() -> TlsOptions {
     TlsOptions { connect_timeout: Duration::from_secs(20), ..TlsOptions::default() }
-}
-
-fn comms_of(transports: &[Arc<TlsTransport>], config: &CommConfig) -> Vec<Communicator> {
-    transports
-        .iter()
-        .map(|t| {
-            let t: Arc<dyn Transport> = Arc::clone(t) as Arc<dyn Transport>;
-            Endpoint::new(t, config.clone()).unwrap().world().unwrap()
-        })
-        .collect()
 }
 
 // Goal: collectives over TLS give correct results on the large ring and small doubling paths, with
@@ -51,36 +41,9 @@ async fn collectives_over_tls_and_peer_loss() {
             assert_eq!(t.open_connections(), 2 * stripes, "rank {r}: {stripes} connections per peer");
         }
         let config = CommConfig { op_timeout: Duration::from_secs(20), ..CommConfig::default() };
-        let mut comms = comms_of(&transports, &config);
+        let comms = network_comms(&transports, &config);
         drop(transports);
-        let out = run_ranks(&comms, |c| async move {
-            let r = c.rank() as f32;
-            let mut big: Vec<f32> = (0..(1 << 20)).map(|i| (i % 7) as f32 + r).collect();
-            c.all_reduce(&mut big, ReduceOp::Sum).await.unwrap();
-            let mut small = vec![r; 33];
-            c.all_reduce(&mut small, ReduceOp::Max).await.unwrap();
-            let mut b = if c.rank() == 1 { vec![7.5f64; 1000] } else { vec![0.0; 1000] };
-            c.broadcast(&mut b, 1).await.unwrap();
-            let mut half: Vec<half::bf16> = (0..(1 << 20)).map(|i| half::bf16::from_f32((i % 5) as f32 + r)).collect();
-            c.all_reduce(&mut half, ReduceOp::Sum).await.unwrap();
-            (big, small, b, half)
-        })
-        .await;
-        for (big, small, b, half) in out {
-            assert!(big.iter().enumerate().all(|(i, &x)| x == 3.0 * (i % 7) as f32 + 3.0));
-            assert_eq!(small, vec![2.0; 33]);
-            assert_eq!(b, vec![7.5; 1000]);
-            assert!(half.iter().enumerate().all(|(i, &x)| x.to_f32() == 3.0 * (i % 5) as f32 + 3.0));
-        }
-        drop(comms.pop());
-        let out = run_ranks(&comms, |c| async move {
-            let mut buf = vec![1.0f32; 1000];
-            c.all_reduce(&mut buf, ReduceOp::Sum).await
-        })
-        .await;
-        for result in out {
-            assert_eq!(result, Err(Error::PeerLost { rank: 2, op: OpKind::AllReduce }), "stripes {stripes}");
-        }
+        collectives_then_peer_loss(comms).await;
     }
 }
 
@@ -98,7 +61,7 @@ async fn key_updates_and_frames_of_every_size_give_exact_results() {
         // One endpoint per transport: a world per configuration.
         let transports = TlsTransport::loopback_world(&ca, n, TlsOptions { stripes: 2, key_update_records: 3, ..options() }).await.unwrap();
         let config = CommConfig { op_timeout: Duration::from_secs(20), small_message_bytes: 0, chunk_bytes: Some(chunk), ..CommConfig::default() };
-        let comms = comms_of(&transports, &config);
+        let comms = network_comms(&transports, &config);
         for (case, op) in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg].into_iter().enumerate() {
             let inputs = exact_inputs::<f32>(seed, case as u64, n, len);
             let want = reference(op, &inputs);
@@ -124,7 +87,7 @@ async fn leaving_right_after_the_last_collective_does_not_fail_the_peer() {
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
     let config = CommConfig { op_timeout: Duration::from_secs(10), small_message_bytes: 0, chunk_bytes: Some(256 << 10), ..CommConfig::default() };
     let transports = TlsTransport::loopback_world(&ca, 2, options()).await.unwrap();
-    let mut comms = comms_of(&transports, &config);
+    let mut comms = network_comms(&transports, &config);
     drop(transports);
     let root = comms.pop().unwrap();
     let data: Vec<f32> = (0..(1 << 20)).map(|i| i as f32).collect();
@@ -145,7 +108,7 @@ async fn close_finishes_without_waiting_for_the_peer() {
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
     let transports = TlsTransport::loopback_world(&ca, 2, options()).await.unwrap();
     // Readers start once someone listens: attach both ranks to endpoints.
-    let _comms = comms_of(&transports, &CommConfig::default());
+    let _comms = network_comms(&transports, &CommConfig::default());
     let started = tokio::time::Instant::now();
     transports[0].close(Duration::from_secs(60)).await;
     assert!(started.elapsed() < Duration::from_secs(10), "close waited {:?} for a live peer", started.elapsed());
@@ -163,7 +126,7 @@ async fn abort_fails_waiting_operations_promptly() {
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
     let config = CommConfig { op_timeout: Duration::from_secs(60), ..CommConfig::default() };
     let transports = TlsTransport::loopback_world(&ca, 2, options()).await.unwrap();
-    let comms = comms_of(&transports, &config);
+    let comms = network_comms(&transports, &config);
     // Rank 1 never joins; rank 0 waits for it until its peer's transport is aborted.
     let waiting = {
         let c = comms[0].clone();
@@ -298,7 +261,7 @@ async fn a_flipped_byte_on_the_wire_fails_the_operation() {
     a.unwrap();
     b.unwrap();
     let config = CommConfig { op_timeout: Duration::from_secs(10), ..CommConfig::default() };
-    let comms = comms_of(&[r0, r1], &config);
+    let comms = network_comms(&[r0, r1], &config);
     let out = run_ranks(&comms, |c| async move {
         let mut buf = vec![1.0f32; 1 << 20];
         let result = c.all_reduce(&mut buf, ReduceOp::Sum).await;

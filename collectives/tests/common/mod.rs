@@ -161,3 +161,55 @@ pub fn reference<T: TestElem>(op: ReduceOp, inputs: &[Vec<T>]) -> Vec<T> {
 pub fn bits<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
     bytemuck::cast_slice(v).to_vec()
 }
+
+/// Communicators of a network world (one per rank, each on its own transport, world group), the
+/// way the QUIC and TLS tests build them.
+pub fn network_comms<T: Transport>(transports: &[Arc<T>], config: &CommConfig) -> Vec<Communicator> {
+    transports
+        .iter()
+        .map(|t| {
+            let t: Arc<dyn Transport> = Arc::clone(t) as Arc<dyn Transport>;
+            Endpoint::new(t, config.clone()).unwrap().world().unwrap()
+        })
+        .collect()
+}
+
+/// On a 3-rank network world: collectives give exact results on the large ring and small doubling
+/// paths (f32 sum and max, f64 broadcast, bf16 all_reduce and reduce, which travel as f32 partial
+/// sums); then rank 2 goes away and the survivors' next collective fails with PeerLost naming it.
+pub async fn collectives_then_peer_loss(mut comms: Vec<Communicator>) {
+    assert_eq!(comms.len(), 3);
+    let out = run_ranks(&comms, |c| async move {
+        let r = c.rank() as f32;
+        let mut big: Vec<f32> = (0..(1 << 20)).map(|i| (i % 7) as f32 + r).collect();
+        c.all_reduce(&mut big, ReduceOp::Sum).await.unwrap();
+        let mut small = vec![r; 33];
+        c.all_reduce(&mut small, ReduceOp::Max).await.unwrap();
+        let mut b = if c.rank() == 1 { vec![7.5f64; 1000] } else { vec![0.0; 1000] };
+        c.broadcast(&mut b, 1).await.unwrap();
+        let mut half: Vec<bf16> = (0..(1 << 20)).map(|i| bf16::from_f32((i % 5) as f32 + r)).collect();
+        c.all_reduce(&mut half, ReduceOp::Sum).await.unwrap();
+        let mut reduced: Vec<bf16> = (0..(1 << 20)).map(|i| bf16::from_f32((i % 3) as f32 * r)).collect();
+        c.reduce(&mut reduced, 0, ReduceOp::Sum).await.unwrap();
+        (big, small, b, half, (c.rank() == 0).then_some(reduced))
+    })
+    .await;
+    for (big, small, b, half, reduced) in out {
+        assert!(big.iter().enumerate().all(|(i, &x)| x == 3.0 * (i % 7) as f32 + 3.0));
+        assert_eq!(small, vec![2.0; 33]);
+        assert_eq!(b, vec![7.5; 1000]);
+        assert!(half.iter().enumerate().all(|(i, &x)| x.to_f32() == 3.0 * (i % 5) as f32 + 3.0));
+        if let Some(reduced) = reduced {
+            assert!(reduced.iter().enumerate().all(|(i, &x)| x.to_f32() == (i % 3) as f32 * 3.0));
+        }
+    }
+    drop(comms.pop());
+    let out = run_ranks(&comms, |c| async move {
+        let mut buf = vec![1.0f32; 1000];
+        c.all_reduce(&mut buf, ReduceOp::Sum).await
+    })
+    .await;
+    for result in out {
+        assert_eq!(result, Err(rtx_collectives::Error::PeerLost { rank: 2, op: rtx_collectives::OpKind::AllReduce }));
+    }
+}
