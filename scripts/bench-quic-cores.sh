@@ -6,7 +6,8 @@
 # the buffer, one thread each; default 1), Gloo runs from the same python3 (torch) with the same
 # sizes. Rounds alternate rtx and Gloo. Columns are `quic-s<stripes>` (one ring) and
 # `quic-s<stripes>-c<channels>`, and `tls-s<stripes>` for the TLS-over-TCP transport with
-# TLS_STRIPES connections per rank pair (default "1 2"; empty to leave it out).
+# TLS_STRIPES connections per rank pair (default "1 2"; empty to leave it out), each with the
+# all_reduce split into TLS_CHANNELS rings (default 1; columns `tls-s<stripes>-c<channels>`).
 #
 #   scripts/bench-quic-cores.sh                         # build, worlds 2,4, 16M and 64M, 3 rounds
 #   SKIP_BUILD=1 RTX_BENCH_BIN=gpu-bin/rtx OLD_BIN=gpu-bin/rtx-old scripts/bench-quic-cores.sh
@@ -24,6 +25,7 @@ SIZES="${SIZES:-16777216,67108864}"
 STRIPES="${STRIPES:-1 2 4}"
 CHANNELS="${CHANNELS:-1}"
 TLS_STRIPES="${TLS_STRIPES-1 2}"
+TLS_CHANNELS="${TLS_CHANNELS:-1}"
 ROUNDS="${ROUNDS:-3}"
 REPEATS="${REPEATS:-5}"
 PY="${PY:-python3}"
@@ -58,8 +60,12 @@ for round in $(seq "$ROUNDS"); do
             done
         done
         for s in $TLS_STRIPES; do
-            taskset -c "$cpus" "$RTX" bench collectives --transports tls --worlds "$n" --ops all-reduce --sizes "$SIZES" --repeats "$REPEATS" --threads "$CORES_PER_RANK" --stripes "$s" --no-references 2>/dev/null \
-                | sed "s/\"transport\":\"tls\"/\"transport\":\"tls-s$s\"/" >> "$log"
+            for c in $TLS_CHANNELS; do
+                label="tls-s$s"
+                [ "$c" = 1 ] || label="tls-s$s-c$c"
+                taskset -c "$cpus" "$RTX" bench collectives --transports tls --worlds "$n" --ops all-reduce --sizes "$SIZES" --repeats "$REPEATS" --threads "$CORES_PER_RANK" --stripes "$s" --channels "$c" --no-references 2>/dev/null \
+                    | sed "s/\"transport\":\"tls\"/\"transport\":\"$label\"/" >> "$log"
+            done
         done
         OMP_NUM_THREADS=1 taskset -c "$cpus" "$PY" scripts/peer/gloo_bench.py --worlds "$n" --sizes "$SIZES" --repeats "$REPEATS" >> "$log" 2>/dev/null
         echo "== round $round, $n processes on cores $cpus" >&2
