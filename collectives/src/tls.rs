@@ -166,6 +166,38 @@ struct Link {
 struct LinkSockets {
     serial: u64,
     sockets: Arc<Vec<Arc<StdTcpStream>>>,
+    /// Opened once the link's `PeerUp` is delivered (at once when none is due): readers deliver
+    /// no frame before it.
+    up: Arc<Gate>,
+}
+
+/// A one-way gate between threads.
+struct Gate {
+    open: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl Gate {
+    fn new(open: bool) -> Self {
+        Gate { open: Mutex::new(open), opened: Condvar::new() }
+    }
+
+    fn open(&self) {
+        *lock(&self.open) = true;
+        self.opened.notify_all();
+    }
+
+    /// Waits until the gate opens (`true`) or `shared` closes (`false`).
+    fn wait(&self, shared: &Shared) -> bool {
+        let mut open = lock(&self.open);
+        while !*open {
+            if shared.closing() {
+                return false;
+            }
+            open = self.opened.wait_timeout(open, READ_TICK).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+        }
+        true
+    }
 }
 
 impl LinkSockets {
@@ -196,6 +228,8 @@ struct ReaderStart {
     opener: Opener,
     leftover: Vec<u8>,
     opened: Vec<u8>,
+    /// This reader delivers the link's `PeerUp` (the peer came back) and opens the gate.
+    announces_up: bool,
 }
 
 /// A connection whose handshake and hello exchange are done.
@@ -496,21 +530,18 @@ impl Shared {
             sockets.push(Arc::clone(&socket));
             halves.push((socket, rx, established));
         }
-        let link_sockets = LinkSockets { serial, sockets: Arc::new(sockets) };
+        // A peer that was lost and dialed again is reported up before any of its frames; from a
+        // reader thread, like every other event, so that pull delivery may block.
+        let came_back = lock(&self.lost).remove(&peer);
+        let link_sockets = LinkSockets { serial, sockets: Arc::new(sockets), up: Arc::new(Gate::new(!came_back)) };
         let link = Link { sockets: link_sockets.clone(), stripes: Arc::new(stripes), next: Arc::new(AtomicUsize::new(0)) };
         if let Some(old) = lock(&self.links).insert(peer, link.clone()) {
             old.shutdown();
         }
-        let came_back = lock(&self.lost).remove(&peer);
-        if came_back {
-            if let Some(route) = lock(&self.route).clone() {
-                deliver(&route, TransportEvent::PeerUp(peer));
-            }
-        }
         let readers_left = Arc::new(AtomicUsize::new(halves.len()));
         for (stripe, (socket, rx, established)) in halves.into_iter().enumerate() {
             let Established { sealer, opener, leftover, opened, .. } = established;
-            let start = ReaderStart { opener, leftover, opened };
+            let start = ReaderStart { opener, leftover, opened, announces_up: came_back && stripe == 0 };
             self.writers.send_modify(|n| *n += 1);
             let writer = {
                 let (shared, socket) = (Arc::clone(self), Arc::clone(&socket));
@@ -579,8 +610,13 @@ impl Shared {
     /// the link takes the link down.
     fn read_loop(&self, peer: usize, socket: &StdTcpStream, start: ReaderStart, link: &LinkSockets, readers_left: &AtomicUsize) {
         let ended = match self.wait_route() {
-            Some(route) => self.read_records(peer, socket, start, &route),
-            None => Ok(()),
+            Some(route) if start.announces_up => {
+                deliver(&route, TransportEvent::PeerUp(peer));
+                link.up.open();
+                self.read_records(peer, socket, start, &route)
+            }
+            Some(route) if link.up.wait(self) => self.read_records(peer, socket, start, &route),
+            _ => Ok(()),
         };
         if let Err(reason) = &ended {
             if !self.closing() {
@@ -594,7 +630,7 @@ impl Shared {
     }
 
     fn read_records(&self, peer: usize, socket: &StdTcpStream, start: ReaderStart, route: &Route) -> std::result::Result<(), String> {
-        let ReaderStart { mut opener, leftover, opened } = start;
+        let ReaderStart { mut opener, leftover, opened, .. } = start;
         let mut frames = FrameCutter::new(self.options.max_payload_bytes);
         let mut deliver_frame = |frame: CutFrame| {
             if !self.closing() {
@@ -669,6 +705,10 @@ impl Shared {
             let mut links = lock(&self.links);
             if links.get(&peer).is_some_and(|l| l.sockets.serial == link.serial) {
                 links.remove(&peer);
+            }
+            if links.contains_key(&peer) {
+                // A newer link (the peer dialed again) serves the peer: nothing was lost.
+                return;
             }
         }
         if self.closing() {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use rtx_collectives::{ClusterCa, CommConfig, Error, OpKind, ReduceOp, TlsOptions, TlsTransport, Transport};
+use rtx_collectives::{ClusterCa, CommConfig, Error, OpKind, ReduceOp, TlsOptions, TlsTransport, Transport, TransportEvent};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const LOOPBACK: &str = "127.0.0.1:0";
@@ -272,5 +272,59 @@ async fn a_flipped_byte_on_the_wire_fails_the_operation() {
         eprintln!("rank {rank}: {result:?}");
         assert!(result.is_err(), "rank {rank} returned a result through a tampered link");
         assert!(!matches!(result, Err(Error::Timeout { .. })), "rank {rank} waited for the timeout instead of seeing the broken link");
+    }
+}
+
+/// One frame of `len` payload bytes from `src`, encoded.
+fn frame_from(src: u32, len: usize) -> rtx_collectives::PooledBuf {
+    let header = rtx_collectives::frame::FrameHeader {
+        group: 1,
+        generation: 1,
+        seq: 0,
+        op: OpKind::Send,
+        chunk: 0,
+        src,
+        dtype: None,
+        payload_len: len as u64,
+        channels: 0,
+    };
+    rtx_collectives::frame::encode(&rtx_collectives::BufferPool::new(), &header, &vec![7u8; len])
+}
+
+// Goal: a rank that goes away and comes back (a new process dialing the same peer) is reported
+// lost once and up again, in that order, and its new link carries frames, small and large
+// (delivered as pieces), byte for byte. Method: pull delivery (`Transport::recv`) on rank 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_comes_back_is_reported_lost_then_up_and_its_link_works() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let listen = LOOPBACK.parse().unwrap();
+    let r1 = TlsTransport::bind(&ca.issue(1).unwrap(), 2, listen, options()).unwrap();
+    let next_event = || async {
+        tokio::time::timeout(Duration::from_secs(10), r1.recv()).await.expect("an event within 10 s").expect("transport open")
+    };
+    for life in 0..2 {
+        let r0 = TlsTransport::bind(&ca.issue(0).unwrap(), 2, listen, options()).unwrap();
+        let addrs = [r0.local_addr(), r1.local_addr()];
+        let (a, b) = tokio::join!(r0.connect(&addrs), r1.connect(&addrs));
+        a.unwrap();
+        b.unwrap();
+        for len in [100usize, 300_000] {
+            r0.send(1, frame_from(0, len)).await.unwrap();
+            let mut event = next_event().await;
+            if life == 1 && len == 100 {
+                assert!(matches!(event, TransportEvent::PeerUp(0)), "the second life starts with PeerUp: {event:?}");
+                event = next_event().await;
+            }
+            match event {
+                TransportEvent::Frame { from: 0, bytes } => {
+                    assert_eq!(bytes.len(), 64 + len);
+                    assert!(bytes[64..].iter().all(|&b| b == 7), "life {life}, {len} bytes: payload altered");
+                }
+                other => panic!("life {life}: expected a frame of {len} bytes, got {other:?}"),
+            }
+        }
+        r0.close(Duration::from_secs(5)).await;
+        drop(r0);
+        assert!(matches!(next_event().await, TransportEvent::PeerLost(0)), "life {life}: the loss is reported");
     }
 }
