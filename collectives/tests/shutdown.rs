@@ -11,7 +11,6 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
@@ -126,21 +125,14 @@ async fn leaving_early_still_fails_peers_fast() {
 #[cfg(feature = "quic")]
 mod quic {
 
-    use rtx_collectives::{ClusterCa, Endpoint, QuicOptions, QuicTransport, Transport};
+    use rtx_collectives::{ClusterCa, QuicOptions, QuicTransport};
 
     use super::*;
 
     async fn quic_world(n: usize, config: CommConfig) -> Vec<Communicator> {
         let ca = ClusterCa::generate("rtx shutdown test").unwrap();
         let options = QuicOptions { connect_timeout: Duration::from_secs(20), ..QuicOptions::default() };
-        let transports = QuicTransport::loopback_world(&ca, n, options).await.unwrap();
-        transports
-            .into_iter()
-            .map(|t| {
-                let t: Arc<dyn Transport> = t;
-                Endpoint::new(t, config.clone()).unwrap().world().unwrap()
-            })
-            .collect()
+        network_comms(&QuicTransport::loopback_world(&ca, n, options).await.unwrap(), &config)
     }
 
     // Goal: over QUIC, a rank that drops its endpoint (and so its transport) right after its last
@@ -155,9 +147,12 @@ mod quic {
                 assert!(result == Ok(expected(2, 1 << 20)), "rank {rank}, leaver {leaver}: {:?}", result.err());
             }
         }
-        // The deterministic form: the root broadcasts 4 MiB and drops its transport at once; the
-        // other rank starts only after the link is gone.
-        let mut comms = quic_world(2, config(0, 256 << 10)).await;
+        root_leaves_before_the_receiver_starts(quic_world(2, config(0, 256 << 10)).await).await;
+    }
+
+    /// The deterministic form: the root broadcasts 4 MiB and drops its transport at once; the
+    /// other rank starts only after the link is gone.
+    pub(super) async fn root_leaves_before_the_receiver_starts(mut comms: Vec<Communicator>) {
         let root = comms.pop().unwrap();
         let data: Vec<f32> = (0..(1 << 20)).map(|i| i as f32).collect();
         let mut sent = data.clone();
@@ -167,5 +162,32 @@ mod quic {
         let mut got = vec![0.0f32; 1 << 20];
         comms[0].broadcast(&mut got, 1).await.unwrap();
         assert!(got == data);
+    }
+}
+
+#[cfg(feature = "quic")]
+mod tls {
+    use rtx_collectives::{ClusterCa, TlsOptions, TlsTransport};
+
+    use super::*;
+
+    async fn tls_world(n: usize, config: CommConfig) -> Vec<Communicator> {
+        let ca = ClusterCa::generate("rtx shutdown test").unwrap();
+        let options = TlsOptions { connect_timeout: Duration::from_secs(20), ..TlsOptions::default() };
+        network_comms(&TlsTransport::loopback_world(&ca, n, options).await.unwrap(), &config)
+    }
+
+    // Goal: over TLS on TCP, a rank that drops its transport right after its last collective does
+    // not fail its peer: queued frames are still written before the connection half-closes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tls_leaving_right_after_last_collective_does_not_fail_the_peer() {
+        for leaver in 0..2 {
+            let comms = tls_world(2, config(0, 256 << 10)).await;
+            let out = all_reduce_then_leave(comms, leaver, 1 << 20).await;
+            for (rank, result) in out.into_iter().enumerate() {
+                assert!(result == Ok(expected(2, 1 << 20)), "rank {rank}, leaver {leaver}: {:?}", result.err());
+            }
+        }
+        super::quic::root_leaves_before_the_receiver_starts(tls_world(2, config(0, 256 << 10)).await).await;
     }
 }
