@@ -205,7 +205,19 @@ pub struct DpConfig {
     /// (see the module doc). An optimizer that clips inside its own `step` would see only this
     /// rank's segments under ZeRO; clip here instead.
     pub grad_clip: Option<f64>,
+    /// Worker threads of the communication thread's tokio runtime, 1 to [`MAX_COMM_THREADS`]
+    /// (default 1: a current-thread runtime). More than 1 lets a communicator whose
+    /// `CommConfig::channels` splits large all-reduces run each ring on its own thread; set it
+    /// to the channel count. Only [`DataParallel::new`] (and FSDP's constructor) has such a
+    /// thread; the inline and device paths ignore it.
+    pub comm_threads: usize,
 }
+
+/// Most worker threads [`DpConfig::comm_threads`] may ask for: one per channel of the largest
+/// channel count the collectives take (`rtx_collectives::MAX_CHANNELS`).
+pub const MAX_COMM_THREADS: usize = rtx_collectives::MAX_CHANNELS;
+// The validation messages name the bound.
+const _: () = assert!(MAX_COMM_THREADS == 16);
 
 /// What one step did.
 #[derive(Clone, Debug, PartialEq)]
@@ -264,6 +276,7 @@ impl Default for DpConfig {
             collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
             host_staging: false,
             grad_clip: None,
+            comm_threads: 1,
         }
     }
 }
@@ -279,6 +292,9 @@ impl DpConfig {
         }
         if self.collective_timeout.is_zero() {
             return Err(Error::InvalidConfig { reason: "collective_timeout must be positive" });
+        }
+        if !(1..=MAX_COMM_THREADS).contains(&self.comm_threads) {
+            return Err(Error::InvalidConfig { reason: "comm_threads must be from 1 to 16" });
         }
         crate::clip::validate(self.grad_clip)
     }
@@ -301,7 +317,7 @@ impl<M: Module, O: Optimizer> DataParallel<M, O> {
     {
         config.validate()?;
         let (buckets, staging) = Self::layout(&mut model, &config)?;
-        let reducer = Reducer::spawn(connect, config.queue_depth, config.collective_timeout)?;
+        let reducer = Reducer::spawn(connect, config.queue_depth, config.collective_timeout, config.comm_threads)?;
         block_on(Self::build(model, buckets, staging, config, reducer, make_optimizer))
     }
 

@@ -87,6 +87,9 @@ pub struct FsdpConfig {
     /// Clip the averaged gradient to this L2 norm over the whole model before the optimizer
     /// steps (`None`: no clipping); see the module doc.
     pub grad_clip: Option<f64>,
+    /// Worker threads of the communication thread's tokio runtime, as
+    /// [`DpConfig::comm_threads`](crate::DpConfig::comm_threads) (default 1).
+    pub comm_threads: usize,
 }
 
 /// What one step did.
@@ -125,7 +128,7 @@ pub struct FsdpGpt<O> {
 
 impl Default for FsdpConfig {
     fn default() -> Self {
-        FsdpConfig { queue_depth: DEFAULT_QUEUE_DEPTH, collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT, prefetch: true, grad_clip: None }
+        FsdpConfig { queue_depth: DEFAULT_QUEUE_DEPTH, collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT, prefetch: true, grad_clip: None, comm_threads: 1 }
     }
 }
 
@@ -137,6 +140,9 @@ impl FsdpConfig {
         }
         if self.collective_timeout.is_zero() {
             return Err(Error::InvalidConfig { reason: "collective_timeout must be positive" });
+        }
+        if !(1..=crate::MAX_COMM_THREADS).contains(&self.comm_threads) {
+            return Err(Error::InvalidConfig { reason: "comm_threads must be from 1 to 16" });
         }
         crate::clip::validate(self.grad_clip)
     }
@@ -168,7 +174,7 @@ impl<O: Optimizer> FsdpGpt<O> {
         if let Some(p) = gpt.named_parameters().iter().find(|(_, p)| p.device() != rtx_tensor::Device::Cpu) {
             return Err(Error::ShardedDevice { device: p.1.device() });
         }
-        let reducer = Reducer::spawn(connect, config.queue_depth, config.collective_timeout)?;
+        let reducer = Reducer::spawn(connect, config.queue_depth, config.collective_timeout, config.comm_threads)?;
         let broadcasts =
             (0..n_units).map(|bucket| Job { step: 0, bucket, op: BucketOp::Broadcast { params: buckets.buckets()[bucket].param_storage().clone() } });
         block_on(run_jobs(&reducer, 0, broadcasts))?;

@@ -42,7 +42,7 @@ mod staging;
 pub mod tp;
 pub mod trace;
 
-pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH};
+pub use data_parallel::{DataParallel, DpConfig, Sharding, StepStats, DEFAULT_BUCKET_BYTES_MAX, DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_QUEUE_DEPTH, MAX_COMM_THREADS};
 pub use device_reduce::{DeviceReduce, HostReduce, ReduceFuture};
 #[cfg(feature = "nccl")]
 pub use device_reduce::NcclReduce;

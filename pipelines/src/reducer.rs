@@ -192,7 +192,7 @@ impl Reducer {
     /// Starts the thread, forms the communicator there with `connect` (inside the thread's runtime,
     /// so an endpoint made by it has its dispatcher driven by that runtime) and returns once it is
     /// formed.
-    pub(crate) fn spawn<C>(connect: C, queue_depth: usize, collective_timeout: Duration) -> Result<Reducer>
+    pub(crate) fn spawn<C>(connect: C, queue_depth: usize, collective_timeout: Duration, comm_threads: usize) -> Result<Reducer>
     where
         C: FnOnce() -> rtx_collectives::Result<Communicator> + Send + 'static,
     {
@@ -205,7 +205,16 @@ impl Reducer {
         let thread = std::thread::Builder::new()
             .name("rtx-dp-comm".into())
             .spawn(move || {
-                let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                // One thread: the current-thread runtime, as always. More: a multi-thread runtime,
+                // still driven from this thread by `block_on`, so that a communicator with several
+                // channels runs each ring on its own thread (`rtx_collectives` splits them only on a
+                // multi-thread runtime; on this thread alone they would take turns).
+                let built = if comm_threads <= 1 {
+                    tokio::runtime::Builder::new_current_thread().enable_all().build()
+                } else {
+                    tokio::runtime::Builder::new_multi_thread().worker_threads(comm_threads).thread_name("rtx-dp-comm-worker").enable_all().build()
+                };
+                let runtime = match built {
                     Ok(runtime) => runtime,
                     Err(e) => {
                         let _ = formed_tx.send(Err(Error::CommThread(e)));

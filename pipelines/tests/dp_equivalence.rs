@@ -4,6 +4,8 @@
 //!   one process reaches on the whole batch (N·b rows), for N = 2 and 4, replicated, ZeRO-1 and ZeRO-2, on
 //!   an MLP and a tiny GPT, over several AdamW steps; the averaged gradients match too, replicas
 //!   are bit-identical after every step, and ZeRO-1 and ZeRO-2 are bit-identical to replicated.
+//! - Large buckets split into channels, on a multi-thread communication runtime
+//!   (`DpConfig::comm_threads`), keep replicas bit-identical; the threads change no bit.
 //! - Buckets whose parameters the loss never used are still reduced, after backward.
 //! - A bucket's all-reduce starts while backward is still running (a gate in the graph makes this
 //!   deterministic).
@@ -408,6 +410,78 @@ fn equivalence_gpt() {
     }
 }
 
+// Goal: channels (`CommConfig::channels`) on a multi-thread communication runtime
+// (`DpConfig::comm_threads`) keep replicas bit-identical, and the threads change no bit: the sums
+// depend on the channel count only. Method: 2 and 3 ranks, replicated, the ring in 256-byte frames
+// so buckets of 1-2 KiB split into 2 rings; each rank records its communication runtime's
+// flavour and threads and how many of its buckets are split, and runs are compared step by step:
+// 2 channels on 2 threads twice, 2 channels joined on one thread, and one ring.
+#[test]
+fn channels_on_comm_threads_keep_replicas_identical_and_deterministic() {
+    let seed = seed();
+    for n_ranks in [2, 3] {
+        let threaded = data_parallel_channels(seed, n_ranks, 2, 2);
+        let again = data_parallel_channels(seed, n_ranks, 2, 2);
+        let joined = data_parallel_channels(seed, n_ranks, 1, 2);
+        let one_ring = data_parallel_channels(seed, n_ranks, 1, 1);
+        for step in 0..STEPS as usize {
+            let case = format!("N={n_ranks} step {step}");
+            for run in [&threaded, &again, &joined, &one_ring] {
+                for (rank, trajectory) in run.iter().enumerate().skip(1) {
+                    assert!(bits(&trajectory[step]) == bits(&run[0][step]), "{case}: rank {rank} differs from rank 0");
+                }
+            }
+            assert!(bits(&again[0][step]) == bits(&threaded[0][step]), "{case}: two runs with 2 channels on 2 threads differ");
+            assert!(bits(&joined[0][step]) == bits(&threaded[0][step]), "{case}: 2 channels on one thread differ from 2 threads");
+            // Against one ring only the summation order differs.
+            let scale = threaded[0][step].iter().flatten().map(|p| f64::from(p.abs())).fold(0.0, f64::max);
+            let diff = max_abs_diff(&threaded[0][step], &one_ring[0][step]);
+            assert!(diff <= REL_TOLERANCE * scale, "{case}: 2 channels differ from one ring by {diff:e} (scale {scale:e})");
+        }
+    }
+}
+
+/// `n_ranks` replicated ranks of the MLP, their engines' communication runtime on `comm_threads`
+/// threads and their communicators splitting large all-reduces into up to `channels` rings: every
+/// rank's parameters after every step. Checks on every rank that the runtime and the split are
+/// the ones asked for.
+fn data_parallel_channels(seed: u64, n_ranks: usize, comm_threads: usize, channels: usize) -> Vec<Vec<Vec<Vec<f32>>>> {
+    let (_net, transports) = InProcessNetwork::new(n_ranks);
+    run_ranks(transports, move |rank, transport, done| {
+        let model = Model::new(Kind::Mlp, seed + rank as u64);
+        let config = DpConfig { bucket_bytes_max: 1024, comm_threads, ..DpConfig::default() };
+        let comm = CommConfig { op_timeout: Duration::from_secs(20), small_message_bytes: 0, chunk_bytes: Some(256), channels: Some(channels), ..CommConfig::default() };
+        // What `connect` saw on the communication thread: its runtime, and the communicator.
+        let seen = Arc::new(std::sync::Mutex::new(None));
+        let formed = {
+            let seen = Arc::clone(&seen);
+            move || {
+                let metrics = tokio::runtime::Handle::current().metrics();
+                let flavor = tokio::runtime::Handle::current().runtime_flavor();
+                let comm = connect(transport, comm)()?;
+                *seen.lock().unwrap() = Some((flavor, metrics.num_workers(), comm.clone()));
+                Ok(comm)
+            }
+        };
+        let mut dp = DataParallel::new(model, config, formed, adamw(ADAMW, decay)).unwrap();
+        let (flavor, workers, comm) = seen.lock().unwrap().take().unwrap();
+        let expected = if comm_threads > 1 { tokio::runtime::RuntimeFlavor::MultiThread } else { tokio::runtime::RuntimeFlavor::CurrentThread };
+        assert_eq!((flavor, workers), (expected, comm_threads), "rank {rank}: the communication runtime");
+        let split = dp.buckets().buckets().iter().filter(|b| comm.all_reduce_channels(b.numel() * 4) == channels).count();
+        assert!(split >= 1, "rank {rank}: no bucket is split into {channels} channels");
+        drop(comm);
+        let trajectory = (0..STEPS)
+            .map(|step| {
+                let batch = local_slice(&global_batch(Kind::Mlp, seed, step, n_ranks * 3), rank, 3);
+                dp.step(|m| m.loss(&batch)).unwrap();
+                dp.model().snapshot()
+            })
+            .collect();
+        done.wait();
+        trajectory
+    })
+}
+
 // Goal: ZeRO-1 owned segments tile every bucket, split as the collectives split them, and the
 // optimizer holds state only for this rank's part. Method: a 3-rank group (uneven splits).
 #[test]
@@ -629,6 +703,11 @@ fn misuse_is_refused() {
         let bad = DpConfig { queue_depth: 0, ..DpConfig::default() };
         let err = DataParallel::new(Model::new(Kind::Mlp, 0), bad, || unreachable!(), adamw(ADAMW, decay)).unwrap_err();
         assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
+        for comm_threads in [0, 17] {
+            let bad = DpConfig { comm_threads, ..DpConfig::default() };
+            let err = DataParallel::new(Model::new(Kind::Mlp, 0), bad, || unreachable!(), adamw(ADAMW, decay)).unwrap_err();
+            assert!(matches!(err, Error::InvalidConfig { reason } if reason.contains("comm_threads")), "comm_threads = {comm_threads}");
+        }
 
         // An optimizer over tensors the engine did not hand out.
         let stray = Tensor::zeros(&[3], DType::F32).requires_grad(true);

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use rtx_collectives::MAX_CHANNELS;
+
 use crate::error::{Result, SupervisorError};
 
 /// The dimensions of a mesh job's model that bound how it can be cut: the re-partition rule needs
@@ -213,6 +215,12 @@ pub struct ElasticConfig {
     /// What crosses processes by network: QUIC ([`DataTransport::Quic`], the default) or TCP with
     /// mutual TLS 1.3 ([`DataTransport::Tls`]). `[elastic] data_transport = "quic" | "tls"`.
     pub data_transport: DataTransport,
+    /// Independent rings (channels) each large all-reduce of a data-parallel generation is split
+    /// into, 1 to [`MAX_CHANNELS`] (`[elastic] channels = N`, default 1): the workers' endpoints get
+    /// `CommConfig::channels` and their DP communication runtime that many threads, so each ring
+    /// has one. Pays off only on hosts with cores to spare (BENCHMARKS.md); the sums' last bits
+    /// depend on N (never on the rank), so one job keeps one value.
+    pub channels: usize,
     /// Test-only: a planted bug (see [`PlantedBug`]).
     pub planted_bug: PlantedBug,
     /// ZeRO-1 / ZeRO-2: optimizer state (and under ZeRO-2 gradients) sharded across the workers.
@@ -265,6 +273,7 @@ impl Default for ElasticConfig {
             checkpoint_every: 0,
             transport: Wire::Auto,
             data_transport: DataTransport::Quic,
+            channels: 1,
             planted_bug: PlantedBug::None,
             sharding: DpSharding::Replicated,
             snapshot_every: 25,
@@ -320,6 +329,10 @@ impl ElasticConfig {
             // checkpoints.
             return bad("elastic.zero_copies = \"snapshot\" needs sharding \"zero1\" or \"zero2\" (ZeRO-3 keeps its state only in buddy copies)".into());
         }
+        // `apply_toml` refuses these already; a config built in code is checked here.
+        if !(1..=MAX_CHANNELS).contains(&self.channels) {
+            return bad(format!("elastic.channels must be an integer from 1 to {MAX_CHANNELS}, got {}", self.channels));
+        }
         Ok(())
     }
 
@@ -367,6 +380,14 @@ impl ElasticConfig {
                         _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.data_transport must be \"quic\" or \"tls\", got {value}") }),
                     };
                 }
+                "channels" => {
+                    // Checked here, not in `validate`, so the message names the value as written
+                    // (a string or a float is refused too, not only a count out of range).
+                    self.channels = match value.as_integer().and_then(|i| usize::try_from(i).ok()) {
+                        Some(n) if (1..=MAX_CHANNELS).contains(&n) => n,
+                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.channels must be an integer from 1 to {MAX_CHANNELS}, got {value}") }),
+                    };
+                }
                 "sharding" => {
                     self.sharding = match value.as_str() {
                         Some("replicated") => DpSharding::Replicated,
@@ -391,7 +412,7 @@ impl ElasticConfig {
                         p.budget = b;
                     }
                 }
-                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, finish_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, data_transport, sharding, snapshot_every, zero_copies, repartition)") }),
+                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, finish_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, data_transport, channels, sharding, snapshot_every, zero_copies, repartition)") }),
             }
         }
         Ok(())
@@ -470,5 +491,33 @@ mod tests {
         // The layout key keeps its own values: "tls" is no layout.
         let err = c.apply_toml(&toml::from_str("transport = \"tls\"").unwrap()).unwrap_err().to_string();
         assert!(err.contains("elastic.data_transport = \"tls\""), "points at the right key: {err}");
+    }
+
+    #[test]
+    fn channels_take_1_to_16_and_a_bad_value_is_named() {
+        let mut c = ElasticConfig::default();
+        assert_eq!(c.channels, 1, "one ring stays the default");
+        c.apply_toml(&toml::from_str("channels = 4").unwrap()).unwrap();
+        assert_eq!(c.channels, 4);
+        c.validate().unwrap();
+        c.apply_toml(&toml::from_str("channels = 16").unwrap()).unwrap();
+        assert_eq!(c.channels, 16);
+        for bad in ["channels = 0", "channels = 17", "channels = \"4\"", "channels = -1", "channels = 2.0"] {
+            match c.apply_toml(&toml::from_str(bad).unwrap()) {
+                Err(SupervisorError::InvalidConfig { reason }) => {
+                    assert!(reason.contains("elastic.channels must be an integer from 1 to 16"), "the key and range are named: {reason}");
+                    let value = bad.split(" = ").nth(1).unwrap();
+                    assert!(reason.ends_with(&format!("got {value}")), "the bad value is named: {reason}");
+                }
+                other => panic!("{bad}: expected InvalidConfig, got {other:?}"),
+            }
+        }
+        assert_eq!(c.channels, 16, "a bad value changes nothing");
+        for bad in [0, 17] {
+            let err = ElasticConfig { channels: bad, ..ElasticConfig::default() }.validate().unwrap_err().to_string();
+            assert!(err.contains(&format!("elastic.channels must be an integer from 1 to 16, got {bad}")), "{err}");
+        }
+        let err = c.apply_toml(&toml::from_str("channel = 2").unwrap()).unwrap_err().to_string();
+        assert!(err.contains("unknown key elastic.channel (") && err.contains(", channels,"), "the known keys list it: {err}");
     }
 }

@@ -75,8 +75,9 @@ pub enum JoinReply {
     /// shared filesystem (as on a Slurm cluster). `zero_copies`: under ZeRO-1/2, whether each
     /// step's segment states are exchanged with the buddies or only snapshots are kept.
     /// `data_transport`: what the collectives bind at `Prepare` to cross processes (QUIC, or TLS
-    /// over TCP).
-    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64, sharding: DpSharding, snapshot_every: u64, zero_copies: ZeroCopies, data_transport: DataTransport, run_dir: Option<String> },
+    /// over TCP). `channels`: the rings each large all-reduce is split into (`[elastic] channels`),
+    /// and the DP communication runtime's threads.
+    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64, sharding: DpSharding, snapshot_every: u64, zero_copies: ZeroCopies, data_transport: DataTransport, channels: u32, run_dir: Option<String> },
     /// Not admitted, and why.
     Refused { reason: String },
 }

@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use rtx_actors::{DataShard, Inbound, Link, LinkOptions, RemoteRef};
-use rtx_collectives::{BoxFuture, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions, QuicTransport, RoutedTransport, ShmOptions, ShmTransport, TlsOptions, TlsTransport, Transport, WORLD_GROUP_ID};
+use rtx_collectives::{BoxFuture, CommConfig, Communicator, Endpoint, NodeIdentity, MAX_CHANNELS, QuicOptions, QuicTransport, RoutedTransport, ShmOptions, ShmTransport, TlsOptions, TlsTransport, Transport, WORLD_GROUP_ID};
 use tokio::sync::mpsc::{Receiver, Sender};
 use tracing::Instrument;
 use rtx_pipelines::{ComputeDriver, DataParallel, DpConfig, Sharding};
@@ -318,13 +318,16 @@ where
     let host = env.host.clone().or_else(machine_identity).unwrap_or_else(|| options.bind_ip.to_string());
     let join = ToSupervisor::Join { name: options.name.clone(), pid: env.pid, host, proof: protocol::worker_proof(&options.token, &ekm) };
     let reply: JoinReply = supervisor.ask(&join, Duration::from_secs(30)).await?;
-    let (node, job_text, heartbeat, (resume, run_dir), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport)) = match reply {
-        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, run_dir } => {
+    let (node, job_text, heartbeat, (resume, run_dir), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels)) = match reply {
+        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, run_dir } => {
             if !protocol::verify_supervisor_proof(&options.token, &ekm, &proof) {
                 link.close("supervisor not authentic");
                 return Err(SupervisorError::NotAuthentic { addr: options.join.to_string() });
             }
-            (node, job, Duration::from_millis(heartbeat_ms.max(10)), (resume.map(PathBuf::from), run_dir.map(PathBuf::from)), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport))
+            // The supervisor's config holds it in range; a count from elsewhere is refused here
+            // rather than turned into one ring (0) or a late `CommConfig` error (17 and up).
+            let channels = usize::try_from(channels).ok().filter(|n| (1..=MAX_CHANNELS).contains(n)).ok_or_else(|| SupervisorError::InvalidConfig { reason: format!("elastic.channels from the supervisor must be from 1 to {MAX_CHANNELS}, got {channels}") })?;
+            (node, job, Duration::from_millis(heartbeat_ms.max(10)), (resume.map(PathBuf::from), run_dir.map(PathBuf::from)), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels))
         }
         JoinReply::Refused { reason } => return Err(SupervisorError::Refused { reason }),
     };
@@ -334,7 +337,7 @@ where
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(supervisor.clone(), node, heartbeat, Arc::clone(&shared))));
 
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::channel::<ToWorker>(COMMAND_QUEUE);
-    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, compute: env.compute.clone(), verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, timing: Mutex::new((0.0, 0.0, 0.0)) };
+    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, compute: env.compute.clone(), verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, timing: Mutex::new((0.0, 0.0, 0.0)) };
     let spec = JobSpec { node, job: job_text, resume, run_dir };
     let worker = async move {
         let job = make_job(&spec).map_err(SupervisorError::Job)?;
@@ -519,6 +522,9 @@ struct WorkerCtx {
     /// What `Prepare` binds for the collectives between processes (the job's
     /// `[elastic] data_transport`); shared memory inside a machine either way.
     data_transport: DataTransport,
+    /// Rings each large all-reduce of a DP generation is split into (`[elastic] channels`, 1 to
+    /// 16), and the threads of the DP engine's communication runtime, one per ring.
+    channels: usize,
     /// Seconds inside training steps, on the control path of the step loop (command polling,
     /// step reports), and of the whole step loop.
     timing: Mutex<(f64, f64, f64)>,
@@ -784,7 +790,9 @@ async fn run_generation<J: TrainJob>(
     let transport = connected_name(network.as_ref(), ctx.wire.is_some(), !g.host_of.is_empty());
     tracing::info!(transport, "collectives connected");
     // A routed generation's host map makes `all_reduce` hierarchical: only machine leaders cross machines.
-    let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig { host_of: g.host_of.clone(), ..CommConfig::default() })?;
+    // `[elastic] channels`: one ring stays `None`, the path jobs without the key always took.
+    let channels = (ctx.channels > 1).then_some(ctx.channels);
+    let endpoint = Endpoint::new(Arc::clone(&wire), CommConfig { host_of: g.host_of.clone(), channels, ..CommConfig::default() })?;
     let comm = endpoint.group(WORLD_GROUP_ID, (0..g.world).collect(), g.generation)?;
     ctx.shared.abort.set(comm.clone(), Arc::clone(&wire));
     let result = if ctx.sharding == DpSharding::Zero3 { fsdp::train(ctx, job, g, &comm, replica, shard, writer, cmds).await } else { train(ctx, job, g, &comm, replica, shard, writer, cmds).await };
@@ -922,7 +930,8 @@ async fn train<J: TrainJob>(
         // `run_generation` hands ZeRO-3 generations to `fsdp::train`.
         DpSharding::Zero3 => return Err(SupervisorError::Job("internal: a ZeRO-3 generation in the data-parallel engine".into())),
     };
-    let dp = DpConfig { collective_timeout: Duration::from_secs(60), sharding, ..job.dp_config() };
+    // A thread of the communication runtime per channel, so the rings run side by side.
+    let dp = DpConfig { collective_timeout: Duration::from_secs(60), sharding, comm_threads: ctx.channels, ..job.dp_config() };
     // This worker's own optimizer holds exactly the state just broadcast when it was the source
     // (and nothing replaced the state since): reuse it where it is.
     let own = replica.kept_optimizer.take().filter(|_| g.source == g.rank && g.segments.is_none() && sharding == Sharding::Replicated);

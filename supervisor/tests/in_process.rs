@@ -41,6 +41,9 @@ struct Fashion {
     staged: bool,
     /// How many optimizers this worker's job built.
     optimizers_built: Arc<AtomicUsize>,
+    /// Outputs of the linear model: 10 (the classes), or more for a gradient large enough that
+    /// the collectives split its all-reduce (the extra logits only ever lose the cross-entropy).
+    outputs: usize,
 }
 
 impl Fashion {
@@ -49,7 +52,7 @@ impl Fashion {
         let root = if root.fashion_mnist().exists() { root } else { DataRoot::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data")) };
         let data = load_fashion_mnist(&root.fashion_mnist(), Split::Test).expect("Fashion-MNIST: run bash scripts/fetch-data.sh");
         let (mean, std) = data.pixel_mean_std();
-        Fashion { data, mean, std, checkpoints: None, fail_from: None, staged: false, optimizers_built: Arc::default() }
+        Fashion { data, mean, std, checkpoints: None, fail_from: None, staged: false, optimizers_built: Arc::default(), outputs: 10 }
     }
 
     fn rows(&self, indices: &[usize]) -> (Tensor, Tensor) {
@@ -74,7 +77,7 @@ impl TrainJob for Fashion {
     type Optim = AdamW;
 
     fn build_model(&self) -> Result<Linear, String> {
-        Linear::new(784, 10, true, DType::F32, &mut Generator::new(7)).map_err(|e| e.to_string())
+        Linear::new(784, self.outputs, true, DType::F32, &mut Generator::new(7)).map_err(|e| e.to_string())
     }
 
     fn build_optimizer(&self, slices: &[ParamSlice]) -> Result<AdamW, String> {
@@ -621,13 +624,14 @@ struct NetworkRun {
 /// only with the same machine of every rank. Under TLS the workers' QUIC options are unusable
 /// (zero stripes, which `QuicTransport::bind` refuses), so the job finishes only if every worker
 /// bound TLS at `Prepare` as the supervisor told it to, not the QUIC endpoint it would bind by
-/// default.
-async fn network_run(layout: Wire, data: DataTransport, machines: &[&str]) -> anyhow::Result<NetworkRun> {
+/// default. `channels`: `[elastic] channels`; `outputs`: the model's ([`Fashion::outputs`]).
+async fn network_run(layout: Wire, data: DataTransport, machines: &[&str], channels: usize, outputs: usize) -> anyhow::Result<NetworkRun> {
     let mut opts = options("secret");
     opts.elastic.start_workers = machines.len();
     opts.elastic.max_workers = machines.len();
     opts.elastic.transport = layout;
     opts.elastic.data_transport = data;
+    opts.elastic.channels = channels;
     opts.elastic.validate()?;
     let mut supervisor = SupervisorHandle::start(opts, None).await?;
     let addr = supervisor.addr;
@@ -638,7 +642,7 @@ async fn network_run(layout: Wire, data: DataTransport, machines: &[&str]) -> an
             worker.quic.stripes = 0;
         }
         let env = NodeEnv { host: Some(machine.to_string()), ..NodeEnv::process() };
-        workers.push(tokio::spawn(run_node(worker, env, |_spec| Ok(Fashion::load()))));
+        workers.push(tokio::spawn(run_node(worker, env, move |_spec| Ok(Fashion { outputs, ..Fashion::load() }))));
         // No generation starts before the last worker joins (`start_workers`).
         match tokio::time::timeout(Duration::from_secs(30), supervisor.events.recv()).await?.ok_or_else(|| anyhow::anyhow!("events ended"))? {
             JobEvent::Joined { node, .. } => joined.push(node),
@@ -679,8 +683,8 @@ async fn tls_data_transport_trains_the_quic_jobs_replicas_bit_for_bit_flat_and_r
     let cases: [(Wire, &[&str], [&str; 2]); 2] = [(Wire::Quic, &["m", "m"], ["quic", "tls"]), (Wire::Auto, &["machine-0", "machine-0", "machine-1", "machine-1"], ["routed", "routed-tls"])];
     for (layout, machines, [quic_name, tls_name]) in cases {
         let world = machines.len();
-        let quic = network_run(layout, DataTransport::Quic, machines).await?;
-        let tls = network_run(layout, DataTransport::Tls, machines).await?;
+        let quic = network_run(layout, DataTransport::Quic, machines, 1, 10).await?;
+        let tls = network_run(layout, DataTransport::Tls, machines, 1, 10).await?;
         assert_eq!(quic.generations, vec![(world, quic_name)], "the QUIC job ran one generation over {quic_name}");
         assert_eq!(tls.generations, vec![(world, tls_name)], "the TLS job ran one generation over {tls_name}");
         assert_eq!(quic.losses.iter().map(|l| l.0).collect::<Vec<_>>(), (0..STEPS).collect::<Vec<_>>(), "every step committed once, in order");
@@ -689,5 +693,33 @@ async fn tls_data_transport_trains_the_quic_jobs_replicas_bit_for_bit_flat_and_r
         assert_eq!(tls.checksum, quic.checksum, "{tls_name}: final parameters differ from the QUIC job's");
     }
     println!("data_transport test: {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+// Goal: `[elastic] channels = 2` reaches the workers (their endpoints split large all-reduces into
+// two rings, their DP communication runtime has two threads) and the job trains as before: one
+// generation on the network layout, every step committed once and in order, no worker lost, and
+// replicas bit-identical at the end. Method: the real supervisor and three workers over QUIC on
+// loopback (`transport = "quic"` forces the network between them on one machine, where the flat
+// ring, the only all-reduce channels split, runs); the model has `WIDE_OUTPUTS` outputs, so its
+// weight's bucket (3.2 MB) is split in two (each ring moves at least a full 512 KiB frame per
+// rank). The same job with one ring shows the split happened: with three ranks, rings over other
+// parts of the buffer add the three gradients in another order, so the last bits differ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_channels_train_with_identical_replicas_over_the_network_layout() -> anyhow::Result<()> {
+    const WIDE_OUTPUTS: usize = 1024;
+    let started = std::time::Instant::now();
+    let machines = ["m", "m", "m"];
+    let two = network_run(Wire::Quic, DataTransport::Quic, &machines, 2, WIDE_OUTPUTS).await?;
+    let one = network_run(Wire::Quic, DataTransport::Quic, &machines, 1, WIDE_OUTPUTS).await?;
+    for (channels, run) in [(2, &two), (1, &one)] {
+        assert_eq!(run.generations, vec![(3, "quic")], "channels = {channels}: one generation over QUIC");
+        assert_eq!(run.losses.iter().map(|l| l.0).collect::<Vec<_>>(), (0..STEPS).collect::<Vec<_>>(), "channels = {channels}: every step committed once, in order");
+        assert!(run.losses.iter().all(|l| f64::from_bits(l.1).is_finite()), "channels = {channels}: finite losses");
+        assert!(run.identical, "channels = {channels}: replicas bit-identical");
+    }
+    let differing = two.losses.iter().zip(&one.losses).filter(|(a, b)| a != b).count();
+    println!("channels test: {:.1} s; losses differing from one ring's in {differing}/{STEPS} steps, checksums {:x} and {:x}", started.elapsed().as_secs_f64(), two.checksum, one.checksum);
+    assert_ne!(two.checksum, one.checksum, "two channels end at one ring's bits: the split did not reach the collectives");
     Ok(())
 }

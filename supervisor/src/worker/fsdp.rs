@@ -79,7 +79,7 @@ pub(super) async fn train<J: TrainJob>(
     replica.template = None;
     let gpt = (spec.build)().map_err(SupervisorError::Job)?;
     // The job's clipping bound is the engine's: by the model's norm over every rank's segments.
-    let config = FsdpConfig { collective_timeout: Duration::from_secs(60), grad_clip: job.dp_config().grad_clip, ..FsdpConfig::default() };
+    let config = FsdpConfig { collective_timeout: Duration::from_secs(60), grad_clip: job.dp_config().grad_clip, comm_threads: ctx.channels, ..FsdpConfig::default() };
     let engine_comm = comm.clone();
     let engine = match &g.segments {
         Some(s) => {

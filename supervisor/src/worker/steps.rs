@@ -256,6 +256,7 @@ mod tests {
             snapshot_every: 1,
             zero_copies: crate::config::ZeroCopies::Buddy,
             data_transport: crate::config::DataTransport::Quic,
+            channels: 1,
             timing: Mutex::new((0.0, 0.0, 0.0)),
         };
         // The context's remote keeps its own handle of the node's link.
