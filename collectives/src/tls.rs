@@ -378,17 +378,12 @@ impl Transport for TlsTransport {
     }
 
     fn send_parts<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: &'a [u8], pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
-        let len = HEADER_LEN + payload.len();
-        let mut framed = pool.take(len + len.div_ceil(record::MAX_PLAINTEXT) * record::RECORD_OVERHEAD);
-        record::frame_records([&header[..], payload], len, &mut framed);
+        let framed = framed(pool, [&header[..], payload], HEADER_LEN + payload.len());
         Box::pin(self.shared.queue(peer, Outgoing::Framed(framed)))
     }
 
     fn send_chunked<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: ChunkedBytes, pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
-        let len = HEADER_LEN + payload.len();
-        let mut framed = pool.take(len + len.div_ceil(record::MAX_PLAINTEXT) * record::RECORD_OVERHEAD);
-        record::frame_records(std::iter::once(&header[..]).chain(payload.chunks()), len, &mut framed);
-        drop(payload);
+        let framed = framed(pool, std::iter::once(&header[..]).chain(payload.chunks()), HEADER_LEN + payload.len());
         Box::pin(self.shared.queue(peer, Outgoing::Framed(framed)))
     }
 
@@ -721,6 +716,14 @@ impl Shared {
             }
         }
     }
+}
+
+/// A frame given as `parts` (`len` bytes in all) laid out as unsealed records in a buffer from
+/// `pool`: the one copy a send makes, for the writer thread to seal in place.
+fn framed<'a>(pool: &BufferPool, parts: impl IntoIterator<Item = &'a [u8]>, len: usize) -> PooledBuf {
+    let mut framed = pool.take(len + len.div_ceil(record::MAX_PLAINTEXT) * record::RECORD_OVERHEAD);
+    record::frame_records(parts, len, &mut framed);
+    framed
 }
 
 /// Reads what the socket has into `buf`'s spare capacity (at least [`MAX_RECORD`] of it).
