@@ -8,9 +8,10 @@
 //! sealed, opened and acknowledged on its own) to the two AES-GCM passes, and all of it runs on the
 //! task that drives the connection. Here the kernel's TCP segments and acknowledges (64 KiB
 //! segments with GSO/GRO whatever the MTU), records are 16 KiB, and each direction of a connection
-//! is a thread of its own: the writer seals frames into records and writes them; the reader reads
-//! into pooled buffers, opens the records in place and hands their plaintext to the endpoint as
-//! pieces of those buffers ([`EventSink::chunked_frame`]) without copying. QUIC stays the
+//! is a thread of its own: the sending operation seals its frame straight from its memory into
+//! records (no copy first) and the writer writes them; the reader reads into pooled buffers, opens
+//! the records in place and hands their plaintext to the endpoint as pieces of those buffers
+//! ([`EventSink::chunked_frame`]) without copying. QUIC stays the
 //! transport of the control plane and where one connection must not stall another's packets.
 //!
 //! Security is the QUIC transport's: rustls runs a TLS 1.3 handshake with the cluster CA on both
@@ -52,7 +53,7 @@ use crate::linking::{self, PendingLinks, StripeId};
 use crate::quic::{certificate_names_rank, client_tls_config, rank_name, server_tls_config, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
 use crate::transport::{BoxFuture, ChunkedBytes, EventSink, Transport, TransportEvent};
 use handshake::Established;
-use record::{record_len, Opened, Opener, Sealer, MAX_RECORD};
+use record::{record_len, Opened, Opener, RecordBuf, RecordError, Sealer, MAX_RECORD};
 
 /// ALPN of the TLS transport's connections.
 pub const TLS_ALPN: &[u8] = b"rtx-collectives-tls/1";
@@ -66,9 +67,12 @@ const HELLO_MAGIC: [u8; 4] = *b"RTXT";
 const HELLO_LEN: usize = 12;
 /// Frames queued per connection before a send waits.
 const SEND_QUEUE_FRAMES: usize = 16;
-/// The writer seals and writes frames in slices of this many plaintext bytes, so the kernel
-/// starts moving a large frame before all of it is sealed.
-const WRITE_SLICE_BYTES: usize = 256 << 10;
+/// Record buffers a connection keeps for reuse once written (one per queued frame, and one being
+/// sealed).
+const SPARE_RECORD_BUFS: usize = SEND_QUEUE_FRAMES + 1;
+/// Larger record buffers are not kept for reuse (a frame that large is rare: the ring's frames are
+/// `chunk_bytes`, 512 KiB by default).
+const SPARE_RECORD_BUF_MAX_BYTES: usize = 4 << 20;
 /// A reader's buffer: what one `recv` may bring.
 const READ_BUF_BYTES: usize = 256 << 10;
 const _: () = assert!(READ_BUF_BYTES >= 2 * MAX_RECORD);
@@ -208,18 +212,36 @@ impl LinkSockets {
     }
 }
 
-/// What a writer thread is given to send.
-enum Outgoing {
-    /// A whole encoded frame: the writer copies it into records and seals them.
-    Frame(PooledBuf),
-    /// A frame already laid out as unsealed records ([`record::frame_records`]): the writer seals
-    /// them in place.
-    Framed(PooledBuf),
+/// One connection's sending half: frames are sealed by the task that sends them (so the cipher
+/// runs on as many threads as there are sending operations) into record buffers queued for the
+/// connection's writer thread, which only writes them and hands the buffers back.
+struct Stripe {
+    queue: mpsc::Sender<RecordBuf>,
+    /// Held from sealing a frame until its records are queued: records leave in sequence order.
+    sealer: Mutex<Sealer>,
+    /// Written record buffers, for the next frames.
+    spare: Arc<Mutex<Vec<RecordBuf>>>,
 }
 
-/// One connection's queue, which its writer thread drains.
-struct Stripe {
-    queue: mpsc::Sender<Outgoing>,
+impl Stripe {
+    /// Seals `parts` (one frame) into records and queues them for the writer, whole or not at all.
+    async fn send<'a>(&self, parts: impl IntoIterator<Item = &'a [u8]>) -> std::result::Result<(), SendFailed> {
+        let permit = self.queue.reserve().await.map_err(|_| SendFailed::Closed)?;
+        let mut records = lock(&self.spare).pop().unwrap_or_default();
+        let mut sealer = lock(&self.sealer);
+        sealer.seal_parts(parts, &mut records).map_err(SendFailed::Seal)?;
+        permit.send(records);
+        Ok(())
+    }
+}
+
+/// Why [`Stripe::send`] sent nothing.
+enum SendFailed {
+    /// The writer is gone (the connection broke or the link was replaced).
+    Closed,
+    /// Keys could not be updated: records may have been sealed that never go out, so the
+    /// connection's sequence is broken and the link must go.
+    Seal(RecordError),
 }
 
 /// What a reader thread starts from: the receive key, and the peer's bytes the handshake already
@@ -374,17 +396,15 @@ impl Transport for TlsTransport {
     }
 
     fn send(&self, peer: usize, frame: PooledBuf) -> BoxFuture<'_, Result<()>> {
-        Box::pin(self.shared.queue(peer, Outgoing::Frame(frame)))
+        Box::pin(async move { self.shared.queue(peer, [&frame[..]]).await })
     }
 
-    fn send_parts<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: &'a [u8], pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
-        let framed = framed(pool, [&header[..], payload], HEADER_LEN + payload.len());
-        Box::pin(self.shared.queue(peer, Outgoing::Framed(framed)))
+    fn send_parts<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: &'a [u8], _pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.shared.queue(peer, [&header[..], payload]))
     }
 
-    fn send_chunked<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: ChunkedBytes, pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
-        let framed = framed(pool, std::iter::once(&header[..]).chain(payload.chunks()), HEADER_LEN + payload.len());
-        Box::pin(self.shared.queue(peer, Outgoing::Framed(framed)))
+    fn send_chunked<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: ChunkedBytes, _pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { self.shared.queue(peer, std::iter::once(&header[..]).chain(payload.chunks())).await })
     }
 
     fn recv(&self) -> BoxFuture<'_, Option<TransportEvent>> {
@@ -447,9 +467,9 @@ impl std::fmt::Debug for TlsTransport {
 }
 
 impl Shared {
-    /// Queues `outgoing` on the next connection to `peer`. A frame is queued whole or not at all:
-    /// cancelling this never tears one.
-    async fn queue(&self, peer: usize, outgoing: Outgoing) -> Result<()> {
+    /// Seals the frame `parts` and queues its records on the next connection to `peer`. A frame
+    /// is queued whole or not at all: cancelling this never tears one.
+    async fn queue<'a>(&self, peer: usize, parts: impl IntoIterator<Item = &'a [u8]>) -> Result<()> {
         if peer >= self.world {
             return Err(Error::RankOutOfRange { rank: peer, size: self.world });
         }
@@ -460,7 +480,15 @@ impl Shared {
         let Some(link) = lock(&self.links).get(&peer).cloned() else {
             return Err(lost);
         };
-        link.next_stripe().queue.send(outgoing).await.map_err(|_| lost)
+        match link.next_stripe().send(parts).await {
+            Ok(()) => Ok(()),
+            Err(SendFailed::Closed) => Err(lost),
+            Err(SendFailed::Seal(e)) => {
+                tracing::warn!(rank = self.rank, peer, error = %e, "tls sealing failed, closing the link");
+                link.shutdown();
+                Err(lost)
+            }
+        }
     }
 
     fn set_route(&self, route: Route) {
@@ -520,10 +548,12 @@ impl Shared {
             stream.set_nonblocking(false).map_err(|e| io("set_nonblocking", e))?;
             stream.set_read_timeout(Some(READ_TICK)).map_err(|e| io("set_read_timeout", e))?;
             let socket = Arc::new(stream);
+            let Established { sealer, opener, leftover, opened, .. } = established;
             let (tx, rx) = mpsc::channel(SEND_QUEUE_FRAMES);
-            stripes.push(Stripe { queue: tx });
+            let spare = Arc::new(Mutex::new(Vec::new()));
+            stripes.push(Stripe { queue: tx, sealer: Mutex::new(sealer), spare: Arc::clone(&spare) });
             sockets.push(Arc::clone(&socket));
-            halves.push((socket, rx, established));
+            halves.push((socket, rx, spare, (opener, leftover, opened)));
         }
         // A peer that was lost and dialed again is reported up before any of its frames; from a
         // reader thread, like every other event, so that pull delivery may block.
@@ -534,13 +564,12 @@ impl Shared {
             old.shutdown();
         }
         let readers_left = Arc::new(AtomicUsize::new(halves.len()));
-        for (stripe, (socket, rx, established)) in halves.into_iter().enumerate() {
-            let Established { sealer, opener, leftover, opened, .. } = established;
+        for (stripe, (socket, rx, spare, (opener, leftover, opened))) in halves.into_iter().enumerate() {
             let start = ReaderStart { opener, leftover, opened, announces_up: came_back && stripe == 0 };
             self.writers.send_modify(|n| *n += 1);
             let writer = {
                 let (shared, socket) = (Arc::clone(self), Arc::clone(&socket));
-                move || shared.write_loop(peer, &socket, sealer, rx)
+                move || shared.write_loop(peer, &socket, &spare, rx)
             };
             let reader = {
                 let (shared, link, readers_left) = (Arc::clone(self), link_sockets.clone(), Arc::clone(&readers_left));
@@ -559,29 +588,19 @@ impl Shared {
         Ok(())
     }
 
-    /// The writer thread of one connection: seals queued frames into records and writes them;
-    /// when the queue closes, half-closes the connection.
-    fn write_loop(&self, peer: usize, socket: &StdTcpStream, mut sealer: Sealer, mut queue: mpsc::Receiver<Outgoing>) {
-        let mut out = Vec::with_capacity(WRITE_SLICE_BYTES + WRITE_SLICE_BYTES / record::MAX_PLAINTEXT * record::RECORD_OVERHEAD + MAX_RECORD);
+    /// The writer thread of one connection: writes the queued records and hands their buffers
+    /// back; when the queue closes, half-closes the connection.
+    fn write_loop(&self, peer: usize, socket: &StdTcpStream, spare: &Mutex<Vec<RecordBuf>>, mut queue: mpsc::Receiver<RecordBuf>) {
         let mut broken = None;
-        let write = |bytes: &[u8]| (&*socket).write_all(bytes).map_err(|e| e.to_string());
-        'frames: while let Some(outgoing) = queue.blocking_recv() {
-            match outgoing {
-                Outgoing::Frame(frame) => {
-                    for slice in frame.chunks(WRITE_SLICE_BYTES) {
-                        out.clear();
-                        if let Err(reason) = sealer.seal(slice, &mut out).map_err(|e| e.to_string()).and_then(|()| write(&out)) {
-                            broken = Some(reason);
-                            break 'frames;
-                        }
-                    }
-                }
-                Outgoing::Framed(mut framed) => {
-                    if let Err(reason) = sealer.seal_framed(&mut framed, WRITE_SLICE_BYTES, write) {
-                        broken = Some(reason);
-                        break 'frames;
-                    }
-                }
+        while let Some(mut records) = queue.blocking_recv() {
+            if let Err(e) = (&*socket).write_all(records.as_slice()) {
+                broken = Some(e.to_string());
+                break;
+            }
+            records.clear();
+            let mut spare = lock(spare);
+            if spare.len() < SPARE_RECORD_BUFS && records.capacity() <= SPARE_RECORD_BUF_MAX_BYTES {
+                spare.push(records);
             }
         }
         match broken {
@@ -716,14 +735,6 @@ impl Shared {
             }
         }
     }
-}
-
-/// A frame given as `parts` (`len` bytes in all) laid out as unsealed records in a buffer from
-/// `pool`: the one copy a send makes, for the writer thread to seal in place.
-fn framed<'a>(pool: &BufferPool, parts: impl IntoIterator<Item = &'a [u8]>, len: usize) -> PooledBuf {
-    let mut framed = pool.take(len + len.div_ceil(record::MAX_PLAINTEXT) * record::RECORD_OVERHEAD);
-    record::frame_records(parts, len, &mut framed);
-    framed
 }
 
 /// Reads what the socket has into `buf`'s spare capacity (at least [`MAX_RECORD`] of it).

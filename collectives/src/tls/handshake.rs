@@ -17,7 +17,7 @@ use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::record::{record_len, KeySchedule, Opened, Opener, RecordError, Sealer};
+use super::record::{record_len, KeySchedule, Opened, Opener, RecordBuf, RecordError, Sealer};
 
 /// A connection whose handshake is done: its two record halves, the peer's certificate chain,
 /// and the bytes already read past the handshake.
@@ -168,9 +168,9 @@ async fn drive<C: Handshaking>(stream: &mut TcpStream, conn: &mut C) -> Result<(
 
 /// Writes `plaintext` to `stream` as sealed records.
 pub(crate) async fn write_sealed(stream: &mut TcpStream, sealer: &mut Sealer, plaintext: &[u8]) -> Result<(), String> {
-    let mut out = Vec::new();
+    let mut out = RecordBuf::default();
     sealer.seal(plaintext, &mut out).map_err(|e| e.to_string())?;
-    stream.write_all(&out).await.map_err(|e| e.to_string())
+    stream.write_all(out.as_slice()).await.map_err(|e| e.to_string())
 }
 
 /// Reads exactly `n` bytes of data: first from `opened`, then by reading and opening records from
@@ -218,13 +218,14 @@ async fn read_opened(stream: &mut TcpStream, opener: &mut Opener, buf: &mut Vec<
 #[cfg(test)]
 mod tests {
     //! A real handshake between two loopback TCP sockets, then the record layer it hands over:
-    //! data round trips through framed and plain sealing, key updates every two records, and every
-    //! kind of bad record (altered, replayed, wrong header) is refused with its error.
+    //! data round trips through sealing of several parts into a reused buffer and of one plain
+    //! buffer, key updates every two records, and every kind of bad record (altered, replayed,
+    //! wrong header) is refused with its error.
     #![allow(clippy::unwrap_used)]
 
     use super::*;
     use crate::quic::{client_tls_config, rank_name, server_tls_config, ClusterCa};
-    use crate::tls::record::{frame_records, record_len, Opened, RecordError};
+    use crate::tls::record::{record_len, Opened, RecordBuf, RecordError};
 
     /// Both ends of a handshake between rank 0 (client) and rank 1 (server), key update every
     /// `update_every` records.
@@ -271,17 +272,20 @@ mod tests {
     async fn records_round_trip_across_key_updates_and_bad_ones_are_refused() {
         let (mut client, mut server) = pair(2).await;
         let plain: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-        // Framed by the sending side, sealed in place (with key updates between records).
-        let mut framed = Vec::new();
-        frame_records([&plain[..40_000], &plain[40_000..]], plain.len(), &mut framed);
-        let mut wire = Vec::new();
-        let collect = |b: &[u8]| {
-            wire.extend_from_slice(b);
-            Ok(())
-        };
-        client.sealer.seal_framed(&mut framed, 1 << 20, collect).unwrap();
+        // Sealed from parts (records of each part's own, key updates between records) into a
+        // buffer that held other records before (its stale bytes must not leak into these).
+        let mut records = RecordBuf::default();
+        client.sealer.seal(&[0xEE; 70_000], &mut records).unwrap();
+        let mut wire = records.as_slice().to_vec();
+        let (garbage, err) = open_all(&mut server.opener, &mut wire);
+        assert!(err.is_none() && garbage == [0xEE; 70_000]);
+        records.clear();
+        client.sealer.seal_parts([&plain[..7], &plain[7..40_000], &[][..], &plain[40_000..]], &mut records).unwrap();
+        let mut wire = records.as_slice().to_vec();
         // Then sealed from a plain buffer.
-        client.sealer.seal(&plain, &mut wire).unwrap();
+        let mut plain_records = RecordBuf::default();
+        client.sealer.seal(&plain, &mut plain_records).unwrap();
+        wire.extend_from_slice(plain_records.as_slice());
         let keep = wire.clone();
         let (data, err) = open_all(&mut server.opener, &mut wire);
         assert_eq!(err, None);
@@ -295,8 +299,9 @@ mod tests {
 
         // A fresh pair: an altered byte fails that record; a bad header is refused before opening.
         let (mut client, mut server) = pair(1 << 20).await;
-        let mut wire = Vec::new();
-        client.sealer.seal(&plain[..1000], &mut wire).unwrap();
+        let mut records = RecordBuf::default();
+        client.sealer.seal(&plain[..1000], &mut records).unwrap();
+        let mut wire = records.as_slice().to_vec();
         wire[100] ^= 1;
         assert!(matches!(open_all(&mut server.opener, &mut wire).1, Some(RecordError::Unauthentic { seq: 0 })));
         for header in [[22u8, 3, 3, 0, 40], [23, 3, 1, 0, 40], [23, 3, 3, 0xff, 0xff], [23, 3, 3, 0, 3]] {

@@ -2,10 +2,12 @@
 //! than inside rustls so that each direction of a connection is owned by its own thread.
 //!
 //! rustls runs the handshake and the key schedule; the transport then takes the traffic keys out
-//! (`dangerous_into_kernel_connection`, the path kTLS uses) and seals and opens records with ring's
-//! AES-GCM itself: a [`Sealer`] in the connection's writer thread, an [`Opener`] in its reader
-//! thread, with no lock between them and no copy but the one into the record (send) and none at
-//! all on receive (records are opened in place in the buffer the socket read into). The wire is
+//! (`dangerous_into_kernel_connection`, the path kTLS uses) and seals and opens records with aws-lc's
+//! AES-GCM itself: a [`Sealer`] used by the sending operations (under the connection's lock, so
+//! records leave in sequence order), an [`Opener`] in the connection's reader thread, with no lock
+//! between them and no copy at all: a send seals straight from the caller's memory into the record
+//! buffer (the cipher's read is the only pass over the plaintext), a receive opens records in place
+//! in the buffer the socket read into. The wire is
 //! plain TLS 1.3: outer type 23, version 0x0303, the inner content type after the plaintext, the
 //! nonce the per-direction sequence number XORed into the IV, the record header as AEAD data.
 //!
@@ -19,7 +21,7 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM, AES_256_GCM, CHACHA20_POLY1305, NONCE_LEN};
+use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM, AES_256_GCM, CHACHA20_POLY1305, NONCE_LEN};
 use rustls::client::ClientConnectionData;
 use rustls::kernel::KernelConnection;
 use rustls::server::ServerConnectionData;
@@ -138,66 +140,53 @@ impl Sealer {
     }
 
     /// Appends `plaintext` to `out` as application-data records of at most 16 KiB each.
-    pub(crate) fn seal(&mut self, plaintext: &[u8], out: &mut Vec<u8>) -> Result<(), RecordError> {
-        out.reserve(plaintext.len() + plaintext.len().div_ceil(MAX_PLAINTEXT) * RECORD_OVERHEAD);
-        for piece in plaintext.chunks(MAX_PLAINTEXT) {
-            self.seal_record(APPLICATION_DATA, piece, out)?;
-            if self.key.seq + 1 >= self.update_every {
-                self.update(out)?;
-            }
-        }
-        Ok(())
+    pub(crate) fn seal(&mut self, plaintext: &[u8], out: &mut RecordBuf) -> Result<(), RecordError> {
+        self.seal_parts([plaintext], out)
     }
 
-    /// Seals records that [`frame_records`] laid out in `framed`, in place, and hands the sealed
-    /// bytes to `write` in order, in runs of about `run_bytes` (so the kernel starts moving them
-    /// before the rest is sealed); a key update due between two records is written between them.
-    pub(crate) fn seal_framed(&mut self, framed: &mut [u8], run_bytes: usize, mut write: impl FnMut(&[u8]) -> Result<(), String>) -> Result<(), String> {
-        let mut run_start = 0;
-        let mut pos = 0;
-        while pos < framed.len() {
-            let len = record_len(&framed[pos..]).map_err(|e| e.to_string())?.filter(|&len| pos + len <= framed.len()).ok_or("a framed record runs past its buffer")?;
-            let header: [u8; RECORD_HEADER_LEN] = framed[pos..pos + RECORD_HEADER_LEN].try_into().map_err(|_| "short record")?;
-            let body = &mut framed[pos + RECORD_HEADER_LEN..pos + len];
-            let (sealed, tag_space) = body.split_at_mut(body.len() - TAG_LEN);
-            let nonce = self.key.next_nonce();
-            let tag = self.key.key.seal_in_place_separate_tag(nonce, Aad::from(header), sealed).map_err(|_| "seal failed")?;
-            tag_space.copy_from_slice(tag.as_ref());
-            pos += len;
-            if self.key.seq + 1 >= self.update_every {
-                write(&framed[run_start..pos])?;
-                run_start = pos;
-                let mut update = Vec::with_capacity(MAX_RECORD);
-                self.update(&mut update).map_err(|e| e.to_string())?;
-                write(&update)?;
-            } else if pos - run_start >= run_bytes {
-                write(&framed[run_start..pos])?;
-                run_start = pos;
+    /// Appends the concatenation of `parts` to `out` as application-data records, each part in
+    /// records of its own (at most 16 KiB each; the receiver cuts frames from the plaintext stream,
+    /// so where records end does not matter). Each record is sealed straight from the part's
+    /// memory into `out` (out of place: the cipher's read is the only pass over the plaintext, no
+    /// copy before it), the inner content type sealed after it as extra plaintext. A key update due
+    /// between two records is appended between them.
+    pub(crate) fn seal_parts<'a>(&mut self, parts: impl IntoIterator<Item = &'a [u8]>, out: &mut RecordBuf) -> Result<(), RecordError> {
+        for part in parts {
+            out.reserve(sealed_len(part.len()));
+            for piece in part.chunks(MAX_PLAINTEXT) {
+                let body = piece.len() + 1 + TAG_LEN;
+                // At most 16 KiB + 17: fits the u16 length.
+                let header = [APPLICATION_DATA, 3, 3, (body >> 8) as u8, body as u8];
+                let record = out.append(RECORD_HEADER_LEN + body);
+                let (header_out, body_out) = record.split_at_mut(RECORD_HEADER_LEN);
+                header_out.copy_from_slice(&header);
+                let (ciphertext, type_and_tag) = body_out.split_at_mut(piece.len());
+                let nonce = self.key.next_nonce();
+                self.key
+                    .key
+                    .seal_out_of_place_scatter(nonce, Aad::from(header), piece, ciphertext, &[APPLICATION_DATA], type_and_tag)
+                    .map_err(|_| RecordError::Keys("seal failed".into()))?;
+                if self.key.seq + 1 >= self.update_every {
+                    self.update(out)?;
+                }
             }
         }
-        if run_start < pos {
-            write(&framed[run_start..pos])?;
-        }
-        Ok(())
-    }
-
-    fn seal_record(&mut self, content_type: u8, piece: &[u8], out: &mut Vec<u8>) -> Result<(), RecordError> {
-        let body = piece.len() + 1 + TAG_LEN;
-        // At most 16 KiB + 17: fits the u16 length.
-        let header = [APPLICATION_DATA, 3, 3, (body >> 8) as u8, body as u8];
-        out.extend_from_slice(&header);
-        let start = out.len();
-        out.extend_from_slice(piece);
-        out.push(content_type);
-        let nonce = self.key.next_nonce();
-        let tag = self.key.key.seal_in_place_separate_tag(nonce, Aad::from(header), &mut out[start..]).map_err(|_| RecordError::Keys("seal failed".into()))?;
-        out.extend_from_slice(tag.as_ref());
         Ok(())
     }
 
     /// Sends a KeyUpdate under the old key, then switches to the next one.
-    fn update(&mut self, out: &mut Vec<u8>) -> Result<(), RecordError> {
-        self.seal_record(HANDSHAKE, &KEY_UPDATE_MESSAGE, out)?;
+    fn update(&mut self, out: &mut RecordBuf) -> Result<(), RecordError> {
+        let body = KEY_UPDATE_MESSAGE.len() + 1 + TAG_LEN;
+        let header = [APPLICATION_DATA, 3, 3, 0, body as u8];
+        let record = out.append(RECORD_HEADER_LEN + body);
+        let (header_out, body_out) = record.split_at_mut(RECORD_HEADER_LEN);
+        header_out.copy_from_slice(&header);
+        let (ciphertext, type_and_tag) = body_out.split_at_mut(KEY_UPDATE_MESSAGE.len());
+        let nonce = self.key.next_nonce();
+        self.key
+            .key
+            .seal_out_of_place_scatter(nonce, Aad::from(header), &KEY_UPDATE_MESSAGE, ciphertext, &[HANDSHAKE], type_and_tag)
+            .map_err(|_| RecordError::Keys("seal failed".into()))?;
         let (seq, secrets) = lock(&self.schedule).next(true).map_err(|e| RecordError::Keys(e.to_string()))?;
         self.key = DirectionKey::new(seq, secrets)?;
         tracing::debug!("tls record key updated (transmit)");
@@ -205,32 +194,50 @@ impl Sealer {
     }
 }
 
-/// Lays the plaintext `parts` (concatenated) out in `out` as application-data records not yet
-/// sealed: header, plaintext, content type and room for the tag, every 16 KiB; a [`Sealer`] seals
-/// them in place ([`Sealer::seal_framed`]). The copy a send makes anyway (from the caller's memory
-/// into a buffer the writer thread owns) so puts the bytes where their records need them.
-/// `total` is the parts' summed length.
-pub(crate) fn frame_records<'a>(parts: impl IntoIterator<Item = &'a [u8]>, total: usize, out: &mut Vec<u8>) {
-    out.reserve(total + total.div_ceil(MAX_PLAINTEXT) * RECORD_OVERHEAD);
-    let mut left_in_record = 0;
-    let mut left_total = total;
-    for mut part in parts {
-        while !part.is_empty() && left_total > 0 {
-            if left_in_record == 0 {
-                left_in_record = left_total.min(MAX_PLAINTEXT);
-                let body = left_in_record + 1 + TAG_LEN;
-                out.extend_from_slice(&[APPLICATION_DATA, 3, 3, (body >> 8) as u8, body as u8]);
-            }
-            let take = left_in_record.min(part.len());
-            out.extend_from_slice(&part[..take]);
-            part = &part[take..];
-            left_in_record -= take;
-            left_total -= take;
-            if left_in_record == 0 {
-                out.push(APPLICATION_DATA);
-                out.extend_from_slice(&[0; TAG_LEN]);
-            }
+/// Bytes that [`Sealer::seal_parts`] appends for a part of `plaintext` bytes (key updates aside).
+pub(crate) fn sealed_len(plaintext: usize) -> usize {
+    plaintext + plaintext.div_ceil(MAX_PLAINTEXT) * RECORD_OVERHEAD
+}
+
+/// Sealed records waiting to be written: a buffer that stays initialized across uses (the bytes
+/// past `len` are stale, never zeroed again), so that sealing a frame writes each byte once. A
+/// connection's writer hands its buffers back for the next frames ([`RecordBuf::clear`]).
+#[derive(Default)]
+pub(crate) struct RecordBuf {
+    bytes: Vec<u8>,
+    len: usize,
+}
+
+impl RecordBuf {
+    /// The sealed bytes.
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+
+    /// Forgets the sealed bytes, keeping the memory.
+    pub(crate) fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Bytes held, used or not.
+    pub(crate) fn capacity(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Makes room for `additional` more bytes at once (zeroing only memory new to the buffer).
+    fn reserve(&mut self, additional: usize) {
+        let end = self.len + additional;
+        if self.bytes.len() < end {
+            self.bytes.resize(end, 0);
         }
+    }
+
+    /// Extends the used part by `n` bytes and returns them, to be overwritten whole.
+    fn append(&mut self, n: usize) -> &mut [u8] {
+        self.reserve(n);
+        let start = self.len;
+        self.len += n;
+        &mut self.bytes[start..self.len]
     }
 }
 
