@@ -1,7 +1,9 @@
 //! The chaos harness's short variant (`scripts/chaos.sh --preset short`, issue 19) against the
-//! `rtx` binary of this build: three workers over QUIC and shared memory, shrink and replace,
-//! replicated and ZeRO-1 (a pairwise cover of the matrix), with kill -9, SIGSTOP, a flood of
-//! garbage datagrams and wrong tokens in every run, plus an undisturbed run per sharding.
+//! `rtx` binary of this build: three workers over QUIC, shared memory and TLS over TCP (the control
+//! plane on QUIC, collective frames on TLS), shrink and replace, replicated and ZeRO-1 (a pairwise
+//! cover of the matrix), with kill -9, SIGSTOP, a flood of garbage datagrams (and, over TLS, junk
+//! TCP connections at the workers' listeners) and wrong tokens in every run, plus an undisturbed
+//! run per sharding.
 //!
 //! It asserts the correctness checks: every job finished with bit-identical replicas and an
 //! accuracy near the undisturbed one, no regression past the newest durable state, no orphan
@@ -41,14 +43,17 @@ fn the_short_chaos_variant_passes_every_correctness_check() {
     assert_eq!(summary["failures"].as_array().map(Vec::len), Some(0), "{text}");
     let runs = summary["runs"].as_array().expect("runs");
     let disturbed: Vec<&Value> = runs.iter().filter(|r| r["disturbed"] == true).collect();
-    // The pairwise cover of {quic, shm} x {shrink, replace} x {replicated, zero1}, and a reference per sharding.
-    assert_eq!(disturbed.len(), 4, "{text}");
+    // The pairwise cover of {quic, shm, tls} x {shrink, replace} x {replicated, zero1}, and a reference per sharding.
+    assert_eq!(disturbed.len(), 6, "{text}");
     assert_eq!(runs.len() - disturbed.len(), 2, "{text}");
-    for factor in ["transport", "policy", "sharding"] {
+    for (factor, count) in [("transport", 3), ("policy", 2), ("sharding", 2)] {
         let values: std::collections::BTreeSet<&str> = disturbed.iter().filter_map(|r| r[factor].as_str()).collect();
-        assert_eq!(values.len(), 2, "both values of {factor} run: {values:?}");
+        assert_eq!(values.len(), count, "every value of {factor} runs: {values:?}");
     }
     let mut kills = 0;
+    // Junk TCP connections at the TLS transport's listeners (a listener lives as long as its
+    // generation, so a run whose group just changed may find none open: counted over the runs).
+    let mut junk_connections = 0;
     for r in &disturbed {
         let key = r["key"].as_str().unwrap_or("?");
         // The harness's own checks, restated on the record so a harness bug cannot hide a failure.
@@ -69,6 +74,10 @@ fn the_short_chaos_variant_passes_every_correctness_check() {
         assert!(wrong["status"]["rc"].as_i64().is_some_and(|c| c != 0) && wrong["worker"]["rc"].as_i64().is_some_and(|c| c != 0), "{key}: {wrong}");
         assert!(wrong["refused_events"].as_u64().is_some_and(|n| n >= 1), "{key}: {wrong}");
         assert!(r["garbage"]["sent"].as_u64().is_some_and(|n| n >= 19_800), "{key}: {}", r["garbage"]);
+        if r["transport"] == "tls" {
+            junk_connections += r["garbage"]["connections"].as_u64().unwrap_or(0);
+        }
     }
-    assert!(kills >= 6, "{kills} kills in all");
+    assert!(kills >= 9, "{kills} kills in all");
+    assert!(junk_connections >= 40, "{junk_connections} junk TCP connections reached the TLS listeners");
 }

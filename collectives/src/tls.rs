@@ -147,6 +147,8 @@ struct Shared {
     next_serial: AtomicU64,
     /// Writer threads still running.
     writers: watch::Sender<usize>,
+    /// Set by [`Transport::abort`]: a pulling receiver gets `None` from then on.
+    aborted: watch::Sender<bool>,
 }
 
 /// Where reader threads deliver events.
@@ -319,6 +321,7 @@ impl TlsTransport {
             state: AtomicU8::new(OPEN),
             next_serial: AtomicU64::new(0),
             writers: watch::channel(0).0,
+            aborted: watch::channel(false).0,
         });
         let accept_task = tokio::spawn(accept_loop(Arc::clone(&shared), listener)).abort_handle();
         Ok(TlsTransport { shared, inbox: tokio::sync::Mutex::new(inbox), accept_task })
@@ -412,7 +415,12 @@ impl Transport for TlsTransport {
             if let Some(events) = lock(&self.shared.pull_events).take() {
                 self.shared.set_route(Route::Pull(events));
             }
-            self.inbox.lock().await.recv().await
+            let mut aborted = self.shared.aborted.subscribe();
+            let mut inbox = self.inbox.lock().await;
+            tokio::select! {
+                event = inbox.recv() => event,
+                _ = aborted.wait_for(|aborted| *aborted) => None,
+            }
         })
     }
 
@@ -429,7 +437,12 @@ impl Transport for TlsTransport {
         if lock(&self.shared.pull_events).take().is_none() {
             return false;
         }
-        self.shared.set_route(Route::Push(sink));
+        self.shared.set_route(Route::Push(sink.clone()));
+        if self.shared.state.load(Ordering::Acquire) == ABORTED {
+            if let Some(sink) = sink.upgrade() {
+                sink.closed();
+            }
+        }
         true
     }
 
@@ -441,6 +454,17 @@ impl Transport for TlsTransport {
         }
         lock(&self.shared.pending).clear();
         self.shared.route_set.notify_all();
+        // The links just taken down report no loss (they are no longer the current links), so the
+        // endpoint is told the transport is gone: its operations, those waiting and those that
+        // start later (a generation moved on while this one was starting), fail at once with
+        // TransportClosed instead of waiting for frames until the operation timeout.
+        self.shared.aborted.send_replace(true);
+        let route = lock(&self.shared.route).clone();
+        if let Some(Route::Push(sink)) = route {
+            if let Some(sink) = sink.upgrade() {
+                sink.closed();
+            }
+        }
     }
 }
 

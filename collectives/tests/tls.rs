@@ -123,6 +123,34 @@ async fn abort_fails_waiting_operations_promptly() {
     assert_eq!(transports[1].send(0, frame).await, Err(Error::TransportClosed));
 }
 
+// Goal: the aborted rank's own operations fail at once too, with TransportClosed: one already
+// waiting to receive, and a receive-only one started after the generation moved on (a worker
+// whose generation is superseded while it starts: the agent moves the group on, then aborts the
+// transport, and the start goes on to its first broadcast). Found by the chaos harness: such a
+// worker waited the whole operation timeout, and the supervisor evicted it as hung.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_transport_fails_its_own_receives_at_once() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let config = CommConfig { op_timeout: Duration::from_secs(60), ..CommConfig::default() };
+    let transports = TlsTransport::loopback_world(&ca, 2, options()).await.unwrap();
+    let comms = network_comms(&transports, &config);
+    let waiting = {
+        let c = comms[1].clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0.0f32; 1 << 10];
+            c.broadcast(&mut buf, 0).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    comms[1].set_generation(comms[1].generation() + 1).unwrap();
+    transports[1].abort();
+    let result = tokio::time::timeout(Duration::from_secs(10), waiting).await.expect("the waiting receive must end promptly").unwrap();
+    assert!(matches!(result, Err(Error::StaleGeneration { .. } | Error::TransportClosed)), "{result:?}");
+    let mut buf = vec![0.0f32; 1 << 10];
+    let later = tokio::time::timeout(Duration::from_secs(10), comms[1].broadcast(&mut buf, 0)).await.expect("a receive after the abort must fail at once");
+    assert_eq!(later, Err(Error::TransportClosed));
+}
+
 // Goal: connect gives a typed error naming the missing peer when a rank never shows up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_times_out_with_missing_peer() {

@@ -2,7 +2,9 @@
 """Chaos harness for `rtx launch` (issue 19): hurts a running elastic job in every way the
 runtime claims to survive, then checks that it did.
 
-Each run of the matrix (transport x policy x sharding x seed) starts `rtx launch --nproc N` on
+Each run of the matrix (transport x policy x sharding x seed; transports quic, shm, and tls: the
+control plane on QUIC and the collective frames on TLS over TCP, where the garbage action also
+opens junk TCP connections at the workers' listeners) starts `rtx launch --nproc N` on
 the elastic test config and, following a seeded plan, does: K `kill -9` of random workers, SIGSTOP
 of a worker for S seconds then SIGCONT, a flood of garbage UDP datagrams at the supervisor's
 control port and at every UDP port the workers hold, and `rtx status` / `rtx worker --join` with a
@@ -61,13 +63,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Presets: defaults for every flag that is not given. `short` is what CI runs (tests/chaos.rs);
 # `long` is the acceptance run with the bars enforced; `sample` is a small version of `long`.
 PRESETS = {
-    "short": dict(workers=3, kills=2, stops=1, stop_seconds=1.6, garbage=20000, seeds="7", transports="quic,shm", policies="shrink,replace",
+    "short": dict(workers=3, kills=2, stops=1, stop_seconds=1.6, garbage=20000, seeds="7", transports="quic,shm,tls", policies="shrink,replace",
                   sharding="replicated,zero1", matrix="pairwise", steps=1600, checkpoint_every=200, acc_tol=0.05, run_timeout=90.0, enforce_bars=False),
     "long": dict(workers=8, kills=7, stops=1, stop_seconds=2.0, garbage=20000, seeds="1,2,3", transports="quic,shm", policies="shrink,replace",
                  sharding="replicated,zero1", matrix="full", steps=6000, checkpoint_every=500, acc_tol=0.03, run_timeout=600.0, enforce_bars=True),
     "sample": dict(workers=4, kills=6, stops=1, stop_seconds=2.0, garbage=20000, seeds="1", transports="quic,shm", policies="shrink,replace",
                    sharding="replicated,zero1", matrix="full", steps=2500, checkpoint_every=500, acc_tol=0.03, run_timeout=300.0, enforce_bars=True),
 }
+
+# Junk TCP connections per worker listener in a garbage action over the TLS transport.
+GARBAGE_CONNECTIONS_PER_PORT = 40
 
 # Bars of the long variant (issue 19).
 BAR_WORKERS = 8
@@ -222,8 +227,19 @@ def processes_of_run(run_dir):
 
 def udp_ports_of(pids):
     """UDP ports (ip, port) bound by the processes `pids`, read from /proc (no `ss` needed)."""
+    return sockets_of(pids, ("/proc/net/udp", "/proc/net/udp6"), None)
+
+
+def tcp_listeners_of(pids):
+    """TCP ports (ip, port) the processes `pids` listen on (state 0A), read from /proc."""
+    return sockets_of(pids, ("/proc/net/tcp", "/proc/net/tcp6"), "0A")
+
+
+def sockets_of(pids, tables, state):
+    """Local (ip, port) of the sockets in the /proc/net `tables` (rows in `state`, if given) whose
+    inode one of `pids` holds open."""
     inodes = {}
-    for path in ("/proc/net/udp", "/proc/net/udp6"):
+    for path in tables:
         try:
             with open(path) as f:
                 rows = f.read().splitlines()[1:]
@@ -234,6 +250,8 @@ def udp_ports_of(pids):
             if len(cols) < 10:
                 continue
             local, inode = cols[1], cols[9]
+            if state is not None and cols[3] != state:
+                continue
             ip_hex, port_hex = local.split(":")
             inodes[inode] = ("::1" if len(ip_hex) == 32 else "127.0.0.1", int(port_hex, 16))
     ports = set()
@@ -312,6 +330,36 @@ def garbage_datagrams(rng, targets, count):
     for s in socks.values():
         s.close()
     return sent, errors
+
+
+def garbage_connections(rng, targets, count):
+    """Opens `count` TCP connections round-robin to `targets` and sends each a random payload
+    before closing it: half start like a TLS record (a handshake header with a random length),
+    the rest are random bytes, some closed before anything is sent. The TLS transport must refuse
+    every one without disturbing its links. Returns (connections made, errors)."""
+    made, errors = 0, 0
+    for i in range(count):
+        ip, port = targets[i % len(targets)]
+        fam = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        try:
+            with socket.socket(fam, socket.SOCK_STREAM) as s:
+                s.settimeout(2.0)
+                s.connect((ip, port))
+                r = rng.random()
+                if r < 0.5:
+                    size = rng.randint(0, 2000)
+                    body = bytes([0x16, 0x03, rng.choice([1, 3])]) + rng.randrange(1 << 16).to_bytes(2, "big") + (rng.getrandbits(8 * size).to_bytes(size, "big") if size else b"")
+                elif r < 0.9:
+                    size = rng.randint(1, 4000)
+                    body = rng.getrandbits(8 * size).to_bytes(size, "big")
+                else:
+                    body = b""
+                if body:
+                    s.sendall(body)
+            made += 1
+        except OSError:
+            errors += 1
+    return made, errors
 
 
 # ----------------------------------------------------------------------------- one run
@@ -536,14 +584,23 @@ class Run:
         workers = [p for p in self.current_generation()["pids"] if proc_alive(p)]
         worker_ports = udp_ports_of(workers)
         targets += [t for t in worker_ports if t not in targets]
-        act.update(targets=[f"{h}:{p}" for h, p in targets], worker_ports=len(worker_ports), t=time.time())
+        # Over TLS the collective frames ride TCP: junk connections at the workers' listeners too.
+        tcp_targets = tcp_listeners_of(workers) if self.transport == "tls" else []
+        act.update(targets=[f"{h}:{p}" for h, p in targets], worker_ports=len(worker_ports), tcp_targets=[f"{h}:{p}" for h, p in tcp_targets], t=time.time())
         log(f"    [{time.time() - self.t_start:6.1f}s] {self.args.garbage} garbage datagrams at the supervisor {cluster['supervisor']} and {len(worker_ports)} worker UDP port(s)")
         if not worker_ports:
             self.notes.append("no worker UDP port found for the garbage datagrams")
+        if self.transport == "tls" and not tcp_targets:
+            self.notes.append("no worker TCP listener found for the garbage connections")
 
         def send(act):
             rng = random.Random(f"garbage:{self.seed}")
             t0 = time.time()
+            # TCP first: a listener lives only as long as its generation's transport, and the
+            # datagrams take a while on two cores.
+            if tcp_targets:
+                made, failed = garbage_connections(rng, tcp_targets, GARBAGE_CONNECTIONS_PER_PORT * len(tcp_targets))
+                act.update(connections=made, connection_errors=failed)
             sent, errors = garbage_datagrams(rng, targets, self.args.garbage)
             act.update(sent=sent, send_errors=errors, seconds=round(time.time() - t0, 3))
 
@@ -758,7 +815,7 @@ def analyse(run, reference_acc):
     # Garbage and wrong tokens.
     for act in run.actions:
         if act["kind"] == "garbage" and not act.get("skipped"):
-            rec["garbage"] = {k: act.get(k) for k in ("sent", "send_errors", "targets", "worker_ports", "seconds")}
+            rec["garbage"] = {k: act.get(k) for k in ("sent", "send_errors", "targets", "worker_ports", "tcp_targets", "connections", "connection_errors", "seconds")}
             if act.get("sent", 0) < a.garbage * 0.99:
                 run.fail("garbage_sent", f"only {act.get('sent')} of {a.garbage} datagrams sent")
         if act["kind"] == "wrong_token" and not act.get("skipped"):
@@ -770,6 +827,13 @@ def analyse(run, reference_acc):
             # error reply, which is not an event).
             res["refused_events"] = sum(1 for e in ev if e["event"] == "refused" and "wrong cluster token" in e.get("reason", "") and e["unix_s"] >= act["t"] - 0.05)
             rec["wrong_token"] = res
+            # The job may finish between the plan's step check and the attempt (a group shrunk to
+            # one worker runs the last steps fast): then no supervisor is left to refuse anyone.
+            # That is the plan not carried out (raise --steps), not a refusal that failed.
+            unanswered = all(not res[name]["says_wrong_token"] for name in ("status", "worker"))
+            if unanswered and fin and fin[-1]["unix_s"] <= act["t"] + 0.05:
+                act["skipped"] = "the job ended first"
+                continue
             for name in ("status", "worker"):
                 if res[name]["rc"] in (0, None) or not res[name]["says_wrong_token"]:
                     run.fail("wrong_token_refused", f"rtx {name} with a wrong token: exit {res[name]['rc']}, output: {res[name]['tail']!r}")
@@ -1014,7 +1078,8 @@ def main():
     ap.add_argument("--garbage", type=int, help="garbage datagrams per run (0: none)")
     ap.add_argument("--no-wrong-token", action="store_true")
     ap.add_argument("--seeds", help="e.g. 1,2,3 or 0..3")
-    ap.add_argument("--transports", help="quic,shm")
+    ap.add_argument("--transports", help="quic,shm,tls (tls: the control plane over QUIC, collective frames over TLS on TCP: [elastic] data_transport = \"tls\")")
+    ap.add_argument("--channels", type=int, default=1, help="[elastic] channels of every run (rings a large all-reduce is split into)")
     ap.add_argument("--policies", help="shrink,replace")
     ap.add_argument("--sharding", help="replicated,zero1,zero2")
     ap.add_argument("--metric", default="test_acc", help="the final eval metric compared with the undisturbed run: test_acc, val_loss (a text job), or none (a mesh job: no member holds the whole model to evaluate; the parameter bits are compared instead)")
@@ -1042,7 +1107,7 @@ def main():
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     shardings = [s.strip() for s in args.sharding.split(",") if s.strip()]
     seeds = parse_seeds(args.seeds)
-    for name, vals, allowed in (("transports", transports, {"quic", "shm", "auto"}), ("policies", policies, {"shrink", "replace"}), ("sharding", shardings, {"replicated", "zero1", "zero2"})):
+    for name, vals, allowed in (("transports", transports, {"quic", "shm", "auto", "tls"}), ("policies", policies, {"shrink", "replace"}), ("sharding", shardings, {"replicated", "zero1", "zero2"})):
         if not vals or not set(vals) <= allowed:
             ap.error(f"--{name} takes a comma list of {sorted(allowed)}")
     if not seeds or args.workers < 2:
@@ -1077,6 +1142,10 @@ def main():
 
     def one(key, transport, policy, sharding, seed, disturbed):
         overrides = {"transport": transport, "on_failure": policy, "sharding": sharding, "min_workers": 1}
+        if transport == "tls":
+            overrides.update(transport="quic", data_transport="tls")
+        if args.channels > 1:
+            overrides["channels"] = args.channels
         if args.checkpoint_every:
             overrides["checkpoint_every"] = args.checkpoint_every
         budget = args.kills + args.stops + 10
