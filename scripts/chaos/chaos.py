@@ -1041,6 +1041,13 @@ def self_test():
             e["unix_s"] += 30.0
     stalled = fake(slow)
     cases.append(("a 30 s recovery", (analyse(stalled, 0.85), checks(stalled))[1], ["recovery_stalled"]))
+    # Wrong-token attempts made after the job finished (finished at 999.0 in `fake`): nobody left to
+    # refuse them, which is the plan not carried out, not a refusal that failed.
+    late_wt = {"i": 1, "kind": "wrong_token", "t": 1000.0, "result": {"status": {"rc": 1, "says_wrong_token": False, "tail": "no answer within 10s"},
+                                                                     "worker": {"rc": 1, "says_wrong_token": False, "tail": "timed out"},
+                                                                     "status_right_token": {"rc": 1, "tail": "no answer within 10s"}}}
+    late = fake(log_with(61), extra_actions=[late_wt])
+    cases.append(("wrong token after the job ended", (analyse(late, 0.85), checks(late))[1], ["plan_complete"]))
     skipped = fake(log_with(61), extra_actions=[{"i": 2, "kind": "kill", "skipped": "the job ended first"}])
     cases.append(("plan not carried out", (analyse(skipped, 0.85), checks(skipped))[1], ["plan_complete"]))
     bad = [(name, got, want) for name, got, want in cases if got != want]
