@@ -154,18 +154,7 @@ impl Sealer {
         for part in parts {
             out.reserve(sealed_len(part.len()));
             for piece in part.chunks(MAX_PLAINTEXT) {
-                let body = piece.len() + 1 + TAG_LEN;
-                // At most 16 KiB + 17: fits the u16 length.
-                let header = [APPLICATION_DATA, 3, 3, (body >> 8) as u8, body as u8];
-                let record = out.append(RECORD_HEADER_LEN + body);
-                let (header_out, body_out) = record.split_at_mut(RECORD_HEADER_LEN);
-                header_out.copy_from_slice(&header);
-                let (ciphertext, type_and_tag) = body_out.split_at_mut(piece.len());
-                let nonce = self.key.next_nonce();
-                self.key
-                    .key
-                    .seal_out_of_place_scatter(nonce, Aad::from(header), piece, ciphertext, &[APPLICATION_DATA], type_and_tag)
-                    .map_err(|_| RecordError::Keys("seal failed".into()))?;
+                self.seal_record(APPLICATION_DATA, piece, out)?;
                 if self.key.seq + 1 >= self.update_every {
                     self.update(out)?;
                 }
@@ -174,19 +163,26 @@ impl Sealer {
         Ok(())
     }
 
-    /// Sends a KeyUpdate under the old key, then switches to the next one.
-    fn update(&mut self, out: &mut RecordBuf) -> Result<(), RecordError> {
-        let body = KEY_UPDATE_MESSAGE.len() + 1 + TAG_LEN;
-        let header = [APPLICATION_DATA, 3, 3, 0, body as u8];
+    /// Appends one record of at most 16 KiB with inner content type `content_type`, sealed
+    /// straight from `piece` into `out`.
+    fn seal_record(&mut self, content_type: u8, piece: &[u8], out: &mut RecordBuf) -> Result<(), RecordError> {
+        let body = piece.len() + 1 + TAG_LEN;
+        // At most 16 KiB + 17: fits the u16 length.
+        let header = [APPLICATION_DATA, 3, 3, (body >> 8) as u8, body as u8];
         let record = out.append(RECORD_HEADER_LEN + body);
         let (header_out, body_out) = record.split_at_mut(RECORD_HEADER_LEN);
         header_out.copy_from_slice(&header);
-        let (ciphertext, type_and_tag) = body_out.split_at_mut(KEY_UPDATE_MESSAGE.len());
+        let (ciphertext, type_and_tag) = body_out.split_at_mut(piece.len());
         let nonce = self.key.next_nonce();
         self.key
             .key
-            .seal_out_of_place_scatter(nonce, Aad::from(header), &KEY_UPDATE_MESSAGE, ciphertext, &[HANDSHAKE], type_and_tag)
-            .map_err(|_| RecordError::Keys("seal failed".into()))?;
+            .seal_out_of_place_scatter(nonce, Aad::from(header), piece, ciphertext, &[content_type], type_and_tag)
+            .map_err(|_| RecordError::Keys("seal failed".into()))
+    }
+
+    /// Sends a KeyUpdate under the old key, then switches to the next one.
+    fn update(&mut self, out: &mut RecordBuf) -> Result<(), RecordError> {
+        self.seal_record(HANDSHAKE, &KEY_UPDATE_MESSAGE, out)?;
         let (seq, secrets) = lock(&self.schedule).next(true).map_err(|e| RecordError::Keys(e.to_string()))?;
         self.key = DirectionKey::new(seq, secrets)?;
         tracing::debug!("tls record key updated (transmit)");
