@@ -151,8 +151,13 @@ pub trait Transport: Send + Sync + 'static {
     /// flow control) and every later send fails with [`crate::Error::TransportClosed`], reading
     /// stops, and peers see the link end. The worker calls it when the supervisor starts a new
     /// generation, so that no operation of the old one can stay blocked on a dead or stopped peer.
-    /// Must not block. The default does nothing: for a transport none of whose operations can
-    /// block past a generation change (the group's generation bump already fails its receives).
+    /// Afterwards the endpoint must learn that nothing more comes, by `recv` returning `None` /
+    /// [`EventSink::closed`], or by a `PeerLost` for every peer: an operation that starts after the
+    /// abort (a generation superseded while it was starting goes on to its first collective) must
+    /// fail at once, not wait for frames until its timeout. Must not block. The default does
+    /// nothing: for a transport none of whose operations can block past a generation change and
+    /// that is never aborted under a running worker (the group's generation bump already fails
+    /// the receives waiting then).
     fn abort(&self) {}
 
     /// Offers push delivery: a transport that returns `true` hands every later event to `sink`
