@@ -99,14 +99,21 @@ async fn close_finishes_without_waiting_for_the_peer() {
     assert!(transports[1].connected_peers().is_empty(), "the peer never saw the link end");
 }
 
-// Goal: aborting a transport fails a collective waiting on it at once with a typed error (no hang
-// until the operation timeout), and later sends fail with TransportClosed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn abort_fails_waiting_operations_promptly() {
+/// Two TLS ranks whose operations time out only after 60 s: a wait that the abort must end shows
+/// as a test timeout, not as a typed error.
+async fn two_ranks_with_long_timeout() -> (Vec<Arc<TlsTransport>>, Vec<rtx_collectives::Communicator>) {
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
     let config = CommConfig { op_timeout: Duration::from_secs(60), ..CommConfig::default() };
     let transports = TlsTransport::loopback_world(&ca, 2, options()).await.unwrap();
     let comms = network_comms(&transports, &config);
+    (transports, comms)
+}
+
+// Goal: aborting a transport fails a collective waiting on it at once with a typed error (no hang
+// until the operation timeout), and later sends fail with TransportClosed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_fails_waiting_operations_promptly() {
+    let (transports, comms) = two_ranks_with_long_timeout().await;
     // Rank 1 never joins; rank 0 waits for it until its peer's transport is aborted.
     let waiting = {
         let c = comms[0].clone();
@@ -130,10 +137,7 @@ async fn abort_fails_waiting_operations_promptly() {
 // worker waited the whole operation timeout, and the supervisor evicted it as hung.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborted_transport_fails_its_own_receives_at_once() {
-    let ca = ClusterCa::generate("rtx test cluster").unwrap();
-    let config = CommConfig { op_timeout: Duration::from_secs(60), ..CommConfig::default() };
-    let transports = TlsTransport::loopback_world(&ca, 2, options()).await.unwrap();
-    let comms = network_comms(&transports, &config);
+    let (transports, comms) = two_ranks_with_long_timeout().await;
     let waiting = {
         let c = comms[1].clone();
         tokio::spawn(async move {
