@@ -486,7 +486,7 @@ pub fn client_tls_config(identity: &NodeIdentity) -> Result<rustls::ClientConfig
 /// needs it for its initial packets anyway. aws-lc rather than ring: its AES-GCM has AVX-512
 /// (VAES + VPCLMULQDQ) code where the CPU has it, 1.7x ring's seal rate on the same core, and the
 /// cipher is most of what a secure transport spends per byte (ARCHITECTURE.md, "Cipher").
-pub(crate) fn crypto_provider() -> rustls::crypto::CryptoProvider {
+fn crypto_provider() -> rustls::crypto::CryptoProvider {
     let mut provider = rustls::crypto::aws_lc_rs::default_provider();
     provider.cipher_suites.retain(|suite| suite.suite() == rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
     provider
@@ -1407,7 +1407,8 @@ pub async fn quic_stream_throughput(options: &QuicOptions, bytes: u64, duplex: b
 
 /// Single-core throughput of the transport's packet protection, in bytes per second: the AEAD
 /// that rustls hands quinn for this transport's one cipher suite (AES-128-GCM with the `aws-lc-rs`
-/// provider, the implementation the TLS transport's records use too), run exactly as quinn runs it, in place on packets of `packet_bytes` payload bytes.
+/// provider, the implementation the TLS transport's records use too), run exactly as quinn runs
+/// it, in place on packets of `packet_bytes` payload bytes.
 ///
 /// This is the cost TLS adds to every byte on the wire, whatever the transport around it does.
 /// A benchmark uses it to bound what any encrypting transport can reach on CPUs that are busy

@@ -11,8 +11,8 @@
 //! is a thread of its own: the sending operation seals its frame straight from its memory into
 //! records (no copy first) and the writer writes them; the reader reads into pooled buffers, opens
 //! the records in place and hands their plaintext to the endpoint as pieces of those buffers
-//! ([`EventSink::chunked_frame`]) without copying. QUIC stays the
-//! transport of the control plane and where one connection must not stall another's packets.
+//! ([`EventSink::chunked_frame`]) without copying. QUIC stays the transport of the control plane
+//! and where one connection must not stall another's packets.
 //!
 //! Security is the QUIC transport's: rustls runs a TLS 1.3 handshake with the cluster CA on both
 //! sides ([`crate::server_tls_config`], [`crate::client_tls_config`]); the dialer checks that the

@@ -216,8 +216,17 @@ pub struct DpConfig {
 /// Most worker threads [`DpConfig::comm_threads`] may ask for: one per channel of the largest
 /// channel count the collectives take (`rtx_collectives::MAX_CHANNELS`).
 pub const MAX_COMM_THREADS: usize = rtx_collectives::MAX_CHANNELS;
-// The validation messages name the bound.
+// The validation message names the bound.
 const _: () = assert!(MAX_COMM_THREADS == 16);
+
+/// Refuses a communication-thread count outside 1 to [`MAX_COMM_THREADS`] (DP and FSDP configs).
+pub(crate) fn validate_comm_threads(comm_threads: usize) -> Result<()> {
+    if (1..=MAX_COMM_THREADS).contains(&comm_threads) {
+        Ok(())
+    } else {
+        Err(Error::InvalidConfig { reason: "comm_threads must be from 1 to 16" })
+    }
+}
 
 /// What one step did.
 #[derive(Clone, Debug, PartialEq)]
@@ -293,9 +302,7 @@ impl DpConfig {
         if self.collective_timeout.is_zero() {
             return Err(Error::InvalidConfig { reason: "collective_timeout must be positive" });
         }
-        if !(1..=MAX_COMM_THREADS).contains(&self.comm_threads) {
-            return Err(Error::InvalidConfig { reason: "comm_threads must be from 1 to 16" });
-        }
+        validate_comm_threads(self.comm_threads)?;
         crate::clip::validate(self.grad_clip)
     }
 }
@@ -1100,6 +1107,23 @@ const _: () = assert!(DEFAULT_QUEUE_DEPTH > 0 && DEFAULT_BUCKET_BYTES_MAX > 0);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // Goal: a communication-thread count outside 1-16 is a typed error naming the range, in the DP
+    // and the FSDP config alike; the bounds themselves are taken.
+    #[test]
+    fn comm_threads_outside_1_to_16_are_refused() {
+        for bad in [0, MAX_COMM_THREADS + 1] {
+            let dp = DpConfig { comm_threads: bad, ..DpConfig::default() }.validate();
+            let fsdp = crate::FsdpConfig { comm_threads: bad, ..crate::FsdpConfig::default() }.validate();
+            for err in [dp, fsdp] {
+                assert!(matches!(err, Err(Error::InvalidConfig { reason }) if reason.contains("from 1 to 16")), "{bad}");
+            }
+        }
+        for good in [1, MAX_COMM_THREADS] {
+            assert!(DpConfig { comm_threads: good, ..DpConfig::default() }.validate().is_ok());
+            assert!(crate::FsdpConfig { comm_threads: good, ..crate::FsdpConfig::default() }.validate().is_ok());
+        }
+    }
 
     // Goal: buckets go out in index order, each once, as soon as they and all before them are
     // complete. Method: feed readiness out of order.

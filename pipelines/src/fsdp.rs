@@ -141,9 +141,7 @@ impl FsdpConfig {
         if self.collective_timeout.is_zero() {
             return Err(Error::InvalidConfig { reason: "collective_timeout must be positive" });
         }
-        if !(1..=crate::MAX_COMM_THREADS).contains(&self.comm_threads) {
-            return Err(Error::InvalidConfig { reason: "comm_threads must be from 1 to 16" });
-        }
+        crate::data_parallel::validate_comm_threads(self.comm_threads)?;
         crate::clip::validate(self.grad_clip)
     }
 }

@@ -2,14 +2,14 @@
 //! than inside rustls so that each direction of a connection is owned by its own thread.
 //!
 //! rustls runs the handshake and the key schedule; the transport then takes the traffic keys out
-//! (`dangerous_into_kernel_connection`, the path kTLS uses) and seals and opens records with aws-lc's
-//! AES-GCM itself: a [`Sealer`] used by the sending operations (under the connection's lock, so
-//! records leave in sequence order), an [`Opener`] in the connection's reader thread, with no lock
-//! between them and no copy at all: a send seals straight from the caller's memory into the record
-//! buffer (the cipher's read is the only pass over the plaintext), a receive opens records in place
-//! in the buffer the socket read into. The wire is
-//! plain TLS 1.3: outer type 23, version 0x0303, the inner content type after the plaintext, the
-//! nonce the per-direction sequence number XORed into the IV, the record header as AEAD data.
+//! (`dangerous_into_kernel_connection`, the path kTLS uses) and seals and opens records with
+//! aws-lc's AES-GCM itself: a [`Sealer`] used by the sending operations (under the connection's
+//! lock, so records leave in sequence order), an [`Opener`] in the connection's reader thread,
+//! with no lock between them and no copy at all: a send seals straight from the caller's memory
+//! into the record buffer (the cipher's read is the only pass over the plaintext), a receive opens
+//! records in place in the buffer the socket read into. The wire is plain TLS 1.3: outer type 23,
+//! version 0x0303, the inner content type after the plaintext, the nonce the per-direction
+//! sequence number XORed into the IV, the record header as AEAD data.
 //!
 //! Key updates: AES-GCM may seal only so many records under one key (the suite's
 //! confidentiality limit, 2^24 records for AES-128-GCM in rustls). A [`Sealer`] sends a KeyUpdate
@@ -191,7 +191,7 @@ impl Sealer {
 }
 
 /// Bytes that [`Sealer::seal_parts`] appends for a part of `plaintext` bytes (key updates aside).
-pub(crate) fn sealed_len(plaintext: usize) -> usize {
+fn sealed_len(plaintext: usize) -> usize {
     plaintext + plaintext.div_ceil(MAX_PLAINTEXT) * RECORD_OVERHEAD
 }
 
