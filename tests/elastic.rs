@@ -45,10 +45,16 @@ fn survive(sig: &str, class: &str, transport: &str) {
 
 /// [`survive`] with these `[elastic]` lines.
 fn survive_with(sig: &str, class: &str, elastic: &str) {
+    survive_checking(sig, class, elastic, |_| {});
+}
+
+/// [`survive_with`], running `check` on the two workers' pids before the signal.
+fn survive_checking(sig: &str, class: &str, elastic: &str, check: impl Fn(&[u32])) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let out = tempfile::tempdir().expect("tempdir").keep().join("run");
     let launch = Launch::start_in(out, &config_with(600, elastic), 2, &[]);
     let events = launch.wait_for("step 150", Duration::from_secs(120), |e| Launch::committed(e).is_some_and(|s| s >= 150));
+    check(&launch.pids());
     let victim = launch.pids()[1];
     let before = Launch::committed(&events).expect("committed");
     signal(victim, sig);
@@ -94,10 +100,17 @@ fn a_hung_worker_is_detected_and_evicted() {
 
 // Over TLS on TCP (`data_transport = "tls"`): the kernel closes a killed worker's sockets, so the
 // survivor's reader sees the end at once; a stopped worker's kernel still answers TCP, so only the
-// supervisor's heartbeats find the hang, and the generation's abort unblocks the survivor.
+// supervisor's heartbeats find the hang, and the generation's abort unblocks the survivor. The
+// killed job runs `connections = 3`: before the kill each worker holds exactly three established
+// TCP connections (the pair's links; the control plane is QUIC), so the key reached the transport,
+// and losing a peer with several connections still costs at most one step.
 #[test]
 fn a_killed_worker_over_tls_costs_at_most_one_step() {
-    survive_with("-9", "Crash", "transport = \"quic\"\ndata_transport = \"tls\"\n");
+    survive_checking("-9", "Crash", "transport = \"quic\"\ndata_transport = \"tls\"\nconnections = 3\n", |pids| {
+        for &pid in pids {
+            assert_eq!(support::established_tcp(pid), 3, "worker {pid}: TCP connections of a 2-worker job with connections = 3");
+        }
+    });
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use rtx_collectives::MAX_CHANNELS;
+use rtx_collectives::{MAX_CHANNELS, MAX_STRIPES};
 
 use crate::error::{Result, SupervisorError};
 
@@ -221,6 +221,13 @@ pub struct ElasticConfig {
     /// has one. Pays off only on hosts with cores to spare (BENCHMARKS.md); the sums' last bits
     /// depend on N (never on the rank), so one job keeps one value.
     pub channels: usize,
+    /// Connections per worker pair that carry the collectives' frames, 1 to [`MAX_STRIPES`]
+    /// (`[elastic] connections = N`, default 1): `QuicOptions::stripes` or `TlsOptions::stripes`
+    /// of every worker's data transport. Each connection is sealed and opened by its own thread
+    /// (TLS) or quinn driver (QUIC), so on hosts with cores to spare a pair's traffic is no longer
+    /// held to one core; measured best with `channels = 4` over TLS (BENCHMARKS.md). The sums do
+    /// not depend on it.
+    pub connections: usize,
     /// Test-only: a planted bug (see [`PlantedBug`]).
     pub planted_bug: PlantedBug,
     /// ZeRO-1 / ZeRO-2: optimizer state (and under ZeRO-2 gradients) sharded across the workers.
@@ -274,6 +281,7 @@ impl Default for ElasticConfig {
             transport: Wire::Auto,
             data_transport: DataTransport::Quic,
             channels: 1,
+            connections: 1,
             planted_bug: PlantedBug::None,
             sharding: DpSharding::Replicated,
             snapshot_every: 25,
@@ -333,6 +341,9 @@ impl ElasticConfig {
         if !(1..=MAX_CHANNELS).contains(&self.channels) {
             return bad(format!("elastic.channels must be an integer from 1 to {MAX_CHANNELS}, got {}", self.channels));
         }
+        if !(1..=MAX_STRIPES).contains(&self.connections) {
+            return bad(format!("elastic.connections must be an integer from 1 to {MAX_STRIPES}, got {}", self.connections));
+        }
         Ok(())
     }
 
@@ -380,14 +391,10 @@ impl ElasticConfig {
                         _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.data_transport must be \"quic\" or \"tls\", got {value}") }),
                     };
                 }
-                "channels" => {
-                    // Checked here, not in `validate`, so the message names the value as written
-                    // (a string or a float is refused too, not only a count out of range).
-                    self.channels = match value.as_integer().and_then(|i| usize::try_from(i).ok()) {
-                        Some(n) if (1..=MAX_CHANNELS).contains(&n) => n,
-                        _ => return Err(SupervisorError::InvalidConfig { reason: format!("elastic.channels must be an integer from 1 to {MAX_CHANNELS}, got {value}") }),
-                    };
-                }
+                // Counts are checked here, not in `validate`, so the message names the value as
+                // written (a string or a float is refused too, not only a count out of range).
+                "channels" => self.channels = count_in(key, value, MAX_CHANNELS)?,
+                "connections" => self.connections = count_in(key, value, MAX_STRIPES)?,
                 "sharding" => {
                     self.sharding = match value.as_str() {
                         Some("replicated") => DpSharding::Replicated,
@@ -412,10 +419,19 @@ impl ElasticConfig {
                         p.budget = b;
                     }
                 }
-                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, finish_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, data_transport, channels, sharding, snapshot_every, zero_copies, repartition)") }),
+                other => return Err(SupervisorError::InvalidConfig { reason: format!("unknown key elastic.{other} (known: min_workers, max_workers, heartbeat_interval_ms, heartbeat_timeout_ms, rendezvous_timeout_ms, prepare_timeout_ms, finish_timeout_ms, collective_timeout_ms, verify_every, checkpoint_every, on_failure, failure_budget, transport, data_transport, channels, connections, sharding, snapshot_every, zero_copies, repartition)") }),
             }
         }
         Ok(())
+    }
+}
+
+/// The `[elastic]` count `key` as written: an integer from 1 to `max`, or an error naming the key,
+/// the range and the value.
+fn count_in(key: &str, value: &toml::Value, max: usize) -> Result<usize> {
+    match value.as_integer().and_then(|i| usize::try_from(i).ok()) {
+        Some(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(SupervisorError::InvalidConfig { reason: format!("elastic.{key} must be an integer from 1 to {max}, got {value}") }),
     }
 }
 
@@ -494,30 +510,35 @@ mod tests {
     }
 
     #[test]
-    fn channels_take_1_to_16_and_a_bad_value_is_named() {
-        let mut c = ElasticConfig::default();
-        assert_eq!(c.channels, 1, "one ring stays the default");
-        c.apply_toml(&toml::from_str("channels = 4").unwrap()).unwrap();
-        assert_eq!(c.channels, 4);
-        c.validate().unwrap();
-        c.apply_toml(&toml::from_str("channels = 16").unwrap()).unwrap();
-        assert_eq!(c.channels, 16);
-        for bad in ["channels = 0", "channels = 17", "channels = \"4\"", "channels = -1", "channels = 2.0"] {
-            match c.apply_toml(&toml::from_str(bad).unwrap()) {
-                Err(SupervisorError::InvalidConfig { reason }) => {
-                    assert!(reason.contains("elastic.channels must be an integer from 1 to 16"), "the key and range are named: {reason}");
-                    let value = bad.split(" = ").nth(1).unwrap();
-                    assert!(reason.ends_with(&format!("got {value}")), "the bad value is named: {reason}");
+    fn channels_and_connections_take_1_to_16_and_a_bad_value_is_named() {
+        type Field = fn(&mut ElasticConfig) -> &mut usize;
+        let keys: [(&str, Field); 2] = [("channels", |c| &mut c.channels), ("connections", |c| &mut c.connections)];
+        for (key, field) in keys {
+            let mut c = ElasticConfig::default();
+            assert_eq!(*field(&mut c), 1, "{key}: one stays the default");
+            c.apply_toml(&toml::from_str(&format!("{key} = 4")).unwrap()).unwrap();
+            assert_eq!(*field(&mut c), 4);
+            c.validate().unwrap();
+            c.apply_toml(&toml::from_str(&format!("{key} = 16")).unwrap()).unwrap();
+            assert_eq!(*field(&mut c), 16);
+            for value in ["0", "17", "\"4\"", "-1", "2.0"] {
+                match c.apply_toml(&toml::from_str(&format!("{key} = {value}")).unwrap()) {
+                    Err(SupervisorError::InvalidConfig { reason }) => {
+                        assert!(reason.contains(&format!("elastic.{key} must be an integer from 1 to 16")), "the key and range are named: {reason}");
+                        assert!(reason.ends_with(&format!("got {value}")), "the bad value is named: {reason}");
+                    }
+                    other => panic!("{key} = {value}: expected InvalidConfig, got {other:?}"),
                 }
-                other => panic!("{bad}: expected InvalidConfig, got {other:?}"),
             }
+            assert_eq!(*field(&mut c), 16, "{key}: a bad value changes nothing");
+            for bad in [0, 17] {
+                let mut built = ElasticConfig::default();
+                *field(&mut built) = bad;
+                let err = built.validate().unwrap_err().to_string();
+                assert!(err.contains(&format!("elastic.{key} must be an integer from 1 to 16, got {bad}")), "{err}");
+            }
+            let err = c.apply_toml(&toml::from_str(&format!("{} = 2", &key[..key.len() - 1])).unwrap()).unwrap_err().to_string();
+            assert!(err.contains(&format!("unknown key elastic.{} (", &key[..key.len() - 1])) && err.contains(&format!(", {key},")), "the known keys list it: {err}");
         }
-        assert_eq!(c.channels, 16, "a bad value changes nothing");
-        for bad in [0, 17] {
-            let err = ElasticConfig { channels: bad, ..ElasticConfig::default() }.validate().unwrap_err().to_string();
-            assert!(err.contains(&format!("elastic.channels must be an integer from 1 to 16, got {bad}")), "{err}");
-        }
-        let err = c.apply_toml(&toml::from_str("channel = 2").unwrap()).unwrap_err().to_string();
-        assert!(err.contains("unknown key elastic.channel (") && err.contains(", channels,"), "the known keys list it: {err}");
     }
 }

@@ -76,8 +76,9 @@ pub enum JoinReply {
     /// step's segment states are exchanged with the buddies or only snapshots are kept.
     /// `data_transport`: what the collectives bind at `Prepare` to cross processes (QUIC, or TLS
     /// over TCP). `channels`: the rings each large all-reduce is split into (`[elastic] channels`),
-    /// and the DP communication runtime's threads.
-    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64, sharding: DpSharding, snapshot_every: u64, zero_copies: ZeroCopies, data_transport: DataTransport, channels: u32, run_dir: Option<String> },
+    /// and the DP communication runtime's threads. `connections`: TCP or QUIC connections per worker
+    /// pair of the data transport (`[elastic] connections`).
+    Accepted { node: u64, proof: Vec<u8>, job: String, heartbeat_ms: u64, resume: Option<String>, verify_every: u64, checkpoint_every: u64, sharding: DpSharding, snapshot_every: u64, zero_copies: ZeroCopies, data_transport: DataTransport, channels: u32, connections: u32, run_dir: Option<String> },
     /// Not admitted, and why.
     Refused { reason: String },
 }

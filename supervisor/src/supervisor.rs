@@ -426,6 +426,7 @@ impl ClusterSupervisor {
                     data_transport: options.elastic.data_transport,
                     // `ElasticConfig::validate` (run at start) holds it within 1..=16, so it fits.
                     channels: u32::try_from(options.elastic.channels).unwrap_or(1),
+                    connections: u32::try_from(options.elastic.connections).unwrap_or(1),
                     run_dir: options.run_dir.as_ref().map(|p| p.display().to_string()),
                 };
                 msg.reply(&accepted).await?;

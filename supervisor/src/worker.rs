@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use rtx_actors::{DataShard, Inbound, Link, LinkOptions, RemoteRef};
-use rtx_collectives::{BoxFuture, CommConfig, Communicator, Endpoint, NodeIdentity, MAX_CHANNELS, QuicOptions, QuicTransport, RoutedTransport, ShmOptions, ShmTransport, TlsOptions, TlsTransport, Transport, WORLD_GROUP_ID};
+use rtx_collectives::{BoxFuture, CommConfig, Communicator, Endpoint, NodeIdentity, MAX_CHANNELS, MAX_STRIPES, QuicOptions, QuicTransport, RoutedTransport, ShmOptions, ShmTransport, TlsOptions, TlsTransport, Transport, WORLD_GROUP_ID};
 use tokio::sync::mpsc::{Receiver, Sender};
 use tracing::Instrument;
 use rtx_pipelines::{ComputeDriver, DataParallel, DpConfig, Sharding};
@@ -318,16 +318,15 @@ where
     let host = env.host.clone().or_else(machine_identity).unwrap_or_else(|| options.bind_ip.to_string());
     let join = ToSupervisor::Join { name: options.name.clone(), pid: env.pid, host, proof: protocol::worker_proof(&options.token, &ekm) };
     let reply: JoinReply = supervisor.ask(&join, Duration::from_secs(30)).await?;
-    let (node, job_text, heartbeat, (resume, run_dir), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels)) = match reply {
-        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, run_dir } => {
+    let (node, job_text, heartbeat, (resume, run_dir), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, connections)) = match reply {
+        JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, connections, run_dir } => {
             if !protocol::verify_supervisor_proof(&options.token, &ekm, &proof) {
                 link.close("supervisor not authentic");
                 return Err(SupervisorError::NotAuthentic { addr: options.join.to_string() });
             }
-            // The supervisor's config holds it in range; a count from elsewhere is refused here
-            // rather than turned into one ring (0) or a late `CommConfig` error (17 and up).
-            let channels = usize::try_from(channels).ok().filter(|n| (1..=MAX_CHANNELS).contains(n)).ok_or_else(|| SupervisorError::InvalidConfig { reason: format!("elastic.channels from the supervisor must be from 1 to {MAX_CHANNELS}, got {channels}") })?;
-            (node, job, Duration::from_millis(heartbeat_ms.max(10)), (resume.map(PathBuf::from), run_dir.map(PathBuf::from)), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels))
+            let channels = count_from_supervisor("channels", channels, MAX_CHANNELS)?;
+            let connections = count_from_supervisor("connections", connections, MAX_STRIPES)?;
+            (node, job, Duration::from_millis(heartbeat_ms.max(10)), (resume.map(PathBuf::from), run_dir.map(PathBuf::from)), (verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, connections))
         }
         JoinReply::Refused { reason } => return Err(SupervisorError::Refused { reason }),
     };
@@ -337,7 +336,7 @@ where
     let heartbeats = AbortOnDrop(tokio::spawn(heartbeat_loop(supervisor.clone(), node, heartbeat, Arc::clone(&shared))));
 
     let (cmd_tx, cmd_rx) = tokio::sync::mpsc::channel::<ToWorker>(COMMAND_QUEUE);
-    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, compute: env.compute.clone(), verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, timing: Mutex::new((0.0, 0.0, 0.0)) };
+    let ctx = WorkerCtx { node, supervisor: supervisor.clone(), shared: Arc::clone(&shared), bind_ip: options.bind_ip, quic: options.quic.clone(), wire: env.wire.clone(), checkpoints: env.checkpoints.clone(), exec: env.exec, compute: env.compute.clone(), verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, connections, timing: Mutex::new((0.0, 0.0, 0.0)) };
     let spec = JobSpec { node, job: job_text, resume, run_dir };
     let worker = async move {
         let job = make_job(&spec).map_err(SupervisorError::Job)?;
@@ -501,6 +500,13 @@ async fn agent_loop(agent: AgentCtx<'_>, inbound: &mut Receiver<Inbound>, cmd_tx
     }
 }
 
+/// A count the supervisor sent (`[elastic] channels` or `connections`): its config holds it in
+/// 1..=`max`; a count from elsewhere is refused here rather than turned into one (0) or a late
+/// transport or `CommConfig` error (above `max`).
+fn count_from_supervisor(key: &str, count: u32, max: usize) -> Result<usize> {
+    usize::try_from(count).ok().filter(|n| (1..=max).contains(n)).ok_or_else(|| SupervisorError::InvalidConfig { reason: format!("elastic.{key} from the supervisor must be from 1 to {max}, got {count}") })
+}
+
 /// What the worker thread needs from the process.
 struct WorkerCtx {
     node: u64,
@@ -525,6 +531,9 @@ struct WorkerCtx {
     /// Rings each large all-reduce of a DP generation is split into (`[elastic] channels`, 1 to
     /// 16), and the threads of the DP engine's communication runtime, one per ring.
     channels: usize,
+    /// Connections per worker pair of the data transport (`[elastic] connections`, 1 to 16):
+    /// `QuicOptions::stripes` / `TlsOptions::stripes`.
+    connections: usize,
     /// Seconds inside training steps, on the control path of the step loop (command polling,
     /// step reports), and of the whole step loop.
     timing: Mutex<(f64, f64, f64)>,
@@ -630,15 +639,15 @@ async fn worker_main<J: TrainJob>(ctx: WorkerCtx, job: Arc<J>, resume: Option<Pa
                         let listen = SocketAddr::new(ctx.bind_ip, 0);
                         match ctx.data_transport {
                             DataTransport::Quic => {
-                                let transport = Arc::new(QuicTransport::bind(&identity, world as usize, listen, ctx.quic.clone())?);
+                                let options = QuicOptions { stripes: ctx.connections, ..ctx.quic.clone() };
+                                let transport = Arc::new(QuicTransport::bind(&identity, world as usize, listen, options)?);
                                 let addr = transport.local_addr()?.to_string();
                                 (Bound::Quic(transport), addr)
                             }
                             DataTransport::Tls => {
                                 // The worker's QUIC tuning carries the timeouts and the payload cap
-                                // over; the TLS transport's own knobs (stripes, key updates) keep
-                                // their defaults.
-                                let options = TlsOptions { connect_timeout: ctx.quic.connect_timeout, idle_timeout: ctx.quic.idle_timeout, keep_alive: ctx.quic.keep_alive, max_payload_bytes: ctx.quic.max_payload_bytes, ..TlsOptions::default() };
+                                // over; key updates keep the TLS transport's default.
+                                let options = TlsOptions { connect_timeout: ctx.quic.connect_timeout, idle_timeout: ctx.quic.idle_timeout, keep_alive: ctx.quic.keep_alive, max_payload_bytes: ctx.quic.max_payload_bytes, stripes: ctx.connections, ..TlsOptions::default() };
                                 let transport = Arc::new(TlsTransport::bind(&identity, world as usize, listen, options)?);
                                 let addr = transport.local_addr().to_string();
                                 (Bound::Tls(transport), addr)

@@ -183,7 +183,7 @@ fn join_replies_verify_exactly_the_right_proof() {
         |input| {
             let (ekm, bytes) = split(input);
             match rtx_actors::decode::<JoinReply>(bytes) {
-                Ok(JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, run_dir }) => {
+                Ok(JoinReply::Accepted { node, proof, job, heartbeat_ms, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, connections, run_dir }) => {
                     let verified = protocol::verify_supervisor_proof(TOKEN, &ekm, &proof);
                     if verified != (proof == protocol::supervisor_proof(TOKEN, &ekm)) {
                         return Err(format!("verify_supervisor_proof said {verified} for a proof of {} bytes", proof.len()));
@@ -196,7 +196,7 @@ fn join_replies_verify_exactly_the_right_proof() {
                     let heartbeat = Duration::from_millis(heartbeat_ms.max(10));
                     let resume = resume.map(PathBuf::from);
                     let run_dir = run_dir.map(PathBuf::from);
-                    std::hint::black_box((node, job.len(), heartbeat, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, run_dir));
+                    std::hint::black_box((node, job.len(), heartbeat, resume, verify_every, checkpoint_every, sharding, snapshot_every, zero_copies, data_transport, channels, connections, run_dir));
                     Ok(true)
                 }
                 Ok(JoinReply::Refused { .. }) => Ok(true),

@@ -105,6 +105,22 @@ pub fn alive(pid: u32) -> bool {
     }
 }
 
+/// Established TCP connections of process `pid` (Linux): its socket descriptors matched by inode
+/// against the kernel's TCP tables in state ESTABLISHED (`01`).
+pub fn established_tcp(pid: u32) -> usize {
+    let inodes: std::collections::BTreeSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|dir| dir.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok()).filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_string)).collect())
+        .unwrap_or_default();
+    ["tcp", "tcp6"]
+        .iter()
+        .flat_map(|t| std::fs::read_to_string(format!("/proc/{pid}/net/{t}")).unwrap_or_default().lines().skip(1).map(str::to_string).collect::<Vec<_>>())
+        .filter(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            cols.get(3) == Some(&"01") && cols.get(9).is_some_and(|inode| inodes.contains(*inode))
+        })
+        .count()
+}
+
 /// A data root under `root` holding the bundled digits fixture (8x8 images, 10 classes).
 pub fn digits(root: &Path) -> DataRoot {
     let data = DataRoot::new(root.join("data"));

@@ -257,6 +257,7 @@ mod tests {
             zero_copies: crate::config::ZeroCopies::Buddy,
             data_transport: crate::config::DataTransport::Quic,
             channels: 1,
+            connections: 1,
             timing: Mutex::new((0.0, 0.0, 0.0)),
         };
         // The context's remote keeps its own handle of the node's link.

@@ -103,6 +103,7 @@ pub(crate) fn join_reply(rng: &mut ChaCha8Rng) -> JoinReply {
             zero_copies: if rng.random_bool(0.5) { ZeroCopies::Buddy } else { ZeroCopies::Snapshot },
             data_transport: if rng.random_bool(0.5) { DataTransport::Quic } else { DataTransport::Tls },
             channels: Values::u32(rng),
+            connections: Values::u32(rng),
             run_dir: Values::option(rng, Values::string),
         }
     } else {
