@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use crate::element::{copy_parts, Accumulator, Element, WireElement};
+use crate::element::{Accumulator, Element, WireElement};
 use crate::error::Result;
 use crate::frame::Frame;
 use crate::op::{pieces, segment_range, OpCtx};
@@ -184,8 +184,12 @@ enum Recv {
 /// Where a sent frame's payload comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Send {
-    /// The buffer's current values of the range (local values, or a final piece).
+    /// The buffer's current values of the range (local values to be reduced).
     Buf,
+    /// The buffer's values of a final piece (reduced, or this rank's own segment), starting the
+    /// all-gather: the receiver copies it whole, so it goes as a copied frame
+    /// ([`OpCtx::send_copied_frame`]).
+    Final,
     /// The oldest combined frame waiting to be forwarded.
     Forward,
     /// A gathered piece: the frame it arrived in, passed on unchanged (no copy where the
@@ -240,7 +244,7 @@ impl Schedule {
                         sched.recvs.push((Recv::Final, p.clone()));
                         if gather {
                             // The owned piece is final: it starts the all-gather.
-                            sched.sends.push((Send::Buf, p, Some(at)));
+                            sched.sends.push((Send::Final, p, Some(at)));
                         }
                     }
                 }
@@ -248,7 +252,7 @@ impl Schedule {
             if gather {
                 if !reduce {
                     if let Some(p) = piece_of(seg(rank), k) {
-                        sched.sends.push((Send::Buf, p, None));
+                        sched.sends.push((Send::Final, p, None));
                     }
                 }
                 for step in 0..n - 1 {
@@ -294,11 +298,12 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
             }
             match source {
                 Send::Buf => ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?,
+                Send::Final => ctx.send_copied_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?,
                 Send::Forward | Send::Pass => match held.pop_front() {
                     Some(Held::Frame(frame)) => ctx.forward_frame(next, Some(A::DTYPE), frame).await?,
                     Some(Held::Buf) => {
                         debug_assert_eq!(*source, Send::Pass, "a forward always keeps its frame");
-                        ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?
+                        ctx.send_copied_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?
                     }
                     None => debug_assert!(false, "a frame is sent on after it was received"),
                 },
@@ -323,10 +328,13 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
                 }
             }
             Recv::Gather => {
-                let frame = ctx.recv_frame_parts(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
-                copy_parts(buf.write(range.clone()), frame.payload_parts());
-                // A lent payload goes back to the transport now; the buffer holds a copy to send.
-                held.push_back(if frame.is_lent() { Held::Buf } else { Held::Frame(frame) });
+                // A lent payload goes back to the transport now, and a sealed one was opened
+                // straight into the buffer: the buffer holds what to send on.
+                let frame = ctx.recv_into(prev, buf.write(range.clone())).await?;
+                held.push_back(match frame {
+                    Some(frame) if !frame.is_lent() => Held::Frame(frame),
+                    _ => Held::Buf,
+                });
             }
             Recv::Last => ctx.recv_copy(prev, buf.write(range.clone())).await?,
         }
@@ -388,16 +396,19 @@ pub(crate) async fn ring_all_gather<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &m
             }
             match (source, if *source == Send::Pass { held.pop_front() } else { None }) {
                 (Send::Pass, Some(Held::Frame(frame))) => ctx.forward_frame(next, Some(T::DTYPE), frame).await?,
-                _ => ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range.clone()])).await?,
+                _ => ctx.send_copied_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range.clone()])).await?,
             }
             sent += 1;
         }
         let Some((kind, range)) = sched.recvs.get(done) else { break };
-        let frame = ctx.recv_frame_parts(prev, Some(T::DTYPE), std::mem::size_of_val(&buf[range.clone()])).await?;
-        copy_parts(&mut buf[range.clone()], frame.payload_parts());
+        let frame = ctx.recv_into(prev, &mut buf[range.clone()]).await?;
         if *kind == Recv::Gather {
-            // Passed on as received (see `run_ring`); a lent payload goes back now.
-            held.push_back(if frame.is_lent() { Held::Buf } else { Held::Frame(frame) });
+            // Passed on as received (see `run_ring`); a lent payload goes back now, a sealed one
+            // was opened into the buffer.
+            held.push_back(match frame {
+                Some(frame) if !frame.is_lent() => Held::Frame(frame),
+                _ => Held::Buf,
+            });
         }
     }
     debug_assert!(held.is_empty(), "every held frame was sent on");
@@ -473,7 +484,8 @@ pub(crate) async fn chain_broadcast<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &m
             ctx.recv_copy(prev, &mut buf[p.clone()]).await?;
         }
         if let Some(next) = next {
-            ctx.send_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[p])).await?;
+            // The next rank copies it whole (`recv_copy`).
+            ctx.send_copied_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[p])).await?;
         }
     }
     Ok(())

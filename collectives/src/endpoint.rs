@@ -292,6 +292,10 @@ impl EventSink for EndpointShared {
         self.route_frame(from, Frame::decode_chunked(&header, payload, self.config.max_payload_bytes));
     }
 
+    fn sealed_frame(&self, from: usize, header: [u8; crate::frame::HEADER_LEN], payload: Box<dyn crate::transport::SealedPayload>) {
+        self.route_frame(from, Frame::decode_sealed(&header, payload, self.config.max_payload_bytes));
+    }
+
     fn closed(&self) {
         self.on_closed();
     }

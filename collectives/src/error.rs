@@ -146,6 +146,15 @@ pub enum Error {
         /// Byte count received.
         got: usize,
     },
+    /// A payload handed over sealed ([`crate::SealedPayload`]) did not authenticate or was not
+    /// what the frame header declared; the transport broke the link it came on.
+    #[error("payload from rank {src} does not open: {reason}")]
+    Unauthentic {
+        /// Global rank of the sender.
+        src: usize,
+        /// What was wrong.
+        reason: String,
+    },
     /// TLS material or configuration was refused (bad certificate, key, CA, or provider setup).
     #[error("tls setup failed: {reason}")]
     Tls {

@@ -15,7 +15,7 @@
 //! | 36..40 | source rank    |
 //! | 40..48 | payload length |
 //! | 48..52 | crc32 of bytes 0..48, 52..64 and (unless flag 1 is set) the payload |
-//! | 52     | flags: bit 0 = the checksum does not cover the payload; other bits zero |
+//! | 52     | flags: bit 0 = the checksum does not cover the payload; bit 1 = the receiver copies the payload whole into its output (see below); other bits zero |
 //! | 53     | channels: how many rings the operation was split into, 0 for one (see below) |
 //! | 54..64 | reserved, zero |
 //!
@@ -33,6 +33,13 @@
 //! without channels (which read byte 53 as reserved, and so refuse channelled frames with
 //! [`Error::ReservedNonZero`]); the version stays 2.
 //!
+//! Copied payloads (flag bit 1, [`FLAG_COPIED`]): a ring's all-gather steps copy each received
+//! payload unchanged into the output. The flag tells a transport that seals its stream (TLS) so
+//! before the payload arrives; it may then hand the payload over still sealed
+//! ([`crate::SealedPayload`]) and the operation opens it straight into the output: one pass over
+//! those bytes instead of an open in place and a copy. Every other reader ignores the flag; it is
+//! set only where the checksum covers the header alone (transports that authenticate).
+//!
 //! Decision: DESIGN.md suggests an rkyv header. The header is eleven fixed-width scalars and never
 //! grows variable-length fields, so a hand-written fixed layout gives the same zero-copy access with
 //! explicit, per-field validation (every rejection is a typed [`Error`]), a byte layout that does not
@@ -49,7 +56,7 @@ use rtx_kernels::DType;
 
 use crate::error::{Error, Result};
 use crate::pool::{BufferPool, PooledBuf};
-use crate::transport::{ChunkedBytes, LentBytes};
+use crate::transport::{ChunkedBytes, LentBytes, SealedPayload};
 
 /// Header length in bytes; the payload starts here.
 pub const HEADER_LEN: usize = 64;
@@ -59,10 +66,12 @@ pub const MAGIC: u32 = u32::from_le_bytes(*b"RTXF");
 pub const VERSION: u16 = 2;
 /// Flag bit: the checksum covers the header only.
 pub const FLAG_HEADER_ONLY_CHECKSUM: u8 = 1;
+/// Flag bit: the receiver copies the payload whole into its output (a hint; see the module doc).
+pub const FLAG_COPIED: u8 = 2;
 
 const CHECKSUM_RANGE: std::ops::Range<usize> = 48..52;
 const FLAGS: usize = 52;
-const KNOWN_FLAGS: u8 = FLAG_HEADER_ONLY_CHECKSUM;
+const KNOWN_FLAGS: u8 = FLAG_HEADER_ONLY_CHECKSUM | FLAG_COPIED;
 const CHANNELS: usize = 53;
 const RESERVED_RANGE: std::ops::Range<usize> = 54..64;
 const _: () = assert!(RESERVED_RANGE.end == HEADER_LEN);
@@ -138,6 +147,9 @@ enum FrameBytes {
     /// The payload as the transport's pieces; only [`Frame::payload_parts`] reads it (the
     /// operation's receive step turns it into `Pooled` for everything else).
     Chunked(ChunkedBytes),
+    /// The payload still sealed by the transport: the operation's receive step opens it, into
+    /// its output or into a pooled buffer ([`Frame::open_into`], [`Frame::opened`]).
+    Sealed(Box<dyn SealedPayload>),
 }
 
 /// A received frame's bytes, taken to be sent on unchanged or after combining into them (see
@@ -232,8 +244,8 @@ impl Frame {
         match &self.bytes {
             FrameBytes::Pooled(buf) => &buf[HEADER_LEN..],
             FrameBytes::Lent(payload) => payload,
-            FrameBytes::Chunked(_) => {
-                debug_assert!(false, "payload of a chunked frame: make it contiguous first");
+            FrameBytes::Chunked(_) | FrameBytes::Sealed(_) => {
+                debug_assert!(false, "payload of a chunked or sealed frame: make it contiguous first");
                 &[]
             }
         }
@@ -245,8 +257,8 @@ impl Frame {
         match &mut self.bytes {
             FrameBytes::Pooled(buf) => &mut buf[HEADER_LEN..],
             FrameBytes::Lent(payload) => payload,
-            FrameBytes::Chunked(_) => {
-                debug_assert!(false, "payload of a chunked frame: make it contiguous first");
+            FrameBytes::Chunked(_) | FrameBytes::Sealed(_) => {
+                debug_assert!(false, "payload of a chunked or sealed frame: make it contiguous first");
                 &mut []
             }
         }
@@ -258,6 +270,7 @@ impl Frame {
             FrameBytes::Pooled(buf) => buf.len() - HEADER_LEN,
             FrameBytes::Lent(payload) => payload.len(),
             FrameBytes::Chunked(chunks) => chunks.len(),
+            FrameBytes::Sealed(sealed) => sealed.len(),
         }
     }
 
@@ -267,7 +280,41 @@ impl Frame {
             FrameBytes::Pooled(buf) => PayloadParts::One(Some(&buf[HEADER_LEN..])),
             FrameBytes::Lent(payload) => PayloadParts::One(Some(payload)),
             FrameBytes::Chunked(chunks) => PayloadParts::Many(Box::new(chunks.chunks())),
+            FrameBytes::Sealed(_) => {
+                debug_assert!(false, "parts of a sealed frame: open it first");
+                PayloadParts::One(None)
+            }
         }
+    }
+
+    /// Whether the payload is still sealed by the transport.
+    pub fn is_sealed(&self) -> bool {
+        matches!(self.bytes, FrameBytes::Sealed(_))
+    }
+
+    /// Opens a sealed payload straight into `dst` (exactly [`payload_len`](Self::payload_len)
+    /// bytes); `Ok(false)`, touching nothing, for a frame that is not sealed.
+    pub fn open_into(&self, dst: &mut [u8]) -> Result<bool> {
+        match &self.bytes {
+            FrameBytes::Sealed(sealed) => {
+                debug_assert_eq!(dst.len(), sealed.len(), "open: length checked on receipt");
+                sealed.open_into(dst).map_err(|reason| Error::Unauthentic { src: self.header.src as usize, reason })?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// The same frame with a sealed payload opened into a buffer from `pool`; other frames are
+    /// returned as they are.
+    pub fn opened(self, pool: &BufferPool) -> Result<Frame> {
+        let FrameBytes::Sealed(sealed) = &self.bytes else { return Ok(self) };
+        let len = sealed.len();
+        let mut buf = pool.take(HEADER_LEN + len);
+        buf.extend_from_slice(&encode_header_only_checksum(&self.header, len));
+        buf.resize(HEADER_LEN + len, 0);
+        sealed.open_into(&mut buf[HEADER_LEN..]).map_err(|reason| Error::Unauthentic { src: self.header.src as usize, reason })?;
+        Ok(Frame { header: self.header, bytes: FrameBytes::Pooled(buf) })
     }
 
     /// Whether the payload is held in pieces.
@@ -287,6 +334,10 @@ impl Frame {
                 }
                 Frame { header: self.header, bytes: FrameBytes::Pooled(buf) }
             }
+            FrameBytes::Sealed(_) => {
+                debug_assert!(false, "contiguous of a sealed frame: open it first");
+                self
+            }
             bytes => Frame { header: self.header, bytes },
         }
     }
@@ -297,6 +348,10 @@ impl Frame {
             FrameBytes::Pooled(buf) => Outgoing::Pooled(buf),
             FrameBytes::Lent(payload) => Outgoing::Lent(payload),
             FrameBytes::Chunked(chunks) => Outgoing::Chunked(chunks),
+            FrameBytes::Sealed(_) => {
+                debug_assert!(false, "sending on a sealed frame: open it first");
+                Outgoing::Chunked(ChunkedBytes::new())
+            }
         }
     }
 
@@ -321,6 +376,24 @@ impl Frame {
         Ok(Frame { header: decoded, bytes: FrameBytes::Chunked(payload) })
     }
 
+    /// Decodes and validates a frame whose payload is still sealed by the transport (which
+    /// authenticates it when it is opened): the header's fields, its checksum (which must cover
+    /// the header only) and the payload length.
+    pub fn decode_sealed(header: &[u8; HEADER_LEN], payload: Box<dyn SealedPayload>, max_payload: usize) -> Result<Frame> {
+        let decoded = decode_header(header, max_payload)?;
+        if decoded.payload_len != payload.len() as u64 {
+            return Err(Error::PayloadLengthMismatch { declared: decoded.payload_len, actual: payload.len() });
+        }
+        if header[FLAGS] & FLAG_HEADER_ONLY_CHECKSUM == 0 {
+            return Err(Error::ChecksumMismatch { expected: read_u32(header, CHECKSUM_RANGE.start), computed: 0 });
+        }
+        let (expected, computed) = (read_u32(header, CHECKSUM_RANGE.start), checksum(header, &[]));
+        if expected != computed {
+            return Err(Error::ChecksumMismatch { expected, computed });
+        }
+        Ok(Frame { header: decoded, bytes: FrameBytes::Sealed(payload) })
+    }
+
     /// Decodes and fully validates a frame held in `buf` (header fields, length, checksum).
     pub fn decode(buf: PooledBuf, max_payload: usize) -> Result<Frame> {
         let header = decode(&buf, max_payload)?;
@@ -341,7 +414,7 @@ impl Frame {
     /// The same frame in a buffer from `pool`; a lent payload is copied out and given back.
     pub fn into_owned(self, pool: &BufferPool) -> Frame {
         match self.bytes {
-            FrameBytes::Pooled(_) | FrameBytes::Chunked(_) => self,
+            FrameBytes::Pooled(_) | FrameBytes::Chunked(_) | FrameBytes::Sealed(_) => self,
             FrameBytes::Lent(payload) => {
                 let mut buf = pool.take(HEADER_LEN + payload.len());
                 let header = encode_header_only_checksum(&self.header, payload.len());
@@ -421,6 +494,23 @@ pub fn encode_header_only_checksum(header: &FrameHeader, payload_len: usize) -> 
     let crc = checksum(&out, &[]);
     out[CHECKSUM_RANGE].copy_from_slice(&crc.to_le_bytes());
     out
+}
+
+/// [`encode_header_only_checksum`] with [`FLAG_COPIED`] set: the receiver copies this payload
+/// whole into its output.
+pub fn encode_header_copied(header: &FrameHeader, payload_len: usize) -> [u8; HEADER_LEN] {
+    let mut out = [0u8; HEADER_LEN];
+    write_header(&mut out, header, payload_len as u64);
+    out[FLAGS] = FLAG_HEADER_ONLY_CHECKSUM | FLAG_COPIED;
+    let crc = checksum(&out, &[]);
+    out[CHECKSUM_RANGE].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Whether the encoded header `header` carries [`FLAG_COPIED`] (the payload is copied whole by
+/// the receiver). Reads the flag byte only: validate the header first.
+pub fn says_copied(header: &[u8; HEADER_LEN]) -> bool {
+    header[FLAGS] & FLAG_COPIED != 0
 }
 
 /// Validates the header part of `bytes` (magic, version, op, dtype, reserved bytes, length cap).

@@ -15,7 +15,7 @@ use crate::channel::ChannelState;
 use crate::communicator::Communicator;
 use crate::element::{combine_into_bytes, combine_parts, combine_parts_to, copy_parts, round_parts, Accumulator, Element, WireElement};
 use crate::error::{Error, Result};
-use crate::frame::{encode_header, encode_header_only_checksum, encode_header_parts, Frame, FrameHeader, OpKind, Outgoing, HEADER_LEN};
+use crate::frame::{encode_header, encode_header_copied, encode_header_only_checksum, encode_header_parts, Frame, FrameHeader, OpKind, Outgoing, HEADER_LEN};
 use crate::group::{Key, Lane, Slot};
 use crate::ReduceOp;
 
@@ -207,9 +207,24 @@ impl<'a> OpCtx<'a> {
 
     /// Sends one frame with `payload` to group rank `to`.
     pub(crate) async fn send_frame(&mut self, to: usize, dtype: Option<DType>, payload: &[u8]) -> Result<()> {
+        self.send_frame_as(to, dtype, payload, false).await
+    }
+
+    /// [`send_frame`](Self::send_frame) of a frame the receiver copies whole into its output
+    /// ([`crate::frame::FLAG_COPIED`], set where the transport authenticates: a sealing
+    /// transport may then leave the payload sealed until the receiver opens it in place).
+    pub(crate) async fn send_copied_frame(&mut self, to: usize, dtype: Option<DType>, payload: &[u8]) -> Result<()> {
+        self.send_frame_as(to, dtype, payload, true).await
+    }
+
+    async fn send_frame_as(&mut self, to: usize, dtype: Option<DType>, payload: &[u8], copied: bool) -> Result<()> {
         let (peer, header) = self.next_header(to, dtype, payload.len());
         let shared = self.comm.endpoint().shared();
-        let header = if shared.transport.checks_integrity() { encode_header_only_checksum(&header, payload.len()) } else { encode_header(&header, payload) };
+        let header = match (shared.transport.checks_integrity(), copied) {
+            (true, true) => encode_header_copied(&header, payload.len()),
+            (true, false) => encode_header_only_checksum(&header, payload.len()),
+            (false, _) => encode_header(&header, payload),
+        };
         self.finish_send(peer, shared.transport.send_parts(peer, &header, payload, &shared.pool)).await
     }
 
@@ -273,8 +288,32 @@ impl<'a> OpCtx<'a> {
     }
 
     /// [`recv_frame`](Self::recv_frame) for a step that reads the payload only through
-    /// [`Frame::payload_parts`], so a payload that arrived in pieces is used as it is.
+    /// [`Frame::payload_parts`], so a payload that arrived in pieces is used as it is (a sealed
+    /// one is opened into a pooled buffer first).
     pub(crate) async fn recv_frame_parts(&mut self, from: usize, dtype: Option<DType>, len_bytes: usize) -> Result<Frame> {
+        let frame = self.recv_frame_maybe_sealed(from, dtype, len_bytes).await?;
+        if frame.is_sealed() {
+            let opened = frame.opened(&self.comm.endpoint().shared().pool);
+            return self.watch(opened);
+        }
+        Ok(frame)
+    }
+
+    /// Receives the next frame from `from` into `dst` (its payload length): a sealed payload is
+    /// opened straight into it (`Ok(None)`); any other payload is copied in and its frame
+    /// returned, to be sent on as it is if the caller wants.
+    pub(crate) async fn recv_into<T: WireElement>(&mut self, from: usize, dst: &mut [T]) -> Result<Option<Frame>> {
+        let frame = self.recv_frame_maybe_sealed(from, Some(T::DTYPE), std::mem::size_of_val(dst)).await?;
+        let opened = frame.open_into(bytemuck::cast_slice_mut(dst));
+        if self.watch(opened)? {
+            return Ok(None);
+        }
+        copy_parts(dst, frame.payload_parts());
+        Ok(Some(frame))
+    }
+
+    /// The next frame from `from`, checked, its payload perhaps still sealed ([`Frame::is_sealed`]).
+    async fn recv_frame_maybe_sealed(&mut self, from: usize, dtype: Option<DType>, len_bytes: usize) -> Result<Frame> {
         let from = self.real(from);
         let group = self.comm.state();
         let src = group.members[from];
@@ -331,9 +370,7 @@ impl<'a> OpCtx<'a> {
     /// Receives `dst.len()` elements from `from`, in the pieces `send_all` made, copying them in.
     pub(crate) async fn recv_all<T: WireElement>(&mut self, from: usize, dst: &mut [T]) -> Result<()> {
         for piece in pieces(dst.len(), self.piece_elems::<T>()) {
-            let bytes = piece.len() * std::mem::size_of::<T>();
-            let frame = self.recv_frame_parts(from, Some(T::DTYPE), bytes).await?;
-            copy_parts(&mut dst[piece], frame.payload_parts());
+            self.recv_into(from, &mut dst[piece]).await?;
         }
         Ok(())
     }
@@ -365,12 +402,10 @@ impl<'a> OpCtx<'a> {
         Ok(())
     }
 
-    /// Receives one piece of elements from `from` and copies it into `dst`.
+    /// Receives one piece of elements from `from` and copies it into `dst` (a sealed payload is
+    /// opened straight into it).
     pub(crate) async fn recv_copy<T: WireElement>(&mut self, from: usize, dst: &mut [T]) -> Result<()> {
-        let bytes = std::mem::size_of_val(dst);
-        let frame = self.recv_frame_parts(from, Some(T::DTYPE), bytes).await?;
-        copy_parts(dst, frame.payload_parts());
-        Ok(())
+        self.recv_into(from, dst).await.map(drop)
     }
 }
 

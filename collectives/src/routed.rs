@@ -26,7 +26,7 @@ use std::sync::{Arc, Weak};
 use crate::error::{Error, Result};
 use crate::frame::HEADER_LEN;
 use crate::pool::{BufferPool, PooledBuf};
-use crate::transport::{BoxFuture, ChunkedBytes, EventSink, LentBytes, Transport, TransportEvent};
+use crate::transport::{BoxFuture, ChunkedBytes, EventSink, LentBytes, SealedPayload, Transport, TransportEvent};
 
 /// A transport that sends to the ranks of this host over `local` and to all others over `network`.
 pub struct RoutedTransport {
@@ -200,6 +200,12 @@ impl EventSink for HalfSink {
     fn chunked_frame(&self, from: usize, header: [u8; HEADER_LEN], payload: ChunkedBytes) {
         if let Some(sink) = self.sink.upgrade() {
             sink.chunked_frame(self.rank(from), header, payload);
+        }
+    }
+
+    fn sealed_frame(&self, from: usize, header: [u8; HEADER_LEN], payload: Box<dyn SealedPayload>) {
+        if let Some(sink) = self.sink.upgrade() {
+            sink.sealed_frame(self.rank(from), header, payload);
         }
     }
 

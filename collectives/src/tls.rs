@@ -11,8 +11,11 @@
 //! is a thread of its own: the sending operation seals its frame straight from its memory into
 //! records (no copy first) and the writer writes them; the reader reads into pooled buffers, opens
 //! the records in place and hands their plaintext to the endpoint as pieces of those buffers
-//! ([`EventSink::chunked_frame`]) without copying. QUIC stays the transport of the control plane
-//! and where one connection must not stall another's packets.
+//! ([`EventSink::chunked_frame`]) without copying. A payload the receiver copies whole into its
+//! output (a ring's all-gather steps: [`crate::frame::FLAG_COPIED`]) is not opened by the reader
+//! but handed on sealed, and the operation opens it straight into the output ([`sealed`]): one
+//! pass over those bytes instead of two. QUIC stays the transport of the control plane and where
+//! one connection must not stall another's packets.
 //!
 //! Security is the QUIC transport's: rustls runs a TLS 1.3 handshake with the cluster CA on both
 //! sides ([`crate::server_tls_config`], [`crate::client_tls_config`]); the dialer checks that the
@@ -34,10 +37,12 @@
 
 mod handshake;
 mod record;
+mod sealed;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream as StdTcpStream};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
@@ -51,9 +56,10 @@ use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::linking::{self, PendingLinks, StripeId};
 use crate::quic::{certificate_names_rank, client_tls_config, rank_name, server_tls_config, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
-use crate::transport::{BoxFuture, ChunkedBytes, EventSink, Transport, TransportEvent};
+use crate::transport::{BoxFuture, ChunkedBytes, EventSink, SealedPayload, Transport, TransportEvent};
 use handshake::Established;
-use record::{record_len, Opened, Opener, RecordBuf, RecordError, Sealer, MAX_RECORD};
+use record::{record_len, Opened, Opener, RecordBuf, RecordError, SealedRecord, Sealer, MAX_RECORD, RECORD_HEADER_LEN};
+use sealed::{SealedPiece, SealedRecords, StreamPosition, EAGER_BODY_MAX};
 
 /// ALPN of the TLS transport's connections.
 pub const TLS_ALPN: &[u8] = b"rtx-collectives-tls/1";
@@ -149,6 +155,8 @@ struct Shared {
     writers: watch::Sender<usize>,
     /// Set by [`Transport::abort`]: a pulling receiver gets `None` from then on.
     aborted: watch::Sender<bool>,
+    /// Frames delivered with their payload left sealed ([`sealed`]).
+    left_sealed: AtomicU64,
 }
 
 /// Where reader threads deliver events.
@@ -322,6 +330,7 @@ impl TlsTransport {
             next_serial: AtomicU64::new(0),
             writers: watch::channel(0).0,
             aborted: watch::channel(false).0,
+            left_sealed: AtomicU64::new(0),
         });
         let accept_task = tokio::spawn(accept_loop(Arc::clone(&shared), listener)).abort_handle();
         Ok(TlsTransport { shared, inbox: tokio::sync::Mutex::new(inbox), accept_task })
@@ -379,6 +388,12 @@ impl TlsTransport {
         lock(&self.shared.links).values().map(|l| l.stripes.len()).sum()
     }
 
+    /// Frames received so far whose payload the reader left sealed, for the operation to open
+    /// straight into its output (the sender flagged them as copied whole; see the module doc).
+    pub fn payloads_left_sealed(&self) -> u64 {
+        self.shared.left_sealed.load(Ordering::Relaxed)
+    }
+
     /// Shuts down gracefully: every frame queued so far is written, then each connection is
     /// half-closed (the peers see the links end after reading everything); waits at most `timeout`
     /// for the writers. Sends after `close` fail.
@@ -399,7 +414,12 @@ impl Transport for TlsTransport {
     }
 
     fn send(&self, peer: usize, frame: PooledBuf) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move { self.shared.queue(peer, [&frame[..]]).await })
+        // Header and payload as two parts, so the header ends with its record (a reader may then
+        // leave a copied payload sealed, see `sealed`).
+        Box::pin(async move {
+            let (header, payload) = frame.split_at(HEADER_LEN.min(frame.len()));
+            self.shared.queue(peer, [header, payload]).await
+        })
     }
 
     fn send_parts<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], payload: &'a [u8], _pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
@@ -651,9 +671,9 @@ impl Shared {
             Some(route) if start.announces_up => {
                 deliver(&route, TransportEvent::PeerUp(peer));
                 link.up.open();
-                self.read_records(peer, socket, start, &route)
+                self.read_records(peer, socket, start, &route, link)
             }
-            Some(route) if link.up.wait(self) => self.read_records(peer, socket, start, &route),
+            Some(route) if link.up.wait(self) => self.read_records(peer, socket, start, &route, link),
             _ => Ok(()),
         };
         if let Err(reason) = &ended {
@@ -667,49 +687,81 @@ impl Shared {
         }
     }
 
-    fn read_records(&self, peer: usize, socket: &StdTcpStream, start: ReaderStart, route: &Route) -> std::result::Result<(), String> {
+    /// Reads and opens records until the connection ends. Each read's whole records are gone
+    /// through in order: opened in place (their plaintext followed by the stream position), or,
+    /// inside a payload the sender flagged as copied, left sealed ([`sealed`]); then the buffer is
+    /// frozen and the cutter gets the plaintext and the sealed records as pieces of it.
+    fn read_records(&self, peer: usize, socket: &StdTcpStream, start: ReaderStart, route: &Route, link: &LinkSockets) -> std::result::Result<(), String> {
         let ReaderStart { mut opener, leftover, opened, .. } = start;
         let mut frames = FrameCutter::new(self.options.max_payload_bytes);
+        let mut position = StreamPosition::new(self.options.max_payload_bytes);
+        // Plaintext bytes of the payload being left sealed that have not arrived yet.
+        let mut sealed_left = 0usize;
         let mut deliver_frame = |frame: CutFrame| {
+            if matches!(frame, CutFrame::Sealed(..)) {
+                self.left_sealed.fetch_add(1, Ordering::Relaxed);
+            }
             if !self.closing() {
                 deliver_cut(route, peer, frame, &self.pool);
             }
         };
         if !opened.is_empty() {
+            position.advance(&opened)?;
             frames.push(bytes::Bytes::from(opened), &self.pool, &mut deliver_frame)?;
+            sealed_left = position.take_copied_payload().unwrap_or(0);
         }
         let mut buf = self.pool.take(READ_BUF_BYTES);
         buf.extend_from_slice(&leftover);
         let mut idle_ticks = 0u64;
         let linger_ticks = (self.options.idle_timeout.as_millis() / READ_TICK.as_millis()).max(1) as u64;
         loop {
-            // Open every whole record in the buffer, in place.
             let mut pos = 0;
-            let mut data = Vec::new();
+            let mut pieces = Vec::new();
             let mut peer_closed = false;
             while let Some(len) = record_len(&buf[pos..]).map_err(|e| e.to_string())? {
                 if pos + len > buf.len() {
                     break;
                 }
-                match opener.open(&mut buf[pos..pos + len]).map_err(|e| e.to_string())? {
-                    Opened::Data(range) if !range.is_empty() => data.push(pos + range.start..pos + range.end),
+                let record = pos..pos + len;
+                pos += len;
+                if sealed_left > 0 && len - RECORD_HEADER_LEN > EAGER_BODY_MAX {
+                    sealed_left = sealed_left.checked_sub(SealedRecord::data_len(&buf[record.clone()])).ok_or("a record runs past the end of a payload left sealed")?;
+                    pieces.push(ReadPiece::Sealed(record, opener.skip()));
+                    continue;
+                }
+                match opener.open(&mut buf[record.clone()]).map_err(|e| e.to_string())? {
+                    Opened::Data(range) if !range.is_empty() => {
+                        let data = record.start + range.start..record.start + range.end;
+                        if sealed_left > 0 {
+                            // A small record inside a payload left sealed (its tail).
+                            sealed_left = sealed_left.checked_sub(data.len()).ok_or("a record runs past the end of a payload left sealed")?;
+                            pieces.push(ReadPiece::SealedPlain(data));
+                        } else {
+                            position.advance(&buf[data.clone()])?;
+                            pieces.push(ReadPiece::Plain(data));
+                            sealed_left = position.take_copied_payload().unwrap_or(0);
+                        }
+                    }
                     Opened::Data(_) | Opened::KeyUpdated => {}
                     Opened::Closed => peer_closed = true,
                 }
-                pos += len;
                 if peer_closed {
                     break;
                 }
             }
-            if !data.is_empty() {
-                // Hand this buffer's plaintext on as pieces of it; the partial record at its end
-                // moves to a fresh buffer.
+            if !pieces.is_empty() {
+                // Hand this buffer's plaintext and sealed records on as pieces of it; the partial
+                // record at its end moves to a fresh buffer.
                 let mut next = self.pool.take(READ_BUF_BYTES);
                 next.extend_from_slice(&buf[pos..]);
                 buf.truncate(pos);
                 let whole = bytes::Bytes::from_owner(std::mem::replace(&mut buf, next));
-                for range in data {
-                    frames.push(whole.slice(range), &self.pool, &mut deliver_frame)?;
+                for piece in pieces {
+                    match piece {
+                        ReadPiece::Plain(range) => frames.push(whole.slice(range), &self.pool, &mut deliver_frame)?,
+                        ReadPiece::SealedPlain(range) => frames.push_sealed(SealedPiece::Plain(whole.slice(range)), link, &mut deliver_frame)?,
+                        ReadPiece::Sealed(range, how) => frames.push_sealed(SealedPiece::Record(whole.slice(range), how), link, &mut deliver_frame)?,
+                    }
                 }
             } else if pos > 0 {
                 buf.drain(..pos);
@@ -770,10 +822,23 @@ fn recv_into_spare(socket: &StdTcpStream, buf: &mut Vec<u8>) -> std::io::Result<
     Ok(n)
 }
 
+/// What one record of a read buffer gave, in order: resolved into pieces of the buffer once it
+/// is frozen.
+enum ReadPiece {
+    /// Plaintext opened in place at this range.
+    Plain(Range<usize>),
+    /// Plaintext of a small record inside a payload left sealed.
+    SealedPlain(Range<usize>),
+    /// A whole record left sealed, and how to open it.
+    Sealed(Range<usize>, SealedRecord),
+}
+
 /// A whole frame cut from a connection's plaintext.
 enum CutFrame {
     /// Header and payload pieces (large payloads: pieces of the read buffers, never copied).
     Pieces([u8; HEADER_LEN], ChunkedBytes),
+    /// Header and a payload left sealed (see [`sealed`]).
+    Sealed([u8; HEADER_LEN], SealedRecords),
     /// Header and payload copied into one buffer (small frames).
     Whole(PooledBuf),
 }
@@ -789,6 +854,7 @@ struct FrameCutter {
 enum Body {
     Pieces { need: usize, pieces: ChunkedBytes },
     Whole { need: usize, buf: PooledBuf },
+    Sealed { need: usize, records: SealedRecords },
 }
 
 impl FrameCutter {
@@ -830,22 +896,48 @@ impl FrameCutter {
                     buf.extend_from_slice(&piece[..take]);
                     piece = piece.slice(take..);
                 }
+                Some(Body::Sealed { .. }) => return Err("plaintext in the middle of a payload left sealed".into()),
             }
-            let complete = match &self.body {
-                Some(Body::Pieces { need, pieces }) => pieces.len() == *need,
-                Some(Body::Whole { need, buf }) => buf.len() == HEADER_LEN + *need,
-                None => false,
-            };
-            if complete {
-                self.header_have = 0;
-                match self.body.take() {
-                    Some(Body::Pieces { pieces, .. }) => emit(CutFrame::Pieces(self.header, pieces)),
-                    Some(Body::Whole { buf, .. }) => emit(CutFrame::Whole(buf)),
-                    None => {}
-                }
-            }
+            self.emit_if_complete(emit);
         }
         Ok(())
+    }
+
+    /// Adds a piece of a payload left sealed; the first one turns the body just begun (a large
+    /// payload, nothing of it seen yet) into a sealed one for `link`.
+    fn push_sealed(&mut self, piece: SealedPiece, link: &LinkSockets, emit: &mut impl FnMut(CutFrame)) -> std::result::Result<(), String> {
+        if let Some(Body::Pieces { need, pieces }) = &self.body {
+            if pieces.is_empty() {
+                self.body = Some(Body::Sealed { need: *need, records: SealedRecords::new(link.clone()) });
+            }
+        }
+        let Some(Body::Sealed { need, records }) = &mut self.body else {
+            return Err("a sealed record outside a payload left sealed".into());
+        };
+        if records.len() + piece.len() > *need {
+            return Err("a record runs past the end of a payload left sealed".into());
+        }
+        records.push(piece);
+        self.emit_if_complete(emit);
+        Ok(())
+    }
+
+    fn emit_if_complete(&mut self, emit: &mut impl FnMut(CutFrame)) {
+        let complete = match &self.body {
+            Some(Body::Pieces { need, pieces }) => pieces.len() == *need,
+            Some(Body::Whole { need, buf }) => buf.len() == HEADER_LEN + *need,
+            Some(Body::Sealed { need, records }) => records.len() == *need,
+            None => false,
+        };
+        if complete {
+            self.header_have = 0;
+            match self.body.take() {
+                Some(Body::Pieces { pieces, .. }) => emit(CutFrame::Pieces(self.header, pieces)),
+                Some(Body::Whole { buf, .. }) => emit(CutFrame::Whole(buf)),
+                Some(Body::Sealed { records, .. }) => emit(CutFrame::Sealed(self.header, records)),
+                None => {}
+            }
+        }
     }
 }
 
@@ -866,6 +958,20 @@ fn deliver_cut(route: &Route, from: usize, frame: CutFrame, pool: &BufferPool) {
             deliver(route, TransportEvent::Frame { from, bytes });
         }
         (route, CutFrame::Whole(bytes)) => deliver(route, TransportEvent::Frame { from, bytes }),
+        (Route::Push(sink), CutFrame::Sealed(header, records)) => {
+            if let Some(sink) = sink.upgrade() {
+                sink.sealed_frame(from, header, Box::new(records));
+            }
+        }
+        (route, CutFrame::Sealed(header, records)) => {
+            let mut bytes = pool.take(HEADER_LEN + records.len());
+            bytes.extend_from_slice(&header);
+            bytes.resize(HEADER_LEN + records.len(), 0);
+            // One that does not open has broken the link (its peer-lost event follows).
+            if records.open_into(&mut bytes[HEADER_LEN..]).is_ok() {
+                deliver(route, TransportEvent::Frame { from, bytes });
+            }
+        }
     }
 }
 

@@ -202,6 +202,18 @@ pub trait EventSink: Send + Sync + 'static {
         }
         self.event(TransportEvent::Frame { from, bytes: PooledBuf::unpooled(bytes) });
     }
+    /// One frame from `from` whose payload the transport hands over still sealed (see
+    /// [`SealedPayload`]): the operation that copies it whole into its output opens it straight
+    /// there, one pass over the bytes instead of an open and a copy. The default opens it into an
+    /// unpooled buffer and calls [`event`](Self::event); a payload that does not open is dropped
+    /// (the transport has broken the link, and its peer-lost event follows).
+    fn sealed_frame(&self, from: usize, header: [u8; HEADER_LEN], payload: Box<dyn SealedPayload>) {
+        let mut bytes = vec![0; HEADER_LEN + payload.len()];
+        bytes[..HEADER_LEN].copy_from_slice(&header);
+        if payload.open_into(&mut bytes[HEADER_LEN..]).is_ok() {
+            self.event(TransportEvent::Frame { from, bytes: PooledBuf::unpooled(bytes) });
+        }
+    }
     /// The transport is shut down for good (what `recv` returning `None` means).
     fn closed(&self);
 }
@@ -265,6 +277,29 @@ impl std::fmt::Debug for BytesPiece {
 impl std::fmt::Debug for ChunkedBytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChunkedBytes").field("len", &self.len).field("chunks", &self.chunks.len()).finish()
+    }
+}
+
+/// A frame payload that its transport received but has not opened yet (TLS records whose frame
+/// header said the receiver copies the payload whole: [`crate::frame::FLAG_COPIED`]). Opening
+/// authenticates and decrypts it into memory the caller chooses, so the bytes are written once,
+/// where they are wanted.
+pub trait SealedPayload: Send + Sync + 'static {
+    /// Plaintext length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the plaintext is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Authenticates and decrypts the payload into `dst` (exactly [`len`](Self::len) bytes). On
+    /// failure `dst` holds no meaningful bytes, and the transport has broken the link the payload
+    /// came on (its stream can no longer be trusted), so the peer fails too.
+    fn open_into(&self, dst: &mut [u8]) -> std::result::Result<(), String>;
+}
+
+impl std::fmt::Debug for dyn SealedPayload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SealedPayload").field("len", &self.len()).finish()
     }
 }
 

@@ -77,6 +77,14 @@ async fn key_updates_and_frames_of_every_size_give_exact_results() {
                 assert_eq!(bits(got), bits(&want), "seed {seed}, chunk {chunk}, {op:?}, rank {rank}");
             }
         }
+        // The all-gather frames of 16 KiB and more were handed over sealed and opened into the
+        // output by the operation, key updates in the middle of their records included.
+        let sealed: u64 = transports.iter().map(|t| t.payloads_left_sealed()).sum();
+        if chunk >= 16 << 10 {
+            assert!(sealed > 0, "chunk {chunk}: no payload was left sealed");
+        } else {
+            assert_eq!(sealed, 0, "chunk {chunk}: frames under 16 KiB are opened by the reader");
+        }
     }
 }
 
@@ -263,27 +271,35 @@ async fn tampering_proxy(target: SocketAddr, flip_at: usize) -> SocketAddr {
 // operation timeout instead of returning corrupted sums.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_on_the_wire_fails_the_operation() {
-    let ca = ClusterCa::generate("rtx test cluster").unwrap();
-    let r0 = Arc::new(TlsTransport::bind(&ca.issue(0).unwrap(), 2, LOOPBACK.parse().unwrap(), options()).unwrap());
-    let r1 = Arc::new(TlsTransport::bind(&ca.issue(1).unwrap(), 2, LOOPBACK.parse().unwrap(), options()).unwrap());
-    // Past the handshake (a few KiB) and the hello: inside the first all_reduce's frames.
-    let proxy = tampering_proxy(r1.local_addr(), 300 << 10).await;
-    let (via_proxy, direct) = ([r0.local_addr(), proxy], [r0.local_addr(), r1.local_addr()]);
-    let (a, b) = tokio::join!(r0.connect(&via_proxy), r1.connect(&direct));
-    a.unwrap();
-    b.unwrap();
-    let config = CommConfig { op_timeout: Duration::from_secs(10), ..CommConfig::default() };
-    let comms = network_comms(&[r0, r1], &config);
-    let out = run_ranks(&comms, |c| async move {
-        let mut buf = vec![1.0f32; 1 << 20];
-        let result = c.all_reduce(&mut buf, ReduceOp::Sum).await;
-        (result, buf)
-    })
-    .await;
-    for (rank, (result, _)) in out.iter().enumerate() {
-        eprintln!("rank {rank}: {result:?}");
-        assert!(result.is_err(), "rank {rank} returned a result through a tampered link");
-        assert!(!matches!(result, Err(Error::Timeout { .. })), "rank {rank} waited for the timeout instead of seeing the broken link");
+    // Past the handshake (a few KiB) and the hello, inside the first all_reduce's frames (512 KiB
+    // each, in send order: a piece to reduce, then a reduced piece that starts the all-gather):
+    // at 300 KiB a frame the reader opens itself, at 800 KiB one it leaves sealed for the
+    // operation, which finds the altered record.
+    for (flip_at, left_sealed) in [(300 << 10, false), (800 << 10, true)] {
+        let ca = ClusterCa::generate("rtx test cluster").unwrap();
+        let r0 = Arc::new(TlsTransport::bind(&ca.issue(0).unwrap(), 2, LOOPBACK.parse().unwrap(), options()).unwrap());
+        let r1 = Arc::new(TlsTransport::bind(&ca.issue(1).unwrap(), 2, LOOPBACK.parse().unwrap(), options()).unwrap());
+        let proxy = tampering_proxy(r1.local_addr(), flip_at).await;
+        let (via_proxy, direct) = ([r0.local_addr(), proxy], [r0.local_addr(), r1.local_addr()]);
+        let (a, b) = tokio::join!(r0.connect(&via_proxy), r1.connect(&direct));
+        a.unwrap();
+        b.unwrap();
+        let config = CommConfig { op_timeout: Duration::from_secs(10), ..CommConfig::default() };
+        let comms = network_comms(&[r0, r1], &config);
+        let out = run_ranks(&comms, |c| async move {
+            let mut buf = vec![1.0f32; 1 << 20];
+            let result = c.all_reduce(&mut buf, ReduceOp::Sum).await;
+            (result, buf)
+        })
+        .await;
+        for (rank, (result, _)) in out.iter().enumerate() {
+            eprintln!("flip at {flip_at}: rank {rank}: {result:?}");
+            assert!(result.is_err(), "flip at {flip_at}: rank {rank} returned a result through a tampered link");
+            assert!(!matches!(result, Err(Error::Timeout { .. })), "flip at {flip_at}: rank {rank} waited for the timeout instead of seeing the broken link");
+        }
+        // Rank 1 reads what the proxy altered: its reader finds the bad record, or its operation
+        // does when it opens the payload left sealed.
+        assert_eq!(matches!(out[1].0, Err(Error::Unauthentic { src: 0, .. })), left_sealed, "flip at {flip_at}: rank 1 got {:?}", out[1].0);
     }
 }
 

@@ -96,9 +96,10 @@ impl KeySchedule {
     }
 }
 
-/// One direction's key, IV and sequence number.
+/// One direction's key, IV and sequence number. The key is shared with the records left sealed
+/// under it ([`SealedRecord`]), which may be opened after a key update replaced it here.
 struct DirectionKey {
-    key: LessSafeKey,
+    key: Arc<LessSafeKey>,
     iv: [u8; NONCE_LEN],
     seq: u64,
 }
@@ -113,17 +114,21 @@ impl DirectionKey {
         };
         let key = UnboundKey::new(algorithm, key.as_ref()).map_err(|_| RecordError::Keys("bad key length".into()))?;
         let iv: [u8; NONCE_LEN] = iv.as_ref().try_into().map_err(|_| RecordError::Keys("bad IV length".into()))?;
-        Ok(DirectionKey { key: LessSafeKey::new(key), iv, seq })
+        Ok(DirectionKey { key: Arc::new(LessSafeKey::new(key)), iv, seq })
     }
 
     /// The next record's nonce (the sequence number XORed into the IV's low bytes); advances it.
     fn next_nonce(&mut self) -> Nonce {
+        Nonce::assume_unique_for_key(self.next_nonce_bytes())
+    }
+
+    fn next_nonce_bytes(&mut self) -> [u8; NONCE_LEN] {
         let mut nonce = self.iv;
         for (n, s) in nonce[NONCE_LEN - 8..].iter_mut().zip(self.seq.to_be_bytes()) {
             *n ^= s;
         }
         self.seq += 1;
-        Nonce::assume_unique_for_key(nonce)
+        nonce
     }
 }
 
@@ -293,6 +298,53 @@ impl Opener {
             ALERT if type_at == 2 && plain[1] == CLOSE_NOTIFY => Ok(Opened::Closed),
             ALERT if type_at == 2 => Err(RecordError::Unsupported(format!("alert {}", plain[1]))),
             other => Err(RecordError::Unsupported(format!("content type {other} ({type_at} bytes)"))),
+        }
+    }
+}
+
+impl Opener {
+    /// Takes the next record's place in the sequence without opening it: the key and nonce it
+    /// is sealed under, to open it later ([`SealedRecord::open_into`]). Only application data may
+    /// be left sealed (a KeyUpdate or an alert must be opened at once to be followed): the
+    /// reader leaves only records too large to be anything else, and opening checks the type.
+    pub(crate) fn skip(&mut self) -> SealedRecord {
+        let seq = self.key.seq;
+        SealedRecord { key: Arc::clone(&self.key.key), nonce: self.key.next_nonce_bytes(), seq }
+    }
+}
+
+/// How to open one record left sealed by the reader ([`Opener::skip`]).
+#[derive(Clone)]
+pub(crate) struct SealedRecord {
+    key: Arc<LessSafeKey>,
+    nonce: [u8; NONCE_LEN],
+    seq: u64,
+}
+
+impl SealedRecord {
+    /// The application data that `record` (header included, sealed by this crate's [`Sealer`]:
+    /// no padding) carries: its body less the inner content type and the tag.
+    pub(crate) fn data_len(record: &[u8]) -> usize {
+        record.len().saturating_sub(RECORD_HEADER_LEN + 1 + TAG_LEN)
+    }
+
+    /// Authenticates `record` and decrypts its application data into `dst`, which must have
+    /// room for one byte more than [`data_len`](Self::data_len): the sealed content type lands
+    /// there (and is checked), to be overwritten by whatever follows.
+    pub(crate) fn open_into(&self, record: &[u8], dst: &mut [u8]) -> Result<(), RecordError> {
+        let header: [u8; RECORD_HEADER_LEN] = match record.get(..RECORD_HEADER_LEN).and_then(|h| h.try_into().ok()) {
+            Some(h) => h,
+            None => return Err(RecordError::BadHeader([0; RECORD_HEADER_LEN])),
+        };
+        let body = &record[RECORD_HEADER_LEN..];
+        let sealed_len = body.len().checked_sub(TAG_LEN).filter(|&n| n >= 1).ok_or(RecordError::BadHeader(header))?;
+        let (ciphertext, tag) = body.split_at(sealed_len);
+        let out = dst.get_mut(..sealed_len).ok_or_else(|| RecordError::Unsupported("no room to open a sealed record".into()))?;
+        let nonce = Nonce::assume_unique_for_key(self.nonce);
+        self.key.open_separate_gather(nonce, Aad::from(header), ciphertext, tag, out).map_err(|_| RecordError::Unauthentic { seq: self.seq })?;
+        match out[sealed_len - 1] {
+            APPLICATION_DATA => Ok(()),
+            other => Err(RecordError::Unsupported(format!("content type {other} in a record left sealed (padding, or not application data)"))),
         }
     }
 }
