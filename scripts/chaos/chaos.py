@@ -1087,6 +1087,7 @@ def main():
     ap.add_argument("--seeds", help="e.g. 1,2,3 or 0..3")
     ap.add_argument("--transports", help="quic,shm,tls (tls: the control plane over QUIC, collective frames over TLS on TCP: [elastic] data_transport = \"tls\")")
     ap.add_argument("--channels", type=int, default=1, help="[elastic] channels of every run (rings a large all-reduce is split into)")
+    ap.add_argument("--connections", type=int, default=1, help="[elastic] connections of every run (QUIC or TCP connections per worker pair)")
     ap.add_argument("--policies", help="shrink,replace")
     ap.add_argument("--sharding", help="replicated,zero1,zero2")
     ap.add_argument("--metric", default="test_acc", help="the final eval metric compared with the undisturbed run: test_acc, val_loss (a text job), or none (a mesh job: no member holds the whole model to evaluate; the parameter bits are compared instead)")
@@ -1153,6 +1154,8 @@ def main():
             overrides.update(transport="quic", data_transport="tls")
         if args.channels > 1:
             overrides["channels"] = args.channels
+        if args.connections > 1:
+            overrides["connections"] = args.connections
         if args.checkpoint_every:
             overrides["checkpoint_every"] = args.checkpoint_every
         budget = args.kills + args.stops + 10
