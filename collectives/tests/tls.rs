@@ -303,8 +303,9 @@ async fn a_flipped_byte_on_the_wire_fails_the_operation() {
     }
 }
 
-/// One frame of `len` payload bytes from `src`, encoded.
-fn frame_from(src: u32, len: usize) -> rtx_collectives::PooledBuf {
+/// One frame of `len` payload bytes from `src`, encoded; `copied`: flagged as copied whole by the
+/// receiver (`FLAG_COPIED`, header-only checksum), so the reader leaves a large payload sealed.
+fn frame_from(src: u32, len: usize, copied: bool) -> rtx_collectives::PooledBuf {
     let header = rtx_collectives::frame::FrameHeader {
         group: 1,
         generation: 1,
@@ -316,12 +317,20 @@ fn frame_from(src: u32, len: usize) -> rtx_collectives::PooledBuf {
         payload_len: len as u64,
         channels: 0,
     };
-    rtx_collectives::frame::encode(&rtx_collectives::BufferPool::new(), &header, &vec![7u8; len])
+    let pool = rtx_collectives::BufferPool::new();
+    if !copied {
+        return rtx_collectives::frame::encode(&pool, &header, &vec![7u8; len]);
+    }
+    let mut frame = pool.take(64 + len);
+    frame.extend_from_slice(&rtx_collectives::frame::encode_header_copied(&header, len));
+    frame.resize(64 + len, 7);
+    frame
 }
 
 // Goal: a rank that goes away and comes back (a new process dialing the same peer) is reported
 // lost once and up again, in that order, and its new link carries frames, small and large
-// (delivered as pieces), byte for byte. Method: pull delivery (`Transport::recv`) on rank 1.
+// (delivered as pieces, or left sealed by the reader and opened for pull delivery), byte for
+// byte. Method: pull delivery (`Transport::recv`) on rank 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_that_comes_back_is_reported_lost_then_up_and_its_link_works() {
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
@@ -336,8 +345,9 @@ async fn a_rank_that_comes_back_is_reported_lost_then_up_and_its_link_works() {
         let (a, b) = tokio::join!(r0.connect(&addrs), r1.connect(&addrs));
         a.unwrap();
         b.unwrap();
-        for len in [100usize, 300_000] {
-            r0.send(1, frame_from(0, len)).await.unwrap();
+        let sealed_before = r1.payloads_left_sealed();
+        for (len, copied) in [(100usize, false), (300_000, false), (300_000, true)] {
+            r0.send(1, frame_from(0, len, copied)).await.unwrap();
             let mut event = next_event().await;
             if life == 1 && len == 100 {
                 assert!(matches!(event, TransportEvent::PeerUp(0)), "the second life starts with PeerUp: {event:?}");
@@ -346,11 +356,12 @@ async fn a_rank_that_comes_back_is_reported_lost_then_up_and_its_link_works() {
             match event {
                 TransportEvent::Frame { from: 0, bytes } => {
                     assert_eq!(bytes.len(), 64 + len);
-                    assert!(bytes[64..].iter().all(|&b| b == 7), "life {life}, {len} bytes: payload altered");
+                    assert!(bytes[64..].iter().all(|&b| b == 7), "life {life}, {len} bytes (copied {copied}): payload altered");
                 }
                 other => panic!("life {life}: expected a frame of {len} bytes, got {other:?}"),
             }
         }
+        assert_eq!(r1.payloads_left_sealed(), sealed_before + 1, "life {life}: the copied frame's payload was left sealed");
         r0.close(Duration::from_secs(5)).await;
         drop(r0);
         assert!(matches!(next_event().await, TransportEvent::PeerLost(0)), "life {life}: the loss is reported");
