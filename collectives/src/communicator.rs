@@ -36,7 +36,7 @@
 //! ring), 1.4-1.9x faster than 512 KiB frames in 16 MiB rings (BENCHMARKS.md, 2026-12-01 evening).
 //! QUIC keeps 512 KiB: on a host with cores to spare 2 MiB frames were 4-20% faster, but 14% slower
 //! at 64 MiB on 2 cores (BENCHMARKS.md, issue 20, 2026-12-04), so set `chunk_bytes`
-//! there.
+//! there. TLS over TCP takes 1 MiB (`TLS_CHUNK_BYTES`), ahead of 512 KiB on both shapes.
 //!
 //! Channels ([`CommConfig::channels`], default 1): a flat ring all-reduce large enough that every
 //! ring still moves a full frame per rank ([`Communicator::all_reduce_channels`]) is split into

@@ -69,6 +69,11 @@ pub const TLS_INBOX_FRAMES: usize = 256;
 /// the suite's confidentiality limit caps it too (see [`record`]).
 pub const DEFAULT_KEY_UPDATE_RECORDS: u64 = 1 << 22;
 
+/// [`Transport::preferred_chunk_bytes`] of TLS: 1 MiB frames. Against the default 512 KiB they
+/// gave +2-5% busbw at 16 and 64 MiB on the 16-core host (2 and 4 ranks, 2 cores each) and +3-19%
+/// on the 2-core VM (BENCHMARKS.md, 2026-12-06 evening): half the frames, so half the per-frame
+/// work (headers, wake-ups, slots), with 64 records each still far from a socket buffer's size.
+pub const TLS_CHUNK_BYTES: usize = 1 << 20;
 const HELLO_MAGIC: [u8; 4] = *b"RTXT";
 const HELLO_LEN: usize = 12;
 /// Frames queued per connection before a send waits.
@@ -451,6 +456,10 @@ impl Transport for TlsTransport {
 
     fn preferred_ring_window(&self) -> Option<usize> {
         Some(crate::quic::QUIC_RING_WINDOW)
+    }
+
+    fn preferred_chunk_bytes(&self) -> Option<usize> {
+        Some(TLS_CHUNK_BYTES)
     }
 
     fn attach(&self, sink: Weak<dyn EventSink>) -> bool {

@@ -284,7 +284,7 @@ async fn a_flipped_byte_on_the_wire_fails_the_operation() {
         let (a, b) = tokio::join!(r0.connect(&via_proxy), r1.connect(&direct));
         a.unwrap();
         b.unwrap();
-        let config = CommConfig { op_timeout: Duration::from_secs(10), ..CommConfig::default() };
+        let config = CommConfig { op_timeout: Duration::from_secs(10), chunk_bytes: Some(512 << 10), ..CommConfig::default() };
         let comms = network_comms(&[r0, r1], &config);
         let out = run_ranks(&comms, |c| async move {
             let mut buf = vec![1.0f32; 1 << 20];
