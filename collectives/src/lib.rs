@@ -78,7 +78,8 @@ pub use op::segment_range;
 pub use pool::{BufferPool, PoolStats, PooledBuf, POOL_MAX_BYTES, POOL_MAX_CLASS_BYTES, POOL_MAX_PER_CLASS, POOL_MIN_CLASS_BYTES};
 #[cfg(feature = "quic")]
 pub use quic::{
-    certificate_names_rank, client_tls_config, quic_stream_throughput, rank_name, server_tls_config, tls_packet_cipher_throughput, CipherThroughput, ClusterCa,
+    certificate_names_rank, client_tls_config, client_tls_config_with, cpu_has_aes, quic_stream_throughput, rank_name, server_tls_config, server_tls_config_with,
+    tls_packet_cipher_throughput, Cipher, CipherThroughput, ClusterCa,
     ControlPath, NodeIdentity, QuicOptions, QuicTransport, ALPN, CONTROL_ALPN, DEFAULT_LOOPBACK_DATAGRAM_BYTES, DEFAULT_NETWORK_DATAGRAM_BYTES, MAX_STRIPES,
     QUIC_INBOX_FRAMES,
 };

@@ -448,10 +448,66 @@ impl Clone for NodeIdentity {
     }
 }
 
+/// The AEAD a secure transport seals with (TLS 1.3 suites with SHA-256).
+///
+/// Constraint: per byte on the wire a secure transport pays a seal and an open, and which AEAD is
+/// cheaper depends on the CPU: with AES instructions (x86-64 AES-NI + PCLMULQDQ, aarch64 AES +
+/// PMULL) AES-128-GCM is several times faster than ChaCha20-Poly1305; without them (older or small
+/// ARM cores, as federated edge hosts may have) ChaCha20-Poly1305 is. Choice: [`Cipher::Auto`]
+/// offers both, the one this CPU runs faster first; in TLS 1.3 the server takes the first suite of
+/// the client's list that it offers (rustls's default), so the dialing side's CPU decides. A forced
+/// choice offers that suite alone (QUIC always offers AES-128-GCM too: its initial packets need it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Cipher {
+    /// AES-128-GCM first where the CPU has AES instructions ([`cpu_has_aes`]), else
+    /// ChaCha20-Poly1305 first; both offered.
+    #[default]
+    Auto,
+    /// TLS13_AES_128_GCM_SHA256 only.
+    Aes128Gcm,
+    /// TLS13_CHACHA20_POLY1305_SHA256 only.
+    ChaCha20Poly1305,
+}
+
+impl Cipher {
+    /// The suites offered, most preferred first.
+    fn suites(self) -> &'static [rustls::CipherSuite] {
+        use rustls::CipherSuite::{TLS13_AES_128_GCM_SHA256 as AES, TLS13_CHACHA20_POLY1305_SHA256 as CHACHA};
+        match self {
+            Cipher::Auto if cpu_has_aes() => &[AES, CHACHA],
+            Cipher::Auto => &[CHACHA, AES],
+            Cipher::Aes128Gcm => &[AES],
+            Cipher::ChaCha20Poly1305 => &[CHACHA],
+        }
+    }
+}
+
+/// Whether this CPU has the instructions that make AES-GCM fast (x86-64: AES-NI and PCLMULQDQ;
+/// aarch64: AES and PMULL); `false` elsewhere.
+pub fn cpu_has_aes() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("aes") && std::arch::is_x86_feature_detected!("pclmulqdq")
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("aes") && std::arch::is_aarch64_feature_detected!("pmull")
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        false
+    }
+}
+
 /// The rustls server configuration of a rank: its certificate, and client certificates required to
 /// chain to the cluster CA.
 pub fn server_tls_config(identity: &NodeIdentity) -> Result<rustls::ServerConfig> {
-    let provider = Arc::new(crypto_provider());
+    server_tls_config_with(identity, Cipher::Auto)
+}
+
+/// [`server_tls_config`] offering the suites of `cipher`.
+pub fn server_tls_config_with(identity: &NodeIdentity, cipher: Cipher) -> Result<rustls::ServerConfig> {
+    let provider = Arc::new(crypto_provider(cipher));
     let mut roots = rustls::RootCertStore::empty();
     roots.add(identity.ca.clone()).map_err(tls)?;
     let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider)).build().map_err(tls)?;
@@ -468,7 +524,12 @@ pub fn server_tls_config(identity: &NodeIdentity) -> Result<rustls::ServerConfig
 /// The rustls client configuration of a rank: trusts only the cluster CA and presents the rank's
 /// certificate.
 pub fn client_tls_config(identity: &NodeIdentity) -> Result<rustls::ClientConfig> {
-    let provider = Arc::new(crypto_provider());
+    client_tls_config_with(identity, Cipher::Auto)
+}
+
+/// [`client_tls_config`] offering the suites of `cipher`.
+pub fn client_tls_config_with(identity: &NodeIdentity, cipher: Cipher) -> Result<rustls::ClientConfig> {
+    let provider = Arc::new(crypto_provider(cipher));
     let mut roots = rustls::RootCertStore::empty();
     roots.add(identity.ca.clone()).map_err(tls)?;
     let mut config = rustls::ClientConfig::builder_with_provider(provider)
@@ -481,14 +542,18 @@ pub fn client_tls_config(identity: &NodeIdentity) -> Result<rustls::ClientConfig
     Ok(config)
 }
 
-/// rustls with the `aws-lc-rs` provider, offering only TLS13_AES_128_GCM_SHA256: with AES
-/// instructions it is the cheapest TLS 1.3 suite (10 AES rounds against 14 for AES-256), and QUIC
-/// needs it for its initial packets anyway. aws-lc rather than ring: its AES-GCM has AVX-512
-/// (VAES + VPCLMULQDQ) code where the CPU has it, 1.7x ring's seal rate on the same core, and the
-/// cipher is most of what a secure transport spends per byte (ARCHITECTURE.md, "Cipher").
-fn crypto_provider() -> rustls::crypto::CryptoProvider {
+/// rustls with the `aws-lc-rs` provider, offering the suites of `cipher` in its order: of the
+/// AES suites only TLS13_AES_128_GCM_SHA256 (with AES instructions the cheapest TLS 1.3 suite: 10
+/// AES rounds against 14 for AES-256; QUIC needs it for its initial packets anyway), and
+/// TLS13_CHACHA20_POLY1305_SHA256 for CPUs without them ([`Cipher`]). aws-lc rather than ring: its
+/// AES-GCM has AVX-512 (VAES + VPCLMULQDQ) code where the CPU has it, 1.7x ring's seal rate on the
+/// same core, and the cipher is most of what a secure transport spends per byte (ARCHITECTURE.md,
+/// "Cipher").
+fn crypto_provider(cipher: Cipher) -> rustls::crypto::CryptoProvider {
     let mut provider = rustls::crypto::aws_lc_rs::default_provider();
-    provider.cipher_suites.retain(|suite| suite.suite() == rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    let order = cipher.suites();
+    provider.cipher_suites.retain(|suite| order.contains(&suite.suite()));
+    provider.cipher_suites.sort_by_key(|suite| order.iter().position(|s| *s == suite.suite()));
     provider
 }
 
@@ -1432,7 +1497,7 @@ pub fn tls_packet_cipher_throughput(packet_bytes: usize, total_bytes: u64) -> Re
     if packet_bytes == 0 {
         return Err(Error::InvalidConfig { reason: "cipher probe packet size must be positive" });
     }
-    let provider = crypto_provider();
+    let provider = crypto_provider(Cipher::Auto);
     let (suite, quic) = provider
         .cipher_suites
         .iter()
@@ -1767,4 +1832,20 @@ fn millis(d: Duration) -> u64 {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Each critical section is one map or vector operation; a panic cannot leave it half-done.
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_offers_both_suites_the_faster_one_first_and_a_forced_cipher_only_itself() {
+        use rustls::CipherSuite::{TLS13_AES_128_GCM_SHA256 as AES, TLS13_CHACHA20_POLY1305_SHA256 as CHACHA};
+        let offered = |c: Cipher| crypto_provider(c).cipher_suites.iter().map(|s| s.suite()).collect::<Vec<_>>();
+        let first = if cpu_has_aes() { AES } else { CHACHA };
+        assert_eq!(offered(Cipher::Auto).first(), Some(&first), "cpu_has_aes = {}", cpu_has_aes());
+        assert_eq!(offered(Cipher::Auto).len(), 2);
+        assert_eq!(offered(Cipher::Aes128Gcm), vec![AES]);
+        assert_eq!(offered(Cipher::ChaCha20Poly1305), vec![CHACHA]);
+    }
 }

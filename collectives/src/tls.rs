@@ -55,7 +55,7 @@ use crate::error::{Error, Result};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::linking::{self, PendingLinks, StripeId};
-use crate::quic::{certificate_names_rank, client_tls_config, rank_name, server_tls_config, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
+use crate::quic::{certificate_names_rank, client_tls_config_with, rank_name, server_tls_config_with, Cipher, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
 use crate::transport::{BoxFuture, ChunkedBytes, EventSink, SealedPayload, Transport, TransportEvent};
 use handshake::Established;
 use record::{record_len, Opened, Opener, RecordBuf, RecordError, SealedRecord, Sealer, MAX_RECORD, RECORD_HEADER_LEN};
@@ -112,6 +112,9 @@ pub struct TlsOptions {
     pub stripes: usize,
     /// Records sealed under one key before this end updates it.
     pub key_update_records: u64,
+    /// The AEAD offered in the handshakes ([`Cipher::Auto`]: by this CPU; the dialer's order
+    /// decides).
+    pub cipher: Cipher,
 }
 
 impl Default for TlsOptions {
@@ -123,6 +126,7 @@ impl Default for TlsOptions {
             max_payload_bytes: crate::DEFAULT_MAX_PAYLOAD_BYTES,
             stripes: 1,
             key_update_records: DEFAULT_KEY_UPDATE_RECORDS,
+            cipher: Cipher::Auto,
         }
     }
 }
@@ -301,11 +305,11 @@ impl TlsTransport {
         if options.stripes == 0 || options.stripes > MAX_STRIPES {
             return Err(Error::InvalidConfig { reason: "stripes must be 1 to 16 connections per peer pair" });
         }
-        let mut server_config = server_tls_config(identity)?;
+        let mut server_config = server_tls_config_with(identity, options.cipher)?;
         server_config.alpn_protocols = vec![TLS_ALPN.to_vec()];
         server_config.enable_secret_extraction = true;
         server_config.send_tls13_tickets = 0;
-        let mut client_config = client_tls_config(identity)?;
+        let mut client_config = client_tls_config_with(identity, options.cipher)?;
         client_config.alpn_protocols = vec![TLS_ALPN.to_vec()];
         client_config.enable_secret_extraction = true;
         let listener = std::net::TcpListener::bind(listen).map_err(|e| io("bind", e))?;

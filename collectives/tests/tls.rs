@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use rtx_collectives::{ClusterCa, CommConfig, Error, OpKind, ReduceOp, TlsOptions, TlsTransport, Transport, TransportEvent};
+use rtx_collectives::{Cipher, ClusterCa, CommConfig, Error, OpKind, ReduceOp, TlsOptions, TlsTransport, Transport, TransportEvent};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const LOOPBACK: &str = "127.0.0.1:0";
@@ -86,6 +86,48 @@ async fn key_updates_and_frames_of_every_size_give_exact_results() {
             assert_eq!(sealed, 0, "chunk {chunk}: frames under 16 KiB are opened by the reader");
         }
     }
+}
+
+// Goal: ChaCha20-Poly1305 (the suite for CPUs without AES instructions, or forced) runs the whole
+// data path: records sealed out of place, opened in place by the reader, all-gather payloads left
+// sealed and opened into the output, key updates; results bit-exact. Method: 3 ranks offering only
+// that suite (so a finished handshake means it was negotiated), key update every 5 records,
+// 64 KiB frames, exact inputs (RTX_TEST_SEED); then a dialer offering only AES-128-GCM to an
+// acceptor offering only ChaCha20-Poly1305: no common suite, so connect fails with an error
+// within its timeout instead of hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chacha20_poly1305_carries_the_collectives_and_no_common_suite_is_an_error() {
+    let seed = seed();
+    let (n, len) = (3, 200_003);
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let chacha = TlsOptions { cipher: Cipher::ChaCha20Poly1305, key_update_records: 5, ..options() };
+    let transports = TlsTransport::loopback_world(&ca, n, chacha.clone()).await.unwrap();
+    let config = CommConfig { op_timeout: Duration::from_secs(20), chunk_bytes: Some(64 << 10), ..CommConfig::default() };
+    let comms = network_comms(&transports, &config);
+    let inputs = exact_inputs::<f32>(seed, 0, n, len);
+    let want = reference(ReduceOp::Sum, &inputs);
+    let out = run_ranks(&comms, |c| {
+        let mut buf = inputs[c.rank()].clone();
+        async move {
+            c.all_reduce(&mut buf, ReduceOp::Sum).await.unwrap();
+            buf
+        }
+    })
+    .await;
+    for (rank, got) in out.iter().enumerate() {
+        assert_eq!(bits(got), bits(&want), "seed {seed}, rank {rank}");
+    }
+    assert!(transports.iter().map(|t| t.payloads_left_sealed()).sum::<u64>() > 0, "all-gather payloads were left sealed");
+
+    let quick = Duration::from_secs(2);
+    let aes_only = TlsOptions { cipher: Cipher::Aes128Gcm, connect_timeout: quick, ..options() };
+    let r0 = TlsTransport::bind(&ca.issue(0).unwrap(), 2, LOOPBACK.parse().unwrap(), aes_only).unwrap();
+    let r1 = TlsTransport::bind(&ca.issue(1).unwrap(), 2, LOOPBACK.parse().unwrap(), TlsOptions { connect_timeout: quick, ..chacha }).unwrap();
+    let addrs = [r0.local_addr(), r1.local_addr()];
+    let started = std::time::Instant::now();
+    let (a, b) = tokio::join!(r0.connect(&addrs), r1.connect(&addrs));
+    assert!(a.is_err() && b.is_err(), "no common suite, yet connect gave {a:?} and {b:?}");
+    assert!(started.elapsed() < Duration::from_secs(10), "connect failed only after {:?}", started.elapsed());
 }
 
 // Goal: close writes what is queued and half-closes at once, while the peer is still alive: it

@@ -36,8 +36,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use clap::ValueEnum;
 use rtx_collectives::{
-    quic_stream_throughput, segment_range, tls_packet_cipher_throughput, ClusterCa, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions,
+    quic_stream_throughput, segment_range, tls_packet_cipher_throughput, Cipher, ClusterCa, CommConfig, Communicator, Endpoint, NodeIdentity, QuicOptions,
     QuicTransport, ReduceOp, RoutedTransport, ShmOptions, ShmTransport, TlsOptions, TlsTransport, Transport,
 };
 use serde_json::json;
@@ -59,6 +60,27 @@ pub enum BenchTransport {
     Tls,
     /// Shared-memory rings inside a host and TLS over TCP between hosts (`--hosts`), hierarchical.
     RoutedTls,
+}
+
+/// The AEAD of the TLS transports (`TlsOptions::cipher`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchCipher {
+    /// AES-128-GCM first where the CPU has AES instructions, else ChaCha20-Poly1305.
+    Auto,
+    /// AES-128-GCM only.
+    Aes128Gcm,
+    /// ChaCha20-Poly1305 only.
+    Chacha20Poly1305,
+}
+
+impl BenchCipher {
+    fn cipher(self) -> Cipher {
+        match self {
+            BenchCipher::Auto => Cipher::Auto,
+            BenchCipher::Aes128Gcm => Cipher::Aes128Gcm,
+            BenchCipher::Chacha20Poly1305 => Cipher::ChaCha20Poly1305,
+        }
+    }
 }
 
 /// A collective to measure.
@@ -125,6 +147,9 @@ pub struct CollectivesArgs {
     /// the same number so the connections' drivers run on separate cores.
     #[arg(long, default_value_t = 1)]
     pub stripes: usize,
+    /// The AEAD of the `tls` and `routed-tls` transports.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub cipher: BenchCipher,
     /// Override `CommConfig::channels`: most independent rings a large all_reduce is split into,
     /// each driven by its own thread on a multi-thread runtime (`--threads` 2 or more); unset, the
     /// transport's preference (1). The `ch` column shows what each size got.
@@ -512,7 +537,9 @@ fn run_group(
             .arg("--threads")
             .arg(args.threads.to_string())
             .arg("--stripes")
-            .arg(args.stripes.to_string());
+            .arg(args.stripes.to_string())
+            .arg("--cipher")
+            .arg(args.cipher.to_possible_value().map_or_else(|| "auto".to_string(), |v| v.get_name().to_string()));
         let overrides = [
             ("--small-message-bytes", small),
             ("--chunk-bytes", args.chunk_bytes),
@@ -791,7 +818,7 @@ pub(super) async fn quic_rank_in(dir: &Path, rank: usize, world: usize, options:
 /// This rank's TLS transport bound on its host's address (`--stripes` connections per pair), with
 /// every rank's published address, not yet connected.
 async fn tls_rank_published(args: &CollectivesArgs, rank: usize, world: usize, dir: &Path, max_payload: usize) -> anyhow::Result<(TlsTransport, Vec<SocketAddr>)> {
-    let options = TlsOptions { connect_timeout: RENDEZVOUS_TIMEOUT, stripes: args.stripes, max_payload_bytes: max_payload, ..TlsOptions::default() };
+    let options = TlsOptions { connect_timeout: RENDEZVOUS_TIMEOUT, stripes: args.stripes, max_payload_bytes: max_payload, cipher: args.cipher.cipher(), ..TlsOptions::default() };
     let ip = args.host_addrs.get(host_of_rank(rank, world, args.hosts)).copied().unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
     let transport = TlsTransport::bind(&read_identity(dir, rank)?, world, SocketAddr::new(ip, 0), options)?;
     let addrs = publish_and_read_addrs(dir, rank, world, transport.local_addr()).await?;
