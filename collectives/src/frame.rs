@@ -308,12 +308,14 @@ impl Frame {
     /// The same frame with a sealed payload opened into a buffer from `pool`; other frames are
     /// returned as they are.
     pub fn opened(self, pool: &BufferPool) -> Result<Frame> {
-        let FrameBytes::Sealed(sealed) = &self.bytes else { return Ok(self) };
-        let len = sealed.len();
+        if !self.is_sealed() {
+            return Ok(self);
+        }
+        let len = self.payload_len();
         let mut buf = pool.take(HEADER_LEN + len);
         buf.extend_from_slice(&encode_header_only_checksum(&self.header, len));
         buf.resize(HEADER_LEN + len, 0);
-        sealed.open_into(&mut buf[HEADER_LEN..]).map_err(|reason| Error::Unauthentic { src: self.header.src as usize, reason })?;
+        self.open_into(&mut buf[HEADER_LEN..])?;
         Ok(Frame { header: self.header, bytes: FrameBytes::Pooled(buf) })
     }
 
@@ -384,11 +386,9 @@ impl Frame {
         if decoded.payload_len != payload.len() as u64 {
             return Err(Error::PayloadLengthMismatch { declared: decoded.payload_len, actual: payload.len() });
         }
-        if header[FLAGS] & FLAG_HEADER_ONLY_CHECKSUM == 0 {
-            return Err(Error::ChecksumMismatch { expected: read_u32(header, CHECKSUM_RANGE.start), computed: 0 });
-        }
+        // The payload cannot be checksummed before it is opened: only a header-only checksum fits.
         let (expected, computed) = (read_u32(header, CHECKSUM_RANGE.start), checksum(header, &[]));
-        if expected != computed {
+        if header[FLAGS] & FLAG_HEADER_ONLY_CHECKSUM == 0 || expected != computed {
             return Err(Error::ChecksumMismatch { expected, computed });
         }
         Ok(Frame { header: decoded, bytes: FrameBytes::Sealed(payload) })
@@ -488,20 +488,20 @@ pub fn encode_header_parts<'a>(header: &FrameHeader, payload_len: usize, payload
 /// [`FLAG_HEADER_ONLY_CHECKSUM`]): for transports that guarantee integrity themselves. Does not
 /// read the payload.
 pub fn encode_header_only_checksum(header: &FrameHeader, payload_len: usize) -> [u8; HEADER_LEN] {
-    let mut out = [0u8; HEADER_LEN];
-    write_header(&mut out, header, payload_len as u64);
-    out[FLAGS] = FLAG_HEADER_ONLY_CHECKSUM;
-    let crc = checksum(&out, &[]);
-    out[CHECKSUM_RANGE].copy_from_slice(&crc.to_le_bytes());
-    out
+    encode_header_flagged(header, payload_len, FLAG_HEADER_ONLY_CHECKSUM)
 }
 
 /// [`encode_header_only_checksum`] with [`FLAG_COPIED`] set: the receiver copies this payload
 /// whole into its output.
 pub fn encode_header_copied(header: &FrameHeader, payload_len: usize) -> [u8; HEADER_LEN] {
+    encode_header_flagged(header, payload_len, FLAG_HEADER_ONLY_CHECKSUM | FLAG_COPIED)
+}
+
+/// The header bytes with `flags`, checksummed over the header alone.
+fn encode_header_flagged(header: &FrameHeader, payload_len: usize, flags: u8) -> [u8; HEADER_LEN] {
     let mut out = [0u8; HEADER_LEN];
     write_header(&mut out, header, payload_len as u64);
-    out[FLAGS] = FLAG_HEADER_ONLY_CHECKSUM | FLAG_COPIED;
+    out[FLAGS] = flags;
     let crc = checksum(&out, &[]);
     out[CHECKSUM_RANGE].copy_from_slice(&crc.to_le_bytes());
     out

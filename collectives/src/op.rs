@@ -292,11 +292,8 @@ impl<'a> OpCtx<'a> {
     /// one is opened into a pooled buffer first).
     pub(crate) async fn recv_frame_parts(&mut self, from: usize, dtype: Option<DType>, len_bytes: usize) -> Result<Frame> {
         let frame = self.recv_frame_maybe_sealed(from, dtype, len_bytes).await?;
-        if frame.is_sealed() {
-            let opened = frame.opened(&self.comm.endpoint().shared().pool);
-            return self.watch(opened);
-        }
-        Ok(frame)
+        let opened = frame.opened(&self.comm.endpoint().shared().pool);
+        self.watch(opened)
     }
 
     /// Receives the next frame from `from` into `dst` (its payload length): a sealed payload is

@@ -24,7 +24,7 @@
 
 use bytes::Bytes;
 
-use super::record::{RecordError, SealedRecord, RECORD_HEADER_LEN, TAG_LEN};
+use super::record::{RecordError, SealedRecord, MAX_BODY};
 use super::LinkSockets;
 use crate::frame::{decode_header, says_copied, HEADER_LEN};
 use crate::quic::CHUNKED_FRAME_MIN_BYTES;
@@ -126,7 +126,9 @@ impl SealedRecords {
 
     fn open_all(&self, dst: &mut [u8]) -> Result<(), RecordError> {
         let mut at = 0;
-        let mut last = Vec::new();
+        // Room for the largest record body a peer may send (MAX_BODY), so the last record opens
+        // on the stack: no allocation per frame.
+        let mut last = [0u8; MAX_BODY];
         for piece in &self.pieces {
             match piece {
                 SealedPiece::Plain(plain) => dst[at..at + plain.len()].copy_from_slice(plain),
@@ -137,7 +139,6 @@ impl SealedRecords {
                     if at + len < dst.len() {
                         how.open_into(record, &mut dst[at..])?;
                     } else {
-                        last.resize(record.len().saturating_sub(RECORD_HEADER_LEN + TAG_LEN), 0);
                         how.open_into(record, &mut last)?;
                         dst[at..at + len].copy_from_slice(&last[..len]);
                     }
