@@ -202,6 +202,9 @@ enum Send {
 enum Held {
     /// A frame to send (combined into, for a Forward step).
     Frame(Frame),
+    /// A Forward step's frame as received, to be combined as it is sent
+    /// ([`OpCtx::send_combined`]).
+    Uncombined(Frame),
     /// A gathered piece whose frame was given back: send it from the buffer.
     Buf,
 }
@@ -287,6 +290,10 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
 ) -> Result<()> {
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
     let window = ctx.ring_window();
+    // Where the transport seals each record as the payload is written (TLS), a Forward step's
+    // combine happens as its frame is sent, record by record in cache, and every frame is
+    // flagged so the receiver's transport may leave it sealed until it is read.
+    let fused = ctx.fills_on_send();
     let mut held: VecDeque<Held> = VecDeque::new();
     let mut sent = 0;
     ctx.announce(prev, sched.recvs.len());
@@ -297,10 +304,11 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
                 break;
             }
             match source {
-                Send::Buf => ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?,
-                Send::Final => ctx.send_copied_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?,
+                Send::Buf if !fused => ctx.send_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?,
+                Send::Buf | Send::Final => ctx.send_copied_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?,
                 Send::Forward | Send::Pass => match held.pop_front() {
                     Some(Held::Frame(frame)) => ctx.forward_frame(next, Some(A::DTYPE), frame).await?,
+                    Some(Held::Uncombined(frame)) => ctx.send_combined(next, frame, op, buf.read(range.clone())).await?,
                     Some(Held::Buf) => {
                         debug_assert_eq!(*source, Send::Pass, "a forward always keeps its frame");
                         ctx.send_copied_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?
@@ -312,6 +320,10 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
         }
         let Some((kind, range)) = sched.recvs.get(done) else { break };
         match kind {
+            Recv::Forward if fused => {
+                let frame = ctx.recv_frame_to_combine(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
+                held.push_back(Held::Uncombined(frame));
+            }
             Recv::Forward => {
                 let frame = ctx.recv_frame_parts(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
                 let frame = ctx.combine_forward(op, frame, buf.read(range.clone()));

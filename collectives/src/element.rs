@@ -264,12 +264,6 @@ pub(crate) fn copy_parts<'a, T: WireElement>(dst: &mut [T], parts: impl Iterator
     assert_eq!(copied, dst_bytes.len(), "copy: length checked by the caller");
 }
 
-/// [`combine_bytes`] from a payload in pieces.
-pub(crate) fn combine_parts<'a, A: Accumulator>(op: ReduceOp, local: &mut [A], parts: impl Iterator<Item = &'a [u8]>, received_first: bool) {
-    let combined = walk_parts(std::mem::size_of::<A>(), parts, |r, bytes| combine_bytes(op, &mut local[r], bytes, received_first));
-    assert_eq!(combined, local.len(), "combine: length checked by the caller");
-}
-
 /// `out[i] = combine(received[i], local[i])`: a received payload in pieces combined with local
 /// values into a separate buffer (`out`, raw little-endian bytes of `A`), in one pass.
 pub(crate) fn combine_parts_to<'a, A: Accumulator>(op: ReduceOp, out: &mut [u8], parts: impl Iterator<Item = &'a [u8]>, local: &[A]) {
@@ -281,7 +275,7 @@ pub(crate) fn combine_parts_to<'a, A: Accumulator>(op: ReduceOp, out: &mut [u8],
 
 /// `out[i] = combine(received[i], local[i])` over raw little-endian bytes of `A` (`out` and
 /// `received`); one loop per operation, so each compiles to straight vector code.
-fn combine_to_bytes<A: Accumulator>(op: ReduceOp, out: &mut [u8], received: &[u8], local: &[A]) {
+pub(crate) fn combine_to_bytes<A: Accumulator>(op: ReduceOp, out: &mut [u8], received: &[u8], local: &[A]) {
     debug_assert_eq!(out.len(), received.len());
     macro_rules! each {
         ($op:expr) => {
@@ -355,7 +349,8 @@ mod tests {
     }
 
     // Goal: a payload cut into pieces at any byte positions (elements split across pieces,
-    // unaligned pieces, empty pieces) copies, combines and rounds exactly as the whole payload.
+    // unaligned pieces, empty pieces) copies and rounds exactly as the whole payload (combining from
+    // pieces: `frame::tests::plain_stream_takes_elements_across_any_cuts`).
     #[test]
     fn pieces_equal_whole() {
         let values: Vec<f32> = (0..37).map(|i| i as f32 * 1.25 - 7.0).collect();
@@ -365,9 +360,6 @@ mod tests {
             let mut copied = vec![0.0f32; 37];
             copy_parts(&mut copied, parts.iter().copied());
             assert_eq!(copied, values);
-            let mut combined = vec![1.0f32; 37];
-            combine_parts(ReduceOp::Sum, &mut combined, parts.iter().copied(), true);
-            assert_eq!(combined, values.iter().map(|v| v + 1.0).collect::<Vec<_>>());
             let mut rounded = vec![bf16::ZERO; 37];
             round_parts(&mut rounded, parts.iter().copied());
             assert_eq!(rounded, values.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());

@@ -33,11 +33,14 @@
 //! without channels (which read byte 53 as reserved, and so refuse channelled frames with
 //! [`Error::ReservedNonZero`]); the version stays 2.
 //!
-//! Copied payloads (flag bit 1, [`FLAG_COPIED`]): a ring's all-gather steps copy each received
-//! payload unchanged into the output. The flag tells a transport that seals its stream (TLS) so
-//! before the payload arrives; it may then hand the payload over still sealed
-//! ([`crate::SealedPayload`]) and the operation opens it straight into the output: one pass over
-//! those bytes instead of an open in place and a copy. Every other reader ignores the flag; it is
+//! Payloads read once (flag bit 1, [`FLAG_COPIED`]): the receiver reads the payload once, front
+//! to back, into something else: a ring's all-gather steps copy it into the output, and over a
+//! transport that fills payloads as it seals them ([`crate::Transport::fills_on_send`]) a ring's
+//! reduce-scatter steps combine it into their own part or into the frame they send on. The flag
+//! tells a transport that seals its stream (TLS) so before the payload arrives; it may then hand
+//! the payload over still sealed ([`crate::SealedPayload`]) and the operation opens it into the
+//! output, or record by record into cache as it combines ([`Frame::plain`]): one pass over those
+//! bytes instead of an open in place and a second read. Every other reader ignores the flag; it is
 //! set only where the checksum covers the header alone (transports that authenticate).
 //!
 //! Decision: DESIGN.md suggests an rkyv header. The header is eleven fixed-width scalars and never
@@ -51,12 +54,13 @@
 //! panics: every malformed input maps to an error variant.
 
 use std::fmt;
+use std::ops::Range;
 
 use rtx_kernels::DType;
 
 use crate::error::{Error, Result};
 use crate::pool::{BufferPool, PooledBuf};
-use crate::transport::{ChunkedBytes, LentBytes, SealedPayload};
+use crate::transport::{ChunkedBytes, LentBytes, PlainCursor, SealedPayload};
 
 /// Header length in bytes; the payload starts here.
 pub const HEADER_LEN: usize = 64;
@@ -66,7 +70,8 @@ pub const MAGIC: u32 = u32::from_le_bytes(*b"RTXF");
 pub const VERSION: u16 = 2;
 /// Flag bit: the checksum covers the header only.
 pub const FLAG_HEADER_ONLY_CHECKSUM: u8 = 1;
-/// Flag bit: the receiver copies the payload whole into its output (a hint; see the module doc).
+/// Flag bit: the receiver reads the payload once, front to back (copies or combines it; a hint
+/// that lets a sealing transport hand it over sealed; see the module doc).
 pub const FLAG_COPIED: u8 = 2;
 
 const CHECKSUM_RANGE: std::ops::Range<usize> = 48..52;
@@ -161,6 +166,100 @@ pub(crate) enum Outgoing {
     Lent(LentBytes),
     /// The payload as the transport's pieces.
     Chunked(ChunkedBytes),
+}
+
+/// A received payload's plaintext front to back in pieces, however the frame holds it: its one
+/// buffer, its transport's pieces, or its sealed records opened one at a time into the cursor's
+/// scratch ([`Frame::plain`]). Read as runs of whole elements with
+/// [`take_elements`](Self::take_elements).
+pub(crate) struct PlainStream<'a> {
+    src: usize,
+    pieces: PlainPieces<'a>,
+    /// Bytes of the current piece already taken.
+    at: usize,
+    /// Bytes of earlier pieces.
+    taken: usize,
+}
+
+enum PlainPieces<'a> {
+    One { payload: &'a [u8], started: bool },
+    Chunked { chunks: &'a ChunkedBytes, next: usize, current: &'a [u8] },
+    Sealed(Box<dyn PlainCursor + 'a>),
+}
+
+impl PlainStream<'_> {
+    fn piece(&self) -> &[u8] {
+        match &self.pieces {
+            PlainPieces::One { payload, started } => if *started { payload } else { &[] },
+            PlainPieces::Chunked { current, .. } => current,
+            PlainPieces::Sealed(cursor) => cursor.piece(),
+        }
+    }
+
+    /// Moves to the next piece: `Ok(false)` past the last one.
+    fn advance(&mut self) -> Result<bool> {
+        self.taken += self.at;
+        self.at = 0;
+        let more = match &mut self.pieces {
+            PlainPieces::One { started, .. } => !std::mem::replace(started, true),
+            PlainPieces::Chunked { chunks, next, current } => match chunks.chunk(*next) {
+                Some(chunk) => {
+                    *next += 1;
+                    *current = chunk;
+                    true
+                }
+                None => false,
+            },
+            PlainPieces::Sealed(cursor) => cursor.advance().map_err(|reason| Error::Unauthentic { src: self.src, reason })?,
+        };
+        Ok(more)
+    }
+
+    /// Moves to the next piece; a payload shorter than what is taken is an error.
+    fn advance_for(&mut self, wanted: usize) -> Result<()> {
+        if self.advance()? {
+            return Ok(());
+        }
+        Err(Error::PayloadLength { src: self.src, expected: self.taken + wanted, got: self.taken })
+    }
+
+    /// Takes the next `count` elements of `size` bytes, calling `f(elements, bytes)` for runs
+    /// of whole elements (element indices relative to this call); an element split across two
+    /// pieces is put together in a small buffer and passed on its own.
+    pub(crate) fn take_elements(&mut self, size: usize, count: usize, mut f: impl FnMut(Range<usize>, &[u8])) -> Result<()> {
+        const CARRY: usize = 16;
+        debug_assert!(size > 0 && size <= CARRY);
+        let mut done = 0;
+        while done < count {
+            let rest = &self.piece()[self.at..];
+            if rest.is_empty() {
+                self.advance_for((count - done) * size)?;
+                continue;
+            }
+            let whole = (rest.len() / size).min(count - done);
+            if whole > 0 {
+                f(done..done + whole, &rest[..whole * size]);
+                done += whole;
+                self.at += whole * size;
+                continue;
+            }
+            let mut carry = [0u8; CARRY];
+            let mut have = rest.len();
+            carry[..have].copy_from_slice(rest);
+            self.at += have;
+            while have < size {
+                self.advance_for((count - done) * size - have)?;
+                let piece = self.piece();
+                let take = (size - have).min(piece.len());
+                carry[have..have + take].copy_from_slice(&piece[..take]);
+                have += take;
+                self.at = take;
+            }
+            f(done..done + 1, &carry[..size]);
+            done += 1;
+        }
+        Ok(())
+    }
 }
 
 /// The pieces of a frame's payload, in order (see [`Frame::payload_parts`]).
@@ -285,6 +384,18 @@ impl Frame {
                 PayloadParts::One(None)
             }
         }
+    }
+
+    /// The payload's plaintext front to back ([`PlainStream`]): a sealed payload is opened a
+    /// record at a time as it is read, never whole.
+    pub(crate) fn plain(&self) -> PlainStream<'_> {
+        let pieces = match &self.bytes {
+            FrameBytes::Pooled(buf) => PlainPieces::One { payload: &buf[HEADER_LEN..], started: false },
+            FrameBytes::Lent(payload) => PlainPieces::One { payload, started: false },
+            FrameBytes::Chunked(chunks) => PlainPieces::Chunked { chunks, next: 0, current: &[] },
+            FrameBytes::Sealed(sealed) => PlainPieces::Sealed(sealed.cursor()),
+        };
+        PlainStream { src: self.header.src as usize, pieces, at: 0, taken: 0 }
     }
 
     /// Whether the payload is still sealed by the transport.
@@ -491,8 +602,8 @@ pub fn encode_header_only_checksum(header: &FrameHeader, payload_len: usize) -> 
     encode_header_flagged(header, payload_len, FLAG_HEADER_ONLY_CHECKSUM)
 }
 
-/// [`encode_header_only_checksum`] with [`FLAG_COPIED`] set: the receiver copies this payload
-/// whole into its output.
+/// [`encode_header_only_checksum`] with [`FLAG_COPIED`] set: the receiver reads this payload
+/// once, front to back.
 pub fn encode_header_copied(header: &FrameHeader, payload_len: usize) -> [u8; HEADER_LEN] {
     encode_header_flagged(header, payload_len, FLAG_HEADER_ONLY_CHECKSUM | FLAG_COPIED)
 }
@@ -507,8 +618,8 @@ fn encode_header_flagged(header: &FrameHeader, payload_len: usize, flags: u8) ->
     out
 }
 
-/// Whether the encoded header `header` carries [`FLAG_COPIED`] (the payload is copied whole by
-/// the receiver). Reads the flag byte only: validate the header first.
+/// Whether the encoded header `header` carries [`FLAG_COPIED`] (the payload is read once, front
+/// to back, by the receiver). Reads the flag byte only: validate the header first.
 pub fn says_copied(header: &[u8; HEADER_LEN]) -> bool {
     header[FLAGS] & FLAG_COPIED != 0
 }
@@ -632,6 +743,44 @@ mod tests {
 
     fn sample() -> FrameHeader {
         FrameHeader { group: 7, generation: 3, seq: 42, op: OpKind::AllReduce, chunk: 5, src: 2, dtype: Some(DType::F32), payload_len: 0, channels: 0 }
+    }
+
+    // Goal: a payload read through `PlainStream` (whole, or in pieces cut at any byte: elements
+    // split across pieces, empty pieces) yields exactly its elements in order, in runs that
+    // cover them once, and a payload shorter than what is taken is a typed error, not a panic.
+    #[test]
+    fn plain_stream_takes_elements_across_any_cuts() {
+        let values: Vec<f32> = (0..37).map(|i| i as f32 * 1.25 - 7.0).collect();
+        let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
+        let header = encode_header_only_checksum(&sample(), bytes.len());
+        for cuts in [vec![], vec![1], vec![3, 4, 5], vec![0, 0, 7, 7, 70, 147], (1..148).collect::<Vec<_>>()] {
+            let mut chunked = ChunkedBytes::new();
+            let mut at = 0;
+            for &c in cuts.iter().chain([&bytes.len()]) {
+                chunked.push(bytes[at..c].to_vec());
+                at = c;
+            }
+            let frame = Frame::decode_chunked(&header, chunked, 1 << 20).unwrap();
+            let mut plain = frame.plain();
+            let mut seen = vec![f32::NAN; 37];
+            // Taken in calls of uneven sizes, as a sealer's records ask for them.
+            let mut base = 0;
+            for count in [5, 0, 13, 19] {
+                plain
+                    .take_elements(4, count, |r, b| {
+                        assert_eq!(b.len(), 4 * r.len());
+                        for (i, e) in r.zip(b.chunks_exact(4)) {
+                            assert!(seen[base + i].is_nan(), "element {} taken twice", base + i);
+                            seen[base + i] = f32::from_le_bytes(e.try_into().unwrap());
+                        }
+                    })
+                    .unwrap();
+                base += count;
+            }
+            assert_eq!(seen, values, "cuts {cuts:?}");
+            let err = plain.take_elements(4, 1, |_, _| {}).unwrap_err();
+            assert!(matches!(err, Error::PayloadLength { src: 2, expected: 152, got: 148 }), "{err:?}");
+        }
     }
 
     // Goal: encode then decode gives back every header field and the payload bytes.

@@ -13,7 +13,7 @@ use rtx_kernels::DType;
 
 use crate::channel::ChannelState;
 use crate::communicator::Communicator;
-use crate::element::{combine_into_bytes, combine_parts, combine_parts_to, copy_parts, round_parts, Accumulator, Element, WireElement};
+use crate::element::{combine_bytes, combine_into_bytes, combine_parts_to, combine_to_bytes, copy_parts, round_parts, Accumulator, Element, WireElement};
 use crate::error::{Error, Result};
 use crate::frame::{encode_header, encode_header_copied, encode_header_only_checksum, encode_header_parts, Frame, FrameHeader, OpKind, Outgoing, HEADER_LEN};
 use crate::group::{Key, Lane, Slot};
@@ -103,10 +103,14 @@ impl<'a> OpCtx<'a> {
         }
     }
 
-    /// Passes `result` through, noting a [`Error::PeerLost`] for [`relay_loss`](Self::relay_loss).
+    /// Passes `result` through, noting a [`Error::PeerLost`] for [`relay_loss`](Self::relay_loss),
+    /// and an [`Error::Unauthentic`] payload as the loss of its sender: the transport broke that
+    /// link, and members waiting on others must fail fast too.
     fn watch<T>(&mut self, result: Result<T>) -> Result<T> {
-        if let Err(Error::PeerLost { rank, .. }) = &result {
-            self.relay_loss(*rank);
+        match &result {
+            Err(Error::PeerLost { rank, .. }) => self.relay_loss(*rank),
+            Err(Error::Unauthentic { src, .. }) => self.relay_loss(*src),
+            _ => {}
         }
         result
     }
@@ -210,9 +214,10 @@ impl<'a> OpCtx<'a> {
         self.send_frame_as(to, dtype, payload, false).await
     }
 
-    /// [`send_frame`](Self::send_frame) of a frame the receiver copies whole into its output
-    /// ([`crate::frame::FLAG_COPIED`], set where the transport authenticates: a sealing
-    /// transport may then leave the payload sealed until the receiver opens it in place).
+    /// [`send_frame`](Self::send_frame) of a frame the receiver reads once, front to back (copies
+    /// into its output or combines; [`crate::frame::FLAG_COPIED`], set where the transport
+    /// authenticates: a sealing transport may then leave the payload sealed until the receiver
+    /// opens it where it uses it).
     pub(crate) async fn send_copied_frame(&mut self, to: usize, dtype: Option<DType>, payload: &[u8]) -> Result<()> {
         self.send_frame_as(to, dtype, payload, true).await
     }
@@ -346,6 +351,44 @@ impl<'a> OpCtx<'a> {
         Ok(frame)
     }
 
+    /// Whether the transport writes a sent payload straight into what goes on the wire
+    /// ([`crate::Transport::fills_on_send`]): a ring then combines a received piece as it sends it
+    /// on ([`send_combined`](Self::send_combined)), and flags its frames so a sealing transport
+    /// leaves their payloads sealed until then.
+    pub(crate) fn fills_on_send(&self) -> bool {
+        let shared = self.comm.endpoint().shared();
+        shared.transport.fills_on_send() && shared.transport.checks_integrity()
+    }
+
+    /// [`recv_frame_parts`](Self::recv_frame_parts) for a frame that is sent on combined
+    /// ([`send_combined`](Self::send_combined)): its payload may stay sealed until then.
+    pub(crate) async fn recv_frame_to_combine(&mut self, from: usize, dtype: Option<DType>, len_bytes: usize) -> Result<Frame> {
+        self.recv_frame_maybe_sealed(from, dtype, len_bytes).await
+    }
+
+    /// Sends group rank `to` the next frame of this operation: `received`'s payload combined
+    /// with `local` (`combine(received, local)` per element), computed record by record as the
+    /// transport seals it ([`crate::Transport::send_filled`]), a sealed payload opened one record
+    /// at a time into cache on the way. One pass over the received bytes, none over an
+    /// intermediate buffer. Needs a transport that checks integrity (the header's checksum cannot
+    /// cover a payload not computed yet); see [`fills_on_send`](Self::fills_on_send).
+    pub(crate) async fn send_combined<A: Accumulator>(&mut self, to: usize, received: Frame, op: ReduceOp, local: &[A]) -> Result<()> {
+        let len = received.payload_len();
+        debug_assert_eq!(len, std::mem::size_of_val(local), "combine: length checked on receipt");
+        let (peer, header) = self.next_header(to, Some(A::DTYPE), len);
+        let encoded = encode_header_copied(&header, len);
+        let size = std::mem::size_of::<A>();
+        let mut plain = received.plain();
+        let mut fill = |range: Range<usize>, out: &mut [u8]| -> Result<()> {
+            debug_assert!(range.start % size == 0 && range.len() % size == 0, "fill ranges are whole elements");
+            let local = &local[range.start / size..range.end / size];
+            plain.take_elements(size, local.len(), |r, bytes| combine_to_bytes(op, &mut out[r.start * size..r.end * size], bytes, &local[r]))
+        };
+        let shared = self.comm.endpoint().shared();
+        let send = shared.transport.send_filled(peer, &encoded, len, &mut fill, &shared.pool);
+        self.finish_send(peer, send).await
+    }
+
     /// A received frame to keep while `queued` others already wait: past [`LENT_HELD_MAX`] of them,
     /// a payload lent by the transport is copied out, so an operation never pins more than a few
     /// slots of a transport's ring (see the shared-memory transport).
@@ -394,9 +437,12 @@ impl<'a> OpCtx<'a> {
     /// Receives one piece of accumulator values from `from` and combines it into `dst`.
     pub(crate) async fn recv_combine<A: Accumulator>(&mut self, from: usize, dst: &mut [A], op: ReduceOp, received_first: bool) -> Result<()> {
         let bytes = std::mem::size_of_val(dst);
-        let frame = self.recv_frame_parts(from, Some(A::DTYPE), bytes).await?;
-        combine_parts(op, dst, frame.payload_parts(), received_first);
-        Ok(())
+        let frame = self.recv_frame_maybe_sealed(from, Some(A::DTYPE), bytes).await?;
+        // Read front to back: a sealed payload is opened a record at a time into cache and
+        // combined from there, never whole into a buffer.
+        let mut plain = frame.plain();
+        let combined = plain.take_elements(std::mem::size_of::<A>(), dst.len(), |r, bytes| combine_bytes(op, &mut dst[r], bytes, received_first));
+        self.watch(combined)
     }
 
     /// Receives one piece of elements from `from` and copies it into `dst` (a sealed payload is

@@ -11,11 +11,15 @@
 //! is a thread of its own: the sending operation seals its frame straight from its memory into
 //! records (no copy first) and the writer writes them; the reader reads into pooled buffers, opens
 //! the records in place and hands their plaintext to the endpoint as pieces of those buffers
-//! ([`EventSink::chunked_frame`]) without copying. A payload the receiver copies whole into its
-//! output (a ring's all-gather steps: [`crate::frame::FLAG_COPIED`]) is not opened by the reader
-//! but handed on sealed, and the operation opens it straight into the output ([`sealed`]): one
-//! pass over those bytes instead of two. QUIC stays the transport of the control plane and where
-//! one connection must not stall another's packets.
+//! ([`EventSink::chunked_frame`]) without copying. A payload the receiver reads once (a ring's
+//! frames: [`crate::frame::FLAG_COPIED`]) is not opened by the reader but handed on sealed, and the
+//! operation opens it where it is used ([`sealed`]): straight into the output for an all-gather
+//! step, or one record at a time into cache to be combined. And a ring's Forward step combines a
+//! received piece with its own data as it sends it on ([`Transport::send_filled`]): each outgoing
+//! record's plaintext is computed in place in the record buffer and sealed there
+//! ([`record::Sealer::seal_filled`]), so a reduce-scatter byte is opened, combined and sealed
+//! while one 16 KiB record is in cache, with no intermediate buffer. QUIC stays the transport of
+//! the control plane and where one connection must not stall another's packets.
 //!
 //! Security is the QUIC transport's: rustls runs a TLS 1.3 handshake with the cluster CA on both
 //! sides ([`crate::server_tls_config`], [`crate::client_tls_config`]); the dialer checks that the
@@ -56,9 +60,9 @@ use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::linking::{self, PendingLinks, StripeId};
 use crate::quic::{certificate_names_rank, client_tls_config_with, rank_name, server_tls_config_with, Cipher, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
-use crate::transport::{BoxFuture, ChunkedBytes, EventSink, SealedPayload, Transport, TransportEvent};
+use crate::transport::{BoxFuture, ChunkedBytes, EventSink, FillPayload, SealedPayload, Transport, TransportEvent};
 use handshake::Established;
-use record::{record_len, Opened, Opener, RecordBuf, RecordError, SealedRecord, Sealer, MAX_RECORD, RECORD_HEADER_LEN};
+use record::{record_len, FillFailed, Opened, Opener, RecordBuf, RecordError, SealedRecord, Sealer, MAX_RECORD, RECORD_HEADER_LEN};
 use sealed::{SealedPiece, SealedRecords, StreamPosition, EAGER_BODY_MAX};
 
 /// ALPN of the TLS transport's connections.
@@ -252,6 +256,31 @@ impl Stripe {
         permit.send(records);
         Ok(())
     }
+
+    /// Seals a frame whose payload `fill` writes into the records as they are sealed
+    /// ([`Sealer::seal_filled`]) and queues it, whole or not at all: if `fill` fails, the records
+    /// sealed for the frame are dropped and the sealer rewound to before it.
+    async fn send_filled(&self, header: &[u8], len: usize, fill: &mut FillPayload<'_>) -> std::result::Result<(), SendFailed> {
+        let permit = self.queue.reserve().await.map_err(|_| SendFailed::Closed)?;
+        let mut records = lock(&self.spare).pop().unwrap_or_default();
+        let mut sealer = lock(&self.sealer);
+        let mark = sealer.mark();
+        let start = records.len();
+        sealer.seal_parts([header], &mut records).map_err(SendFailed::Seal)?;
+        match sealer.seal_filled(len, &mut records, &mut *fill) {
+            Ok(()) => {
+                permit.send(records);
+                Ok(())
+            }
+            Err(FillFailed::Record(e)) => Err(SendFailed::Seal(e)),
+            Err(FillFailed::Fill(error)) => {
+                let broken = !sealer.rewind(mark);
+                records.truncate(start);
+                lock(&self.spare).push(records);
+                Err(SendFailed::Fill { error, broken })
+            }
+        }
+    }
 }
 
 /// Why [`Stripe::send`] sent nothing.
@@ -261,6 +290,9 @@ enum SendFailed {
     /// Keys could not be updated: records may have been sealed that never go out, so the
     /// connection's sequence is broken and the link must go.
     Seal(RecordError),
+    /// The payload's producer failed ([`Stripe::send_filled`]); the records sealed for it were
+    /// taken back (`broken`: not possible past a key update, so the link must go).
+    Fill { error: Error, broken: bool },
 }
 
 /// What a reader thread starts from: the receive key, and the peer's bytes the handshake already
@@ -439,6 +471,15 @@ impl Transport for TlsTransport {
         Box::pin(async move { self.shared.queue(peer, std::iter::once(&header[..]).chain(payload.chunks())).await })
     }
 
+    fn send_filled<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], len: usize, fill: &'a mut FillPayload<'a>, _pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.shared.queue_filled(peer, header, len, fill))
+    }
+
+    fn fills_on_send(&self) -> bool {
+        // Each record's plaintext is written in place and sealed there (`Sealer::seal_filled`).
+        true
+    }
+
     fn recv(&self) -> BoxFuture<'_, Option<TransportEvent>> {
         Box::pin(async move {
             if let Some(events) = lock(&self.shared.pull_events).take() {
@@ -527,23 +568,47 @@ impl Shared {
     /// Seals the frame `parts` and queues its records on the next connection to `peer`. A frame
     /// is queued whole or not at all: cancelling this never tears one.
     async fn queue<'a>(&self, peer: usize, parts: impl IntoIterator<Item = &'a [u8]>) -> Result<()> {
+        let link = self.link_for(peer)?;
+        let sent = link.next_stripe().send(parts).await;
+        self.sent(peer, &link, sent)
+    }
+
+    /// [`queue`](Self::queue) of a frame whose payload `fill` writes as it is sealed
+    /// ([`Stripe::send_filled`]).
+    async fn queue_filled(&self, peer: usize, header: &[u8], len: usize, fill: &mut FillPayload<'_>) -> Result<()> {
+        let link = self.link_for(peer)?;
+        let sent = link.next_stripe().send_filled(header, len, fill).await;
+        self.sent(peer, &link, sent)
+    }
+
+    /// The live link to `peer`, for a send.
+    fn link_for(&self, peer: usize) -> Result<Link> {
         if peer >= self.world {
             return Err(Error::RankOutOfRange { rank: peer, size: self.world });
         }
         if self.state.load(Ordering::Acquire) == ABORTED {
             return Err(Error::TransportClosed);
         }
+        lock(&self.links).get(&peer).cloned().ok_or(Error::PeerLost { rank: peer, op: OpKind::Send })
+    }
+
+    /// What a stripe's send came to, for the operation.
+    fn sent(&self, peer: usize, link: &Link, sent: std::result::Result<(), SendFailed>) -> Result<()> {
         let lost = Error::PeerLost { rank: peer, op: OpKind::Send };
-        let Some(link) = lock(&self.links).get(&peer).cloned() else {
-            return Err(lost);
-        };
-        match link.next_stripe().send(parts).await {
+        match sent {
             Ok(()) => Ok(()),
             Err(SendFailed::Closed) => Err(lost),
             Err(SendFailed::Seal(e)) => {
                 tracing::warn!(rank = self.rank, peer, error = %e, "tls sealing failed, closing the link");
                 link.shutdown();
                 Err(lost)
+            }
+            Err(SendFailed::Fill { error, broken }) => {
+                if broken {
+                    tracing::warn!(rank = self.rank, peer, %error, "a frame's payload failed past a key update, closing the link");
+                    link.shutdown();
+                }
+                Err(error)
             }
         }
     }

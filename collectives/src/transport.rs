@@ -97,6 +97,29 @@ pub trait Transport: Send + Sync + 'static {
         self.send(peer, frame)
     }
 
+    /// Sends one frame given as its encoded `header` and a payload of `len` bytes that `fill`
+    /// writes as the frame goes out ([`FillPayload`]). If `fill` fails, nothing of the frame
+    /// reaches the peer and its error is returned. The default fills a buffer from `pool` and
+    /// calls [`send`](Self::send); a transport that seals records ([`crate::TlsTransport`]) has
+    /// `fill` write each record's plaintext in place and seals it there while it is in cache, see
+    /// [`fills_on_send`](Self::fills_on_send). As atomic towards the receiver as `send`.
+    fn send_filled<'a>(&'a self, peer: usize, header: &'a [u8; HEADER_LEN], len: usize, fill: &'a mut FillPayload<'a>, pool: &'a BufferPool) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut frame = pool.take(HEADER_LEN + len);
+            frame.extend_from_slice(header);
+            frame.resize(HEADER_LEN + len, 0);
+            fill(0..len, &mut frame[HEADER_LEN..])?;
+            self.send(peer, frame).await
+        })
+    }
+
+    /// Whether [`send_filled`](Self::send_filled) writes the payload straight into what goes on
+    /// the wire (no intermediate buffer): a ring then combines a received piece into the frame
+    /// that passes it on as it sends it, instead of into a buffer when it arrives. Default: no.
+    fn fills_on_send(&self) -> bool {
+        false
+    }
+
     /// Whether this transport's channel already guarantees that bytes arrive unaltered (memory,
     /// or an authenticated cipher). Frames sent over such a transport carry a checksum of their
     /// header only (see [`crate::frame`]); the default, `false`, checksums payloads too.
@@ -243,6 +266,11 @@ impl ChunkedBytes {
         self.len
     }
 
+    /// Piece `i`, in order.
+    pub(crate) fn chunk(&self, i: usize) -> Option<&[u8]> {
+        self.chunks.get(i).map(|c| (**c).as_ref())
+    }
+
     /// Whether there are no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
@@ -295,7 +323,24 @@ pub trait SealedPayload: Send + Sync + 'static {
     /// failure `dst` holds no meaningful bytes, and the transport has broken the link the payload
     /// came on (its stream can no longer be trusted), so the peer fails too.
     fn open_into(&self, dst: &mut [u8]) -> std::result::Result<(), String>;
+
+    /// The payload opened piece by piece, front to back, each piece into scratch memory of the
+    /// cursor's own (one record at a time, in cache while it is used); the same failure
+    /// behaviour as [`open_into`](Self::open_into).
+    fn cursor(&self) -> Box<dyn PlainCursor + '_>;
 }
+
+/// A payload's plaintext read front to back in pieces ([`SealedPayload::cursor`]).
+pub trait PlainCursor: Send {
+    /// Moves to the next piece: `Ok(false)` past the last one.
+    fn advance(&mut self) -> std::result::Result<bool, String>;
+    /// The current piece (empty before the first [`advance`](Self::advance)).
+    fn piece(&self) -> &[u8];
+}
+
+/// Writes payload bytes `range` into the given slice (consecutive ranges covering the payload,
+/// in order): how [`Transport::send_filled`] asks for a payload as it sends it.
+pub type FillPayload<'a> = dyn FnMut(std::ops::Range<usize>, &mut [u8]) -> Result<()> + Send + 'a;
 
 impl std::fmt::Debug for dyn SealedPayload {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

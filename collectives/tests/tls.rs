@@ -310,14 +310,13 @@ async fn tampering_proxy(target: SocketAddr, flip_at: usize) -> SocketAddr {
 
 // Goal: a byte altered on the wire after the handshake never reaches a result: the record fails to
 // authenticate, the link goes down, and both ranks' all_reduce fails with a typed error within the
-// operation timeout instead of returning corrupted sums.
+// operation timeout instead of returning corrupted sums. Three places: the ring's frames (flagged,
+// so the reader leaves their payloads sealed and the operation finds the altered record as it
+// combines or copies from it: `Unauthentic` at rank 1) at 300 KiB and 800 KiB, and recursive
+// doubling's frames (not flagged: rank 1's reader finds it and breaks the link: `PeerLost`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_on_the_wire_fails_the_operation() {
-    // Past the handshake (a few KiB) and the hello, inside the first all_reduce's frames (512 KiB
-    // each, in send order: a piece to reduce, then a reduced piece that starts the all-gather):
-    // at 300 KiB a frame the reader opens itself, at 800 KiB one it leaves sealed for the
-    // operation, which finds the altered record.
-    for (flip_at, left_sealed) in [(300 << 10, false), (800 << 10, true)] {
+    for (flip_at, doubling) in [(300 << 10, false), (800 << 10, false), (300 << 10, true)] {
         let ca = ClusterCa::generate("rtx test cluster").unwrap();
         let r0 = Arc::new(TlsTransport::bind(&ca.issue(0).unwrap(), 2, LOOPBACK.parse().unwrap(), options()).unwrap());
         let r1 = Arc::new(TlsTransport::bind(&ca.issue(1).unwrap(), 2, LOOPBACK.parse().unwrap(), options()).unwrap());
@@ -326,7 +325,8 @@ async fn a_flipped_byte_on_the_wire_fails_the_operation() {
         let (a, b) = tokio::join!(r0.connect(&via_proxy), r1.connect(&direct));
         a.unwrap();
         b.unwrap();
-        let config = CommConfig { op_timeout: Duration::from_secs(10), chunk_bytes: Some(512 << 10), ..CommConfig::default() };
+        let small_message_bytes = if doubling { 8 << 20 } else { 0 };
+        let config = CommConfig { op_timeout: Duration::from_secs(10), chunk_bytes: Some(512 << 10), small_message_bytes, ..CommConfig::default() };
         let comms = network_comms(&[r0, r1], &config);
         let out = run_ranks(&comms, |c| async move {
             let mut buf = vec![1.0f32; 1 << 20];
@@ -335,14 +335,55 @@ async fn a_flipped_byte_on_the_wire_fails_the_operation() {
         })
         .await;
         for (rank, (result, _)) in out.iter().enumerate() {
-            eprintln!("flip at {flip_at}: rank {rank}: {result:?}");
+            eprintln!("flip at {flip_at}, doubling {doubling}: rank {rank}: {result:?}");
             assert!(result.is_err(), "flip at {flip_at}: rank {rank} returned a result through a tampered link");
             assert!(!matches!(result, Err(Error::Timeout { .. })), "flip at {flip_at}: rank {rank} waited for the timeout instead of seeing the broken link");
         }
         // Rank 1 reads what the proxy altered: its reader finds the bad record, or its operation
-        // does when it opens the payload left sealed.
-        assert_eq!(matches!(out[1].0, Err(Error::Unauthentic { src: 0, .. })), left_sealed, "flip at {flip_at}: rank 1 got {:?}", out[1].0);
+        // does when it reads a payload left sealed.
+        assert_eq!(matches!(out[1].0, Err(Error::Unauthentic { src: 0, .. })), !doubling, "flip at {flip_at}: rank 1 got {:?}", out[1].0);
     }
+}
+
+// Goal: a payload that fails to open while a ring combines it into the frame it sends on
+// (`send_combined`: each received record opened, combined and sealed into the outgoing one) fails
+// the operation with `Unauthentic` and sends nothing of that frame: the records already sealed
+// for it are taken back, so the link to the next rank stays usable (no broken sequence), while the
+// tampered link goes down and every rank fails fast. Method: 3 ranks, a proxy flipping a byte
+// at 300 KiB of rank 0's stream to rank 1, whose first frame is the one rank 1 combines and sends
+// on to rank 2 (ring all_reduce, 512 KiB frames).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_record_met_while_sending_on_takes_back_the_outgoing_frame() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let ranks: Vec<Arc<TlsTransport>> = (0..3).map(|r| Arc::new(TlsTransport::bind(&ca.issue(r).unwrap(), 3, LOOPBACK.parse().unwrap(), options()).unwrap())).collect();
+    let proxy = tampering_proxy(ranks[1].local_addr(), 300 << 10).await;
+    let direct: Vec<SocketAddr> = ranks.iter().map(|t| t.local_addr()).collect();
+    let via_proxy = [direct[0], proxy, direct[2]];
+    let (a, b, c) = tokio::join!(ranks[0].connect(&via_proxy), ranks[1].connect(&direct), ranks[2].connect(&direct));
+    a.unwrap();
+    b.unwrap();
+    c.unwrap();
+    let config = CommConfig { op_timeout: Duration::from_secs(10), chunk_bytes: Some(512 << 10), small_message_bytes: 0, ..CommConfig::default() };
+    let comms = network_comms(&ranks, &config);
+    let out = run_ranks(&comms, |c| async move {
+        let mut buf = vec![1.0f32; 1 << 20];
+        c.all_reduce(&mut buf, ReduceOp::Sum).await
+    })
+    .await;
+    for (rank, result) in out.iter().enumerate() {
+        eprintln!("rank {rank}: {result:?}");
+        assert!(result.is_err(), "rank {rank} returned a result through a tampered link");
+        assert!(!matches!(result, Err(Error::Timeout { .. })), "rank {rank} waited for the timeout");
+    }
+    assert!(matches!(out[1], Err(Error::Unauthentic { src: 0, .. })), "rank 1 got {:?}", out[1]);
+    // The tampered link is gone; rank 1's link to rank 2 was never broken. Rank 1 has since sent
+    // rank 2 an abort frame on it (its relay of the loss): had the records sealed for the failed
+    // frame not been taken back, that frame's record would carry the wrong sequence number, fail
+    // to open at rank 2, and rank 2's reader would have broken the link.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!ranks[1].connected_peers().contains(&0), "rank 1 still links rank 0: {:?}", ranks[1].connected_peers());
+    assert!(ranks[1].connected_peers().contains(&2), "rank 1 lost its link to rank 2: {:?}", ranks[1].connected_peers());
+    assert!(ranks[2].connected_peers().contains(&1), "rank 2 dropped its link to rank 1 (a record did not open): {:?}", ranks[2].connected_peers());
 }
 
 /// One frame of `len` payload bytes from `src`, encoded; `copied`: flagged as copied whole by the

@@ -137,11 +137,47 @@ pub(crate) struct Sealer {
     key: DirectionKey,
     schedule: Arc<Mutex<KeySchedule>>,
     update_every: u64,
+    /// Key updates made so far (a [`SealMark`] is only rewound to under the same key).
+    updates: u64,
+}
+
+/// Where a [`Sealer`] stood before a frame, to take back records sealed but never sent
+/// ([`Sealer::rewind`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SealMark {
+    seq: u64,
+    updates: u64,
+}
+
+/// Why [`Sealer::seal_filled`] sealed no frame.
+#[derive(Debug)]
+pub(crate) enum FillFailed<E> {
+    /// The payload's producer failed; the caller rewinds (or, past a key update, drops the link).
+    Fill(E),
+    /// The sealer itself failed (keys).
+    Record(RecordError),
 }
 
 impl Sealer {
     pub(crate) fn new(seq: u64, secrets: ConnectionTrafficSecrets, schedule: Arc<Mutex<KeySchedule>>, update_every: u64) -> Result<Self, RecordError> {
-        Ok(Sealer { key: DirectionKey::new(seq, secrets)?, schedule, update_every: update_every.max(2) })
+        Ok(Sealer { key: DirectionKey::new(seq, secrets)?, schedule, update_every: update_every.max(2), updates: 0 })
+    }
+
+    /// Where the sealer stands now.
+    pub(crate) fn mark(&self) -> SealMark {
+        SealMark { seq: self.key.seq, updates: self.updates }
+    }
+
+    /// Takes back the records sealed since `mark` (the caller drops their bytes unsent), so the
+    /// next record reuses their sequence numbers. Not possible past a key update (the old key is
+    /// gone, and the peer would follow the update): `false`, and the connection's sequence is
+    /// broken.
+    pub(crate) fn rewind(&mut self, mark: SealMark) -> bool {
+        if mark.updates != self.updates {
+            return false;
+        }
+        self.key.seq = mark.seq;
+        true
     }
 
     /// Appends `plaintext` to `out` as application-data records of at most 16 KiB each.
@@ -163,6 +199,36 @@ impl Sealer {
                 if self.key.seq + 1 >= self.update_every {
                     self.update(out)?;
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends a payload of `len` bytes to `out` as application-data records of at most 16 KiB,
+    /// each record's plaintext written by `fill(range, plaintext)` (payload bytes `range`, in
+    /// order, every range starting at a multiple of 16 KiB) straight into the record and sealed
+    /// there: what `fill` computes is written once and sealed while in cache. On a failure of
+    /// `fill`, records already appended stay in `out`: the caller truncates them and
+    /// [`rewind`](Self::rewind)s.
+    pub(crate) fn seal_filled<E>(&mut self, len: usize, out: &mut RecordBuf, mut fill: impl FnMut(Range<usize>, &mut [u8]) -> Result<(), E>) -> Result<(), FillFailed<E>> {
+        out.reserve(sealed_len(len));
+        let mut at = 0;
+        while at < len {
+            let n = MAX_PLAINTEXT.min(len - at);
+            let body = n + 1 + TAG_LEN;
+            let header = [APPLICATION_DATA, 3, 3, (body >> 8) as u8, body as u8];
+            let record = out.append(RECORD_HEADER_LEN + body);
+            let (header_out, body_out) = record.split_at_mut(RECORD_HEADER_LEN);
+            header_out.copy_from_slice(&header);
+            let (plain, tag_out) = body_out.split_at_mut(n + 1);
+            fill(at..at + n, &mut plain[..n]).map_err(FillFailed::Fill)?;
+            plain[n] = APPLICATION_DATA;
+            let nonce = self.key.next_nonce();
+            let tag = self.key.key.seal_in_place_separate_tag(nonce, Aad::from(header), plain).map_err(|_| FillFailed::Record(RecordError::Keys("seal failed".into())))?;
+            tag_out.copy_from_slice(tag.as_ref());
+            at += n;
+            if self.key.seq + 1 >= self.update_every {
+                self.update(out).map_err(FillFailed::Record)?;
             }
         }
         Ok(())
@@ -190,6 +256,7 @@ impl Sealer {
         self.seal_record(HANDSHAKE, &KEY_UPDATE_MESSAGE, out)?;
         let (seq, secrets) = lock(&self.schedule).next(true).map_err(|e| RecordError::Keys(e.to_string()))?;
         self.key = DirectionKey::new(seq, secrets)?;
+        self.updates += 1;
         tracing::debug!("tls record key updated (transmit)");
         Ok(())
     }
@@ -218,6 +285,16 @@ impl RecordBuf {
     /// Forgets the sealed bytes, keeping the memory.
     pub(crate) fn clear(&mut self) {
         self.len = 0;
+    }
+
+    /// Forgets the sealed bytes past the first `len`.
+    pub(crate) fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Sealed bytes held.
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 
     /// Bytes held, used or not.

@@ -1,13 +1,16 @@
-//! Payloads left sealed by a TLS reader thread, opened by the operation straight into its output.
+//! Payloads left sealed by a TLS reader thread, opened by the operation where it uses them.
 //!
-//! A ring's all-gather steps copy every received payload whole into the output; the sender flags
-//! those frames ([`crate::frame::FLAG_COPIED`]). The reader opens each frame's header record as
-//! usual, and when the header says "copied" and the payload is large, it does not open the
-//! payload's records: it takes their places in the key sequence ([`Opener::skip`]) and hands them
-//! on as a [`SealedRecords`], which the operation opens into the output
-//! ([`crate::SealedPayload::open_into`]). Each byte is then decrypted once, into the place it is
-//! wanted, instead of decrypted in place and copied (the copy was the operation threads' largest
-//! cost beside the cipher in a profile at 16 MiB, BENCHMARKS.md).
+//! A ring reads every received payload once, front to back: an all-gather step copies it into
+//! the output, a reduce-scatter step combines it (into its own part, or into the frame it sends
+//! on); the sender flags those frames ([`crate::frame::FLAG_COPIED`]). The reader opens each
+//! frame's header record as usual, and when the header says so and the payload is large, it does
+//! not open the payload's records: it takes their places in the key sequence ([`Opener::skip`])
+//! and hands them on as a [`SealedRecords`], which the operation opens into the output
+//! ([`crate::SealedPayload::open_into`]) or one record at a time into a scratch record it combines
+//! from ([`crate::SealedPayload::cursor`]). Each byte is then decrypted once, where it is wanted or
+//! into cache, instead of decrypted in place in the read buffer and read again later (the
+//! all-gather copy was the operation threads' largest cost beside the cipher in a profile at
+//! 16 MiB, BENCHMARKS.md).
 //!
 //! Which records the reader may leave sealed: the sender seals a frame's header and payload as
 //! separate parts ([`super::record::Sealer::seal_parts`]), so a header ends with its record and the
@@ -28,7 +31,7 @@ use super::record::{RecordError, SealedRecord, MAX_BODY};
 use super::LinkSockets;
 use crate::frame::{decode_header, says_copied, HEADER_LEN};
 use crate::quic::CHUNKED_FRAME_MIN_BYTES;
-use crate::transport::SealedPayload;
+use crate::transport::{PlainCursor, SealedPayload};
 
 /// Records with a body this small are always opened by the reader (KeyUpdate: 22 bytes,
 /// close_notify: 19); a payload record sealed by this crate is far larger unless it is a tail.
@@ -150,6 +153,16 @@ impl SealedRecords {
     }
 }
 
+impl SealedRecords {
+    /// A record that did not open: the stream can no longer be trusted, so the link goes down
+    /// and the peer fails too.
+    fn failed(&self, e: RecordError) -> String {
+        tracing::warn!(error = %e, "tls payload left sealed does not open, closing the link");
+        self.link.shutdown();
+        e.to_string()
+    }
+}
+
 impl SealedPayload for SealedRecords {
     fn len(&self) -> usize {
         self.len
@@ -159,12 +172,60 @@ impl SealedPayload for SealedRecords {
         if dst.len() != self.len {
             return Err(format!("{} bytes of room for a payload of {}", dst.len(), self.len));
         }
-        self.open_all(dst).map_err(|e| {
-            // The stream can no longer be trusted: take the link down, so the peer fails too.
-            tracing::warn!(error = %e, "tls payload left sealed does not open, closing the link");
-            self.link.shutdown();
-            e.to_string()
-        })
+        self.open_all(dst).map_err(|e| self.failed(e))
+    }
+
+    fn cursor(&self) -> Box<dyn PlainCursor + '_> {
+        Box::new(RecordCursor { records: self, next: 0, current: Current::Nothing, scratch: Box::new([0; MAX_BODY]) })
+    }
+}
+
+/// Opens a payload left sealed one record at a time into its own scratch record
+/// ([`SealedPayload::cursor`]), for an operation that uses each piece once (combines it into
+/// something else) and needs it nowhere whole.
+struct RecordCursor<'a> {
+    records: &'a SealedRecords,
+    next: usize,
+    current: Current,
+    /// Room for the largest record body a peer may send.
+    scratch: Box<[u8; MAX_BODY]>,
+}
+
+/// What [`RecordCursor::piece`] shows.
+enum Current {
+    Nothing,
+    /// A piece the reader opened already (by index).
+    Plain(usize),
+    /// This many bytes opened into the scratch record.
+    Opened(usize),
+}
+
+impl PlainCursor for RecordCursor<'_> {
+    fn advance(&mut self) -> Result<bool, String> {
+        let Some(piece) = self.records.pieces.get(self.next) else {
+            self.current = Current::Nothing;
+            return Ok(false);
+        };
+        self.current = match piece {
+            SealedPiece::Plain(_) => Current::Plain(self.next),
+            SealedPiece::Record(record, how) => {
+                how.open_into(record, &mut self.scratch[..]).map_err(|e| self.records.failed(e))?;
+                Current::Opened(SealedRecord::data_len(record))
+            }
+        };
+        self.next += 1;
+        Ok(true)
+    }
+
+    fn piece(&self) -> &[u8] {
+        match self.current {
+            Current::Nothing => &[],
+            Current::Plain(i) => match self.records.pieces.get(i) {
+                Some(SealedPiece::Plain(plain)) => plain,
+                _ => &[],
+            },
+            Current::Opened(n) => &self.scratch[..n],
+        }
     }
 }
 
