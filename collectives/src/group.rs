@@ -21,7 +21,10 @@
 //! (shut down, dropped its transport) does not fail ranks that are still reading what it sent.
 //! Receives from live peers keep waiting; they end when that peer's operation fails too and tells
 //! the group with an abort frame ([`OpKind::Abort`], chunk field = the lost rank; see
-//! `OpCtx::relay_loss`), which fails every receive of that operation, or by the timeout. A new
+//! `OpCtx::relay_loss`), which fails every receive of that operation, or by the timeout. A rank
+//! aborted that way also tells the member the abort named, if that member is alive and linked to
+//! it (a link that broke between two live ranks; `OpCtx::tell_the_lost`), naming the abort's
+//! sender: the relaying rank cannot reach it, and it may be waiting on others. A new
 //! collective on a group with a lost member fails at once, unless the lost member already sent this
 //! rank frames of it (it ran it before leaving). All of this holds until the generation advances.
 
@@ -96,10 +99,17 @@ struct GroupInner {
     /// Lost members (global ranks), in the order they were reported.
     lost: Vec<usize>,
     /// Collectives a peer reported failed: (generation, seq) -> the lost rank it named.
-    aborted: BTreeMap<(u64, u64), usize>,
+    aborted: BTreeMap<(u64, u64), Aborted>,
     closed: bool,
     stored: BTreeMap<Key, Frame>,
     waiters: BTreeMap<Key, (OpKind, oneshot::Sender<Result<Frame>>)>,
+}
+
+/// A peer's abort of a collective: the member it named lost, and the peer that sent it.
+#[derive(Clone, Copy, Debug)]
+struct Aborted {
+    lost: usize,
+    from: usize,
 }
 
 impl GroupState {
@@ -172,8 +182,8 @@ impl GroupState {
     /// lost and sent this rank no frame of it; or the rank a peer's abort of it named.
     pub(crate) fn lost_before(&self, generation: u64, seq: u64) -> Option<usize> {
         let inner = self.lock();
-        if let Some(&rank) = inner.aborted.get(&(generation, seq)) {
-            return Some(rank);
+        if let Some(aborted) = inner.aborted.get(&(generation, seq)) {
+            return Some(aborted.lost);
         }
         inner.lost.iter().copied().find(|&rank| !inner.has_frames_from(generation, Lane::Collective, rank, seq))
     }
@@ -181,6 +191,12 @@ impl GroupState {
     /// Whether a peer aborted collective `(generation, seq)` (its failure was already relayed).
     pub(crate) fn is_aborted(&self, generation: u64, seq: u64) -> bool {
         self.lock().aborted.contains_key(&(generation, seq))
+    }
+
+    /// The first abort of collective `(generation, seq)` this rank received: the member it named
+    /// lost, and the peer that sent it.
+    pub(crate) fn abort_of(&self, generation: u64, seq: u64) -> Option<(usize, usize)> {
+        self.lock().aborted.get(&(generation, seq)).map(|a| (a.lost, a.from))
     }
 
     /// Starts a point-to-point transfer with `peer` (global rank): takes the pair's next sequence.
@@ -238,7 +254,7 @@ impl GroupState {
                 self.overflow_dropped.fetch_add(1, Ordering::Relaxed);
                 return Delivery::Overflow;
             }
-            inner.aborted.entry((h.generation, h.seq)).or_insert(lost);
+            inner.aborted.entry((h.generation, h.seq)).or_insert(Aborted { lost, from: h.src as usize });
             let doomed: Vec<Key> = inner.waiters.keys().filter(|k| k.0 == h.generation && k.1 == Lane::Collective && k.3 == h.seq).copied().collect();
             for key in doomed {
                 if let Some((op, waiter)) = inner.waiters.remove(&key) {
@@ -276,8 +292,8 @@ impl GroupState {
             return Err(Error::TransportClosed);
         }
         if key.1 == Lane::Collective {
-            if let Some(&rank) = inner.aborted.get(&(key.0, key.3)) {
-                return Err(Error::PeerLost { rank, op });
+            if let Some(aborted) = inner.aborted.get(&(key.0, key.3)) {
+                return Err(Error::PeerLost { rank: aborted.lost, op });
             }
         }
         if inner.lost.contains(&key.2) {

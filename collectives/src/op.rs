@@ -470,6 +470,10 @@ impl Drop for OpCtx<'_> {
         });
         if let Some(lost) = relay {
             self.send_aborts(lost);
+        } else if self.lane == Lane::Collective {
+            if let Some((lost, from)) = group.abort_of(self.generation, self.seq) {
+                self.tell_the_lost(lost, from);
+            }
         }
     }
 }
@@ -478,11 +482,35 @@ impl OpCtx<'_> {
     /// Sends every other live member an abort frame for this collective naming `lost`, from
     /// background tasks (this runs on drop), each bounded by the operation timeout.
     fn send_aborts(&self, lost: usize) {
+        let group = self.comm.state();
+        let me = group.members[group.my_index];
+        let gone = self.comm.endpoint().shared().lost_ranks();
+        let to: Vec<usize> = group.members.iter().copied().filter(|&p| p != me && p != lost && !gone.contains(&p)).collect();
+        self.send_abort_frames(lost, &to);
+    }
+
+    /// This collective was aborted by `from`'s frame naming `lost`, which `from` could not tell
+    /// (it does not send aborts to the member it lost). Where `lost` is alive and linked to this
+    /// rank (their link broke between two live ranks: a record that did not authenticate, a reset
+    /// connection), it may be waiting on a member that has stopped sending, for the whole timeout:
+    /// tell it, naming `from` (the member it is cut off from). At most one frame per rank and
+    /// collective; the receiver's own abort is not passed on again (it names a member it has lost).
+    fn tell_the_lost(&self, lost: usize, from: usize) {
+        let group = self.comm.state();
+        let me = group.members[group.my_index];
+        if lost == me || lost == from || self.comm.endpoint().shared().lost_ranks().contains(&lost) {
+            return;
+        }
+        self.send_abort_frames(from, &[lost]);
+    }
+
+    /// Sends each of `to` an abort frame for this collective naming `lost`, from background tasks
+    /// (this runs on drop), each bounded by the operation timeout.
+    fn send_abort_frames(&self, lost: usize, to: &[usize]) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         let group = self.comm.state();
         let endpoint = self.comm.endpoint();
         let me = group.members[group.my_index];
-        let gone = endpoint.shared().lost_ranks();
         let header = FrameHeader {
             group: group.id,
             generation: self.generation,
@@ -497,7 +525,7 @@ impl OpCtx<'_> {
         let header = encode_header(&header, &[]);
         let timeout = self.comm.config().op_timeout;
         tracing::debug!(group = group.id, seq = self.seq, lost, "telling the group a collective failed");
-        for &peer in group.members.iter().filter(|&&p| p != me && p != lost && !gone.contains(&p)) {
+        for &peer in to {
             let endpoint = endpoint.clone();
             runtime.spawn(async move {
                 let shared = endpoint.shared();
