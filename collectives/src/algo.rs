@@ -321,7 +321,7 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
         let Some((kind, range)) = sched.recvs.get(done) else { break };
         match kind {
             Recv::Forward if fused => {
-                let frame = ctx.recv_frame_to_combine(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
+                let frame = ctx.recv_frame_maybe_sealed(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
                 held.push_back(Held::Uncombined(frame));
             }
             Recv::Forward => {

@@ -314,8 +314,9 @@ impl<'a> OpCtx<'a> {
         Ok(Some(frame))
     }
 
-    /// The next frame from `from`, checked, its payload perhaps still sealed ([`Frame::is_sealed`]).
-    async fn recv_frame_maybe_sealed(&mut self, from: usize, dtype: Option<DType>, len_bytes: usize) -> Result<Frame> {
+    /// The next frame from `from`, checked, its payload perhaps still sealed ([`Frame::is_sealed`]):
+    /// for a step that reads it once through [`Frame::plain`] or opens it where it is wanted.
+    pub(crate) async fn recv_frame_maybe_sealed(&mut self, from: usize, dtype: Option<DType>, len_bytes: usize) -> Result<Frame> {
         let from = self.real(from);
         let group = self.comm.state();
         let src = group.members[from];
@@ -358,12 +359,6 @@ impl<'a> OpCtx<'a> {
     pub(crate) fn fills_on_send(&self) -> bool {
         let shared = self.comm.endpoint().shared();
         shared.transport.fills_on_send() && shared.transport.checks_integrity()
-    }
-
-    /// [`recv_frame_parts`](Self::recv_frame_parts) for a frame that is sent on combined
-    /// ([`send_combined`](Self::send_combined)): its payload may stay sealed until then.
-    pub(crate) async fn recv_frame_to_combine(&mut self, from: usize, dtype: Option<DType>, len_bytes: usize) -> Result<Frame> {
-        self.recv_frame_maybe_sealed(from, dtype, len_bytes).await
     }
 
     /// Sends group rank `to` the next frame of this operation: `received`'s payload combined

@@ -339,7 +339,8 @@ pub trait PlainCursor: Send {
 }
 
 /// Writes payload bytes `range` into the given slice (consecutive ranges covering the payload,
-/// in order): how [`Transport::send_filled`] asks for a payload as it sends it.
+/// in order, each starting at 0 or a multiple of 16 KiB, so at whole elements): how
+/// [`Transport::send_filled`] asks for a payload as it sends it.
 pub type FillPayload<'a> = dyn FnMut(std::ops::Range<usize>, &mut [u8]) -> Result<()> + Send + 'a;
 
 impl std::fmt::Debug for dyn SealedPayload {
