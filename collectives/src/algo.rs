@@ -205,6 +205,9 @@ enum Held {
     /// A Forward step's frame as received, to be combined as it is sent
     /// ([`OpCtx::send_combined`]).
     Uncombined(Frame),
+    /// A Gather step's frame as received, to be written into the buffer as it is passed on
+    /// ([`OpCtx::send_passed`]).
+    Unkept(Frame),
     /// A gathered piece whose frame was given back: send it from the buffer.
     Buf,
 }
@@ -291,8 +294,9 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
     let window = ctx.ring_window();
     // Where the transport seals each record as the payload is written (TLS), a Forward step's
-    // combine happens as its frame is sent, record by record in cache, and every frame is
-    // flagged so the receiver's transport may leave it sealed until it is read.
+    // combine and a Gather step's copy into the buffer happen as the frame is sent on, record by
+    // record in cache, and every frame is flagged so the receiver's transport may leave it sealed
+    // until it is read.
     let fused = ctx.fills_on_send();
     let mut held: VecDeque<Held> = VecDeque::new();
     let mut sent = 0;
@@ -309,6 +313,7 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
                 Send::Forward | Send::Pass => match held.pop_front() {
                     Some(Held::Frame(frame)) => ctx.forward_frame(next, Some(A::DTYPE), frame).await?,
                     Some(Held::Uncombined(frame)) => ctx.send_combined(next, frame, op, buf.read(range.clone())).await?,
+                    Some(Held::Unkept(frame)) => ctx.send_passed(next, frame, buf.write(range.clone())).await?,
                     Some(Held::Buf) => {
                         debug_assert_eq!(*source, Send::Pass, "a forward always keeps its frame");
                         ctx.send_copied_frame(next, Some(A::DTYPE), bytemuck::cast_slice(buf.read(range.clone()))).await?
@@ -338,6 +343,10 @@ async fn run_ring<A: Accumulator, B: RingBuf<A> + ?Sized>(
                         *x = x.div_count(n);
                     }
                 }
+            }
+            Recv::Gather if fused => {
+                let frame = ctx.recv_frame_maybe_sealed(prev, Some(A::DTYPE), std::mem::size_of::<A>() * range.len()).await?;
+                held.push_back(Held::Unkept(frame));
             }
             Recv::Gather => {
                 // A lent payload goes back to the transport now, and a sealed one was opened
@@ -397,6 +406,8 @@ pub(crate) async fn ring_all_gather<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &m
     let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
     let sched = Schedule::ring(buf.len(), n, rank, ctx.piece_elems::<T>(), false, true);
     let window = ctx.ring_window();
+    // As in `run_ring`: a sealing transport passes a gathered piece on as it keeps it.
+    let fused = ctx.fills_on_send();
     let mut held: VecDeque<Held> = VecDeque::new();
     let mut sent = 0;
     ctx.announce(prev, sched.recvs.len());
@@ -408,11 +419,17 @@ pub(crate) async fn ring_all_gather<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &m
             }
             match (source, if *source == Send::Pass { held.pop_front() } else { None }) {
                 (Send::Pass, Some(Held::Frame(frame))) => ctx.forward_frame(next, Some(T::DTYPE), frame).await?,
+                (Send::Pass, Some(Held::Unkept(frame))) => ctx.send_passed(next, frame, &mut buf[range.clone()]).await?,
                 _ => ctx.send_copied_frame(next, Some(T::DTYPE), bytemuck::cast_slice(&buf[range.clone()])).await?,
             }
             sent += 1;
         }
         let Some((kind, range)) = sched.recvs.get(done) else { break };
+        if fused && *kind == Recv::Gather {
+            let frame = ctx.recv_frame_maybe_sealed(prev, Some(T::DTYPE), std::mem::size_of_val(&buf[range.clone()])).await?;
+            held.push_back(Held::Unkept(frame));
+            continue;
+        }
         let frame = ctx.recv_into(prev, &mut buf[range.clone()]).await?;
         if *kind == Recv::Gather {
             // Passed on as received (see `run_ring`); a lent payload goes back now, a sealed one

@@ -384,6 +384,31 @@ impl<'a> OpCtx<'a> {
         self.finish_send(peer, send).await
     }
 
+    /// Sends group rank `to` the next frame of this operation: `received`'s payload unchanged,
+    /// written into `dst` as well (a gathered piece passed on), record by record as the transport
+    /// seals it, a sealed payload opened one record at a time on the way. Each 16 KiB of the piece
+    /// is opened, kept and sealed again while in cache, where opening it into `dst` and later
+    /// sealing from there would read the whole piece back from farther away. Same conditions as
+    /// [`send_combined`](Self::send_combined).
+    pub(crate) async fn send_passed<T: WireElement>(&mut self, to: usize, received: Frame, dst: &mut [T]) -> Result<()> {
+        let len = received.payload_len();
+        debug_assert_eq!(len, std::mem::size_of_val(dst), "pass: length checked on receipt");
+        let (peer, header) = self.next_header(to, Some(T::DTYPE), len);
+        let encoded = encode_header_copied(&header, len);
+        let mut plain = received.plain();
+        let dst: &mut [u8] = bytemuck::cast_slice_mut(dst);
+        let mut fill = |range: Range<usize>, out: &mut [u8]| -> Result<()> {
+            let kept = &mut dst[range.clone()];
+            plain.take_elements(1, range.len(), |r, bytes| {
+                out[r.clone()].copy_from_slice(bytes);
+                kept[r].copy_from_slice(bytes);
+            })
+        };
+        let shared = self.comm.endpoint().shared();
+        let send = shared.transport.send_filled(peer, &encoded, len, &mut fill, &shared.pool);
+        self.finish_send(peer, send).await
+    }
+
     /// A received frame to keep while `queued` others already wait: past [`LENT_HELD_MAX`] of them,
     /// a payload lent by the transport is copied out, so an operation never pins more than a few
     /// slots of a transport's ring (see the shared-memory transport).

@@ -48,7 +48,7 @@ use std::io::Write;
 use std::net::{SocketAddr, TcpStream as StdTcpStream};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use rustls::pki_types::ServerName;
@@ -247,50 +247,74 @@ struct Stripe {
 }
 
 impl Stripe {
-    /// Seals `parts` (one frame) into records and queues them for the writer, whole or not at all.
-    async fn send<'a>(&self, parts: impl IntoIterator<Item = &'a [u8]>) -> std::result::Result<(), SendFailed> {
+    /// The stripe's queue slot and sealer at once if both are free now, without waiting.
+    fn try_claim(&self) -> Option<Claim<'_>> {
+        let sealer = match self.sealer.try_lock() {
+            Ok(sealer) => sealer,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        let permit = self.queue.try_reserve().ok()?;
+        Some(Claim { permit, sealer, spare: &self.spare })
+    }
+
+    /// The stripe's queue slot (waiting for the writer to take records if the queue is full),
+    /// then its sealer.
+    async fn claim(&self) -> std::result::Result<Claim<'_>, SendFailed> {
         let permit = self.queue.reserve().await.map_err(|_| SendFailed::Closed)?;
-        let mut records = lock(&self.spare).pop().unwrap_or_default();
-        let mut sealer = lock(&self.sealer);
-        sealer.seal_parts(parts, &mut records).map_err(SendFailed::Seal)?;
-        permit.send(records);
+        Ok(Claim { permit, sealer: lock(&self.sealer), spare: &self.spare })
+    }
+}
+
+/// A stripe claimed for one frame: a place in its writer's queue and its sealer, held from sealing
+/// the frame until its records are queued, so records leave in sequence order.
+struct Claim<'a> {
+    permit: mpsc::Permit<'a, RecordBuf>,
+    sealer: MutexGuard<'a, Sealer>,
+    spare: &'a Mutex<Vec<RecordBuf>>,
+}
+
+impl Claim<'_> {
+    /// Seals `parts` (one frame) into records and queues them for the writer.
+    fn send<'p>(mut self, parts: impl IntoIterator<Item = &'p [u8]>) -> std::result::Result<(), SendFailed> {
+        let mut records = lock(self.spare).pop().unwrap_or_default();
+        self.sealer.seal_parts(parts, &mut records).map_err(SendFailed::Seal)?;
+        self.permit.send(records);
         Ok(())
     }
 
     /// Seals a frame whose payload `fill` writes into the records as they are sealed
     /// ([`Sealer::seal_filled`]) and queues it, whole or not at all: if `fill` fails, the records
     /// sealed for the frame are dropped and the sealer rewound to before it.
-    async fn send_filled(&self, header: &[u8], len: usize, fill: &mut FillPayload<'_>) -> std::result::Result<(), SendFailed> {
-        let permit = self.queue.reserve().await.map_err(|_| SendFailed::Closed)?;
-        let mut records = lock(&self.spare).pop().unwrap_or_default();
-        let mut sealer = lock(&self.sealer);
-        let mark = sealer.mark();
+    fn send_filled(mut self, header: &[u8], len: usize, fill: &mut FillPayload<'_>) -> std::result::Result<(), SendFailed> {
+        let mut records = lock(self.spare).pop().unwrap_or_default();
+        let mark = self.sealer.mark();
         let start = records.len();
-        sealer.seal_parts([header], &mut records).map_err(SendFailed::Seal)?;
-        match sealer.seal_filled(len, &mut records, &mut *fill) {
+        self.sealer.seal_parts([header], &mut records).map_err(SendFailed::Seal)?;
+        match self.sealer.seal_filled(len, &mut records, &mut *fill) {
             Ok(()) => {
-                permit.send(records);
+                self.permit.send(records);
                 Ok(())
             }
             Err(FillFailed::Record(e)) => Err(SendFailed::Seal(e)),
             Err(FillFailed::Fill(error)) => {
-                let broken = !sealer.rewind(mark);
+                let broken = !self.sealer.rewind(mark);
                 records.truncate(start);
-                lock(&self.spare).push(records);
+                lock(self.spare).push(records);
                 Err(SendFailed::Fill { error, broken })
             }
         }
     }
 }
 
-/// Why [`Stripe::send`] sent nothing.
+/// Why a [`Claim`] sent nothing.
 enum SendFailed {
     /// The writer is gone (the connection broke or the link was replaced).
     Closed,
     /// Keys could not be updated: records may have been sealed that never go out, so the
     /// connection's sequence is broken and the link must go.
     Seal(RecordError),
-    /// The payload's producer failed ([`Stripe::send_filled`]); the records sealed for it were
+    /// The payload's producer failed ([`Claim::send_filled`]); the records sealed for it were
     /// taken back (`broken`: not possible past a key update, so the link must go).
     Fill { error: Error, broken: bool },
 }
@@ -312,9 +336,16 @@ struct Connected {
 }
 
 impl Link {
-    fn next_stripe(&self) -> &Stripe {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.stripes.len();
-        &self.stripes[i]
+    /// A stripe for the next frame: the first, from the round-robin turn on, whose sealer and
+    /// queue are free now, so a frame does not wait behind another being sealed on its turn's
+    /// connection while one is idle; the turn's own stripe when none is.
+    async fn claim(&self) -> std::result::Result<Claim<'_>, SendFailed> {
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        let count = self.stripes.len();
+        if let Some(claim) = (0..count).find_map(|i| self.stripes[(turn + i) % count].try_claim()) {
+            return Ok(claim);
+        }
+        self.stripes[turn % count].claim().await
     }
 
     fn shutdown(&self) {
@@ -569,15 +600,21 @@ impl Shared {
     /// is queued whole or not at all: cancelling this never tears one.
     async fn queue<'a>(&self, peer: usize, parts: impl IntoIterator<Item = &'a [u8]>) -> Result<()> {
         let link = self.link_for(peer)?;
-        let sent = link.next_stripe().send(parts).await;
+        let sent = match link.claim().await {
+            Ok(claim) => claim.send(parts),
+            Err(failed) => Err(failed),
+        };
         self.sent(peer, &link, sent)
     }
 
     /// [`queue`](Self::queue) of a frame whose payload `fill` writes as it is sealed
-    /// ([`Stripe::send_filled`]).
+    /// ([`Claim::send_filled`]).
     async fn queue_filled(&self, peer: usize, header: &[u8], len: usize, fill: &mut FillPayload<'_>) -> Result<()> {
         let link = self.link_for(peer)?;
-        let sent = link.next_stripe().send_filled(header, len, fill).await;
+        let sent = match link.claim().await {
+            Ok(claim) => claim.send_filled(header, len, fill),
+            Err(failed) => Err(failed),
+        };
         self.sent(peer, &link, sent)
     }
 
