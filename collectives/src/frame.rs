@@ -223,6 +223,35 @@ impl PlainStream<'_> {
         Err(Error::PayloadLength { src: self.src, expected: self.taken + wanted, got: self.taken })
     }
 
+    /// Takes the next `len` bytes into `dst[..len]`. Sealed records that fit whole are opened
+    /// straight there rather than through the cursor's scratch, when `dst` has a byte of room past
+    /// them (the record's content type lands there): so `dst[len]`, if there, may be overwritten.
+    pub(crate) fn take_into(&mut self, dst: &mut [u8], len: usize) -> Result<()> {
+        debug_assert!(len <= dst.len());
+        let mut done = 0;
+        while done < len {
+            let rest = &self.piece()[self.at..];
+            if !rest.is_empty() {
+                let n = rest.len().min(len - done);
+                dst[done..done + n].copy_from_slice(&rest[..n]);
+                self.at += n;
+                done += n;
+                continue;
+            }
+            if let PlainPieces::Sealed(cursor) = &mut self.pieces {
+                if let Some(n) = cursor.next_len().filter(|&n| n > 0 && done + n <= len && done + n < dst.len()) {
+                    cursor.advance_into(&mut dst[done..]).map_err(|reason| Error::Unauthentic { src: self.src, reason })?;
+                    self.taken += self.at + n;
+                    self.at = 0;
+                    done += n;
+                    continue;
+                }
+            }
+            self.advance_for(len - done)?;
+        }
+        Ok(())
+    }
+
     /// Takes the next `count` elements of `size` bytes, calling `f(elements, bytes)` for runs
     /// of whole elements (element indices relative to this call); an element split across two
     /// pieces is put together in a small buffer and passed on its own.
@@ -779,6 +808,34 @@ mod tests {
             }
             assert_eq!(seen, values, "cuts {cuts:?}");
             let err = plain.take_elements(4, 1, |_, _| {}).unwrap_err();
+            assert!(matches!(err, Error::PayloadLength { src: 2, expected: 152, got: 148 }), "{err:?}");
+        }
+    }
+
+    // Goal: take_into copies the payload across any cuts into the caller's buffer, touching
+    // nothing past `len` but the one byte of slack it was given.
+    #[test]
+    fn plain_stream_takes_bytes_into_a_buffer_across_any_cuts() {
+        let bytes: Vec<u8> = (0..148u32).map(|i| (i * 7 + 3) as u8).collect();
+        let header = encode_header_only_checksum(&sample(), bytes.len());
+        for cuts in [vec![], vec![1], vec![3, 4, 5], vec![0, 0, 7, 7, 70, 147], (1..148).collect::<Vec<_>>()] {
+            let mut chunked = ChunkedBytes::new();
+            let mut at = 0;
+            for &c in cuts.iter().chain([&bytes.len()]) {
+                chunked.push(bytes[at..c].to_vec());
+                at = c;
+            }
+            let frame = Frame::decode_chunked(&header, chunked, 1 << 20).unwrap();
+            let mut plain = frame.plain();
+            let mut out = [0xEEu8; 149];
+            let mut base = 0;
+            for len in [20, 0, 64, 64] {
+                plain.take_into(&mut out[base..(base + len + 1).min(149)], len).unwrap();
+                base += len;
+            }
+            assert_eq!(&out[..148], &bytes[..], "cuts {cuts:?}");
+            assert_eq!(out[148], 0xEE, "nothing past the payload is written from a plain frame");
+            let err = plain.take_into(&mut [0u8; 4], 4).unwrap_err();
             assert!(matches!(err, Error::PayloadLength { src: 2, expected: 152, got: 148 }), "{err:?}");
         }
     }

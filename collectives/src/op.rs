@@ -398,11 +398,13 @@ impl<'a> OpCtx<'a> {
         let mut plain = received.plain();
         let dst: &mut [u8] = bytemuck::cast_slice_mut(dst);
         let mut fill = |range: Range<usize>, out: &mut [u8]| -> Result<()> {
-            let kept = &mut dst[range.clone()];
-            plain.take_elements(1, range.len(), |r, bytes| {
-                out[r.clone()].copy_from_slice(bytes);
-                kept[r].copy_from_slice(bytes);
-            })
+            // Opened straight into the output where the byte past the range (the next record's
+            // place) may take the content type; the last record goes through the scratch.
+            let room = (range.end + 1).min(dst.len());
+            let kept = &mut dst[range.start..room];
+            plain.take_into(kept, range.len())?;
+            out.copy_from_slice(&kept[..range.len()]);
+            Ok(())
         };
         let shared = self.comm.endpoint().shared();
         let send = shared.transport.send_filled(peer, &encoded, len, &mut fill, &shared.pool);

@@ -336,6 +336,17 @@ pub trait PlainCursor: Send {
     fn advance(&mut self) -> std::result::Result<bool, String>;
     /// The current piece (empty before the first [`advance`](Self::advance)).
     fn piece(&self) -> &[u8];
+    /// The length of the next piece if it can be opened straight into a caller's buffer
+    /// ([`advance_into`](Self::advance_into)); `None` if it cannot (or there is none).
+    fn next_len(&self) -> Option<usize> {
+        None
+    }
+    /// Moves past the next piece, opening it into `dst[..n]` where `n` is
+    /// [`next_len`](Self::next_len); `dst` must be at least one byte longer, and that byte is
+    /// overwritten. The current piece is empty afterwards.
+    fn advance_into(&mut self, dst: &mut [u8]) -> std::result::Result<(), String> {
+        Err(format!("this cursor cannot open into {} bytes of the caller's", dst.len()))
+    }
 }
 
 /// Writes payload bytes `range` into the given slice (consecutive ranges covering the payload,

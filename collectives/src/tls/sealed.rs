@@ -217,6 +217,26 @@ impl PlainCursor for RecordCursor<'_> {
         Ok(true)
     }
 
+    fn next_len(&self) -> Option<usize> {
+        match self.records.pieces.get(self.next)? {
+            SealedPiece::Record(record, _) => Some(SealedRecord::data_len(record)),
+            SealedPiece::Plain(_) => None,
+        }
+    }
+
+    fn advance_into(&mut self, dst: &mut [u8]) -> Result<(), String> {
+        let Some(SealedPiece::Record(record, how)) = self.records.pieces.get(self.next) else {
+            return Err("no sealed record to open next".into());
+        };
+        if dst.len() <= SealedRecord::data_len(record) {
+            return Err(format!("{} bytes of room for a record of {} (one more needed)", dst.len(), SealedRecord::data_len(record)));
+        }
+        how.open_into(record, dst).map_err(|e| self.records.failed(e))?;
+        self.current = Current::Nothing;
+        self.next += 1;
+        Ok(())
+    }
+
     fn piece(&self) -> &[u8] {
         match self.current {
             Current::Nothing => &[],
