@@ -94,7 +94,8 @@ async fn key_updates_and_frames_of_every_size_give_exact_results() {
 // (2-byte elements, reduced in f32 accumulators on the wire), with frames of 20 KiB + 24 bytes
 // (a 16 KiB record and a tail of another size per frame; elements split across pieces are covered
 // by `frame::tests::plain_stream_takes_elements_across_any_cuts`) and a key update every 5
-// records. Method: 3 ranks (a ring with a Forward step), exact inputs (RTX_TEST_SEED).
+// records, over one connection and over two shared by four channels. Method: 3 ranks (a ring
+// with a Forward and a Gather step), exact inputs (RTX_TEST_SEED).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fused_rings_over_sealed_records_give_exact_results_for_every_element_size() {
     async fn check<T: TestElem>(comms: &[rtx_collectives::Communicator], seed: u64, len: usize) {
@@ -131,12 +132,20 @@ async fn fused_rings_over_sealed_records_give_exact_results_for_every_element_si
     }
     let seed = seed();
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
-    let transports = TlsTransport::loopback_world(&ca, 3, TlsOptions { key_update_records: 5, ..options() }).await.unwrap();
-    let config = CommConfig { op_timeout: Duration::from_secs(20), small_message_bytes: 0, chunk_bytes: Some((20 << 10) + 24), ..CommConfig::default() };
-    let comms = network_comms(&transports, &config);
-    check::<f64>(&comms, seed, 100_003).await;
-    check::<half::bf16>(&comms, seed, 150_001).await;
-    assert!(transports.iter().map(|t| t.payloads_left_sealed()).sum::<u64>() > 0, "no payload was left sealed");
+    // One connection and one ring; then 2 connections shared by the 4 channels of each all_reduce,
+    // sending at once from their own threads, so frames take whichever connection is free
+    // (`Link::claim`) and overtake each other.
+    for (stripes, channels) in [(1, None), (2, Some(4))] {
+        let transports = TlsTransport::loopback_world(&ca, 3, TlsOptions { stripes, key_update_records: 5, ..options() }).await.unwrap();
+        let config = CommConfig { op_timeout: Duration::from_secs(20), small_message_bytes: 0, chunk_bytes: Some((20 << 10) + 24), channels, ..CommConfig::default() };
+        let comms = network_comms(&transports, &config);
+        if channels.is_some() {
+            assert_eq!(comms[0].all_reduce_channels(8 * 100_003), 4, "the f64 all_reduce runs in 4 channels");
+        }
+        check::<f64>(&comms, seed, 100_003).await;
+        check::<half::bf16>(&comms, seed, 150_001).await;
+        assert!(transports.iter().map(|t| t.payloads_left_sealed()).sum::<u64>() > 0, "no payload was left sealed");
+    }
 }
 
 // Goal: ChaCha20-Poly1305 (the suite for CPUs without AES instructions, or forced) runs the whole
