@@ -258,6 +258,11 @@ impl Stripe {
         Some(Claim { permit, sealer, spare: &self.spare })
     }
 
+    /// Frames sealed for this connection that its writer has not taken yet.
+    fn backlog(&self) -> usize {
+        self.queue.max_capacity() - self.queue.capacity()
+    }
+
     /// The stripe's queue slot (waiting for the writer to take records if the queue is full),
     /// then its sealer.
     async fn claim(&self) -> std::result::Result<Claim<'_>, SendFailed> {
@@ -336,16 +341,22 @@ struct Connected {
 }
 
 impl Link {
-    /// A stripe for the next frame: the first, from the round-robin turn on, whose sealer and
-    /// queue are free now, so a frame does not wait behind another being sealed on its turn's
-    /// connection while one is idle; the turn's own stripe when none is.
+    /// A stripe for the next frame: the round-robin turn's if its sealer is free now; else
+    /// another whose sealer and queue are free and whose writer has no more frames queued than
+    /// the turn's (so a frame does not wait behind another being sealed while a connection idles,
+    /// and is not put behind a longer backlog to avoid that wait); else the turn's, waiting.
     async fn claim(&self) -> std::result::Result<Claim<'_>, SendFailed> {
-        let turn = self.next.fetch_add(1, Ordering::Relaxed);
         let count = self.stripes.len();
-        if let Some(claim) = (0..count).find_map(|i| self.stripes[(turn + i) % count].try_claim()) {
+        let turn = self.next.fetch_add(1, Ordering::Relaxed) % count;
+        let own = &self.stripes[turn];
+        if let Some(claim) = own.try_claim() {
             return Ok(claim);
         }
-        self.stripes[turn % count].claim().await
+        let limit = own.backlog();
+        if let Some(claim) = (1..count).map(|i| &self.stripes[(turn + i) % count]).filter(|s| s.backlog() <= limit).find_map(Stripe::try_claim) {
+            return Ok(claim);
+        }
+        own.claim().await
     }
 
     fn shutdown(&self) {
