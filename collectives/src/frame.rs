@@ -774,6 +774,23 @@ mod tests {
         FrameHeader { group: 7, generation: 3, seq: 42, op: OpKind::AllReduce, chunk: 5, src: 2, dtype: Some(DType::F32), payload_len: 0, channels: 0 }
     }
 
+    /// Ways to cut a 148-byte payload into pieces: none, single bytes, empty pieces, every byte.
+    fn payload_cuts() -> [Vec<usize>; 5] {
+        [vec![], vec![1], vec![3, 4, 5], vec![0, 0, 7, 7, 70, 147], (1..148).collect()]
+    }
+
+    /// A frame whose payload `bytes` arrived in pieces cut at `cuts`.
+    fn cut_frame(bytes: &[u8], cuts: &[usize]) -> Frame {
+        let header = encode_header_only_checksum(&sample(), bytes.len());
+        let mut chunked = ChunkedBytes::new();
+        let mut at = 0;
+        for &c in cuts.iter().chain([&bytes.len()]) {
+            chunked.push(bytes[at..c].to_vec());
+            at = c;
+        }
+        Frame::decode_chunked(&header, chunked, 1 << 20).unwrap()
+    }
+
     // Goal: a payload read through `PlainStream` (whole, or in pieces cut at any byte: elements
     // split across pieces, empty pieces) yields exactly its elements in order, in runs that
     // cover them once, and a payload shorter than what is taken is a typed error, not a panic.
@@ -781,15 +798,8 @@ mod tests {
     fn plain_stream_takes_elements_across_any_cuts() {
         let values: Vec<f32> = (0..37).map(|i| i as f32 * 1.25 - 7.0).collect();
         let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
-        let header = encode_header_only_checksum(&sample(), bytes.len());
-        for cuts in [vec![], vec![1], vec![3, 4, 5], vec![0, 0, 7, 7, 70, 147], (1..148).collect::<Vec<_>>()] {
-            let mut chunked = ChunkedBytes::new();
-            let mut at = 0;
-            for &c in cuts.iter().chain([&bytes.len()]) {
-                chunked.push(bytes[at..c].to_vec());
-                at = c;
-            }
-            let frame = Frame::decode_chunked(&header, chunked, 1 << 20).unwrap();
+        for cuts in payload_cuts() {
+            let frame = cut_frame(&bytes, &cuts);
             let mut plain = frame.plain();
             let mut seen = vec![f32::NAN; 37];
             // Taken in calls of uneven sizes, as a sealer's records ask for them.
@@ -817,15 +827,8 @@ mod tests {
     #[test]
     fn plain_stream_takes_bytes_into_a_buffer_across_any_cuts() {
         let bytes: Vec<u8> = (0..148u32).map(|i| (i * 7 + 3) as u8).collect();
-        let header = encode_header_only_checksum(&sample(), bytes.len());
-        for cuts in [vec![], vec![1], vec![3, 4, 5], vec![0, 0, 7, 7, 70, 147], (1..148).collect::<Vec<_>>()] {
-            let mut chunked = ChunkedBytes::new();
-            let mut at = 0;
-            for &c in cuts.iter().chain([&bytes.len()]) {
-                chunked.push(bytes[at..c].to_vec());
-                at = c;
-            }
-            let frame = Frame::decode_chunked(&header, chunked, 1 << 20).unwrap();
+        for cuts in payload_cuts() {
+            let frame = cut_frame(&bytes, &cuts);
             let mut plain = frame.plain();
             let mut out = [0xEEu8; 149];
             let mut base = 0;
