@@ -528,8 +528,8 @@ fn under_zero3_a_replacement_takes_the_lost_ranks_segments() {
     assert!(next > before && next <= before + 2, "committed {before}, resumed at {next}");
     // The policy forms a generation of the survivors at once and grows back when the replacement
     // joins; that 2-wide generation may get as far as re-sharding before the 3-wide one replaces
-    // it (it commits nothing: the last generation resumes from the same step). What is checked is
-    // the same-size generation itself.
+    // it, usually before committing a step (then the last generation resumes from the 3-wide
+    // segments of generation 1). What is checked is the same-size generation itself.
     let last = events[at]["generation"].as_u64().expect("generation number");
     let in_last = format!("generation{{generation={last} ");
     let logs: String = std::fs::read_dir(out.join("logs")).expect("logs").filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok()).collect();

@@ -611,10 +611,7 @@ impl Shared {
     /// is queued whole or not at all: cancelling this never tears one.
     async fn queue<'a>(&self, peer: usize, parts: impl IntoIterator<Item = &'a [u8]>) -> Result<()> {
         let link = self.link_for(peer)?;
-        let sent = match link.claim().await {
-            Ok(claim) => claim.send(parts),
-            Err(failed) => Err(failed),
-        };
+        let sent = link.claim().await.and_then(|claim| claim.send(parts));
         self.sent(peer, &link, sent)
     }
 
@@ -622,10 +619,7 @@ impl Shared {
     /// ([`Claim::send_filled`]).
     async fn queue_filled(&self, peer: usize, header: &[u8], len: usize, fill: &mut FillPayload<'_>) -> Result<()> {
         let link = self.link_for(peer)?;
-        let sent = match link.claim().await {
-            Ok(claim) => claim.send_filled(header, len, fill),
-            Err(failed) => Err(failed),
-        };
+        let sent = link.claim().await.and_then(|claim| claim.send_filled(header, len, fill));
         self.sent(peer, &link, sent)
     }
 
