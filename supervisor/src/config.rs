@@ -36,8 +36,10 @@ pub enum FailureClass {
 pub enum OnFailure {
     /// Continue with the survivors (as long as `min_workers` remain).
     Shrink,
-    /// Continue with the survivors and start a replacement worker (launcher mode), which joins
-    /// and receives the state from a survivor.
+    /// Start a replacement worker (launcher mode) and wait for it, the survivors paused, up to
+    /// `prepare_timeout`: it joins at the lost rank (or the lost mesh slot) and receives that
+    /// rank's state from the survivors; if it never comes, continue with the survivors as
+    /// `Shrink` does.
     Replace,
 }
 

@@ -123,13 +123,36 @@ pub struct SupervisorCore {
     checkpoint: Option<(u64, String)>,
     /// `(pp, tp)` of the newest generation (`[parallel]`'s until a re-partition changes it).
     shape: (usize, usize),
-    /// Replacement workers asked of the launcher and not yet joined: a mesh that lost members
-    /// waits for them rather than re-partition.
+    /// Replacement workers asked of the launcher and not yet joined: a group or mesh that lost
+    /// members and would be refilled by them waits for them rather than shrink or re-partition.
     awaited: usize,
     /// The members of the newest generation, in rank order: survivors keep their mesh slots
     /// across a wait for workers.
     last_members: Vec<u64>,
     outbox: Vec<Command>,
+}
+
+/// The members of a data-parallel generation in rank order, from the previous generation's
+/// (`previous`, in rank order) and the live members (by node id), at most `max`. A world at least
+/// as large as the previous one keeps every survivor at its old rank and gives the lost ranks to
+/// newcomers (a replacement takes its predecessor's rank, so a ZeRO survivor imports its own
+/// segment and only the lost one travels); a smaller world keeps the survivors' order, packed.
+/// Newcomers beyond the lost ranks come last.
+fn data_parallel_ranks(previous: &[u64], live: &[u64], max: usize) -> Vec<u64> {
+    let survivors: Vec<u64> = previous.iter().copied().filter(|n| live.contains(n)).collect();
+    let newcomers: Vec<u64> = live.iter().copied().filter(|n| !previous.contains(n)).collect();
+    let mut ranks = if survivors.len() + newcomers.len() >= previous.len() && max >= previous.len() {
+        let mut fill = newcomers.into_iter();
+        let mut ranks: Vec<u64> = previous.iter().filter_map(|n| if live.contains(n) { Some(*n) } else { fill.next() }).collect();
+        ranks.extend(fill);
+        ranks
+    } else {
+        let mut ranks = survivors;
+        ranks.extend(newcomers);
+        ranks
+    };
+    ranks.truncate(max);
+    ranks
 }
 
 impl SupervisorCore {
@@ -323,8 +346,8 @@ impl SupervisorCore {
         Ok(())
     }
 
-    /// Forms a new generation from the live members: current members first (in rank order),
-    /// then newcomers (by node id).
+    /// Forms a new generation from the live members (see [`data_parallel_ranks`] and, for a mesh,
+    /// [`Self::mesh_candidates`]), or waits for workers.
     fn reform(&mut self, now: Instant) -> Result<()> {
         // After a wait for workers, the generation before it: its survivors keep their slots.
         let previous = self.last_members.clone();
@@ -334,14 +357,19 @@ impl SupervisorCore {
             // too small for one replica re-partitioned (see `mesh_candidates`).
             self.mesh_candidates(&previous, &live)
         } else {
-            let mut candidates: Vec<u64> = previous.iter().copied().filter(|n| live.contains(n)).collect();
-            candidates.extend(live.iter().copied().filter(|n| !previous.contains(n)));
-            candidates.truncate(self.options.elastic.max_workers);
-            (candidates, (1, 1))
+            let candidates = data_parallel_ranks(&previous, &live, self.options.elastic.max_workers);
+            if self.awaits_refill(candidates.len(), previous.len()) {
+                tracing::info!(live = candidates.len(), awaited = self.awaited, "waiting for replacements rather than shrinking the group");
+                (Vec::new(), (1, 1))
+            } else {
+                (candidates, (1, 1))
+            }
         };
         let needed = if self.started { self.options.elastic.min_workers } else { self.options.elastic.start_workers };
         if candidates.len() < needed.max(1) {
-            tracing::warn!(have = candidates.len(), needed, "too few workers; waiting for more");
+            if self.awaited == 0 {
+                tracing::warn!(have = candidates.len(), needed, "too few workers; waiting for more");
+            }
             self.phase = Phase::Waiting { since: now };
             // Members still alive must stop training the old generation.
             self.generation += 1;
@@ -376,6 +404,17 @@ impl SupervisorCore {
         };
         self.phase = Phase::Preparing { generation, members: candidates, ready: BTreeMap::new(), acknowledged: Vec::new(), since: now, extended: false, interrupted };
         Ok(())
+    }
+
+    /// Whether a data-parallel group down to `have` of the `previous` generation's members waits
+    /// for its replacements (asked of the launcher under `on_failure = "replace"`, still on their
+    /// way) rather than shrink: it does when they would refill it. A same-size generation takes
+    /// the lost ranks' places whole (a ZeRO rank imports the lost rank's segments instead of the
+    /// state being re-cut to the smaller world and again back), where shrinking at once and
+    /// growing back when they join re-shards twice for the few seconds a replacement takes to
+    /// start. `on_tick` stops the wait after `prepare_timeout` (`awaited` back to 0).
+    fn awaits_refill(&self, have: usize, previous: usize) -> bool {
+        self.awaited > 0 && have < previous && have + self.awaited >= previous
     }
 
     /// The members of a mesh generation in rank order, and its `(pp, tp)`. Whole replicas of

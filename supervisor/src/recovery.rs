@@ -11,7 +11,8 @@
 //! loaded). The chosen step is below the last committed one only when every holder of the newer
 //! state is gone; [`Recovery::regressed_from`] says so, and the supervisor logs it.
 //!
-//! Ties among members go to the lowest rank, holders of a segment likewise, so the decision is a
+//! Ties among members go to the lowest rank, holders of a segment likewise (but segment `i` is
+//! served by new rank `i` itself whenever it holds it), so the decision is a
 //! function of its inputs alone (the simulator replays it bit for bit).
 
 use crate::protocol::{StateSource, Zero1Held};
@@ -81,7 +82,9 @@ pub fn plan_recovery(members: &[Holding], checkpoint: Option<(u64, &str)>, resum
 }
 
 /// The newest step at which the members' ZeRO-1 copies cover every segment of one layout, with
-/// that layout's size and each segment's holder (lowest new rank).
+/// that layout's size and each segment's holder: new rank `i` for segment `i` when it holds it
+/// (at the same world size a rank then imports its own copy and nothing travels), else the
+/// lowest new rank that does.
 fn zero1_coverage(members: &[Holding]) -> Option<(u64, u32, Vec<u32>)> {
     // Layouts are told apart by (generation, world); steps are tried newest first.
     let mut layouts: Vec<(u64, u32, u64)> = members.iter().flat_map(|m| m.zero1.iter()).filter(|h| h.world > 0 && h.rank < h.world).map(|h| (h.generation, h.world, h.step)).collect();
@@ -93,7 +96,7 @@ fn zero1_coverage(members: &[Holding]) -> Option<(u64, u32, Vec<u32>)> {
             let Some(h) = m.zero1.iter().find(|h| h.generation == generation && h.world == world && h.step == step && h.rank < world) else { continue };
             for segment in [h.rank, (h.rank + world - 1) % world] {
                 let slot = &mut holders[segment as usize];
-                if slot.is_none() {
+                if slot.is_none() || segment == rank as u32 {
                     *slot = Some(rank as u32);
                 }
             }
@@ -160,6 +163,15 @@ mod tests {
         assert_eq!(r.source, StateSource::Zero1Segments { step: 117, world: 4, holders: vec![0, 1, 2, 0] });
         assert_eq!(r.next_step, 118);
         assert_eq!(r.source.sending_rank(), 0);
+    }
+
+    #[test]
+    fn a_segment_is_served_by_the_rank_of_its_index_when_that_rank_holds_it() {
+        // World 3, old rank 1 lost and replaced at new rank 1 (it holds nothing): old 0 and 2
+        // keep ranks 0 and 2 and serve their own segments; segment 1 comes from its buddy, 2.
+        let members = [zero1(Some(90), 3, 3, 0, 117), Holding::default(), zero1(Some(90), 3, 3, 2, 117)];
+        let r = plan_recovery(&members, None, 0, Some(117), false);
+        assert_eq!(r.source, StateSource::Zero1Segments { step: 117, world: 3, holders: vec![0, 2, 2] });
     }
 
     #[test]

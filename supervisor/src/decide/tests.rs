@@ -185,6 +185,70 @@ fn a_mesh_waits_for_its_replacement_and_re_partitions_only_if_it_never_comes() {
     assert_eq!(prepares(&after), vec![1, 3, 5]);
 }
 
+/// Goal: under `on_failure = "replace"` a data-parallel group that lost a rank waits for the
+/// replacement it asked the launcher for instead of shrinking and growing back (a ZeRO job would
+/// re-shard twice): the survivors pause, the replacement joins into a generation of the old size
+/// with the survivors in their ranks; a replacement that never comes is waited for only up to
+/// `prepare_timeout`, then the group shrinks. Under `shrink` it shrinks at once.
+#[test]
+fn a_data_parallel_group_waits_for_its_replacement_and_shrinks_only_if_it_never_comes() {
+    let policy = |on_failure| {
+        let mut e = ElasticConfig { start_workers: 3, max_workers: 3, min_workers: 1, ..ElasticConfig::default() };
+        for p in [&mut e.crash, &mut e.hang, &mut e.network_loss] {
+            p.on_failure = on_failure;
+        }
+        e
+    };
+    let mut d = Driver::new(policy(OnFailure::Replace));
+    let mut commands = Vec::new();
+    for node in 1..=3 {
+        commands.extend(d.join(node));
+    }
+    assert_eq!(prepares(&commands), vec![1, 2, 3]);
+    d.ready_all(&commands, |_| None);
+    for step in 0..5 {
+        d.step(&[1, 2, 3], 1, step);
+    }
+    let lost = d.send(Input::LinkLost { node: 2, reason: "gone".into() });
+    assert!(lost.contains(&Command::Launch(LaunchRequest::Spawn)), "{lost:?}");
+    assert!(prepares(&lost).is_empty(), "waits for the replacement: {lost:?}");
+    let paused: Vec<u64> = lost.iter().filter_map(|c| match c {
+        Command::Tell { node, msg: ToWorker::Pause { .. } } => Some(*node),
+        _ => None,
+    }).collect();
+    assert_eq!(paused, vec![1, 3], "the survivors stop the old generation: {lost:?}");
+
+    // The replacement takes rank 1; the survivors keep theirs; training resumes after step 4.
+    let joined = d.join(4);
+    assert_eq!(prepares(&joined), vec![1, 4, 3]);
+    let started = d.ready_all(&joined, |_| None);
+    assert_eq!(started.len(), 3);
+    let generation = started.iter().find_map(|(_, m)| match m {
+        ToWorker::Start { generation, .. } => Some(*generation),
+        _ => None,
+    }).expect("generation");
+
+    // Another loss, and this replacement never comes: after prepare_timeout, two ranks.
+    d.step(&[1, 4, 3], generation, 5);
+    d.send(Input::LinkLost { node: 3, reason: "gone".into() });
+    d.now += ElasticConfig::default().prepare_timeout + Duration::from_millis(10);
+    for node in [1, 4] {
+        d.message(node, ToSupervisor::Heartbeat { node, generation, completed: Some(5) });
+    }
+    assert_eq!(prepares(&d.send(Input::Tick)), vec![1, 4]);
+
+    // `shrink` asks for nobody and forms the survivors' group at once.
+    let mut d = Driver::new(policy(OnFailure::Shrink));
+    let mut commands = Vec::new();
+    for node in 1..=3 {
+        commands.extend(d.join(node));
+    }
+    d.ready_all(&commands, |_| None);
+    let lost = d.send(Input::LinkLost { node: 2, reason: "gone".into() });
+    assert!(!lost.contains(&Command::Launch(LaunchRequest::Spawn)), "{lost:?}");
+    assert_eq!(prepares(&lost), vec![1, 3]);
+}
+
 /// Goal: a mesh whose steps were committed but that has no checkpoint cannot re-partition (it would
 /// restart from the initial parameters): it waits for workers.
 #[test]
@@ -305,4 +369,18 @@ fn the_final_evaluation_may_outlast_the_prepare_timeout_but_not_the_finish_timeo
     let late = heartbeat_for(&mut d, 10);
     assert_eq!(finished_eval(&late), Some(vec![("loss".into(), 1.0)]), "the stuck member was not left out at finish_timeout");
     assert_eq!(d.core.status().phase, "done");
+}
+
+/// Goal: data-parallel ranks keep survivors in place when the world does not shrink. Method: the
+/// cases by hand: a replacement takes the lost rank; two lost, two newcomers in node order; a
+/// shrink packs the survivors in order; a growth appends; `max` caps.
+#[test]
+fn a_replacement_takes_the_lost_rank_and_survivors_keep_theirs() {
+    assert_eq!(data_parallel_ranks(&[1, 2, 3], &[1, 3, 4], 8), vec![1, 4, 3]);
+    assert_eq!(data_parallel_ranks(&[1, 2, 3, 4], &[2, 4, 7, 9], 8), vec![7, 2, 9, 4]);
+    assert_eq!(data_parallel_ranks(&[3, 1, 2], &[1, 2], 8), vec![1, 2]);
+    assert_eq!(data_parallel_ranks(&[3, 1, 2], &[1, 2, 3, 5, 6], 8), vec![3, 1, 2, 5, 6]);
+    assert_eq!(data_parallel_ranks(&[1, 2], &[1, 3, 4, 5], 3), vec![1, 3, 4]);
+    assert_eq!(data_parallel_ranks(&[1, 2, 3], &[1, 3, 4], 2), vec![1, 3]);
+    assert_eq!(data_parallel_ranks(&[], &[5, 6], 8), vec![5, 6]);
 }
