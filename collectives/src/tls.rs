@@ -170,6 +170,8 @@ struct Shared {
     aborted: watch::Sender<bool>,
     /// Frames delivered with their payload left sealed ([`sealed`]).
     left_sealed: AtomicU64,
+    /// Frames the sending thread began writing and a writer thread finished ([`Claim::deliver`]).
+    finished_by_writer: AtomicU64,
 }
 
 /// Where reader threads deliver events.
@@ -236,14 +238,21 @@ impl LinkSockets {
 }
 
 /// One connection's sending half: frames are sealed by the task that sends them (so the cipher
-/// runs on as many threads as there are sending operations) into record buffers queued for the
-/// connection's writer thread, which only writes them and hands the buffers back.
+/// runs on as many threads as there are sending operations) into record buffers, written by that
+/// task when the connection's writer thread is idle and the socket has room, else queued for the
+/// writer thread, which only writes them and hands the buffers back.
 struct Stripe {
     queue: mpsc::Sender<RecordBuf>,
     /// Held from sealing a frame until its records are queued: records leave in sequence order.
     sealer: Mutex<Sealer>,
     /// Written record buffers, for the next frames.
     spare: Arc<Mutex<Vec<RecordBuf>>>,
+    /// The connection, for a frame written by the thread that sealed it ([`Claim::deliver`]).
+    socket: Arc<StdTcpStream>,
+    /// Frames queued for the writer thread and not yet written whole: changed only under the
+    /// sealer (up) and by the writer after a frame's last byte (down), so 0 under the sealer
+    /// means the writer is idle and a frame written now keeps the records' order.
+    unwritten: Arc<AtomicUsize>,
 }
 
 impl Stripe {
@@ -255,7 +264,7 @@ impl Stripe {
             Err(std::sync::TryLockError::WouldBlock) => return None,
         };
         let permit = self.queue.try_reserve().ok()?;
-        Some(Claim { permit, sealer, spare: &self.spare })
+        Some(Claim { permit, sealer, stripe: self })
     }
 
     /// Frames sealed for this connection that its writer has not taken yet.
@@ -267,7 +276,7 @@ impl Stripe {
     /// then its sealer.
     async fn claim(&self) -> std::result::Result<Claim<'_>, SendFailed> {
         let permit = self.queue.reserve().await.map_err(|_| SendFailed::Closed)?;
-        Ok(Claim { permit, sealer: lock(&self.sealer), spare: &self.spare })
+        Ok(Claim { permit, sealer: lock(&self.sealer), stripe: self })
     }
 }
 
@@ -276,14 +285,43 @@ impl Stripe {
 struct Claim<'a> {
     permit: mpsc::Permit<'a, RecordBuf>,
     sealer: MutexGuard<'a, Sealer>,
-    spare: &'a Mutex<Vec<RecordBuf>>,
+    stripe: &'a Stripe,
 }
 
 impl Claim<'_> {
-    /// Seals `parts` (one frame) into records and queues them for the writer.
+    /// Seals `parts` (one frame) into records and delivers them.
     fn send<'p>(mut self, parts: impl IntoIterator<Item = &'p [u8]>) -> std::result::Result<(), SendFailed> {
-        let mut records = lock(self.spare).pop().unwrap_or_default();
+        let mut records = lock(&self.stripe.spare).pop().unwrap_or_default();
         self.sealer.seal_parts(parts, &mut records).map_err(SendFailed::Seal)?;
+        self.deliver(records)
+    }
+
+    /// Hands a sealed frame to the connection, the sealer still held: when the writer thread is
+    /// idle (nothing queued or being written), written here at once, as far as the socket takes it
+    /// without waiting, while the records are still in this core's cache and with no wake-up of
+    /// the writer; what the socket does not take, or the whole frame when the writer is busy,
+    /// queued for the writer thread.
+    fn deliver(self, mut records: RecordBuf) -> std::result::Result<(), SendFailed> {
+        let stripe = self.stripe;
+        if stripe.unwritten.load(Ordering::Acquire) == 0 {
+            match write_without_waiting(&stripe.socket, records.as_slice()) {
+                Ok(n) => records.mark_written(n),
+                Err(_) => {
+                    // The reader and the writer find the connection shut and end the link.
+                    let _ = stripe.socket.shutdown(std::net::Shutdown::Both);
+                    return Err(SendFailed::Closed);
+                }
+            }
+            if records.as_slice().is_empty() {
+                records.clear();
+                let mut spare = lock(&stripe.spare);
+                if spare.len() < SPARE_RECORD_BUFS && records.capacity() <= SPARE_RECORD_BUF_MAX_BYTES {
+                    spare.push(records);
+                }
+                return Ok(());
+            }
+        }
+        stripe.unwritten.fetch_add(1, Ordering::AcqRel);
         self.permit.send(records);
         Ok(())
     }
@@ -292,20 +330,17 @@ impl Claim<'_> {
     /// ([`Sealer::seal_filled`]) and queues it, whole or not at all: if `fill` fails, the records
     /// sealed for the frame are dropped and the sealer rewound to before it.
     fn send_filled(mut self, header: &[u8], len: usize, fill: &mut FillPayload<'_>) -> std::result::Result<(), SendFailed> {
-        let mut records = lock(self.spare).pop().unwrap_or_default();
+        let mut records = lock(&self.stripe.spare).pop().unwrap_or_default();
         let mark = self.sealer.mark();
         let start = records.len();
         self.sealer.seal_parts([header], &mut records).map_err(SendFailed::Seal)?;
         match self.sealer.seal_filled(len, &mut records, &mut *fill) {
-            Ok(()) => {
-                self.permit.send(records);
-                Ok(())
-            }
+            Ok(()) => self.deliver(records),
             Err(FillFailed::Record(e)) => Err(SendFailed::Seal(e)),
             Err(FillFailed::Fill(error)) => {
                 let broken = !self.sealer.rewind(mark);
                 records.truncate(start);
-                lock(self.spare).push(records);
+                lock(&self.stripe.spare).push(records);
                 Err(SendFailed::Fill { error, broken })
             }
         }
@@ -414,6 +449,7 @@ impl TlsTransport {
             writers: watch::channel(0).0,
             aborted: watch::channel(false).0,
             left_sealed: AtomicU64::new(0),
+            finished_by_writer: AtomicU64::new(0),
         });
         let accept_task = tokio::spawn(accept_loop(Arc::clone(&shared), listener)).abort_handle();
         Ok(TlsTransport { shared, inbox: tokio::sync::Mutex::new(inbox), accept_task })
@@ -475,6 +511,12 @@ impl TlsTransport {
     /// straight into its output (the sender flagged them as copied whole; see the module doc).
     pub fn payloads_left_sealed(&self) -> u64 {
         self.shared.left_sealed.load(Ordering::Relaxed)
+    }
+
+    /// Frames sent so far whose writing the sending thread began (its connection's writer thread
+    /// was idle) and the writer thread finished, because the socket had no room for all of it.
+    pub fn frames_finished_by_writer(&self) -> u64 {
+        self.shared.finished_by_writer.load(Ordering::Relaxed)
     }
 
     /// Shuts down gracefully: every frame queued so far is written, then each connection is
@@ -715,9 +757,10 @@ impl Shared {
             let Established { sealer, opener, leftover, opened, .. } = established;
             let (tx, rx) = mpsc::channel(SEND_QUEUE_FRAMES);
             let spare = Arc::new(Mutex::new(Vec::new()));
-            stripes.push(Stripe { queue: tx, sealer: Mutex::new(sealer), spare: Arc::clone(&spare) });
+            let unwritten = Arc::new(AtomicUsize::new(0));
+            stripes.push(Stripe { queue: tx, sealer: Mutex::new(sealer), spare: Arc::clone(&spare), socket: Arc::clone(&socket), unwritten: Arc::clone(&unwritten) });
             sockets.push(Arc::clone(&socket));
-            halves.push((socket, rx, spare, (opener, leftover, opened)));
+            halves.push((socket, rx, spare, unwritten, (opener, leftover, opened)));
         }
         // A peer that was lost and dialed again is reported up before any of its frames; from a
         // reader thread, like every other event, so that pull delivery may block.
@@ -728,12 +771,12 @@ impl Shared {
             old.shutdown();
         }
         let readers_left = Arc::new(AtomicUsize::new(halves.len()));
-        for (stripe, (socket, rx, spare, (opener, leftover, opened))) in halves.into_iter().enumerate() {
+        for (stripe, (socket, rx, spare, unwritten, (opener, leftover, opened))) in halves.into_iter().enumerate() {
             let start = ReaderStart { opener, leftover, opened, announces_up: came_back && stripe == 0 };
             self.writers.send_modify(|n| *n += 1);
             let writer = {
                 let (shared, socket) = (Arc::clone(self), Arc::clone(&socket));
-                move || shared.write_loop(peer, &socket, &spare, rx)
+                move || shared.write_loop(peer, &socket, &spare, &unwritten, rx)
             };
             let reader = {
                 let (shared, link, readers_left) = (Arc::clone(self), link_sockets.clone(), Arc::clone(&readers_left));
@@ -754,13 +797,17 @@ impl Shared {
 
     /// The writer thread of one connection: writes the queued records and hands their buffers
     /// back; when the queue closes, half-closes the connection.
-    fn write_loop(&self, peer: usize, socket: &StdTcpStream, spare: &Mutex<Vec<RecordBuf>>, mut queue: mpsc::Receiver<RecordBuf>) {
+    fn write_loop(&self, peer: usize, socket: &StdTcpStream, spare: &Mutex<Vec<RecordBuf>>, unwritten: &AtomicUsize, mut queue: mpsc::Receiver<RecordBuf>) {
         let mut broken = None;
         while let Some(mut records) = queue.blocking_recv() {
+            if records.begun() {
+                self.finished_by_writer.fetch_add(1, Ordering::Relaxed);
+            }
             if let Err(e) = (&*socket).write_all(records.as_slice()) {
                 broken = Some(e.to_string());
                 break;
             }
+            unwritten.fetch_sub(1, Ordering::AcqRel);
             records.clear();
             let mut spare = lock(spare);
             if spare.len() < SPARE_RECORD_BUFS && records.capacity() <= SPARE_RECORD_BUF_MAX_BYTES {
@@ -931,6 +978,23 @@ impl Shared {
             }
         }
     }
+}
+
+/// Writes what the socket takes of `bytes` now, without waiting for room (and without SIGPIPE
+/// where the peer is gone): the count written; an error only if the connection failed.
+fn write_without_waiting(socket: &StdTcpStream, bytes: &[u8]) -> std::io::Result<usize> {
+    let socket = socket2::SockRef::from(socket);
+    let mut written = 0;
+    while written < bytes.len() {
+        match socket.send_with_flags(&bytes[written..], libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) {
+            Ok(0) => break,
+            Ok(n) => written += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(written)
 }
 
 /// Reads what the socket has into `buf`'s spare capacity (at least [`MAX_RECORD`] of it).

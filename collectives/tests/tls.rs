@@ -527,3 +527,36 @@ async fn a_rank_that_comes_back_is_reported_lost_then_up_and_its_link_works() {
         assert!(matches!(next_event().await, TransportEvent::PeerLost(0)), "life {life}: the loss is reported");
     }
 }
+
+// Goal: frames written by the thread that seals them keep their order and bytes when the socket
+// fills, the writer thread finishing what the sending thread began. Method: rank 1 pulls nothing
+// until rank 0 has sent 400 frames of 256 KiB (100 MiB: more than its inbox of 256 frames and the
+// socket buffers hold, so the reader stops and the socket fills); each frame's sequence number
+// and payload byte name it; then rank 1 pulls them all, in order and intact, and rank 0 reports
+// frames its writer thread finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_keep_their_order_when_the_socket_fills_mid_frame() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let ranks = TlsTransport::loopback_world(&ca, 2, options()).await.unwrap();
+    let (r0, r1) = (Arc::clone(&ranks[0]), Arc::clone(&ranks[1]));
+    let (frames, len) = (400u64, 256 << 10);
+    let pool = rtx_collectives::BufferPool::new();
+    let sender = tokio::spawn(async move {
+        for i in 0..frames {
+            let header = rtx_collectives::frame::FrameHeader { group: 1, generation: 1, seq: i, op: OpKind::Send, chunk: 0, src: 0, dtype: None, payload_len: len as u64, channels: 0 };
+            r0.send(1, rtx_collectives::frame::encode(&pool, &header, &vec![(i % 251) as u8; len])).await.unwrap();
+        }
+        r0
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for i in 0..frames {
+        let event = tokio::time::timeout(Duration::from_secs(20), r1.recv()).await.expect("a frame within 20 s").expect("transport open");
+        let TransportEvent::Frame { from: 0, bytes } = event else { panic!("frame {i}: {event:?}") };
+        let header = rtx_collectives::frame::decode_header(&bytes[..64], 1 << 30).unwrap();
+        assert_eq!(header.seq, i, "frames out of order");
+        assert_eq!(bytes.len(), 64 + len);
+        assert!(bytes[64..].iter().all(|&b| b == (i % 251) as u8), "frame {i}: payload altered");
+    }
+    let r0 = sender.await.unwrap();
+    assert!(r0.frames_finished_by_writer() > 0, "the socket never filled mid-frame: the test did not test the hand-over");
+}

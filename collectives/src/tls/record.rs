@@ -274,17 +274,30 @@ fn sealed_len(plaintext: usize) -> usize {
 pub(crate) struct RecordBuf {
     bytes: Vec<u8>,
     len: usize,
+    /// Sealed bytes already written (from the front), no longer in [`Self::as_slice`].
+    written: usize,
 }
 
 impl RecordBuf {
-    /// The sealed bytes.
+    /// The sealed bytes not written yet.
     pub(crate) fn as_slice(&self) -> &[u8] {
-        &self.bytes[..self.len]
+        &self.bytes[self.written..self.len]
+    }
+
+    /// Takes the first `n` bytes of [`Self::as_slice`] as written.
+    pub(crate) fn mark_written(&mut self, n: usize) {
+        self.written = (self.written + n).min(self.len);
+    }
+
+    /// Whether some of the sealed bytes were written already.
+    pub(crate) fn begun(&self) -> bool {
+        self.written > 0
     }
 
     /// Forgets the sealed bytes, keeping the memory.
     pub(crate) fn clear(&mut self) {
         self.len = 0;
+        self.written = 0;
     }
 
     /// Forgets the sealed bytes past the first `len`.
