@@ -367,8 +367,10 @@ impl SupervisorCore {
         };
         let needed = if self.started { self.options.elastic.min_workers } else { self.options.elastic.start_workers };
         if candidates.len() < needed.max(1) {
-            if self.awaited == 0 {
-                tracing::warn!(have = candidates.len(), needed, "too few workers; waiting for more");
+            // A wait that the replacements on their way will end is an expected pause (logged
+            // where it is decided); a shortage they cannot make up is warned of either way.
+            if self.awaited == 0 || live.len() + self.awaited < needed.max(1) {
+                tracing::warn!(have = candidates.len(), awaited = self.awaited, needed, "too few workers; waiting for more");
             }
             self.phase = Phase::Waiting { since: now };
             // Members still alive must stop training the old generation.
