@@ -653,6 +653,22 @@ pub fn says_copied(header: &[u8; HEADER_LEN]) -> bool {
     header[FLAGS] & FLAG_COPIED != 0
 }
 
+/// Where the encoded header at the start of `bytes` falls among its operation's frames: its op
+/// sequence number plus its chunk index (wrapping), read without validation; 0 for fewer bytes
+/// than that. A placement hint that sender and receiver derive alike (a transport spreading one
+/// peer's frames over several connections puts a frame on connection `place % count`), never
+/// something to trust.
+pub fn header_place(bytes: &[u8]) -> u64 {
+    match (bytes.get(24..32), bytes.get(32..36)) {
+        (Some(seq), Some(chunk)) => {
+            let seq = u64::from_le_bytes(seq.try_into().unwrap_or_default());
+            let chunk = u32::from_le_bytes(chunk.try_into().unwrap_or_default());
+            seq.wrapping_add(u64::from(chunk))
+        }
+        _ => 0,
+    }
+}
+
 /// Validates the header part of `bytes` (magic, version, op, dtype, reserved bytes, length cap).
 ///
 /// Does not look at the payload or the checksum; stream readers use it to learn how many payload
@@ -768,6 +784,15 @@ fn read_u32(b: &[u8], at: usize) -> u32 {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    #[test]
+    fn a_headers_place_is_its_sequence_plus_its_chunk() {
+        let pool = BufferPool::new();
+        let h = FrameHeader { group: 1, generation: 2, seq: u64::MAX, op: OpKind::AllReduce, chunk: 3, src: 0, dtype: None, payload_len: 0, channels: 0 };
+        let frame = encode(&pool, &h, &[]);
+        assert_eq!(header_place(&frame), 2, "wraps");
+        assert_eq!(header_place(&frame[..35]), 0, "too short to say");
+    }
+
     use super::*;
 
     fn sample() -> FrameHeader {

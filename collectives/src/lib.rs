@@ -89,7 +89,7 @@ pub use rtx_kernels::DType;
 pub use shm::{ShmOptions, ShmTransport, DEFAULT_RING_BYTES, SHM_INBOX_FRAMES};
 #[cfg(feature = "quic")]
 pub use tls::{set_tcp_liveness, TlsOptions, TlsTransport, DEFAULT_KEY_UPDATE_RECORDS, TLS_ALPN, TLS_CHUNK_BYTES, TLS_INBOX_FRAMES};
-pub use transport::{BoxFuture, BytesPiece, ChunkedBytes, EventSink, FillPayload, Lender, LentBytes, PlainCursor, SealedPayload, Transport, TransportEvent};
+pub use transport::{AwaitedFrame, BoxFuture, BytesPiece, ChunkedBytes, EventSink, FillPayload, Lender, LentBytes, PlainCursor, SealedPayload, Transport, TransportEvent};
 
 /// How `all_reduce`, `reduce_scatter` and `reduce` combine elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

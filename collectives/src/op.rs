@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::frame::{encode_header, encode_header_copied, encode_header_only_checksum, encode_header_parts, Frame, FrameHeader, OpKind, Outgoing, HEADER_LEN};
 use crate::group::{Key, Lane, Slot};
 use crate::ReduceOp;
+use crate::transport::AwaitedFrame;
 
 pub(crate) struct OpCtx<'a> {
     comm: &'a Communicator,
@@ -334,7 +335,8 @@ impl<'a> OpCtx<'a> {
             }
         };
         let transport = &self.comm.endpoint().shared().transport;
-        let frame = group.wait_slot(key, slot, self.op, self.comm.config().op_timeout, || transport.poll_incoming(), || transport.poll_ended()).await;
+        let awaited = AwaitedFrame { from: src, seq: self.seq, chunk, len: len_bytes };
+        let frame = group.wait_slot(key, slot, self.op, self.comm.config().op_timeout, || transport.poll_incoming(awaited), || transport.poll_ended(awaited)).await;
         let frame = self.watch(frame)?;
         let h = frame.header;
         if h.op != self.op {

@@ -26,7 +26,7 @@ use std::sync::{Arc, Weak};
 use crate::error::{Error, Result};
 use crate::frame::HEADER_LEN;
 use crate::pool::{BufferPool, PooledBuf};
-use crate::transport::{BoxFuture, ChunkedBytes, EventSink, LentBytes, SealedPayload, Transport, TransportEvent};
+use crate::transport::{AwaitedFrame, BoxFuture, ChunkedBytes, EventSink, LentBytes, SealedPayload, Transport, TransportEvent};
 
 /// A transport that sends to the ranks of this host over `local` and to all others over `network`.
 pub struct RoutedTransport {
@@ -280,16 +280,16 @@ impl Transport for RoutedTransport {
         self.local.checks_integrity() && self.network.checks_integrity()
     }
 
-    fn poll_incoming(&self) -> Option<usize> {
-        match (self.local.poll_incoming(), self.network.poll_incoming()) {
+    fn poll_incoming(&self, awaited: AwaitedFrame) -> Option<usize> {
+        match (self.local.poll_incoming(awaited), self.network.poll_incoming(awaited)) {
             (None, None) => None,
             (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
         }
     }
 
-    fn poll_ended(&self) {
-        self.local.poll_ended();
-        self.network.poll_ended();
+    fn poll_ended(&self, awaited: AwaitedFrame) {
+        self.local.poll_ended(awaited);
+        self.network.poll_ended(awaited);
     }
 
     fn preferred_chunk_bytes(&self) -> Option<usize> {

@@ -100,7 +100,7 @@ use crate::error::{Error, Result};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::shm_ring::RingMemory;
-use crate::transport::{BoxFuture, EventSink, Lender, LentBytes, Transport, TransportEvent};
+use crate::transport::{AwaitedFrame, BoxFuture, EventSink, Lender, LentBytes, Transport, TransportEvent};
 
 /// Most received frames waiting for a polling dispatcher before readers stop draining rings (only
 /// when the endpoint polls instead of attaching).
@@ -434,7 +434,7 @@ impl Transport for ShmTransport {
         Box::pin(async move { self.shared.write_frame(peer, &[header, payload]).await })
     }
 
-    fn poll_incoming(&self) -> Option<usize> {
+    fn poll_incoming(&self, _awaited: AwaitedFrame) -> Option<usize> {
         // Only with push delivery: a polled transport's frames must go through its channel.
         let route @ Route::Push(_) = self.shared.route.get()? else { return None };
         if self.shared.aborted.load(Ordering::Relaxed) {
@@ -476,7 +476,7 @@ impl Transport for ShmTransport {
         Some(self.shared.options.ring_bytes / 16)
     }
 
-    fn poll_ended(&self) {
+    fn poll_ended(&self, _awaited: AwaitedFrame) {
         self.shared.stop_polling();
     }
 

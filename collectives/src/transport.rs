@@ -58,6 +58,21 @@ pub enum TransportEvent {
     PeerLost(usize),
 }
 
+/// The frame an operation is about to wait for, as [`Transport::poll_incoming`] is told: the
+/// transport rank it comes from, its operation sequence number and chunk index (those of its
+/// header, see [`crate::frame`]), and its payload size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AwaitedFrame {
+    /// Transport rank of the sender.
+    pub from: usize,
+    /// Operation sequence number.
+    pub seq: u64,
+    /// Chunk index within the operation on this link.
+    pub chunk: u32,
+    /// Payload bytes the frame brings.
+    pub len: usize,
+}
+
 /// Reliable, ordered, framed messaging between the ranks of one job.
 pub trait Transport: Send + Sync + 'static {
     /// The local global rank.
@@ -131,10 +146,14 @@ pub trait Transport: Send + Sync + 'static {
     /// cheaply: delivers (to the attached [`EventSink`]) the frames that have fully arrived, without
     /// blocking, and returns how many. `None` (the default) means "not supported".
     ///
-    /// An operation about to wait for a frame calls it in a short spin first: on a transport whose
-    /// frames are otherwise read by another thread (shared memory), that saves the wake-up of the
-    /// reader thread and then of the waiting task, most of a small message's latency.
-    fn poll_incoming(&self) -> Option<usize> {
+    /// An operation about to wait for the frame `awaited` calls it in a short spin first: on a
+    /// transport whose frames are otherwise read by another thread, that saves the wake-up of the
+    /// reader thread and then of the waiting task (most of a small message's latency over shared
+    /// memory), and the bytes are copied in by the core that uses them next (over TLS, where the
+    /// operation then opens and combines them while they are in its cache). A transport that
+    /// spreads one peer's frames over several connections reads the one `awaited` comes on.
+    fn poll_incoming(&self, awaited: AwaitedFrame) -> Option<usize> {
+        let _ = awaited;
         None
     }
 
@@ -165,10 +184,12 @@ pub trait Transport: Send + Sync + 'static {
         None
     }
 
-    /// The operation that was calling [`poll_incoming`](Self::poll_incoming) stops and sleeps until
-    /// its frame is delivered: a transport whose reader threads stand back while operations poll
-    /// (shared memory) must have them take over now. The default does nothing.
-    fn poll_ended(&self) {}
+    /// The operation that was calling [`poll_incoming`](Self::poll_incoming) for `awaited` stops
+    /// and sleeps until its frame is delivered: a transport whose reader threads stand back while
+    /// operations poll (shared memory, TLS) must have them take over now. The default does nothing.
+    fn poll_ended(&self, awaited: AwaitedFrame) {
+        let _ = awaited;
+    }
 
     /// Aborts the transport at once, without draining: every send that waits (for ring space or
     /// flow control) and every later send fails with [`crate::Error::TransportClosed`], reading

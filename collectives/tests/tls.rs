@@ -560,3 +560,52 @@ async fn frames_keep_their_order_when_the_socket_fills_mid_frame() {
     let r0 = sender.await.unwrap();
     assert!(r0.frames_finished_by_writer() > 0, "the socket never filled mid-frame: the test did not test the hand-over");
 }
+
+// Goal: an operation waiting for a small frame reads it from its connection itself (the reader
+// threads stand back while it polls), over one connection and over two (a frame's connection
+// follows from its sequence and chunk, on both sides), across key updates, with exact results;
+// and a peer that goes away while the survivor polls fails its next collective with PeerLost
+// instead of leaving it waiting. Method: 2 ranks, exact inputs (RTX_TEST_SEED), 64 KiB frames
+// (under the polling bound), 200 all_reduces, key update every 7 records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operations_read_their_small_frames_themselves() {
+    let seed = seed();
+    let len = 48_013;
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    for stripes in [1, 2] {
+        let transports = TlsTransport::loopback_world(&ca, 2, TlsOptions { stripes, key_update_records: 7, ..options() }).await.unwrap();
+        let config = CommConfig { op_timeout: Duration::from_secs(20), chunk_bytes: Some(64 << 10), ..CommConfig::default() };
+        let comms = network_comms(&transports, &config);
+        for case in 0..200u64 {
+            let inputs = Arc::new(exact_inputs::<f32>(seed, case, 2, len));
+            let want = reference(ReduceOp::Sum, &inputs);
+            let out = run_ranks(&comms, |c| {
+                let inputs = Arc::clone(&inputs);
+                async move {
+                    let mut buf = inputs[c.rank()].clone();
+                    c.all_reduce(&mut buf, ReduceOp::Sum).await.unwrap();
+                    buf
+                }
+            })
+            .await;
+            for (rank, got) in out.iter().enumerate() {
+                assert_eq!(bits(got), bits(&want), "seed {seed}, {stripes} connections, case {case}, rank {rank}");
+            }
+        }
+        let polled: u64 = transports.iter().map(|t| t.frames_read_by_operations()).sum();
+        assert!(polled > 0, "{stripes} connections: no operation read its own frame");
+        // Rank 1 goes away while rank 0 waits in its next all_reduce (polling first).
+        let mut comms = comms;
+        let gone = comms.pop().unwrap();
+        let survivor = comms.pop().unwrap();
+        let waiting = tokio::spawn(async move {
+            let mut buf = vec![1.0f32; len];
+            survivor.all_reduce(&mut buf, ReduceOp::Sum).await
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(gone);
+        transports[1].abort();
+        let failed = tokio::time::timeout(Duration::from_secs(10), waiting).await.expect("the survivor fails within 10 s, not at the operation timeout").unwrap();
+        assert!(matches!(failed, Err(Error::PeerLost { rank: 1, .. }) | Err(Error::TransportClosed)), "{stripes} connections: {failed:?}");
+    }
+}
