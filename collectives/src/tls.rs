@@ -700,6 +700,11 @@ impl Transport for TlsTransport {
             }
         }
         self.shared.read_by_operations.fetch_add(delivered as u64, Ordering::Relaxed);
+        if delivered == 0 {
+            // Each round here is a system call, not a look at shared memory: let the peer's
+            // threads run on this core (the spin yields only every 256 rounds).
+            std::thread::yield_now();
+        }
         Some(delivered)
     }
 
