@@ -669,6 +669,12 @@ pub fn header_place(bytes: &[u8]) -> u64 {
     }
 }
 
+/// The payload length the encoded header at the start of `bytes` declares, read without
+/// validation; 0 for fewer bytes than that. A hint for a sending transport, as [`header_place`].
+pub fn header_payload_len(bytes: &[u8]) -> usize {
+    bytes.get(40..48).and_then(|b| b.try_into().ok()).map_or(0, |b| usize::try_from(u64::from_le_bytes(b)).unwrap_or(usize::MAX))
+}
+
 /// Validates the header part of `bytes` (magic, version, op, dtype, reserved bytes, length cap).
 ///
 /// Does not look at the payload or the checksum; stream readers use it to learn how many payload
@@ -785,12 +791,15 @@ fn read_u32(b: &[u8], at: usize) -> u32 {
 #[allow(clippy::unwrap_used)]
 mod tests {
     #[test]
-    fn a_headers_place_is_its_sequence_plus_its_chunk() {
+    fn a_headers_place_and_length_read_without_validation() {
         let pool = BufferPool::new();
         let h = FrameHeader { group: 1, generation: 2, seq: u64::MAX, op: OpKind::AllReduce, chunk: 3, src: 0, dtype: None, payload_len: 0, channels: 0 };
         let frame = encode(&pool, &h, &[]);
         assert_eq!(header_place(&frame), 2, "wraps");
         assert_eq!(header_place(&frame[..35]), 0, "too short to say");
+        let h = FrameHeader { payload_len: 5, ..h };
+        assert_eq!(header_payload_len(&encode(&pool, &h, &[7; 5])), 5);
+        assert_eq!(header_payload_len(&[0; 47]), 0, "too short to say");
     }
 
     use super::*;

@@ -30,9 +30,10 @@
 //! traffic keys rustls derived ([`record`]), key updates included.
 //!
 //! Links: the lower rank dials the higher (like QUIC), [`TlsOptions::stripes`] TCP connections per
-//! pair, a frame on connection `(sequence + chunk) % stripes` (so consecutive chunks and channels
-//! spread over them, and a receiver knows where each comes). Each connection starts with a hello record (rank,
-//! stripe, count) that the acceptor echoes; a link is installed when all of its stripes are up.
+//! pair (a small frame on connection `(sequence + chunk) % stripes`, where its receiver looks for
+//! it; a large one on the round-robin turn's or another with a free sealer: [`Link::claim`]).
+//! Each connection starts with a hello record (rank, stripe, count) that the acceptor echoes; a
+//! link is installed when all of its stripes are up.
 //! Failure: a connection that breaks (reset, a record that does not authenticate, a frame header
 //! past the payload cap) takes its link down; the peer is reported lost once every frame its
 //! readers had was delivered. Dropping the transport lets queued frames reach the peers (writers
@@ -59,7 +60,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
 use crate::error::{Error, Result};
-use crate::frame::{decode_header, header_place, OpKind, HEADER_LEN};
+use crate::frame::{decode_header, header_payload_len, header_place, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::linking::{self, PendingLinks, StripeId};
 use crate::quic::{certificate_names_rank, client_tls_config_with, rank_name, server_tls_config_with, Cipher, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
@@ -199,6 +200,8 @@ enum Route {
 struct Link {
     sockets: LinkSockets,
     stripes: Arc<Vec<Stripe>>,
+    /// The round-robin turn of large frames.
+    next: Arc<AtomicUsize>,
     reads: Arc<LinkReads>,
 }
 
@@ -209,8 +212,8 @@ struct Link {
 /// [`POLL_MAX_PAYLOAD`]) reads its connection itself, as over shared memory: it takes the
 /// connection's read lock and reads what has arrived, in a short spin before it sleeps. That saves
 /// the two wake-ups of the reader-thread path (the reader's, then the operation's), most of a small
-/// all_reduce's time: 4 KiB between 2 ranks went from ~42 to ~7 us on the 2-vCPU VM. Frames are
-/// placed on connection `(sequence + chunk) % count` by the sender
+/// all_reduce's time: 4 KiB between 2 ranks went from ~42 to ~7 us on the 2-vCPU VM. Small frames
+/// are placed on connection `(sequence + chunk) % count` by the sender
 /// ([`crate::frame::header_place`]), so the operation knows which connection its frame comes on.
 /// While operations poll a link, its reader threads stand back (parked, up to [`POLLED_NAP`] at a
 /// time) and leave what arrives to them; an operation that stops polling to sleep
@@ -342,11 +345,27 @@ struct Stripe {
 }
 
 impl Stripe {
+    /// The stripe's queue slot and sealer at once if both are free now, without waiting.
+    fn try_claim(&self) -> Option<Claim<'_>> {
+        let sealer = match self.sealer.try_lock() {
+            Ok(sealer) => sealer,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        let permit = self.queue.try_reserve().ok()?;
+        Some(Claim { permit, sealer, stripe: self, inline: false })
+    }
+
+    /// Frames sealed for this connection that its writer has not taken yet.
+    fn backlog(&self) -> usize {
+        self.queue.max_capacity() - self.queue.capacity()
+    }
+
     /// The stripe's queue slot (waiting for the writer to take records if the queue is full),
     /// then its sealer.
     async fn claim(&self) -> std::result::Result<Claim<'_>, SendFailed> {
         let permit = self.queue.reserve().await.map_err(|_| SendFailed::Closed)?;
-        Ok(Claim { permit, sealer: lock(&self.sealer), stripe: self })
+        Ok(Claim { permit, sealer: lock(&self.sealer), stripe: self, inline: false })
     }
 }
 
@@ -356,6 +375,8 @@ struct Claim<'a> {
     permit: mpsc::Permit<'a, RecordBuf>,
     sealer: MutexGuard<'a, Sealer>,
     stripe: &'a Stripe,
+    /// The frame may be written by the sealing thread ([`Claim::deliver`]): small frames only.
+    inline: bool,
 }
 
 impl Claim<'_> {
@@ -366,14 +387,14 @@ impl Claim<'_> {
         self.deliver(records)
     }
 
-    /// Hands a sealed frame to the connection, the sealer still held: when the writer thread is
-    /// idle (nothing queued or being written), written here at once, as far as the socket takes it
-    /// without waiting, while the records are still in this core's cache and with no wake-up of
-    /// the writer; what the socket does not take, or the whole frame when the writer is busy,
-    /// queued for the writer thread.
+    /// Hands a sealed frame to the connection, the sealer still held: a small frame
+    /// ([`Claim::inline`]), when the writer thread is idle (nothing queued or being written), is
+    /// written here at once, as far as the socket takes it without waiting, with no wake-up of
+    /// the writer; what the socket does not take, a large frame, or any frame when the writer is
+    /// busy, is queued for the writer thread.
     fn deliver(self, mut records: RecordBuf) -> std::result::Result<(), SendFailed> {
         let stripe = self.stripe;
-        if stripe.unwritten.load(Ordering::Acquire) == 0 {
+        if self.inline && stripe.unwritten.load(Ordering::Acquire) == 0 {
             match write_without_waiting(&stripe.socket, records.as_slice()) {
                 Ok(n) => records.mark_written(n),
                 Err(_) => {
@@ -444,10 +465,39 @@ struct Connected {
 }
 
 impl Link {
-    /// The stripe of a frame with placement `place` ([`crate::frame::header_place`]), once its
-    /// queue has room and its sealer is free.
-    async fn claim(&self, place: u64) -> std::result::Result<Claim<'_>, SendFailed> {
-        self.stripes[stripe_of(place, self.stripes.len())].claim().await
+    /// A stripe for a frame of `payload_len` bytes with placement `place`
+    /// ([`crate::frame::header_place`]). A small frame (at most [`POLL_MAX_PAYLOAD`], which the
+    /// receiving operation may read itself, see [`LinkReads`]) goes on stripe `place % count`,
+    /// where the receiver looks for it, and is written by the sealing thread when the writer is
+    /// idle ([`Claim::deliver`]). A large one takes the round-robin turn's stripe if its sealer
+    /// is free now; else another whose sealer and queue are free and whose writer has no more
+    /// frames queued than the turn's (so a frame does not wait behind another being sealed while
+    /// a connection idles, and is not put behind a longer backlog to avoid that wait); else the
+    /// turn's, waiting; and its writer thread writes it.
+    ///
+    /// Decision (issue 20, BENCHMARKS.md 2026-12-07): on the 16-core host both the fixed
+    /// placement and the sealing thread's write cost large frames 2.5-3% each at 4 ranks (22
+    /// alternated rounds): channels sharing a connection then wait for its sealer while another
+    /// is free, and a sealer held through the write serialises them further; on 2 cores the
+    /// write gained 8-17%, but the bar is on the host. Small frames are about latency, where
+    /// both pay.
+    async fn claim(&self, place: u64, payload_len: usize) -> std::result::Result<Claim<'_>, SendFailed> {
+        let count = self.stripes.len();
+        if payload_len <= POLL_MAX_PAYLOAD {
+            let mut claim = self.stripes[stripe_of(place, count)].claim().await?;
+            claim.inline = true;
+            return Ok(claim);
+        }
+        let turn = self.next.fetch_add(1, Ordering::Relaxed) % count;
+        let own = &self.stripes[turn];
+        if let Some(claim) = own.try_claim() {
+            return Ok(claim);
+        }
+        let limit = own.backlog();
+        if let Some(claim) = (1..count).map(|i| &self.stripes[(turn + i) % count]).filter(|s| s.backlog() <= limit).find_map(Stripe::try_claim) {
+            return Ok(claim);
+        }
+        own.claim().await
     }
 
     fn shutdown(&self) {
@@ -782,7 +832,7 @@ impl Shared {
     /// tears one.
     async fn queue<'a>(&self, peer: usize, header: &'a [u8], payload: impl IntoIterator<Item = &'a [u8]>) -> Result<()> {
         let link = self.link_for(peer)?;
-        let sent = link.claim(header_place(header)).await.and_then(|claim| claim.send(std::iter::once(header).chain(payload)));
+        let sent = link.claim(header_place(header), header_payload_len(header)).await.and_then(|claim| claim.send(std::iter::once(header).chain(payload)));
         self.sent(peer, &link, sent)
     }
 
@@ -790,7 +840,7 @@ impl Shared {
     /// ([`Claim::send_filled`]).
     async fn queue_filled(&self, peer: usize, header: &[u8], len: usize, fill: &mut FillPayload<'_>) -> Result<()> {
         let link = self.link_for(peer)?;
-        let sent = link.claim(header_place(header)).await.and_then(|claim| claim.send_filled(header, len, fill));
+        let sent = link.claim(header_place(header), len).await.and_then(|claim| claim.send_filled(header, len, fill));
         self.sent(peer, &link, sent)
     }
 
@@ -908,7 +958,7 @@ impl Shared {
         let came_back = lock(&self.lost).remove(&peer);
         let link_sockets = LinkSockets { serial, sockets: Arc::new(sockets), up: Arc::new(Gate::new(!came_back)) };
         let reads = Arc::new(LinkReads { inbound, polls: AtomicU64::new(0), polling: AtomicBool::new(false), readers: Mutex::new(Vec::new()) });
-        let link = Link { sockets: link_sockets.clone(), stripes: Arc::new(stripes), reads: Arc::clone(&reads) };
+        let link = Link { sockets: link_sockets.clone(), stripes: Arc::new(stripes), next: Arc::new(AtomicUsize::new(0)), reads: Arc::clone(&reads) };
         if let Some(old) = lock(&self.links).insert(peer, link.clone()) {
             old.shutdown();
         }
