@@ -660,13 +660,15 @@ pub fn says_copied(header: &[u8; HEADER_LEN]) -> bool {
 /// something to trust.
 pub fn header_place(bytes: &[u8]) -> u64 {
     match (bytes.get(24..32), bytes.get(32..36)) {
-        (Some(seq), Some(chunk)) => {
-            let seq = u64::from_le_bytes(seq.try_into().unwrap_or_default());
-            let chunk = u32::from_le_bytes(chunk.try_into().unwrap_or_default());
-            seq.wrapping_add(u64::from(chunk))
-        }
+        (Some(seq), Some(chunk)) => place(u64::from_le_bytes(seq.try_into().unwrap_or_default()), u32::from_le_bytes(chunk.try_into().unwrap_or_default())),
         _ => 0,
     }
+}
+
+/// The placement of the frame with op sequence `seq` and chunk index `chunk` (see
+/// [`header_place`]): what a receiver that knows which frame it waits for derives.
+pub fn place(seq: u64, chunk: u32) -> u64 {
+    seq.wrapping_add(u64::from(chunk))
 }
 
 /// The payload length the encoded header at the start of `bytes` declares, read without

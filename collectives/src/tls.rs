@@ -60,7 +60,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
 use crate::error::{Error, Result};
-use crate::frame::{decode_header, header_payload_len, header_place, OpKind, HEADER_LEN};
+use crate::frame::{decode_header, header_payload_len, header_place, place, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::linking::{self, PendingLinks, StripeId};
 use crate::quic::{certificate_names_rank, client_tls_config_with, rank_name, server_tls_config_with, Cipher, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
@@ -236,9 +236,13 @@ struct LinkReads {
 impl LinkReads {
     fn stop_polling(&self) {
         if self.polling.swap(false, Ordering::SeqCst) {
-            for reader in lock(&self.readers).iter() {
-                reader.unpark();
-            }
+            self.wake_readers();
+        }
+    }
+
+    fn wake_readers(&self) {
+        for reader in lock(&self.readers).iter() {
+            reader.unpark();
         }
     }
 }
@@ -716,7 +720,7 @@ impl Transport for TlsTransport {
         if !reads.polling.load(Ordering::Relaxed) {
             reads.polling.store(true, Ordering::SeqCst);
         }
-        let inbound = &reads.inbound[stripe_of(awaited.seq.wrapping_add(u64::from(awaited.chunk)), reads.inbound.len())];
+        let inbound = &reads.inbound[stripe_of(place(awaited.seq, awaited.chunk), reads.inbound.len())];
         if !inbound.ready.load(Ordering::Acquire) || inbound.ended.load(Ordering::Acquire) {
             return Some(0);
         }
@@ -742,9 +746,7 @@ impl Transport for TlsTransport {
                     if matches!(side.ended, Some(Err(_))) {
                         link.sockets.shutdown();
                     }
-                    for reader in lock(&reads.readers).iter() {
-                        reader.unpark();
-                    }
+                    reads.wake_readers();
                     break;
                 }
             }
@@ -932,7 +934,6 @@ impl Shared {
         for Connected { stream, established } in complete {
             let stream = stream.into_std().map_err(|e| io("into_std", e))?;
             stream.set_nonblocking(false).map_err(|e| io("set_nonblocking", e))?;
-            stream.set_read_timeout(Some(READ_TICK)).map_err(|e| io("set_read_timeout", e))?;
             let socket = Arc::new(stream);
             let Established { sealer, opener, leftover, opened, .. } = established;
             let (tx, rx) = mpsc::channel(SEND_QUEUE_FRAMES);
@@ -1122,7 +1123,8 @@ impl Shared {
             Ok(0) if side.buf.is_empty() && side.frames.at_boundary() => Err(Ok(())),
             Ok(0) => Err(Err("connection ended in the middle of a record or frame".to_string())),
             Ok(_) => self.cut_records(peer, side, route, link).map_err(Err),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => return Round::Nothing,
+            // Nothing there now (reads never wait: `recv_into_spare`).
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) => return Round::Nothing,
             Err(e) => Err(Err(e.to_string())),
         };
         match outcome {
