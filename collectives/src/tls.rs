@@ -100,7 +100,8 @@ const READ_TICK: Duration = Duration::from_millis(250);
 /// Largest payload an operation waits for by reading its connection itself (see [`LinkReads`]);
 /// a larger frame is read by the reader threads while the operation sleeps. The ring's frames at
 /// 16 MiB and more are [`TLS_CHUNK_BYTES`], above it; a 1 MiB all_reduce's (512 KiB between 2
-/// ranks) are polled, which took it from ~670 to ~400 us on the 2-vCPU VM.
+/// ranks) are polled, which took it from ~670 to ~400 us on the 2-vCPU VM but from ~434 to ~450
+/// us on the 16-core host (4 ranks there: ~850 to ~683 us); 4 and 64 KiB gained on both.
 const POLL_MAX_PAYLOAD: usize = 512 << 10;
 /// Longest a reader thread stands back while operations poll its link, before it looks again
 /// (operations that stop polling wake it at once, see [`LinkReads`]).
