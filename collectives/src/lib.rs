@@ -56,6 +56,8 @@ mod routed;
 mod shm;
 #[cfg(feature = "shm")]
 mod shm_ring;
+#[cfg(any(feature = "quic", feature = "shm"))]
+mod stand_back;
 #[cfg(feature = "quic")]
 mod tls;
 mod transport;

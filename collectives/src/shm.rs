@@ -100,6 +100,7 @@ use crate::error::{Error, Result};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::shm_ring::RingMemory;
+use crate::stand_back::PollingOperations;
 use crate::transport::{AwaitedFrame, BoxFuture, EventSink, Lender, LentBytes, Transport, TransportEvent};
 
 /// Most received frames waiting for a polling dispatcher before readers stop draining rings (only
@@ -142,9 +143,6 @@ const OFF_READER_PID: usize = 576;
 const OPEN_RETRY: Duration = Duration::from_millis(5);
 /// Longest a sleeping writer waits before it re-checks the link (lost peer, closed reader).
 const WRITER_NAP: Duration = Duration::from_millis(20);
-/// Longest a reader thread stands back while operations poll the rings themselves, before it
-/// looks again (operations that stop polling wake it at once, see `ShmShared::wake_readers`).
-const POLLED_NAP: Duration = Duration::from_millis(5);
 /// Least time between two probes of one peer's lock (see the module doc, Liveness): the probe is a
 /// system call, made only by a side about to sleep, and this bounds it further on a link that
 /// sleeps often.
@@ -202,14 +200,12 @@ struct ShmShared {
     aborted: AtomicBool,
     /// Wakes a `recv` waiting when the transport is aborted.
     abort_notify: tokio::sync::Notify,
-    /// Calls of `poll_incoming` so far: while it moves and `polling` is set, an operation is
-    /// taking frames itself and the reader threads stand back (off the futex, so writers make no
-    /// wake-up calls for them).
-    polls: AtomicU64,
-    /// Set by `poll_incoming`, cleared when an operation stops polling to sleep or to wait for
-    /// ring space (`stop_polling`).
-    polling: AtomicBool,
-    /// The reader threads, to wake when operations stop polling.
+    /// Operations taking frames themselves (`poll_incoming`) and the reader threads, which stand
+    /// back meanwhile (off the futex, so writers make no wake-up calls for them). An operation
+    /// stops polling to sleep or to wait for ring space.
+    operations: PollingOperations,
+    /// The reader threads (each also registers with `operations`, to be woken): they end when
+    /// their link ends or the transport stops.
     readers: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
@@ -355,8 +351,7 @@ impl ShmTransport {
             stop: AtomicBool::new(false),
             aborted: AtomicBool::new(false),
             abort_notify: tokio::sync::Notify::new(),
-            polls: AtomicU64::new(0),
-            polling: AtomicBool::new(false),
+            operations: PollingOperations::default(),
             readers: Mutex::new(Vec::new()),
         });
         let heartbeat = tokio::spawn(heartbeat(Arc::clone(&shared))).abort_handle();
@@ -440,10 +435,7 @@ impl Transport for ShmTransport {
         if self.shared.aborted.load(Ordering::Relaxed) {
             return None;
         }
-        self.shared.polls.fetch_add(1, Ordering::Relaxed);
-        if !self.shared.polling.load(Ordering::Relaxed) {
-            self.shared.polling.store(true, Ordering::Relaxed);
-        }
+        self.shared.operations.note_poll();
         let mut delivered = 0;
         for inbound in self.shared.incoming.values() {
             if inbound.available() < HEADER_LEN {
@@ -477,7 +469,7 @@ impl Transport for ShmTransport {
     }
 
     fn poll_ended(&self, _awaited: AwaitedFrame) {
-        self.shared.stop_polling();
+        self.shared.operations.stop();
     }
 
     fn attach(&self, sink: Weak<dyn EventSink>) -> bool {
@@ -580,7 +572,7 @@ impl ShmShared {
         for inbound in self.incoming.values() {
             inbound.ring.close_reader();
         }
-        self.wake_readers();
+        self.operations.wake_readers();
     }
 
     /// Tells an attached endpoint that nothing more will be delivered (after an abort).
@@ -589,20 +581,6 @@ impl ShmShared {
             if let Some(sink) = sink.upgrade() {
                 sink.closed();
             }
-        }
-    }
-
-    /// An operation stops polling (to sleep, or to wait for ring space): the reader threads must
-    /// read again.
-    fn stop_polling(&self) {
-        self.polling.store(false, Ordering::SeqCst);
-        self.wake_readers();
-    }
-
-    /// Wakes reader threads that stand back for polling operations.
-    fn wake_readers(&self) {
-        for reader in lock(&self.readers).iter() {
-            reader.thread().unpark();
         }
     }
 
@@ -695,7 +673,7 @@ impl ShmShared {
                 }
             }
             // This operation stops polling while it waits: the readers must drain our rings.
-            self.stop_polling();
+            self.operations.stop();
             wait_for_space(ring).await;
         }
         Ok(())
@@ -973,24 +951,21 @@ async fn heartbeat(shared: Arc<ShmShared>) {
 /// between.
 fn read_frames(shared: &ShmShared, inbound: &Arc<Inbound>, route: &Route) {
     let mut watch = Liveness::new(&inbound.ring, shared.options.liveness_timeout);
-    let mut polls_seen = shared.polls.load(Ordering::Relaxed);
+    let mut stand_back = shared.operations.join_as_reader();
     let end = loop {
-        let polls = shared.polls.load(Ordering::Relaxed);
-        let polled = polls != polls_seen;
-        polls_seen = polls;
-        if polled && shared.polling.load(Ordering::SeqCst) {
+        if stand_back.operations_poll() {
             // An operation takes frames itself: stand back until it stops (it wakes this thread)
             // or a nap passes without a poll, watching the writer's liveness meanwhile.
             if shared.stop.load(Ordering::Relaxed) {
                 break LinkEnd::Stopped;
             }
-            std::thread::park_timeout(POLLED_NAP);
+            stand_back.nap();
             if watch.check(&inbound.ring).is_none() {
                 continue;
             }
             // The writer is gone: deliver the frames it completed (below), then report the loss.
         }
-        if let Err(end) = wait_for_data(shared, inbound, &mut watch, Some(polls_seen)) {
+        if let Err(end) = wait_for_data(shared, inbound, &mut watch, Some(stand_back.polls_seen())) {
             break end;
         }
         let _reading = lock(&inbound.read);
@@ -1213,7 +1188,7 @@ fn wait_until(shared: &ShmShared, inbound: &Inbound, want: usize, watch: &mut Li
             // The writer's `tail` was final when the verdict was made.
             return Err(end);
         }
-        if polls_seen.is_some_and(|seen| shared.polls.load(Ordering::Relaxed) != seen) {
+        if polls_seen.is_some_and(|seen| shared.operations.polls() != seen) {
             return Ok(());
         }
         if shared.stop.load(Ordering::Relaxed) || ring.reader_closed() {

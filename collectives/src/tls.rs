@@ -62,6 +62,7 @@ use tokio::sync::{mpsc, watch};
 use crate::error::{Error, Result};
 use crate::frame::{decode_header, header_payload_len, header_place, place, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
+use crate::stand_back::PollingOperations;
 use crate::linking::{self, PendingLinks, StripeId};
 use crate::quic::{certificate_names_rank, client_tls_config_with, rank_name, server_tls_config_with, Cipher, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
 use crate::transport::{AwaitedFrame, BoxFuture, ChunkedBytes, EventSink, FillPayload, SealedPayload, Transport, TransportEvent};
@@ -103,9 +104,6 @@ const READ_TICK: Duration = Duration::from_millis(250);
 /// ranks) are polled, which took it from ~670 to ~400 us on the 2-vCPU VM but from ~434 to ~450
 /// us on the 16-core host (4 ranks there: ~850 to ~683 us); 4 and 64 KiB gained on both.
 const POLL_MAX_PAYLOAD: usize = 512 << 10;
-/// Longest a reader thread stands back while operations poll its link, before it looks again
-/// (operations that stop polling wake it at once, see [`LinkReads`]).
-const POLLED_NAP: Duration = Duration::from_millis(5);
 
 const OPEN: u8 = 0;
 const CLOSING: u8 = 1;
@@ -216,9 +214,9 @@ struct Link {
 /// all_reduce's time: 4 KiB between 2 ranks went from ~42 to ~7 us on the 2-vCPU VM. Small frames
 /// are placed on connection `(sequence + chunk) % count` by the sender
 /// ([`crate::frame::header_place`]), so the operation knows which connection its frame comes on.
-/// While operations poll a link, its reader threads stand back (parked, up to [`POLLED_NAP`] at a
-/// time) and leave what arrives to them; an operation that stops polling to sleep
-/// ([`Transport::poll_ended`]) wakes them. Nothing depends on an operation reading: a reader thread
+/// While operations poll a link, its reader threads stand back ([`crate::stand_back`]) and leave
+/// what arrives to them; an operation that stops polling to sleep ([`Transport::poll_ended`])
+/// wakes them. Nothing depends on an operation reading: a reader thread
 /// reads whatever no operation took within a nap, so frames are always delivered. Tried and
 /// rejected for large frames: that the bytes would then be copied in by the core that opens them
 /// did not make opening them cheaper (a 1 MiB frame's first records have left the cache by the
@@ -226,26 +224,8 @@ struct Link {
 /// cores.
 struct LinkReads {
     inbound: Vec<Arc<Inbound>>,
-    /// Calls of `poll_incoming` on this link so far: while it moves and `polling` is set, the
-    /// reader threads stand back.
-    polls: AtomicU64,
-    polling: AtomicBool,
-    /// The reader threads, to wake when operations stop polling.
-    readers: Mutex<Vec<std::thread::Thread>>,
-}
-
-impl LinkReads {
-    fn stop_polling(&self) {
-        if self.polling.swap(false, Ordering::SeqCst) {
-            self.wake_readers();
-        }
-    }
-
-    fn wake_readers(&self) {
-        for reader in lock(&self.readers).iter() {
-            reader.unpark();
-        }
-    }
+    /// The operations polling this link's connections, and its reader threads.
+    operations: PollingOperations,
 }
 
 /// One connection's receiving half.
@@ -717,10 +697,7 @@ impl Transport for TlsTransport {
         }
         let link = lock(&self.shared.links).get(&awaited.from).cloned()?;
         let reads = &link.reads;
-        reads.polls.fetch_add(1, Ordering::Relaxed);
-        if !reads.polling.load(Ordering::Relaxed) {
-            reads.polling.store(true, Ordering::SeqCst);
-        }
+        reads.operations.note_poll();
         let inbound = &reads.inbound[stripe_of(place(awaited.seq, awaited.chunk), reads.inbound.len())];
         if !inbound.ready.load(Ordering::Acquire) || inbound.ended.load(Ordering::Acquire) {
             return Some(0);
@@ -747,7 +724,7 @@ impl Transport for TlsTransport {
                     if matches!(side.ended, Some(Err(_))) {
                         link.sockets.shutdown();
                     }
-                    reads.wake_readers();
+                    reads.operations.wake_readers();
                     break;
                 }
             }
@@ -764,7 +741,7 @@ impl Transport for TlsTransport {
     fn poll_ended(&self, awaited: AwaitedFrame) {
         let link = lock(&self.shared.links).get(&awaited.from).cloned();
         if let Some(link) = link {
-            link.reads.stop_polling();
+            link.reads.operations.stop();
         }
     }
 
@@ -959,7 +936,7 @@ impl Shared {
         // reader thread, like every other event, so that pull delivery may block.
         let came_back = lock(&self.lost).remove(&peer);
         let link_sockets = LinkSockets { serial, sockets: Arc::new(sockets), up: Arc::new(Gate::new(!came_back)) };
-        let reads = Arc::new(LinkReads { inbound, polls: AtomicU64::new(0), polling: AtomicBool::new(false), readers: Mutex::new(Vec::new()) });
+        let reads = Arc::new(LinkReads { inbound, operations: PollingOperations::default() });
         let link = Link { sockets: link_sockets.clone(), stripes: Arc::new(stripes), next: Arc::new(AtomicUsize::new(0)), reads: Arc::clone(&reads) };
         if let Some(old) = lock(&self.links).insert(peer, link.clone()) {
             old.shutdown();
@@ -1029,7 +1006,6 @@ impl Shared {
     /// place, cuts the plaintext into frames and delivers them; when it ends, the last reader of
     /// the link takes the link down.
     fn read_loop(&self, peer: usize, reads: &LinkReads, stripe: usize, start: ReaderStart, link: &LinkSockets, readers_left: &AtomicUsize) {
-        lock(&reads.readers).push(std::thread::current());
         let inbound = &reads.inbound[stripe];
         let ended = match self.wait_route() {
             Some(route) if start.announces_up => {
@@ -1052,9 +1028,10 @@ impl Shared {
         }
     }
 
-    /// Reads the connection until it ends: waits until it is readable, then reads under its lock
-    /// ([`read_round`](Self::read_round)); stands back while operations poll the link (see
-    /// [`LinkReads`]).
+    /// Reads the connection until it ends: reads under its lock without waiting
+    /// ([`read_round`](Self::read_round)) while the socket keeps having data, and waits for it to
+    /// be readable (poll(2), without the lock) only after a read found it empty; stands back
+    /// while operations poll the link (see [`LinkReads`]).
     fn read_records(&self, peer: usize, reads: &LinkReads, inbound: &Inbound, start: ReaderStart, route: &Route, link: &LinkSockets) -> std::result::Result<(), String> {
         {
             let mut side = lock(&inbound.side);
@@ -1073,22 +1050,23 @@ impl Shared {
         inbound.ready.store(true, Ordering::Release);
         let mut idle_ticks = 0u64;
         let linger_ticks = (self.options.idle_timeout.as_millis() / READ_TICK.as_millis()).max(1) as u64;
-        let mut polls_seen = reads.polls.load(Ordering::Relaxed);
+        let mut watch = reads.operations.join_as_reader();
+        // Whether the last read found the socket empty: only then does the next one wait for it
+        // to be readable first. In a stream the socket has usually filled again while the last
+        // read's records were opened, and a poll(2) before every read was a system call each.
+        let mut drained = true;
         loop {
             if inbound.ended.load(Ordering::Acquire) {
                 // A polling operation found the end.
                 return lock(&inbound.side).ended.take().unwrap_or(Ok(()));
             }
-            let polls = reads.polls.load(Ordering::Relaxed);
-            let polled = polls != polls_seen;
-            polls_seen = polls;
-            if polled && reads.polling.load(Ordering::SeqCst) && !self.closing() {
+            if watch.operations_poll() && !self.closing() {
                 // Operations read this link themselves: leave what arrives to them until they
                 // stop (they wake this thread) or a nap passes with no poll.
-                std::thread::park_timeout(POLLED_NAP);
+                watch.nap();
                 continue;
             }
-            match wait_readable(&inbound.socket, READ_TICK) {
+            match if drained { wait_readable(&inbound.socket, READ_TICK) } else { Ok(true) } {
                 Ok(true) => {}
                 Ok(false) => {
                     // Idle: after the transport closed, wait for the peer's end only so long.
@@ -1104,8 +1082,11 @@ impl Shared {
             }
             let mut side = lock(&inbound.side);
             match self.read_round(peer, &mut side, &inbound.socket, route, link) {
-                Round::Delivered(_) => idle_ticks = 0,
-                Round::Nothing => {}
+                Round::Delivered(_) => {
+                    idle_ticks = 0;
+                    drained = false;
+                }
+                Round::Nothing => drained = true,
                 Round::Ended => return side.ended.take().unwrap_or(Ok(())),
             }
         }
