@@ -444,6 +444,65 @@ pub(crate) async fn ring_all_gather<T: WireElement>(ctx: &mut OpCtx<'_>, buf: &m
     Ok(())
 }
 
+/// Direct (two-shot) all-reduce in place: each rank sends every other rank that rank's segment
+/// of its buffer and combines the `n - 1` pieces it gets into its own segment (the reduce-scatter
+/// in one step), then sends its reduced segment to every other rank (the all-gather in one step).
+/// The same bytes per rank as the ring, but two dependent steps instead of `2(n - 1)`, and all
+/// `n - 1` links busy at once. Round-major like the ring: round `k` reduces piece `k` of the own
+/// segment, sends it to everyone and copies in piece `k` of everyone's, while piece `k + 1` of
+/// the reduce-scatter is already on its way. Every rank combines in the same order (its own
+/// values, then rank `rank - 1`'s, `rank - 2`'s, ...) and the others copy the owner's result, so
+/// all end with the same bits. On each link the frames go reduce-scatter piece 0, then for every
+/// round `k` all-gather piece `k` and reduce-scatter piece `k + 1`; both ends skip the same
+/// missing last pieces (segments differ by at most one element).
+pub(crate) async fn direct_all_reduce<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: &mut [A], op: ReduceOp, rank: usize, n: usize) -> Result<()> {
+    debug_assert!(n >= 2 && rank < n);
+    let len = buf.len();
+    let piece = ctx.piece_elems::<A>();
+    let seg = |r: usize| segment_range(len, n, r);
+    let piece_of = |r: usize, k: usize| {
+        let s = seg(r);
+        let start = s.start + k * piece;
+        (start < s.end).then(|| start..(start + piece).min(s.end))
+    };
+    let rounds = seg(0).len().div_ceil(piece);
+    let peers = |toward_higher: bool| (1..n).map(move |k| if toward_higher { (rank + k) % n } else { (rank + n - k) % n });
+    for from in peers(false) {
+        ctx.announce(from, seg(rank).len().div_ceil(piece) + seg(from).len().div_ceil(piece));
+    }
+    for to in peers(true) {
+        if let Some(p) = piece_of(to, 0) {
+            ctx.send_copied_frame(to, Some(A::DTYPE), bytemuck::cast_slice(&buf[p])).await?;
+        }
+    }
+    for k in 0..rounds {
+        if let Some(own) = piece_of(rank, k) {
+            for from in peers(false) {
+                ctx.recv_combine(from, &mut buf[own.clone()], op, false).await?;
+            }
+            if op == ReduceOp::Avg {
+                for x in buf[own.clone()].iter_mut() {
+                    *x = x.div_count(n);
+                }
+            }
+            for to in peers(true) {
+                ctx.send_copied_frame(to, Some(A::DTYPE), bytemuck::cast_slice(&buf[own.clone()])).await?;
+            }
+        }
+        for to in peers(true) {
+            if let Some(p) = piece_of(to, k + 1) {
+                ctx.send_copied_frame(to, Some(A::DTYPE), bytemuck::cast_slice(&buf[p])).await?;
+            }
+        }
+        for from in peers(false) {
+            if let Some(p) = piece_of(from, k) {
+                ctx.recv_copy(from, &mut buf[p]).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Recursive doubling all-reduce for any `n`: with `p` the largest power of two `<= n` and
 /// `rem = n - p`, ranks `2i` fold into `2i + 1` for `i < rem`, the `p` remaining ranks exchange whole
 /// buffers `log2 p` times, and the folded ranks get the result back.

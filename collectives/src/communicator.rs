@@ -7,7 +7,7 @@
 //!
 //! | operation | `bytes <= small_message_bytes` | larger |
 //! |---|---|---|
-//! | `all_reduce` | recursive doubling | ring reduce-scatter + all-gather, fused in one pipeline |
+//! | `all_reduce` | recursive doubling | direct exchange up to two frames per rank where the transport asks for it, else ring reduce-scatter + all-gather, fused in one pipeline |
 //! | `broadcast` | binomial tree | pipelined chain |
 //! | `reduce` | binomial tree | ring reduce-scatter + gather to root |
 //! | `reduce_scatter`, `all_gather` | ring | ring |
@@ -22,6 +22,16 @@
 //! reduce-scatter within each host, a ring all-reduce per local rank index across hosts (each rank
 //! carries its share), ring all-gather within each host.
 //! [`Communicator::all_reduce_algorithm`] says which algorithm a size gets.
+//!
+//! The direct exchange ([`AllReduceAlgorithm::Direct`]) is the two-shot all-reduce: every rank
+//! sends each other rank that rank's segment, combines what it gets into its own, and sends the
+//! result to everyone: the ring's bytes in two dependent steps instead of `2(n - 1)`. It serves
+//! the sizes where a ring has nothing to pipeline (each rank's segment at most two frames, below
+//! `2 * size * chunk_bytes`, where a ring also gets a single channel) in groups of at most
+//! [`CommConfig::direct_all_reduce_ranks`] ranks. Decision (issue 20, BENCHMARKS.md 2026-12-07):
+//! over TLS it took a 4 MiB all_reduce between 4 processes on the 16-core host from 0.68x to 0.88x
+//! Gloo (1.27x, every round) and 1-2 MiB 1.5-1.65x on 2 cores; over shared memory, whose hops
+//! cost little, it gained nothing, and at 16 and 64 MiB (rings in channels) it lost 5-12%.
 //!
 //! Large messages travel in frames of at most `chunk_bytes`, forwarded piece by piece so the ring
 //! and the chain pipeline. The defaults come from `rtx bench collectives` (2 and 4 rank processes
@@ -124,6 +134,12 @@ pub struct CommConfig {
     /// more than one host and some host has more than one of its members, `all_reduce` is
     /// hierarchical ([`AllReduceAlgorithm::Hierarchical`]); otherwise algorithms are flat.
     pub host_of: Vec<u32>,
+    /// Largest group whose mid-size all_reduce (above `small_message_bytes`, below two frames per
+    /// rank) runs the direct exchange ([`AllReduceAlgorithm::Direct`]) instead of the ring; 0 or 1
+    /// turns it off. `None` (the default): the transport's preference
+    /// ([`crate::Transport::preferred_direct_all_reduce_ranks`]; TLS: 8), else 0; resolved by the
+    /// [`crate::Endpoint`] like `chunk_bytes`. Must be equal on every rank.
+    pub direct_all_reduce_ranks: Option<usize>,
 }
 
 /// Which algorithm `all_reduce` runs for a buffer (see [`Communicator::all_reduce_algorithm`]).
@@ -136,6 +152,9 @@ pub enum AllReduceAlgorithm {
     Doubling,
     /// Ring reduce-scatter + all-gather in one pipeline (large buffers).
     Ring,
+    /// Direct (two-shot) exchange: segments to their owners, the owners' results to everyone
+    /// (mid-size buffers on transports that ask for it, see [`CommConfig::direct_all_reduce_ranks`]).
+    Direct,
     /// Reduce to one leader per host (binomial tree), all-reduce among the leaders (doubling or
     /// ring by size), broadcast within each host; for large f32/f64 buffers on hosts of equal
     /// size, reduce-scatter within hosts, one ring per local rank across hosts, all-gather within.
@@ -160,6 +179,7 @@ impl Default for CommConfig {
             channels: None,
             max_stored_frames: DEFAULT_MAX_STORED_FRAMES,
             host_of: Vec::new(),
+            direct_all_reduce_ranks: None,
         }
     }
 }
@@ -304,6 +324,16 @@ impl Communicator {
                 round_into(buf, &work);
                 return Ok(());
             }
+            if self.all_reduce_algorithm(std::mem::size_of_val(buf)) == AllReduceAlgorithm::Direct {
+                if let Some(acc) = T::as_acc_mut(&mut *buf) {
+                    return algo::direct_all_reduce(&mut ctx, acc, op, rank, n).await;
+                }
+                // Mid-size by definition (two frames per rank at most): widened whole, as above.
+                let mut work = PooledVec::widened(self.endpoint.pool(), buf);
+                algo::direct_all_reduce(&mut ctx, work.as_mut_slice(), op, rank, n).await?;
+                round_into(buf, work.as_slice());
+                return Ok(());
+            }
             self.ring_all_reduce(&mut ctx, buf, op).await
         }
         .instrument(span)
@@ -372,6 +402,8 @@ impl Communicator {
             AllReduceAlgorithm::Hierarchical
         } else if bytes <= self.config().small_message_bytes {
             AllReduceAlgorithm::Doubling
+        } else if self.size() <= self.config().direct_all_reduce_ranks.unwrap_or(0) && bytes < 2 * self.size() * self.config().effective_chunk_bytes() {
+            AllReduceAlgorithm::Direct
         } else {
             AllReduceAlgorithm::Ring
         }

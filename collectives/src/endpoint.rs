@@ -80,6 +80,9 @@ impl Endpoint {
         if config.ring_window.is_none() {
             config.ring_window = Some(transport.preferred_ring_window().unwrap_or(DEFAULT_RING_WINDOW).clamp(1, MAX_RING_WINDOW));
         }
+        if config.direct_all_reduce_ranks.is_none() {
+            config.direct_all_reduce_ranks = Some(transport.preferred_direct_all_reduce_ranks().unwrap_or(0));
+        }
         if config.channels.is_none() {
             config.channels = Some(transport.preferred_channels().unwrap_or(DEFAULT_CHANNELS).clamp(1, MAX_CHANNELS));
         }

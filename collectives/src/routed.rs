@@ -303,6 +303,12 @@ impl Transport for RoutedTransport {
         (local == network).then_some(local).flatten()
     }
 
+    fn preferred_direct_all_reduce_ranks(&self) -> Option<usize> {
+        // As for frames: a preference only where both halves share it.
+        let (local, network) = (self.local.preferred_direct_all_reduce_ranks(), self.network.preferred_direct_all_reduce_ranks());
+        (local == network).then_some(local).flatten()
+    }
+
     fn abort(&self) {
         self.local.abort();
         self.network.abort();

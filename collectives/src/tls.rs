@@ -104,6 +104,9 @@ const READ_TICK: Duration = Duration::from_millis(250);
 /// ranks) are polled, which took it from ~670 to ~400 us on the 2-vCPU VM but from ~434 to ~450
 /// us on the 16-core host (4 ranks there: ~850 to ~683 us); 4 and 64 KiB gained on both.
 const POLL_MAX_PAYLOAD: usize = 512 << 10;
+/// Largest group whose mid-size all_reduce runs the direct exchange over TLS
+/// ([`Transport::preferred_direct_all_reduce_ranks`]).
+const DIRECT_ALL_REDUCE_RANKS: usize = 8;
 
 const OPEN: u8 = 0;
 const CLOSING: u8 = 1;
@@ -683,6 +686,13 @@ impl Transport for TlsTransport {
 
     fn preferred_ring_window(&self) -> Option<usize> {
         Some(crate::quic::QUIC_RING_WINDOW)
+    }
+
+    fn preferred_direct_all_reduce_ranks(&self) -> Option<usize> {
+        // Every hop is a seal, a socket round and an open: the direct exchange's two steps beat
+        // the ring's 2(n - 1) where the ring has nothing to pipeline (measured at 4 ranks; up to
+        // 8 every rank still sends each peer frames of at least size / 8).
+        Some(DIRECT_ALL_REDUCE_RANKS)
     }
 
     fn poll_incoming(&self, awaited: AwaitedFrame) -> Option<usize> {

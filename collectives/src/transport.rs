@@ -184,6 +184,15 @@ pub trait Transport: Send + Sync + 'static {
         None
     }
 
+    /// Up to how many ranks a mid-size all_reduce should run the direct exchange instead of the
+    /// ring ([`crate::CommConfig::direct_all_reduce_ranks`]), if this transport has a preference:
+    /// one whose every hop costs a frame's latency (a cipher pass, system calls, wake-ups) gains
+    /// from two dependent steps instead of `2(n - 1)`. Must be the same on every rank. The default
+    /// (`None`) means never.
+    fn preferred_direct_all_reduce_ranks(&self) -> Option<usize> {
+        None
+    }
+
     /// The operation that was calling [`poll_incoming`](Self::poll_incoming) for `awaited` stops
     /// and sleeps until its frame is delivered: a transport whose reader threads stand back while
     /// operations poll (shared memory, TLS) must have them take over now. The default does nothing.

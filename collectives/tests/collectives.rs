@@ -13,14 +13,14 @@ use std::sync::Arc;
 
 use common::*;
 use half::bf16;
-use rtx_collectives::{Accumulator, CommConfig, Communicator, ReduceOp, WireElement};
+use rtx_collectives::{Accumulator, AllReduceAlgorithm, CommConfig, Communicator, ReduceOp, WireElement};
 
 const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
 
 fn sizes(config: &str) -> &'static [usize] {
     match config {
         // Tiny frames: keep sizes moderate so the frame count stays small.
-        "ring" | "doubling" => &[0, 1, 2, 3, 5, 7, 13, 31, 64, 97, 257, 1031],
+        "ring" | "doubling" | "direct" => &[0, 1, 2, 3, 5, 7, 13, 31, 64, 97, 257, 1031],
         // Real defaults: the largest size is over the small-message threshold in every dtype.
         _ => &[0, 1, 7, 97, 40_009],
     }
@@ -203,6 +203,45 @@ macro_rules! every_world {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_reduce_matches_reference() {
     every_world!(all_reduce_cases);
+}
+
+// Goal: the direct exchange (two-shot all_reduce) equals the reference bit for bit on every rank,
+// for every op, dtype (bf16 widened), world size 1-8 and size: with tiny frames, segments of one
+// or two frames, uneven ones lacking their last piece, and sizes past the window that go by ring;
+// with frames larger than any segment, every size in one round. And the algorithm is chosen by
+// the window: doubling up to `small_message_bytes`, direct below two frames per rank, ring above
+// (and ring when the group is larger than `direct_all_reduce_ranks`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_all_reduce_matches_reference() {
+    let seed = seed();
+    let base = CommConfig { op_timeout: std::time::Duration::from_secs(20), small_message_bytes: 0, direct_all_reduce_ranks: Some(8), ..CommConfig::default() };
+    let configs = [("direct", CommConfig { chunk_bytes: Some(24), ..base.clone() }), ("direct-one-round", CommConfig { chunk_bytes: Some(1 << 20), ..base })];
+    for n in 1..=8 {
+        for (name, config) in configs.clone() {
+            let (_net, comms) = world(n, config);
+            if n > 1 {
+                let frame = comms[0].config().effective_chunk_bytes();
+                assert_eq!(comms[0].all_reduce_algorithm(2 * n * frame - 1), AllReduceAlgorithm::Direct, "{name} n={n}");
+                assert_eq!(comms[0].all_reduce_algorithm(2 * n * frame), AllReduceAlgorithm::Ring, "{name} n={n}");
+            }
+            let results = run_ranks(&comms, move |c| async move {
+                all_reduce_cases::<f32>(&c, seed, name).await?;
+                all_reduce_cases::<f64>(&c, seed, name).await?;
+                all_reduce_cases::<bf16>(&c, seed, name).await
+            })
+            .await;
+            for result in results {
+                if let Err(e) = result {
+                    panic!("{e} (replay with RTX_TEST_SEED={seed})");
+                }
+            }
+        }
+    }
+    let (_net, comms) = world(5, CommConfig { small_message_bytes: 0, direct_all_reduce_ranks: Some(4), ..CommConfig::default() });
+    assert_eq!(comms[0].all_reduce_algorithm(1024), AllReduceAlgorithm::Ring, "5 ranks, direct up to 4");
+    let (_net, comms) = world(4, CommConfig { small_message_bytes: 16, ..CommConfig::default() });
+    assert_eq!(comms[0].all_reduce_algorithm(1024), AllReduceAlgorithm::Ring, "in-process transport: no direct exchange unless configured");
+    assert_eq!(comms[0].config().direct_all_reduce_ranks, Some(0));
 }
 
 // Goal: reduce_scatter (and its in-place form) leaves each rank its segment of the reference.

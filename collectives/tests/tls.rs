@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use rtx_collectives::{Cipher, ClusterCa, CommConfig, Error, OpKind, ReduceOp, TlsOptions, TlsTransport, Transport, TransportEvent};
+use rtx_collectives::{AllReduceAlgorithm, Cipher, ClusterCa, CommConfig, Error, OpKind, ReduceOp, TlsOptions, TlsTransport, Transport, TransportEvent};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const LOOPBACK: &str = "127.0.0.1:0";
@@ -49,7 +49,8 @@ async fn collectives_over_tls_and_peer_loss() {
 
 // Goal: exact, bit-identical results when both directions of every connection update their keys
 // every few records (the KeyUpdate record, rustls's next secret, sequence numbers from 0 again),
-// with frames small and large (pieces of the read buffers), every reduce op and an odd length.
+// with frames small and large (pieces of the read buffers), every reduce op and an odd length;
+// with 1 MiB frames both by the ring and by the direct exchange (TLS's choice at this size).
 // Method: 4 ranks, exact inputs (RTX_TEST_SEED), key update every 3 records, 2 stripes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn key_updates_and_frames_of_every_size_give_exact_results() {
@@ -57,11 +58,20 @@ async fn key_updates_and_frames_of_every_size_give_exact_results() {
     let n = 4;
     let len = 300_007;
     let ca = ClusterCa::generate("rtx test cluster").unwrap();
-    for chunk in [4 << 10, 20 << 10, 1 << 20] {
+    for (chunk, direct_ranks) in [(4 << 10, None), (20 << 10, None), (1 << 20, Some(0)), (1 << 20, None)] {
         // One endpoint per transport: a world per configuration.
         let transports = TlsTransport::loopback_world(&ca, n, TlsOptions { stripes: 2, key_update_records: 3, ..options() }).await.unwrap();
-        let config = CommConfig { op_timeout: Duration::from_secs(20), small_message_bytes: 0, chunk_bytes: Some(chunk), ..CommConfig::default() };
+        let config = CommConfig {
+            op_timeout: Duration::from_secs(20),
+            small_message_bytes: 0,
+            chunk_bytes: Some(chunk),
+            direct_all_reduce_ranks: direct_ranks,
+            ..CommConfig::default()
+        };
         let comms = network_comms(&transports, &config);
+        let algorithm = comms[0].all_reduce_algorithm(4 * len);
+        let want_algorithm = if chunk == 1 << 20 && direct_ranks.is_none() { AllReduceAlgorithm::Direct } else { AllReduceAlgorithm::Ring };
+        assert_eq!(algorithm, want_algorithm, "chunk {chunk}, direct up to {direct_ranks:?} ranks");
         for (case, op) in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg].into_iter().enumerate() {
             let inputs = exact_inputs::<f32>(seed, case as u64, n, len);
             let want = reference(op, &inputs);
@@ -74,7 +84,7 @@ async fn key_updates_and_frames_of_every_size_give_exact_results() {
             })
             .await;
             for (rank, got) in out.iter().enumerate() {
-                assert_eq!(bits(got), bits(&want), "seed {seed}, chunk {chunk}, {op:?}, rank {rank}");
+                assert_eq!(bits(got), bits(&want), "seed {seed}, chunk {chunk}, {algorithm:?}, {op:?}, rank {rank}");
             }
         }
         // The all-gather frames of 16 KiB and more were handed over sealed and opened into the

@@ -155,6 +155,11 @@ pub struct CollectivesArgs {
     /// transport's preference (1). The `ch` column shows what each size got.
     #[arg(long)]
     pub channels: Option<usize>,
+    /// Override `CommConfig::direct_all_reduce_ranks`: largest group whose mid-size all_reduce
+    /// (below two frames per rank) runs the direct exchange instead of the ring (0: never); unset,
+    /// the transport's preference (TLS: 8, others: never). The JSON's `algorithm` shows what ran.
+    #[arg(long)]
+    pub direct_ranks: Option<usize>,
     /// Hosts the ranks are spread over, in contiguous blocks (rank r is on host r * hosts / n):
     /// sets `CommConfig::host_of`, so `all_reduce` is hierarchical, and decides which ranks the
     /// `routed` transport connects through shared memory.
@@ -545,6 +550,7 @@ fn run_group(
             ("--chunk-bytes", args.chunk_bytes),
             ("--ring-window", args.ring_window),
             ("--channels", args.channels),
+            ("--direct-ranks", args.direct_ranks),
             ("--quic-datagram", args.quic_datagram.map(usize::from)),
             ("--quic-window", args.quic_window),
             ("--quic-network-datagram", args.quic_network_datagram.map(usize::from)),
@@ -609,7 +615,7 @@ fn run_group(
         ));
         emit(json!({
             "bench": "collectives", "transport": transport_name(transport), "world": world, "algo": algo, "op": op_name(op), "bytes": bytes,
-            "channels": channels, "threads": args.threads, "stripes": args.stripes,
+            "channels": channels, "algorithm": v["algorithm"], "threads": args.threads, "stripes": args.stripes,
             "time_us": round3(stats.median), "min_us": round3(stats.min), "max_us": round3(stats.max), "repeats": stats.n,
             "iters": v["iters"], "algbw_gbps": round3(algbw), "busbw_gbps": round3(busbw), "limit": limit_name, "limit_gbps": round3(limit),
             "ratio": if ratio.is_finite() { json!(round3(ratio)) } else { json!(null) },
@@ -682,6 +688,9 @@ fn comm_config(args: &CollectivesArgs, world: usize) -> CommConfig {
     }
     if let Some(c) = args.channels {
         config.channels = Some(c);
+    }
+    if let Some(d) = args.direct_ranks {
+        config.direct_all_reduce_ranks = Some(d);
     }
     if let Some(c) = args.chunk_bytes {
         config.chunk_bytes = Some(c);
@@ -897,8 +906,11 @@ async fn measure(comm: &Communicator, args: &CollectivesArgs, op: CollectiveOp, 
     }
     if rank == 0 {
         let samples: Vec<f64> = samples.into_iter().map(round3).collect();
-        let channels = if op == CollectiveOp::AllReduce { comm.all_reduce_channels(bytes) } else { 1 };
-        emit(json!({"op": op_name(op), "bytes": bytes, "iters": iters[0], "samples_us": samples, "channels": channels}));
+        let (channels, algorithm) = match op {
+            CollectiveOp::AllReduce => (comm.all_reduce_channels(bytes), format!("{:?}", comm.all_reduce_algorithm(bytes)).to_lowercase()),
+            _ => (1, "ring".to_string()),
+        };
+        emit(json!({"op": op_name(op), "bytes": bytes, "iters": iters[0], "samples_us": samples, "channels": channels, "algorithm": algorithm}));
         std::io::stdout().flush()?;
     }
     Ok(())
