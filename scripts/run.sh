@@ -8,4 +8,4 @@ bash scripts/fetch-data.sh
 cargo build --release --locked --bin rtx
 # Each invocation is a new run in its own folder; pass --out DIR --resume to continue one.
 out="runs/fashion_mlp-$(date +%Y%m%d-%H%M%S)"
-./target/release/rtx launch --nproc 2 configs/fashion_mlp.toml --out "$out" "$@"
+"${CARGO_TARGET_DIR:-target}/release/rtx" launch --nproc 2 configs/fashion_mlp.toml --out "$out" "$@"
