@@ -158,6 +158,38 @@ async fn fused_rings_over_sealed_records_give_exact_results_for_every_element_si
     }
 }
 
+// Goal: a rank that goes away while the others wait in a mid-size all_reduce (the direct
+// exchange, TLS's choice at this size: every rank waits on every other) fails their operation
+// with PeerLost naming it, well within the operation timeout, instead of a hang. Method: 3 ranks;
+// ranks 0 and 1 start the all_reduce, rank 2 never does and its transport is aborted 300 ms later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_lost_during_the_direct_exchange_fails_it_with_peer_lost() {
+    let ca = ClusterCa::generate("rtx test cluster").unwrap();
+    let transports = TlsTransport::loopback_world(&ca, 3, options()).await.unwrap();
+    let config = CommConfig { op_timeout: Duration::from_secs(60), ..CommConfig::default() };
+    let mut comms = network_comms(&transports, &config);
+    assert_eq!(comms[0].all_reduce_algorithm(4 << 20), AllReduceAlgorithm::Direct);
+    let _silent = comms.pop();
+    let doomed = Arc::clone(&transports[2]);
+    drop(transports);
+    let started = std::time::Instant::now();
+    let abort = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        doomed.abort();
+    });
+    let out = run_ranks(&comms, |c| async move {
+        let mut buf = vec![1.0f32; 1 << 20];
+        c.all_reduce(&mut buf, ReduceOp::Sum).await
+    })
+    .await;
+    abort.await.unwrap();
+    for (rank, result) in out.into_iter().enumerate() {
+        assert_eq!(result, Err(Error::PeerLost { rank: 2, op: OpKind::AllReduce }), "rank {rank}");
+    }
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(20), "the survivors failed after {took:?}");
+}
+
 // Goal: ChaCha20-Poly1305 (the suite for CPUs without AES instructions, or forced) runs the whole
 // data path: records sealed out of place, opened in place by the reader, all-gather payloads left
 // sealed and opened into the output, key updates; results bit-exact. Method: 3 ranks offering only
