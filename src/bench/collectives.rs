@@ -119,8 +119,8 @@ pub struct CollectivesArgs {
     /// Approximate length of one timed sample, in milliseconds (sets operations per sample).
     #[arg(long, default_value_t = 40)]
     pub sample_ms: u64,
-    /// Measure all_reduce with the ring and with recursive doubling at every size (the algorithm
-    /// crossover), instead of the library's choice.
+    /// Measure all_reduce with the ring (the direct exchange off) and with recursive doubling at
+    /// every size (the algorithm crossover), instead of the library's choice.
     #[arg(long)]
     pub crossover: bool,
     /// Override `CommConfig::small_message_bytes` (all_reduce up to this size uses recursive
@@ -550,7 +550,8 @@ fn run_group(
             ("--chunk-bytes", args.chunk_bytes),
             ("--ring-window", args.ring_window),
             ("--channels", args.channels),
-            ("--direct-ranks", args.direct_ranks),
+            // The crossover's ring is the ring at every size: no direct exchange in its window.
+            ("--direct-ranks", if algo == "ring" { Some(0) } else { args.direct_ranks }),
             ("--quic-datagram", args.quic_datagram.map(usize::from)),
             ("--quic-window", args.quic_window),
             ("--quic-network-datagram", args.quic_network_datagram.map(usize::from)),
