@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::frame::Frame;
 use crate::group::{Delivery, GroupState};
 use crate::pool::{BufferPool, PooledBuf};
+use crate::sync::lock;
 use crate::transport::{EventSink, Transport, TransportEvent};
 
 /// Id of the group of all ranks made by [`Endpoint::world`].
@@ -309,9 +310,4 @@ async fn dispatch(shared: Arc<EndpointShared>) {
         shared.event(event);
     }
     shared.on_closed();
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Registry updates are single map operations; a panic cannot leave them half-done.
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use crate::error::{Error, Result};
 use crate::frame::OpKind;
 use crate::pool::PooledBuf;
+use crate::sync::lock;
 use crate::transport::{BoxFuture, Transport, TransportEvent};
 
 /// Most frames waiting in one rank's inbox before senders wait.
@@ -179,8 +180,4 @@ impl Drop for InProcessTransport {
     fn drop(&mut self) {
         self.shared.disconnect(self.rank);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -58,6 +58,7 @@ mod shm;
 mod shm_ring;
 #[cfg(any(feature = "quic", feature = "shm"))]
 mod stand_back;
+mod sync;
 #[cfg(feature = "quic")]
 mod tls;
 mod transport;

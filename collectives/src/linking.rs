@@ -15,6 +15,7 @@ use tokio::sync::watch;
 
 use crate::error::{Error, Result};
 use crate::quic::{ClusterCa, NodeIdentity, MAX_STRIPES};
+use crate::sync::lock;
 
 /// How long a failed dial waits before the next attempt.
 pub(crate) const DIAL_RETRY: Duration = Duration::from_millis(50);
@@ -169,8 +170,4 @@ where
         joined.map_err(|e| Error::Io { op: "connect loopback world", reason: e.to_string() })??;
     }
     Ok(transports)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -10,6 +10,8 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+use crate::sync::lock;
+
 /// Smallest size class (one page).
 pub const POOL_MIN_CLASS_BYTES: usize = 4096;
 /// Largest size class; bigger buffers are allocated and freed without pooling.
@@ -163,11 +165,6 @@ fn class_of(len: usize) -> Option<usize> {
 
 fn class_bytes(class: usize) -> usize {
     POOL_MIN_CLASS_BYTES << class
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // A panic while holding the lock cannot leave the free lists inconsistent (push/pop only).
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

@@ -100,6 +100,7 @@ use crate::error::{Error, Result};
 use crate::linking::{self, PendingLinks, StripeId, DIAL_RETRY};
 use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
+use crate::sync::lock;
 use crate::transport::{BoxFuture, ChunkedBytes, EventSink, Transport, TransportEvent};
 
 /// ALPN protocol id both sides require.
@@ -1827,11 +1828,6 @@ fn io(op: &'static str, e: std::io::Error) -> Error {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Each critical section is one map or vector operation; a panic cannot leave it half-done.
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

@@ -101,6 +101,7 @@ use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::shm_ring::RingMemory;
 use crate::stand_back::PollingOperations;
+use crate::sync::lock;
 use crate::transport::{AwaitedFrame, BoxFuture, EventSink, Lender, LentBytes, Transport, TransportEvent};
 
 /// Most received frames waiting for a polling dispatcher before readers stop draining rings (only
@@ -1269,11 +1270,6 @@ fn ring_path(options: &ShmOptions, src: usize, dst: usize) -> PathBuf {
 
 fn io(op: &'static str, e: std::io::Error) -> Error {
     Error::Io { op, reason: e.to_string() }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Each critical section is a few field updates; a panic cannot leave them half-done.
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

@@ -15,6 +15,8 @@ use std::sync::Mutex;
 use std::thread::Thread;
 use std::time::Duration;
 
+use crate::sync::lock;
+
 /// Longest a reader thread stands back before it looks again.
 pub(crate) const POLLED_NAP: Duration = Duration::from_millis(5);
 
@@ -54,14 +56,14 @@ impl PollingOperations {
 
     /// Wakes the reader threads (to stand back no longer, or to see that a source ended).
     pub(crate) fn wake_readers(&self) {
-        for reader in self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter() {
+        for reader in lock(&self.readers).iter() {
             reader.unpark();
         }
     }
 
     /// Registers the calling thread as one of the readers and returns its watch.
     pub(crate) fn join_as_reader(&self) -> Watch<'_> {
-        self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(std::thread::current());
+        lock(&self.readers).push(std::thread::current());
         Watch { operations: self, polls_seen: self.polls() }
     }
 }

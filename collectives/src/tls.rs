@@ -61,10 +61,11 @@ use tokio::sync::{mpsc, watch};
 
 use crate::error::{Error, Result};
 use crate::frame::{decode_header, header_payload_len, header_place, place, OpKind, HEADER_LEN};
-use crate::pool::{BufferPool, PooledBuf};
-use crate::stand_back::PollingOperations;
 use crate::linking::{self, PendingLinks, StripeId};
+use crate::pool::{BufferPool, PooledBuf};
 use crate::quic::{certificate_names_rank, client_tls_config_with, rank_name, server_tls_config_with, Cipher, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
+use crate::stand_back::PollingOperations;
+use crate::sync::lock;
 use crate::transport::{AwaitedFrame, BoxFuture, ChunkedBytes, EventSink, FillPayload, SealedPayload, Transport, TransportEvent};
 use handshake::Established;
 use record::{record_len, FillFailed, Opened, Opener, RecordBuf, RecordError, SealedRecord, Sealer, MAX_RECORD, RECORD_HEADER_LEN};
@@ -1558,8 +1559,4 @@ fn io(op: &'static str, e: std::io::Error) -> Error {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

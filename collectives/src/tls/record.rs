@@ -27,6 +27,8 @@ use rustls::kernel::KernelConnection;
 use rustls::server::ServerConnectionData;
 use rustls::ConnectionTrafficSecrets;
 
+use crate::sync::lock;
+
 /// Bytes of a record header: type, legacy version, length.
 pub(crate) const RECORD_HEADER_LEN: usize = 5;
 /// Largest plaintext of one record.
@@ -452,8 +454,4 @@ pub(crate) fn record_len(bytes: &[u8]) -> Result<Option<usize>, RecordError> {
         return Err(RecordError::BadHeader(h));
     }
     Ok(Some(RECORD_HEADER_LEN + body))
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
