@@ -229,10 +229,7 @@ impl Schedule {
     /// the same ones.
     fn ring(len: usize, n: usize, rank: usize, piece: usize, reduce: bool, gather: bool) -> Schedule {
         let seg = |i: usize| segment_range(len, n, i % n);
-        let piece_of = |s: Range<usize>, k: usize| {
-            let start = s.start + k * piece;
-            (start < s.end).then(|| start..(start + piece).min(s.end))
-        };
+        let piece_of = |s: Range<usize>, k: usize| piece_of(s, k, piece);
         let rounds = segment_range(len, n, 0).len().div_ceil(piece);
         let mut sched = Schedule::default();
         for k in 0..rounds {
@@ -275,6 +272,14 @@ impl Schedule {
         }
         sched
     }
+}
+
+/// Piece `k` (of `piece` elements, the last one shorter) of `segment`, or `None` if the segment
+/// has fewer pieces: segments differ by at most one element, so some lack a last piece, and both
+/// ends of a link skip the same ones.
+fn piece_of(segment: Range<usize>, k: usize, piece: usize) -> Option<Range<usize>> {
+    let start = segment.start + k * piece;
+    (start < segment.end).then(|| start..(start + piece).min(segment.end))
 }
 
 /// Runs a ring schedule: receives from the previous rank in link order, and sends to the next
@@ -460,11 +465,7 @@ pub(crate) async fn direct_all_reduce<A: Accumulator>(ctx: &mut OpCtx<'_>, buf: 
     let len = buf.len();
     let piece = ctx.piece_elems::<A>();
     let seg = |r: usize| segment_range(len, n, r);
-    let piece_of = |r: usize, k: usize| {
-        let s = seg(r);
-        let start = s.start + k * piece;
-        (start < s.end).then(|| start..(start + piece).min(s.end))
-    };
+    let piece_of = |r: usize, k: usize| piece_of(seg(r), k, piece);
     let rounds = seg(0).len().div_ceil(piece);
     let peers = |toward_higher: bool| (1..n).map(move |k| if toward_higher { (rank + k) % n } else { (rank + n - k) % n });
     for from in peers(false) {

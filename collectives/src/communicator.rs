@@ -30,8 +30,11 @@
 //! `2 * size * chunk_bytes`, where a ring also gets a single channel) in groups of at most
 //! [`CommConfig::direct_all_reduce_ranks`] ranks. Decision (issue 20, BENCHMARKS.md 2026-12-07):
 //! over TLS it took a 4 MiB all_reduce between 4 processes on the 16-core host from 0.68x to 0.88x
-//! Gloo (1.27x, every round) and 1-2 MiB 1.5-1.65x on 2 cores; over shared memory, whose hops
-//! cost little, it gained nothing, and at 16 and 64 MiB (rings in channels) it lost 5-12%.
+//! Gloo (1.27x, every round) and 1 and 2 MiB 1.54x and 1.35x on 2 cores; over shared memory,
+//! whose hops cost little, it gained nothing, and at 16 and 64 MiB (rings in channels) it lost
+//! 5-12%. A buffer of a narrower type than its accumulator (bf16) is widened whole and moves as
+//! accumulator values both ways (the ring gathers in the buffer's own type): at most two frames
+//! per rank, by the window.
 //!
 //! Large messages travel in frames of at most `chunk_bytes`, forwarded piece by piece so the ring
 //! and the chain pipeline. The defaults come from `rtx bench collectives` (2 and 4 rank processes

@@ -90,7 +90,7 @@ use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
@@ -101,7 +101,7 @@ use crate::frame::{decode_header, OpKind, HEADER_LEN};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::shm_ring::RingMemory;
 use crate::stand_back::PollingOperations;
-use crate::sync::lock;
+use crate::sync::{lock, try_lock};
 use crate::transport::{AwaitedFrame, BoxFuture, EventSink, Lender, LentBytes, Transport, TransportEvent};
 
 /// Most received frames waiting for a polling dispatcher before readers stop draining rings (only
@@ -442,12 +442,8 @@ impl Transport for ShmTransport {
             if inbound.available() < HEADER_LEN {
                 continue;
             }
-            let _reading = match inbound.read.try_lock() {
-                Ok(guard) => guard,
-                Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-                // The reader thread is on it.
-                Err(TryLockError::WouldBlock) => continue,
-            };
+            // `None`: the reader thread is on it.
+            let Some(_reading) = try_lock(&inbound.read) else { continue };
             loop {
                 match take_frame(&self.shared, inbound, route, None) {
                     Ok(Some(taken)) => {

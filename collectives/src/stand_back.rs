@@ -84,7 +84,8 @@ impl Watch<'_> {
         polled && self.operations.polling.load(Ordering::SeqCst)
     }
 
-    /// Polls as of the last look.
+    /// Polls as of the last look (shared memory's reader waits until they move).
+    #[cfg(feature = "shm")]
     pub(crate) fn polls_seen(&self) -> u64 {
         self.polls_seen
     }

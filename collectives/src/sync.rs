@@ -11,3 +11,13 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
+
+/// Locks `m` if nobody holds it now (poisoned or not, as [`lock`]); `None` if somebody does.
+#[cfg(any(feature = "quic", feature = "shm"))]
+pub(crate) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}

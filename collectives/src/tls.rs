@@ -65,7 +65,7 @@ use crate::linking::{self, PendingLinks, StripeId};
 use crate::pool::{BufferPool, PooledBuf};
 use crate::quic::{certificate_names_rank, client_tls_config_with, rank_name, server_tls_config_with, Cipher, NodeIdentity, CHUNKED_FRAME_MIN_BYTES, MAX_STRIPES};
 use crate::stand_back::PollingOperations;
-use crate::sync::lock;
+use crate::sync::{lock, try_lock};
 use crate::transport::{AwaitedFrame, BoxFuture, ChunkedBytes, EventSink, FillPayload, SealedPayload, Transport, TransportEvent};
 use handshake::Established;
 use record::{record_len, FillFailed, Opened, Opener, RecordBuf, RecordError, SealedRecord, Sealer, MAX_RECORD, RECORD_HEADER_LEN};
@@ -336,11 +336,7 @@ struct Stripe {
 impl Stripe {
     /// The stripe's queue slot and sealer at once if both are free now, without waiting.
     fn try_claim(&self) -> Option<Claim<'_>> {
-        let sealer = match self.sealer.try_lock() {
-            Ok(sealer) => sealer,
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-        };
+        let sealer = try_lock(&self.sealer)?;
         let permit = self.queue.try_reserve().ok()?;
         Some(Claim { permit, sealer, stripe: self, inline: false })
     }
@@ -713,12 +709,8 @@ impl Transport for TlsTransport {
         if !inbound.ready.load(Ordering::Acquire) || inbound.ended.load(Ordering::Acquire) {
             return Some(0);
         }
-        let mut side = match inbound.side.try_lock() {
-            Ok(side) => side,
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            // Its reader thread, or another operation, is reading it.
-            Err(std::sync::TryLockError::WouldBlock) => return Some(0),
-        };
+        // `None`: its reader thread, or another operation, is reading it.
+        let Some(mut side) = try_lock(&inbound.side) else { return Some(0) };
         let mut delivered = 0;
         loop {
             match self.shared.read_round(awaited.from, &mut side, &inbound.socket, &route, &link.sockets) {
@@ -1077,19 +1069,21 @@ impl Shared {
                 watch.nap();
                 continue;
             }
-            match if drained { wait_readable(&inbound.socket, READ_TICK) } else { Ok(true) } {
-                Ok(true) => {}
-                Ok(false) => {
-                    // Idle: after the transport closed, wait for the peer's end only so long.
-                    if self.closing() {
-                        idle_ticks += 1;
-                        if idle_ticks >= linger_ticks {
-                            return Ok(());
+            if drained {
+                match wait_readable(&inbound.socket, READ_TICK) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // Idle: after the transport closed, wait for the peer's end only so long.
+                        if self.closing() {
+                            idle_ticks += 1;
+                            if idle_ticks >= linger_ticks {
+                                return Ok(());
+                            }
                         }
+                        continue;
                     }
-                    continue;
+                    Err(e) => return Err(e.to_string()),
                 }
-                Err(e) => return Err(e.to_string()),
             }
             let mut side = lock(&inbound.side);
             match self.read_round(peer, &mut side, &inbound.socket, route, link) {
